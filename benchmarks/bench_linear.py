@@ -1,0 +1,192 @@
+"""Forward+backward time of one linear layer at Qwen3-8B shapes: BF16 vs FP8 recipes, side by side in one run.
+
+    python benchmarks/bench_linear.py            # on an SM90 GPU; writes benchmarks/results/linear_<device>.json
+    python benchmarks/bench_linear.py --quick    # CPU smoke run of the same code (emulated FP8, tiny shapes)
+
+Variants: BF16 `nn.Linear`; trl_fp8 blockwise (`FP8Linear`, weight re-quantized every call as after each optimizer
+step, and with the weight cache hit, as for further micro-batches and log-prob passes); torchao's blockwise
+prototype (`Float8BlockwiseLinear`); torchao tensorwise `Float8Linear` (eager and `torch.compile`). Also the raw
+GEMMs (BF16 mm vs one blockwise FP8 scaled_mm) and where trl_fp8's time goes (quantization passes vs GEMMs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from trl_fp8 import FP8Linear, FP8LinearConfig  # noqa: E402
+
+QWEN3_8B = [
+    (4096, 6144, "qkv_proj"),
+    (4096, 4096, "o_proj"),
+    (4096, 24576, "gate_up_proj"),
+    (12288, 4096, "down_proj"),
+]
+
+
+def bench(fn, reps: int, cuda: bool, grad_to_none=()) -> float:
+    """Median milliseconds of fn()."""
+    if cuda:
+        from triton.testing import do_bench
+
+        for _ in range(3):  # compile / autotune / cuBLAS heuristics outside the timed region and do_bench's estimate
+            fn()
+        torch.cuda.synchronize()
+        return do_bench(fn, warmup=25, rep=reps, grad_to_none=list(grad_to_none), return_mode="median")
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(5):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def make_variants(k, n, device, dtype, cuda):
+    def bf16():
+        return nn.Linear(k, n, bias=False, device=device, dtype=dtype)
+
+    def ours(cache):
+        return FP8Linear.convert_(bf16(), FP8LinearConfig(cache_quantized_weight=cache))
+
+    variants = {"bf16": bf16(), "trl_fp8 blockwise": ours(False), "trl_fp8 blockwise (cached W)": ours(True)}
+    if cuda:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        from torchao.prototype.blockwise_fp8_training.linear import Float8BlockwiseLinear
+
+        variants["torchao blockwise prototype"] = Float8BlockwiseLinear.from_float(bf16())
+        tw = nn.Sequential(bf16())
+        convert_to_float8_training(tw, config=Float8LinearConfig.from_recipe_name("tensorwise"))
+        variants["torchao tensorwise"] = tw
+        tw_c = nn.Sequential(bf16())
+        convert_to_float8_training(tw_c, config=Float8LinearConfig.from_recipe_name("tensorwise"))
+        variants["torchao tensorwise (compiled)"] = torch.compile(tw_c)
+    return variants
+
+
+def breakdown(m, k, n, device, dtype, reps, cuda):
+    """Milliseconds of each step of trl_fp8's blockwise fwd+bwd, run in isolation."""
+    from trl_fp8.ops import select_ops
+
+    ops = select_ops(FP8LinearConfig(), torch.device(device))
+    x = torch.randn(m, k, device=device, dtype=dtype)
+    w = torch.randn(n, k, device=device, dtype=dtype)
+    dy = torch.randn(m, n, device=device, dtype=dtype)
+    xq, xs = ops.quantize_act(x)
+    wq, ws = ops.quantize_weight(w)
+    dq, ds = ops.quantize_act(dy)
+    dtq, dts = ops.quantize_act_t(dy)
+    xtq, xts = ops.quantize_act_t(x)
+    steps = {
+        "quant x (1x128)": lambda: ops.quantize_act(x),
+        "quant W (128x128)": lambda: ops.quantize_weight(w),
+        "quant dy (1x128)": lambda: ops.quantize_act(dy),
+        "quant dy.T (tokens)": lambda: ops.quantize_act_t(dy),
+        "quant x.T (tokens)": lambda: ops.quantize_act_t(x),
+        "gemm fprop": lambda: ops.gemm(xq, xs, wq, ws, True, dtype),
+        "gemm dgrad": lambda: ops.gemm(dq, ds, wq.t(), ws.t(), True, dtype),
+        "gemm wgrad": lambda: ops.gemm(dtq, dts, xtq, xts, False, dtype),
+        "bf16 mm (one GEMM)": lambda: x @ w.t(),
+    }
+    return {name: bench(fn, reps, cuda) for name, fn in steps.items()}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--quick", action="store_true", help="tiny shapes, for a CPU smoke run")
+    parser.add_argument("--reps", type=int, default=200, help="milliseconds of timed repeats per case (GPU)")
+    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/linear_<device>.json)")
+    args = parser.parse_args()
+
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    dtype = torch.bfloat16
+    shapes = [(256, 384, "tiny_a"), (512, 256, "tiny_b")] if args.quick else QWEN3_8B
+    m = 256 if args.quick else args.tokens
+    device_name = torch.cuda.get_device_name() if cuda else platform.processor() or "cpu"
+
+    rows, breakdowns = [], {}
+    for k, n, label in shapes:
+        variants = make_variants(k, n, device, dtype, cuda)
+        x = torch.randn(m, k, device=device, dtype=dtype, requires_grad=True)
+        dy = torch.randn(m, n, device=device, dtype=dtype)
+        times = {}
+        for name, mod in variants.items():
+            weight = next(mod.parameters())
+
+            def step(mod=mod, x=x, dy=dy):
+                mod(x).backward(dy)
+
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+            times[name] = bench(step, args.reps, cuda, grad_to_none=(x, weight))
+            peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if cuda else None
+            rows.append(
+                {"shape": label, "K": k, "N": n, "M": m, "variant": name, "ms": times[name], "peak_extra_MiB": peak}
+            )
+        for r in rows[-len(variants) :]:
+            r["speedup_vs_bf16"] = times["bf16"] / r["ms"]
+        breakdowns[label] = breakdown(m, k, n, device, dtype, args.reps, cuda)
+        del variants
+
+    try:
+        import torchao
+
+        torchao_version = torchao.__version__
+    except Exception:  # noqa: BLE001
+        torchao_version = None
+    result = {
+        "benchmark": "linear fwd+bwd",
+        "device": device_name,
+        "date": datetime.date.today().isoformat(),
+        "versions": {
+            "torch": torch.__version__,
+            "torchao": torchao_version,
+            "cuda": torch.version.cuda,
+            "python": platform.python_version(),
+        },  # fmt: skip
+        "dtype": str(dtype),
+        "tokens": m,
+        "results": rows,
+        "trl_fp8_breakdown_ms": breakdowns,
+    }
+    out = Path(args.out or Path(__file__).parent / "results" / f"linear_{device_name.replace(' ', '_')}.json")
+    if not args.quick or args.out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {out}")
+
+    names = list(dict.fromkeys(r["variant"] for r in rows))
+    print(f"\nLinear fwd+bwd, M={m} tokens, {device_name}: ms (speedup vs bf16)")
+    print(f"{'shape':<14}" + "".join(f"{n[:28]:>31}" for n in names))
+    for _, _, label in shapes:
+        cells = {r["variant"]: r for r in rows if r["shape"] == label}
+        print(f"{label:<14}" + "".join(f"{cells[v]['ms']:>21.3f} ({cells[v]['speedup_vs_bf16']:.2f}x)" for v in names))
+    print("\ntrl_fp8 blockwise breakdown (ms):")
+    steps = list(next(iter(breakdowns.values())))
+    print(f"{'shape':<14}" + "".join(f"{s[:20]:>21}" for s in steps))
+    for label, b in breakdowns.items():
+        print(f"{label:<14}" + "".join(f"{b[s]:>21.3f}" for s in steps))
+    for label, b in breakdowns.items():
+        quant = sum(v for s, v in b.items() if s.startswith("quant"))
+        gemm = sum(v for s, v in b.items() if s.startswith("gemm"))
+        print(f"{label}: quantization {quant:.3f} ms, FP8 GEMMs {gemm:.3f} ms "
+              f"(3 x bf16 mm {3 * b['bf16 mm (one GEMM)']:.3f} ms)")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""trl-fp8: FP8 reinforcement learning of LLMs on Hugging Face TRL.
+
+Public API: the blockwise quantizers, the FP8 linear layer and the model conversion. The GRPO trainer, vLLM weight
+sync and exporter build on these.
+"""
+
+import os as _os
+
+# torchao's prebuilt CUDA extensions cannot load on CPU-only torch; they are not used by FP8 training, so skip them
+# there instead of printing load errors on every import.
+try:
+    import torch as _torch
+
+    if not _torch.cuda.is_available():
+        _os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
+except ImportError:  # pragma: no cover
+    pass
+
+from .config import FP8LinearConfig
+from .conversion import ConversionReport, convert_to_fp8, fp8_recipe_of, is_fp8_linear
+from .fp8_linear import FP8Linear
+from .quantization import FP8_DTYPE, FP8_MAX, dequantize_blocks, dequantize_groups, quantize_blocks, quantize_groups
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FP8_DTYPE",
+    "FP8_MAX",
+    "ConversionReport",
+    "FP8Linear",
+    "FP8LinearConfig",
+    "convert_to_fp8",
+    "dequantize_blocks",
+    "dequantize_groups",
+    "fp8_recipe_of",
+    "is_fp8_linear",
+    "quantize_blocks",
+    "quantize_groups",
+]

@@ -1,0 +1,57 @@
+"""Frozen configuration for FP8 linear layers: what to quantize and how, no logic beyond validation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+RECIPES = ("blockwise", "tensorwise", "rowwise")
+BACKENDS = ("auto", "scaled_mm", "emulated")
+
+
+@dataclass(frozen=True)
+class FP8LinearConfig:
+    """How an FP8 linear layer quantizes its GEMM operands.
+
+    Frozen (hashable) so it can be shared by every converted layer and traced by `torch.compile`.
+
+    Args:
+        recipe: `"blockwise"` (ours: 128x128 weight blocks, 1x128 activation and gradient groups, all three GEMMs
+            in FP8 e4m3, the Jet-RL/DeepSeek-V3 recipe that vLLM block-FP8 checkpoints use), or torchao's own
+            `"tensorwise"` / `"rowwise"` recipes (training only; rollouts still get block-FP8 weights).
+        block_size: edge of weight blocks and length of activation groups. vLLM and cuBLAS only support 128.
+        power_of_two_scales: round each scale down to a power of two (DeepSeek/NeMo style) so scaling is exact in
+            binary; costs up to one bit of range per block.
+        backend: `"scaled_mm"` runs real FP8 GEMMs (`torch.nn.functional.scaled_mm`, Hopper/SM90 for blockwise),
+            `"emulated"` quantizes, dequantizes and multiplies in fp32 (exact emulation; any device), `"auto"`
+            picks `scaled_mm` on SM90 CUDA tensors and `emulated` elsewhere.
+        cache_quantized_weight: keep the FP8 copy of each weight between calls until the weight changes
+            (optimizer step), so micro-batches, log-prob passes and the vLLM weight sync quantize once per step.
+            Costs one byte per parameter.
+    """
+
+    recipe: str = "blockwise"
+    block_size: int = 128
+    power_of_two_scales: bool = False
+    backend: str = "auto"
+    cache_quantized_weight: bool = True
+
+    def __post_init__(self):
+        if self.recipe not in RECIPES:
+            raise ValueError(f"Unknown FP8 recipe {self.recipe!r}; choose one of {RECIPES}.")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"Unknown FP8 backend {self.backend!r}; choose one of {BACKENDS}.")
+        if self.recipe == "blockwise" and self.block_size != 128:
+            raise ValueError(
+                f"block_size={self.block_size} is not supported: cuBLAS blockwise FP8 GEMMs and vLLM block-FP8 "
+                "checkpoints use 128. Set block_size=128."
+            )
+        if self.recipe != "blockwise" and self.power_of_two_scales:
+            raise ValueError(
+                "power_of_two_scales applies to the blockwise recipe only; torchao's rowwise recipe already "
+                "rounds its scales to powers of two. Use recipe='blockwise' or drop power_of_two_scales."
+            )
+
+    @property
+    def dim_multiple(self) -> int:
+        """Linear dims must be multiples of this for the recipe to apply."""
+        return self.block_size if self.recipe == "blockwise" else 16

@@ -1,0 +1,193 @@
+"""`convert_to_fp8`: swap a model's eligible `nn.Linear` layers to FP8 in place and report what happened."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+import sys
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from .config import FP8LinearConfig
+from .fp8_linear import FP8Linear
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ConversionReport", "convert_to_fp8", "is_fp8_linear", "fp8_recipe_of"]
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+@dataclass
+class ConversionReport:
+    """What :func:`convert_to_fp8` did: FP8 layers, and linear layers kept in high precision with the reason."""
+
+    recipe: str
+    converted: list[str] = field(default_factory=list)
+    kept: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def num_fp8_layers(self) -> int:
+        return len(self.converted)
+
+    def summary(self) -> str:
+        lines = [f"FP8 ({self.recipe}): {len(self.converted)} linear layers converted, {len(self.kept)} kept."]
+        reasons: dict[str, list[str]] = {}
+        for name, reason in self.kept.items():
+            reasons.setdefault(reason, []).append(name)
+        for reason, names in reasons.items():
+            shown = ", ".join(names[:4]) + (f", ... ({len(names)} in all)" if len(names) > 4 else "")
+            lines.append(f"  kept in high precision ({reason}): {shown}")
+        return "\n".join(lines)
+
+
+def is_fp8_linear(module: nn.Module) -> bool:
+    return fp8_recipe_of(module) is not None
+
+
+def fp8_recipe_of(module: nn.Module) -> str | None:
+    """The FP8 recipe a converted linear layer runs, or None for a high-precision module."""
+    if isinstance(module, FP8Linear):
+        return module.fp8_config.recipe
+    float8_linear = _torchao_float8_linear_cls()
+    if float8_linear is not None and isinstance(module, float8_linear):
+        return getattr(module, "_trl_fp8_recipe", "torchao")
+    return None
+
+
+def _torchao_float8_linear_cls():
+    # No torchao Float8Linear can exist unless its module was imported; don't import torchao just to check.
+    module = sys.modules.get("torchao.float8.float8_linear")
+    return getattr(module, "Float8Linear", None)
+
+
+def _num_layers(model: nn.Module, names: list[str]) -> int:
+    config = getattr(model, "config", None)
+    n = getattr(config, "num_hidden_layers", None)
+    if isinstance(n, int):
+        return n
+    indices = [int(m.group(1)) for name in names if (m := _LAYER_INDEX.search(name))]
+    return max(indices) + 1 if indices else 0
+
+
+def _output_embedding_weight(model: nn.Module):
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    return head.weight if head is not None else None
+
+
+def convert_to_fp8(
+    model: nn.Module,
+    recipe: str = "blockwise",
+    num_first_layers_in_bf16: int = 0,
+    num_last_layers_in_bf16: int = 0,
+    module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
+    *,
+    config: FP8LinearConfig | None = None,
+) -> ConversionReport:
+    """Convert the eligible `nn.Linear` layers of `model` to FP8, in place.
+
+    Kept in high precision, with the reason in the report: the LM head (and any linear sharing the embedding
+    weight), LoRA adapter layers, the first/last `num_*_layers_in_bf16` decoder layers (counted from the
+    `layers.<i>.` index in module names), layers rejected by `module_filter_fn(module, fqn)`, and layers whose dims
+    are not multiples of 128 (16 for torchao's recipes), the last with a warning. Parameter names and `state_dict`
+    keys do not change. Converting an already converted model is a no-op; converting it to another recipe raises.
+
+    Args:
+        model: any `nn.Module`, typically a transformers causal LM (possibly PEFT-wrapped).
+        recipe: "blockwise" (default), "tensorwise" or "rowwise".
+        num_first_layers_in_bf16 / num_last_layers_in_bf16: decoder layers to keep in BF16 at each end.
+        module_filter_fn: return False to keep a layer in high precision.
+        config: full layer configuration; its `recipe` must agree with `recipe` when both are given.
+
+    Returns:
+        A :class:`ConversionReport`.
+    """
+    if config is None:
+        config = FP8LinearConfig(recipe=recipe)
+    elif config.recipe != recipe and recipe != "blockwise":
+        raise ValueError(f"recipe={recipe!r} disagrees with config.recipe={config.recipe!r}; pass one of them.")
+    if num_first_layers_in_bf16 < 0 or num_last_layers_in_bf16 < 0:
+        raise ValueError("num_first_layers_in_bf16 and num_last_layers_in_bf16 must be >= 0.")
+
+    report = ConversionReport(recipe=config.recipe)
+    linears = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.Linear)]
+    n_layers = _num_layers(model, [name for name, _ in linears])
+    bf16_layers = set(range(min(num_first_layers_in_bf16, n_layers)))
+    bf16_layers |= set(range(max(n_layers - num_last_layers_in_bf16, 0), n_layers))
+    head_weight = _output_embedding_weight(model)
+    misfits = []
+
+    to_convert: list[tuple[str, nn.Linear]] = []
+    for name, mod in linears:
+        existing = fp8_recipe_of(mod)
+        if existing is not None:
+            if existing != config.recipe:
+                raise ValueError(
+                    f"{name} is already FP8 with recipe {existing!r}; converting to {config.recipe!r} is not "
+                    "supported. Start from the high-precision model."
+                )
+            report.converted.append(name)
+            continue
+        reason = _keep_reason(name, mod, config, head_weight, bf16_layers, module_filter_fn)
+        if reason is None:
+            to_convert.append((name, mod))
+            continue
+        report.kept[name] = reason
+        if reason.startswith("dims"):
+            misfits.append(f"{name} {tuple(mod.weight.shape)}")
+    if misfits:
+        warnings.warn(
+            f"{len(misfits)} linear layer(s) kept in high precision because their dims are not multiples of "
+            f"{config.dim_multiple}: {', '.join(misfits[:5])}{' ...' if len(misfits) > 5 else ''}",
+            stacklevel=2,
+        )
+
+    if config.recipe == "blockwise":
+        for _, mod in to_convert:
+            FP8Linear.convert_(mod, config)
+    else:
+        _convert_with_torchao(model, config, {name for name, _ in to_convert})
+    report.converted.extend(name for name, _ in to_convert)
+    logger.info(report.summary())
+    return report
+
+
+def _keep_reason(name, mod, config, head_weight, bf16_layers, module_filter_fn) -> str | None:
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf == "lm_head" or (head_weight is not None and mod.weight is head_weight):
+        return "lm_head"
+    if "lora_" in name:
+        return "LoRA adapter"
+    if (m := _LAYER_INDEX.search(name)) and int(m.group(1)) in bf16_layers:
+        return "first/last layers in bf16"
+    if module_filter_fn is not None and not module_filter_fn(mod, name):
+        return "module_filter_fn"
+    n, k = mod.weight.shape
+    if n % config.dim_multiple or k % config.dim_multiple:
+        return f"dims not multiples of {config.dim_multiple}"
+    if not mod.weight.is_floating_point():
+        return f"weight dtype {mod.weight.dtype}"
+    return None
+
+
+def _convert_with_torchao(model: nn.Module, config: FP8LinearConfig, names: set[str]) -> None:
+    """torchao's tensorwise/rowwise `Float8Linear`, emulated off-GPU (torchao's own `emulate` flag)."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    if not names:
+        return
+    device = next(model.parameters()).device
+    ao_config = dataclasses.replace(
+        Float8LinearConfig.from_recipe_name(config.recipe),
+        emulate=config.backend == "emulated" or device.type != "cuda",
+    )
+    convert_to_float8_training(model, module_filter_fn=lambda mod, fqn: fqn in names, config=ao_config)
+    for name, mod in model.named_modules():
+        if name in names:
+            mod._trl_fp8_recipe = config.recipe
+            mod.fp8_config = config

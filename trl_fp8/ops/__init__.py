@@ -1,0 +1,38 @@
+"""Kernel layer: the operand quantizers and blockwise FP8 GEMMs behind `FP8Linear`, one backend per file.
+
+Both backends expose the same four functions, on logical (layout-free) tensors:
+
+- `quantize_act(x)`: `x [M, K]` -> `(q [M, K], scale_inv [M, K/128])`, 1x128 groups along K.
+- `quantize_act_t(x)`: `x [M, K]` -> quantized `x.T`: `(q [K, M], scale_inv [K, M/128])`, groups along M.
+- `quantize_weight(w)`: `w [N, K]` -> `(q [N, K], scale_inv [N/128, K/128])`, 128x128 blocks.
+- `gemm(a_q, a_s, b_q, b_s, b_blocks, out_dtype)`: `a @ b.T` with fp32 accumulation, where `a` holds 1x128
+  groups and `b` holds 128x128 blocks (`b_blocks=True`) or 1x128 groups along the shared dim.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from ..config import FP8LinearConfig
+from . import emulated
+
+
+def blockwise_scaled_mm_supported(device: torch.device) -> bool:
+    """Blockwise (1x128 x 128x128) `scaled_mm` exists only on CUDA SM90 (H100/H200) in current PyTorch."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
+def select_ops(config: FP8LinearConfig, device: torch.device) -> ModuleType:
+    """The backend module that runs `config` on `device`."""
+    if config.backend == "emulated" or (config.backend == "auto" and not blockwise_scaled_mm_supported(device)):
+        return emulated
+    if not blockwise_scaled_mm_supported(device):
+        raise RuntimeError(
+            f"backend='scaled_mm' needs a CUDA SM90 GPU (H100/H200) for blockwise FP8 GEMMs, but the weights are on "
+            f"{device}. Use backend='auto' (emulates elsewhere) or move the model to an SM90 GPU."
+        )
+    from . import scaled_mm  # imports torchao's Triton kernels, so only where CUDA is there
+
+    return scaled_mm

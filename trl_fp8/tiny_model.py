@@ -1,0 +1,41 @@
+"""Small Qwen3-architecture models built locally (no Hub), with dims that are multiples of 128 so blockwise FP8
+applies. Used by the tests, the demo and the notebooks."""
+
+from __future__ import annotations
+
+import torch
+
+
+def tiny_qwen3_config(
+    vocab_size: int = 256,
+    hidden_size: int = 256,
+    intermediate_size: int = 512,
+    num_hidden_layers: int = 4,
+    num_attention_heads: int = 2,
+    num_key_value_heads: int = 1,
+    head_dim: int = 128,
+    **kwargs,
+):
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        head_dim=head_dim,
+        max_position_embeddings=kwargs.pop("max_position_embeddings", 512),
+        tie_word_embeddings=kwargs.pop("tie_word_embeddings", False),
+        **kwargs,
+    )
+
+
+def tiny_qwen3(seed: int = 0, dtype: torch.dtype = torch.float32, **config_kwargs):
+    """A randomly initialised `Qwen3ForCausalLM` (about 2.5M parameters with the defaults)."""
+    from transformers import Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(tiny_qwen3_config(**config_kwargs))
+    return model.to(dtype)
