@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from trl_fp8 import FP8Linear, FP8LinearConfig, quantize_blocks
-from trl_fp8.fp8_linear import _BlockwiseFP8Matmul
+from trl_fp8.fp8_linear import FP8Weight, _BlockwiseFP8Matmul
 
 from conftest import rel_err
 
@@ -162,8 +162,11 @@ def test_forward_uses_exactly_the_exported_weight():
     from trl_fp8.ops import emulated
 
     x = torch.randn(4, 256)
-    w_q, w_s = quantize_blocks(w)
-    expected = _BlockwiseFP8Matmul.apply(x, lin.weight, w_q, w_s, emulated, False)
+    w_q, w_s = lin.quantized_weight()
+    q_ref, s_ref = quantize_blocks(w)
+    assert torch.equal(w_q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(w_s, s_ref)
+    fp8_weight = FP8Weight(lin.weight, emulated, False)
+    expected = _BlockwiseFP8Matmul.apply(x, lin.weight, fp8_weight)
     assert torch.equal(lin(x), expected)
-    w_q.view(torch.uint8)[0, 0] ^= 0x80  # flipping one weight's sign bit changes the output
-    assert not torch.equal(_BlockwiseFP8Matmul.apply(x, lin.weight, w_q, w_s, emulated, False), expected)
+    fp8_weight.q.view(torch.uint8)[0, 0] ^= 0x80  # flipping one weight's sign bit changes the output
+    assert not torch.equal(_BlockwiseFP8Matmul.apply(x, lin.weight, fp8_weight), expected)

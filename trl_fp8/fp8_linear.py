@@ -14,7 +14,9 @@ All operands are float8_e4m3fn with float32 scales, accumulation is fp32, and re
 input's dtype (BF16) for `dx` and the master weight's dtype for `dW`: inter-op gradients stay BF16.
 
 Saved for backward: the input `x` in its own (BF16) precision, as `nn.Linear` does, and the FP8 weight with its
-scales (1 byte per parameter, shared with the weight cache), so the backward pass never re-quantizes `W`. Token
+scales (1 byte per parameter, shared with the weight cache). DGrad needs those FP8 values column-major; on the GPU
+the deterministic quantizer writes that layout directly (bit-identical, cheaper than transposing FP8 bytes), once
+per weight version when the cache is on. Token
 counts that are not multiples of 128 are zero-padded for WGrad; zeros change no group's amax, so the padding is
 exact.
 """
@@ -38,35 +40,62 @@ def _pad_rows(x: torch.Tensor) -> torch.Tensor:
     return F.pad(x, (0, 0, 0, pad)) if pad else x
 
 
+class FP8Weight:
+    """One weight's FP8 values and scales as the GEMMs use them: `q` `[N, K]` and `scale_inv` `[N/128, K/128]`.
+
+    The DGrad layout of the same values is made on first use and kept, so a cached `FP8Weight` serves every
+    micro-batch until the optimizer changes the weight.
+    """
+
+    def __init__(self, weight: torch.Tensor, ops, power_of_two_scales: bool):
+        self.ops, self.power_of_two_scales = ops, power_of_two_scales
+        self._weight = weight.detach()
+        with torch.no_grad():
+            self.q, self.scale_inv = ops.quantize_weight(self._weight, power_of_two_scales=power_of_two_scales)
+        self._dgrad = None
+
+    def dgrad_operand(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._dgrad is None:
+            with torch.no_grad():
+                self._dgrad = self.ops.quantize_weight_dgrad(
+                    self._weight, power_of_two_scales=self.power_of_two_scales
+                )
+        return self._dgrad
+
+
 class _BlockwiseFP8Matmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, w_q, w_s, ops, pow2):
+    def forward(ctx, x, weight, fp8_weight: FP8Weight):
+        ops, pow2 = fp8_weight.ops, fp8_weight.power_of_two_scales
         k = x.shape[-1]
         x2d = x.reshape(-1, k)
         m = x2d.shape[0]
         x_q, x_s = ops.quantize_act(_pad_rows(x2d), power_of_two_scales=pow2)
-        out = ops.gemm(x_q, x_s, w_q, w_s, True, x.dtype)[:m]
-        ctx.save_for_backward(x, w_q, w_s)
-        ctx.ops, ctx.pow2, ctx.weight_dtype = ops, pow2, weight.dtype
-        return out.reshape(*x.shape[:-1], w_q.shape[0])
+        out = ops.gemm(x_q, x_s, fp8_weight.q, fp8_weight.scale_inv, True, x.dtype)[:m]
+        # `weight` is saved only so autograd rejects an in-place change between forward and backward.
+        ctx.save_for_backward(x, weight)
+        ctx.fp8_weight = fp8_weight
+        return out.reshape(*x.shape[:-1], fp8_weight.q.shape[0])
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, w_q, w_s = ctx.saved_tensors
-        ops, pow2 = ctx.ops, ctx.pow2
-        n, k = w_q.shape
+        x, weight = ctx.saved_tensors
+        fp8_weight = ctx.fp8_weight
+        ops, pow2 = fp8_weight.ops, fp8_weight.power_of_two_scales
+        n, k = fp8_weight.q.shape
         dy = _pad_rows(grad_out.reshape(-1, n).contiguous())
         m = x.numel() // k
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
             dy_q, dy_s = ops.quantize_act(dy, power_of_two_scales=pow2)
-            # W's 128x128 blocks are the same for W and W.T, so DGrad reuses the forward's FP8 weight.
+            # W's 128x128 blocks are the same for W and W.T: DGrad multiplies by the forward's FP8 values.
+            w_q, w_s = fp8_weight.dgrad_operand()
             grad_x = ops.gemm(dy_q, dy_s, w_q.t(), w_s.t(), True, x.dtype)[:m].reshape(x.shape)
         if ctx.needs_input_grad[1]:
             dyt_q, dyt_s = ops.quantize_act_t(dy, power_of_two_scales=pow2)
             xt_q, xt_s = ops.quantize_act_t(_pad_rows(x.reshape(-1, k)), power_of_two_scales=pow2)
-            grad_w = ops.gemm(dyt_q, dyt_s, xt_q, xt_s, False, ctx.weight_dtype)
-        return grad_x, grad_w, None, None, None, None
+            grad_w = ops.gemm(dyt_q, dyt_s, xt_q, xt_s, False, weight.dtype)
+        return grad_x, grad_w, None
 
 
 class FP8Linear(nn.Linear):
@@ -90,34 +119,33 @@ class FP8Linear(nn.Linear):
         return module
 
     def quantized_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The FP8 weight and its `weight_scale_inv` as the forward pass uses them (cached until the weight changes).
+        """The FP8 weight `[N, K]` and its `weight_scale_inv` exactly as the forward pass multiplies them.
 
-        This is what the vLLM weight sync and the exporter send, so rollouts run on the trainer's exact FP8 values.
+        This is what the vLLM weight sync and the exporter send, so rollouts run on the trainer's FP8 values.
         """
-        w = self.weight
-        cfg = self.fp8_config
+        fp8_weight = self._fp8_weight()
+        return fp8_weight.q, fp8_weight.scale_inv
+
+    def _fp8_weight(self) -> FP8Weight:
+        w, cfg = self.weight, self.fp8_config
         key = (w.data_ptr(), w._version, w.device, w.dtype)
-        cache = self._fp8_weight_cache
+        cached = self._fp8_weight_cache
+        # Tensors made under inference_mode cannot be saved for backward: re-quantize outside it.
         if (
-            cache is not None
-            and cache[0] == key
-            and not (cache[1].is_inference() and not torch.is_inference_mode_enabled())
+            cached is not None
+            and cached[0] == key
+            and (torch.is_inference_mode_enabled() or not cached[1].q.is_inference())
         ):
-            return cache[1], cache[2]
-        ops = select_ops(cfg, w.device)
-        with torch.no_grad():
-            w_q, w_s = ops.quantize_weight(w.detach(), power_of_two_scales=cfg.power_of_two_scales)
-        self._fp8_weight_cache = (key, w_q, w_s) if cfg.cache_quantized_weight else None
-        return w_q, w_s
+            return cached[1]
+        fp8_weight = FP8Weight(w, select_ops(cfg, w.device), cfg.power_of_two_scales)
+        self._fp8_weight_cache = (key, fp8_weight) if cfg.cache_quantized_weight else None
+        return fp8_weight
 
     def clear_fp8_cache(self) -> None:
         self._fp8_weight_cache = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        cfg = self.fp8_config
-        w_q, w_s = self.quantized_weight()
-        ops = select_ops(cfg, x.device)
-        out = _BlockwiseFP8Matmul.apply(x, self.weight, w_q, w_s, ops, cfg.power_of_two_scales)
+        out = _BlockwiseFP8Matmul.apply(x, self.weight, self._fp8_weight())
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:

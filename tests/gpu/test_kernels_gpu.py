@@ -42,6 +42,9 @@ def test_triton_quantizers_match_reference_bit_for_bit(scaled_mm, m, k):
     qw, sw = scaled_mm.quantize_weight(x)
     qw_ref, sw_ref = quantize_blocks(x)
     assert torch.equal(_bits(qw), _bits(qw_ref)) and torch.equal(sw.contiguous(), sw_ref)
+    qd, sd = scaled_mm.quantize_weight_dgrad(x)
+    assert qd.stride(0) == 1  # column-major, as DGrad's B operand wants
+    assert torch.equal(_bits(qd), _bits(qw_ref)) and torch.equal(sd.contiguous(), sw_ref)
 
 
 @pytest.mark.parametrize("m,n,k", [(256, 384, 512), (8192, 4096, 4096), (1024, 6144, 4096), (512, 1024, 640)])

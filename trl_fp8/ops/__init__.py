@@ -5,12 +5,15 @@ Both backends expose the same four functions, on logical (layout-free) tensors:
 - `quantize_act(x)`: `x [M, K]` -> `(q [M, K], scale_inv [M, K/128])`, 1x128 groups along K.
 - `quantize_act_t(x)`: `x [M, K]` -> quantized `x.T`: `(q [K, M], scale_inv [K, M/128])`, groups along M.
 - `quantize_weight(w)`: `w [N, K]` -> `(q [N, K], scale_inv [N/128, K/128])`, 128x128 blocks.
+- `quantize_weight_dgrad(w)`: the same values, laid out for DGrad's `dy @ W` (cheaper to re-run the deterministic
+  quantizer than to transpose FP8 bytes in memory).
 - `gemm(a_q, a_s, b_q, b_s, b_blocks, out_dtype)`: `a @ b.T` with fp32 accumulation, where `a` holds 1x128
   groups and `b` holds 128x128 blocks (`b_blocks=True`) or 1x128 groups along the shared dim.
 """
 
 from __future__ import annotations
 
+import functools
 from types import ModuleType
 
 import torch
@@ -24,6 +27,7 @@ def blockwise_scaled_mm_supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
+@functools.cache
 def select_ops(config: FP8LinearConfig, device: torch.device) -> ModuleType:
     """The backend module that runs `config` on `device`."""
     if config.backend == "emulated" or (config.backend == "auto" and not blockwise_scaled_mm_supported(device)):

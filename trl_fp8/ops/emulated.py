@@ -23,6 +23,9 @@ def quantize_weight(w: torch.Tensor, *, power_of_two_scales: bool = False):
     return quantize_blocks(w, (128, 128), power_of_two_scales=power_of_two_scales)
 
 
+quantize_weight_dgrad = quantize_weight  # layout is irrelevant here
+
+
 def gemm(a_q, a_s, b_q, b_s, b_blocks: bool, out_dtype: torch.dtype) -> torch.Tensor:
     a = dequantize_groups(a_q, a_s)
     b = dequantize_blocks(b_q, b_s) if b_blocks else dequantize_groups(b_q, b_s)

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torchao.prototype.blockwise_fp8_training.kernels import (
     triton_fp8_blockwise_act_quant_lhs,
     triton_fp8_blockwise_act_quant_transposed_lhs,
+    triton_fp8_blockwise_weight_quant_rhs,
     triton_fp8_blockwise_weight_quant_transposed_rhs,
 )
 
@@ -39,6 +40,13 @@ def quantize_weight(w: torch.Tensor, *, power_of_two_scales: bool = False):
     # The kernel returns w.T quantized in column-major storage, i.e. q row-major [N, K] once transposed back.
     q_t, s_t = triton_fp8_blockwise_weight_quant_transposed_rhs(w.contiguous(), block_size=128)
     return q_t.t(), s_t.t()
+
+
+def quantize_weight_dgrad(w: torch.Tensor, *, power_of_two_scales: bool = False):
+    if power_of_two_scales:
+        return emulated.quantize_weight(w, power_of_two_scales=True)
+    # Column-major q [N, K]: exactly the B operand layout of dy @ W, so `gemm` copies nothing.
+    return triton_fp8_blockwise_weight_quant_rhs(w.contiguous(), block_size=128)
 
 
 def _col_major(t: torch.Tensor) -> torch.Tensor:
