@@ -23,10 +23,27 @@ from .quantization import FP8_DTYPE, FP8_MAX, dequantize_blocks, dequantize_grou
 
 __version__ = "0.1.0"
 
+_LAZY = {  # these import trl (heavy); load them on first use
+    "FP8GRPOConfig": ".grpo_config",
+    "FP8GRPOTrainer": ".grpo_trainer",
+    "save_fp8_checkpoint": ".export",
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "FP8_DTYPE",
     "FP8_MAX",
     "ConversionReport",
+    "FP8GRPOConfig",
+    "FP8GRPOTrainer",
     "FP8Linear",
     "FP8LinearConfig",
     "convert_to_fp8",
@@ -36,4 +53,5 @@ __all__ = [
     "is_fp8_linear",
     "quantize_blocks",
     "quantize_groups",
+    "save_fp8_checkpoint",
 ]

@@ -17,7 +17,7 @@ from .fp8_linear import FP8Linear
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ConversionReport", "convert_to_fp8", "is_fp8_linear", "fp8_recipe_of"]
+__all__ = ["ConversionReport", "convert_to_fp8", "plan_fp8_conversion", "is_fp8_linear", "fp8_recipe_of"]
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -80,7 +80,7 @@ def _output_embedding_weight(model: nn.Module):
     return head.weight if head is not None else None
 
 
-def convert_to_fp8(
+def plan_fp8_conversion(
     model: nn.Module,
     recipe: str = "blockwise",
     num_first_layers_in_bf16: int = 0,
@@ -88,24 +88,12 @@ def convert_to_fp8(
     module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
     *,
     config: FP8LinearConfig | None = None,
-) -> ConversionReport:
-    """Convert the eligible `nn.Linear` layers of `model` to FP8, in place.
+    warn: bool = True,
+) -> tuple[ConversionReport, list[tuple[str, nn.Linear]]]:
+    """Decide which linear layers of `model` would be FP8, without changing it.
 
-    Kept in high precision, with the reason in the report: the LM head (and any linear sharing the embedding
-    weight), LoRA adapter layers, the first/last `num_*_layers_in_bf16` decoder layers (counted from the
-    `layers.<i>.` index in module names), layers rejected by `module_filter_fn(module, fqn)`, and layers whose dims
-    are not multiples of 128 (16 for torchao's recipes), the last with a warning. Parameter names and `state_dict`
-    keys do not change. Converting an already converted model is a no-op; converting it to another recipe raises.
-
-    Args:
-        model: any `nn.Module`, typically a transformers causal LM (possibly PEFT-wrapped).
-        recipe: "blockwise" (default), "tensorwise" or "rowwise".
-        num_first_layers_in_bf16 / num_last_layers_in_bf16: decoder layers to keep in BF16 at each end.
-        module_filter_fn: return False to keep a layer in high precision.
-        config: full layer configuration; its `recipe` must agree with `recipe` when both are given.
-
-    Returns:
-        A :class:`ConversionReport`.
+    Returns the report (layers already FP8 count as converted) and the `(name, module)` pairs still to convert.
+    Used by :func:`convert_to_fp8` and by the exporter for models trained in BF16.
     """
     if config is None:
         config = FP8LinearConfig(recipe=recipe)
@@ -140,19 +128,52 @@ def convert_to_fp8(
         report.kept[name] = reason
         if reason.startswith("dims"):
             misfits.append(f"{name} {tuple(mod.weight.shape)}")
-    if misfits:
+    if misfits and warn:
         warnings.warn(
             f"{len(misfits)} linear layer(s) kept in high precision because their dims are not multiples of "
             f"{config.dim_multiple}: {', '.join(misfits[:5])}{' ...' if len(misfits) > 5 else ''}",
-            stacklevel=2,
+            stacklevel=3,
         )
+    report.converted.extend(name for name, _ in to_convert)
+    return report, to_convert
 
+
+def convert_to_fp8(
+    model: nn.Module,
+    recipe: str = "blockwise",
+    num_first_layers_in_bf16: int = 0,
+    num_last_layers_in_bf16: int = 0,
+    module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
+    *,
+    config: FP8LinearConfig | None = None,
+) -> ConversionReport:
+    """Convert the eligible `nn.Linear` layers of `model` to FP8, in place.
+
+    Kept in high precision, with the reason in the report: the LM head (and any linear sharing the embedding
+    weight), LoRA adapter layers, the first/last `num_*_layers_in_bf16` decoder layers (counted from the
+    `layers.<i>.` index in module names), layers rejected by `module_filter_fn(module, fqn)`, and layers whose dims
+    are not multiples of 128 (16 for torchao's recipes), the last with a warning. Parameter names and `state_dict`
+    keys do not change. Converting an already converted model is a no-op; converting it to another recipe raises.
+
+    Args:
+        model: any `nn.Module`, typically a transformers causal LM (possibly PEFT-wrapped).
+        recipe: "blockwise" (default), "tensorwise" or "rowwise".
+        num_first_layers_in_bf16 / num_last_layers_in_bf16: decoder layers to keep in BF16 at each end.
+        module_filter_fn: return False to keep a layer in high precision.
+        config: full layer configuration; its `recipe` must agree with `recipe` when both are given.
+
+    Returns:
+        A :class:`ConversionReport`.
+    """
+    report, to_convert = plan_fp8_conversion(
+        model, recipe, num_first_layers_in_bf16, num_last_layers_in_bf16, module_filter_fn, config=config
+    )
+    config = config or FP8LinearConfig(recipe=recipe)
     if config.recipe == "blockwise":
         for _, mod in to_convert:
             FP8Linear.convert_(mod, config)
     else:
         _convert_with_torchao(model, config, {name for name, _ in to_convert})
-    report.converted.extend(name for name, _ in to_convert)
     logger.info(report.summary())
     return report
 

@@ -1,0 +1,373 @@
+"""FP8GRPOTrainer end to end on a tiny Qwen3 (CPU, exact FP8 emulation), with the config, TIS, LoRA and export."""
+
+import copy
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, FP8Linear, dequantize_blocks
+from trl_fp8.tiny_model import tiny_char_tokenizer, tiny_qwen3
+from trl_fp8.toy_task import say_letter_dataset, say_letter_reward
+
+from conftest import rel_err
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny") / "model"
+    tokenizer = tiny_char_tokenizer()
+    tiny_qwen3(vocab_size=128, eos_token_id=tokenizer.eos_token_id, pad_token_id=0).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def make_args(tmp_path, **kw):
+    defaults = dict(
+        output_dir=str(tmp_path / "out"),
+        learning_rate=2e-3,
+        lr_scheduler_type="constant",
+        max_steps=2,
+        per_device_train_batch_size=16,
+        num_generations=8,
+        max_completion_length=8,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        gradient_checkpointing=False,
+        use_cpu=True,
+        bf16=False,
+        seed=0,
+        disable_tqdm=True,
+    )
+    return FP8GRPOConfig(**{**defaults, **kw})
+
+
+def make_trainer(model_dir, tmp_path, model=None, **kw):
+    trainer_kwargs = {k: kw.pop(k) for k in ("peft_config", "rollout_func", "fp8_module_filter_fn") if k in kw}
+    return FP8GRPOTrainer(
+        model=model or model_dir,
+        reward_funcs=say_letter_reward,
+        args=make_args(tmp_path, **kw),
+        train_dataset=say_letter_dataset(256),
+        **trainer_kwargs,
+    )
+
+
+def rewards(trainer):
+    return [log["reward"] for log in trainer.state.log_history if "reward" in log]
+
+
+def test_trains_with_fp8_layers(model_dir, tmp_path):
+    trainer = make_trainer(model_dir, tmp_path, max_steps=3)
+    layers = trainer.model.model.layers
+    assert all(isinstance(getattr(layer.self_attn, p), FP8Linear) for layer in layers for p in ("q_proj", "o_proj"))
+    assert type(trainer.model.lm_head) is torch.nn.Linear
+    assert trainer.fp8_report.num_fp8_layers == 28
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    logs = trainer.state.log_history
+    assert all(torch.isfinite(torch.tensor(log["loss"])) for log in logs if "loss" in log)
+    assert [log["fp8/num_fp8_layers"] for log in logs if "fp8/num_fp8_layers" in log] == [28.0] * 3
+    changed = [n for n, p in trainer.model.named_parameters() if not torch.equal(before[n], p)]
+    assert "model.layers.0.mlp.down_proj.weight" in changed and "lm_head.weight" in changed
+
+
+def test_reward_rises_on_the_synthetic_task(model_dir, tmp_path):
+    """Measured with seed 0: mean reward 0.016 over steps 1-5, 0.23 over steps 31-40 (BF16 run: 0.018 -> 0.24)."""
+    trainer = make_trainer(model_dir, tmp_path, max_steps=40, per_device_train_batch_size=32)
+    trainer.train()
+    r = rewards(trainer)
+    early, late = sum(r[:5]) / 5, sum(r[-10:]) / 10
+    assert late > early + 0.08, (early, late)
+
+
+def test_bf16_and_fp8_runs_stay_close_early(model_dir, tmp_path):
+    """Same seed, same data: the first update of the FP8 run points where the BF16 run's does.
+
+    Measured: cosine 0.90 between the two first-step parameter updates; step-1 entropies equal to 1e-4.
+    """
+    runs = {}
+    for recipe in ("blockwise", None):
+        trainer = make_trainer(model_dir, tmp_path / str(recipe), max_steps=1, fp8_recipe=recipe)
+        init = torch.cat([p.detach().flatten().clone() for p in trainer.model.parameters()])
+        trainer.train()
+        final = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
+        entropy = next(log["entropy"] for log in trainer.state.log_history if "entropy" in log)
+        runs[recipe] = (final - init, entropy)
+    (d_fp8, h_fp8), (d_bf16, h_bf16) = runs["blockwise"], runs[None]
+    cosine = torch.nn.functional.cosine_similarity(d_fp8, d_bf16, dim=0).item()
+    assert cosine > 0.6, cosine
+    assert abs(h_fp8 - h_bf16) / h_bf16 < 0.02
+
+
+def test_bf16_baseline_has_no_fp8_layers(model_dir, tmp_path):
+    trainer = make_trainer(model_dir, tmp_path, fp8_recipe="none")
+    assert trainer.fp8_report.num_fp8_layers == 0
+    assert not any(isinstance(m, FP8Linear) for m in trainer.model.modules())
+
+
+def test_reference_model_is_converted_too(model_dir, tmp_path):
+    trainer = make_trainer(model_dir, tmp_path, beta=0.04, max_steps=1)
+    assert isinstance(trainer.ref_model.model.layers[0].mlp.up_proj, FP8Linear)
+    trainer.train()
+    assert any("kl" in log for log in trainer.state.log_history)
+
+
+def test_first_last_layers_and_filter(model_dir, tmp_path):
+    trainer = make_trainer(
+        model_dir,
+        tmp_path,
+        num_first_layers_in_bf16=1,
+        num_last_layers_in_bf16=1,
+        fp8_module_filter_fn=lambda mod, fqn: "down_proj" not in fqn,
+    )
+    layers = trainer.model.model.layers
+    assert type(layers[0].self_attn.q_proj) is torch.nn.Linear and type(layers[3].mlp.up_proj) is torch.nn.Linear
+    assert isinstance(layers[1].self_attn.q_proj, FP8Linear) and type(layers[1].mlp.down_proj) is torch.nn.Linear
+    assert trainer.fp8_report.num_fp8_layers == 12
+
+
+def test_lora_base_in_fp8_adapters_in_bf16(model_dir, tmp_path):
+    from peft import LoraConfig
+
+    trainer = make_trainer(
+        model_dir,
+        tmp_path,
+        learning_rate=1e-2,
+        peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj"]),
+    )
+    q_proj = trainer.model.base_model.model.model.layers[0].self_attn.q_proj
+    assert isinstance(q_proj.base_layer, FP8Linear) and not q_proj.base_layer.weight.requires_grad
+    assert type(q_proj.lora_A["default"]) is torch.nn.Linear
+    lora_before = q_proj.lora_B["default"].weight.detach().clone()
+    base_before = q_proj.base_layer.weight.detach().clone()
+    trainer.train()
+    assert not torch.equal(q_proj.lora_B["default"].weight, lora_before)
+    assert torch.equal(q_proj.base_layer.weight, base_before)
+    out = tmp_path / "lora_fp8"
+    trainer.save_model(str(out))
+    with safe_open(out / "model.safetensors", "pt") as f:
+        assert "model.layers.0.self_attn.q_proj.weight" in f.keys()
+        assert not any("lora" in k or "base_layer" in k for k in f.keys())
+        q, s = (
+            f.get_tensor("model.layers.0.self_attn.q_proj.weight"),
+            f.get_tensor("model.layers.0.self_attn.q_proj.weight_scale_inv"),
+        )
+    merged = base_before.float() + q_proj.get_delta_weight("default").float()
+    assert q.dtype == torch.float8_e4m3fn and rel_err(dequantize_blocks(q, s), merged) < 0.04  # FP8 of W + BA
+
+
+def test_save_model_writes_a_block_fp8_checkpoint_transformers_loads(model_dir, tmp_path):
+    trainer = make_trainer(model_dir, tmp_path, max_steps=1, save_bf16_master_weights=True)
+    trainer.train()
+    out = tmp_path / "final"
+    trainer.save_model(str(out))
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"] == {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+        "modules_to_not_convert": ["lm_head"],
+    }
+    assert (out / "tokenizer.json").exists() and (out / "bf16_master" / "model.safetensors").exists()
+    model = trainer.model
+    with safe_open(out / "model.safetensors", "pt") as f:
+        for name, module in model.named_modules():
+            if isinstance(module, FP8Linear):
+                q, s = module.quantized_weight()
+                assert torch.equal(f.get_tensor(name + ".weight").view(torch.uint8), q.view(torch.uint8))
+                assert torch.equal(f.get_tensor(name + ".weight_scale_inv"), s)
+        assert f.get_tensor("lm_head.weight").dtype == torch.bfloat16
+
+    from transformers import AutoModelForCausalLM
+
+    reloaded = AutoModelForCausalLM.from_pretrained(out).float()  # CPU: transformers dequantizes to bf16
+    q, s = model.model.layers[2].mlp.gate_proj.quantized_weight()
+    assert rel_err(reloaded.model.layers[2].mlp.gate_proj.weight, dequantize_blocks(q, s)) < 4e-3  # bf16 rounding
+    ids = torch.randint(0, 84, (2, 24))
+    with torch.no_grad():
+        fp8_logits = model(ids).logits
+        err = rel_err(reloaded(ids).logits, fp8_logits)
+    # Reloaded = same FP8 weights, but unquantized activations and bf16 norms/head: measured 0.053-0.057.
+    assert err < 0.12, err
+
+
+def test_interrupted_or_corrupt_saves_never_look_complete(model_dir, tmp_path, monkeypatch):
+    trainer = make_trainer(model_dir, tmp_path)
+    out = tmp_path / "ckpt"
+    trainer.save_model(str(out))
+    good = (out / "model.safetensors").read_bytes()
+
+    # NaN weights: refused before anything is written, the earlier checkpoint is untouched.
+    weight = trainer.model.model.layers[1].mlp.up_proj.weight
+    saved = weight.detach().clone()
+    with torch.no_grad():
+        weight[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="model.layers.1.mlp.up_proj.weight holds NaN or Inf"):
+        trainer.save_model(str(out))
+    assert (out / "config.json").exists() and (out / "model.safetensors").read_bytes() == good
+    with torch.no_grad():
+        weight.copy_(saved)
+
+    # Crash while moving files in: config.json is absent, so no loader takes the folder for a model.
+    import trl_fp8.export as export
+
+    real_replace = export.os.replace
+
+    def crash_on_weights(src, dst):
+        if str(dst).endswith(".safetensors"):
+            raise OSError("disk full")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(export.os, "replace", crash_on_weights)
+    with pytest.raises(OSError, match="disk full"):
+        trainer.save_model(str(out))
+    assert not (out / "config.json").exists()
+    assert not list(out.glob(".tmp-fp8-save-*"))  # no temporary leftovers
+
+
+def test_training_checkpoints_keep_bf16_masters(model_dir, tmp_path):
+    trainer = make_trainer(model_dir, tmp_path, max_steps=2, save_strategy="steps", save_steps=2)
+    trainer.train()
+    ckpt = tmp_path / "out" / "checkpoint-2"
+    config = json.loads((ckpt / "config.json").read_text())
+    assert "quantization_config" not in config  # resumable: full-precision master weights
+    with safe_open(ckpt / "model.safetensors", "pt") as f:
+        assert f.get_tensor("model.layers.0.mlp.up_proj.weight").dtype == torch.float32
+
+
+def test_push_to_hub_pushes_the_fp8_checkpoint_with_a_model_card(model_dir, tmp_path, monkeypatch):
+    import transformers.trainer as hf_trainer
+
+    pushed = {}
+
+    class FakeApi:
+        def upload_folder(self, repo_id, folder_path, **kwargs):
+            pushed["repo"] = repo_id
+            pushed["config"] = json.loads(open(f"{folder_path}/config.json").read())
+            pushed["card"] = open(f"{folder_path}/README.md").read()
+
+    monkeypatch.setattr(hf_trainer, "hf_api", lambda: FakeApi())
+    trainer = make_trainer(model_dir, tmp_path, num_last_layers_in_bf16=1)
+    trainer.hub_model_id = "someone/tiny-fp8"
+    trainer.push_to_hub()
+    assert pushed["repo"] == "someone/tiny-fp8"
+    assert pushed["config"]["quantization_config"]["quant_method"] == "fp8"
+    assert "model.layers.3.mlp.down_proj" in pushed["config"]["quantization_config"]["modules_to_not_convert"]
+    assert (
+        "## FP8" in pushed["card"] and "`model.layers.3.mlp.down_proj` (first/last layers in bf16)" in pushed["card"]
+    )
+
+
+def test_token_tis_applies_to_rollouts_with_their_own_logprobs(model_dir, tmp_path):
+    """A rollout_func sampling from a BF16 copy (vLLM-less off-policy rollouts): mismatch is logged, and TRL's loss
+    is weighted by our token ratio."""
+    from transformers import AutoModelForCausalLM
+
+    rollout_model = AutoModelForCausalLM.from_pretrained(model_dir)  # BF16-style twin: differs from the FP8 policy
+    tokenizer = tiny_char_tokenizer()
+
+    def rollout_func(prompts, trainer):
+        texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
+        prompt_ids = [tokenizer(t)["input_ids"] for t in texts]
+        out = {"prompt_ids": [], "completion_ids": [], "logprobs": []}
+        for ids in prompt_ids:  # prompts arrive already repeated num_generations times
+            gen = rollout_model.generate(
+                torch.tensor([ids]), max_new_tokens=8, do_sample=True, output_scores=True,
+                return_dict_in_generate=True, pad_token_id=0,
+            )  # fmt: skip
+            completion = gen.sequences[0, len(ids) :].tolist()
+            logps = [torch.log_softmax(s[0], -1)[t].item() for s, t in zip(gen.scores, completion, strict=False)]
+            out["prompt_ids"].append(ids)
+            out["completion_ids"].append(completion)
+            out["logprobs"].append(logps)
+        return out
+
+    trainer = make_trainer(model_dir, tmp_path, tis="token", tis_cap=2.0, rollout_func=rollout_func)
+    assert trainer._tis_without_vllm
+    trainer.model.train()
+    batch = trainer._generate_and_score_completions([trainer.train_dataset[i] for i in (0, 1) for _ in range(8)])
+    ratio = batch["importance_sampling_ratio"]
+    assert ratio.shape == batch["completion_ids"].shape and (ratio <= 2.0).all() and (ratio != 1).any()
+    stats = trainer._metrics["train"]
+    assert stats["fp8/mismatch/abs_logp_diff_mean"][-1] > 1e-3  # FP8 policy vs BF16 sampler do differ
+    assert stats["fp8/mismatch/kl_k3"][-1] >= 0
+
+    # TRL's own loss code applies the ratio: halving it halves the (KL-free) loss.
+    trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train(); we call the loss directly
+    batch["advantages"] = torch.linspace(-1.0, 2.0, len(batch["advantages"]))  # group-centred ones sum to 0
+    half = dict(batch, importance_sampling_ratio=torch.full_like(ratio, 0.5))
+    ones = dict(batch, importance_sampling_ratio=torch.ones_like(ratio))
+    loss_half = trainer._compute_loss(trainer.model, half)
+    loss_ones = trainer._compute_loss(trainer.model, ones)
+    assert torch.allclose(loss_half, 0.5 * loss_ones, rtol=1e-4, atol=1e-7) and loss_ones.abs() > 0
+    assert trainer.use_vllm is False  # restored after the loss
+
+
+def test_config_round_trips_through_trl_parser(tmp_path):
+    from trl import TrlParser
+
+    parser = TrlParser(FP8GRPOConfig)
+    (args,) = parser.parse_args_and_config(
+        ["--output_dir", str(tmp_path), "--fp8_recipe", "rowwise", "--num_last_layers_in_bf16", "2", "--tis", "token",
+         "--tis_cap", "3.0", "--save_fp8_checkpoint", "false", "--use_cpu", "true", "--bf16", "false"]
+    )  # fmt: skip
+    assert (args.fp8_recipe, args.num_last_layers_in_bf16, args.tis, args.save_fp8_checkpoint) == (
+        "rowwise", 2, "token", False)  # fmt: skip
+    assert args.vllm_importance_sampling_mode == "token_truncate" and args.vllm_importance_sampling_clip_max == 3.0
+
+    yaml_path = tmp_path / "run.yaml"
+    yaml_path.write_text(
+        f"output_dir: {tmp_path}\nfp8_recipe: none\nfp8_power_of_two_scales: false\nnum_first_layers_in_bf16: 1\n"
+        "tis: 'off'\nuse_cpu: true\nbf16: false\n"
+    )
+    (args,) = parser.parse_args_and_config(["--config", str(yaml_path)])
+    assert args.fp8_recipe is None and args.num_first_layers_in_bf16 == 1
+    assert args.tis == "off" and args.vllm_importance_sampling_correction is False
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"fp8_recipe": "mxfp8"}, "fp8_recipe='mxfp8' is unknown"),
+        ({"num_first_layers_in_bf16": -1}, "num_first_layers_in_bf16 must be >= 0"),
+        ({"fp8_recipe": "tensorwise", "fp8_power_of_two_scales": True}, "applies to fp8_recipe='blockwise' only"),
+        ({"tis": "sequence"}, "tis='sequence' is unknown"),
+        ({"tis": "token", "tis_cap": 1.0}, "tis_cap must be > 1"),
+        ({"fp8_backend": "cuda"}, "fp8_backend='cuda' is unknown"),
+    ],
+)
+def test_bad_configs_name_the_fix(tmp_path, kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        make_args(tmp_path, **kwargs)
+
+
+def test_plain_grpo_config_is_refused_with_the_fix(model_dir, tmp_path):
+    from trl import GRPOConfig
+
+    with pytest.raises(TypeError, match="needs an FP8GRPOConfig"):
+        FP8GRPOTrainer(model_dir, say_letter_reward, GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False))
+
+
+def test_quantize_cli_matches_the_training_quantizer(model_dir, tmp_path):
+    from trl_fp8 import convert_to_fp8
+    from trl_fp8.quantize import main
+
+    out = tmp_path / "q"
+    assert main([model_dir, str(out), "--num_first_layers_in_bf16", "1", "--dtype", "float32"]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert "model.layers.0.self_attn.q_proj" in config["quantization_config"]["modules_to_not_convert"]
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    fp8 = copy.deepcopy(model)
+    convert_to_fp8(fp8)
+    q_train, _ = fp8.model.layers[1].mlp.up_proj.quantized_weight()
+    with safe_open(out / "model.safetensors", "pt") as f:
+        assert torch.equal(
+            f.get_tensor("model.layers.1.mlp.up_proj.weight").view(torch.uint8), q_train.view(torch.uint8)
+        )
+        assert f.get_tensor("model.layers.0.mlp.up_proj.weight").dtype == torch.float32
+    assert main([str(out), str(tmp_path / "again")]) == 2  # already FP8: refused

@@ -1,0 +1,31 @@
+"""The notebooks run top to bottom on CPU (executed with nbclient, as a user would run them)."""
+
+import os
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("name", ["quickstart.ipynb"])
+def test_notebook_executes(name, tmp_path):
+    nb = nbformat.read(ROOT / "notebooks" / name, as_version=4)
+    env_steps = os.environ.get("QUICKSTART_STEPS")
+    os.environ.setdefault("QUICKSTART_STEPS", "30")
+    try:
+        NotebookClient(
+            nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+        ).execute()
+    finally:
+        if env_steps is None:
+            os.environ.pop("QUICKSTART_STEPS", None)
+    outputs = "".join(
+        o.get("text", "") for cell in nb.cells if cell.cell_type == "code" for o in cell.get("outputs", [])
+    )
+    assert "FP8 (blockwise): 28 linear layers converted" in outputs
+    assert "'quant_method': 'fp8'" in outputs.replace('"', "'")
+    images = [o for cell in nb.cells for o in cell.get("outputs", []) if "image/png" in o.get("data", {})]
+    assert images, "the reward plot was not drawn"

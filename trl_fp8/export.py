@@ -1,0 +1,243 @@
+"""Block-FP8 checkpoints in the format vLLM and transformers load (`quantization_config.quant_method == "fp8"`).
+
+Each FP8 linear layer is stored as `<name>.weight` (float8_e4m3fn, `[N, K]`) and `<name>.weight_scale_inv` (float32,
+`[N/128, K/128]`), taken from the layer's own quantized weight, i.e. the very values its training forward multiplies.
+Everything else (embeddings, norms, lm_head, layers kept in high precision) is stored as is, in `dtype`.
+`fp8_checkpoint_tensors` is the one place that produces these tensors: the exporter writes them to disk and the vLLM
+weight sync streams them to a running engine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .conversion import is_fp8_linear, plan_fp8_conversion
+from .fp8_linear import FP8Linear
+from .quantization import quantize_blocks
+
+__all__ = ["QUANTIZATION_CONFIG", "fp8_checkpoint_tensors", "fp8_module_names", "save_fp8_checkpoint", "unwrap_model"]
+
+QUANTIZATION_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+# vLLM fuses these projections into one layer, so they must all be FP8 or all be kept.
+FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+_PEFT_MARKERS = re.compile(r"\.base_layer(?=\.|$)|\.modules_to_save\.[^.]+(?=\.|$)")
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The transformers model inside DDP / accelerate / PEFT wrappers (LoRA layers stay injected)."""
+    while hasattr(model, "module") and isinstance(model.module, nn.Module):
+        model = model.module
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def _clean(name: str) -> str:
+    """PEFT module/parameter name -> the plain transformers name."""
+    return _PEFT_MARKERS.sub("", name)
+
+
+def fp8_module_names(model: nn.Module) -> set[str]:
+    """Names (in `unwrap_model(model)`) of the linear layers the checkpoint stores in FP8.
+
+    A converted model: its FP8 layers. A model trained in high precision: the layers `convert_to_fp8` would convert
+    (so a BF16 run can still be served in FP8, the "BF16 train, FP8 rollout" setting).
+    """
+    hf_model = unwrap_model(model)
+    names = {name for name, mod in hf_model.named_modules() if is_fp8_linear(mod)}
+    if not names:
+        report, _ = plan_fp8_conversion(hf_model, warn=False)
+        names = set(report.converted)
+    return names
+
+
+def _lora_parent(modules: dict[str, nn.Module], name: str):
+    parent = modules.get(name.rsplit(".base_layer", 1)[0]) if name.endswith(".base_layer") else None
+    return parent if parent is not None and hasattr(parent, "get_delta_weight") else None
+
+
+def _merged_weight(module: nn.Module, lora_parent) -> torch.Tensor:
+    weight = module.weight.detach()
+    if lora_parent is None or getattr(lora_parent, "merged", False):
+        return weight
+    for adapter in lora_parent.active_adapters:
+        if adapter in lora_parent.lora_A:
+            weight = weight + lora_parent.get_delta_weight(adapter).to(weight.dtype)
+    return weight
+
+
+def fp8_checkpoint_tensors(
+    model: nn.Module,
+    *,
+    fp8_modules: set[str] | None = None,
+    power_of_two_scales: bool = False,
+    check_finite: bool = True,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield `(name, tensor)` pairs of the block-FP8 checkpoint of `model`, in transformers names, on its device.
+
+    FP8 layers yield `name.weight` and `name.weight_scale_inv`. An `FP8Linear` without LoRA yields its cached
+    quantized weight (bit for bit what its forward uses); a LoRA-wrapped layer yields its merged weight `W + BA`
+    quantized by the same quantizer; high-precision layers planned for FP8 are quantized here too.
+    """
+    hf_model = unwrap_model(model)
+    modules = dict(hf_model.named_modules())
+    fp8_modules = fp8_module_names(model) if fp8_modules is None else fp8_modules
+    tie = bool(getattr(getattr(hf_model, "config", None), "tie_word_embeddings", False))
+    seen_storage: set[int] = set()
+    for key, tensor in hf_model.state_dict().items():
+        if "lora_" in key or ".original_module." in key:
+            continue
+        prefix, _, leaf = key.rpartition(".")
+        name = _clean(key)
+        if tie and tensor.data_ptr() in seen_storage:
+            continue  # the tied lm_head: vLLM and transformers re-tie it from the embedding
+        seen_storage.add(tensor.data_ptr())
+        if leaf != "weight" or prefix not in fp8_modules:
+            if check_finite and tensor.is_floating_point() and not torch.isfinite(tensor).all():
+                raise ValueError(f"{name} holds NaN or Inf values; refusing to write a corrupt checkpoint.")
+            yield name, tensor.detach()
+            continue
+        module = modules[prefix]
+        lora_parent = _lora_parent(modules, prefix)
+        if isinstance(module, FP8Linear) and lora_parent is None:
+            weight = module.weight
+            q, scale_inv = module.quantized_weight()
+        else:
+            weight = _merged_weight(module, lora_parent)
+            q, scale_inv = quantize_blocks(weight, power_of_two_scales=power_of_two_scales)
+        if check_finite and not torch.isfinite(weight).all():
+            raise ValueError(
+                f"{name} holds NaN or Inf values; refusing to write a corrupt FP8 checkpoint. The training run "
+                "diverged: lower the learning rate or resume from an earlier checkpoint."
+            )
+        yield name, q
+        yield name + "_scale_inv", scale_inv
+
+
+def check_fused_groups(fp8_modules: set[str], linear_names: set[str]) -> None:
+    """vLLM fuses q/k/v and gate/up: a layer with only some of them in FP8 cannot load. Raise naming the fix."""
+    for name in linear_names:
+        for group in FUSED_GROUPS:
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf != group[0]:
+                continue
+            siblings = [name[: -len(leaf)] + member for member in group]
+            states = {s: s in fp8_modules for s in siblings if s in linear_names}
+            if len(set(states.values())) > 1:
+                raise ValueError(
+                    f"vLLM fuses {', '.join(group)} into one layer, but only some are FP8 here: {states}. Keep all of "
+                    "them in BF16 or none (adjust module_filter_fn), then convert again."
+                )
+
+
+def _shard(tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list[dict[str, torch.Tensor]]:
+    shards, current, size = [], {}, 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if current and size + nbytes > max_shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = t
+        size += nbytes
+    shards.append(current)
+    return shards
+
+
+def save_fp8_checkpoint(
+    model: nn.Module,
+    output_dir: str | os.PathLike,
+    tokenizer=None,
+    *,
+    fp8_modules: set[str] | None = None,
+    dtype: torch.dtype | None = torch.bfloat16,
+    power_of_two_scales: bool = False,
+    max_shard_size: int = 5 * 2**30,
+    extra_files: dict[str, str] | None = None,
+    progress: bool = True,
+) -> Path:
+    """Write `model` as a block-FP8 checkpoint to `output_dir` (vLLM: `LLM(output_dir)`; transformers:
+    `AutoModelForCausalLM.from_pretrained(output_dir)`).
+
+    Args:
+        model: a transformers causal LM, converted with `convert_to_fp8` or not (then its eligible layers are
+            quantized here), possibly PEFT-wrapped (LoRA is merged into the exported weights).
+        output_dir: created if needed. Files of an earlier save there are replaced.
+        tokenizer: saved alongside when given.
+        fp8_modules: names of the layers to store in FP8 (default: :func:`fp8_module_names`).
+        dtype: dtype of the high-precision tensors (None keeps the model's).
+        max_shard_size: bytes per safetensors shard.
+        extra_files: `{filename: text}` written with the checkpoint (e.g. a model card).
+
+    The write is atomic in the sense that matters: everything goes to a temporary folder first, and `config.json`,
+    which makes the folder look like a model, is moved in last. An interrupted save leaves no `config.json` and so
+    never passes for a complete checkpoint. NaN/Inf weights raise before anything is written.
+    """
+    from safetensors.torch import save_file
+    from tqdm.auto import tqdm
+
+    hf_model = unwrap_model(model)
+    fp8_modules = fp8_module_names(model) if fp8_modules is None else fp8_modules
+    linear_names = {_clean(n) for n, m in hf_model.named_modules() if isinstance(m, nn.Linear) and "lora_" not in n}
+    clean_fp8 = {_clean(n) for n in fp8_modules}
+    check_fused_groups(clean_fp8, linear_names)
+
+    tensors: dict[str, torch.Tensor] = {}
+    pairs = fp8_checkpoint_tensors(model, fp8_modules=fp8_modules, power_of_two_scales=power_of_two_scales)
+    for name, t in tqdm(pairs, desc="Quantizing FP8 checkpoint", unit="tensor", disable=not progress):
+        is_fp8_part = t.dtype == torch.float8_e4m3fn or name.endswith(".weight_scale_inv")
+        if dtype is not None and t.is_floating_point() and not is_fp8_part:
+            t = t.to(dtype)
+        tensors[name] = t.to("cpu").contiguous()
+
+    config = hf_model.config.to_dict()
+    config["quantization_config"] = {**QUANTIZATION_CONFIG, "modules_to_not_convert": sorted(linear_names - clean_fp8)}
+    if dtype is not None:
+        config["dtype"] = str(dtype).removeprefix("torch.")
+        config.pop("torch_dtype", None)
+
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / f".tmp-fp8-save-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        shards = _shard(tensors, max_shard_size)
+        files = (
+            ["model.safetensors"]
+            if len(shards) == 1
+            else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        )
+        for fname, shard in zip(files, tqdm(shards, desc="Writing shards", disable=not progress), strict=True):
+            save_file(shard, str(tmp / fname), metadata={"format": "pt"})
+        if len(shards) > 1:
+            index = {
+                "metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+                "weight_map": {name: f for f, shard in zip(files, shards, strict=True) for name in shard},
+            }
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+        generation_config = getattr(hf_model, "generation_config", None)
+        if generation_config is not None:
+            generation_config.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        for fname, text in (extra_files or {}).items():
+            (tmp / fname).write_text(text)
+
+        # Swap in: drop the old config first (the folder stops looking complete), replace weights, config last.
+        (out / "config.json").unlink(missing_ok=True)
+        for stale in list(out.glob("model*.safetensors")) + list(out.glob("model.safetensors.index.json")):
+            if stale.name not in files:
+                stale.unlink()
+        for path in sorted(tmp.iterdir(), key=lambda p: p.name == "config.json"):
+            os.replace(path, out / path.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out

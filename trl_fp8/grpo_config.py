@@ -1,0 +1,126 @@
+"""`FP8GRPOConfig`: TRL's `GRPOConfig` plus the FP8 precision flow, TIS and export settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trl import GRPOConfig
+
+from .config import BACKENDS, RECIPES
+
+TIS_MODES = ("token", "off")
+
+
+@dataclass
+class FP8GRPOConfig(GRPOConfig):
+    r"""
+    Configuration for [`FP8GRPOTrainer`]: every [`~trl.GRPOConfig`] field, plus the ones below.
+
+    > Parameters that control the FP8 precision flow
+
+    fp8_recipe (`str` or `None`, *optional*, defaults to `"blockwise"`):
+        `"blockwise"` (128x128 weights, 1x128 activations and gradients, all three GEMMs in FP8: the Jet-RL unified
+        flow that rollouts share), torchao's `"tensorwise"` or `"rowwise"`, or `None` to train in BF16 (the same
+        script then runs the BF16 baseline).
+    num_first_layers_in_bf16 (`int`, *optional*, defaults to `0`):
+        Decoder layers at the input end kept in BF16.
+    num_last_layers_in_bf16 (`int`, *optional*, defaults to `0`):
+        Decoder layers at the output end kept in BF16.
+    fp8_power_of_two_scales (`bool`, *optional*, defaults to `False`):
+        Round blockwise scales down to powers of two (DeepSeek / NeMo RL style).
+    fp8_backend (`str`, *optional*, defaults to `"auto"`):
+        `"scaled_mm"` (real FP8 kernels, SM90), `"emulated"` (exact emulation, any device) or `"auto"`.
+
+    > Parameters that control truncated importance sampling
+
+    tis (`str` or `None`, *optional*, defaults to `None`):
+        `"token"`: token-level TIS, `min(pi_train / pi_rollout, tis_cap)` per token (TRL's `token_truncate` mode
+        with vLLM; applied by this trainer to any other rollout that returns its own log-probs). `"off"`: no
+        correction. `None`: leave TRL's `vllm_importance_sampling_*` fields as they are.
+    tis_cap (`float`, *optional*, defaults to `2.0`):
+        Upper clip of the token ratio (veRL and NeMo RL use 2.0 for FP8 rollouts).
+
+    > Parameters that control saving
+
+    save_fp8_checkpoint (`bool`, *optional*, defaults to `True`):
+        `save_model()` (and so `push_to_hub()`) writes a block-FP8 checkpoint that vLLM and transformers load.
+        Intermediate training checkpoints keep the BF16 master weights so training can resume from them.
+    save_bf16_master_weights (`bool`, *optional*, defaults to `False`):
+        Also write the high-precision master weights to `<output_dir>/bf16_master`.
+    """
+
+    fp8_recipe: str | None = field(
+        default="blockwise",
+        metadata={
+            "help": "FP8 training recipe: 'blockwise' (128x128 weights, 1x128 activations and gradients, the unified "
+            "flow rollouts share), torchao's 'tensorwise' or 'rowwise', or 'none' to train in BF16.",
+        },
+    )
+    num_first_layers_in_bf16: int = field(
+        default=0, metadata={"help": "Number of decoder layers at the input end kept in BF16."}
+    )
+    num_last_layers_in_bf16: int = field(
+        default=0, metadata={"help": "Number of decoder layers at the output end kept in BF16."}
+    )
+    fp8_power_of_two_scales: bool = field(
+        default=False, metadata={"help": "Round blockwise FP8 scales down to powers of two (DeepSeek/NeMo style)."}
+    )
+    fp8_backend: str = field(
+        default="auto",
+        metadata={
+            "help": "FP8 GEMM backend: 'scaled_mm' (real FP8 kernels, needs an SM90 GPU), 'emulated' (exact "
+            "emulation on any device) or 'auto' (scaled_mm on SM90, emulated elsewhere).",
+        },
+    )
+    tis: str | None = field(
+        default=None,
+        metadata={
+            "help": "Truncated importance sampling: 'token' (per-token ratio clipped at tis_cap), 'off', or unset "
+            "to keep TRL's vllm_importance_sampling_* settings.",
+        },
+    )
+    tis_cap: float = field(
+        default=2.0, metadata={"help": "Upper clip of the token-level importance ratio (veRL/NeMo RL use 2.0)."}
+    )
+    save_fp8_checkpoint: bool = field(
+        default=True,
+        metadata={
+            "help": "Make save_model()/push_to_hub() write a block-FP8 checkpoint that vLLM and transformers load.",
+        },
+    )
+    save_bf16_master_weights: bool = field(
+        default=False,
+        metadata={"help": "Also write the high-precision master weights to <output_dir>/bf16_master."},
+    )
+
+    def __post_init__(self):
+        if isinstance(self.fp8_recipe, str) and self.fp8_recipe.lower() in ("none", "null", "bf16", ""):
+            self.fp8_recipe = None  # the CLI and YAML pass strings
+        if self.fp8_recipe is not None and self.fp8_recipe not in RECIPES:
+            raise ValueError(f"fp8_recipe={self.fp8_recipe!r} is unknown; use one of {RECIPES} or None for BF16.")
+        if self.fp8_backend not in BACKENDS:
+            raise ValueError(f"fp8_backend={self.fp8_backend!r} is unknown; use one of {BACKENDS}.")
+        for name in ("num_first_layers_in_bf16", "num_last_layers_in_bf16"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}.")
+        if self.fp8_power_of_two_scales and self.fp8_recipe not in ("blockwise", None):
+            raise ValueError(
+                "fp8_power_of_two_scales applies to fp8_recipe='blockwise' only (torchao's rowwise recipe already "
+                "uses power-of-two scales). Drop fp8_power_of_two_scales or use the blockwise recipe."
+            )
+        if isinstance(self.tis, str) and self.tis.lower() in ("none", "null", ""):
+            self.tis = None
+        if self.tis is not None and self.tis not in TIS_MODES:
+            raise ValueError(f"tis={self.tis!r} is unknown; use 'token', 'off' or leave it unset.")
+        if not self.tis_cap > 1.0:
+            raise ValueError(
+                f"tis_cap must be > 1 (a cap at or below 1 down-weights every token), got {self.tis_cap}."
+            )
+        # Map onto TRL's own fields before its __post_init__ validates them.
+        if self.tis == "token":
+            self.vllm_importance_sampling_correction = True
+            self.vllm_importance_sampling_mode = "token_truncate"
+            self.vllm_importance_sampling_clip_max = self.tis_cap
+        elif self.tis == "off":
+            self.vllm_importance_sampling_correction = False
+        super().__post_init__()

@@ -1,0 +1,214 @@
+"""`FP8GRPOTrainer`: TRL's `GRPOTrainer` with the policy's linear layers in FP8, TIS, and FP8 export.
+
+Thin on purpose: the model is converted before TRL wraps it, and four hooks change behaviour:
+
+- `_generate_and_score_completions`: logs trainer-vs-rollout mismatch and, where TRL has no importance sampling of
+  its own (rollouts with log-probs but without vLLM), adds the token TIS ratio to the batch;
+- `_compute_loss`: lets TRL apply that ratio with its own code;
+- `save_model` / `_save_checkpoint`: final saves are block-FP8 checkpoints, training checkpoints keep BF16 masters;
+- `create_model_card`: says which recipe and which layers stayed in high precision.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from transformers.trainer import TRAINING_ARGS_NAME
+from trl import GRPOTrainer
+from trl.trainer.utils import create_model_from_path
+
+from .config import FP8LinearConfig
+from .conversion import ConversionReport, convert_to_fp8
+from .export import save_fp8_checkpoint, unwrap_model
+from .grpo_config import FP8GRPOConfig
+from .importance_sampling import mismatch_stats, token_tis_ratio
+
+__all__ = ["FP8GRPOTrainer"]
+
+
+class FP8GRPOTrainer(GRPOTrainer):
+    """[`~trl.GRPOTrainer`] whose policy (and reference model) run their linear layers in FP8.
+
+    Takes every argument of `GRPOTrainer` (model name or instance, reward functions, `peft_config`, ...) with an
+    [`FP8GRPOConfig`] as `args`, plus:
+
+    Args:
+        fp8_module_filter_fn: `fn(module, fqn) -> bool`; return False to keep a linear layer in BF16.
+
+    With `peft_config`, the frozen base layers are FP8 and the LoRA adapters stay BF16.
+    """
+
+    def __init__(
+        self,
+        model,
+        reward_funcs=None,
+        args: FP8GRPOConfig | None = None,
+        *trainer_args,
+        fp8_module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
+        **trainer_kwargs,
+    ):
+        if args is None:
+            name = model if isinstance(model, str) else model.config._name_or_path
+            args = FP8GRPOConfig(f"{str(name).rstrip('/').split('/')[-1]}-FP8-GRPO")
+        if not isinstance(args, FP8GRPOConfig):
+            raise TypeError(
+                f"FP8GRPOTrainer needs an FP8GRPOConfig, got {type(args).__name__}. Build the same settings with "
+                "trl_fp8.FP8GRPOConfig(...): it takes every GRPOConfig field."
+            )
+        if isinstance(model, str):
+            model = self._load_model(model, args, trainer_kwargs.get("quantization_config"))
+        self._fp8_filter = fp8_module_filter_fn
+        self.fp8_report = self._convert(model, args)
+        self._saving_training_checkpoint = False
+        super().__init__(model, reward_funcs, args, *trainer_args, **trainer_kwargs)
+        if self.ref_model is not None:
+            self._convert(unwrap_model(self.ref_model), args)
+        # TRL weights the loss by the IS ratio only with vLLM; we extend token TIS to other rollouts with log-probs.
+        self._tis_without_vllm = args.tis == "token" and not self.use_vllm
+
+    # --- model ----------------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _load_model(model_id: str, args: FP8GRPOConfig, quantization_config):
+        """Load a model name the way GRPOTrainer does, so it can be converted before TRL wraps it."""
+        kwargs = dict(args.model_init_kwargs or {})
+        if quantization_config is not None:
+            kwargs["quantization_config"] = quantization_config
+        if args.distributed_state.distributed_type in ["MULTI_GPU", "DEEPSPEED"]:
+            kwargs["device_map"] = None
+        kwargs.setdefault("trust_remote_code", args.trust_remote_code)
+        return create_model_from_path(model_id, **kwargs)
+
+    def _convert(self, model: nn.Module, args: FP8GRPOConfig) -> ConversionReport:
+        if args.fp8_recipe is None:
+            return ConversionReport(recipe="bf16")
+        config = FP8LinearConfig(
+            recipe=args.fp8_recipe, power_of_two_scales=args.fp8_power_of_two_scales, backend=args.fp8_backend
+        )
+        return convert_to_fp8(
+            model,
+            num_first_layers_in_bf16=args.num_first_layers_in_bf16,
+            num_last_layers_in_bf16=args.num_last_layers_in_bf16,
+            module_filter_fn=self._fp8_filter,
+            config=config,
+        )
+
+    # --- rollouts: mismatch metrics and TIS ---------------------------------------------------------------------
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        mode = "train" if self.model.training else "eval"
+        self._metrics[mode]["fp8/num_fp8_layers"].append(float(self.fp8_report.num_fp8_layers))
+        rollout_logps = output.get("sampling_per_token_logps")
+        if rollout_logps is None:
+            return output  # rollouts by the trainer's own FP8 model: nothing differs, nothing to correct
+        train_logps = output.get("old_per_token_logps")
+        if train_logps is None:
+            train_logps = self._trainer_logps(output, mode)
+            if self._tis_without_vllm:
+                output["old_per_token_logps"] = train_logps
+        mask = output["completion_mask"] * output.get("tool_mask", 1)
+        cap = self.args.tis_cap if self.args.tis == "token" else None
+        for key, value in mismatch_stats(train_logps, rollout_logps, mask, cap).items():
+            self._metrics[mode][f"fp8/mismatch/{key}"].append(self.accelerator.gather(value).float().mean().item())
+        if self._tis_without_vllm:
+            output["importance_sampling_ratio"] = token_tis_ratio(
+                train_logps, rollout_logps, mask, self.args.tis_cap, self.args.vllm_importance_sampling_clip_min
+            )
+        return output
+
+    @torch.no_grad()
+    def _trainer_logps(self, output, mode) -> torch.Tensor:
+        input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+        attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+        batch_size = self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
+        logps, _, _ = self._get_per_token_logps_and_entropies(
+            self.model, input_ids, attention_mask, output["completion_ids"].size(1), batch_size=batch_size
+        )
+        return logps
+
+    def _compute_loss(self, model, inputs):
+        if not (self._tis_without_vllm and "importance_sampling_ratio" in inputs):
+            return super()._compute_loss(model, inputs)
+        # TRL multiplies the per-token loss by inputs["importance_sampling_ratio"] when `use_vllm` is set and reads
+        # that flag nowhere else in the loss; raising it for this call reuses TRL's code instead of forking the loss.
+        self.use_vllm = True
+        try:
+            return super()._compute_loss(model, inputs)
+        finally:
+            self.use_vllm = False
+
+    # --- saving -------------------------------------------------------------------------------------------------
+
+    def _save_checkpoint(self, model, trial):
+        # Training checkpoints must stay resumable: keep the BF16 master weights there.
+        self._saving_training_checkpoint = True
+        try:
+            return super()._save_checkpoint(model, trial)
+        finally:
+            self._saving_training_checkpoint = False
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        """Write a block-FP8 checkpoint (vLLM/transformers `quant_method: fp8`) to `output_dir`.
+
+        With `save_fp8_checkpoint=False`, or for intermediate training checkpoints, this is `Trainer.save_model`.
+        """
+        if not self.args.save_fp8_checkpoint or self._saving_training_checkpoint:
+            return super().save_model(output_dir, _internal_call)
+        if self.is_fsdp_enabled or (
+            self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3
+        ):
+            raise NotImplementedError(
+                "save_fp8_checkpoint does not gather sharded (FSDP / ZeRO-3) weights yet. Set save_fp8_checkpoint=False "
+                "to save BF16 weights, then write the FP8 checkpoint with `python -m trl_fp8.quantize <dir> <out>`."
+            )
+        output_dir = output_dir or self.args.output_dir
+        if self.args.should_save:
+            model = self.accelerator.unwrap_model(self.model)
+            save_fp8_checkpoint(
+                model,
+                output_dir,
+                self.processing_class,
+                power_of_two_scales=self.args.fp8_power_of_two_scales,
+                progress=not self.args.disable_tqdm,
+            )
+            if self.args.save_bf16_master_weights:
+                model.save_pretrained(os.path.join(output_dir, "bf16_master"))
+            torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+        self.accelerator.wait_for_everyone()
+
+    def create_model_card(self, model_name=None, dataset_name=None, tags=None):
+        tags = [tags] if isinstance(tags, str) else list(tags or [])
+        super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=[*tags, "fp8", "trl-fp8"])
+        if not self.is_world_process_zero():
+            return
+        path = os.path.join(self.args.output_dir, "README.md")
+        with open(path, "a") as f:
+            f.write("\n" + fp8_model_card_section(self.fp8_report, self.args))
+
+
+def fp8_model_card_section(report: ConversionReport, args: FP8GRPOConfig) -> str:
+    kept = sorted(report.kept.items())
+    lines = [
+        "## FP8",
+        "",
+        f"Trained with [trl-fp8](https://pypi.org/project/trl-fp8/) `FP8GRPOTrainer`, recipe `{report.recipe}` "
+        f"({report.num_fp8_layers} linear layers in FP8"
+        + (", power-of-two scales" if args.fp8_power_of_two_scales else "")
+        + (f", token TIS capped at {args.tis_cap}" if args.tis == "token" else "")
+        + ").",
+        "",
+    ]
+    if args.save_fp8_checkpoint:
+        lines += [
+            "The weights are a block-FP8 checkpoint (`quant_method: fp8`, 128x128 weight blocks, float32 "
+            "`weight_scale_inv`, dynamic 1x128 activations): `vllm serve <this repo>` or "
+            "`AutoModelForCausalLM.from_pretrained(<this repo>)` load it as is.",
+            "",
+        ]
+    if kept:
+        lines += ["Linear layers kept in high precision:", ""] + [f"- `{n}` ({why})" for n, why in kept] + [""]
+    return "\n".join(lines)
