@@ -150,6 +150,22 @@ def test_weight_cache_quantizes_once_per_weight_version(monkeypatch):
     assert not torch.equal(q2.view(torch.uint8), q.view(torch.uint8))
 
 
+@pytest.mark.parametrize("opt_kwargs", [{"fused": True}, {"foreach": True}, {"foreach": False}])
+def test_any_optimizer_step_invalidates_the_cache(opt_kwargs):
+    """Fused AdamW (the transformers default) does not bump the weight's version counter: the cache must still see
+    the update, or the forward would keep multiplying the old FP8 weight."""
+    lin, _ = make_layer()
+    opt = torch.optim.AdamW(lin.parameters(), lr=0.1, **opt_kwargs)
+    x = torch.randn(16, 256)
+    lin(x).sum().backward()
+    old_q, _ = lin.quantized_weight()
+    opt.step()
+    q, s = lin.quantized_weight()
+    q_ref, s_ref = quantize_blocks(lin.weight.detach())
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
+    assert not torch.equal(q.view(torch.uint8), old_q.view(torch.uint8))
+
+
 def test_cache_can_be_disabled(monkeypatch):
     lin, _ = make_layer(cache_quantized_weight=False)
     lin(torch.randn(8, 256))

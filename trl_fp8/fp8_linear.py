@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .config import FP8LinearConfig
 from .ops import select_ops
@@ -33,6 +34,19 @@ from .ops import select_ops
 __all__ = ["FP8Linear"]
 
 _ROWS = 128  # WGrad groups run along the token dim
+
+# Fused optimizers (AdamW(fused=True), the transformers default on GPU and CPU) update parameters without bumping
+# their autograd version counter, so a weight's `_version` alone cannot tell that it changed. Count optimizer steps
+# process-wide and make that count part of every FP8 weight cache key.
+_optimizer_steps = 0
+
+
+def _count_optimizer_step(optimizer, args, kwargs) -> None:
+    global _optimizer_steps
+    _optimizer_steps += 1
+
+
+register_optimizer_step_post_hook(_count_optimizer_step)
 
 
 def _pad_rows(x: torch.Tensor) -> torch.Tensor:
@@ -128,7 +142,7 @@ class FP8Linear(nn.Linear):
 
     def _fp8_weight(self) -> FP8Weight:
         w, cfg = self.weight, self.fp8_config
-        key = (w.data_ptr(), w._version, w.device, w.dtype)
+        key = (w.data_ptr(), w._version, _optimizer_steps, w.device, w.dtype)
         cached = self._fp8_weight_cache
         # Tensors made under inference_mode cannot be saved for backward: re-quantize outside it.
         if (
@@ -142,6 +156,8 @@ class FP8Linear(nn.Linear):
         return fp8_weight
 
     def clear_fp8_cache(self) -> None:
+        """Forget the cached FP8 weight. Needed only after changing the weight behind autograd's back (through
+        `.data` or a custom kernel) outside a `torch.optim` optimizer step; optimizer steps invalidate it already."""
         self._fp8_weight_cache = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
