@@ -178,6 +178,7 @@ def test_save_model_writes_a_block_fp8_checkpoint_transformers_loads(model_dir, 
         "weight_block_size": [128, 128],
         "modules_to_not_convert": ["lm_head"],
     }
+    assert config["architectures"] == ["Qwen3ForCausalLM"]  # vLLM picks the model class from it
     assert (out / "tokenizer.json").exists() and (out / "bf16_master" / "model.safetensors").exists()
     model = trainer.model
     with safe_open(out / "model.safetensors", "pt") as f:

@@ -197,6 +197,8 @@ def save_fp8_checkpoint(
         tensors[name] = t.to("cpu").contiguous()
 
     config = hf_model.config.to_dict()
+    # save_pretrained fills this in; loaders (vLLM above all) pick the model class from it.
+    config["architectures"] = config.get("architectures") or [type(hf_model).__name__]
     config["quantization_config"] = {**QUANTIZATION_CONFIG, "modules_to_not_convert": sorted(linear_names - clean_fp8)}
     if dtype is not None:
         config["dtype"] = str(dtype).removeprefix("torch.")
