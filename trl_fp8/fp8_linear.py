@@ -16,9 +16,8 @@ input's dtype (BF16) for `dx` and the master weight's dtype for `dW`: inter-op g
 Saved for backward: the input `x` in its own (BF16) precision, as `nn.Linear` does, and the FP8 weight with its
 scales (1 byte per parameter, shared with the weight cache). DGrad needs those FP8 values column-major; on the GPU
 the deterministic quantizer writes that layout directly (bit-identical, cheaper than transposing FP8 bytes), once
-per weight version when the cache is on. Token
-counts that are not multiples of 128 are zero-padded for WGrad; zeros change no group's amax, so the padding is
-exact.
+per weight version when the cache is on. Token counts that are not multiples of 128 are zero-padded for WGrad;
+zeros change no group's amax, so the padding is exact.
 """
 
 from __future__ import annotations
