@@ -26,23 +26,9 @@ from trl import ModelConfig, TrlParser, get_peft_config  # noqa: E402
 from trl.scripts.grpo import GRPOScriptArguments  # noqa: E402
 
 from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer  # noqa: E402
+from trl_fp8.toy_task import GRPO_SETTINGS  # noqa: E402
 
-DEMO_DEFAULTS = dict(
-    output_dir="grpo_fp8_demo",
-    learning_rate=2e-3,
-    max_steps=80,
-    lr_scheduler_type="constant",
-    per_device_train_batch_size=32,
-    num_generations=8,
-    max_completion_length=8,
-    temperature=1.0,
-    beta=0.0,
-    logging_steps=5,
-    save_strategy="no",
-    report_to="none",
-    gradient_checkpointing=False,
-    seed=0,
-)
+DEMO_DEFAULTS = dict(GRPO_SETTINGS, output_dir="grpo_fp8_demo", max_steps=80, logging_steps=5)
 
 
 class RewardTrend(TrainerCallback):

@@ -9,7 +9,7 @@ from safetensors import safe_open
 
 from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, FP8Linear, dequantize_blocks, quantize_blocks
 from trl_fp8.tiny_model import tiny_char_tokenizer, tiny_qwen3
-from trl_fp8.toy_task import say_letter_dataset, say_letter_reward
+from trl_fp8.toy_task import GRPO_SETTINGS, say_letter_dataset, say_letter_reward
 
 from conftest import rel_err
 
@@ -25,20 +25,13 @@ def model_dir(tmp_path_factory):
 
 def make_args(tmp_path, **kw):
     defaults = dict(
+        GRPO_SETTINGS,
         output_dir=str(tmp_path / "out"),
-        learning_rate=2e-3,
-        lr_scheduler_type="constant",
         max_steps=2,
         per_device_train_batch_size=16,
-        num_generations=8,
-        max_completion_length=8,
         logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        gradient_checkpointing=False,
         use_cpu=True,
         bf16=False,
-        seed=0,
         disable_tqdm=True,
     )
     return FP8GRPOConfig(**{**defaults, **kw})

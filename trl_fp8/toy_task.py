@@ -11,6 +11,22 @@ import random
 
 LETTERS = "abcdefgh"
 
+# GRPO settings under which a randomly initialised tiny Qwen3 learns the task within minutes on a CPU (measured with
+# seed 0: mean reward 0.02 over the first 5 steps, 0.24 over steps 31-40). Shared by the demo, notebook and tests.
+GRPO_SETTINGS = dict(
+    learning_rate=2e-3,
+    lr_scheduler_type="constant",
+    per_device_train_batch_size=32,
+    num_generations=8,
+    max_completion_length=8,
+    temperature=1.0,
+    beta=0.0,
+    gradient_checkpointing=False,
+    save_strategy="no",
+    report_to="none",
+    seed=0,
+)
+
 
 def say_letter_dataset(n: int = 1024, seed: int = 0, letters: str = LETTERS):
     """A `datasets.Dataset` of conversational prompts `[{"role": "user", "content": "say c"}]` with a `letter` column."""

@@ -9,7 +9,7 @@ import torch
 from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, FP8Linear
 from trl_fp8.ops import select_ops
 from trl_fp8.tiny_model import tiny_char_tokenizer, tiny_qwen3
-from trl_fp8.toy_task import say_letter_dataset, say_letter_reward
+from trl_fp8.toy_task import GRPO_SETTINGS, say_letter_dataset, say_letter_reward
 
 from conftest import rel_err
 
@@ -22,9 +22,8 @@ def test_grpo_end_to_end_with_real_fp8_kernels(tmp_path):
     tiny_qwen3(vocab_size=128, eos_token_id=tokenizer.eos_token_id, pad_token_id=0).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     args = FP8GRPOConfig(
-        output_dir=str(tmp_path / "out"), learning_rate=2e-3, lr_scheduler_type="constant", max_steps=40,
-        per_device_train_batch_size=32, num_generations=8, max_completion_length=8, logging_steps=1,
-        save_strategy="no", report_to="none", gradient_checkpointing=True, bf16=True, seed=0, disable_tqdm=True,
+        **{**GRPO_SETTINGS, "gradient_checkpointing": True},
+        output_dir=str(tmp_path / "out"), max_steps=40, logging_steps=1, bf16=True, disable_tqdm=True,
         model_init_kwargs={"dtype": "bfloat16"},
     )  # fmt: skip
     trainer = FP8GRPOTrainer(str(model_dir), say_letter_reward, args, train_dataset=say_letter_dataset(2048))
