@@ -1,6 +1,5 @@
 """FP8GRPOTrainer end to end on a tiny Qwen3 (CPU, exact FP8 emulation), with the config, TIS, LoRA and export."""
 
-import copy
 import json
 
 import pytest
@@ -362,8 +361,7 @@ def test_quantize_cli_matches_the_training_quantizer(model_dir, tmp_path):
     assert "model.layers.0.self_attn.q_proj" in config["quantization_config"]["modules_to_not_convert"]
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    fp8 = copy.deepcopy(model)
+    fp8 = AutoModelForCausalLM.from_pretrained(model_dir)
     convert_to_fp8(fp8)
     q_train, _ = fp8.model.layers[1].mlp.up_proj.quantized_weight()
     with safe_open(out / "model.safetensors", "pt") as f:

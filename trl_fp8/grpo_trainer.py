@@ -107,9 +107,9 @@ class FP8GRPOTrainer(GRPOTrainer):
             return output  # rollouts by the trainer's own FP8 model: nothing differs, nothing to correct
         train_logps = output.get("old_per_token_logps")
         if train_logps is None:
-            train_logps = self._trainer_logps(output, mode)
-            if self._tis_without_vllm:
-                output["old_per_token_logps"] = train_logps
+            if not self._tis_without_vllm:
+                return output  # TRL did not need the trainer's log-probs; no extra forward just for metrics
+            train_logps = output["old_per_token_logps"] = self._trainer_logps(output, mode)
         mask = output["completion_mask"] * output.get("tool_mask", 1)
         cap = self.args.tis_cap if self.args.tis == "token" else None
         for key, value in mismatch_stats(train_logps, rollout_logps, mask, cap).items():
