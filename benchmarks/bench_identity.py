@@ -2,14 +2,19 @@
 
     python benchmarks/bench_identity.py [--hidden 1024 --layers 4]     # GPU host with vLLM (kit in ../shared/gpu)
 
-For each engine setting, one child process (vLLM holds on to GPU state) builds the same random Qwen3-shaped model,
-starts vLLM, samples completions with their log-probs, scores the very same tokens with the trainer-side model and
-reports mean / max |delta logp| and the KL(rollout || train) k3 estimate:
+For each setting, one child process (vLLM holds on to GPU state) builds the same random Qwen3-shaped model, starts
+vLLM the way `FP8GRPOTrainer` does (config-only folder, dummy load, then the trainer's tensors pushed through
+layerwise `reload_weights`), samples completions with their log-probs, scores the very same tokens with the
+trainer-side model and reports mean / max |delta logp| and the KL(rollout || train) k3 estimate:
 
-- `bf16`: BF16 trainer, vLLM on the BF16 checkpoint (the mismatch every GRPO user already has);
-- `fp8`: trainer with trl_fp8 blockwise FP8 layers, vLLM on our block-FP8 checkpoint (the unified flow); then the
-  trainer's weights change, the new FP8 weights and scales go to the running engine through vLLM's layerwise
-  `reload_weights`, and the check runs again (`fp8 after reload`).
+- `bf16`: BF16 trainer, BF16 rollout (the mismatch every GRPO user already has);
+- `fp8`: trl_fp8 blockwise FP8 trainer, rollout on its own FP8 weights and scales (the unified flow); then every
+  weight moves, the new FP8 weights go to the running engine, and the check runs again (`fp8 after reload`);
+- `fp8_online`: BF16 trainer, vLLM quantizes the BF16 weights itself (`quantization="fp8"`): BF16-train /
+  FP8-rollout, the setting Jet-RL shows drifting;
+- `bf16_train_fp8_rollout`: BF16 trainer, rollout on block-FP8 weights from our quantizer (same weights vLLM's
+  blockwise online quantization would make): isolates the cost of training in a precision the rollout lacks;
+- `fp8_kv`: the unified flow plus an FP8 KV cache whose q/k/v scales come from the trainer's forward.
 
 Writes `benchmarks/results/identity_<device>.json`.
 """
@@ -19,13 +24,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
 def build_model(args, seed=0):
@@ -72,32 +77,40 @@ def compare(train, rollout):
     }
 
 
+SETTINGS = {  # setting: (trainer in FP8, rollout precision, FP8 KV cache)
+    "bf16": (False, "bf16", False),
+    "fp8": (True, "fp8", False),
+    "fp8_online": (False, "fp8_online", False),
+    "bf16_train_fp8_rollout": (False, "fp8", False),
+    "fp8_kv": (True, "fp8", True),
+}
+
+
 def run_engine(args):
-    """Child process: one engine setting, prints one JSON line per check."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process engine: the worker is reachable for reloads
+    """Child process: one setting, prints one JSON line per check."""
     import torch
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
+    from vllm_engine import start_engine, sync
 
     from trl_fp8 import convert_to_fp8
-    from trl_fp8.export import fp8_checkpoint_tensors, save_fp8_checkpoint
+    from trl_fp8.kv_scales import AttentionScaleObserver
 
-    work = Path(args.workdir)
+    train_fp8, precision, fp8_kv = SETTINGS[args.engine]
     model = build_model(args)
-    if args.engine == "fp8":
+    if train_fp8:
         convert_to_fp8(model)
-        ckpt = work / "fp8"
-        save_fp8_checkpoint(model, ckpt, progress=False)
-    else:
-        ckpt = work / "bf16"
-        model.save_pretrained(ckpt)
-    llm = LLM(
-        model=str(ckpt), tokenizer=None, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
-        gpu_memory_utilization=0.3, max_model_len=512, seed=0, enable_prefix_caching=False,
-        logprobs_mode="processed_logprobs",
+    observer = AttentionScaleObserver(model) if fp8_kv else None
+    llm = start_engine(
+        model, precision, Path(args.workdir), fp8_kv_cache=fp8_kv, enforce_eager=True, gpu_memory_utilization=0.3,
+        max_model_len=512,
     )  # fmt: skip
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, args.vocab, (32,), generator=g).tolist() for _ in range(args.prompts)]
     params = SamplingParams(temperature=1.0, max_tokens=args.new_tokens, logprobs=0, seed=0, detokenize=False)
+    if observer is not None:
+        with torch.no_grad():
+            model(torch.tensor(prompts, device="cuda"))  # what the trainer's forward would have measured
+    sync(llm, model, precision, observer.scales() if observer else None)
 
     def check(label):
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -112,21 +125,22 @@ def run_engine(args):
         with torch.no_grad():  # an "optimizer step": every weight moves
             for p in model.parameters():
                 p.add_(torch.randn_like(p) * p.float().std().to(p.dtype) * 0.2)
-        worker = llm.llm_engine.model_executor.driver_worker.worker
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        worker.reload_weights(weights_iterator=fp8_checkpoint_tensors(model, check_finite=False))
-        end.record()
-        torch.cuda.synchronize()
+        seconds = sync(llm, model, precision)
         after = check("fp8 after reload")
         changed = sum(a != b for a, b in zip(after, before, strict=True))
-        print(json.dumps({"check": "reload", "ms": start.elapsed_time(end), "changed_completions": changed}))
+        print(json.dumps({"check": "reload", "ms": 1e3 * seconds, "changed_completions": changed}))
+
+
+def _versions() -> dict:
+    from importlib.metadata import version
+
+    return {name: version(name) for name in ("torch", "vllm", "transformers", "trl", "torchao")}
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--engine", choices=["bf16", "fp8"], help=argparse.SUPPRESS)
+    parser.add_argument("--engine", choices=list(SETTINGS), help=argparse.SUPPRESS)
+    parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     parser.add_argument("--workdir", default="/tmp/trl_fp8_identity")
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=4)
@@ -143,22 +157,22 @@ def main():
 
     Path(args.workdir).mkdir(parents=True, exist_ok=True)
     rows = []
-    for engine in ("bf16", "fp8"):
+    for engine in args.settings:
         cmd = [sys.executable, __file__, "--engine", engine] + sys.argv[1:]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
         if proc.returncode != 0 or not lines:
             print(proc.stdout[-3000:], proc.stderr[-6000:], sep="\n")
-            raise SystemExit(f"engine {engine} failed (exit {proc.returncode})")
+            print(f"setting {engine} failed (exit {proc.returncode})")
+            continue
         rows.extend(lines)
     device = torch.cuda.get_device_name()
-    import vllm
 
     result = {
         "benchmark": "trainer vs vLLM log-probs on the same sampled tokens",
         "device": device,
         "date": datetime.date.today().isoformat(),
-        "versions": {"torch": torch.__version__, "vllm": vllm.__version__},
+        "versions": _versions(),
         "model": {k: getattr(args, k) for k in ("hidden", "layers", "vocab", "init_std")},
         "prompts": args.prompts,
         "new_tokens": args.new_tokens,
@@ -167,11 +181,11 @@ def main():
     out = Path(args.out or ROOT / "benchmarks" / "results" / f"identity_{device.replace(' ', '_')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"{'check':<20}{'mean |dlogp|':>14}{'max |dlogp|':>14}{'KL k3':>12}")
+    print(f"{'check':<24}{'mean |dlogp|':>14}{'max |dlogp|':>14}{'KL k3':>12}")
     for r in rows:
         if "abs_logp_diff_mean" in r:
             print(
-                f"{r['check']:<20}{r['abs_logp_diff_mean']:>14.2e}{r['abs_logp_diff_max']:>14.2e}{r['kl_k3']:>12.2e}"
+                f"{r['check']:<24}{r['abs_logp_diff_mean']:>14.2e}{r['abs_logp_diff_max']:>14.2e}{r['kl_k3']:>12.2e}"
             )
         else:
             print(r)

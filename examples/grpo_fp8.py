@@ -4,7 +4,9 @@
     accelerate launch examples/grpo_fp8.py --fp8_recipe none    # the same run in BF16, for comparison
     accelerate launch examples/grpo_fp8.py \
         --model_name_or_path Qwen/Qwen3-0.6B --dataset_name trl-lib/DeepMath-103K \
-        --reward_funcs accuracy_reward --use_vllm --tis token   # a real model on a GPU machine
+        --reward_funcs accuracy_reward --use_vllm --tis token   # a real model on a GPU machine, vLLM rollouts
+                                                                 # on the trainer's FP8 weights (colocated)
+    accelerate launch examples/grpo_fp8.py --use_vllm --fp8_kv_cache    # the demo with vLLM and an FP8 KV cache
 
 Every `FP8GRPOConfig` (hence `GRPOConfig`), `ModelConfig` and TRL GRPO script flag works, and `--config run.yaml`.
 With no `--model_name_or_path`, the demo builds a randomly initialised Qwen3-architecture model (dims multiples of

@@ -337,6 +337,9 @@ def test_config_round_trips_through_trl_parser(tmp_path):
         ({"tis": "sequence"}, "tis='sequence' is unknown"),
         ({"tis": "token", "tis_cap": 1.0}, "tis_cap must be > 1"),
         ({"fp8_backend": "cuda"}, "fp8_backend='cuda' is unknown"),
+        ({"rollout_precision": "int8"}, "rollout_precision='int8' is unknown"),
+        ({"fp8_recipe": "tensorwise", "rollout_precision": "fp8"}, "Use fp8_recipe='blockwise'"),
+        ({"fp8_kv_cache": True}, "it needs use_vllm=True"),
     ],
 )
 def test_bad_configs_name_the_fix(tmp_path, kwargs, message):

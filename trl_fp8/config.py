@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 RECIPES = ("blockwise", "tensorwise", "rowwise")
 BACKENDS = ("auto", "scaled_mm", "emulated")
+# vLLM rollout weights: ours in FP8 (unified), BF16, or BF16 quantized by vLLM itself.
+ROLLOUT_PRECISIONS = ("fp8", "bf16", "fp8_online")
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,15 @@ from .conversion import is_fp8_linear, plan_fp8_conversion
 from .fp8_linear import FP8Linear
 from .quantization import quantize_blocks
 
-__all__ = ["QUANTIZATION_CONFIG", "fp8_checkpoint_tensors", "fp8_module_names", "save_fp8_checkpoint", "unwrap_model"]
+__all__ = [
+    "QUANTIZATION_CONFIG",
+    "checkpoint_config",
+    "fp8_checkpoint_tensors",
+    "linear_module_names",
+    "fp8_module_names",
+    "save_fp8_checkpoint",
+    "unwrap_model",
+]
 
 QUANTIZATION_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 # vLLM fuses these projections into one layer, so they must all be FP8 or all be kept.
@@ -79,12 +87,15 @@ def fp8_checkpoint_tensors(
     fp8_modules: set[str] | None = None,
     power_of_two_scales: bool = False,
     check_finite: bool = True,
+    dtype: torch.dtype | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(name, tensor)` pairs of the block-FP8 checkpoint of `model`, in transformers names, on its device.
 
     FP8 layers yield `name.weight` and `name.weight_scale_inv`. An `FP8Linear` without LoRA yields its cached
     quantized weight (bit for bit what its forward uses); a LoRA-wrapped layer yields its merged weight `W + BA`
     quantized by the same quantizer; high-precision layers planned for FP8 are quantized here too.
+    `fp8_modules=set()` gives the plain high-precision checkpoint (LoRA still merged). `dtype` casts the
+    high-precision tensors (the FP8 weights and their float32 scales are never cast).
     """
     hf_model = unwrap_model(model)
     modules = dict(hf_model.named_modules())
@@ -99,13 +110,16 @@ def fp8_checkpoint_tensors(
         if tie and tensor.data_ptr() in seen_storage:
             continue  # the tied lm_head: vLLM and transformers re-tie it from the embedding
         seen_storage.add(tensor.data_ptr())
+        lora_parent = _lora_parent(modules, prefix) if leaf == "weight" else None
         if leaf != "weight" or prefix not in fp8_modules:
+            if lora_parent is not None:
+                tensor = _merged_weight(modules[prefix], lora_parent)
             if check_finite and tensor.is_floating_point() and not torch.isfinite(tensor).all():
                 raise ValueError(f"{name} holds NaN or Inf values; refusing to write a corrupt checkpoint.")
-            yield name, tensor.detach()
+            tensor = tensor.detach()
+            yield name, tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
             continue
         module = modules[prefix]
-        lora_parent = _lora_parent(modules, prefix)
         if isinstance(module, FP8Linear) and lora_parent is None:
             weight = module.weight
             q, scale_inv = module.quantized_weight()
@@ -135,6 +149,30 @@ def check_fused_groups(fp8_modules: set[str], linear_names: set[str]) -> None:
                     f"vLLM fuses {', '.join(group)} into one layer, but only some are FP8 here: {states}. Keep all of "
                     "them in BF16 or none (adjust module_filter_fn), then convert again."
                 )
+
+
+def linear_module_names(model: nn.Module) -> set[str]:
+    """Transformers names of the model's linear layers (LoRA adapters excluded)."""
+    return {_clean(n) for n, m in unwrap_model(model).named_modules() if isinstance(m, nn.Linear) and "lora_" not in n}
+
+
+def checkpoint_config(
+    hf_model: nn.Module, fp8_modules: set[str], linear_names: set[str], dtype: torch.dtype | None
+) -> dict:
+    """`config.json` of the checkpoint: the model's config plus `quantization_config` when any layer is FP8."""
+    config = hf_model.config.to_dict()
+    # save_pretrained fills this in; loaders (vLLM above all) pick the model class from it.
+    config["architectures"] = config.get("architectures") or [type(hf_model).__name__]
+    config.pop("quantization_config", None)
+    if fp8_modules:
+        config["quantization_config"] = {
+            **QUANTIZATION_CONFIG,
+            "modules_to_not_convert": sorted(linear_names - fp8_modules),
+        }
+    if dtype is not None:
+        config["dtype"] = str(dtype).removeprefix("torch.")
+        config.pop("torch_dtype", None)
+    return config
 
 
 def _shard(tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list[dict[str, torch.Tensor]]:
@@ -184,7 +222,7 @@ def save_fp8_checkpoint(
 
     hf_model = unwrap_model(model)
     fp8_modules = fp8_module_names(model) if fp8_modules is None else fp8_modules
-    linear_names = {_clean(n) for n, m in hf_model.named_modules() if isinstance(m, nn.Linear) and "lora_" not in n}
+    linear_names = linear_module_names(hf_model)
     clean_fp8 = {_clean(n) for n in fp8_modules}
     check_fused_groups(clean_fp8, linear_names)
 
@@ -196,13 +234,7 @@ def save_fp8_checkpoint(
             t = t.to(dtype)
         tensors[name] = t.to("cpu").contiguous()
 
-    config = hf_model.config.to_dict()
-    # save_pretrained fills this in; loaders (vLLM above all) pick the model class from it.
-    config["architectures"] = config.get("architectures") or [type(hf_model).__name__]
-    config["quantization_config"] = {**QUANTIZATION_CONFIG, "modules_to_not_convert": sorted(linear_names - clean_fp8)}
-    if dtype is not None:
-        config["dtype"] = str(dtype).removeprefix("torch.")
-        config.pop("torch_dtype", None)
+    config = checkpoint_config(hf_model, clean_fp8, linear_names, dtype)
 
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-from .config import BACKENDS, RECIPES
+from .config import BACKENDS, RECIPES, ROLLOUT_PRECISIONS
 
 TIS_MODES = ("token", "off")
 
@@ -30,6 +30,19 @@ class FP8GRPOConfig(GRPOConfig):
         Round blockwise scales down to powers of two (DeepSeek / NeMo RL style).
     fp8_backend (`str`, *optional*, defaults to `"auto"`):
         `"scaled_mm"` (real FP8 kernels, SM90), `"emulated"` (exact emulation, any device) or `"auto"`.
+
+    > Parameters that control vLLM rollouts (`use_vllm=True`)
+
+    rollout_precision (`str` or `None`, *optional*, defaults to `None`):
+        `"fp8"`: vLLM runs the trainer's own block-FP8 weights and scales, pushed at every sync (the unified flow;
+        the default with the blockwise recipe). `"bf16"`: BF16 weights (the default otherwise). `"fp8_online"`: BF16
+        weights pushed and quantized by vLLM itself (`--quantization fp8`), the BF16-train / FP8-rollout baseline.
+    fp8_kv_cache (`bool`, *optional*, defaults to `False`):
+        vLLM `kv_cache_dtype="fp8"`, with the q/k/v scales measured on the trainer's forward and pushed at every
+        sync.
+    log_rollout_mismatch (`bool`, *optional*, defaults to `True`):
+        With vLLM, always score the rollouts with the trainer (one extra forward when no importance sampling needs
+        it) and log the trainer-vs-rollout mismatch (`fp8/mismatch/*`).
 
     > Parameters that control truncated importance sampling
 
@@ -71,6 +84,21 @@ class FP8GRPOConfig(GRPOConfig):
             "help": "FP8 GEMM backend: 'scaled_mm' (real FP8 kernels, needs an SM90 GPU), 'emulated' (exact "
             "emulation on any device) or 'auto' (scaled_mm on SM90, emulated elsewhere).",
         },
+    )
+    rollout_precision: str | None = field(
+        default=None,
+        metadata={
+            "help": "vLLM rollout weights: 'fp8' (the trainer's own block-FP8 weights and scales; default with the "
+            "blockwise recipe), 'bf16' (default otherwise) or 'fp8_online' (vLLM quantizes BF16 weights itself).",
+        },
+    )
+    fp8_kv_cache: bool = field(
+        default=False,
+        metadata={"help": "FP8 KV cache in vLLM, with q/k/v scales measured on the trainer's forward every step."},
+    )
+    log_rollout_mismatch: bool = field(
+        default=True,
+        metadata={"help": "With vLLM, always log the trainer-vs-rollout log-prob mismatch (fp8/mismatch/*)."},
     )
     tis: str | None = field(
         default=None,
@@ -116,6 +144,22 @@ class FP8GRPOConfig(GRPOConfig):
             raise ValueError(
                 f"tis_cap must be > 1 (a cap at or below 1 down-weights every token), got {self.tis_cap}."
             )
+        if isinstance(self.rollout_precision, str) and self.rollout_precision.lower() in ("none", "null", ""):
+            self.rollout_precision = None
+        if self.rollout_precision is None:
+            self.rollout_precision = "fp8" if self.fp8_recipe == "blockwise" else "bf16"
+        if self.rollout_precision not in ROLLOUT_PRECISIONS:
+            raise ValueError(
+                f"rollout_precision={self.rollout_precision!r} is unknown; use one of {ROLLOUT_PRECISIONS}."
+            )
+        if self.rollout_precision == "fp8" and self.fp8_recipe not in ("blockwise", None):
+            raise ValueError(
+                f"rollout_precision='fp8' serves the trainer's block-FP8 weights, but fp8_recipe={self.fp8_recipe!r} "
+                "trains with other scales. Use fp8_recipe='blockwise' (the unified flow), or rollout_precision="
+                "'fp8_online' / 'bf16'."
+            )
+        if self.fp8_kv_cache and not self.use_vllm:
+            raise ValueError("fp8_kv_cache sets vLLM's KV cache dtype; it needs use_vllm=True.")
         # Map onto TRL's own fields before its __post_init__ validates them.
         if self.tis == "token":
             self.vllm_importance_sampling_correction = True

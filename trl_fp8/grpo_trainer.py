@@ -1,16 +1,20 @@
 """`FP8GRPOTrainer`: TRL's `GRPOTrainer` with the policy's linear layers in FP8, TIS, and FP8 export.
 
-Thin on purpose: the model is converted before TRL wraps it, and four hooks change behaviour:
+Thin on purpose: the model is converted before TRL wraps it, TRL's vLLM generation is swapped for
+`FP8VLLMGeneration` (rollouts on the trainer's own FP8 weights, `vllm_sync.py`), and a few hooks change behaviour:
 
-- `_generate_and_score_completions`: logs trainer-vs-rollout mismatch and, where TRL has no importance sampling of
-  its own (rollouts with log-probs but without vLLM), adds the token TIS ratio to the batch;
-- `_compute_loss`: lets TRL apply that ratio with its own code;
+- `_generate_and_score_completions`: logs trainer-vs-rollout mismatch and weight-sync time and, where TRL has no
+  importance sampling of its own (rollouts with log-probs but without vLLM), adds the token TIS ratio to the batch;
+- `_compute_loss`: lets TRL apply that ratio with its own code (and not apply it when TIS is off);
+- `_generate_single_turn`: measures the FP8 KV-cache scales once before the very first rollout;
 - `save_model` / `_save_checkpoint`: final saves are block-FP8 checkpoints, training checkpoints keep BF16 masters;
 - `create_model_card`: says which recipe and which layers stayed in high precision.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 from collections.abc import Callable
 
@@ -22,9 +26,10 @@ from trl.trainer.utils import create_model_from_path
 
 from .config import FP8LinearConfig
 from .conversion import ConversionReport, convert_to_fp8
-from .export import save_fp8_checkpoint, unwrap_model
+from .export import fp8_module_names, save_fp8_checkpoint, unwrap_model
 from .grpo_config import FP8GRPOConfig
 from .importance_sampling import mismatch_stats, token_tis_ratio
+from .kv_scales import AttentionScaleObserver
 
 __all__ = ["FP8GRPOTrainer"]
 
@@ -63,11 +68,17 @@ class FP8GRPOTrainer(GRPOTrainer):
         self._fp8_filter = fp8_module_filter_fn
         self.fp8_report = self._convert(model, args)
         self._saving_training_checkpoint = False
-        super().__init__(model, reward_funcs, args, *trainer_args, **trainer_kwargs)
+        self._kv_observer = AttentionScaleObserver(model) if args.use_vllm and args.fp8_kv_cache else None
+        with self._fp8_vllm_generation(model, args):
+            super().__init__(model, reward_funcs, args, *trainer_args, **trainer_kwargs)
         if self.ref_model is not None:
             self._convert(unwrap_model(self.ref_model), args)
         # TRL weights the loss by the IS ratio only with vLLM; we extend token TIS to other rollouts with log-probs.
         self._tis_without_vllm = args.tis == "token" and not self.use_vllm
+        # TRL scores vLLM rollouts with the trainer only when it corrects them; we also want the mismatch logged.
+        self._apply_vllm_is = self.vllm_importance_sampling_correction
+        if self.use_vllm and args.log_rollout_mismatch:
+            self.vllm_importance_sampling_correction = True
 
     # --- model ----------------------------------------------------------------------------------------------------
 
@@ -96,12 +107,54 @@ class FP8GRPOTrainer(GRPOTrainer):
             config=config,
         )
 
+    @contextlib.contextmanager
+    def _fp8_vllm_generation(self, model: nn.Module, args: FP8GRPOConfig):
+        """Make TRL build `FP8VLLMGeneration` instead of `VLLMGeneration` (it has no factory hook for it)."""
+        if not args.use_vllm:
+            yield
+            return
+        import trl.trainer.grpo_trainer as trl_grpo
+
+        from .vllm_sync import FP8VLLMGeneration
+
+        original = trl_grpo.VLLMGeneration
+        trl_grpo.VLLMGeneration = functools.partial(
+            FP8VLLMGeneration,
+            rollout_precision=args.rollout_precision,
+            fp8_modules=fp8_module_names(model) if args.rollout_precision == "fp8" else set(),
+            kv_observer=self._kv_observer,
+        )
+        try:
+            yield
+        finally:
+            trl_grpo.VLLMGeneration = original
+
     # --- rollouts: mismatch metrics and TIS ---------------------------------------------------------------------
+
+    def _generate_single_turn(self, prompt_ids, *args, **kwargs):
+        if self._kv_observer is not None and not self._kv_observer.has_observations:
+            self._calibrate_kv_scales(prompt_ids)  # the first sync needs KV scales before any training forward
+        return super()._generate_single_turn(prompt_ids, *args, **kwargs)
+
+    @torch.no_grad()
+    def _calibrate_kv_scales(self, prompt_ids: list[list[int]]) -> None:
+        width = max(len(p) for p in prompt_ids)
+        device = self.accelerator.device
+        ids = torch.zeros(len(prompt_ids), width, dtype=torch.long, device=device)
+        mask = torch.zeros_like(ids)
+        for row, prompt in enumerate(prompt_ids):
+            ids[row, : len(prompt)] = torch.tensor(prompt, device=device)
+            mask[row, : len(prompt)] = 1
+        self.model(input_ids=ids, attention_mask=mask)
 
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
         mode = "train" if self.model.training else "eval"
         self._metrics[mode]["fp8/num_fp8_layers"].append(float(self.fp8_report.num_fp8_layers))
+        sync_seconds = getattr(getattr(self, "vllm_generation", None), "last_sync_seconds", None)
+        if sync_seconds is not None:
+            self._metrics[mode]["fp8/weight_sync_ms"].append(1e3 * sync_seconds)
+            self.vllm_generation.last_sync_seconds = None
         rollout_logps = output.get("sampling_per_token_logps")
         if rollout_logps is None:
             return output  # rollouts by the trainer's own FP8 model: nothing differs, nothing to correct
@@ -131,6 +184,14 @@ class FP8GRPOTrainer(GRPOTrainer):
         return logps
 
     def _compute_loss(self, model, inputs):
+        if self.use_vllm and not self._apply_vllm_is:
+            # Rollouts were scored only for the mismatch metrics: the loss must not see the ratio.
+            inputs = {k: v for k, v in inputs.items() if k != "importance_sampling_ratio"}
+            self.vllm_importance_sampling_correction = False
+            try:
+                return super()._compute_loss(model, inputs)
+            finally:
+                self.vllm_importance_sampling_correction = True
         if not (self._tis_without_vllm and "importance_sampling_ratio" in inputs):
             return super()._compute_loss(model, inputs)
         # TRL multiplies the per-token loss by inputs["importance_sampling_ratio"] when `use_vllm` is set and reads

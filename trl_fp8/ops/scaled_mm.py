@@ -8,6 +8,8 @@ from logical tensors, copying only what is not already in place.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torchao.prototype.blockwise_fp8_training.kernels import (
@@ -22,18 +24,33 @@ from . import emulated
 _ST = F.ScalingType
 
 
+def _on_tensor_device(fn):
+    """Launch on the tensor's GPU: Triton kernels run on the current device, which a model spread over several
+    GPUs (device_map="auto") does not keep in step with its layers."""
+
+    @functools.wraps(fn)
+    def wrapper(x, *args, **kwargs):
+        with torch.cuda.device(x.device):
+            return fn(x, *args, **kwargs)
+
+    return wrapper
+
+
+@_on_tensor_device
 def quantize_act(x: torch.Tensor, *, power_of_two_scales: bool = False):
     if power_of_two_scales:
         return emulated.quantize_act(x, power_of_two_scales=True)
     return triton_fp8_blockwise_act_quant_lhs(x.contiguous(), 128)
 
 
+@_on_tensor_device
 def quantize_act_t(x: torch.Tensor, *, power_of_two_scales: bool = False):
     if power_of_two_scales:
         return emulated.quantize_act_t(x, power_of_two_scales=True)
     return triton_fp8_blockwise_act_quant_transposed_lhs(x.contiguous(), 128)
 
 
+@_on_tensor_device
 def quantize_weight(w: torch.Tensor, *, power_of_two_scales: bool = False):
     if power_of_two_scales:
         return emulated.quantize_weight(w, power_of_two_scales=True)
@@ -42,6 +59,7 @@ def quantize_weight(w: torch.Tensor, *, power_of_two_scales: bool = False):
     return q_t.t(), s_t.t()
 
 
+@_on_tensor_device
 def quantize_weight_dgrad(w: torch.Tensor, *, power_of_two_scales: bool = False):
     if power_of_two_scales:
         return emulated.quantize_weight(w, power_of_two_scales=True)

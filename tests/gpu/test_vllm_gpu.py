@@ -1,0 +1,111 @@
+"""FP8GRPOTrainer with vLLM colocated on one SM90 GPU: rollouts run the trainer's own FP8 weights and scales.
+
+Run on the GPU host (vLLM from ../shared/gpu): `python -m pytest -m gpu tests/gpu -s`.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _tiny_model_dir(tmp_path):
+    from trl_fp8.tiny_model import tiny_char_tokenizer, tiny_qwen3
+
+    tokenizer = tiny_char_tokenizer()
+    model_dir = tmp_path / "model"
+    tiny_qwen3(vocab_size=128, eos_token_id=tokenizer.eos_token_id, pad_token_id=0).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    return model_dir
+
+
+def _artifacts() -> Path | None:
+    out = os.environ.get("TRL_FP8_ARTIFACTS")
+    return Path(out) if out else None
+
+
+def test_colocate_fp8_rollouts_use_the_trainers_fp8_weights_and_kv_scales(tmp_path):
+    pytest.importorskip("vllm")
+    from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, FP8Linear
+    from trl_fp8.toy_task import GRPO_SETTINGS, say_letter_dataset, say_letter_reward
+
+    args = FP8GRPOConfig(
+        **GRPO_SETTINGS, output_dir=str(tmp_path / "out"), max_steps=30, logging_steps=1, bf16=True,
+        disable_tqdm=True, model_init_kwargs={"dtype": "bfloat16"}, use_vllm=True, vllm_mode="colocate",
+        vllm_gpu_memory_utilization=0.25, tis="token", fp8_kv_cache=True,
+    )  # fmt: skip
+    assert args.rollout_precision == "fp8"
+    trainer = FP8GRPOTrainer(
+        str(_tiny_model_dir(tmp_path)), say_letter_reward, args, train_dataset=say_letter_dataset(2048)
+    )
+    trainer.train()
+    logs = [log for log in trainer.state.log_history if "reward" in log]
+    rewards = [log["reward"] for log in logs]
+    mismatch = [log["fp8/mismatch/abs_logp_diff_mean"] for log in logs]
+    kl = [log["fp8/mismatch/kl_k3"] for log in logs]
+    sync_ms = [log["fp8/weight_sync_ms"] for log in logs if "fp8/weight_sync_ms" in log]
+    print(
+        f"colocate fp8+fp8 KV: reward {sum(rewards[:5]) / 5:.3f} -> {sum(rewards[-5:]) / 5:.3f}; "
+        f"mean|dlogp| first {mismatch[0]:.4f} median {sorted(mismatch)[len(mismatch) // 2]:.4f} max {max(mismatch):.4f}; "
+        f"KL k3 median {sorted(kl)[len(kl) // 2]:.2e}; weight sync median {sorted(sync_ms)[len(sync_ms) // 2]:.1f} ms"
+    )
+    if _artifacts():
+        (_artifacts() / "colocate_log_history.json").write_text(json.dumps(trainer.state.log_history, indent=1))
+    assert len(sync_ms) == len(logs)  # one sync per optimizer step, each logged
+    assert all(0 <= m < 0.5 for m in mismatch)
+    assert sum(rewards[-5:]) > sum(rewards[:5])
+
+    # Identity: after a sync, vLLM's fused layers hold exactly the trainer's FP8 bits and scales.
+    trainer.vllm_generation.sync_weights()
+    vmodel = trainer.vllm_generation.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+    layer, vlayer = trainer.model.model.layers[1], vmodel.model.layers[1]
+    for fused, parts in (
+        (vlayer.self_attn.qkv_proj, [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]),
+        (vlayer.mlp.gate_up_proj, [layer.mlp.gate_proj, layer.mlp.up_proj]),
+    ):
+        assert all(isinstance(p, FP8Linear) for p in parts)
+        ours = [p.quantized_weight() for p in parts]
+        weight = torch.cat([q for q, _ in ours])
+        scale = torch.cat([s for _, s in ours])
+        assert fused.weight.dtype == torch.float8_e4m3fn
+        assert torch.equal(fused.weight.view(torch.uint8), weight.view(torch.uint8))
+        assert torch.equal(fused.weight_scale_inv.float(), scale)
+
+    # KV scales: vLLM's attention layer uses the amax/448 the trainer measured.
+    observed = trainer.vllm_generation.kv_observer.scales(reset=False)
+    attn = vlayer.self_attn.attn
+    for leaf, name in (("k", "_k_scale"), ("v", "_v_scale"), ("q", "_q_scale")):
+        ours = observed[f"model.layers.1.self_attn.{leaf}_scale"].item()
+        assert getattr(attn, name).item() == pytest.approx(ours, rel=1e-6), leaf
+    assert attn.kv_cache_dtype.startswith("fp8")
+
+    out = tmp_path / "fp8"
+    trainer.save_model(str(out))
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"] == "fp8"
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8_online"])
+def test_colocate_other_rollout_precisions_run_grpo_steps(tmp_path, precision):
+    pytest.importorskip("vllm")
+    recipe = "none" if precision == "fp8_online" else "blockwise"  # fp8_online: the BF16-train baseline
+    cmd = [
+        sys.executable, str(ROOT / "examples" / "grpo_fp8.py"), "--output_dir", str(tmp_path), "--max_steps", "3",
+        "--logging_steps", "1", "--use_vllm", "--vllm_mode", "colocate", "--vllm_gpu_memory_utilization", "0.25",
+        "--rollout_precision", precision, "--fp8_recipe", recipe, "--tis", "token", "--save_fp8_checkpoint", "false",
+    ]  # fmt: skip
+    # The colocated engine of an earlier test in this process holds MASTER_PORT: let the child pick its own.
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=480, env=env)
+    tail = (proc.stdout + proc.stderr)[-4000:]
+    assert proc.returncode == 0, tail
+    # The Trainer prints each step's logs as a dict: every step carries the mismatch and the sync time.
+    logs = [line for line in proc.stdout.splitlines() if "fp8/mismatch/abs_logp_diff_mean" in line]
+    print(f"{precision}: {logs[-1][:400] if logs else tail[-600:]}")
+    assert len(logs) == 3 and all("fp8/weight_sync_ms" in line for line in logs)

@@ -1,0 +1,117 @@
+"""Server mode on a two-GPU host: `trl vllm-serve` on one GPU serves our FP8 checkpoint, the trainer on the other
+pushes its FP8 weights and scales through TRL's client. The trainer process must see one GPU only (else Trainer
+wraps it in DataParallel), so name the server's GPU apart:
+
+    CUDA_VISIBLE_DEVICES=0 TRL_FP8_SERVER_GPU=1 python -m pytest -m gpu tests/gpu/test_vllm_server_gpu.py -s
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+PORT = 8123
+
+
+def _wait_healthy(proc, url, timeout=420):
+    start = time.time()
+    while time.time() - start < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vllm-serve exited with {proc.returncode}")
+        try:
+            if urllib.request.urlopen(url, timeout=2).status == 200:
+                return time.time() - start
+        except OSError:
+            time.sleep(2)
+    raise TimeoutError("vllm-serve did not come up")
+
+
+@pytest.fixture(scope="module")
+def fp8_server(tmp_path_factory):
+    pytest.importorskip("vllm")
+    server_gpu = os.environ.get("TRL_FP8_SERVER_GPU")
+    if server_gpu is None:
+        pytest.skip("server mode needs a second GPU: set TRL_FP8_SERVER_GPU (see the module docstring)")
+    from trl_fp8.tiny_model import tiny_char_tokenizer, tiny_qwen3
+
+    root = tmp_path_factory.mktemp("server")
+    tokenizer = tiny_char_tokenizer()
+    tiny_qwen3(vocab_size=128, eos_token_id=tokenizer.eos_token_id, pad_token_id=0).save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    subprocess.run([sys.executable, "-m", "trl_fp8.quantize", str(root / "model"), str(root / "fp8")], check=True)
+    log = open(root / "server.log", "w")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": server_gpu}
+    trl_cli = [sys.executable, "-c", "import sys; from trl.cli import main; sys.exit(main())"]  # `trl` w/o PATH
+    cmd = [*trl_cli, "vllm-serve", "--model", str(root / "fp8"), "--port", str(PORT), "--gpu_memory_utilization", "0.3",
+           "--enforce_eager", "true"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        print(f"vllm-serve up in {_wait_healthy(proc, f'http://localhost:{PORT}/health'):.0f} s")
+        yield root
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+        artifacts = os.environ.get("TRL_FP8_ARTIFACTS")
+        if artifacts:
+            Path(artifacts, "server.log").write_text((root / "server.log").read_text()[-20000:])
+
+
+def _config(tmp_path, **kwargs):
+    from trl_fp8 import FP8GRPOConfig
+    from trl_fp8.toy_task import GRPO_SETTINGS
+
+    return FP8GRPOConfig(
+        **GRPO_SETTINGS, output_dir=str(tmp_path / "out"), logging_steps=1, bf16=True, disable_tqdm=True,
+        model_init_kwargs={"dtype": "bfloat16"}, use_vllm=True, vllm_mode="server", vllm_server_port=PORT,
+        vllm_server_timeout=30, tis="token", **kwargs,
+    )  # fmt: skip
+
+
+def test_server_refuses_a_trainer_whose_weights_it_cannot_take(fp8_server, tmp_path):
+    from trl_fp8 import FP8GRPOTrainer
+    from trl_fp8.toy_task import say_letter_dataset, say_letter_reward
+
+    args = _config(tmp_path, max_steps=1, rollout_precision="bf16")
+    with pytest.raises(ValueError, match="quantization"):
+        FP8GRPOTrainer(str(fp8_server / "model"), say_letter_reward, args, train_dataset=say_letter_dataset(64))
+
+
+def test_server_mode_grpo_with_fp8_weight_push(fp8_server, tmp_path):
+    from trl.generation.vllm_client import VLLMClient
+
+    from trl_fp8 import FP8GRPOTrainer
+    from trl_fp8.toy_task import say_letter_dataset, say_letter_reward
+
+    info = VLLMClient(base_url=f"http://localhost:{PORT}").get_server_info()
+    artifacts = os.environ.get("TRL_FP8_ARTIFACTS")
+    if artifacts:
+        Path(artifacts, "server_info.json").write_text(json.dumps(info, indent=1, default=str))
+    args = _config(tmp_path, max_steps=20)
+    trainer = FP8GRPOTrainer(
+        str(fp8_server / "model"), say_letter_reward, args, train_dataset=say_letter_dataset(2048)
+    )
+    trainer.train()
+    logs = [log for log in trainer.state.log_history if "reward" in log]
+    rewards = [log["reward"] for log in logs]
+    mismatch = [log["fp8/mismatch/abs_logp_diff_mean"] for log in logs]
+    sync_ms = [log["fp8/weight_sync_ms"] for log in logs if "fp8/weight_sync_ms" in log]
+    print(
+        f"server fp8: reward {sum(rewards[:5]) / 5:.3f} -> {sum(rewards[-5:]) / 5:.3f}; mean|dlogp| median "
+        f"{sorted(mismatch)[len(mismatch) // 2]:.4f} max {max(mismatch):.4f}; sync median "
+        f"{sorted(sync_ms)[len(sync_ms) // 2]:.1f} ms"
+    )
+    assert len(sync_ms) == len(logs)
+    # The server samples from the pushed weights: mismatch stays at the colocated FP8 level as the policy moves
+    # (without the push it would grow with every step).
+    assert all(0 <= m < 0.5 for m in mismatch)
+    assert sum(rewards[-5:]) > sum(rewards[:5])

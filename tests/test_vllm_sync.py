@@ -1,0 +1,296 @@
+"""What the trainer pushes to vLLM (which tensors, which names, which dtypes, which bits), the KV-scale observer, the
+engine start-up folder, the server checks, and the trainer wiring, on CPU without vLLM (a fake `LLM` records what
+TRL's code hands it)."""
+
+import json
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, FP8Linear, convert_to_fp8, quantize_blocks
+from trl_fp8.export import fp8_module_names
+from trl_fp8.kv_scales import AttentionScaleObserver
+from trl_fp8.tiny_model import tiny_char_tokenizer, tiny_qwen3
+from trl_fp8.toy_task import GRPO_SETTINGS, say_letter_dataset, say_letter_reward
+from trl_fp8.vllm_sync import (
+    FP8VLLMGeneration,
+    check_server_config,
+    check_vllm_version,
+    rollout_weight_tensors,
+    write_engine_config,
+)
+
+
+def fp8_model(**kwargs):
+    model = tiny_qwen3(**kwargs)
+    convert_to_fp8(model)
+    return model
+
+
+def scale_names(model):
+    return {f"{n}.weight_scale_inv" for n in fp8_module_names(model)}
+
+
+def test_fp8_rollout_pushes_the_trainers_own_fp8_bits_and_bf16_for_the_rest():
+    model = fp8_model()
+    pairs = dict(rollout_weight_tensors(model, "fp8", fp8_modules=fp8_module_names(model)))
+    assert set(pairs) == set(model.state_dict()) | scale_names(model)
+    fp8_layers = {n: m for n, m in model.named_modules() if isinstance(m, FP8Linear)}
+    assert len(fp8_layers) == 4 * 7  # q k v o gate up down in every decoder layer; lm_head stays high precision
+    for name, module in fp8_layers.items():
+        q, scale_inv = module.quantized_weight()
+        weight, scale = pairs[f"{name}.weight"], pairs[f"{name}.weight_scale_inv"]
+        assert weight.dtype == torch.float8_e4m3fn and weight.shape == module.weight.shape
+        assert scale.dtype == torch.float32 and scale.shape == (module.out_features // 128, module.in_features // 128)
+        assert torch.equal(weight.view(torch.uint8), q.view(torch.uint8)) and torch.equal(scale, scale_inv)
+    others = {n: t for n, t in pairs.items() if not n.endswith("_scale_inv") and t.dtype != torch.float8_e4m3fn}
+    assert "lm_head.weight" in others and "model.embed_tokens.weight" in others and "model.norm.weight" in others
+    assert all(t.dtype == torch.bfloat16 for t in others.values())
+    assert torch.equal(others["model.norm.weight"], model.model.norm.weight.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8_online"])
+def test_high_precision_rollouts_push_bf16_master_weights_under_the_same_names(precision):
+    model = fp8_model()
+    pairs = dict(rollout_weight_tensors(model, precision, fp8_modules=fp8_module_names(model)))
+    assert set(pairs) == set(model.state_dict())
+    for name, tensor in model.state_dict().items():
+        assert pairs[name].dtype == torch.bfloat16 and torch.equal(pairs[name], tensor.to(torch.bfloat16)), name
+
+
+def test_tied_lm_head_is_left_to_vllm():
+    model = fp8_model(tie_word_embeddings=True)
+    names = [n for n, _ in rollout_weight_tensors(model, "fp8", fp8_modules=fp8_module_names(model))]
+    assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names
+
+
+def test_lora_is_merged_before_quantization_and_names_are_plain():
+    from peft import LoraConfig, get_peft_model
+
+    base = fp8_model()
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "down_proj"], init_lora_weights=False))
+    fp8_modules = fp8_module_names(model)
+    pairs = dict(rollout_weight_tensors(model, "fp8", fp8_modules=fp8_modules))
+    assert not any("lora" in n or "base_layer" in n or "base_model" in n for n in pairs)
+    lora_q = model.base_model.model.model.layers[0].self_attn.q_proj
+    merged = lora_q.base_layer.weight.detach() + lora_q.get_delta_weight("default")
+    q, scale = quantize_blocks(merged)
+    assert torch.equal(pairs["model.layers.0.self_attn.q_proj.weight"].view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(pairs["model.layers.0.self_attn.q_proj.weight_scale_inv"], scale)
+    bf16 = dict(rollout_weight_tensors(model, "bf16", fp8_modules=fp8_modules))
+    assert torch.equal(bf16["model.layers.0.self_attn.q_proj.weight"], merged.to(torch.bfloat16))
+    assert set(bf16) == {n.replace(".base_layer", "") for n in base.state_dict() if "lora" not in n}
+
+
+def _reference_qkv(model, ids):
+    """q (after q_norm and RoPE), k (after k_norm and RoPE) and v of every layer, recomputed from the layer inputs."""
+    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+
+    captured, handles = {}, []
+    for i, layer in enumerate(model.model.layers):
+
+        def hook(module, args, kwargs, i=i):
+            captured[i] = (kwargs["hidden_states"], kwargs["position_embeddings"])
+
+        handles.append(layer.self_attn.register_forward_pre_hook(hook, with_kwargs=True))
+    with torch.no_grad():
+        model(ids)
+        out = {}
+        for i, (h, (cos, sin)) in captured.items():
+            attn = model.model.layers[i].self_attn
+            shape = (*h.shape[:-1], -1, attn.head_dim)
+            q = attn.q_norm(attn.q_proj(h).view(shape)).transpose(1, 2)
+            k = attn.k_norm(attn.k_proj(h).view(shape)).transpose(1, 2)
+            v = attn.v_proj(h).view(shape).transpose(1, 2)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            out[i] = (q, k, v)
+    for handle in handles:
+        handle.remove()
+    return out
+
+
+def test_kv_observer_measures_q_k_v_exactly_as_attention_sees_them_without_changing_the_model():
+    model = tiny_qwen3()
+    ids = torch.randint(0, 256, (2, 19))
+    with torch.no_grad():
+        before = model(ids).logits
+    observer = AttentionScaleObserver(model)
+    with torch.no_grad():
+        after = model(ids).logits
+    assert torch.equal(before, after)
+    scales = observer.scales()
+    assert list(scales) == sorted(f"model.layers.{i}.self_attn.{x}_scale" for i in range(4) for x in "qkv")
+    reference = _reference_qkv(model, ids)
+    for i, (q, k, v) in reference.items():
+        for leaf, x in zip("qkv", (q, k, v), strict=True):
+            expected = x.abs().amax().item() / 448.0
+            assert scales[f"model.layers.{i}.self_attn.{leaf}_scale"].item() == pytest.approx(expected, rel=1e-6)
+    # Nothing ran since: the same scales again. A forward on larger inputs raises them (running max per sync).
+    assert all(torch.equal(a, b) for a, b in zip(observer.scales().values(), scales.values(), strict=True))
+    with torch.no_grad():
+        model(ids * 0 + 7)
+        model(ids)
+        model.model.embed_tokens.weight.mul_(3.0)
+        model(ids)
+    assert observer.scales()["model.layers.0.self_attn.v_scale"] > scales["model.layers.0.self_attn.v_scale"]
+
+
+def test_attention_scales_come_last_as_float32_scalars():
+    model = fp8_model()
+    observer = AttentionScaleObserver(model)
+    with torch.no_grad():
+        model(torch.randint(0, 256, (1, 8)))
+    pairs = list(
+        rollout_weight_tensors(model, "fp8", fp8_modules=fp8_module_names(model), attention_scales=observer.scales())
+    )
+    tail = pairs[-12:]
+    assert all(
+        n.endswith(("q_scale", "k_scale", "v_scale")) and t.shape == () and t.dtype == torch.float32 for n, t in tail
+    )
+    assert not any(n.endswith(("q_scale", "k_scale", "v_scale")) for n, _ in pairs[:-12])
+
+
+def test_engine_folder_has_configs_and_tokenizer_but_no_weights(tmp_path):
+    model, tokenizer = fp8_model(vocab_size=128), tiny_char_tokenizer()
+    write_engine_config(model, tokenizer, tmp_path / "fp8", fp8_module_names(model))
+    config = json.loads((tmp_path / "fp8" / "config.json").read_text())
+    quant = config["quantization_config"]
+    assert quant["quant_method"] == "fp8" and quant["weight_block_size"] == [128, 128]
+    assert quant["modules_to_not_convert"] == ["lm_head"] and config["architectures"] == ["Qwen3ForCausalLM"]
+    assert config["dtype"] == "bfloat16" and (tmp_path / "fp8" / "tokenizer_config.json").exists()
+    assert not list((tmp_path / "fp8").glob("*.safetensors"))
+    write_engine_config(model, None, tmp_path / "bf16", set())
+    assert "quantization_config" not in json.loads((tmp_path / "bf16" / "config.json").read_text())
+
+
+def _server_info(tmp_path, model, quantization="fp8", cache_dtype="auto", **config_overrides):
+    """The /server_info tree a real `trl vllm-serve` returned on the GPU host, pointed at a served folder here."""
+    info = json.loads((Path(__file__).parent / "data" / "vllm_server_info.json").read_text())
+    served = tmp_path / f"served-{len(list(tmp_path.iterdir()))}"
+    served.mkdir()
+    config = {**model.config.to_dict(), "architectures": ["Qwen3ForCausalLM"], **config_overrides}
+    (served / "config.json").write_text(json.dumps(config))
+    info["model_config"].update(model=str(served), quantization=quantization)
+    info["cache_config"]["cache_dtype"] = cache_dtype
+    return info
+
+
+def test_server_checks_name_the_fix(tmp_path):
+    model = fp8_model()
+    check_server_config(_server_info(tmp_path, model), model, "fp8", fp8_kv_cache=False)
+    check_server_config(_server_info(tmp_path, model, None), model, "bf16", fp8_kv_cache=False)
+    check_server_config(_server_info(tmp_path, model, "fp8", "fp8"), model, "fp8", fp8_kv_cache=True)
+    with pytest.raises(ValueError, match="trl-fp8-quantize"):
+        check_server_config(_server_info(tmp_path, model, None), model, "fp8", fp8_kv_cache=False)
+    with pytest.raises(ValueError, match="--quantization fp8"):
+        check_server_config(_server_info(tmp_path, model, None), model, "fp8_online", fp8_kv_cache=False)
+    with pytest.raises(ValueError, match="LlamaForCausalLM"):
+        check_server_config(_server_info(tmp_path, model, architectures=["LlamaForCausalLM"]), model, "fp8", False)
+    with pytest.raises(ValueError, match="hidden_size=512"):
+        check_server_config(_server_info(tmp_path, model, hidden_size=512), model, "fp8", False)
+    with pytest.raises(ValueError, match="--kv_cache_dtype fp8"):
+        check_server_config(_server_info(tmp_path, model), model, "fp8", fp8_kv_cache=True)
+    # A server on another host: its folder is not readable here, so only what /server_info says is checked.
+    remote = _server_info(tmp_path, model, hidden_size=512)
+    remote["model_config"]["model"] = "/nonexistent/fp8"
+    check_server_config(remote, model, "fp8", fp8_kv_cache=False)
+
+
+def test_vllm_version_errors_name_the_fix(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__="0.25.1"))
+    with pytest.raises(ImportError, match="arrived in 0.26"):
+        check_vllm_version()
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    with pytest.raises(ImportError, match=r"pip install 'trl-fp8\[vllm\]'"):
+        check_vllm_version()
+
+
+class FakeLLM:
+    """Stands in for vllm.LLM: records how TRL's code built it and what a sync pushed."""
+
+    instances = []
+
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+        self.pushed = []
+        self.reloads = 0
+        worker = types.SimpleNamespace(reload_weights=self._reload)
+        self.llm_engine = types.SimpleNamespace(
+            model_executor=types.SimpleNamespace(driver_worker=types.SimpleNamespace(worker=worker))
+        )
+        FakeLLM.instances.append(self)
+
+    def _reload(self, weights_iterator, is_checkpoint_format):
+        assert is_checkpoint_format
+        self.pushed = [(n, t.clone()) for n, t in weights_iterator]
+        self.reloads += 1
+
+    def reset_prefix_cache(self):
+        pass
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    import trl.generation.vllm_generation as trl_vllm
+
+    import trl_fp8.vllm_sync as sync
+
+    FakeLLM.instances.clear()
+    monkeypatch.setattr(trl_vllm, "LLM", FakeLLM, raising=False)
+    monkeypatch.setattr(trl_vllm, "is_vllm_available", lambda *a, **k: True)
+    monkeypatch.setattr(sync, "check_vllm_version", lambda: "0.26.0")
+    return FakeLLM
+
+
+@pytest.mark.parametrize(
+    "precision, kv, expected",
+    [
+        ("fp8", True, {"load_format": "dummy", "kv_cache_dtype": "fp8", "quantization": None}),
+        ("fp8_online", False, {"load_format": "dummy", "quantization": "fp8"}),
+        ("bf16", False, {"load_format": "dummy", "quantization": None}),
+    ],
+)
+def test_trainer_builds_vllm_from_a_config_folder_and_pushes_its_rollout_tensors(
+    fake_vllm, tmp_path, precision, kv, expected
+):
+    tokenizer = tiny_char_tokenizer()
+    model = tiny_qwen3(vocab_size=128, eos_token_id=tokenizer.eos_token_id, pad_token_id=0)
+    args = FP8GRPOConfig(
+        **{**GRPO_SETTINGS, "per_device_train_batch_size": 16}, output_dir=str(tmp_path), use_cpu=True, bf16=False,
+        use_vllm=True, vllm_mode="colocate", rollout_precision=precision, fp8_kv_cache=kv,
+        fp8_recipe="none" if precision == "fp8_online" else "blockwise",
+    )  # fmt: skip
+    trainer = FP8GRPOTrainer(model, say_letter_reward, args, train_dataset=say_letter_dataset(64),
+                             processing_class=tokenizer)  # fmt: skip
+    generation = trainer.vllm_generation
+    assert isinstance(generation, FP8VLLMGeneration) and generation.rollout_precision == precision
+    (llm,) = fake_vllm.instances
+    for key, value in expected.items():
+        assert llm.kwargs.get(key) == value, key
+    assert llm.kwargs["model"] == str(generation.engine_dir)
+    assert llm.kwargs["logprobs_mode"] == "processed_logprobs"  # TRL's own settings pass through
+    config = json.loads((generation.engine_dir / "config.json").read_text())
+    assert ("quantization_config" in config) == (precision == "fp8")
+
+    if kv:  # before the first rollout the trainer measures the KV scales on the prompts
+        trainer._calibrate_kv_scales([[1, 2, 3], [4, 5]])
+    generation.sync_weights()
+    pushed = dict(llm.pushed)
+    assert generation.last_sync_seconds is not None and llm.reloads == 1
+    hf_model = trainer.model
+    if precision == "fp8":
+        q, scale = hf_model.model.layers[2].mlp.down_proj.quantized_weight()
+        assert torch.equal(pushed["model.layers.2.mlp.down_proj.weight"].view(torch.uint8), q.view(torch.uint8))
+        assert torch.equal(pushed["model.layers.2.mlp.down_proj.weight_scale_inv"], scale)
+        assert pushed["model.layers.3.self_attn.k_scale"].item() > 0
+    else:
+        assert not any(t.dtype == torch.float8_e4m3fn for t in pushed.values())
+        assert torch.equal(
+            pushed["model.layers.2.mlp.down_proj.weight"],
+            hf_model.model.layers[2].mlp.down_proj.weight.to(torch.bfloat16),
+        )
+    # Mismatch metrics need the trainer's log-probs in every vLLM run, TIS or not.
+    assert trainer.vllm_importance_sampling_correction is True

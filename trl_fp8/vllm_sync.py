@@ -1,0 +1,299 @@
+"""vLLM rollouts on the trainer's own FP8 weights and scales.
+
+`FP8VLLMGeneration` is TRL's `VLLMGeneration` with three changes, and nothing else copied:
+
+- colocate start-up: vLLM is built from a config-only folder (`config.json` with the block-FP8
+  `quantization_config`, tokenizer, generation config) with `load_format="dummy"`; TRL syncs weights before the
+  first generation, so the engine never samples from the dummy weights, and nothing is written to disk but configs;
+- the tensors pushed at each sync (`_iter_named_params`): for `rollout_precision="fp8"`, every FP8 layer's
+  `weight` (float8_e4m3fn) and `weight_scale_inv` (float32) exactly as the trainer's forward uses them, BF16 for the
+  rest; plus, with an FP8 KV cache, the q/k/v scales measured on the trainer's forward (`kv_scales.py`);
+- colocate sync: vLLM's layerwise `reload_weights` (the only refresh path that works on a running FP8 engine in
+  vLLM 0.26; `model.load_weights`, which TRL calls, fails there). Server mode keeps TRL's own path (its client
+  streams the same tensors through vLLM's NCCL weight-transfer engine, which also reloads layerwise).
+
+Rollout precisions: "fp8" (our quantizer makes weights and scales: the unified flow), "bf16", and "fp8_online"
+(BF16 weights pushed, vLLM quantizes them itself: the BF16-train / FP8-rollout baseline).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+import weakref
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+from trl.generation.vllm_generation import VLLMGeneration
+
+from .config import ROLLOUT_PRECISIONS
+from .export import check_fused_groups, checkpoint_config, fp8_checkpoint_tensors, linear_module_names, unwrap_model
+from .kv_scales import AttentionScaleObserver
+
+__all__ = [
+    "ROLLOUT_PRECISIONS",
+    "FP8VLLMGeneration",
+    "check_server_config",
+    "check_vllm_version",
+    "rollout_weight_tensors",
+    "write_engine_config",
+]
+
+# vLLM's own online FP8 (per-tensor weights, dynamic per-token activations): `vllm serve --quantization fp8`.
+VLLM_ONLINE_FP8 = "fp8"
+MIN_VLLM_VERSION = (0, 26)
+
+
+def check_vllm_version() -> str:
+    """Raise naming the fix unless a vLLM with layerwise `reload_weights` (0.26+) is importable."""
+    try:
+        import vllm
+    except ImportError as exc:
+        raise ImportError(
+            "use_vllm=True needs vLLM: pip install 'trl-fp8[vllm]' (vLLM >= 0.26 with layerwise weight reload)."
+        ) from exc
+    from packaging.version import Version
+
+    if Version(vllm.__version__).release[:2] < MIN_VLLM_VERSION:
+        raise ImportError(
+            f"vLLM {vllm.__version__} cannot refresh the weights of a running FP8 engine (layerwise reload_weights "
+            "arrived in 0.26). Upgrade: pip install 'trl-fp8[vllm]'."
+        )
+    return vllm.__version__
+
+
+def rollout_weight_tensors(
+    model: nn.Module,
+    rollout_precision: str,
+    *,
+    fp8_modules: set[str] | None = None,
+    attention_scales: dict[str, torch.Tensor] | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`(name, tensor)` pairs pushed to vLLM at each sync, in transformers names, on the model's device.
+
+    "fp8": the block-FP8 checkpoint tensors (FP8 layers as float8_e4m3fn weight + float32 `weight_scale_inv`, the
+    trainer's own quantized weights; the rest in BF16). "bf16" and "fp8_online": BF16 tensors only. LoRA adapters are
+    merged in; a tied lm_head is left to vLLM's tying. `attention_scales` (FP8 KV cache) come last, after every
+    layer's weights, because vLLM processes attention scales after the linear layers.
+    """
+    if rollout_precision not in ROLLOUT_PRECISIONS:
+        raise ValueError(f"rollout_precision={rollout_precision!r} is unknown; use one of {ROLLOUT_PRECISIONS}.")
+    yield from fp8_checkpoint_tensors(
+        model,
+        fp8_modules=fp8_modules if rollout_precision == "fp8" else set(),
+        check_finite=False,
+        dtype=torch.bfloat16,
+    )
+    for name, scale in (attention_scales or {}).items():
+        yield name, scale.reshape(()).float()
+
+
+def write_engine_config(model: nn.Module, tokenizer, path: str | Path, fp8_modules: set[str]) -> Path:
+    """Write the files vLLM builds an engine from, without weights: `config.json` (with the block-FP8
+    `quantization_config` when `fp8_modules` is non-empty), `generation_config.json` and the tokenizer."""
+    hf_model = unwrap_model(model)
+    linear_names = linear_module_names(hf_model)
+    clean = {n.replace(".base_layer", "") for n in fp8_modules}
+    check_fused_groups(clean, linear_names)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = checkpoint_config(hf_model, clean, linear_names, torch.bfloat16)
+    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    if getattr(hf_model, "generation_config", None) is not None:
+        hf_model.generation_config.save_pretrained(path)
+    if tokenizer is not None:
+        getattr(tokenizer, "tokenizer", tokenizer).save_pretrained(path)
+    return path
+
+
+def _find(tree, key):
+    """First value of `key` anywhere in a nested JSON tree (vLLM's config dump nests differently across versions)."""
+    if isinstance(tree, dict):
+        if key in tree:
+            return tree[key]
+        for value in tree.values():
+            found = _find(value, key)
+            if found is not None:
+                return found
+    elif isinstance(tree, list):
+        for value in tree:
+            found = _find(value, key)
+            if found is not None:
+                return found
+    return None
+
+
+def _served_model_config(server_config: dict) -> dict | None:
+    """The served model's `config.json` when the server's model path is readable here (one host, the usual
+    two-GPU setup); vLLM's `/server_info` does not include the architecture itself."""
+    path = _find(server_config, "model")
+    config = Path(str(path)) / "config.json" if path else None
+    if config is None or not config.is_file():
+        return None
+    return json.loads(config.read_text())
+
+
+def check_server_config(server_config: dict, model: nn.Module, rollout_precision: str, fp8_kv_cache: bool) -> None:
+    """Raise naming the fix when a `trl vllm-serve` server cannot take this trainer's weights.
+
+    `server_config` is the server's `/server_info` VllmConfig tree (`VLLMClient.get_server_info()`): its
+    quantization and KV-cache dtype are checked, and, when the served model folder is readable from here, its
+    architecture and shapes.
+    """
+    hf_config = unwrap_model(model).config
+    fix = (
+        "Start the server on an FP8 checkpoint of this very policy: `trl-fp8-quantize <model> <fp8_dir>` then "
+        "`trl vllm-serve --model <fp8_dir>`"
+    )
+    quantization = _find(server_config, "quantization")
+    wanted = {"fp8": "fp8", "fp8_online": VLLM_ONLINE_FP8, "bf16": None}[rollout_precision]
+    if quantization != wanted:
+        if rollout_precision == "fp8":
+            raise ValueError(
+                f"rollout_precision='fp8' pushes FP8 weights and scales, but the vLLM server runs "
+                f"quantization={quantization!r}. {fix}."
+            )
+        hint = "--quantization fp8" if wanted else "a BF16 checkpoint and no --quantization"
+        raise ValueError(
+            f"rollout_precision={rollout_precision!r} needs a server with quantization={wanted!r}, found "
+            f"{quantization!r}. Restart `trl vllm-serve` with {hint}."
+        )
+    cache_dtype = _find(server_config, "cache_dtype")
+    if fp8_kv_cache and not str(cache_dtype).startswith("fp8"):
+        raise ValueError(
+            f"fp8_kv_cache=True but the server's KV cache is {cache_dtype!r}. Restart it with "
+            "`trl vllm-serve ... --kv_cache_dtype fp8`, or set fp8_kv_cache=False."
+        )
+    served = _served_model_config(server_config)
+    if served is None:
+        return
+    ours = list(getattr(hf_config, "architectures", None) or [type(unwrap_model(model)).__name__])
+    if served.get("architectures") and list(served["architectures"]) != ours:
+        raise ValueError(f"The vLLM server serves {served['architectures']}, the trainer trains {ours}. {fix}.")
+    for key in ("hidden_size", "num_hidden_layers", "num_key_value_heads", "vocab_size", "intermediate_size"):
+        if key in served and served[key] != getattr(hf_config, key, served[key]):
+            raise ValueError(
+                f"The vLLM server's model has {key}={served[key]}, the trainer's {getattr(hf_config, key)}: not the "
+                f"same architecture. {fix}."
+            )
+
+
+class FP8VLLMGeneration(VLLMGeneration):
+    """TRL's vLLM generation whose rollouts run on the trainer's own FP8 weights (see the module docstring).
+
+    Extra keyword arguments on top of `VLLMGeneration`'s:
+
+    Args:
+        rollout_precision: "fp8", "bf16" or "fp8_online".
+        fp8_modules: names of the layers served in FP8 (`export.fp8_module_names`).
+        kv_observer: an `AttentionScaleObserver` on the policy; its scales are pushed with every sync and vLLM's KV
+            cache is FP8. None: KV cache in the model dtype.
+    """
+
+    def __init__(
+        self,
+        *args,
+        rollout_precision: str = "fp8",
+        fp8_modules: set[str] | None = None,
+        kv_observer: AttentionScaleObserver | None = None,
+        **kwargs,
+    ):
+        if rollout_precision not in ROLLOUT_PRECISIONS:
+            raise ValueError(f"rollout_precision={rollout_precision!r} is unknown; use one of {ROLLOUT_PRECISIONS}.")
+        self.rollout_precision = rollout_precision
+        self.fp8_modules = set(fp8_modules or ()) if rollout_precision == "fp8" else set()
+        self.kv_observer = kv_observer
+        self.last_sync_seconds: float | None = None
+        self.engine_dir: Path | None = None
+        super().__init__(*args, **kwargs)
+
+    # --- start-up ----------------------------------------------------------------------------------------------
+
+    def _engine_overrides(self) -> dict:
+        overrides = {"model": str(self.engine_dir), "load_format": "dummy"}
+        if self.rollout_precision == "fp8_online":
+            overrides["quantization"] = VLLM_ONLINE_FP8
+        if self.kv_observer is not None:
+            overrides["kv_cache_dtype"] = "fp8"
+        return overrides
+
+    def _init_vllm(self):
+        check_vllm_version()
+        if self._dist.is_fsdp or self._dist.is_zero3:
+            raise NotImplementedError(
+                "FP8 rollouts read each layer's quantized weight from the trainer; sharded FSDP / ZeRO-3 weights are "
+                "not gathered for that yet. Use DDP or ZeRO-1/2."
+            )
+        if self.mode != "colocate":
+            if self.accelerator.is_main_process:
+                self._check_server()  # before TRL joins the server's NCCL group, which cannot be undone
+            super()._init_vllm()
+            return
+        self.engine_dir = Path(tempfile.mkdtemp(prefix="trl_fp8_vllm_engine_"))
+        weakref.finalize(self, shutil.rmtree, str(self.engine_dir), True)
+        write_engine_config(self.model, self.processing_class, self.engine_dir, self.fp8_modules)
+
+        # TRL builds `LLM(...)` itself with no knob for these settings: hand it an LLM that takes our overrides.
+        import trl.generation.vllm_generation as trl_vllm
+
+        llm_class, overrides = trl_vllm.LLM, self._engine_overrides()
+        trl_vllm.LLM = lambda *a, **kw: llm_class(*a, **{**kw, **overrides})
+        try:
+            super()._init_vllm()
+        finally:
+            trl_vllm.LLM = llm_class
+
+    def _check_server(self) -> None:
+        from trl.generation.vllm_client import VLLMClient
+
+        base_url = self.server_base_url or f"http://{self.server_host}:{self.server_port}"
+        try:
+            client = VLLMClient(base_url=base_url, connection_timeout=self.server_timeout)
+        except ConnectionError as exc:
+            raise ConnectionError(
+                f"{exc} For FP8 rollouts the server must run an FP8 checkpoint of the initial policy: "
+                "`trl-fp8-quantize <model> <fp8_dir>` then `trl vllm-serve --model <fp8_dir>`."
+            ) from exc
+        check_server_config(client.get_server_info(), self.model, self.rollout_precision, self.kv_observer is not None)
+
+    # --- weight sync -------------------------------------------------------------------------------------------
+
+    def _attention_scales(self) -> dict[str, torch.Tensor] | None:
+        if self.kv_observer is None:
+            return None
+        scales = self.kv_observer.scales()
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and scales:
+            # One scale per layer for every engine: the max over the ranks' observations.
+            stacked = torch.stack(list(scales.values())).to(self.accelerator.device)
+            torch.distributed.all_reduce(stacked, op=torch.distributed.ReduceOp.MAX)
+            scales = dict(zip(scales, stacked.unbind(), strict=True))
+        return scales
+
+    def _iter_named_params(self):
+        # Every rank holds the full model (DDP / ZeRO-1/2), so no gather is needed; vLLM's loaders shard for TP.
+        yield from rollout_weight_tensors(
+            self.model,
+            self.rollout_precision,
+            fp8_modules=self.fp8_modules,
+            attention_scales=self._attention_scales(),
+        )
+
+    def sync_weights(self):
+        start = time.perf_counter()
+        if self.mode == "colocate":
+            if self.enable_sleep_mode:
+                torch.cuda.empty_cache()
+                self.llm.wake_up(tags=["weights"])
+                self._llm_weights_sleeping = False
+            worker = self.llm.llm_engine.model_executor.driver_worker.worker
+            worker.reload_weights(weights_iterator=self._iter_named_params(), is_checkpoint_format=True)
+            self.llm.reset_prefix_cache()
+        else:
+            super().sync_weights()  # streams _iter_named_params through TRL's client
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.last_sync_seconds = time.perf_counter() - start
