@@ -1,0 +1,238 @@
+"""End-to-end GRPO step time, BF16 TRL against the FP8 flows, each run back to back on the same GPU.
+
+    python benchmarks/bench_grpo.py                       # GPU host with vLLM; Qwen3-4B shape, random weights
+    python benchmarks/bench_grpo.py --shape 8b --optim adamw_bnb_8bit     # where bitsandbytes is installed
+
+Runs (one child process each, vLLM colocated, same model, prompts, batch and 1k-token rollouts):
+
+- `trl_bf16`: TRL's plain `GRPOTrainer` (BF16 training, BF16 vLLM rollouts): what a user runs today;
+- `fp8_rollout`: `FP8GRPOTrainer`, BF16 training, rollouts on block-FP8 weights quantized by the trainer;
+- `unified`: `FP8GRPOTrainer`, blockwise FP8 training and rollouts on the same FP8 weights (Jet-RL's flow);
+- `unified_fp8kv` (with `--runs ... unified_fp8kv`): the same plus an FP8 KV cache.
+
+Each step is split into rollout (vLLM generate), weight sync, and training (everything else: scoring log-probs,
+rewards, forward/backward, optimizer). The first `--warmup` steps are dropped; medians are reported. All runs use
+token-level IS correction so they do the same work. Writes `benchmarks/results/grpo_speed_<device>.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import subprocess
+import sys
+import time
+from importlib.metadata import version
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_rollout import SHAPES  # noqa: E402
+
+RUNS = {  # run: (trainer, fp8_recipe, rollout_precision, fp8 KV cache)
+    "trl_bf16": ("trl", None, "bf16", False),
+    "fp8_rollout": ("trl_fp8", "none", "fp8", False),
+    "unified": ("trl_fp8", "blockwise", "fp8", False),
+    "unified_fp8kv": ("trl_fp8", "blockwise", "fp8", True),
+}
+
+
+def word_tokenizer(vocab_size: int):
+    """A word-level tokenizer covering the whole model vocabulary ("t<i>"), so random rollouts decode."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, **{f"t{i}": i for i in range(2, vocab_size)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", padding_side="left")
+
+
+def make_model_dir(path: Path, shape: str) -> None:
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(**SHAPES[shape], head_dim=128, max_position_embeddings=4096, tie_word_embeddings=False,
+                         eos_token_id=1, pad_token_id=0)  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = Qwen3ForCausalLM._from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(path)
+    word_tokenizer(config.vocab_size).save_pretrained(path)
+
+
+def length_reward(completions, **kwargs) -> list[float]:
+    """Any reward with spread will do for timing: a hash of the text."""
+    return [(hash(c) % 1000) / 1000 for c in completions]
+
+
+def run_one(args) -> None:
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer
+
+    trainer_kind, recipe, precision, fp8_kv = RUNS[args.run]
+    g = torch.Generator().manual_seed(0)
+    vocab = SHAPES[args.shape]["vocab_size"]
+    prompts = [" ".join(f"t{i}" for i in torch.randint(2, vocab, (args.prompt_len,), generator=g).tolist())
+               for _ in range(args.steps * args.generation_batch)]  # fmt: skip
+    common = dict(
+        output_dir=str(Path(args.workdir) / args.run), max_steps=args.steps, learning_rate=1e-6, logging_steps=1,
+        per_device_train_batch_size=args.micro_batch, gradient_accumulation_steps=args.generation_batch // args.micro_batch,
+        num_generations=args.num_generations, max_completion_length=args.completion_len,
+        temperature=1.0, beta=0.0, bf16=True, gradient_checkpointing=True, save_strategy="no", report_to="none",
+        seed=0, optim=args.optim, use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=args.vllm_memory,
+        generation_kwargs={"ignore_eos": True}, vllm_importance_sampling_correction=True,
+        vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_max=2.0,
+        model_init_kwargs={"dtype": "bfloat16"}, disable_tqdm=True,
+    )  # fmt: skip
+    if trainer_kind == "trl":
+        trainer_cls, config = GRPOTrainer, GRPOConfig(**common)
+    else:
+        trainer_cls = FP8GRPOTrainer
+        config = FP8GRPOConfig(**common, fp8_recipe=recipe, rollout_precision=precision, fp8_kv_cache=fp8_kv,
+                               tis="token", tis_cap=2.0, save_fp8_checkpoint=False)  # fmt: skip
+
+    timings = {"rollout": [], "sync": [], "step": []}
+
+    class StepTimer(TrainerCallback):
+        """Optimizer-step wall times: the time between consecutive step ends (step begin fires per micro-step)."""
+
+        def on_train_begin(self, *a, **k):
+            torch.cuda.synchronize()
+            self.last = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            torch.cuda.synchronize()
+            now = time.perf_counter()
+            timings["step"].append(now - self.last)
+            self.last = now
+
+    trainer = trainer_cls(
+        str(Path(args.workdir) / "model"), length_reward, config,
+        train_dataset=Dataset.from_dict({"prompt": prompts}), callbacks=[StepTimer()],
+    )  # fmt: skip
+    generation = trainer.vllm_generation
+
+    def timed(fn, key):
+        def wrapper(*a, **k):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                torch.cuda.synchronize()
+                timings[key].append((trainer.state.global_step, time.perf_counter() - start))
+
+        return wrapper
+
+    generation.generate = timed(generation.generate, "rollout")
+    generation.sync_weights = timed(generation.sync_weights, "sync")
+    trainer.train()
+
+    def per_step(key):  # seconds per optimizer step, by the step during which they ran
+        totals = [0.0] * args.steps
+        for step, seconds in timings[key]:
+            totals[step] += seconds
+        return totals
+
+    rollout, sync, step = per_step("rollout"), per_step("sync"), timings["step"]
+    keep = range(args.warmup, len(step))
+    med = lambda xs: statistics.median(xs[i] for i in keep)  # noqa: E731
+    row = {
+        "name": args.run,
+        "trainer": trainer_kind,
+        "fp8_recipe": recipe,
+        "rollout_precision": precision,
+        "fp8_kv_cache": fp8_kv,
+        "step_time": {
+            "step_s": med(step),
+            "rollout_s": med(rollout),
+            "weight_sync_s": med(sync),
+            "training_s": med([s - r - w for s, r, w in zip(step, rollout, sync, strict=True)]),
+        },
+        "per_step": {"step_s": step, "rollout_s": rollout, "weight_sync_s": sync},
+        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
+    }
+    print(json.dumps(row), flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--run", choices=list(RUNS), help=argparse.SUPPRESS)
+    parser.add_argument("--runs", nargs="+", default=["trl_bf16", "fp8_rollout", "unified"], choices=list(RUNS))
+    parser.add_argument("--shape", choices=list(SHAPES), default="4b")
+    parser.add_argument("--optim", default="adamw_torch_fused")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--generation_batch", type=int, default=64, help="completions per optimizer step")
+    parser.add_argument("--micro_batch", type=int, default=8)
+    parser.add_argument("--num_generations", type=int, default=8)
+    parser.add_argument("--prompt_len", type=int, default=128)
+    parser.add_argument("--completion_len", type=int, default=1024)
+    parser.add_argument("--vllm_memory", type=float, default=0.3)
+    parser.add_argument("--workdir", default="/tmp/trl_fp8_bench_grpo")
+    parser.add_argument("--append", action="store_true", help="merge into an existing results file")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if args.run:
+        return run_one(args)
+
+    import torch
+
+    workdir = Path(args.workdir)
+    if not (workdir / "model" / "config.json").exists():
+        make_model_dir(workdir / "model", args.shape)
+        torch.cuda.empty_cache()
+    device = torch.cuda.get_device_name()
+    out = Path(args.out or ROOT / "benchmarks" / "results" / f"grpo_speed_{device.replace(' ', '_')}.json")
+    settings = {k: getattr(args, k) for k in ("shape", "optim", "steps", "warmup", "generation_batch", "micro_batch",
+                                              "num_generations", "prompt_len", "completion_len", "vllm_memory")}  # fmt: skip
+    result = {
+        "benchmark": "GRPO step time, vLLM colocated",
+        "device": device,
+        "date": datetime.date.today().isoformat(),
+        "versions": {n: version(n) for n in ("torch", "vllm", "transformers", "trl", "torchao")},
+        "settings": settings,
+        "results": [],
+    }
+    if args.append and out.exists():
+        previous = json.loads(out.read_text())
+        if previous["device"] == device and previous["settings"] == settings:
+            result["results"] = [r for r in previous["results"] if r["name"] not in args.runs]
+    failed = []
+    for run in args.runs:
+        proc = subprocess.run([sys.executable, __file__, "--run", run] + sys.argv[1:], capture_output=True, text=True)
+        rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"name"')]
+        if proc.returncode != 0 or not rows:
+            print(proc.stdout[-3000:], proc.stderr[-6000:], sep="\n")
+            failed.append(run)
+            continue
+        result["results"].append(rows[-1])
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+    base = {r["name"]: r for r in result["results"]}.get("trl_bf16")
+    print(f"{'run':<15}{'step s':>9}{'rollout s':>11}{'training s':>12}{'sync s':>9}{'speedup e2e/rollout/train':>28}")
+    for r in result["results"]:
+        t = r["step_time"]
+        speed = "-"
+        if base:
+            b = base["step_time"]
+            speed = (f"{b['step_s'] / t['step_s']:.2f}x/{b['rollout_s'] / t['rollout_s']:.2f}x/"
+                     f"{b['training_s'] / t['training_s']:.2f}x")  # fmt: skip
+        print(f"{r['name']:<15}{t['step_s']:>9.2f}{t['rollout_s']:>11.2f}{t['training_s']:>12.2f}"
+              f"{t['weight_sync_s']:>9.2f}{speed:>28}")  # fmt: skip
+    print(f"wrote {out}")
+    if failed:
+        raise SystemExit(f"failed runs: {failed}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""The convergence task: multi-digit addition with an exact verifier.
+
+A prompt is one user message `"4821+377="`; the answer is the decimal sum. The character tokenizer of
+`trl_fp8.tiny_model` covers it, so nothing is downloaded. Difficulty grows with the number of digits, which lets a
+briefly pre-trained model solve only part of the problems: room for GRPO to improve and for precision to matter.
+"""
+
+from __future__ import annotations
+
+import random
+
+DIGITS = (2, 5)  # operand lengths, inclusive
+
+
+def _number(rng: random.Random, digits: tuple[int, int]) -> int:
+    d = rng.randint(*digits)
+    return rng.randint(10 ** (d - 1), 10**d - 1)
+
+
+def problem(rng: random.Random, digits: tuple[int, int] = DIGITS) -> tuple[str, str]:
+    a, b = _number(rng, digits), _number(rng, digits)
+    return f"{a}+{b}=", str(a + b)
+
+
+def problems(n: int, seed: int, digits: tuple[int, int] = DIGITS) -> list[tuple[str, str]]:
+    rng = random.Random(seed)
+    return [problem(rng, digits) for _ in range(n)]
+
+
+def grpo_dataset(n: int, seed: int):
+    """`datasets.Dataset` with conversational `prompt` and the `answer` column the reward reads."""
+    from datasets import Dataset
+
+    pairs = problems(n, seed)
+    return Dataset.from_dict(
+        {"prompt": [[{"role": "user", "content": q}] for q, _ in pairs], "answer": [a for _, a in pairs]}
+    )
+
+
+def exact_answer_reward(completions, answer, **kwargs) -> list[float]:
+    """1.0 when the completion is exactly the sum (surrounding whitespace ignored), else 0.0 (TRL reward fn)."""
+    out = []
+    for completion, target in zip(completions, answer, strict=True):
+        text = completion[-1]["content"] if isinstance(completion, list) else completion
+        out.append(float(text.strip() == target))
+    return out
+
+
+def chat_prompt(tokenizer, question: str) -> str:
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+    )
+
+
+def greedy_accuracy(model, tokenizer, pairs: list[tuple[str, str]], batch_size: int = 256, max_new_tokens: int = 8):
+    """Fraction of `pairs` the model answers exactly with greedy decoding (the model's own forward, FP8 or not)."""
+    import torch
+
+    was_training = model.training
+    model.eval()
+    correct = 0
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        for start in range(0, len(pairs), batch_size):
+            chunk = pairs[start : start + batch_size]
+            enc = tokenizer([chat_prompt(tokenizer, q) for q, _ in chunk], return_tensors="pt", padding=True).to(
+                device
+            )
+            out = model.generate(
+                **enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+            )  # fmt: skip
+            texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+            correct += sum(t.strip() == a for t, (_, a) in zip(texts, chunk, strict=True))
+    model.train(was_training)
+    return correct / len(pairs)

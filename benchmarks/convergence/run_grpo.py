@@ -1,0 +1,131 @@
+"""GRPO from the pre-trained arithmetic model in one precision setting; same seeds and steps for every setting.
+
+    python benchmarks/convergence/run_grpo.py --model /tmp/arith-base --setting fp8_tis     # GPU host with vLLM
+    python benchmarks/convergence/run_grpo.py --model /tmp/arith-base --setting all
+
+Settings (all through `FP8GRPOTrainer`, vLLM colocated, so every run logs the same trainer-vs-rollout mismatch):
+
+| setting | training | rollout | correction |
+|---|---|---|---|
+| `bf16` | BF16 | BF16 | none |
+| `bf16_fp8rollout` | BF16 | vLLM online FP8 (`fp8_online`) | none |
+| `bf16_fp8rollout_tis` | BF16 | vLLM online FP8 | token TIS (cap 2) |
+| `fp8` | blockwise FP8 | the trainer's own FP8 weights | none |
+| `fp8_tis` | blockwise FP8 | the trainer's own FP8 weights | token TIS (cap 2) |
+
+Per step: reward and mismatch (mean |delta logp|, KL k3); every `--eval_every` steps: held-out greedy accuracy.
+Writes `benchmarks/results/convergence/grpo_<setting>_<device>.json`. `--no_vllm` runs without vLLM (CPU smoke).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import subprocess
+import sys
+from importlib.metadata import version
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1]))
+sys.path.insert(0, str(HERE))
+
+from arithmetic import exact_answer_reward, greedy_accuracy, grpo_dataset, problems  # noqa: E402
+
+SETTINGS = {  # setting: (fp8_recipe, rollout_precision, tis)
+    "bf16": ("none", "bf16", "off"),
+    "bf16_fp8rollout": ("none", "fp8_online", "off"),
+    "bf16_fp8rollout_tis": ("none", "fp8_online", "token"),
+    "fp8": ("blockwise", "fp8", "off"),
+    "fp8_tis": ("blockwise", "fp8", "token"),
+}
+METRICS = ("reward", "fp8/mismatch/abs_logp_diff_mean", "fp8/mismatch/kl_k3", "fp8/weight_sync_ms", "step_time")
+
+
+def run(args, setting: str) -> Path:
+    import torch
+    from transformers import AutoTokenizer, TrainerCallback
+
+    from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer
+
+    recipe, precision, tis = SETTINGS[setting]
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    held_out = problems(args.eval_problems, seed=20_000)
+    cuda = torch.cuda.is_available()
+    config = FP8GRPOConfig(
+        output_dir=str(Path(args.workdir) / setting), max_steps=args.steps, learning_rate=args.lr,
+        lr_scheduler_type="constant", per_device_train_batch_size=args.batch_size, num_generations=args.num_generations,
+        max_completion_length=8, temperature=1.0, beta=0.0, logging_steps=1, save_strategy="no", report_to="none",
+        seed=args.seed, bf16=cuda, use_cpu=not cuda, gradient_checkpointing=False, disable_tqdm=True,
+        model_init_kwargs={"dtype": "bfloat16" if cuda else "float32"}, fp8_recipe=recipe, tis=tis,
+        use_vllm=not args.no_vllm, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3,
+        rollout_precision=precision, save_fp8_checkpoint=False,
+    )  # fmt: skip
+    evals: list[dict] = []
+
+    class HeldOut(TrainerCallback):
+        def on_step_end(self, _args, state, control, model=None, **kwargs):
+            if state.global_step % args.eval_every == 0 or state.global_step == args.steps:
+                accuracy = greedy_accuracy(model, tokenizer, held_out)
+                evals.append({"step": state.global_step, "held_out_accuracy": accuracy})
+                print(json.dumps({"setting": setting, **evals[-1]}), flush=True)
+
+    trainer = FP8GRPOTrainer(
+        args.model, exact_answer_reward, config, train_dataset=grpo_dataset(args.steps * args.batch_size, seed=1),
+        processing_class=tokenizer, callbacks=[HeldOut()],
+    )  # fmt: skip
+    evals.append({"step": 0, "held_out_accuracy": greedy_accuracy(trainer.model, tokenizer, held_out)})
+    trainer.train()
+    steps = [
+        {"step": log["step"], **{m: log[m] for m in METRICS if m in log}}
+        for log in trainer.state.log_history
+        if "reward" in log
+    ]
+    device = torch.cuda.get_device_name() if cuda else "cpu"
+    result = {
+        "run": f"GRPO on multi-digit addition, setting {setting}",
+        "setting": {"name": setting, "fp8_recipe": recipe, "rollout_precision": precision, "tis": tis},
+        "device": device,
+        "date": datetime.date.today().isoformat(),
+        "versions": {n: version(n) for n in ("torch", "transformers", "trl", "torchao")},
+        "args": {k: v for k, v in vars(args).items() if k != "setting"},
+        "steps": steps,
+        "held_out": evals,
+    }
+    out = Path(args.results_dir) / f"grpo_{setting}_{device.replace(' ', '_')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="the pre-trained model folder (pretrain.py --out)")
+    parser.add_argument("--setting", choices=[*SETTINGS, "all"], default="all")
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--batch_size", type=int, default=128)
+    parser.add_argument("--num_generations", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--eval_every", type=int, default=10)
+    parser.add_argument("--eval_problems", type=int, default=512)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no_vllm", action="store_true")
+    parser.add_argument("--workdir", default="/tmp/trl_fp8_convergence")
+    parser.add_argument("--results_dir", default=str(HERE.parent / "results" / "convergence"))
+    args = parser.parse_args()
+    if args.setting != "all":
+        print(f"wrote {run(args, args.setting)}")
+        return
+    # One process per setting: a colocated vLLM engine does not give its GPU memory back within a process.
+    failed = []
+    for setting in SETTINGS:
+        cmd = [sys.executable, __file__, *sys.argv[1:], "--setting", setting]
+        if subprocess.run(cmd).returncode != 0:
+            failed.append(setting)
+    if failed:
+        raise SystemExit(f"failed settings: {failed}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""The convergence scripts and the plotting script run end to end on CPU at smoke size (the GPU host runs them at
+full size; see benchmarks/README.md)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(*args):
+    proc = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    return proc.stdout
+
+
+def test_pretrain_grpo_and_plots_run_at_smoke_size(tmp_path):
+    conv = ROOT / "benchmarks" / "convergence"
+    _run(conv / "pretrain.py", "--out", tmp_path / "base", "--size", "smoke", "--max_steps", "4", "--batch_size", "8",
+         "--eval_every", "2", "--eval_problems", "8", "--results", tmp_path / "pretrain.json")  # fmt: skip
+    pretrain = json.loads((tmp_path / "pretrain.json").read_text())
+    assert [e["step"] for e in pretrain["log"]] == [2, 4] and (tmp_path / "base" / "config.json").exists()
+
+    results = tmp_path / "results"
+    _run(conv / "run_grpo.py", "--model", tmp_path / "base", "--setting", "fp8_tis", "--steps", "2", "--batch_size",
+         "8", "--num_generations", "4", "--eval_every", "1", "--eval_problems", "8", "--no_vllm", "--results_dir",
+         results / "convergence", "--workdir", tmp_path / "work")  # fmt: skip
+    (run,) = [json.loads(p.read_text()) for p in (results / "convergence").glob("grpo_fp8_tis_*.json")]
+    assert run["setting"] == {"name": "fp8_tis", "fp8_recipe": "blockwise", "rollout_precision": "fp8", "tis": "token"}
+    assert [s["step"] for s in run["steps"]] == [1, 2] and [e["step"] for e in run["held_out"]] == [0, 1, 2]
+
+    out = _run(ROOT / "benchmarks" / "plot_results.py", "--results", results, "--out", tmp_path / "plots")
+    assert "convergence_accuracy.png" in out and (tmp_path / "plots" / "convergence_reward.png").stat().st_size > 0
