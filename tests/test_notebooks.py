@@ -29,3 +29,14 @@ def test_notebook_executes(name, tmp_path):
     assert "'quant_method': 'fp8'" in outputs.replace('"', "'")
     images = [o for cell in nb.cells for o in cell.get("outputs", []) if "image/png" in o.get("data", {})]
     assert images, "the reward plot was not drawn"
+
+
+def test_results_notebook_redraws_the_committed_results(tmp_path):
+    nb = nbformat.read(ROOT / "notebooks" / "fp8_vs_bf16.ipynb", as_version=4)
+    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    outputs = "".join(
+        o.get("text", "") for cell in nb.cells if cell.cell_type == "code" for o in cell.get("outputs", [])
+    )
+    assert "vllm_fp8" in outputs and "rollout_NVIDIA_H200.json" in outputs
+    images = [o for cell in nb.cells for o in cell.get("outputs", []) if "image/png" in o.get("data", {})]
+    assert images, "no plot was drawn"
