@@ -294,3 +294,17 @@ def test_trainer_builds_vllm_from_a_config_folder_and_pushes_its_rollout_tensors
         )
     # Mismatch metrics need the trainer's log-probs in every vLLM run, TIS or not.
     assert trainer.vllm_importance_sampling_correction is True
+
+
+def test_unreachable_server_says_how_to_start_one(monkeypatch):
+    import trl.generation.vllm_client as trl_client
+
+    if not trl_client.is_requests_available():
+        pytest.skip("requests is not installed")
+    monkeypatch.setattr(trl_client, "is_vllm_available", lambda *a, **k: True)
+    generation = types.SimpleNamespace(
+        server_base_url="http://127.0.0.1:9", server_timeout=0.0, model=fp8_model(), rollout_precision="fp8",
+        kv_observer=None,
+    )  # fmt: skip
+    with pytest.raises(ConnectionError, match="trl vllm-serve --model <fp8_dir>"):
+        FP8VLLMGeneration._check_server(generation)

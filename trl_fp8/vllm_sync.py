@@ -248,12 +248,13 @@ class FP8VLLMGeneration(VLLMGeneration):
             trl_vllm.LLM = llm_class
 
     def _check_server(self) -> None:
+        import requests
         from trl.generation.vllm_client import VLLMClient
 
         base_url = self.server_base_url or f"http://{self.server_host}:{self.server_port}"
         try:
             client = VLLMClient(base_url=base_url, connection_timeout=self.server_timeout)
-        except ConnectionError as exc:
+        except (ConnectionError, requests.exceptions.ConnectionError) as exc:  # TRL raises the latter
             raise ConnectionError(
                 f"{exc} For FP8 rollouts the server must run an FP8 checkpoint of the initial policy: "
                 "`trl-fp8-quantize <model> <fp8_dir>` then `trl vllm-serve --model <fp8_dir>`."
