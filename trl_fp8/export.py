@@ -27,6 +27,7 @@ __all__ = [
     "QUANTIZATION_CONFIG",
     "checkpoint_config",
     "fp8_checkpoint_tensors",
+    "hf_name",
     "linear_module_names",
     "fp8_module_names",
     "save_fp8_checkpoint",
@@ -47,7 +48,7 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     return get_base() if callable(get_base) else model
 
 
-def _clean(name: str) -> str:
+def hf_name(name: str) -> str:
     """PEFT module/parameter name -> the plain transformers name."""
     return _PEFT_MARKERS.sub("", name)
 
@@ -106,7 +107,7 @@ def fp8_checkpoint_tensors(
         if "lora_" in key or ".original_module." in key:
             continue
         prefix, _, leaf = key.rpartition(".")
-        name = _clean(key)
+        name = hf_name(key)
         if tie and tensor.data_ptr() in seen_storage:
             continue  # the tied lm_head: vLLM and transformers re-tie it from the embedding
         seen_storage.add(tensor.data_ptr())
@@ -153,7 +154,9 @@ def check_fused_groups(fp8_modules: set[str], linear_names: set[str]) -> None:
 
 def linear_module_names(model: nn.Module) -> set[str]:
     """Transformers names of the model's linear layers (LoRA adapters excluded)."""
-    return {_clean(n) for n, m in unwrap_model(model).named_modules() if isinstance(m, nn.Linear) and "lora_" not in n}
+    return {
+        hf_name(n) for n, m in unwrap_model(model).named_modules() if isinstance(m, nn.Linear) and "lora_" not in n
+    }
 
 
 def checkpoint_config(
@@ -223,7 +226,7 @@ def save_fp8_checkpoint(
     hf_model = unwrap_model(model)
     fp8_modules = fp8_module_names(model) if fp8_modules is None else fp8_modules
     linear_names = linear_module_names(hf_model)
-    clean_fp8 = {_clean(n) for n in fp8_modules}
+    clean_fp8 = {hf_name(n) for n in fp8_modules}
     check_fused_groups(clean_fp8, linear_names)
 
     tensors: dict[str, torch.Tensor] = {}

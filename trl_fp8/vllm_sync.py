@@ -31,7 +31,14 @@ from torch import nn
 from trl.generation.vllm_generation import VLLMGeneration
 
 from .config import ROLLOUT_PRECISIONS
-from .export import check_fused_groups, checkpoint_config, fp8_checkpoint_tensors, linear_module_names, unwrap_model
+from .export import (
+    check_fused_groups,
+    checkpoint_config,
+    fp8_checkpoint_tensors,
+    hf_name,
+    linear_module_names,
+    unwrap_model,
+)
 from .kv_scales import AttentionScaleObserver
 
 __all__ = [
@@ -97,7 +104,7 @@ def write_engine_config(model: nn.Module, tokenizer, path: str | Path, fp8_modul
     `quantization_config` when `fp8_modules` is non-empty), `generation_config.json` and the tokenizer."""
     hf_model = unwrap_model(model)
     linear_names = linear_module_names(hf_model)
-    clean = {n.replace(".base_layer", "") for n in fp8_modules}
+    clean = {hf_name(n) for n in fp8_modules}
     check_fused_groups(clean, linear_names)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
