@@ -239,6 +239,9 @@ def fake_vllm(monkeypatch):
     import trl_fp8.vllm_sync as sync
 
     FakeLLM.instances.clear()
+    # TRL's colocate set-up exports these for vLLM; undo that, or later subprocesses would think they are ranks.
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(trl_vllm, "LLM", FakeLLM, raising=False)
     monkeypatch.setattr(trl_vllm, "is_vllm_available", lambda *a, **k: True)
     monkeypatch.setattr(sync, "check_vllm_version", lambda: "0.26.0")
