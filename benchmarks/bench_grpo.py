@@ -21,10 +21,8 @@ import argparse
 import datetime
 import json
 import statistics
-import subprocess
 import sys
 import time
-from importlib.metadata import version
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_rollout import SHAPES  # noqa: E402
+from common import previous_rows, run_child, versions  # noqa: E402
 
 RUNS = {  # run: (trainer, fp8_recipe, rollout_precision, fp8 KV cache)
     "trl_bf16": ("trl", None, "bf16", False),
@@ -199,20 +198,16 @@ def main():
         "benchmark": "GRPO step time, vLLM colocated",
         "device": device,
         "date": datetime.date.today().isoformat(),
-        "versions": {n: version(n) for n in ("torch", "vllm", "transformers", "trl", "torchao")},
+        "versions": versions("torch", "vllm", "transformers", "trl", "torchao"),
         "settings": settings,
         "results": [],
     }
-    if args.append and out.exists():
-        previous = json.loads(out.read_text())
-        if previous["device"] == device and previous["settings"] == settings:
-            result["results"] = [r for r in previous["results"] if r["name"] not in args.runs]
+    if args.append:
+        result["results"] = previous_rows(out, result, ("settings",), "name", args.runs)
     failed = []
     for run in args.runs:
-        proc = subprocess.run([sys.executable, __file__, "--run", run] + sys.argv[1:], capture_output=True, text=True)
-        rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"name"')]
-        if proc.returncode != 0 or not rows:
-            print(proc.stdout[-3000:], proc.stderr[-6000:], sep="\n")
+        rows = run_child(__file__, "--run", run, sys.argv[1:])
+        if rows is None:
             failed.append(run)
             continue
         result["results"].append(rows[-1])

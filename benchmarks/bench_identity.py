@@ -24,13 +24,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from common import run_child, versions  # noqa: E402
 
 
 def build_model(args, seed=0):
@@ -131,12 +132,6 @@ def run_engine(args):
         print(json.dumps({"check": "reload", "ms": 1e3 * seconds, "changed_completions": changed}))
 
 
-def _versions() -> dict:
-    from importlib.metadata import version
-
-    return {name: version(name) for name in ("torch", "vllm", "transformers", "trl", "torchao")}
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engine", choices=list(SETTINGS), help=argparse.SUPPRESS)
@@ -158,21 +153,14 @@ def main():
     Path(args.workdir).mkdir(parents=True, exist_ok=True)
     rows = []
     for engine in args.settings:
-        cmd = [sys.executable, __file__, "--engine", engine] + sys.argv[1:]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-        if proc.returncode != 0 or not lines:
-            print(proc.stdout[-3000:], proc.stderr[-6000:], sep="\n")
-            print(f"setting {engine} failed (exit {proc.returncode})")
-            continue
-        rows.extend(lines)
+        rows.extend(run_child(__file__, "--engine", engine, sys.argv[1:]) or [])
     device = torch.cuda.get_device_name()
 
     result = {
         "benchmark": "trainer vs vLLM log-probs on the same sampled tokens",
         "device": device,
         "date": datetime.date.today().isoformat(),
-        "versions": _versions(),
+        "versions": versions("torch", "vllm", "transformers", "trl", "torchao"),
         "model": {k: getattr(args, k) for k in ("hidden", "layers", "vocab", "init_std")},
         "prompts": args.prompts,
         "new_tokens": args.new_tokens,

@@ -23,7 +23,6 @@ import argparse
 import datetime
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,6 +30,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from common import previous_rows, run_child, versions  # noqa: E402
 
 SHAPES = {  # Qwen3 configs: hidden, intermediate, layers, heads, kv heads, vocab
     "8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
@@ -152,12 +153,6 @@ def run_engine(args):
     print(json.dumps(row), flush=True)
 
 
-def _versions() -> dict:
-    from importlib.metadata import version
-
-    return {name: version(name) for name in ("torch", "vllm", "transformers", "trl", "torchao")}
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engine", choices=list(ENGINES), help=argparse.SUPPRESS)
@@ -185,25 +180,19 @@ def main():
         "benchmark": "vLLM rollout throughput and weight-sync time",
         "device": device,
         "date": datetime.date.today().isoformat(),
-        "versions": _versions(),
+        "versions": versions("torch", "vllm", "transformers", "trl", "torchao"),
         "shape": {"name": args.shape, **SHAPES[args.shape]},
         "workload": {
             k: getattr(args, k) for k in ("prompts", "prompt_len", "new_tokens", "long_prompts", "long_tokens")
         },
         "results": [],
     }
-    if args.append and out.exists():
-        previous = json.loads(out.read_text())
-        if previous["device"] == device and previous["shape"] == result["shape"]:
-            result["results"] = [r for r in previous["results"] if r["engine"] not in args.engines]
+    if args.append:
+        result["results"] = previous_rows(out, result, ("shape",), "engine", args.engines)
     failed = []
     for engine in args.engines:
-        cmd = [sys.executable, __file__, "--engine", engine] + sys.argv[1:]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-        if proc.returncode != 0 or not rows:
-            print(proc.stdout[-3000:], proc.stderr[-6000:], sep="\n")
-            print(f"engine {engine} failed (exit {proc.returncode})")
+        rows = run_child(__file__, "--engine", engine, sys.argv[1:])
+        if rows is None:
             failed.append(engine)
             continue
         result["results"].append(rows[-1])

@@ -19,11 +19,13 @@ import copy
 import datetime
 import json
 import sys
-from importlib.metadata import version
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from common import versions  # noqa: E402
 
 
 def perturb_linear_inputs(model, flip_fraction: float, seed: int):
@@ -99,7 +101,7 @@ def main():
         "benchmark": "log-prob change from a rounding-size perturbation of every linear input, BF16 vs FP8 (emulated)",
         "device": "cpu",
         "date": datetime.date.today().isoformat(),
-        "versions": {n: version(n) for n in ("torch", "transformers", "torchao")},
+        "versions": versions("torch", "transformers", "torchao"),
         "args": vars(args),
         "results": rows,
         "fp8_over_bf16": rows[1]["abs_logp_diff_mean"] / rows[0]["abs_logp_diff_mean"],

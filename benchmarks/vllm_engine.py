@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from trl_fp8.export import fp8_module_names
-from trl_fp8.vllm_sync import VLLM_ONLINE_FP8, rollout_weight_tensors, write_engine_config
+from trl_fp8.vllm_sync import engine_overrides, push_to_engine, rollout_weight_tensors, write_engine_config
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: its worker is reachable
 
@@ -21,13 +21,9 @@ def start_engine(model, precision: str, workdir: Path, *, fp8_kv_cache: bool = F
     fp8_modules = fp8_module_names(model) if precision == "fp8" else set()
     engine_dir = write_engine_config(model, None, workdir / f"engine_{precision}", fp8_modules)
     kwargs = dict(
-        model=str(engine_dir), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", seed=0,
-        logprobs_mode="processed_logprobs", enable_prefix_caching=False,
+        **engine_overrides(engine_dir, precision, fp8_kv_cache), skip_tokenizer_init=True, dtype="bfloat16",
+        seed=0, logprobs_mode="processed_logprobs", enable_prefix_caching=False,
     )  # fmt: skip
-    if precision == "fp8_online":
-        kwargs["quantization"] = VLLM_ONLINE_FP8
-    if fp8_kv_cache:
-        kwargs["kv_cache_dtype"] = "fp8"
     llm = LLM(**{**kwargs, **llm_kwargs})
     llm.trl_fp8_modules = fp8_modules
     return llm
@@ -39,15 +35,9 @@ def sync(llm, model, precision: str, attention_scales=None) -> float:
 
     torch.cuda.synchronize()
     start = time.perf_counter()
-    worker = llm.llm_engine.model_executor.driver_worker.worker
     pairs = rollout_weight_tensors(
         model, precision, fp8_modules=llm.trl_fp8_modules, attention_scales=attention_scales
     )
-    worker.reload_weights(weights_iterator=pairs, is_checkpoint_format=True)
-    llm.reset_prefix_cache()
+    push_to_engine(llm, pairs)
     torch.cuda.synchronize()
     return time.perf_counter() - start
-
-
-def engine_model(llm):
-    return llm.llm_engine.model_executor.driver_worker.worker.model_runner.model

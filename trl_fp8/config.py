@@ -10,6 +10,12 @@ BACKENDS = ("auto", "scaled_mm", "emulated")
 ROLLOUT_PRECISIONS = ("fp8", "bf16", "fp8_online")
 
 
+def check_rollout_precision(rollout_precision: str) -> str:
+    if rollout_precision not in ROLLOUT_PRECISIONS:
+        raise ValueError(f"rollout_precision={rollout_precision!r} is unknown; use one of {ROLLOUT_PRECISIONS}.")
+    return rollout_precision
+
+
 @dataclass(frozen=True)
 class FP8LinearConfig:
     """How an FP8 linear layer quantizes its GEMM operands.

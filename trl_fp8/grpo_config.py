@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-from .config import BACKENDS, RECIPES, ROLLOUT_PRECISIONS
+from .config import BACKENDS, RECIPES, check_rollout_precision
 
 TIS_MODES = ("token", "off")
 
@@ -148,10 +148,7 @@ class FP8GRPOConfig(GRPOConfig):
             self.rollout_precision = None
         if self.rollout_precision is None:
             self.rollout_precision = "fp8" if self.fp8_recipe == "blockwise" else "bf16"
-        if self.rollout_precision not in ROLLOUT_PRECISIONS:
-            raise ValueError(
-                f"rollout_precision={self.rollout_precision!r} is unknown; use one of {ROLLOUT_PRECISIONS}."
-            )
+        check_rollout_precision(self.rollout_precision)
         if self.rollout_precision == "fp8" and self.fp8_recipe not in ("blockwise", None):
             raise ValueError(
                 f"rollout_precision='fp8' serves the trainer's block-FP8 weights, but fp8_recipe={self.fp8_recipe!r} "

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from transformers.trainer import TRAINING_ARGS_NAME
 from trl import GRPOTrainer
-from trl.trainer.utils import create_model_from_path
+from trl.trainer.utils import create_model_from_path, pad
 
 from .config import FP8LinearConfig
 from .conversion import ConversionReport, convert_to_fp8
@@ -138,14 +138,11 @@ class FP8GRPOTrainer(GRPOTrainer):
 
     @torch.no_grad()
     def _calibrate_kv_scales(self, prompt_ids: list[list[int]]) -> None:
-        width = max(len(p) for p in prompt_ids)
+        ids = [torch.tensor(p) for p in prompt_ids]  # padded the way TRL pads prompts for its own forwards
+        mask = pad([torch.ones_like(t) for t in ids], padding_value=0, padding_side="left")
+        ids = pad(ids, padding_value=self._tokenizer.pad_token_id, padding_side="left")
         device = self.accelerator.device
-        ids = torch.zeros(len(prompt_ids), width, dtype=torch.long, device=device)
-        mask = torch.zeros_like(ids)
-        for row, prompt in enumerate(prompt_ids):
-            ids[row, : len(prompt)] = torch.tensor(prompt, device=device)
-            mask[row, : len(prompt)] = 1
-        self.model(input_ids=ids, attention_mask=mask)
+        self.model(input_ids=ids.to(device), attention_mask=mask.to(device))
 
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)

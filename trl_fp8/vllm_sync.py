@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from trl.generation.vllm_generation import VLLMGeneration
 
-from .config import ROLLOUT_PRECISIONS
+from .config import ROLLOUT_PRECISIONS, check_rollout_precision
 from .export import (
     check_fused_groups,
     checkpoint_config,
@@ -46,6 +46,8 @@ __all__ = [
     "FP8VLLMGeneration",
     "check_server_config",
     "check_vllm_version",
+    "engine_overrides",
+    "push_to_engine",
     "rollout_weight_tensors",
     "write_engine_config",
 ]
@@ -87,8 +89,7 @@ def rollout_weight_tensors(
     merged in; a tied lm_head is left to vLLM's tying. `attention_scales` (FP8 KV cache) come last, after every
     layer's weights, because vLLM processes attention scales after the linear layers.
     """
-    if rollout_precision not in ROLLOUT_PRECISIONS:
-        raise ValueError(f"rollout_precision={rollout_precision!r} is unknown; use one of {ROLLOUT_PRECISIONS}.")
+    check_rollout_precision(rollout_precision)
     yield from fp8_checkpoint_tensors(
         model,
         fp8_modules=fp8_modules if rollout_precision == "fp8" else set(),
@@ -117,27 +118,27 @@ def write_engine_config(model: nn.Module, tokenizer, path: str | Path, fp8_modul
     return path
 
 
-def _find(tree, key):
-    """First value of `key` anywhere in a nested JSON tree (vLLM's config dump nests differently across versions)."""
-    if isinstance(tree, dict):
-        if key in tree:
-            return tree[key]
-        for value in tree.values():
-            found = _find(value, key)
-            if found is not None:
-                return found
-    elif isinstance(tree, list):
-        for value in tree:
-            found = _find(value, key)
-            if found is not None:
-                return found
-    return None
+def engine_overrides(engine_dir: str | Path, rollout_precision: str, fp8_kv_cache: bool) -> dict:
+    """`LLM(...)` arguments that build a colocated engine from `write_engine_config`'s folder with dummy weights."""
+    overrides = {"model": str(engine_dir), "load_format": "dummy"}
+    if rollout_precision == "fp8_online":
+        overrides["quantization"] = VLLM_ONLINE_FP8
+    if fp8_kv_cache:
+        overrides["kv_cache_dtype"] = "fp8"
+    return overrides
+
+
+def push_to_engine(llm, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """Load checkpoint-format `weights` into an in-process engine through vLLM's layerwise reload."""
+    worker = llm.llm_engine.model_executor.driver_worker.worker
+    worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+    llm.reset_prefix_cache()
 
 
 def _served_model_config(server_config: dict) -> dict | None:
     """The served model's `config.json` when the server's model path is readable here (one host, the usual
     two-GPU setup); vLLM's `/server_info` does not include the architecture itself."""
-    path = _find(server_config, "model")
+    path = server_config.get("model_config", {}).get("model")
     config = Path(str(path)) / "config.json" if path else None
     if config is None or not config.is_file():
         return None
@@ -156,7 +157,7 @@ def check_server_config(server_config: dict, model: nn.Module, rollout_precision
         "Start the server on an FP8 checkpoint of this very policy: `trl-fp8-quantize <model> <fp8_dir>` then "
         "`trl vllm-serve --model <fp8_dir>`"
     )
-    quantization = _find(server_config, "quantization")
+    quantization = server_config.get("model_config", {}).get("quantization")
     wanted = {"fp8": "fp8", "fp8_online": VLLM_ONLINE_FP8, "bf16": None}[rollout_precision]
     if quantization != wanted:
         if rollout_precision == "fp8":
@@ -169,7 +170,7 @@ def check_server_config(server_config: dict, model: nn.Module, rollout_precision
             f"rollout_precision={rollout_precision!r} needs a server with quantization={wanted!r}, found "
             f"{quantization!r}. Restart `trl vllm-serve` with {hint}."
         )
-    cache_dtype = _find(server_config, "cache_dtype")
+    cache_dtype = server_config.get("cache_config", {}).get("cache_dtype")
     if fp8_kv_cache and not str(cache_dtype).startswith("fp8"):
         raise ValueError(
             f"fp8_kv_cache=True but the server's KV cache is {cache_dtype!r}. Restart it with "
@@ -209,9 +210,7 @@ class FP8VLLMGeneration(VLLMGeneration):
         kv_observer: AttentionScaleObserver | None = None,
         **kwargs,
     ):
-        if rollout_precision not in ROLLOUT_PRECISIONS:
-            raise ValueError(f"rollout_precision={rollout_precision!r} is unknown; use one of {ROLLOUT_PRECISIONS}.")
-        self.rollout_precision = rollout_precision
+        self.rollout_precision = check_rollout_precision(rollout_precision)
         self.fp8_modules = set(fp8_modules or ()) if rollout_precision == "fp8" else set()
         self.kv_observer = kv_observer
         self.last_sync_seconds: float | None = None
@@ -219,14 +218,6 @@ class FP8VLLMGeneration(VLLMGeneration):
         super().__init__(*args, **kwargs)
 
     # --- start-up ----------------------------------------------------------------------------------------------
-
-    def _engine_overrides(self) -> dict:
-        overrides = {"model": str(self.engine_dir), "load_format": "dummy"}
-        if self.rollout_precision == "fp8_online":
-            overrides["quantization"] = VLLM_ONLINE_FP8
-        if self.kv_observer is not None:
-            overrides["kv_cache_dtype"] = "fp8"
-        return overrides
 
     def _init_vllm(self):
         check_vllm_version()
@@ -247,7 +238,8 @@ class FP8VLLMGeneration(VLLMGeneration):
         # TRL builds `LLM(...)` itself with no knob for these settings: hand it an LLM that takes our overrides.
         import trl.generation.vllm_generation as trl_vllm
 
-        llm_class, overrides = trl_vllm.LLM, self._engine_overrides()
+        llm_class = trl_vllm.LLM
+        overrides = engine_overrides(self.engine_dir, self.rollout_precision, self.kv_observer is not None)
         trl_vllm.LLM = lambda *a, **kw: llm_class(*a, **{**kw, **overrides})
         try:
             super()._init_vllm()
@@ -297,9 +289,7 @@ class FP8VLLMGeneration(VLLMGeneration):
                 torch.cuda.empty_cache()
                 self.llm.wake_up(tags=["weights"])
                 self._llm_weights_sleeping = False
-            worker = self.llm.llm_engine.model_executor.driver_worker.worker
-            worker.reload_weights(weights_iterator=self._iter_named_params(), is_checkpoint_format=True)
-            self.llm.reset_prefix_cache()
+            push_to_engine(self.llm, self._iter_named_params())
         else:
             super().sync_weights()  # streams _iter_named_params through TRL's client
         if torch.cuda.is_available():

@@ -14,14 +14,15 @@ import datetime
 import json
 import sys
 import time
-from importlib.metadata import version
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
+sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 from arithmetic import chat_prompt, greedy_accuracy, problems  # noqa: E402
+from common import versions  # noqa: E402
 
 SIZES = {  # hidden, layers, heads (head_dim 128), kv heads, intermediate
     "base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=6, num_key_value_heads=2,
@@ -114,7 +115,7 @@ def main():
         "run": "pretrain (supervised) on multi-digit addition",
         "device": device_name,
         "date": datetime.date.today().isoformat(),
-        "versions": {n: version(n) for n in ("torch", "transformers")},
+        "versions": versions("torch", "transformers"),
         "size": {"name": args.size, "parameters": params, **SIZES[args.size]},
         "args": vars(args),
         "steps": step,

@@ -24,14 +24,15 @@ import datetime
 import json
 import subprocess
 import sys
-from importlib.metadata import version
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
+sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 from arithmetic import exact_answer_reward, greedy_accuracy, grpo_dataset, problems  # noqa: E402
+from common import versions  # noqa: E402
 
 SETTINGS = {  # setting: (fp8_recipe, rollout_precision, tis)
     "bf16": ("none", "bf16", "off"),
@@ -88,7 +89,7 @@ def run(args, setting: str) -> Path:
         "setting": {"name": setting, "fp8_recipe": recipe, "rollout_precision": precision, "tis": tis},
         "device": device,
         "date": datetime.date.today().isoformat(),
-        "versions": {n: version(n) for n in ("torch", "transformers", "trl", "torchao")},
+        "versions": versions("torch", "transformers", "trl", "torchao"),
         "args": {k: v for k, v in vars(args).items() if k != "setting"},
         "steps": steps,
         "held_out": evals,

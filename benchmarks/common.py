@@ -1,0 +1,47 @@
+"""What the benchmark scripts share: package versions for their results files, one child process per
+configuration (a vLLM engine holds on to its GPU state, so each gets a fresh process), and `--append` merging."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from importlib.metadata import version
+from pathlib import Path
+
+
+def versions(*names: str) -> dict[str, str]:
+    return {name: version(name) for name in names}
+
+
+def json_lines(text: str) -> list[dict]:
+    """The JSON objects a child printed, one per line (TRL's Python-dict log lines are not JSON and are skipped)."""
+    rows = []
+    for line in text.splitlines():
+        if line.startswith("{"):
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return rows
+
+
+def run_child(script: str | Path, flag: str, name: str, argv: list[str]) -> list[dict] | None:
+    """Run `script flag name argv...` and return its JSON lines; on failure print its output's tail, return None."""
+    proc = subprocess.run([sys.executable, str(script), flag, name, *argv], capture_output=True, text=True)
+    rows = json_lines(proc.stdout)
+    if proc.returncode != 0 or not rows:
+        print(proc.stdout[-3000:], proc.stderr[-6000:], sep="\n")
+        print(f"{name} failed (exit {proc.returncode})")
+        return None
+    return rows
+
+
+def previous_rows(out: Path, result: dict, same: tuple[str, ...], id_key: str, rerun: list[str]) -> list[dict]:
+    """Rows of an earlier results file to keep under `--append`: same device and `same` settings, not re-run now."""
+    if not out.exists():
+        return []
+    previous = json.loads(out.read_text())
+    if any(previous.get(key) != result[key] for key in ("device", *same)):
+        return []
+    return [row for row in previous["results"] if row[id_key] not in rerun]
