@@ -52,7 +52,7 @@ def chat_prompt(tokenizer, question: str) -> str:
     )
 
 
-def greedy_accuracy(model, tokenizer, pairs: list[tuple[str, str]], batch_size: int = 256, max_new_tokens: int = 8):
+def greedy_accuracy(model, tokenizer, pairs: list[tuple[str, str]], batch_size: int = 512, max_new_tokens: int = 8):
     """Fraction of `pairs` the model answers exactly with greedy decoding (the model's own forward, FP8 or not)."""
     import torch
 

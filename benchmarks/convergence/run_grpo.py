@@ -15,15 +15,23 @@ Settings (all through `FP8GRPOTrainer`, vLLM colocated, so every run logs the sa
 
 Per step: reward and mismatch (mean |delta logp|, KL k3); every `--eval_every` steps: held-out greedy accuracy.
 Writes `benchmarks/results/convergence/grpo_<setting>_<device>.json`. `--no_vllm` runs without vLLM (CPU smoke).
+`--setting all --parallel` runs the five settings at once on one GPU (the model is small, a run alone leaves the GPU
+mostly idle): they build their trainers and vLLM engines one at a time, then train together. Results are the same
+kind; the logged step times are then not a speed measure.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import fcntl
 import json
+import os
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -44,6 +52,33 @@ SETTINGS = {  # setting: (fp8_recipe, rollout_precision, tis)
 METRICS = ("reward", "fp8/mismatch/abs_logp_diff_mean", "fp8/mismatch/kl_k3", "fp8/weight_sync_ms", "step_time")
 
 
+@contextlib.contextmanager
+def start_turn(sync_dir: Path | None):
+    """Parallel runs start one at a time: vLLM sizes its KV cache from the GPU memory it sees free while it profiles,
+    and another run starting or training in that window would skew it (or trip vLLM's profiling check)."""
+    if sync_dir is None:
+        yield
+        return
+    with open(sync_dir / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def wait_for_all(sync_dir: Path | None, setting: str, count: int, timeout_s: float = 1800) -> None:
+    """Train only once every parallel run has started (see `start_turn`); give up if the parent says one failed."""
+    if sync_dir is None:
+        return
+    (sync_dir / f"{setting}.ready").touch()
+    deadline = time.time() + timeout_s
+    while len(list(sync_dir.glob("*.ready"))) < count:
+        if (sync_dir / "abort").exists() or time.time() > deadline:
+            raise SystemExit(f"{setting}: another parallel run failed to start; not training")
+        time.sleep(1)
+
+
 def run(args, setting: str) -> Path:
     import torch
     from transformers import AutoTokenizer, TrainerCallback
@@ -60,7 +95,7 @@ def run(args, setting: str) -> Path:
         max_completion_length=8, temperature=1.0, beta=0.0, logging_steps=1, save_strategy="no", report_to="none",
         seed=args.seed, bf16=cuda, use_cpu=not cuda, gradient_checkpointing=False, disable_tqdm=True,
         model_init_kwargs={"dtype": "bfloat16" if cuda else "float32"}, fp8_recipe=recipe, tis=tis,
-        use_vllm=not args.no_vllm, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3,
+        use_vllm=not args.no_vllm, vllm_mode="colocate", vllm_gpu_memory_utilization=args.vllm_memory,
         rollout_precision=precision, save_fp8_checkpoint=False,
     )  # fmt: skip
     evals: list[dict] = []
@@ -72,11 +107,15 @@ def run(args, setting: str) -> Path:
                 evals.append({"step": state.global_step, "held_out_accuracy": accuracy})
                 print(json.dumps({"setting": setting, **evals[-1]}), flush=True)
 
-    trainer = FP8GRPOTrainer(
-        args.model, exact_answer_reward, config, train_dataset=grpo_dataset(args.steps * args.batch_size, seed=1),
-        processing_class=tokenizer, callbacks=[HeldOut()],
-    )  # fmt: skip
-    evals.append({"step": 0, "held_out_accuracy": greedy_accuracy(trainer.model, tokenizer, held_out)})
+    sync_dir = Path(args.sync_dir) if args.sync_dir else None
+    with start_turn(sync_dir):
+        trainer = FP8GRPOTrainer(
+            args.model, exact_answer_reward, config, train_dataset=grpo_dataset(args.steps * args.batch_size, seed=1),
+            processing_class=tokenizer, callbacks=[HeldOut()],
+        )  # fmt: skip
+        evals.append({"step": 0, "held_out_accuracy": greedy_accuracy(trainer.model, tokenizer, held_out)})
+        print(json.dumps({"setting": setting, **evals[-1]}), flush=True)
+    wait_for_all(sync_dir, setting, args.sync_count)
     trainer.train()
     steps = [
         {"step": log["step"], **{m: log[m] for m in METRICS if m in log}}
@@ -90,7 +129,10 @@ def run(args, setting: str) -> Path:
         "device": device,
         "date": datetime.date.today().isoformat(),
         "versions": versions("torch", "transformers", "trl", "torchao"),
-        "args": {k: v for k, v in vars(args).items() if k != "setting"},
+        "args": {
+            **{k: v for k, v in vars(args).items() if k not in ("setting", "sync_dir", "sync_count")},
+            "parallel": sync_dir is not None,
+        },  # fmt: skip
         "steps": steps,
         "held_out": evals,
     }
@@ -104,28 +146,62 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="the pre-trained model folder (pretrain.py --out)")
     parser.add_argument("--setting", choices=[*SETTINGS, "all"], default="all")
-    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch_size", type=int, default=128)
     parser.add_argument("--num_generations", type=int, default=8)
-    parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--lr", type=float, default=2e-5)
     parser.add_argument("--eval_every", type=int, default=10)
-    parser.add_argument("--eval_problems", type=int, default=512)
+    parser.add_argument("--eval_problems", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no_vllm", action="store_true")
+    parser.add_argument("--vllm_memory", type=float, default=None, help="vLLM's GPU share (0.3; 0.12 with --parallel)")
+    parser.add_argument("--parallel", action="store_true", help="with --setting all: all settings at once, one GPU")
     parser.add_argument("--workdir", default="/tmp/trl_fp8_convergence")
     parser.add_argument("--results_dir", default=str(HERE.parent / "results" / "convergence"))
+    parser.add_argument("--sync_dir", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--sync_count", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.vllm_memory is None:
+        args.vllm_memory = 0.12 if args.parallel else 0.3
     if args.setting != "all":
         print(f"wrote {run(args, args.setting)}")
         return
     # One process per setting: a colocated vLLM engine does not give its GPU memory back within a process.
-    failed = []
-    for setting in SETTINGS:
-        cmd = [sys.executable, __file__, *sys.argv[1:], "--setting", setting]
-        if subprocess.run(cmd).returncode != 0:
-            failed.append(setting)
+    argv = [a for a in sys.argv[1:] if a != "--parallel"] + ["--vllm_memory", str(args.vllm_memory)]
+    if not args.parallel:
+        failed = [s for s in SETTINGS if subprocess.run([sys.executable, __file__, *argv, "--setting", s]).returncode]
+    else:
+        failed = run_parallel(argv, Path(args.workdir))
     if failed:
         raise SystemExit(f"failed settings: {failed}")
+
+
+def run_parallel(argv: list[str], workdir: Path) -> list[str]:
+    """All settings at once, each logging to `<workdir>/<setting>.log`; returns the settings that failed."""
+    sync_dir = workdir / "parallel_sync"
+    shutil.rmtree(sync_dir, ignore_errors=True)
+    sync_dir.mkdir(parents=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}  # five trainers share the host's cores
+    procs = {}
+    for setting in SETTINGS:
+        cmd = [sys.executable, __file__, *argv, "--setting", setting, "--sync_dir", str(sync_dir),
+               "--sync_count", str(len(SETTINGS))]  # fmt: skip
+        log = open(workdir / f"{setting}.log", "w")  # noqa: SIM115 (closed with the process)
+        procs[setting] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log)
+    print(f"started {list(SETTINGS)}; logs in {workdir}/<setting>.log", flush=True)
+    failed = []
+    while procs:
+        for setting, (proc, log) in list(procs.items()):
+            if proc.poll() is None:
+                continue
+            log.close()
+            del procs[setting]
+            print(f"{setting} exited {proc.returncode}", flush=True)
+            if proc.returncode:
+                failed.append(setting)
+                (sync_dir / "abort").touch()  # runs still waiting to train give up; running ones finish
+        time.sleep(2)
+    return failed
 
 
 if __name__ == "__main__":
