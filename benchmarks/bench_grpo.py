@@ -1,7 +1,10 @@
 """End-to-end GRPO step time, BF16 TRL against the FP8 flows, each run back to back on the same GPU.
 
-    python benchmarks/bench_grpo.py                       # GPU host with vLLM; Qwen3-4B shape, random weights
-    python benchmarks/bench_grpo.py --shape 8b --optim adamw_bnb_8bit     # where bitsandbytes is installed
+    python benchmarks/bench_grpo.py --shape 8b --optim adamw_bnb_8bit --runs trl_bf16 fp8_rollout unified unified_fp8kv
+    python benchmarks/bench_grpo.py       # Qwen3-4B shape, stock AdamW (no bitsandbytes needed)
+
+The first command is the committed run (`results/grpo_speed_NVIDIA_H200.json`, via `run_report.sh`); random
+weights, GPU host with vLLM.
 
 Runs (one child process each, vLLM colocated, same model, prompts, batch and 1k-token rollouts):
 

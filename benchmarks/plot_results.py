@@ -3,11 +3,13 @@
     python benchmarks/plot_results.py [--results benchmarks/results] [--out benchmarks/plots]
 
 - `convergence_reward.png`, `convergence_accuracy.png`, `convergence_mismatch.png`: per-step reward, held-out
-  accuracy and trainer-vs-rollout mismatch of every `results/convergence/grpo_*.json` setting;
+  accuracy and trainer-vs-rollout mismatch of every `results/convergence*/grpo_*.json` setting (one colour per
+  setting, one line style per seed);
 - `rollout_throughput.png`: `results/rollout_*.json`, tokens/s per engine;
 - `grpo_step_time.png`: `results/grpo_speed_*.json`, step time split into rollout / training / weight sync.
 
-A plot whose results are missing is skipped (and said so); nothing is invented.
+A plot whose results are missing is skipped (and said so); nothing is invented. The same run also prints the
+report's tables (`tables`), which the README and `notebooks/fp8_vs_bf16.ipynb` quote.
 """
 
 from __future__ import annotations
@@ -32,21 +34,33 @@ def _smooth(values: list[float], window: int = 5) -> list[float]:
 
 
 def plot_convergence(runs: list[dict], out: Path, plt) -> list[Path]:
+    def steps_with(key):  # 10-step means: the per-step values are noisy
+        return lambda r: (
+            [s["step"] for s in r["steps"] if key in s],
+            _smooth([s[key] for s in r["steps"] if key in s], 10),
+        )
+
     written = []
     panels = [
-        ("convergence_reward.png", "reward (5-step mean)", lambda r: ([s["step"] for s in r["steps"]], _smooth([s["reward"] for s in r["steps"]]))),
+        ("convergence_reward.png", "reward (10-step mean)", lambda r: ([s["step"] for s in r["steps"]], _smooth([s["reward"] for s in r["steps"]], 10))),
         ("convergence_accuracy.png", "held-out greedy accuracy", lambda r: ([e["step"] for e in r["held_out"]], [e["held_out_accuracy"] for e in r["held_out"]])),
-        ("convergence_mismatch.png", "mean |logp_train - logp_rollout|", lambda r: ([s["step"] for s in r["steps"] if "fp8/mismatch/abs_logp_diff_mean" in s], [s["fp8/mismatch/abs_logp_diff_mean"] for s in r["steps"] if "fp8/mismatch/abs_logp_diff_mean" in s])),
+        ("convergence_mismatch.png", "mean |logp_train - logp_rollout| (10-step mean)", steps_with("fp8/mismatch/abs_logp_diff_mean")),
     ]  # fmt: skip
+    settings = list(dict.fromkeys(r["setting"]["name"] for r in runs))
+    seeds = sorted({r["args"]["seed"] for r in runs})
     for name, ylabel, series in panels:
-        fig, ax = plt.subplots(figsize=(6.4, 4))
+        fig, ax = plt.subplots(figsize=(7.2, 4.4))
         for run in runs:
             x, y = series(run)
-            ax.plot(x, y, label=run["setting"]["name"])
+            seed = run["args"]["seed"]
+            ax.plot(x, y, color=f"C{settings.index(run['setting']['name'])}", linestyle=["-", "--", ":"][seeds.index(seed) % 3],
+                    linewidth=1.2, label=f"{run['setting']['name']} (seed {seed})")  # fmt: skip
+        if name == "convergence_mismatch.png":
+            ax.set_yscale("log")
         ax.set_xlabel("GRPO step")
         ax.set_ylabel(ylabel)
         ax.set_title(f"{ylabel} ({runs[0]['device']})")
-        ax.legend()
+        ax.legend(fontsize=7, ncol=2)
         fig.tight_layout()
         fig.savefig(out / name, dpi=120)
         plt.close(fig)
@@ -71,8 +85,16 @@ def plot_rollout(result: dict, out: Path, plt) -> Path:
     return out / "rollout_throughput.png"
 
 
+RUN_ORDER = ("trl_bf16", "fp8_rollout", "unified", "unified_fp8kv")  # bench_grpo.RUNS, baseline first
+
+
+def _speed_rows(result: dict) -> list[dict]:
+    return sorted(result["results"], key=lambda r: RUN_ORDER.index(r["name"]) if r["name"] in RUN_ORDER else 99)
+
+
 def plot_step_time(result: dict, out: Path, plt) -> Path:
-    rows = result["results"]
+    rows = _speed_rows(result)
+    base = next((r["step_time"]["step_s"] for r in rows if r["name"] == "trl_bf16"), None)
     parts = ("rollout_s", "training_s", "weight_sync_s")
     fig, ax = plt.subplots(figsize=(6.4, 4))
     bottom = [0.0] * len(rows)
@@ -80,13 +102,60 @@ def plot_step_time(result: dict, out: Path, plt) -> Path:
         values = [r["step_time"][part] for r in rows]
         ax.bar([r["name"] for r in rows], values, bottom=bottom, label=part.removesuffix("_s"))
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    if base:
+        for i, total in enumerate(bottom):
+            ax.text(i, total, f"{base / total:.2f}x", ha="center", va="bottom")
     ax.set_ylabel("seconds per GRPO step (median)")
-    ax.set_title(f"GRPO step time ({result['device']})")
-    ax.legend()
+    ax.set_title(f"GRPO step time, {result['settings']['shape']} shape ({result['device']})")
+    ax.legend(loc="lower right")
     fig.tight_layout()
     fig.savefig(out / "grpo_step_time.png", dpi=120)
     plt.close(fig)
     return out / "grpo_step_time.png"
+
+
+def _convergence_runs(results: Path) -> list[dict]:
+    runs = _load(results.glob("convergence*/grpo_*.json"))
+    return sorted(runs, key=lambda r: (r["args"]["seed"], list(SETTING_ORDER).index(r["setting"]["name"])))
+
+
+SETTING_ORDER = ("bf16", "bf16_fp8rollout", "bf16_fp8rollout_tis", "fp8", "fp8_tis")
+
+
+def tables(results: Path) -> str:
+    """The report's tables as Markdown, from the JSON: GRPO step time and the convergence runs."""
+    lines = []
+    for result in _load(results.glob("grpo_speed_*.json"))[:1]:
+        rows = {r["name"]: r["step_time"] for r in _speed_rows(result)}
+        base = rows.get("trl_bf16")
+        lines += [f"GRPO step time, {result['settings']['shape']} shape, {result['device']} (median s per step)", "",
+                  "| run | step | rollout | training | weight sync | speed-up: step / rollout / training |",
+                  "|---|---|---|---|---|---|"]  # fmt: skip
+        for name, t in rows.items():
+            speed = (
+                "-"
+                if not base
+                else " / ".join(f"{base[k] / t[k]:.2f}x" for k in ("step_s", "rollout_s", "training_s"))
+            )
+            lines.append(f"| {name} | {t['step_s']:.2f} | {t['rollout_s']:.2f} | {t['training_s']:.2f} | "
+                         f"{t['weight_sync_s']:.2f} | {speed} |")  # fmt: skip
+        lines.append("")
+    runs = _convergence_runs(results)
+    if runs:
+        lines += ["Held-out greedy accuracy (%, 2048 problems) and mismatch (mean of all steps)", "",
+                  "| setting | seed | step 0 | step 100 | step 200 | reward, last 20 steps | mean abs dlogp | KL k3 |",
+                  "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        for r in runs:
+            acc = {e["step"]: 100 * e["held_out_accuracy"] for e in r["held_out"]}
+            last = max(acc)
+            steps = r["steps"]
+            mean = lambda key, xs=steps: sum(s[key] for s in xs if key in s) / max(1, sum(key in s for s in xs))  # noqa: E731
+            lines.append(
+                f"| {r['setting']['name']} | {r['args']['seed']} | {acc[0]:.2f} | {acc.get(last // 2, float('nan')):.2f} | "
+                f"{acc[last]:.2f} | {mean('reward', steps[-20:]):.3f} | {mean('fp8/mismatch/abs_logp_diff_mean'):.4f} | "
+                f"{mean('fp8/mismatch/kl_k3'):.1e} |"
+            )  # fmt: skip
+    return "\n".join(lines)
 
 
 def main(argv=None) -> list[Path]:
@@ -102,17 +171,18 @@ def main(argv=None) -> list[Path]:
     results, out = Path(args.results), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    runs = _load((results / "convergence").glob("grpo_*.json"))
+    runs = _convergence_runs(results)
     if runs:
         written += plot_convergence(runs, out, plt)
     else:
-        print("no results/convergence/grpo_*.json: convergence plots skipped")
+        print("no results/convergence*/grpo_*.json: convergence plots skipped")
     for result in _load(results.glob("rollout_*.json"))[:1]:
         written.append(plot_rollout(result, out, plt))
     for result in _load(results.glob("grpo_speed_*.json"))[:1]:
         written.append(plot_step_time(result, out, plt))
     for path in written:
         print(f"wrote {path}")
+    print(tables(results))
     return written
 
 

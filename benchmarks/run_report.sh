@@ -3,8 +3,8 @@
 #
 #   bash benchmarks/run_report.sh [RESULTS_DIR]      # GPU host with vLLM; then: python benchmarks/plot_results.py
 #
-# - speed: bench_grpo.py, Qwen3-8B shape, bitsandbytes 8-bit AdamW, 64 x 1024-token rollouts per step;
-# - accuracy: pretrain.py (an ~85M Qwen3 taught addition), then run_grpo.py's five settings at once.
+# - speed: bench_grpo.py, Qwen3-8B shape, bitsandbytes 8-bit AdamW, 64 x 1024-token rollouts per step, four runs;
+# - accuracy: pretrain.py (a 76M Qwen3 taught addition), then run_grpo.py's five settings at once, seeds 0 and 1.
 # With two GPUs the speed runs have GPU 1 to themselves while the accuracy runs share GPU 0; with one GPU they run
 # one after the other. Logs go to $WORK (default /var/tmp/trl_fp8_report), results to RESULTS_DIR.
 set -uo pipefail
@@ -16,14 +16,18 @@ device=$(python -c "import torch; print(torch.cuda.get_device_name().replace(' '
 export PYTHONUNBUFFERED=1
 
 speed() {
-  python benchmarks/bench_grpo.py --shape 8b --optim adamw_bnb_8bit --workdir "$work/speed" \
-    --out "$results/grpo_speed_$device.json"
+  # Its own rendezvous port: TRL takes the first free one of a fixed list (29500 first) for every colocated engine,
+  # and two engines starting at once on one host (here, next to the accuracy runs) can both take it.
+  MASTER_PORT=29610 python benchmarks/bench_grpo.py --shape 8b --optim adamw_bnb_8bit --workdir "$work/speed" \
+    --runs trl_bf16 fp8_rollout unified unified_fp8kv --out "$results/grpo_speed_$device.json"
 }
 accuracy() {
   python benchmarks/convergence/pretrain.py --out "$work/arith-base" \
     --results "$results/convergence/pretrain_$device.json" &&
     python benchmarks/convergence/run_grpo.py --model "$work/arith-base" --setting all --parallel \
-      --workdir "$work/convergence" --results_dir "$results/convergence"
+      --workdir "$work/convergence" --results_dir "$results/convergence" &&
+    python benchmarks/convergence/run_grpo.py --model "$work/arith-base" --setting all --parallel --seed 1 \
+      --workdir "$work/convergence_seed1" --results_dir "$results/convergence_seed1"
 }
 
 status=0

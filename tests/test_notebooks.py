@@ -1,5 +1,6 @@
 """The notebooks run top to bottom on CPU (executed with nbclient, as a user would run them)."""
 
+import json
 import os
 from pathlib import Path
 
@@ -38,5 +39,13 @@ def test_results_notebook_redraws_the_committed_results(tmp_path):
         o.get("text", "") for cell in nb.cells if cell.cell_type == "code" for o in cell.get("outputs", [])
     )
     assert "vllm_fp8" in outputs and "rollout_NVIDIA_H200.json" in outputs
+    # The step-time and accuracy tables carry the numbers of the committed JSON, every run and seed.
+    speed = json.loads(next((ROOT / "benchmarks" / "results").glob("grpo_speed_*.json")).read_text())
+    for row in speed["results"]:
+        assert f"| {row['name']} | {row['step_time']['step_s']:.2f} |" in outputs
+    runs = list((ROOT / "benchmarks" / "results").glob("convergence*/grpo_*.json"))
+    for run in map(json.loads, (p.read_text() for p in runs)):
+        final = 100 * run["held_out"][-1]["held_out_accuracy"]
+        assert f"| {run['setting']['name']} | {run['args']['seed']} |" in outputs and f"{final:.2f}" in outputs
     images = [o for cell in nb.cells for o in cell.get("outputs", []) if "image/png" in o.get("data", {})]
-    assert images, "no plot was drawn"
+    assert len(images) == 5, "expected the three convergence plots, rollout throughput and GRPO step time"

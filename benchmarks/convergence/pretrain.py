@@ -26,7 +26,7 @@ from common import versions  # noqa: E402
 
 SIZES = {  # hidden, layers, heads (head_dim 128), kv heads, intermediate
     "base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=6, num_key_value_heads=2,
-                 intermediate_size=2048),  # ~85M parameters
+                 intermediate_size=2048),  # 76M parameters
     "small": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
                   intermediate_size=768),  # ~3M: a CPU check that the task is learnable
     "smoke": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=1, num_key_value_heads=1,
