@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_rollout import SHAPES  # noqa: E402
-from common import previous_rows, run_child, versions  # noqa: E402
+from common import previous_rows, run_all, versions  # noqa: E402
 
 RUNS = {  # run: (trainer, fp8_recipe, rollout_precision, fp8 KV cache)
     "trl_bf16": ("trl", None, "bf16", False),
@@ -207,15 +207,7 @@ def main():
     }
     if args.append:
         result["results"] = previous_rows(out, result, ("settings",), "name", args.runs)
-    failed = []
-    for run in args.runs:
-        rows = run_child(__file__, "--run", run, sys.argv[1:])
-        if rows is None:
-            failed.append(run)
-            continue
-        result["results"].append(rows[-1])
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
+    failed = run_all(__file__, "--run", args.runs, sys.argv[1:], result, out, "name", list(RUNS))
     base = {r["name"]: r for r in result["results"]}.get("trl_bf16")
     print(f"{'run':<15}{'step s':>9}{'rollout s':>11}{'training s':>12}{'sync s':>9}{'speedup e2e/rollout/train':>28}")
     for r in result["results"]:

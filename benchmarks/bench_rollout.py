@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from common import previous_rows, run_child, versions  # noqa: E402
+from common import previous_rows, run_all, versions  # noqa: E402
 
 SHAPES = {  # Qwen3 configs: hidden, intermediate, layers, heads, kv heads, vocab
     "8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
@@ -189,18 +189,7 @@ def main():
     }
     if args.append:
         result["results"] = previous_rows(out, result, ("shape",), "engine", args.engines)
-    failed = []
-    for engine in args.engines:
-        rows = run_child(__file__, "--engine", engine, sys.argv[1:])
-        if rows is None:
-            failed.append(engine)
-            continue
-        result["results"].append(rows[-1])
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")  # after each engine: a crash keeps what ran
-    order = list(ENGINES)
-    result["results"].sort(key=lambda r: order.index(r["engine"]))
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    failed = run_all(__file__, "--engine", args.engines, sys.argv[1:], result, out, "engine", list(ENGINES))
     base = {r["engine"]: r for r in result["results"]}.get("bf16")
     long_key, short_key = f"gen_{args.long_tokens}", f"gen_{args.new_tokens}"
     print(

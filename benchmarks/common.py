@@ -45,3 +45,28 @@ def previous_rows(out: Path, result: dict, same: tuple[str, ...], id_key: str, r
     if any(previous.get(key) != result[key] for key in ("device", *same)):
         return []
     return [row for row in previous["results"] if row[id_key] not in rerun]
+
+
+def run_all(
+    script: str | Path,
+    flag: str,
+    names: list[str],
+    argv: list[str],
+    result: dict,
+    out: Path,
+    id_key: str,
+    order: list[str],
+) -> list[str]:
+    """One child per name (`run_child`), each one's last JSON row appended to `result["results"]` (sorted by
+    `order`) and `out` rewritten after every child, so a crash keeps what ran. Returns the names that failed."""
+    failed = []
+    for name in names:
+        rows = run_child(script, flag, name, argv)
+        if rows is None:
+            failed.append(name)
+            continue
+        result["results"].append(rows[-1])
+        result["results"].sort(key=lambda r: order.index(r[id_key]))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+    return failed
