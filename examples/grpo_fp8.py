@@ -9,9 +9,11 @@
     accelerate launch examples/grpo_fp8.py --use_vllm --fp8_kv_cache    # the demo with vLLM and an FP8 KV cache
 
 Every `FP8GRPOConfig` (hence `GRPOConfig`), `ModelConfig` and TRL GRPO script flag works, and `--config run.yaml`.
-With no `--model_name_or_path`, the demo builds a randomly initialised Qwen3-architecture model (dims multiples of
-128) and a character tokenizer locally, trains it on "say <letter>" (exact verifier), prints the reward trend and
-saves the FP8 checkpoint.
+With no `--model_name_or_path`, the demo builds a Qwen3-architecture model (dims multiples of 128) and a character
+tokenizer locally, gives it a brief supervised warm start on "say <letter>" (so that it is right for some letters,
+see `trl_fp8/toy_task.py`), trains it with GRPO, saves the checkpoint, and prints the greedy accuracy over every
+letter before GRPO and of the saved checkpoint after it. Its files go to `out/grpo_fp8_demo` (BF16:
+`out/grpo_bf16_demo`) unless `--output_dir` says otherwise.
 """
 
 import os
@@ -28,9 +30,10 @@ from trl import ModelConfig, TrlParser, get_peft_config  # noqa: E402
 from trl.scripts.grpo import GRPOScriptArguments  # noqa: E402
 
 from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer  # noqa: E402
-from trl_fp8.toy_task import GRPO_SETTINGS  # noqa: E402
+from trl_fp8.toy_task import WARM_START_GRPO_SETTINGS  # noqa: E402
 
-DEMO_DEFAULTS = dict(GRPO_SETTINGS, output_dir="grpo_fp8_demo", max_steps=80, logging_steps=5)
+DEMO_DEFAULTS = dict(WARM_START_GRPO_SETTINGS, output_dir="out/grpo_fp8_demo", max_steps=60, logging_steps=5)
+BF16_DEMO_OUTPUT_DIR = "out/grpo_bf16_demo"  # the baseline never overwrites the FP8 checkpoint
 
 
 class RewardTrend(TrainerCallback):
@@ -51,17 +54,32 @@ class RewardTrend(TrainerCallback):
             print(f"reward trend: {r0:.3f} at step {s0} -> {r1:.3f} at step {s1}", flush=True)
 
 
-def demo_model_and_data(output_dir: str, seed: int):
-    """Tiny Qwen3 + character tokenizer saved locally (so TRL and vLLM can load them by path) and the toy task."""
+def demo_model_and_data(training_args):
+    """Tiny Qwen3 + character tokenizer, warm-started and saved locally (TRL and vLLM load it by path), the task,
+    and the greedy accuracy of the warm-started model."""
     from trl_fp8.tiny_model import tiny_char_tokenizer, tiny_qwen3
-    from trl_fp8.toy_task import say_letter_dataset, say_letter_reward
+    from trl_fp8.toy_task import greedy_accuracy, say_letter_dataset, say_letter_reward, warm_start
 
     tokenizer = tiny_char_tokenizer()
-    model = tiny_qwen3(seed=seed, vocab_size=128, eos_token_id=tokenizer.eos_token_id, pad_token_id=0)
-    path = os.path.join(output_dir, "initial_model")
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path, tokenizer, say_letter_dataset(seed=seed), [say_letter_reward]
+    path = os.path.join(training_args.output_dir, "initial_model")
+    # One process writes the initial model; the others wait, then read it.
+    with training_args.main_process_first(desc="demo initial model", local=False):
+        if training_args.process_index == 0:
+            model = tiny_qwen3(
+                seed=training_args.seed, vocab_size=128, eos_token_id=tokenizer.eos_token_id, pad_token_id=0
+            )
+            warm_start(model, tokenizer, seed=training_args.seed)
+            model.save_pretrained(path)
+            tokenizer.save_pretrained(path)
+    from transformers import AutoModelForCausalLM
+
+    accuracy, answers = greedy_accuracy(AutoModelForCausalLM.from_pretrained(path), tokenizer)
+    return path, tokenizer, say_letter_dataset(seed=training_args.seed), [say_letter_reward], (accuracy, answers)
+
+
+def report_accuracy(label: str, accuracy: float, answers: dict[str, str]) -> None:
+    shown = ", ".join(f"{c}:{a or '-'}" for c, a in answers.items())
+    print(f"greedy accuracy over all {len(answers)} letters, {label}: {100 * accuracy:.1f}%  ({shown})", flush=True)
 
 
 def main():
@@ -70,11 +88,12 @@ def main():
     if demo:
         parser.set_defaults(**DEMO_DEFAULTS, bf16=torch.cuda.is_available(), use_cpu=not torch.cuda.is_available())
     script_args, training_args, model_args = parser.parse_args_and_config()
+    if demo and training_args.fp8_recipe is None and "--output_dir" not in sys.argv:
+        training_args.output_dir = BF16_DEMO_OUTPUT_DIR
 
+    before = None
     if model_args.model_name_or_path is None:
-        model, tokenizer, train_dataset, reward_funcs = demo_model_and_data(
-            training_args.output_dir, training_args.seed
-        )
+        model, tokenizer, train_dataset, reward_funcs, before = demo_model_and_data(training_args)
     else:
         from datasets import load_dataset
         from trl.rewards import accuracy_reward, think_format_reward
@@ -106,6 +125,16 @@ def main():
     trainer.save_model(training_args.output_dir)
     what = "FP8 checkpoint" if training_args.save_fp8_checkpoint else "model"
     trainer.accelerator.print(f"Saved the {what} to {training_args.output_dir}")
+    if before is not None and trainer.accelerator.is_main_process:
+        from transformers import AutoModelForCausalLM
+
+        from trl_fp8.toy_task import greedy_accuracy
+
+        report_accuracy("before GRPO (warm start)", *before)
+        saved = AutoModelForCausalLM.from_pretrained(training_args.output_dir)  # what a user would load
+        report_accuracy(
+            f"after GRPO ({what} reloaded from {training_args.output_dir})", *greedy_accuracy(saved, tokenizer)
+        )
     if training_args.push_to_hub:
         trainer.push_to_hub(dataset_name=script_args.dataset_name)
 

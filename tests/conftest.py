@@ -3,6 +3,9 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests build every model and tokenizer locally
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# GPU host: Triton keeps autotuning results on disk, so the suite's subprocess runs do not autotune torchao's
+# quantizers again (each process's first FP8 step would otherwise pay it).
+os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
 
 import pytest
 import torch
@@ -19,7 +22,53 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def restore_environment():
+    """TRL's colocate set-up exports RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT for vLLM's in-process engine;
+    left behind, they make a later test's subprocess think it is one rank of a distributed launch."""
+    saved = dict(os.environ)
+    yield
+    for key in set(os.environ) - set(saved):
+        del os.environ[key]
+    os.environ.update(saved)
+
+
+def clean_subprocess_env() -> dict[str, str]:
+    """This process's environment without distributed-launch variables (the NVLink settings stay)."""
+    launch = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+    return {k: v for k, v in os.environ.items() if k not in launch}
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """||out - ref|| / ||ref|| in float64."""
     ref = ref.double()
     return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def reference_quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """128x128 block FP8 written out block by block, independently of `trl_fp8.quantization`, from the format's
+    definition (vLLM / DeepSeek-V3; torchao's rounding steps): `scale = fp32(448 / amax)` (amax >= 1e-12, computed in
+    float64), `q = e4m3(clamp(w * scale, +-448))`, `weight_scale_inv = 1 / scale`. Tests compare what the library
+    pushes or exports against this, never against the library's own output."""
+    n, k = w.shape
+    q = torch.empty(n, k, dtype=torch.float8_e4m3fn)
+    scale_inv = torch.empty((n + 127) // 128, (k + 127) // 128, dtype=torch.float32)
+    w = w.detach().cpu()
+    for bi, i in enumerate(range(0, n, 128)):
+        for bj, j in enumerate(range(0, k, 128)):
+            block = w[i : i + 128, j : j + 128]
+            amax = max(block.abs().max().item(), 1e-12)
+            scale = torch.tensor(448.0 / amax, dtype=torch.float64).to(torch.float32)
+            q[i : i + 128, j : j + 128] = (
+                (block.to(torch.float32) * scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+            )
+            scale_inv[bi, bj] = 1.0 / scale
+    return q, scale_inv
+
+
+def assert_fp8_equal(q: torch.Tensor, scale_inv: torch.Tensor, weight: torch.Tensor) -> None:
+    """`(q, scale_inv)` are bit for bit the block-FP8 quantization of `weight` (independent reference)."""
+    q_ref, s_ref = reference_quantize_blocks(weight)
+    assert q.dtype == torch.float8_e4m3fn and scale_inv.dtype == torch.float32
+    assert torch.equal(q.cpu().view(torch.uint8), q_ref.view(torch.uint8))
+    assert torch.equal(scale_inv.cpu(), s_ref)

@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from trl_fp8 import FP8Linear, FP8LinearConfig, quantize_blocks
-from trl_fp8.fp8_linear import FP8Weight, _BlockwiseFP8Matmul
+from trl_fp8.fp8_linear import FP8Weight, _BlockwiseFP8Matmul, invalidate_fp8_weights
 
-from conftest import rel_err
+from conftest import assert_fp8_equal, rel_err
 
 FP8_MAX = 448.0
 
@@ -186,3 +186,82 @@ def test_forward_uses_exactly_the_exported_weight():
     assert torch.equal(lin(x), expected)
     fp8_weight.q.view(torch.uint8)[0, 0] ^= 0x80  # flipping one weight's sign bit changes the output
     assert not torch.equal(_BlockwiseFP8Matmul.apply(x, lin.weight, fp8_weight), expected)
+
+
+def _assert_serves(lin: FP8Linear, weight: torch.Tensor) -> None:
+    """The layer's FP8 weight (what its forward multiplies, what export and vLLM get) is the quantization of `weight`."""
+    assert_fp8_equal(*lin.quantized_weight(), weight)
+
+
+def test_data_writes_are_picked_up_after_invalidate():
+    lin, w = make_layer()
+    lin(torch.randn(4, 256))
+    with torch.no_grad():
+        lin.weight.data.mul_(-2.0)  # behind autograd's back: no version bump, same storage
+    assert invalidate_fp8_weights(lin) == 1
+    _assert_serves(lin, -2.0 * w)
+    lin.weight.data = w.clone()  # a new tensor behind the parameter needs nothing
+    _assert_serves(lin, w)
+
+
+def test_load_state_dict_refreshes_the_fp8_weight():
+    lin, w = make_layer()
+    lin(torch.randn(4, 256))
+    lin.load_state_dict({"weight": w * 3.0})
+    _assert_serves(lin, w * 3.0)
+    lin.load_state_dict({"weight": w * 0.5}, assign=True)
+    _assert_serves(lin, w * 0.5)
+
+
+@pytest.mark.parametrize("safe_merge", [False, True])
+def test_peft_merge_unmerge_and_merge_and_unload_refresh_the_fp8_weight(safe_merge):
+    from peft import LoraConfig, get_peft_model
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(256, 384, bias=False)
+
+        def forward(self, x):
+            return self.proj(x)
+
+    torch.manual_seed(0)
+    block = Block()
+    base = block.proj.weight.detach().clone()
+    FP8Linear.convert_(block.proj, FP8LinearConfig(backend="emulated"))
+    model = get_peft_model(block, LoraConfig(r=4, target_modules=["proj"], init_lora_weights=False))
+    lora = model.base_model.model.proj
+    merged = base + lora.get_delta_weight("default")
+    x = torch.randn(8, 256)
+    model(x)  # caches the FP8 base weight
+    _assert_serves(lora.base_layer, base)
+
+    lora.merge(safe_merge=safe_merge)  # PEFT writes `weight.data += delta` (or swaps .data when safe)
+    _assert_serves(lora.base_layer, lora.base_layer.weight.detach())
+    torch.testing.assert_close(lora.base_layer.weight.detach(), merged)
+    lora.unmerge()
+    _assert_serves(lora.base_layer, lora.base_layer.weight.detach())
+    torch.testing.assert_close(lora.base_layer.weight.detach(), base, rtol=0, atol=1e-6)
+
+    unloaded = model.merge_and_unload(safe_merge=safe_merge)
+    assert isinstance(unloaded.proj, FP8Linear)
+    _assert_serves(unloaded.proj, unloaded.proj.weight.detach())
+    torch.testing.assert_close(unloaded.proj.weight.detach(), merged)
+
+
+def test_frozen_weights_quantize_once_trainable_ones_once_per_step(monkeypatch):
+    from trl_fp8.ops import emulated
+
+    frozen, _ = make_layer()
+    frozen.weight.requires_grad_(False)  # a LoRA base layer or the reference model
+    trainable, _ = make_layer(n=256, k=384)
+    calls = []
+    orig = emulated.quantize_weight
+    monkeypatch.setattr(emulated, "quantize_weight", lambda w, **kw: calls.append(w.data_ptr()) or orig(w, **kw))
+    opt = torch.optim.AdamW(trainable.parameters(), lr=0.1, fused=True)
+    x = torch.randn(16, 256)
+    for _ in range(3):
+        trainable(frozen(x)).sum().backward()
+        opt.step()
+    assert calls.count(frozen.weight.data_ptr()) == 1
+    assert calls.count(trainable.weight.data_ptr()) == 3

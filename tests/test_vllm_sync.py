@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, FP8Linear, convert_to_fp8, quantize_blocks
+from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, FP8Linear, convert_to_fp8
 from trl_fp8.export import fp8_module_names
 from trl_fp8.kv_scales import AttentionScaleObserver
 from trl_fp8.tiny_model import tiny_char_tokenizer, tiny_qwen3
@@ -22,6 +22,8 @@ from trl_fp8.vllm_sync import (
     rollout_weight_tensors,
     write_engine_config,
 )
+
+from conftest import assert_fp8_equal
 
 
 def fp8_model(**kwargs):
@@ -41,11 +43,10 @@ def test_fp8_rollout_pushes_the_trainers_own_fp8_bits_and_bf16_for_the_rest():
     fp8_layers = {n: m for n, m in model.named_modules() if isinstance(m, FP8Linear)}
     assert len(fp8_layers) == 4 * 7  # q k v o gate up down in every decoder layer; lm_head stays high precision
     for name, module in fp8_layers.items():
-        q, scale_inv = module.quantized_weight()
         weight, scale = pairs[f"{name}.weight"], pairs[f"{name}.weight_scale_inv"]
-        assert weight.dtype == torch.float8_e4m3fn and weight.shape == module.weight.shape
-        assert scale.dtype == torch.float32 and scale.shape == (module.out_features // 128, module.in_features // 128)
-        assert torch.equal(weight.view(torch.uint8), q.view(torch.uint8)) and torch.equal(scale, scale_inv)
+        assert weight.shape == module.weight.shape
+        assert scale.shape == (module.out_features // 128, module.in_features // 128)
+        assert_fp8_equal(weight, scale, module.weight)
     others = {n: t for n, t in pairs.items() if not n.endswith("_scale_inv") and t.dtype != torch.float8_e4m3fn}
     assert "lm_head.weight" in others and "model.embed_tokens.weight" in others and "model.norm.weight" in others
     assert all(t.dtype == torch.bfloat16 for t in others.values())
@@ -77,9 +78,8 @@ def test_lora_is_merged_before_quantization_and_names_are_plain():
     assert not any("lora" in n or "base_layer" in n or "base_model" in n for n in pairs)
     lora_q = model.base_model.model.model.layers[0].self_attn.q_proj
     merged = lora_q.base_layer.weight.detach() + lora_q.get_delta_weight("default")
-    q, scale = quantize_blocks(merged)
-    assert torch.equal(pairs["model.layers.0.self_attn.q_proj.weight"].view(torch.uint8), q.view(torch.uint8))
-    assert torch.equal(pairs["model.layers.0.self_attn.q_proj.weight_scale_inv"], scale)
+    pushed = pairs["model.layers.0.self_attn.q_proj.weight"], pairs["model.layers.0.self_attn.q_proj.weight_scale_inv"]
+    assert_fp8_equal(*pushed, merged)
     bf16 = dict(rollout_weight_tensors(model, "bf16", fp8_modules=fp8_modules))
     assert torch.equal(bf16["model.layers.0.self_attn.q_proj.weight"], merged.to(torch.bfloat16))
     assert set(bf16) == {n.replace(".base_layer", "") for n in base.state_dict() if "lora" not in n}
@@ -200,12 +200,24 @@ def test_server_checks_name_the_fix(tmp_path):
 
 
 def test_vllm_version_errors_name_the_fix(monkeypatch):
-    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__="0.25.1"))
+    import importlib.metadata
+
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.25.1")
     with pytest.raises(ImportError, match="arrived in 0.26"):
         check_vllm_version()
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.26.0")
+    assert check_vllm_version() == "0.26.0"
+
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
     monkeypatch.setitem(sys.modules, "vllm", None)
     with pytest.raises(ImportError, match=r"pip install 'trl-fp8\[vllm\]'"):
         check_vllm_version()
+    # Refused by the config itself, before a script can write anything for a run that cannot start.
+    with pytest.raises(ImportError, match="use_vllm=True needs vLLM"):
+        FP8GRPOConfig(output_dir="unused", use_cpu=True, bf16=False, use_vllm=True)
 
 
 class FakeLLM:
@@ -236,6 +248,7 @@ class FakeLLM:
 def fake_vllm(monkeypatch):
     import trl.generation.vllm_generation as trl_vllm
 
+    import trl_fp8.config
     import trl_fp8.vllm_sync as sync
 
     FakeLLM.instances.clear()
@@ -245,6 +258,7 @@ def fake_vllm(monkeypatch):
     monkeypatch.setattr(trl_vllm, "LLM", FakeLLM, raising=False)
     monkeypatch.setattr(trl_vllm, "is_vllm_available", lambda *a, **k: True)
     monkeypatch.setattr(sync, "check_vllm_version", lambda: "0.26.0")
+    monkeypatch.setattr(trl_fp8.config, "check_vllm_version", lambda: "0.26.0")
     return FakeLLM
 
 
@@ -285,9 +299,10 @@ def test_trainer_builds_vllm_from_a_config_folder_and_pushes_its_rollout_tensors
     assert generation.last_sync_seconds is not None and llm.reloads == 1
     hf_model = trainer.model
     if precision == "fp8":
-        q, scale = hf_model.model.layers[2].mlp.down_proj.quantized_weight()
-        assert torch.equal(pushed["model.layers.2.mlp.down_proj.weight"].view(torch.uint8), q.view(torch.uint8))
-        assert torch.equal(pushed["model.layers.2.mlp.down_proj.weight_scale_inv"], scale)
+        down = "model.layers.2.mlp.down_proj"
+        assert_fp8_equal(
+            pushed[f"{down}.weight"], pushed[f"{down}.weight_scale_inv"], hf_model.get_submodule(down).weight
+        )
         assert pushed["model.layers.3.self_attn.k_scale"].item() > 0
     else:
         assert not any(t.dtype == torch.float8_e4m3fn for t in pushed.values())
@@ -295,8 +310,91 @@ def test_trainer_builds_vllm_from_a_config_folder_and_pushes_its_rollout_tensors
             pushed["model.layers.2.mlp.down_proj.weight"],
             hf_model.model.layers[2].mlp.down_proj.weight.to(torch.bfloat16),
         )
-    # Mismatch metrics need the trainer's log-probs in every vLLM run, TIS or not.
-    assert trainer.vllm_importance_sampling_correction is True
+    # TRL's own importance-sampling switch is left as the config set it.
+    assert trainer.vllm_importance_sampling_correction is args.vllm_importance_sampling_correction
+
+
+def _tiny_trainer(tmp_path, model=None, **kwargs):
+    tokenizer = tiny_char_tokenizer()
+    model = model or tiny_qwen3(vocab_size=128, eos_token_id=tokenizer.eos_token_id, pad_token_id=0)
+    peft_config = kwargs.pop("peft_config", None)
+    settings = {**GRPO_SETTINGS, "per_device_train_batch_size": 16, **kwargs}
+    args = FP8GRPOConfig(**settings, output_dir=str(tmp_path), use_cpu=True, bf16=False, use_vllm=True,
+                         vllm_mode="colocate")  # fmt: skip
+    return FP8GRPOTrainer(model, say_letter_reward, args, train_dataset=say_letter_dataset(64),
+                          processing_class=tokenizer, peft_config=peft_config)  # fmt: skip
+
+
+def test_lora_fp8_rollouts_push_every_engine_fp8_layer_in_fp8(fake_vllm, tmp_path):
+    """LoRA on q_proj only: the engine is configured with every projection in FP8, so q_proj (PEFT-wrapped, pushed
+    as its merged weight) must arrive as FP8 with a scale like k_proj does, not as BF16."""
+    from peft import LoraConfig
+
+    trainer = _tiny_trainer(
+        tmp_path, peft_config=LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=False), tis="token"
+    )
+    generation = trainer.vllm_generation
+    config = json.loads((generation.engine_dir / "config.json").read_text())
+    kept = set(config["quantization_config"]["modules_to_not_convert"])
+    generation.sync_weights()
+    (llm,) = fake_vllm.instances
+    pushed = dict(llm.pushed)
+    hf_model = trainer.model.get_base_model()
+    engine_fp8 = {n for n, m in hf_model.named_modules() if isinstance(m, torch.nn.Linear) and "lora_" not in n}
+    engine_fp8 = {n.removesuffix(".base_layer") for n in engine_fp8} - kept
+    assert len(engine_fp8) == 28 and "model.layers.0.self_attn.q_proj" in engine_fp8
+    for name in engine_fp8:
+        module = hf_model.get_submodule(name)
+        weight = module.base_layer.weight.detach() + module.get_delta_weight("default") if hasattr(
+            module, "base_layer") else module.weight.detach()  # fmt: skip
+        assert_fp8_equal(pushed[f"{name}.weight"], pushed[f"{name}.weight_scale_inv"], weight)
+    assert not any("lora" in n or "base_layer" in n for n in pushed)
+
+
+def test_no_tis_and_no_mismatch_logging_leave_trls_importance_sampling_off(fake_vllm, tmp_path, model_batch):
+    """tis='off' + log_rollout_mismatch=False: TRL must never be told to score rollouts (an extra forward per step),
+    not even after a loss computation."""
+    trainer = _tiny_trainer(tmp_path, tis="off", log_rollout_mismatch=False)
+    assert trainer.vllm_importance_sampling_correction is False
+    trainer.current_gradient_accumulation_steps = 1
+    trainer._compute_loss(trainer.model, model_batch)
+    assert trainer.vllm_importance_sampling_correction is False
+
+
+@pytest.fixture
+def model_batch(tmp_path):
+    """A scored GRPO batch from a trainer without vLLM (the same model and tokenizer as `_tiny_trainer`)."""
+    tokenizer = tiny_char_tokenizer()
+    args = FP8GRPOConfig(**{**GRPO_SETTINGS, "per_device_train_batch_size": 16}, output_dir=str(tmp_path / "plain"),
+                         use_cpu=True, bf16=False)  # fmt: skip
+    model = tiny_qwen3(vocab_size=128, eos_token_id=tokenizer.eos_token_id, pad_token_id=0)
+    trainer = FP8GRPOTrainer(model, say_letter_reward, args, train_dataset=say_letter_dataset(64),
+                             processing_class=tokenizer)  # fmt: skip
+    trainer.model.train()
+    return trainer._generate_and_score_completions([trainer.train_dataset[i] for i in (0, 1) for _ in range(8)])
+
+
+def test_kv_scale_calibration_runs_the_decoder_in_chunks_without_the_lm_head(fake_vllm, tmp_path):
+    trainer = _tiny_trainer(tmp_path, fp8_kv_cache=True, per_device_train_batch_size=8, num_generations=8)
+    model = trainer.model
+    head_calls, decoder_batches = [], []
+    model.lm_head.register_forward_hook(lambda *a: head_calls.append(1))
+    model.model.register_forward_pre_hook(lambda mod, args, kwargs: decoder_batches.append(kwargs["input_ids"].shape[0]),
+                                          with_kwargs=True)  # fmt: skip
+    prompts = [[2, 5, 6, 7][: 1 + i % 4] for i in range(20)]
+    trainer._calibrate_kv_scales(prompts)
+    assert head_calls == [] and decoder_batches == [8, 8, 4]
+    scales = trainer.vllm_generation.kv_observer.scales()
+    # The same amax as running the whole model chunk by chunk (the head never mattered).
+    observer = trainer.vllm_generation.kv_observer
+    from trl.trainer.utils import pad
+
+    with torch.no_grad():
+        for start in range(0, 20, 8):
+            ids = [torch.tensor(p) for p in prompts[start : start + 8]]
+            mask = pad([torch.ones_like(t) for t in ids], padding_value=0, padding_side="left")
+            model(input_ids=pad(ids, padding_value=0, padding_side="left"), attention_mask=mask)
+    assert observer.scales() == scales
 
 
 def test_unreachable_server_says_how_to_start_one(monkeypatch):

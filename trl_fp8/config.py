@@ -10,6 +10,38 @@ BACKENDS = ("auto", "scaled_mm", "emulated")
 ROLLOUT_PRECISIONS = ("fp8", "bf16", "fp8_online")
 
 
+# vLLM whose workers can reload weights layer by layer into a running FP8 engine.
+MIN_VLLM_VERSION = (0, 26)
+
+
+def check_vllm_version() -> str:
+    """Raise naming the fix unless a vLLM with layerwise `reload_weights` (0.26+) is installed; return its version.
+
+    Reads the installed metadata instead of importing vLLM, so it is cheap enough for config validation and leaves
+    vLLM's import-time settings to whoever builds the engine.
+    """
+    import importlib.metadata
+    import importlib.util
+
+    from packaging.version import Version
+
+    try:
+        version = importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        spec = importlib.util.find_spec("vllm")
+        version = getattr(__import__("vllm"), "__version__", None) if spec is not None else None
+    if version is None:
+        raise ImportError(
+            "use_vllm=True needs vLLM: pip install 'trl-fp8[vllm]' (vLLM >= 0.26 with layerwise weight reload)."
+        )
+    if Version(version).release[:2] < MIN_VLLM_VERSION:
+        raise ImportError(
+            f"vLLM {version} cannot refresh the weights of a running FP8 engine (layerwise reload_weights "
+            "arrived in 0.26). Upgrade: pip install 'trl-fp8[vllm]'."
+        )
+    return version
+
+
 def check_rollout_precision(rollout_precision: str) -> str:
     if rollout_precision not in ROLLOUT_PRECISIONS:
         raise ValueError(f"rollout_precision={rollout_precision!r} is unknown; use one of {ROLLOUT_PRECISIONS}.")

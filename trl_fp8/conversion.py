@@ -10,6 +10,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from .config import FP8LinearConfig
@@ -35,6 +36,8 @@ class ConversionReport:
         return len(self.converted)
 
     def summary(self) -> str:
+        if self.recipe == "bf16":
+            return "BF16 training (fp8_recipe=None): no linear layer runs in FP8."
         lines = [f"FP8 ({self.recipe}): {len(self.converted)} linear layers converted, {len(self.kept)} kept."]
         reasons: dict[str, list[str]] = {}
         for name, reason in self.kept.items():
@@ -105,6 +108,12 @@ def plan_fp8_conversion(
     report = ConversionReport(recipe=config.recipe)
     linears = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.Linear)]
     n_layers = _num_layers(model, [name for name, _ in linears])
+    if n_layers and num_first_layers_in_bf16 + num_last_layers_in_bf16 >= n_layers:
+        raise ValueError(
+            f"num_first_layers_in_bf16={num_first_layers_in_bf16} + num_last_layers_in_bf16="
+            f"{num_last_layers_in_bf16} keeps all {n_layers} decoder layers in BF16, so nothing would run in FP8. "
+            "Lower them, or train in BF16 on purpose with fp8_recipe=None."
+        )
     bf16_layers = set(range(min(num_first_layers_in_bf16, n_layers)))
     bf16_layers |= set(range(max(n_layers - num_last_layers_in_bf16, 0), n_layers))
     head_weight = _output_embedding_weight(model)
@@ -146,6 +155,7 @@ def convert_to_fp8(
     module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
     *,
     config: FP8LinearConfig | None = None,
+    device: torch.device | str | None = None,
 ) -> ConversionReport:
     """Convert the eligible `nn.Linear` layers of `model` to FP8, in place.
 
@@ -161,19 +171,31 @@ def convert_to_fp8(
         num_first_layers_in_bf16 / num_last_layers_in_bf16: decoder layers to keep in BF16 at each end.
         module_filter_fn: return False to keep a layer in high precision.
         config: full layer configuration; its `recipe` must agree with `recipe` when both are given.
+        device: the device the model will train on, when it is loaded elsewhere (torchao's recipes decide there
+            whether to emulate). Default: where its parameters are. Blockwise layers pick their kernels per call.
 
     Returns:
         A :class:`ConversionReport`.
+
+    Raises:
+        ValueError: when no linear layer can run in FP8 (FP8 "training" that is really BF16 is a mistake to catch
+            early; `fp8_recipe=None` is the way to ask for BF16).
     """
     report, to_convert = plan_fp8_conversion(
         model, recipe, num_first_layers_in_bf16, num_last_layers_in_bf16, module_filter_fn, config=config
     )
+    if not report.converted:
+        raise ValueError(
+            f"No linear layer of {type(model).__name__} can run in FP8:\n{report.summary()}\nAdjust "
+            "module_filter_fn / num_*_layers_in_bf16, or train in BF16 on purpose with fp8_recipe=None."
+        )
     config = config or FP8LinearConfig(recipe=recipe)
     if config.recipe == "blockwise":
         for _, mod in to_convert:
             FP8Linear.convert_(mod, config)
     else:
-        _convert_with_torchao(model, config, {name for name, _ in to_convert})
+        device = torch.device(device) if device is not None else next(model.parameters()).device
+        _convert_with_torchao(model, config, {name for name, _ in to_convert}, device)
     logger.info(report.summary())
     return report
 
@@ -196,13 +218,12 @@ def _keep_reason(name, mod, config, head_weight, bf16_layers, module_filter_fn) 
     return None
 
 
-def _convert_with_torchao(model: nn.Module, config: FP8LinearConfig, names: set[str]) -> None:
+def _convert_with_torchao(model: nn.Module, config: FP8LinearConfig, names: set[str], device: torch.device) -> None:
     """torchao's tensorwise/rowwise `Float8Linear`, emulated off-GPU (torchao's own `emulate` flag)."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     if not names:
         return
-    device = next(model.parameters()).device
     ao_config = dataclasses.replace(
         Float8LinearConfig.from_recipe_name(config.recipe),
         emulate=config.backend == "emulated" or device.type != "cuda",

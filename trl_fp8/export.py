@@ -101,6 +101,9 @@ def fp8_checkpoint_tensors(
     hf_model = unwrap_model(model)
     modules = dict(hf_model.named_modules())
     fp8_modules = fp8_module_names(model) if fp8_modules is None else fp8_modules
+    # Compare in transformers names: the set may have been taken before PEFT wrapped the layers (`q_proj`) while the
+    # state dict is read after (`q_proj.base_layer`), or the other way round.
+    fp8_modules = {hf_name(n) for n in fp8_modules}
     tie = bool(getattr(getattr(hf_model, "config", None), "tie_word_embeddings", False))
     seen_storage: set[int] = set()
     for key, tensor in hf_model.state_dict().items():
@@ -112,7 +115,7 @@ def fp8_checkpoint_tensors(
             continue  # the tied lm_head: vLLM and transformers re-tie it from the embedding
         seen_storage.add(tensor.data_ptr())
         lora_parent = _lora_parent(modules, prefix) if leaf == "weight" else None
-        if leaf != "weight" or prefix not in fp8_modules:
+        if leaf != "weight" or hf_name(prefix) not in fp8_modules:
             if lora_parent is not None:
                 tensor = _merged_weight(modules[prefix], lora_parent)
             if check_finite and tensor.is_floating_point() and not torch.isfinite(tensor).all():
@@ -126,7 +129,9 @@ def fp8_checkpoint_tensors(
             q, scale_inv = module.quantized_weight()
         else:
             weight = _merged_weight(module, lora_parent)
-            q, scale_inv = quantize_blocks(weight, power_of_two_scales=power_of_two_scales)
+            # A LoRA-wrapped FP8 layer keeps its own scale rounding for the merged weight.
+            pow2 = module.fp8_config.power_of_two_scales if isinstance(module, FP8Linear) else power_of_two_scales
+            q, scale_inv = quantize_blocks(weight, power_of_two_scales=pow2)
         if check_finite and not torch.isfinite(weight).all():
             raise ValueError(
                 f"{name} holds NaN or Inf values; refusing to write a corrupt FP8 checkpoint. The training run "

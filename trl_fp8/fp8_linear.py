@@ -30,13 +30,16 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from .config import FP8LinearConfig
 from .ops import select_ops
 
-__all__ = ["FP8Linear"]
+__all__ = ["FP8Linear", "invalidate_fp8_weights"]
 
 _ROWS = 128  # WGrad groups run along the token dim
 
-# Fused optimizers (AdamW(fused=True), the transformers default on GPU and CPU) update parameters without bumping
-# their autograd version counter, so a weight's `_version` alone cannot tell that it changed. Count optimizer steps
-# process-wide and make that count part of every FP8 weight cache key.
+# When a cached FP8 weight is stale. Fused optimizers (AdamW(fused=True), the transformers default) update parameters
+# without bumping their autograd version counter, and writes through `.data` (PEFT's merge, TRL's reference-model
+# sync) bypass it too, so `_version` alone cannot tell. A trainable weight's key therefore includes the process-wide
+# count of optimizer steps (it is requantized once per step); a frozen weight (a LoRA base, the reference model) is
+# quantized once and only an explicit invalidation (`FP8Linear.invalidate`, `invalidate_fp8_weights`, done for you on
+# `load_state_dict` and on PEFT merge/unmerge) or a new tensor behind the parameter makes it quantize again.
 _optimizer_steps = 0
 
 
@@ -129,6 +132,8 @@ class FP8Linear(nn.Linear):
         module.__class__ = cls
         module.fp8_config = config
         module._fp8_weight_cache = None
+        module._fp8_invalidations = 0
+        _watch_peft_merges()
         return module
 
     def quantized_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,9 +144,14 @@ class FP8Linear(nn.Linear):
         fp8_weight = self._fp8_weight()
         return fp8_weight.q, fp8_weight.scale_inv
 
+    def _cache_key(self) -> tuple:
+        w = self.weight
+        steps = _optimizer_steps if w.requires_grad else None  # frozen weights do not change with optimizer steps
+        return (w.data_ptr(), w._version, w.device, w.dtype, self._fp8_invalidations, steps)
+
     def _fp8_weight(self) -> FP8Weight:
         w, cfg = self.weight, self.fp8_config
-        key = (w.data_ptr(), w._version, _optimizer_steps, w.device, w.dtype)
+        key = self._cache_key()
         cached = self._fp8_weight_cache
         # Tensors made under inference_mode cannot be saved for backward: re-quantize outside it.
         if (
@@ -154,10 +164,21 @@ class FP8Linear(nn.Linear):
         self._fp8_weight_cache = (key, fp8_weight) if cfg.cache_quantized_weight else None
         return fp8_weight
 
-    def clear_fp8_cache(self) -> None:
-        """Forget the cached FP8 weight. Needed only after changing the weight behind autograd's back (through
-        `.data` or a custom kernel) outside a `torch.optim` optimizer step; optimizer steps invalidate it already."""
+    def invalidate(self) -> None:
+        """Forget the cached FP8 weight: the next forward quantizes the weight as it is now.
+
+        Call it (or :func:`invalidate_fp8_weights` on the model) after writing a weight in place behind autograd's
+        back, e.g. `layer.weight.data.add_(...)` or a custom kernel. Optimizer steps, `load_state_dict`, PEFT
+        merge/unmerge and assigning a new tensor to the parameter invalidate on their own.
+        """
         self._fp8_weight_cache = None
+        self._fp8_invalidations += 1
+
+    clear_fp8_cache = invalidate  # the 0.1 name
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        super()._load_from_state_dict(*args, **kwargs)
+        self.invalidate()  # load_state_dict copies into the parameter in place, under no_grad
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = _BlockwiseFP8Matmul.apply(x, self.weight, self._fp8_weight())
@@ -165,3 +186,55 @@ class FP8Linear(nn.Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, fp8={self.fp8_config.recipe}"
+
+
+def invalidate_fp8_weights(model: nn.Module) -> int:
+    """Invalidate the cached FP8 weight of every `FP8Linear` in `model`; returns how many there were."""
+    layers = [m for m in model.modules() if isinstance(m, FP8Linear)]
+    for layer in layers:
+        layer.invalidate()
+    return len(layers)
+
+
+_peft_watched = False
+
+
+def _watch_peft_merges() -> None:
+    """Make PEFT's `merge`/`unmerge` invalidate an FP8 base layer's cache.
+
+    PEFT merges LoRA into the base weight with `weight.data += delta` (no version bump, same storage), so nothing
+    the cache key sees changes; `merge_and_unload()` would keep serving, exporting and syncing the unmerged weight.
+    PEFT has no hook for merges, so each tuner layer class's own `merge`/`unmerge` is wrapped once per process.
+    """
+    global _peft_watched
+    if _peft_watched:
+        return
+    _peft_watched = True
+    try:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+    except ImportError:  # no PEFT, no merges
+        return
+
+    def wrap(method):
+        def merge_or_unmerge(self, *args, **kwargs):
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                base = self.get_base_layer()
+                if isinstance(base, FP8Linear):
+                    base.invalidate()
+
+        merge_or_unmerge.__wrapped__ = method
+        return merge_or_unmerge
+
+    pending, seen = [BaseTunerLayer], set()
+    while pending:
+        cls = pending.pop()
+        if cls in seen:
+            continue
+        seen.add(cls)
+        pending.extend(cls.__subclasses__())
+        for name in ("merge", "unmerge"):
+            method = cls.__dict__.get(name)
+            if callable(method) and not hasattr(method, "__wrapped__"):
+                setattr(cls, name, wrap(method))

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
+from . import config as fp8_config
 from .config import BACKENDS, RECIPES, check_rollout_precision
 
 TIS_MODES = ("token", "off")
@@ -55,9 +56,10 @@ class FP8GRPOConfig(GRPOConfig):
 
     > Parameters that control saving
 
-    save_fp8_checkpoint (`bool`, *optional*, defaults to `True`):
+    save_fp8_checkpoint (`bool` or `None`, *optional*, defaults to `None`):
         `save_model()` (and so `push_to_hub()`) writes a block-FP8 checkpoint that vLLM and transformers load.
-        Intermediate training checkpoints keep the BF16 master weights so training can resume from them.
+        Intermediate training checkpoints keep the BF16 master weights so training can resume from them. `None`:
+        `True` when training in FP8, `False` for the BF16 baseline (`fp8_recipe=None`), which then saves as TRL does.
     save_bf16_master_weights (`bool`, *optional*, defaults to `False`):
         Also write the high-precision master weights to `<output_dir>/bf16_master`.
     """
@@ -110,10 +112,11 @@ class FP8GRPOConfig(GRPOConfig):
     tis_cap: float = field(
         default=2.0, metadata={"help": "Upper clip of the token-level importance ratio (veRL/NeMo RL use 2.0)."}
     )
-    save_fp8_checkpoint: bool = field(
-        default=True,
+    save_fp8_checkpoint: bool | None = field(
+        default=None,
         metadata={
-            "help": "Make save_model()/push_to_hub() write a block-FP8 checkpoint that vLLM and transformers load.",
+            "help": "Make save_model()/push_to_hub() write a block-FP8 checkpoint that vLLM and transformers load. "
+            "Unset: on when training in FP8, off for the BF16 baseline (fp8_recipe none).",
         },
     )
     save_bf16_master_weights: bool = field(
@@ -157,6 +160,10 @@ class FP8GRPOConfig(GRPOConfig):
             )
         if self.fp8_kv_cache and not self.use_vllm:
             raise ValueError("fp8_kv_cache sets vLLM's KV cache dtype; it needs use_vllm=True.")
+        if self.use_vllm:
+            fp8_config.check_vllm_version()  # now, before a script writes anything for a run that cannot start
+        if self.save_fp8_checkpoint is None:
+            self.save_fp8_checkpoint = self.fp8_recipe is not None
         # Map onto TRL's own fields before its __post_init__ validates them.
         if self.tis == "token":
             self.vllm_importance_sampling_correction = True

@@ -20,18 +20,20 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from transformers import TrainerCallback
 from transformers.trainer import TRAINING_ARGS_NAME
 from trl import GRPOTrainer
 from trl.trainer.utils import create_model_from_path, pad
 
 from .config import FP8LinearConfig
 from .conversion import ConversionReport, convert_to_fp8
-from .export import fp8_module_names, save_fp8_checkpoint, unwrap_model
+from .export import save_fp8_checkpoint, unwrap_model
+from .fp8_linear import invalidate_fp8_weights
 from .grpo_config import FP8GRPOConfig
 from .importance_sampling import mismatch_stats, token_tis_ratio
 from .kv_scales import AttentionScaleObserver
 
-__all__ = ["FP8GRPOTrainer"]
+__all__ = ["FP8GRPOTrainer", "check_no_weight_sharding"]
 
 
 class FP8GRPOTrainer(GRPOTrainer):
@@ -63,22 +65,21 @@ class FP8GRPOTrainer(GRPOTrainer):
                 f"FP8GRPOTrainer needs an FP8GRPOConfig, got {type(args).__name__}. Build the same settings with "
                 "trl_fp8.FP8GRPOConfig(...): it takes every GRPOConfig field."
             )
+        check_no_weight_sharding(args)  # before loading a model that could not train
         if isinstance(model, str):
             model = self._load_model(model, args, trainer_kwargs.get("quantization_config"))
         self._fp8_filter = fp8_module_filter_fn
         self.fp8_report = self._convert(model, args)
         self._saving_training_checkpoint = False
         self._kv_observer = AttentionScaleObserver(model) if args.use_vllm and args.fp8_kv_cache else None
-        with self._fp8_vllm_generation(model, args):
+        with self._fp8_vllm_generation(args):
             super().__init__(model, reward_funcs, args, *trainer_args, **trainer_kwargs)
-        if self.ref_model is not None:
+        if self.ref_model is not None and args.fp8_recipe is not None:
             self._convert(unwrap_model(self.ref_model), args)
+            if args.sync_ref_model:  # TRL blends the policy into the reference through `.data`: requantize after
+                self.add_callback(_InvalidateSyncedReference(self.ref_model))
         # TRL weights the loss by the IS ratio only with vLLM; we extend token TIS to other rollouts with log-probs.
         self._tis_without_vllm = args.tis == "token" and not self.use_vllm
-        # TRL scores vLLM rollouts with the trainer only when it corrects them; we also want the mismatch logged.
-        self._apply_vllm_is = self.vllm_importance_sampling_correction
-        if self.use_vllm and args.log_rollout_mismatch:
-            self.vllm_importance_sampling_correction = True
 
     # --- model ----------------------------------------------------------------------------------------------------
 
@@ -105,10 +106,11 @@ class FP8GRPOTrainer(GRPOTrainer):
             num_last_layers_in_bf16=args.num_last_layers_in_bf16,
             module_filter_fn=self._fp8_filter,
             config=config,
+            device=args.device,  # where it will train; a model loaded on CPU would make torchao emulate
         )
 
     @contextlib.contextmanager
-    def _fp8_vllm_generation(self, model: nn.Module, args: FP8GRPOConfig):
+    def _fp8_vllm_generation(self, args: FP8GRPOConfig):
         """Make TRL build `FP8VLLMGeneration` instead of `VLLMGeneration` (it has no factory hook for it)."""
         if not args.use_vllm:
             yield
@@ -118,11 +120,9 @@ class FP8GRPOTrainer(GRPOTrainer):
         from .vllm_sync import FP8VLLMGeneration
 
         original = trl_grpo.VLLMGeneration
+        # The FP8 layer names are read from the model at every sync, after TRL applied PEFT (no names fixed here).
         trl_grpo.VLLMGeneration = functools.partial(
-            FP8VLLMGeneration,
-            rollout_precision=args.rollout_precision,
-            fp8_modules=fp8_module_names(model) if args.rollout_precision == "fp8" else set(),
-            kv_observer=self._kv_observer,
+            FP8VLLMGeneration, rollout_precision=args.rollout_precision, kv_observer=self._kv_observer
         )
         try:
             yield
@@ -138,11 +138,15 @@ class FP8GRPOTrainer(GRPOTrainer):
 
     @torch.no_grad()
     def _calibrate_kv_scales(self, prompt_ids: list[list[int]]) -> None:
-        ids = [torch.tensor(p) for p in prompt_ids]  # padded the way TRL pads prompts for its own forwards
-        mask = pad([torch.ones_like(t) for t in ids], padding_value=0, padding_side="left")
-        ids = pad(ids, padding_value=self._tokenizer.pad_token_id, padding_side="left")
-        device = self.accelerator.device
-        self.model(input_ids=ids.to(device), attention_mask=mask.to(device))
+        # The scales come from the attention inputs: run the decoder only (no lm_head, no vocabulary-sized logits),
+        # a training micro-batch at a time, so the peak stays that of a training forward.
+        decoder = unwrap_model(self.model).get_decoder()
+        device, chunk = self.accelerator.device, self.args.per_device_train_batch_size
+        for start in range(0, len(prompt_ids), chunk):
+            ids = [torch.tensor(p) for p in prompt_ids[start : start + chunk]]
+            mask = pad([torch.ones_like(t) for t in ids], padding_value=0, padding_side="left")  # as TRL pads
+            ids = pad(ids, padding_value=self._tokenizer.pad_token_id, padding_side="left")
+            decoder(input_ids=ids.to(device), attention_mask=mask.to(device))
 
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
@@ -157,13 +161,17 @@ class FP8GRPOTrainer(GRPOTrainer):
             return output  # rollouts by the trainer's own FP8 model: nothing differs, nothing to correct
         train_logps = output.get("old_per_token_logps")
         if train_logps is None:
-            if not self._tis_without_vllm:
-                return output  # TRL did not need the trainer's log-probs; no extra forward just for metrics
-            train_logps = output["old_per_token_logps"] = self._trainer_logps(output, mode)
+            # TRL scores vLLM rollouts with the trainer only when it corrects them; the metrics need one forward.
+            if not (self._tis_without_vllm or (self.use_vllm and self.args.log_rollout_mismatch)):
+                return output
+            train_logps = self._trainer_logps(output, mode)
+            if self._tis_without_vllm:
+                output["old_per_token_logps"] = train_logps
         mask = output["completion_mask"] * output.get("tool_mask", 1)
         cap = self.args.tis_cap if self.args.tis == "token" else None
-        for key, value in mismatch_stats(train_logps, rollout_logps, mask, cap).items():
-            self._metrics[mode][f"fp8/mismatch/{key}"].append(self.accelerator.gather(value).float().mean().item())
+        stats = mismatch_stats(train_logps, rollout_logps, mask, cap, gather=self.accelerator.gather)
+        for key, value in stats.items():
+            self._metrics[mode][f"fp8/mismatch/{key}"].append(value)
         if self._tis_without_vllm:
             output["importance_sampling_ratio"] = token_tis_ratio(
                 train_logps, rollout_logps, mask, self.args.tis_cap, self.args.vllm_importance_sampling_clip_min
@@ -181,23 +189,12 @@ class FP8GRPOTrainer(GRPOTrainer):
         return logps
 
     def _compute_loss(self, model, inputs):
-        if self.use_vllm and not self._apply_vllm_is:
-            # Rollouts were scored only for the mismatch metrics: the loss must not see the ratio.
-            inputs = {k: v for k, v in inputs.items() if k != "importance_sampling_ratio"}
-            self.vllm_importance_sampling_correction = False
-            try:
-                return super()._compute_loss(model, inputs)
-            finally:
-                self.vllm_importance_sampling_correction = True
         if not (self._tis_without_vllm and "importance_sampling_ratio" in inputs):
             return super()._compute_loss(model, inputs)
         # TRL multiplies the per-token loss by inputs["importance_sampling_ratio"] when `use_vllm` is set and reads
         # that flag nowhere else in the loss; raising it for this call reuses TRL's code instead of forking the loss.
-        self.use_vllm = True
-        try:
+        with _attribute_set(self, "use_vllm", True):
             return super()._compute_loss(model, inputs)
-        finally:
-            self.use_vllm = False
 
     # --- saving -------------------------------------------------------------------------------------------------
 
@@ -216,13 +213,6 @@ class FP8GRPOTrainer(GRPOTrainer):
         """
         if not self.args.save_fp8_checkpoint or self._saving_training_checkpoint:
             return super().save_model(output_dir, _internal_call)
-        if self.is_fsdp_enabled or (
-            self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3
-        ):
-            raise NotImplementedError(
-                "save_fp8_checkpoint does not gather sharded (FSDP / ZeRO-3) weights yet. Set save_fp8_checkpoint=False "
-                "to save BF16 weights, then write the FP8 checkpoint with `python -m trl_fp8.quantize <dir> <out>`."
-            )
         output_dir = output_dir or self.args.output_dir
         if self.args.should_save:
             model = self.accelerator.unwrap_model(self.model)
@@ -246,6 +236,58 @@ class FP8GRPOTrainer(GRPOTrainer):
         path = os.path.join(self.args.output_dir, "README.md")
         with open(path, "a") as f:
             f.write("\n" + fp8_model_card_section(self.fp8_report, self.args))
+
+
+def weight_sharding(args) -> str | None:
+    """The weight sharding of the launch: "FSDP", "DeepSpeed ZeRO-3", or None (whole weights on every rank)."""
+    env = os.environ
+    if args.fsdp or env.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true"):
+        return "FSDP"
+    ds_config = getattr(args, "hf_deepspeed_config", None)
+    if ds_config is not None and ds_config.is_zero3():
+        return "DeepSpeed ZeRO-3"
+    if env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() in ("1", "true") and (
+        env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3"
+    ):
+        return "DeepSpeed ZeRO-3"
+    return None
+
+
+def check_no_weight_sharding(args: FP8GRPOConfig) -> None:
+    """Refuse sharded weights at start-up, not after training: FP8 layers, the vLLM sync and the FP8 export all read
+    whole weights, which FSDP / ZeRO-3 do not hold on any one rank."""
+    sharding = weight_sharding(args)
+    needs_whole_weights = args.fp8_recipe is not None or args.use_vllm or args.save_fp8_checkpoint
+    if sharding and needs_whole_weights:
+        raise NotImplementedError(
+            f"FP8GRPOTrainer does not support {sharding} yet: FP8 layers quantize whole 128x128 weight blocks and "
+            "the vLLM sync and FP8 export read whole weights, which sharded ranks do not hold. Launch with DDP "
+            "(TRL's accelerate_configs/multi_gpu.yaml) or DeepSpeed ZeRO-1/2 (zero2.yaml); or, for plain BF16 GRPO, "
+            "set fp8_recipe=None, use_vllm=False and save_fp8_checkpoint=False."
+        )
+
+
+@contextlib.contextmanager
+def _attribute_set(obj, name: str, value):
+    """Set `obj.name` for the duration of the block and put back whatever was there."""
+    previous = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, previous)
+
+
+class _InvalidateSyncedReference(TrainerCallback):
+    """TRL's `sync_ref_model` blends the policy into the reference model in place (`.data.mul_().add_()`), which
+    leaves the reference's cached FP8 weights stale; invalidate them on the steps where TRL syncs."""
+
+    def __init__(self, ref_model: nn.Module):
+        self.ref_model = ref_model
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step % args.ref_model_sync_steps == 0:
+            invalidate_fp8_weights(self.ref_model)
 
 
 def fp8_model_card_section(report: ConversionReport, args: FP8GRPOConfig) -> str:

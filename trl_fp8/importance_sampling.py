@@ -7,6 +7,8 @@ carry their own log-probs without vLLM). The statistics are what NeMo RL and veR
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 __all__ = ["token_tis_ratio", "mismatch_stats"]
@@ -25,28 +27,55 @@ def token_tis_ratio(
 
 
 def mismatch_stats(
-    train_logps: torch.Tensor, rollout_logps: torch.Tensor, mask: torch.Tensor, cap: float | None = None
-) -> dict[str, torch.Tensor]:
-    """Mean and max |delta logp|, the KL(rollout || train) k3 estimate, and the raw IS ratio's spread, over the
-    completion tokens (0-d tensors, so callers can gather them across processes).
+    train_logps: torch.Tensor,
+    rollout_logps: torch.Tensor,
+    mask: torch.Tensor,
+    cap: float | None = None,
+    gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> dict[str, float]:
+    """Trainer-vs-rollout mismatch over the completion tokens of every process.
 
-    k3 = r - 1 - log r with r = pi_train / pi_rollout, on tokens sampled from the rollout policy: an unbiased,
-    non-negative estimate of KL(pi_rollout || pi_train) (Schulman's k3).
+    Returns `abs_logp_diff_mean`, `abs_logp_diff_max`, `kl_k3` (KL(pi_rollout || pi_train), Schulman's k3
+    `r - 1 - log r` with `r = pi_train / pi_rollout`, averaged over tokens sampled from the rollout policy),
+    `is_ratio_mean|max|min` and, with `cap`, `is_ratio_clipped_frac`; an empty dict when no process has a scored token.
+
+    `gather` (e.g. `accelerator.gather`) concatenates a 1-D tensor over processes. Every process sends one tensor of
+    the same shape whatever its batch holds (token-weighted sums and extremes), so the collectives always pair up,
+    means are weighted by tokens, maxima reduce as maxima and minima as minima.
     """
     valid = mask.bool() & ~torch.isnan(rollout_logps)
-    delta = (train_logps - rollout_logps)[valid]
-    if delta.numel() == 0:
-        zero = train_logps.new_zeros(())
-        return {"abs_logp_diff_mean": zero, "abs_logp_diff_max": zero, "kl_k3": zero, "is_ratio_mean": zero + 1}
-    ratio = torch.exp(delta)
+    delta = (train_logps - rollout_logps)[valid].double()
+    ratio = delta.exp()
+
+    def extreme(t: torch.Tensor, empty: float) -> torch.Tensor:
+        return t.max() if t.numel() else t.new_tensor(empty)
+
+    # Sums first, then maxima (the minimum ratio travels negated so that every extreme reduces with max).
+    local = torch.stack(
+        [
+            delta.new_tensor(float(delta.numel())),
+            delta.abs().sum(),
+            (ratio - 1 - delta).sum(),
+            ratio.sum(),
+            (ratio > cap).sum().double() if cap is not None else delta.new_zeros(()),
+            extreme(delta.abs(), 0.0),
+            extreme(ratio, 0.0),
+            extreme(-ratio, float("-inf")),
+        ]
+    )
+    rows = (gather(local) if gather is not None else local).reshape(-1, local.numel()).cpu()
+    sums, maxima = rows[:, :5].sum(0), rows[:, 5:].amax(0)
+    tokens = sums[0].item()
+    if tokens == 0:
+        return {}
     stats = {
-        "abs_logp_diff_mean": delta.abs().mean(),
-        "abs_logp_diff_max": delta.abs().max(),
-        "kl_k3": (ratio - 1 - delta).mean(),
-        "is_ratio_mean": ratio.mean(),
-        "is_ratio_max": ratio.max(),
-        "is_ratio_min": ratio.min(),
+        "abs_logp_diff_mean": sums[1].item() / tokens,
+        "abs_logp_diff_max": maxima[0].item(),
+        "kl_k3": sums[2].item() / tokens,
+        "is_ratio_mean": sums[3].item() / tokens,
+        "is_ratio_max": maxima[1].item(),
+        "is_ratio_min": -maxima[2].item(),
     }
     if cap is not None:
-        stats["is_ratio_clipped_frac"] = (ratio > cap).float().mean()
+        stats["is_ratio_clipped_frac"] = sums[4].item() / tokens
     return stats

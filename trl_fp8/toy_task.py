@@ -1,24 +1,30 @@
 """A synthetic task with an exact verifier, for demos and tests without downloads: "say <letter>".
 
 The prompt asks for a letter; the reward is the fraction of the first `length` completion characters that are that
-letter. A randomly initialised tiny model starts near 0 and GRPO raises it within minutes on a CPU, which makes the
-trend a visible check that the whole loop (rollouts, rewards, FP8 training) works.
+letter, and a greedy answer is correct when it is the letter `length` times. A randomly initialised tiny model
+cannot climb it (GRPO from scratch collapses onto one letter: reward 1/8, right for that letter only), so the demo
+starts from `warm_start`: a brief supervised pass on noisy answers that leaves a policy which samples the right
+letter about 40% of the time but is greedily right for only some letters. GRPO then has to make it right for all of
+them, and `greedy_accuracy` over every letter, before and after, shows whether it did.
 """
 
 from __future__ import annotations
 
 import random
 
-LETTERS = "abcdefgh"
+import torch
 
-# GRPO settings under which a randomly initialised tiny Qwen3 learns the task within minutes on a CPU (measured with
-# seed 0: mean reward 0.02 over the first 5 steps, 0.24 over steps 31-40). Shared by the demo, notebook and tests.
+LETTERS = "abcdefgh"
+ANSWER_LENGTH = 8
+
+# GRPO settings shared by the tests, the demo and the notebook. From a random initialisation (the smoke tests) the
+# reward rises within minutes on a CPU; from `warm_start`, use WARM_START_GRPO_SETTINGS.
 GRPO_SETTINGS = dict(
     learning_rate=2e-3,
     lr_scheduler_type="constant",
     per_device_train_batch_size=32,
     num_generations=8,
-    max_completion_length=8,
+    max_completion_length=ANSWER_LENGTH,
     temperature=1.0,
     beta=0.0,
     gradient_checkpointing=False,
@@ -26,6 +32,10 @@ GRPO_SETTINGS = dict(
     report_to="none",
     seed=0,
 )
+# From `warm_start`: the policy is sharpened, not rebuilt. A small learning rate, 8 prompts per step and a KL
+# anchor keep GRPO from collapsing onto one letter (2e-3, 4 prompts per step, no KL: one letter within 40 steps).
+# Measured on a CPU, FP8, seed 0: mean reward 0.37 -> 0.89, greedy accuracy 25% -> 87.5% in 60 steps.
+WARM_START_GRPO_SETTINGS = dict(GRPO_SETTINGS, learning_rate=2e-4, per_device_train_batch_size=64, beta=0.04)
 
 
 def say_letter_dataset(n: int = 1024, seed: int = 0, letters: str = LETTERS):
@@ -34,13 +44,90 @@ def say_letter_dataset(n: int = 1024, seed: int = 0, letters: str = LETTERS):
 
     rng = random.Random(seed)
     picks = [rng.choice(letters) for _ in range(n)]
-    return Dataset.from_dict({"prompt": [[{"role": "user", "content": f"say {c}"}] for c in picks], "letter": picks})
+    return Dataset.from_dict({"prompt": [_prompt(c) for c in picks], "letter": picks})
 
 
-def say_letter_reward(completions, letter, length: int = 8, **kwargs) -> list[float]:
+def say_letter_reward(completions, letter, length: int = ANSWER_LENGTH, **kwargs) -> list[float]:
     """Fraction of the first `length` characters of each completion equal to its prompt's letter (TRL reward fn)."""
     rewards = []
     for completion, target in zip(completions, letter, strict=True):
         text = completion[-1]["content"] if isinstance(completion, list) else completion
         rewards.append(text[:length].count(target) / length)
     return rewards
+
+
+def _prompt(letter: str) -> list[dict]:
+    return [{"role": "user", "content": f"say {letter}"}]
+
+
+def _prompt_ids(tokenizer, letter: str) -> list[int]:
+    text = tokenizer.apply_chat_template(_prompt(letter), tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def warm_start(
+    model,
+    tokenizer,
+    steps: int = 100,
+    learning_rate: float = 2e-3,
+    batch_size: int = 32,
+    p_correct: float = 0.4,
+    seed: int = 0,
+) -> list[float]:
+    """Supervised warm start on noisy answers, in place; returns the loss per step.
+
+    Each example answers "say c" with the right letter repeated with probability `p_correct`, otherwise with the next
+    letter (c -> d), so the policy learns the format and samples the right letter sometimes, while its greedy answer
+    is often the wrong one. A plain loop rather than TRL's SFTTrainer: the demo runs it on the main process only,
+    inside a multi-process launch, where a Trainer would try to join the other ranks.
+    """
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    device = next(model.parameters()).device
+    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.0)
+    pad_id = tokenizer.pad_token_id
+    losses = []
+    model.train()
+    for _ in range(steps):
+        rows = []
+        for _ in range(batch_size):
+            letter = rng.choice(LETTERS)
+            answer = letter if rng.random() < p_correct else LETTERS[(LETTERS.index(letter) + 1) % len(LETTERS)]
+            prompt = _prompt_ids(tokenizer, letter)
+            completion = tokenizer(answer * ANSWER_LENGTH, add_special_tokens=False)["input_ids"]
+            rows.append((prompt, completion + [tokenizer.eos_token_id]))
+        width = max(len(p) + len(c) for p, c in rows)
+        ids = torch.full((batch_size, width), pad_id, dtype=torch.long)
+        labels = torch.full((batch_size, width), -100, dtype=torch.long)
+        mask = torch.zeros((batch_size, width), dtype=torch.long)
+        for i, (p, c) in enumerate(rows):  # right-padded; loss on the completion only
+            ids[i, : len(p) + len(c)] = torch.tensor(p + c)
+            labels[i, len(p) : len(p) + len(c)] = torch.tensor(c)
+            mask[i, : len(p) + len(c)] = 1
+        loss = model(input_ids=ids.to(device), attention_mask=mask.to(device), labels=labels.to(device)).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    model.eval()
+    return losses
+
+
+@torch.no_grad()
+def greedy_answers(model, tokenizer, letters: str = LETTERS) -> dict[str, str]:
+    """The greedy completion (first `ANSWER_LENGTH` characters) to "say <letter>" for every letter."""
+    device = next(model.parameters()).device
+    answers = {}
+    for letter in letters:
+        ids = torch.tensor([_prompt_ids(tokenizer, letter)], device=device)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=ANSWER_LENGTH, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+        answers[letter] = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)[:ANSWER_LENGTH]
+    return answers
+
+
+def greedy_accuracy(model, tokenizer, letters: str = LETTERS) -> tuple[float, dict[str, str]]:
+    """Fraction of letters whose greedy answer is exactly the letter `ANSWER_LENGTH` times, and the answers."""
+    answers = greedy_answers(model, tokenizer, letters)
+    correct = sum(answers[c] == c * ANSWER_LENGTH for c in letters)
+    return correct / len(letters), answers

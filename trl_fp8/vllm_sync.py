@@ -30,11 +30,12 @@ import torch
 from torch import nn
 from trl.generation.vllm_generation import VLLMGeneration
 
-from .config import ROLLOUT_PRECISIONS, check_rollout_precision
+from .config import ROLLOUT_PRECISIONS, check_rollout_precision, check_vllm_version
 from .export import (
     check_fused_groups,
     checkpoint_config,
     fp8_checkpoint_tensors,
+    fp8_module_names,
     hf_name,
     linear_module_names,
     unwrap_model,
@@ -54,25 +55,6 @@ __all__ = [
 
 # vLLM's own online FP8 (per-tensor weights, dynamic per-token activations): `vllm serve --quantization fp8`.
 VLLM_ONLINE_FP8 = "fp8"
-MIN_VLLM_VERSION = (0, 26)
-
-
-def check_vllm_version() -> str:
-    """Raise naming the fix unless a vLLM with layerwise `reload_weights` (0.26+) is importable."""
-    try:
-        import vllm
-    except ImportError as exc:
-        raise ImportError(
-            "use_vllm=True needs vLLM: pip install 'trl-fp8[vllm]' (vLLM >= 0.26 with layerwise weight reload)."
-        ) from exc
-    from packaging.version import Version
-
-    if Version(vllm.__version__).release[:2] < MIN_VLLM_VERSION:
-        raise ImportError(
-            f"vLLM {vllm.__version__} cannot refresh the weights of a running FP8 engine (layerwise reload_weights "
-            "arrived in 0.26). Upgrade: pip install 'trl-fp8[vllm]'."
-        )
-    return vllm.__version__
 
 
 def rollout_weight_tensors(
@@ -197,7 +179,8 @@ class FP8VLLMGeneration(VLLMGeneration):
 
     Args:
         rollout_precision: "fp8", "bf16" or "fp8_online".
-        fp8_modules: names of the layers served in FP8 (`export.fp8_module_names`).
+        fp8_modules: names of the layers served in FP8. Default: read from the model (`export.fp8_module_names`)
+            at start-up and at every sync, so they follow PEFT wrapping.
         kv_observer: an `AttentionScaleObserver` on the policy; its scales are pushed with every sync and vLLM's KV
             cache is FP8. None: KV cache in the model dtype.
     """
@@ -211,11 +194,18 @@ class FP8VLLMGeneration(VLLMGeneration):
         **kwargs,
     ):
         self.rollout_precision = check_rollout_precision(rollout_precision)
-        self.fp8_modules = set(fp8_modules or ()) if rollout_precision == "fp8" else set()
+        self._fp8_modules = None if fp8_modules is None else set(fp8_modules)
         self.kv_observer = kv_observer
         self.last_sync_seconds: float | None = None
         self.engine_dir: Path | None = None
         super().__init__(*args, **kwargs)
+
+    @property
+    def fp8_modules(self) -> set[str]:
+        """Transformers names of the layers vLLM runs in FP8 (empty unless rollout_precision is "fp8")."""
+        if self.rollout_precision != "fp8":
+            return set()
+        return {hf_name(n) for n in (fp8_module_names(self.model) if self._fp8_modules is None else self._fp8_modules)}
 
     # --- start-up ----------------------------------------------------------------------------------------------
 

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import clean_subprocess_env
+
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -100,9 +102,8 @@ def test_colocate_other_rollout_precisions_run_grpo_steps(tmp_path, precision):
         "--logging_steps", "1", "--use_vllm", "--vllm_mode", "colocate", "--vllm_gpu_memory_utilization", "0.25",
         "--rollout_precision", precision, "--fp8_recipe", recipe, "--tis", "token", "--save_fp8_checkpoint", "false",
     ]  # fmt: skip
-    # The colocated engine of an earlier test in this process holds MASTER_PORT: let the child pick its own.
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=480, env=env)
+    # A child of its own: no distributed-launch variables (an earlier in-process engine held MASTER_PORT).
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=480, env=clean_subprocess_env())
     tail = (proc.stdout + proc.stderr)[-4000:]
     assert proc.returncode == 0, tail
     # The Trainer prints each step's logs as a dict: every step carries the mismatch and the sync time.

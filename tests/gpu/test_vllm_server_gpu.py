@@ -14,9 +14,14 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
+from vllm_weight_digest import tensor_digest
+
+from conftest import clean_subprocess_env
 
 pytestmark = pytest.mark.gpu
 PORT = 8123
+HERE = Path(__file__).resolve().parent
 
 
 def _wait_healthy(proc, url, timeout=420):
@@ -46,10 +51,15 @@ def fp8_server(tmp_path_factory):
     tokenizer.save_pretrained(root / "model")
     subprocess.run([sys.executable, "-m", "trl_fp8.quantize", str(root / "model"), str(root / "fp8")], check=True)
     log = open(root / "server.log", "w")
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": server_gpu}
-    trl_cli = [sys.executable, "-c", "import sys; from trl.cli import main; sys.exit(main())"]  # `trl` w/o PATH
-    cmd = [*trl_cli, "vllm-serve", "--model", str(root / "fp8"), "--port", str(PORT), "--gpu_memory_utilization", "0.3",
-           "--enforce_eager", "true"]  # fmt: skip
+    # Exactly what `trl vllm-serve` runs (vLLM's server in dev mode), plus a worker extension that lets the test read
+    # digests of the engine's weights.
+    from trl.scripts.vllm_serve import ScriptArguments, build_command
+
+    serve = ScriptArguments(model=str(root / "fp8"), port=PORT, gpu_memory_utilization=0.3, enforce_eager=True)
+    cmd = build_command(serve, ["--worker-extension-cls", "vllm_weight_digest.WeightDigest"])
+    pythonpath = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
+    env = {**clean_subprocess_env(), "CUDA_VISIBLE_DEVICES": server_gpu, "VLLM_SERVER_DEV_MODE": "1",
+           "PYTHONPATH": pythonpath}  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         print(f"vllm-serve up in {_wait_healthy(proc, f'http://localhost:{PORT}/health'):.0f} s")
@@ -111,7 +121,26 @@ def test_server_mode_grpo_with_fp8_weight_push(fp8_server, tmp_path):
         f"{sorted(sync_ms)[len(sync_ms) // 2]:.1f} ms"
     )
     assert len(sync_ms) == len(logs)
-    # The server samples from the pushed weights: mismatch stays at the colocated FP8 level as the policy moves
-    # (without the push it would grow with every step).
     assert all(0 <= m < 0.5 for m in mismatch)
     assert sum(rewards[-5:]) > sum(rewards[:5])
+
+    # Identity: after a sync, the server's fused layers hold exactly the trainer's FP8 bits and scales.
+    trainer.vllm_generation.sync_weights()
+    layer = trainer.model.model.layers[1]
+    fused = {
+        "model.layers.1.self_attn.qkv_proj": [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj],
+        "model.layers.1.mlp.gate_up_proj": [layer.mlp.gate_proj, layer.mlp.up_proj],
+    }
+    ours = {}
+    for name, parts in fused.items():
+        quantized = [p.quantized_weight() for p in parts]
+        ours[f"{name}.weight"] = tensor_digest(torch.cat([q for q, _ in quantized]))
+        ours[f"{name}.weight_scale_inv"] = tensor_digest(torch.cat([s for _, s in quantized]))
+    request = urllib.request.Request(
+        f"http://localhost:{PORT}/collective_rpc",
+        data=json.dumps({"method": "trl_fp8_weight_digest", "args": [json.dumps(sorted(ours))]}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    (served,) = json.loads(urllib.request.urlopen(request, timeout=60).read())["results"]
+    print(f"server identity: {len(ours)} tensors, digests equal: {served == ours}")
+    assert served == ours, {k: (served.get(k, "")[:12], v[:12]) for k, v in ours.items()}

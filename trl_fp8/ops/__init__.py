@@ -14,6 +14,7 @@ Both backends expose the same four functions, on logical (layout-free) tensors:
 from __future__ import annotations
 
 import functools
+import warnings
 from types import ModuleType
 
 import torch
@@ -27,10 +28,32 @@ def blockwise_scaled_mm_supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
+_warned_emulation: set[str] = set()
+
+
+def _warn_emulated_gpu(device: torch.device) -> None:
+    """`auto` on a CUDA GPU without blockwise FP8 GEMMs falls back to the fp32 emulation: correct, but slower than
+    BF16. Say so once per GPU, loudly, with the ways out."""
+    name = torch.cuda.get_device_name(device)
+    if name in _warned_emulation:
+        return
+    _warned_emulation.add(name)
+    major, minor = torch.cuda.get_device_capability(device)
+    message = (
+        f"trl-fp8: {name} (sm_{major}{minor}) has no blockwise FP8 GEMMs in PyTorch (they need SM90: H100/H200), so "
+        "fp8_backend='auto' EMULATES the blockwise FP8 math in fp32 there: numerically the same, but slower than "
+        "BF16. On this GPU use fp8_recipe='tensorwise' or 'rowwise' (torchao kernels, SM89+), or fp8_recipe=None "
+        "for BF16; set fp8_backend='emulated' to silence this if emulation is what you want."
+    )
+    warnings.warn(message, stacklevel=3)
+
+
 @functools.cache
 def select_ops(config: FP8LinearConfig, device: torch.device) -> ModuleType:
     """The backend module that runs `config` on `device`."""
     if config.backend == "emulated" or (config.backend == "auto" and not blockwise_scaled_mm_supported(device)):
+        if config.backend == "auto" and device.type == "cuda":
+            _warn_emulated_gpu(device)
         return emulated
     if not blockwise_scaled_mm_supported(device):
         raise RuntimeError(

@@ -1,0 +1,80 @@
+"""Token TIS and the mismatch statistics against values worked out by hand, and their reduction over processes."""
+
+import json
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from trl_fp8.importance_sampling import mismatch_stats, token_tis_ratio
+
+# Two scored tokens and one padding token. delta = train - rollout = [+0.5, -1.0]; the padding token differs too,
+# so a mask that is not applied shows up.
+TRAIN = torch.tensor([[-1.0, -2.0, -0.5]])
+ROLLOUT = torch.tensor([[-1.5, -1.0, -3.0]])
+MASK = torch.tensor([[1, 1, 0]])
+E_HALF, E_MINUS_ONE = math.exp(0.5), math.exp(-1.0)  # 1.6487, 0.3679: the ratios pi_train / pi_rollout
+
+
+def test_token_tis_ratio_is_train_over_rollout_clipped_and_one_on_padding():
+    ratio = token_tis_ratio(TRAIN, ROLLOUT, MASK, cap=1.5)
+    # pi_train / pi_rollout, not its inverse (which would give [0.61, 1.5 (e capped)]).
+    assert ratio[0].tolist() == pytest.approx([1.5, E_MINUS_ONE, 1.0])
+    assert token_tis_ratio(TRAIN, ROLLOUT, MASK, cap=1.5, clip_min=0.5)[0].tolist() == pytest.approx([1.5, 0.5, 1.0])
+    assert token_tis_ratio(TRAIN, ROLLOUT, MASK, cap=2.0)[0].tolist() == pytest.approx([E_HALF, E_MINUS_ONE, 1.0])
+    unscored = torch.tensor([[-1.5, float("nan"), -3.0]])  # a token the rollout engine did not score
+    assert token_tis_ratio(TRAIN, unscored, MASK, cap=2.0)[0].tolist() == pytest.approx([E_HALF, 1.0, 1.0])
+
+
+def test_mismatch_stats_match_hand_computed_values():
+    stats = mismatch_stats(TRAIN, ROLLOUT, MASK, cap=1.5)
+    k3 = ((E_HALF - 1 - 0.5) + (E_MINUS_ONE - 1 + 1.0)) / 2  # 0.2583; the inverted ratio would give 0.4124
+    assert stats == pytest.approx(
+        {
+            "abs_logp_diff_mean": 0.75,
+            "abs_logp_diff_max": 1.0,
+            "kl_k3": k3,
+            "is_ratio_mean": (E_HALF + E_MINUS_ONE) / 2,
+            "is_ratio_max": E_HALF,
+            "is_ratio_min": E_MINUS_ONE,
+            "is_ratio_clipped_frac": 0.5,
+        }
+    )
+    assert "is_ratio_clipped_frac" not in mismatch_stats(TRAIN, ROLLOUT, MASK)
+    assert mismatch_stats(TRAIN, ROLLOUT, torch.zeros_like(MASK), cap=1.5) == {}  # nothing scored: nothing logged
+
+
+def _ranks(rank: int, world: int, init_file: str, out: str, with_tokens: list[bool]) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+
+    def gather(t):
+        parts = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(parts, t)
+        return torch.cat(parts)
+
+    results = []
+    for scenario in with_tokens:  # several calls in a row: every collective must pair up on every rank
+        if rank == 0:
+            train, rollout, mask = TRAIN, ROLLOUT, MASK
+        else:
+            train, rollout, mask = torch.tensor([[0.0]]), torch.tensor([[-2.0]]), torch.tensor([[int(scenario)]])
+        results.append(mismatch_stats(train, rollout, mask, cap=1.5, gather=gather))
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(results, f)
+    dist.destroy_process_group()
+
+
+def test_mismatch_stats_reduce_over_processes_when_a_rank_has_no_tokens(tmp_path):
+    out = str(tmp_path / "stats")
+    mp.spawn(_ranks, args=(2, str(tmp_path / "init"), out, [False, True]), nprocs=2, join=True)
+    rank0, rank1 = (json.loads(open(f"{out}.{r}").read()) for r in (0, 1))
+    assert rank0 == rank1  # same keys and values everywhere
+    empty_rank1, both = rank0
+    assert empty_rank1 == pytest.approx(mismatch_stats(TRAIN, ROLLOUT, MASK, cap=1.5))
+    # Rank 1 adds one token with delta = +2: token-weighted mean, max as a max, min as a min.
+    assert both["abs_logp_diff_mean"] == pytest.approx((0.5 + 1.0 + 2.0) / 3)
+    assert both["abs_logp_diff_max"] == pytest.approx(2.0)
+    assert both["is_ratio_max"] == pytest.approx(math.exp(2.0)) and both["is_ratio_min"] == pytest.approx(E_MINUS_ONE)
+    assert both["is_ratio_clipped_frac"] == pytest.approx(2 / 3)
