@@ -118,7 +118,7 @@ def run_engine(args):
     for _ in range(3):
         for m in model.modules():  # a new optimizer step: the FP8 weights must be quantized again
             if isinstance(m, FP8Linear):
-                m.clear_fp8_cache()
+                m.invalidate()
         if train_fp8:
             torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -129,7 +129,7 @@ def run_engine(args):
             quantize.append(time.perf_counter() - t0)
             for m in model.modules():
                 if isinstance(m, FP8Linear):
-                    m.clear_fp8_cache()
+                    m.invalidate()
         syncs.append(sync(llm, model, precision, scales))
     row["weight_sync_ms"] = 1e3 * statistics.median(syncs)
     if quantize:

@@ -22,6 +22,8 @@ zeros change no group's amax, so the padding is exact.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -174,11 +176,9 @@ class FP8Linear(nn.Linear):
         self._fp8_weight_cache = None
         self._fp8_invalidations += 1
 
-    clear_fp8_cache = invalidate  # the 0.1 name
-
     def _load_from_state_dict(self, *args, **kwargs):
         super()._load_from_state_dict(*args, **kwargs)
-        self.invalidate()  # load_state_dict copies into the parameter in place, under no_grad
+        self.invalidate()  # whether it copied in place or assigned: do not rely on what the key happens to see
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = _BlockwiseFP8Matmul.apply(x, self.weight, self._fp8_weight())
@@ -216,6 +216,7 @@ def _watch_peft_merges() -> None:
         return
 
     def wrap(method):
+        @functools.wraps(method)  # also sets __wrapped__, which marks the method as done
         def merge_or_unmerge(self, *args, **kwargs):
             try:
                 return method(self, *args, **kwargs)
@@ -224,7 +225,6 @@ def _watch_peft_merges() -> None:
                 if isinstance(base, FP8Linear):
                     base.invalidate()
 
-        merge_or_unmerge.__wrapped__ = method
         return merge_or_unmerge
 
     pending, seen = [BaseTunerLayer], set()
