@@ -3,9 +3,6 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests build every model and tokenizer locally
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-# GPU host: Triton keeps autotuning results on disk, so the suite's subprocess runs do not autotune torchao's
-# quantizers again (each process's first FP8 step would otherwise pay it).
-os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
 
 import pytest
 import torch
