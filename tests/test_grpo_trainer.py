@@ -135,8 +135,20 @@ def test_bf16_baseline_has_no_fp8_layers(model_dir, tmp_path):
 def test_reference_model_is_converted_too(model_dir, tmp_path):
     trainer = make_trainer(model_dir, tmp_path, beta=0.04, max_steps=1)
     assert isinstance(trainer.ref_model.model.layers[0].mlp.up_proj, FP8Linear)
+    assert not any(p.requires_grad for p in trainer.ref_model.parameters())  # frozen: quantized once
     trainer.train()
     assert any("kl" in log for log in trainer.state.log_history)
+
+
+def test_synced_reference_model_serves_its_blended_weights(model_dir, tmp_path):
+    """TRL's sync_ref_model blends the policy into the frozen reference through `.data`; its FP8 copies must follow."""
+    trainer = make_trainer(model_dir, tmp_path, beta=0.04, max_steps=2, sync_ref_model=True, ref_model_sync_steps=1,
+                           ref_model_mixup_alpha=0.5)  # fmt: skip
+    up = trainer.ref_model.model.layers[0].mlp.up_proj
+    initial = up.weight.detach().clone()
+    trainer.train()
+    assert not torch.equal(up.weight, initial)  # TRL did blend
+    assert_fp8_equal(*up.quantized_weight(), up.weight)
 
 
 def test_first_last_layers_and_filter(model_dir, tmp_path):

@@ -76,6 +76,9 @@ class FP8GRPOTrainer(GRPOTrainer):
             super().__init__(model, reward_funcs, args, *trainer_args, **trainer_kwargs)
         if self.ref_model is not None and args.fp8_recipe is not None:
             self._convert(unwrap_model(self.ref_model), args)
+            # Never trained (TRL scores with it under no_grad): frozen, its FP8 weights are quantized once, not at
+            # every optimizer step.
+            unwrap_model(self.ref_model).requires_grad_(False)
             if args.sync_ref_model:  # TRL blends the policy into the reference through `.data`: requantize after
                 self.add_callback(_InvalidateSyncedReference(self.ref_model))
         # TRL weights the loss by the IS ratio only with vLLM; we extend token TIS to other rollouts with log-probs.
