@@ -9,7 +9,13 @@ import time
 from pathlib import Path
 
 from trl_fp8.export import fp8_module_names
-from trl_fp8.vllm_sync import engine_overrides, push_to_engine, rollout_weight_tensors, write_engine_config
+from trl_fp8.vllm_sync import (
+    engine_env,
+    engine_overrides,
+    push_to_engine,
+    rollout_weight_tensors,
+    write_engine_config,
+)
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: its worker is reachable
 
@@ -18,6 +24,7 @@ def start_engine(model, precision: str, workdir: Path, *, fp8_kv_cache: bool = F
     """An `LLM` for `model` at `precision` ("bf16", "fp8", "fp8_online"), weights not loaded yet (call `sync`)."""
     from vllm import LLM
 
+    os.environ.update(engine_env(precision))  # the kernel that runs our FP8 values as they are
     fp8_modules = fp8_module_names(model) if precision == "fp8" else set()
     engine_dir = write_engine_config(model, None, workdir / f"engine_{precision}", fp8_modules)
     kwargs = dict(

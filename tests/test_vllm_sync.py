@@ -3,6 +3,7 @@ engine start-up folder, the server checks, and the trainer wiring, on CPU withou
 TRL's code hands it)."""
 
 import json
+import os
 import sys
 import types
 from pathlib import Path
@@ -227,6 +228,7 @@ class FakeLLM:
 
     def __init__(self, **kwargs):
         self.kwargs = kwargs
+        self.env = {k: os.environ.get(k) for k in ("VLLM_USE_DEEP_GEMM", "VLLM_USE_DEEP_GEMM_E8M0")}
         self.pushed = []
         self.reloads = 0
         worker = types.SimpleNamespace(reload_weights=self._reload)
@@ -271,8 +273,9 @@ def fake_vllm(monkeypatch):
     ],
 )
 def test_trainer_builds_vllm_from_a_config_folder_and_pushes_its_rollout_tensors(
-    fake_vllm, tmp_path, precision, kv, expected
+    fake_vllm, tmp_path, monkeypatch, precision, kv, expected
 ):
+    monkeypatch.setenv("VLLM_USE_DEEP_GEMM", "1")  # vLLM 0.26's own default: the trainer must override it
     tokenizer = tiny_char_tokenizer()
     model = tiny_qwen3(vocab_size=128, eos_token_id=tokenizer.eos_token_id, pad_token_id=0)
     args = FP8GRPOConfig(
@@ -289,6 +292,8 @@ def test_trainer_builds_vllm_from_a_config_folder_and_pushes_its_rollout_tensors
         assert llm.kwargs.get(key) == value, key
     assert llm.kwargs["model"] == str(generation.engine_dir)
     assert llm.kwargs["logprobs_mode"] == "processed_logprobs"  # TRL's own settings pass through
+    if precision == "fp8":  # vLLM's default DeepGEMM + E8M0 path would requantize our weights: Cutlass, as they are
+        assert llm.env == {"VLLM_USE_DEEP_GEMM": "0", "VLLM_USE_DEEP_GEMM_E8M0": "0"}
     config = json.loads((generation.engine_dir / "config.json").read_text())
     assert ("quantization_config" in config) == (precision == "fp8")
 

@@ -19,6 +19,7 @@ Rollout precisions: "fp8" (our quantizer makes weights and scales: the unified f
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 import time
@@ -47,6 +48,7 @@ __all__ = [
     "FP8VLLMGeneration",
     "check_server_config",
     "check_vllm_version",
+    "engine_env",
     "engine_overrides",
     "push_to_engine",
     "rollout_weight_tensors",
@@ -55,6 +57,11 @@ __all__ = [
 
 # vLLM's own online FP8 (per-tensor weights, dynamic per-token activations): `vllm serve --quantization fp8`.
 VLLM_ONLINE_FP8 = "fp8"
+# vLLM 0.26 runs block-FP8 linear layers through DeepGEMM by default on Hopper, with E8M0 scales on: it rounds every
+# weight scale up to a power of two and requantizes the FP8 weight, so the engine would no longer multiply the
+# trainer's values. Its Cutlass block-scaled kernel takes our bytes and float32 scales as they are (checked bit for
+# bit inside the engine by tests/gpu). A server must be started with the same settings.
+IDENTITY_ENGINE_ENV = {"VLLM_USE_DEEP_GEMM": "0", "VLLM_USE_DEEP_GEMM_E8M0": "0"}
 
 
 def rollout_weight_tensors(
@@ -110,6 +117,15 @@ def engine_overrides(engine_dir: str | Path, rollout_precision: str, fp8_kv_cach
     return overrides
 
 
+def engine_env(rollout_precision: str) -> dict[str, str]:
+    """Environment variables a vLLM engine needs so that it runs `rollout_precision` on the pushed values as they are.
+
+    Assign them (not `setdefault`: a site default such as `VLLM_USE_DEEP_GEMM=1` must not win) before the engine is
+    built; vLLM reads them when it creates its layers.
+    """
+    return dict(IDENTITY_ENGINE_ENV) if check_rollout_precision(rollout_precision) == "fp8" else {}
+
+
 def push_to_engine(llm, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
     """Load checkpoint-format `weights` into an in-process engine through vLLM's layerwise reload."""
     worker = llm.llm_engine.model_executor.driver_worker.worker
@@ -137,7 +153,7 @@ def check_server_config(server_config: dict, model: nn.Module, rollout_precision
     hf_config = unwrap_model(model).config
     fix = (
         "Start the server on an FP8 checkpoint of this very policy: `trl-fp8-quantize <model> <fp8_dir>` then "
-        "`trl vllm-serve --model <fp8_dir>`"
+        "`VLLM_USE_DEEP_GEMM=0 trl vllm-serve --model <fp8_dir>`"
     )
     quantization = server_config.get("model_config", {}).get("quantization")
     wanted = {"fp8": "fp8", "fp8_online": VLLM_ONLINE_FP8, "bf16": None}[rollout_precision]
@@ -230,6 +246,7 @@ class FP8VLLMGeneration(VLLMGeneration):
 
         llm_class = trl_vllm.LLM
         overrides = engine_overrides(self.engine_dir, self.rollout_precision, self.kv_observer is not None)
+        os.environ.update(engine_env(self.rollout_precision))
         trl_vllm.LLM = lambda *a, **kw: llm_class(*a, **{**kw, **overrides})
         try:
             super()._init_vllm()
@@ -246,7 +263,7 @@ class FP8VLLMGeneration(VLLMGeneration):
         except (ConnectionError, requests.exceptions.ConnectionError) as exc:  # TRL raises the latter
             raise ConnectionError(
                 f"{exc} For FP8 rollouts the server must run an FP8 checkpoint of the initial policy: "
-                "`trl-fp8-quantize <model> <fp8_dir>` then `trl vllm-serve --model <fp8_dir>`."
+                "`trl-fp8-quantize <model> <fp8_dir>` then `VLLM_USE_DEEP_GEMM=0 trl vllm-serve --model <fp8_dir>`."
             ) from exc
         check_server_config(client.get_server_info(), self.model, self.rollout_precision, self.kv_observer is not None)
 

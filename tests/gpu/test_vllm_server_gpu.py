@@ -58,8 +58,10 @@ def fp8_server(tmp_path_factory):
     serve = ScriptArguments(model=str(root / "fp8"), port=PORT, gpu_memory_utilization=0.3, enforce_eager=True)
     cmd = build_command(serve, ["--worker-extension-cls", "vllm_weight_digest.WeightDigest"])
     pythonpath = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
-    env = {**clean_subprocess_env(), "CUDA_VISIBLE_DEVICES": server_gpu, "VLLM_SERVER_DEV_MODE": "1",
-           "PYTHONPATH": pythonpath}  # fmt: skip
+    from trl_fp8.vllm_sync import engine_env
+
+    env = {**clean_subprocess_env(), **engine_env("fp8"), "CUDA_VISIBLE_DEVICES": server_gpu,
+           "VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": pythonpath}  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         print(f"vllm-serve up in {_wait_healthy(proc, f'http://localhost:{PORT}/health'):.0f} s")
