@@ -218,20 +218,16 @@ class FP8VLLMGeneration(VLLMGeneration):
 
     @property
     def fp8_modules(self) -> set[str]:
-        """Transformers names of the layers vLLM runs in FP8 (empty unless rollout_precision is "fp8")."""
+        """Names of the layers vLLM runs in FP8 (empty unless rollout_precision is "fp8"); PEFT or plain, the engine
+        config and the pushed tensors compare them as transformers names."""
         if self.rollout_precision != "fp8":
             return set()
-        return {hf_name(n) for n in (fp8_module_names(self.model) if self._fp8_modules is None else self._fp8_modules)}
+        return fp8_module_names(self.model) if self._fp8_modules is None else self._fp8_modules
 
     # --- start-up ----------------------------------------------------------------------------------------------
 
     def _init_vllm(self):
-        check_vllm_version()
-        if self._dist.is_fsdp or self._dist.is_zero3:
-            raise NotImplementedError(
-                "FP8 rollouts read each layer's quantized weight from the trainer; sharded FSDP / ZeRO-3 weights are "
-                "not gathered for that yet. Use DDP or ZeRO-1/2."
-            )
+        check_vllm_version()  # sharded (FSDP / ZeRO-3) launches were refused by the trainer before loading
         if self.mode != "colocate":
             if self.accelerator.is_main_process:
                 self._check_server()  # before TRL joins the server's NCCL group, which cannot be undone
