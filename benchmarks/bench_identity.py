@@ -14,7 +14,11 @@ trainer-side model and reports mean / max |delta logp| and the KL(rollout || tra
   FP8-rollout, the setting Jet-RL shows drifting;
 - `bf16_train_fp8_rollout`: BF16 trainer, rollout on block-FP8 weights from our quantizer (same weights vLLM's
   blockwise online quantization would make): isolates the cost of training in a precision the rollout lacks;
-- `fp8_kv`: the unified flow plus an FP8 KV cache whose q/k/v scales come from the trainer's forward.
+- `fp8_kv`: the unified flow plus an FP8 KV cache whose q/k/v scales come from the trainer's forward;
+- `fp8_pow2`: the unified flow with power-of-two block scales (`fp8_power_of_two_scales=True`).
+
+The FP8 settings run once per `--backends` kernel (vLLM's DeepGEMM, Cutlass or Triton block-FP8 GEMM): each keeps
+our weights and scales, so differences between them are the kernels' own arithmetic.
 
 Writes `benchmarks/results/identity_<device>.json`.
 """
@@ -84,6 +88,7 @@ SETTINGS = {  # setting: (trainer in FP8, rollout precision, FP8 KV cache)
     "fp8_online": (False, "fp8_online", False),
     "bf16_train_fp8_rollout": (False, "fp8", False),
     "fp8_kv": (True, "fp8", True),
+    "fp8_pow2": (True, "fp8", False),
 }
 
 
@@ -91,20 +96,22 @@ def run_engine(args):
     """Child process: one setting, prints one JSON line per check."""
     import torch
     from vllm import SamplingParams
-    from vllm_engine import start_engine, sync
+    from vllm_engine import engine_kernels, start_engine, sync
 
-    from trl_fp8 import convert_to_fp8
+    from trl_fp8 import FP8LinearConfig, convert_to_fp8
     from trl_fp8.kv_scales import AttentionScaleObserver
 
-    train_fp8, precision, fp8_kv = SETTINGS[args.engine]
+    setting, _, backend = args.engine.partition(":")
+    train_fp8, precision, fp8_kv = SETTINGS[setting]
     model = build_model(args)
     if train_fp8:
-        convert_to_fp8(model)
+        convert_to_fp8(model, config=FP8LinearConfig(power_of_two_scales=setting == "fp8_pow2"))
     observer = AttentionScaleObserver(model) if fp8_kv else None
     llm = start_engine(
-        model, precision, Path(args.workdir), fp8_kv_cache=fp8_kv, enforce_eager=True, gpu_memory_utilization=0.3,
-        max_model_len=512,
+        model, precision, Path(args.workdir), fp8_kv_cache=fp8_kv, backend=backend or "auto", enforce_eager=True,
+        gpu_memory_utilization=0.3, max_model_len=512,
     )  # fmt: skip
+    kernels = engine_kernels(llm)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, args.vocab, (32,), generator=g).tolist() for _ in range(args.prompts)]
     params = SamplingParams(temperature=1.0, max_tokens=args.new_tokens, logprobs=0, seed=0, detokenize=False)
@@ -118,24 +125,28 @@ def run_engine(args):
         comps = [list(o.outputs[0].token_ids) for o in outs]
         lps = [[next(iter(d.values())).logprob for d in o.outputs[0].logprobs] for o in outs]
         stats = compare(trainer_logps(model, prompts, comps), lps)
-        print(json.dumps({"check": label, **stats}), flush=True)
+        print(json.dumps({"check": label, **stats, **kernels}), flush=True)
         return comps
 
     before = check(args.engine)
-    if args.engine == "fp8":
+    if setting == "fp8":
         with torch.no_grad():  # an "optimizer step": every weight moves
             for p in model.parameters():
                 p.add_(torch.randn_like(p) * p.float().std().to(p.dtype) * 0.2)
         seconds = sync(llm, model, precision)
-        after = check("fp8 after reload")
+        after = check(f"{args.engine} after reload")
         changed = sum(a != b for a, b in zip(after, before, strict=True))
         print(json.dumps({"check": "reload", "ms": 1e3 * seconds, "changed_completions": changed}))
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--engine", choices=list(SETTINGS), help=argparse.SUPPRESS)
+    parser.add_argument("--engine", help=argparse.SUPPRESS)  # "setting" or "setting:backend"
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    parser.add_argument(
+        "--backends", nargs="+", default=["auto"], choices=["auto", "deepgemm", "cutlass", "triton"],
+        help="vLLM block-FP8 kernels to run the FP8 settings on",
+    )  # fmt: skip
     parser.add_argument("--workdir", default="/tmp/trl_fp8_identity")
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=4)
@@ -152,8 +163,10 @@ def main():
 
     Path(args.workdir).mkdir(parents=True, exist_ok=True)
     rows = []
-    for engine in args.settings:
-        rows.extend(run_child(__file__, "--engine", engine, sys.argv[1:]) or [])
+    for setting in args.settings:
+        fp8 = SETTINGS[setting][1] == "fp8"
+        for engine in [f"{setting}:{b}" for b in args.backends] if fp8 else [setting]:
+            rows.extend(run_child(__file__, "--engine", engine, sys.argv[1:]) or [])
     device = torch.cuda.get_device_name()
 
     result = {
@@ -164,16 +177,18 @@ def main():
         "model": {k: getattr(args, k) for k in ("hidden", "layers", "vocab", "init_std")},
         "prompts": args.prompts,
         "new_tokens": args.new_tokens,
+        "backends": args.backends,
         "results": rows,
     }
     out = Path(args.out or ROOT / "benchmarks" / "results" / f"identity_{device.replace(' ', '_')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"{'check':<24}{'mean |dlogp|':>14}{'max |dlogp|':>14}{'KL k3':>12}")
+    print(f"{'check':<32}{'mean |dlogp|':>14}{'max |dlogp|':>14}{'KL k3':>12}  vLLM linear kernel")
     for r in rows:
         if "abs_logp_diff_mean" in r:
             print(
-                f"{r['check']:<24}{r['abs_logp_diff_mean']:>14.2e}{r['abs_logp_diff_max']:>14.2e}{r['kl_k3']:>12.2e}"
+                f"{r['check']:<32}{r['abs_logp_diff_mean']:>14.2e}{r['abs_logp_diff_max']:>14.2e}{r['kl_k3']:>12.2e}"
+                f"  {r['linear_kernel']}"
             )
         else:
             print(r)

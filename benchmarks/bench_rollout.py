@@ -1,20 +1,28 @@
-"""vLLM rollout throughput and per-step weight-sync time: BF16 vs vLLM's online FP8 vs trl_fp8's FP8 (± FP8 KV).
+"""vLLM rollout throughput, its distance to the hardware floor, engine start-up and weight-sync time, for BF16,
+vLLM's online FP8 and trl_fp8's FP8 rollouts on each block-FP8 kernel (± FP8 KV cache).
 
     python benchmarks/bench_rollout.py                       # GPU host with vLLM; Qwen3-8B shape, random weights
-    python benchmarks/bench_rollout.py --engines fp8 fp8_kv --append   # add rows to the same results file
+    python benchmarks/bench_rollout.py --engines fp8_triton --points 64x1024 --append   # add rows to the same file
 
 Each engine runs in its own child process, built the way `FP8GRPOTrainer` builds it (config-only folder, dummy
 load, CUDA graphs on), next to a trainer-side model of the same shape on the same GPU:
 
 - `bf16`: BF16 weights pushed each step (what TRL does today);
 - `vllm_fp8`: BF16 weights pushed, vLLM quantizes them itself (`quantization="fp8"`, per-tensor weights);
-- `fp8`: trl_fp8's block-FP8 weights and scales, quantized on the trainer's GPU and pushed (the unified flow);
-- `fp8_kv`: the same plus an FP8 KV cache with q/k/v scales measured on the trainer's forward.
+- `fp8_<kernel>`: trl_fp8's block-FP8 weights and scales, quantized on the trainer's GPU and pushed (the unified
+  flow), multiplied by vLLM's DeepGEMM, Cutlass or Triton block-FP8 kernel (`vllm_fp8_backend`);
+- `fp8_deepgemm_kv`: the same on DeepGEMM plus an FP8 KV cache (FP8 attention) with q/k/v scales measured on the
+  trainer's forward.
 
-Per engine: generation throughput (output tokens / s) for `--prompts` x `--prompt_len` in / 1024 out and for
-`--long_prompts` x 4096 out (ignore_eos, temperature 1), and the weight sync of one step (quantization included,
-median of 3). `fp8_kv` also times the trainer forward with and without the KV-scale observer. Writes
-`benchmarks/results/rollout_<device>.json`.
+Per engine: engine start-up (with DeepGEMM, whether its JIT cache was cold), the weight sync of one step
+(quantization included, median of 3), and for each `--points` entry `SxN` (S sequences of `--prompt_len` prompt
+tokens, N new tokens each, ignore_eos, temperature 1) the output tokens per second and the floor for that point:
+
+    floor time = prefill FLOPs / peak + waves x N x max(step bytes / HBM bandwidth, step FLOPs / peak)
+    step bytes = linear weights (1 byte FP8, 2 BF16) + lm_head (BF16) + c x (prompt + N/2) x KV bytes per token
+
+with c = min(S, sequences the engine's KV cache holds at full length) and waves = ceil(S / c); peaks are the data
+sheet's dense BF16 / FP8 tensor-core rates. Writes `benchmarks/results/rollout_<device>.json`.
 """
 
 from __future__ import annotations
@@ -41,12 +49,64 @@ SHAPES = {  # Qwen3 configs: hidden, intermediate, layers, heads, kv heads, voca
     "tiny": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=2,
                  num_key_value_heads=1, vocab_size=4096),
 }  # fmt: skip
-ENGINES = {  # engine: (trainer in FP8, rollout precision, FP8 KV cache)
-    "bf16": (False, "bf16", False),
-    "vllm_fp8": (False, "fp8_online", False),
-    "fp8": (True, "fp8", False),
-    "fp8_kv": (True, "fp8", True),
+ENGINES = {  # engine: (trainer in FP8, rollout precision, FP8 KV cache, vLLM block-FP8 kernel)
+    "bf16": (False, "bf16", False, None),
+    "vllm_fp8": (False, "fp8_online", False, None),
+    "fp8_cutlass": (True, "fp8", False, "cutlass"),
+    "fp8_triton": (True, "fp8", False, "triton"),
+    "fp8_deepgemm": (True, "fp8", False, "deepgemm"),
+    "fp8_deepgemm_kv": (True, "fp8", True, "deepgemm"),
 }
+DEFAULT_POINTS = ["64x1024", "256x1024", "1024x1024", "64x4096", "256x4096", "16x16384"]
+# Data-sheet peaks (SXM): HBM bytes/s, dense BF16 and FP8 tensor-core FLOP/s.
+HARDWARE = {
+    "H200": {"hbm": 4.8e12, "bf16": 989e12, "fp8": 1979e12},
+    "H100": {"hbm": 3.35e12, "bf16": 989e12, "fp8": 1979e12},
+}
+
+
+def hardware(device: str) -> dict | None:
+    return next((v for k, v in HARDWARE.items() if k in device), None)
+
+
+def model_bytes(model, fp8_linear: bool, fp8_kv: bool) -> dict:
+    """Bytes a decode step reads once (linear weights, lm_head) and per cached token (KV), and FLOPs per token."""
+    import torch
+
+    cfg = model.config
+    linear = sum(
+        m.weight.numel() for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "lm_head" not in n
+    )
+    lm_head = model.lm_head.weight.numel()
+    kv = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * (1 if fp8_kv else 2)
+    return {
+        "weights": linear * (1 if fp8_linear else 2) + lm_head * 2,
+        "kv_per_token": kv,
+        "flops_per_token": 2 * (linear + lm_head),
+        "attention_flops_per_token_per_ctx": 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim,
+    }
+
+
+def floor_tokens_per_s(sizes: dict, hw: dict, fp8: bool, seqs: int, prompt: int, new: int, kv_tokens: int) -> dict:
+    """The roofline floor of one point (see the module docstring)."""
+    peak = hw["fp8" if fp8 else "bf16"]
+    conc = max(1, min(seqs, kv_tokens // (prompt + new))) if kv_tokens else seqs
+    waves = -(-seqs // conc)
+    ctx = prompt + new / 2
+    step_bytes = sizes["weights"] + conc * ctx * sizes["kv_per_token"]
+    step_flops = conc * (sizes["flops_per_token"] + ctx * sizes["attention_flops_per_token_per_ctx"])
+    memory_s, compute_s = step_bytes / hw["hbm"], step_flops / peak
+    prefill_s = seqs * prompt * sizes["flops_per_token"] / peak
+    seconds = prefill_s + waves * new * max(memory_s, compute_s)
+    return {
+        "floor_tokens_per_s": seqs * new / seconds,
+        "concurrency": conc,
+        "bound": "memory" if memory_s >= compute_s else "compute",
+    }
+
+
+def cache_files(path: str | None) -> int:
+    return sum(1 for p in Path(path).rglob("*") if p.is_file()) if path and Path(path).is_dir() else 0
 
 
 def build_trainer_model(shape: str):
@@ -72,18 +132,21 @@ def timed_generate(llm, prompts, max_tokens):
 
 
 def run_engine(args):
+    import os
+
     import torch
-    from vllm_engine import start_engine, sync
+    from vllm_engine import engine_kernels, start_engine, sync
 
     from trl_fp8 import convert_to_fp8
     from trl_fp8.fp8_linear import FP8Linear
     from trl_fp8.kv_scales import AttentionScaleObserver
+    from trl_fp8.vllm_kernels import rollout_kernel
 
-    train_fp8, precision, fp8_kv = ENGINES[args.engine]
+    train_fp8, precision, fp8_kv, backend = ENGINES[args.engine]
     model = build_trainer_model(args.shape)
     if train_fp8:
         convert_to_fp8(model)
-    row = {"engine": args.engine, "rollout_precision": precision, "fp8_kv_cache": fp8_kv}
+    row = {"engine": args.engine, "rollout_precision": precision, "fp8_kv_cache": fp8_kv, "backend": backend}
 
     scales = None
     if fp8_kv:
@@ -105,14 +168,24 @@ def run_engine(args):
         row["trainer_forward_ms"] = {"without_kv_observer": plain, "with_kv_observer": observed, "tokens": ids.numel()}
         scales = observer.scales()
 
+    if backend == "deepgemm":
+        cache = rollout_kernel("deepgemm").env["DG_JIT_CACHE_DIR"]
+        row["jit_cache"] = {"dir": cache, "files_before": cache_files(cache)}
     torch.cuda.empty_cache()  # vLLM sizes its KV cache from the memory free at start-up
     start = time.perf_counter()
-    max_len = args.prompt_len + max(args.new_tokens, args.long_tokens) + 16
+    points = [tuple(int(x) for x in p.split("x")) for p in args.points]
+    max_len = args.prompt_len + max(n for _, n in points) + 16
     llm = start_engine(
-        model, precision, Path(args.workdir), fp8_kv_cache=fp8_kv, gpu_memory_utilization=args.gpu_memory_utilization,
-        max_model_len=max_len, max_num_seqs=args.prompts,
+        model, precision, Path(args.workdir), fp8_kv_cache=fp8_kv, backend=backend or "auto",
+        gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=max_len,
+        max_num_seqs=max(s for s, _ in points),
     )  # fmt: skip
     row["engine_start_s"] = time.perf_counter() - start
+    row.update(engine_kernels(llm))
+    if backend == "deepgemm":
+        row["jit_cache"]["files_after"] = cache_files(row["jit_cache"]["dir"])
+        row["jit_cache"]["state"] = "warm" if row["jit_cache"]["files_before"] else "cold"
+        row["deep_gemm_warmup"] = os.environ.get("VLLM_DEEP_GEMM_WARMUP")
 
     syncs, quantize = [], []
     for _ in range(3):
@@ -141,16 +214,38 @@ def run_engine(args):
     def prompts(n):
         return [torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(n)]
 
+    sizes = model_bytes(model, fp8_linear=precision != "bf16", fp8_kv=fp8_kv)
+    hw = hardware(torch.cuda.get_device_name())
     timed_generate(llm, prompts(8), 16)  # warm-up
-    row[f"gen_{args.new_tokens}"] = {
-        "prompts": args.prompts,
-        **timed_generate(llm, prompts(args.prompts), args.new_tokens),
-    }
-    row[f"gen_{args.long_tokens}"] = {
-        "prompts": args.long_prompts,
-        **timed_generate(llm, prompts(args.long_prompts), args.long_tokens),
-    }
+    row["points"] = []
+    for seqs, new in points:
+        point = {"seqs": seqs, "new_tokens": new, **timed_generate(llm, prompts(seqs), new)}
+        if hw:
+            floor = floor_tokens_per_s(
+                sizes, hw, precision != "bf16", seqs, args.prompt_len, new, row["kv_cache_tokens"]
+            )
+            point.update(floor, of_floor=point["tokens_per_s"] / floor["floor_tokens_per_s"])
+        row["points"].append(point)
+        print(f"# {args.engine} {seqs}x{new}: {point['tokens_per_s']:.0f} tok/s", file=sys.stderr, flush=True)
     print(json.dumps(row), flush=True)
+
+
+def summary(rows: list[dict]) -> str:
+    """One line per engine and point: tok/s, ratio to BF16 at the same point, share of the floor."""
+    base = {(p["seqs"], p["new_tokens"]): p for r in rows if r["engine"] == "bf16" for p in r["points"]}
+    lines = [
+        f"{'engine':<17}{'kernel':<34}{'start s':>8}{'sync ms':>8}{'point':>11}{'tok/s':>9}{'vs bf16':>9}{'of floor':>9}"
+    ]
+    for r in rows:
+        for p in r["points"]:
+            ref = base.get((p["seqs"], p["new_tokens"]))
+            ratio = f"{p['tokens_per_s'] / ref['tokens_per_s']:.2f}x" if ref else "-"
+            floor = f"{p['of_floor']:.0%}" if "of_floor" in p else "-"
+            lines.append(
+                f"{r['engine']:<17}{r['linear_kernel'][:33]:<34}{r['engine_start_s']:>8.0f}{r['weight_sync_ms']:>8.0f}"
+                f"{str(p['seqs']) + 'x' + str(p['new_tokens']):>11}{p['tokens_per_s']:>9.0f}{ratio:>9}{floor:>9}"
+            )
+    return "\n".join(lines)
 
 
 def main():
@@ -158,11 +253,8 @@ def main():
     parser.add_argument("--engine", choices=list(ENGINES), help=argparse.SUPPRESS)
     parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES))
     parser.add_argument("--shape", choices=list(SHAPES), default="8b")
-    parser.add_argument("--prompts", type=int, default=256)
+    parser.add_argument("--points", nargs="+", default=DEFAULT_POINTS, help="SxN: S sequences, N new tokens each")
     parser.add_argument("--prompt_len", type=int, default=256)
-    parser.add_argument("--new_tokens", type=int, default=1024)
-    parser.add_argument("--long_prompts", type=int, default=64)
-    parser.add_argument("--long_tokens", type=int, default=4096)
     parser.add_argument("--gpu_memory_utilization", type=float, default=0.6)
     parser.add_argument("--workdir", default="/tmp/trl_fp8_rollout")
     parser.add_argument("--append", action="store_true", help="merge into an existing results file")
@@ -177,35 +269,20 @@ def main():
     device = torch.cuda.get_device_name()
     out = Path(args.out or ROOT / "benchmarks" / "results" / f"rollout_{device.replace(' ', '_')}.json")
     result = {
-        "benchmark": "vLLM rollout throughput and weight-sync time",
+        "benchmark": "vLLM rollout throughput, floor, start-up and weight-sync time",
         "device": device,
         "date": datetime.date.today().isoformat(),
         "versions": versions("torch", "vllm", "transformers", "trl", "torchao"),
         "shape": {"name": args.shape, **SHAPES[args.shape]},
-        "workload": {
-            k: getattr(args, k) for k in ("prompts", "prompt_len", "new_tokens", "long_prompts", "long_tokens")
-        },
+        "prompt_len": args.prompt_len,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "hardware_peaks": hardware(device),
         "results": [],
     }
     if args.append:
-        result["results"] = previous_rows(out, result, ("shape",), "engine", args.engines)
+        result["results"] = previous_rows(out, result, ("shape", "prompt_len"), "engine", args.engines)
     failed = run_all(__file__, "--engine", args.engines, sys.argv[1:], result, out, "engine", list(ENGINES))
-    base = {r["engine"]: r for r in result["results"]}.get("bf16")
-    long_key, short_key = f"gen_{args.long_tokens}", f"gen_{args.new_tokens}"
-    print(
-        f"{'engine':<10}{'start s':>9}{'sync ms':>9}{short_key + ' tok/s':>18}{long_key + ' tok/s':>18}{'vs bf16':>16}"
-    )
-    for r in result["results"]:
-        speed = (
-            f"{r[short_key]['tokens_per_s'] / base[short_key]['tokens_per_s']:.2f}x/"
-            f"{r[long_key]['tokens_per_s'] / base[long_key]['tokens_per_s']:.2f}x"
-            if base
-            else "-"
-        )
-        print(
-            f"{r['engine']:<10}{r['engine_start_s']:>9.0f}{r['weight_sync_ms']:>9.0f}"
-            f"{r[short_key]['tokens_per_s']:>18.0f}{r[long_key]['tokens_per_s']:>18.0f}{speed:>16}"
-        )
+    print(summary(result["results"]))
     print(f"wrote {out}")
     if failed:
         raise SystemExit(f"failed engines: {failed}")

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from trl_fp8.export import fp8_module_names
+from trl_fp8.vllm_kernels import rollout_kernel
 from trl_fp8.vllm_sync import (
     engine_env,
     engine_overrides,
@@ -20,20 +21,41 @@ from trl_fp8.vllm_sync import (
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: its worker is reachable
 
 
-def start_engine(model, precision: str, workdir: Path, *, fp8_kv_cache: bool = False, **llm_kwargs):
-    """An `LLM` for `model` at `precision` ("bf16", "fp8", "fp8_online"), weights not loaded yet (call `sync`)."""
+def start_engine(
+    model, precision: str, workdir: Path, *, fp8_kv_cache: bool = False, backend: str = "auto", **llm_kwargs
+):
+    """An `LLM` for `model` at `precision` ("bf16", "fp8", "fp8_online"), weights not loaded yet (call `sync`);
+    FP8 layers on the `backend` kernel (`trl_fp8.vllm_kernels.rollout_kernel`)."""
     from vllm import LLM
 
-    os.environ.update(engine_env(precision))  # the kernel that runs our FP8 values as they are
+    kernel = rollout_kernel(backend) if precision == "fp8" else None
+    os.environ.update(engine_env(precision, kernel))  # the kernel that runs our FP8 values as they are
     fp8_modules = fp8_module_names(model) if precision == "fp8" else set()
     engine_dir = write_engine_config(model, None, workdir / f"engine_{precision}", fp8_modules)
     kwargs = dict(
-        **engine_overrides(engine_dir, precision, fp8_kv_cache), skip_tokenizer_init=True, dtype="bfloat16",
+        **engine_overrides(engine_dir, precision, fp8_kv_cache, kernel), skip_tokenizer_init=True, dtype="bfloat16",
         seed=0, logprobs_mode="processed_logprobs", enable_prefix_caching=False,
     )  # fmt: skip
     llm = LLM(**{**kwargs, **llm_kwargs})
     llm.trl_fp8_modules = fp8_modules
     return llm
+
+
+def engine_kernels(llm) -> dict[str, str]:
+    """The kernels vLLM actually selected: the FP8 linear kernel class (or "unquantized"), the attention backend,
+    and the KV cache's dtype and capacity in tokens."""
+    runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+    layer = runner.model.model.layers[0]
+    kernel = getattr(layer.mlp.gate_up_proj.quant_method, "fp8_linear", None)
+    cache = llm.llm_engine.vllm_config.cache_config
+    return {
+        "linear_kernel": type(kernel).__name__
+        if kernel is not None
+        else type(layer.mlp.gate_up_proj.quant_method).__name__,
+        "attention_backend": type(layer.self_attn.attn.impl).__name__,
+        "kv_cache_dtype": str(cache.cache_dtype),
+        "kv_cache_tokens": int((cache.num_gpu_blocks or 0) * cache.block_size),
+    }
 
 
 def sync(llm, model, precision: str, attention_scales=None) -> float:

@@ -19,6 +19,7 @@ from trl_fp8.toy_task import GRPO_SETTINGS, say_letter_dataset, say_letter_rewar
 from trl_fp8.vllm_sync import (
     FP8VLLMGeneration,
     check_server_config,
+    check_server_kernel,
     check_vllm_version,
     rollout_weight_tensors,
     write_engine_config,
@@ -194,10 +195,37 @@ def test_server_checks_name_the_fix(tmp_path):
         check_server_config(_server_info(tmp_path, model, hidden_size=512), model, "fp8", False)
     with pytest.raises(ValueError, match="--kv_cache_dtype fp8"):
         check_server_config(_server_info(tmp_path, model), model, "fp8", fp8_kv_cache=True)
+    # FP8 kernel settings: E8M0 with DeepGEMM enabled changes our scales; any kernel without it keeps them.
+    deepgemm = {"VLLM_USE_DEEP_GEMM": True, "VLLM_USE_DEEP_GEMM_E8M0": False}
+    check_server_config(_server_info(tmp_path, model), model, "fp8", False, server_env=deepgemm)
+    with pytest.raises(
+        ValueError, match="VLLM_USE_DEEP_GEMM_E8M0=0 trl vllm-serve --model <fp8_dir> --linear-backend"
+    ):
+        check_server_config(
+            _server_info(tmp_path, model), model, "fp8", False, server_env={"VLLM_USE_DEEP_GEMM": True}
+        )
+    cutlass = {"VLLM_USE_DEEP_GEMM": False, "VLLM_USE_DEEP_GEMM_E8M0": True}  # E8M0 is inert without DeepGEMM
+    check_server_config(_server_info(tmp_path, model), model, "fp8", False, server_env=cutlass)
+    check_server_config(_server_info(tmp_path, model, None), model, "bf16", False, server_env={})  # not FP8: no check
     # A server on another host: its folder is not readable here, so only what /server_info says is checked.
     remote = _server_info(tmp_path, model, hidden_size=512)
     remote["model_config"]["model"] = "/nonexistent/fp8"
     check_server_config(remote, model, "fp8", fp8_kv_cache=False)
+
+
+def test_server_kernel_check_reports_the_served_kernel_and_warns_on_another(caplog):
+    config = {"kernel_config": {"linear_backend": "auto"}}
+    deepgemm = {"VLLM_USE_DEEP_GEMM": True, "VLLM_USE_DEEP_GEMM_E8M0": False}
+    assert check_server_kernel(config, deepgemm) == "deepgemm"
+    assert check_server_kernel(config, {**deepgemm, "VLLM_USE_DEEP_GEMM": False}) == "auto"  # vLLM's own pick
+    triton = {"kernel_config": {"linear_backend": "triton"}}
+    with caplog.at_level("WARNING", logger="trl_fp8.vllm_sync"):
+        assert check_server_kernel(triton, deepgemm, "deepgemm") == "triton"
+    assert "runs 'triton'" in caplog.text and "--linear-backend deep_gemm" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="trl_fp8.vllm_sync"):
+        assert check_server_kernel(config, None) is None  # an older server that does not report its settings
+    assert "cannot be checked" in caplog.text
 
 
 def test_vllm_version_errors_name_the_fix(monkeypatch):
@@ -267,15 +295,19 @@ def fake_vllm(monkeypatch):
 @pytest.mark.parametrize(
     "precision, kv, expected",
     [
-        ("fp8", True, {"load_format": "dummy", "kv_cache_dtype": "fp8", "quantization": None}),
-        ("fp8_online", False, {"load_format": "dummy", "quantization": "fp8"}),
-        ("bf16", False, {"load_format": "dummy", "quantization": None}),
+        (
+            "fp8",
+            True,
+            {"load_format": "dummy", "kv_cache_dtype": "fp8", "quantization": None, "linear_backend": "cutlass"},
+        ),
+        ("fp8_online", False, {"load_format": "dummy", "quantization": "fp8", "linear_backend": None}),
+        ("bf16", False, {"load_format": "dummy", "quantization": None, "linear_backend": None}),
     ],
 )
 def test_trainer_builds_vllm_from_a_config_folder_and_pushes_its_rollout_tensors(
     fake_vllm, tmp_path, monkeypatch, precision, kv, expected
 ):
-    monkeypatch.setenv("VLLM_USE_DEEP_GEMM", "1")  # vLLM 0.26's own default: the trainer must override it
+    monkeypatch.setenv("VLLM_USE_DEEP_GEMM_E8M0", "1")  # vLLM 0.26's own default: the trainer must override it
     tokenizer = tiny_char_tokenizer()
     model = tiny_qwen3(vocab_size=128, eos_token_id=tokenizer.eos_token_id, pad_token_id=0)
     args = FP8GRPOConfig(
@@ -292,8 +324,9 @@ def test_trainer_builds_vllm_from_a_config_folder_and_pushes_its_rollout_tensors
         assert llm.kwargs.get(key) == value, key
     assert llm.kwargs["model"] == str(generation.engine_dir)
     assert llm.kwargs["logprobs_mode"] == "processed_logprobs"  # TRL's own settings pass through
-    if precision == "fp8":  # vLLM's default DeepGEMM + E8M0 path would requantize our weights: Cutlass, as they are
+    if precision == "fp8":  # no GPU here: "auto" falls back from DeepGEMM to Cutlass; E8M0 off in every case
         assert llm.env == {"VLLM_USE_DEEP_GEMM": "0", "VLLM_USE_DEEP_GEMM_E8M0": "0"}
+        assert generation.kernel.backend == "cutlass" and "no CUDA GPU" in generation.kernel.reason
     config = json.loads((generation.engine_dir / "config.json").read_text())
     assert ("quantization_config" in config) == (precision == "fp8")
 
@@ -410,7 +443,7 @@ def test_unreachable_server_says_how_to_start_one(monkeypatch):
     monkeypatch.setattr(trl_client, "is_vllm_available", lambda *a, **k: True)
     generation = types.SimpleNamespace(
         server_base_url="http://127.0.0.1:9", server_timeout=0.0, model=fp8_model(), rollout_precision="fp8",
-        kv_observer=None,
+        kv_observer=None, fp8_backend="auto",
     )  # fmt: skip
-    with pytest.raises(ConnectionError, match="trl vllm-serve --model <fp8_dir>"):
+    with pytest.raises(ConnectionError, match="E8M0=0 trl vllm-serve --model <fp8_dir> --linear-backend deep_gemm"):
         FP8VLLMGeneration._check_server(generation)

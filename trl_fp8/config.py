@@ -8,6 +8,8 @@ RECIPES = ("blockwise", "tensorwise", "rowwise")
 BACKENDS = ("auto", "scaled_mm", "emulated")
 # vLLM rollout weights: ours in FP8 (unified), BF16, or BF16 quantized by vLLM itself.
 ROLLOUT_PRECISIONS = ("fp8", "bf16", "fp8_online")
+# vLLM kernels for the rollout engine's block-FP8 linear layers ("auto": DeepGEMM on Hopper when it can run).
+VLLM_FP8_BACKENDS = ("auto", "deepgemm", "cutlass", "triton")
 
 
 # vLLM whose workers can reload weights layer by layer into a running FP8 engine.

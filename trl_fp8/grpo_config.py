@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig
 
 from . import config as fp8_config
-from .config import BACKENDS, RECIPES, check_rollout_precision
+from .config import BACKENDS, RECIPES, VLLM_FP8_BACKENDS, check_rollout_precision
 
 TIS_MODES = ("token", "off")
 
@@ -38,6 +38,15 @@ class FP8GRPOConfig(GRPOConfig):
         `"fp8"`: vLLM runs the trainer's own block-FP8 weights and scales, pushed at every sync (the unified flow;
         the default with the blockwise recipe). `"bf16"`: BF16 weights (the default otherwise). `"fp8_online"`: BF16
         weights pushed and quantized by vLLM itself (`--quantization fp8`), the BF16-train / FP8-rollout baseline.
+    vllm_fp8_backend (`str`, *optional*, defaults to `"auto"`):
+        vLLM kernel for the FP8 linear layers of `rollout_precision="fp8"` rollouts: `"deepgemm"` (fastest on Hopper;
+        compiles its kernels with nvcc, once per machine thanks to `vllm_jit_cache_dir`), `"cutlass"` or `"triton"`.
+        `"auto"`: DeepGEMM on an SM90 GPU with nvcc, else Cutlass, with the reason logged. All keep the trainer's
+        weights and scales bit for bit (vLLM's E8M0 rounding is switched off). In server mode, start the server with
+        the same kernel (the trainer checks it and prints the command).
+    vllm_jit_cache_dir (`str` or `None`, *optional*, defaults to `None`):
+        Where DeepGEMM keeps its compiled kernels across runs. `None`: `DG_JIT_CACHE_DIR`, else vLLM's
+        `~/.cache/vllm/deep_gemm`.
     fp8_kv_cache (`bool`, *optional*, defaults to `False`):
         vLLM `kv_cache_dtype="fp8"`, with the q/k/v scales measured on the trainer's forward and pushed at every
         sync.
@@ -93,6 +102,17 @@ class FP8GRPOConfig(GRPOConfig):
             "help": "vLLM rollout weights: 'fp8' (the trainer's own block-FP8 weights and scales; default with the "
             "blockwise recipe), 'bf16' (default otherwise) or 'fp8_online' (vLLM quantizes BF16 weights itself).",
         },
+    )
+    vllm_fp8_backend: str = field(
+        default="auto",
+        metadata={
+            "help": "vLLM kernel for FP8 rollouts: 'deepgemm' (fastest on Hopper, JIT-compiled with nvcc), "
+            "'cutlass', 'triton', or 'auto' (DeepGEMM on SM90 with nvcc, else Cutlass).",
+        },
+    )
+    vllm_jit_cache_dir: str | None = field(
+        default=None,
+        metadata={"help": "DeepGEMM's compiled-kernel cache. Unset: DG_JIT_CACHE_DIR, else ~/.cache/vllm/deep_gemm."},
     )
     fp8_kv_cache: bool = field(
         default=False,
@@ -157,6 +177,13 @@ class FP8GRPOConfig(GRPOConfig):
                 f"rollout_precision='fp8' serves the trainer's block-FP8 weights, but fp8_recipe={self.fp8_recipe!r} "
                 "trains with other scales. Use fp8_recipe='blockwise' (the unified flow), or rollout_precision="
                 "'fp8_online' / 'bf16'."
+            )
+        if self.vllm_fp8_backend not in VLLM_FP8_BACKENDS:
+            raise ValueError(f"vllm_fp8_backend={self.vllm_fp8_backend!r} is unknown; use one of {VLLM_FP8_BACKENDS}.")
+        if self.vllm_fp8_backend != "auto" and self.rollout_precision != "fp8":
+            raise ValueError(
+                f"vllm_fp8_backend={self.vllm_fp8_backend!r} picks the kernel of rollout_precision='fp8' rollouts, "
+                f"but rollout_precision={self.rollout_precision!r}. Drop vllm_fp8_backend or use rollout_precision='fp8'."
             )
         if self.fp8_kv_cache and not self.use_vllm:
             raise ValueError("fp8_kv_cache sets vLLM's KV cache dtype; it needs use_vllm=True.")

@@ -125,7 +125,11 @@ class FP8GRPOTrainer(GRPOTrainer):
         original = trl_grpo.VLLMGeneration
         # The FP8 layer names are read from the model at every sync, after TRL applied PEFT (no names fixed here).
         trl_grpo.VLLMGeneration = functools.partial(
-            FP8VLLMGeneration, rollout_precision=args.rollout_precision, kv_observer=self._kv_observer
+            FP8VLLMGeneration,
+            rollout_precision=args.rollout_precision,
+            kv_observer=self._kv_observer,
+            fp8_backend=args.vllm_fp8_backend,
+            jit_cache_dir=args.vllm_jit_cache_dir,
         )
         try:
             yield

@@ -19,6 +19,7 @@ Rollout precisions: "fp8" (our quantizer makes weights and scales: the unified f
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -42,11 +43,15 @@ from .export import (
     unwrap_model,
 )
 from .kv_scales import AttentionScaleObserver
+from .vllm_kernels import RolloutKernel, rollout_kernel, server_command, server_kernel
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "ROLLOUT_PRECISIONS",
     "FP8VLLMGeneration",
     "check_server_config",
+    "check_server_kernel",
     "check_vllm_version",
     "engine_env",
     "engine_overrides",
@@ -57,11 +62,6 @@ __all__ = [
 
 # vLLM's own online FP8 (per-tensor weights, dynamic per-token activations): `vllm serve --quantization fp8`.
 VLLM_ONLINE_FP8 = "fp8"
-# vLLM 0.26 runs block-FP8 linear layers through DeepGEMM by default on Hopper, with E8M0 scales on: it rounds every
-# weight scale up to a power of two and requantizes the FP8 weight, so the engine would no longer multiply the
-# trainer's values. Its Cutlass block-scaled kernel takes our bytes and float32 scales as they are (checked bit for
-# bit inside the engine by tests/gpu). A server must be started with the same settings.
-IDENTITY_ENGINE_ENV = {"VLLM_USE_DEEP_GEMM": "0", "VLLM_USE_DEEP_GEMM_E8M0": "0"}
 
 
 def rollout_weight_tensors(
@@ -107,23 +107,31 @@ def write_engine_config(model: nn.Module, tokenizer, path: str | Path, fp8_modul
     return path
 
 
-def engine_overrides(engine_dir: str | Path, rollout_precision: str, fp8_kv_cache: bool) -> dict:
-    """`LLM(...)` arguments that build a colocated engine from `write_engine_config`'s folder with dummy weights."""
+def engine_overrides(
+    engine_dir: str | Path, rollout_precision: str, fp8_kv_cache: bool, kernel: RolloutKernel | None = None
+) -> dict:
+    """`LLM(...)` arguments that build a colocated engine from `write_engine_config`'s folder with dummy weights;
+    for "fp8" rollouts, `kernel`'s linear backend."""
     overrides = {"model": str(engine_dir), "load_format": "dummy"}
     if rollout_precision == "fp8_online":
         overrides["quantization"] = VLLM_ONLINE_FP8
+    if rollout_precision == "fp8" and kernel is not None:
+        overrides.update(kernel.llm_kwargs)
     if fp8_kv_cache:
         overrides["kv_cache_dtype"] = "fp8"
     return overrides
 
 
-def engine_env(rollout_precision: str) -> dict[str, str]:
-    """Environment variables a vLLM engine needs so that it runs `rollout_precision` on the pushed values as they are.
+def engine_env(rollout_precision: str, kernel: RolloutKernel | None = None) -> dict[str, str]:
+    """Environment variables a vLLM engine needs so that it runs `rollout_precision` on the pushed values as they are
+    (for "fp8": `kernel`'s, resolved with `rollout_kernel("auto")` when None).
 
-    Assign them (not `setdefault`: a site default such as `VLLM_USE_DEEP_GEMM=1` must not win) before the engine is
-    built; vLLM reads them when it creates its layers.
+    Assign them (not `setdefault`: a site default such as `VLLM_USE_DEEP_GEMM_E8M0=1` must not win) before the engine
+    is built; vLLM reads them when it creates its layers.
     """
-    return dict(IDENTITY_ENGINE_ENV) if check_rollout_precision(rollout_precision) == "fp8" else {}
+    if check_rollout_precision(rollout_precision) != "fp8":
+        return {}
+    return dict((kernel or rollout_kernel("auto")).env)
 
 
 def push_to_engine(llm, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
@@ -143,17 +151,58 @@ def _served_model_config(server_config: dict) -> dict | None:
     return json.loads(config.read_text())
 
 
-def check_server_config(server_config: dict, model: nn.Module, rollout_precision: str, fp8_kv_cache: bool) -> None:
+def check_server_kernel(server_config: dict, server_env: dict | None, fp8_backend: str = "auto") -> str | None:
+    """Raise naming the fix when an FP8 server's kernel settings change the trainer's values (E8M0 on with DeepGEMM
+    enabled); warn when its kernel is not the one `fp8_backend` asks for (same values, other speed). Returns the
+    server's linear backend as vLLM reports it, or None when the server did not report its environment."""
+    linear_backend = server_config.get("kernel_config", {}).get("linear_backend", "auto")
+    if server_env is None:
+        logger.warning(
+            "The vLLM server did not report its environment, so its FP8 kernel settings cannot be checked; it must "
+            "run with VLLM_USE_DEEP_GEMM_E8M0=0: `%s`.",
+            server_command(),
+        )
+        return None
+
+    def on(name: str, default: bool) -> bool:
+        return str(server_env.get(name, default)).lower() in ("1", "true")
+
+    if on("VLLM_USE_DEEP_GEMM", True) and on("VLLM_USE_DEEP_GEMM_E8M0", True):
+        raise ValueError(
+            "The vLLM server runs with VLLM_USE_DEEP_GEMM_E8M0=1: it rounds the pushed FP8 scales up to powers of two "
+            "and requantizes the weights, so rollouts would not run the trainer's model. Restart it as "
+            f"`{server_command()}`."
+        )
+    served = "deepgemm" if linear_backend == "auto" and on("VLLM_USE_DEEP_GEMM", True) else linear_backend
+    served = {"deep_gemm": "deepgemm"}.get(served, served)
+    if fp8_backend != "auto" and served != fp8_backend:
+        logger.warning(
+            "vllm_fp8_backend=%r but the vLLM server runs %r (same FP8 values, other speed). For %r restart it as `%s`.",
+            fp8_backend, served, fp8_backend, server_command(server_kernel(fp8_backend)),
+        )  # fmt: skip
+    return served
+
+
+def check_server_config(
+    server_config: dict,
+    model: nn.Module,
+    rollout_precision: str,
+    fp8_kv_cache: bool,
+    *,
+    server_env: dict | None = None,
+    fp8_backend: str = "auto",
+) -> None:
     """Raise naming the fix when a `trl vllm-serve` server cannot take this trainer's weights.
 
-    `server_config` is the server's `/server_info` VllmConfig tree (`VLLMClient.get_server_info()`): its
-    quantization and KV-cache dtype are checked, and, when the served model folder is readable from here, its
-    architecture and shapes.
+    `server_config` is the server's `/server_info` VllmConfig tree (`VLLMClient.get_server_info()`) and `server_env`
+    its `vllm_env` (the VLLM_* settings it runs with): its quantization, KV-cache dtype and, for FP8 rollouts, its
+    block-FP8 kernel settings (`check_server_kernel`) are checked, and, when the served model folder is readable
+    from here, its architecture and shapes.
     """
     hf_config = unwrap_model(model).config
     fix = (
         "Start the server on an FP8 checkpoint of this very policy: `trl-fp8-quantize <model> <fp8_dir>` then "
-        "`VLLM_USE_DEEP_GEMM=0 trl vllm-serve --model <fp8_dir>`"
+        f"`{server_command()}`"
     )
     quantization = server_config.get("model_config", {}).get("quantization")
     wanted = {"fp8": "fp8", "fp8_online": VLLM_ONLINE_FP8, "bf16": None}[rollout_precision]
@@ -168,6 +217,8 @@ def check_server_config(server_config: dict, model: nn.Module, rollout_precision
             f"rollout_precision={rollout_precision!r} needs a server with quantization={wanted!r}, found "
             f"{quantization!r}. Restart `trl vllm-serve` with {hint}."
         )
+    if rollout_precision == "fp8":
+        check_server_kernel(server_config, server_env, fp8_backend)
     cache_dtype = server_config.get("cache_config", {}).get("cache_dtype")
     if fp8_kv_cache and not str(cache_dtype).startswith("fp8"):
         raise ValueError(
@@ -199,6 +250,9 @@ class FP8VLLMGeneration(VLLMGeneration):
             at start-up and at every sync, so they follow PEFT wrapping.
         kv_observer: an `AttentionScaleObserver` on the policy; its scales are pushed with every sync and vLLM's KV
             cache is FP8. None: KV cache in the model dtype.
+        fp8_backend: vLLM's kernel for the FP8 linear layers ("auto", "deepgemm", "cutlass", "triton"; see
+            `vllm_kernels.rollout_kernel`). In server mode it only names what the server is expected to run.
+        jit_cache_dir: DeepGEMM's compiled-kernel cache (default `vllm_kernels.default_jit_cache_dir()`).
     """
 
     def __init__(
@@ -207,9 +261,15 @@ class FP8VLLMGeneration(VLLMGeneration):
         rollout_precision: str = "fp8",
         fp8_modules: set[str] | None = None,
         kv_observer: AttentionScaleObserver | None = None,
+        fp8_backend: str = "auto",
+        jit_cache_dir: str | None = None,
         **kwargs,
     ):
         self.rollout_precision = check_rollout_precision(rollout_precision)
+        self.fp8_backend = fp8_backend
+        self.jit_cache_dir = jit_cache_dir
+        self.kernel: RolloutKernel | None = None  # resolved at colocated start-up
+        self.engine_start_seconds: float | None = None
         self._fp8_modules = None if fp8_modules is None else set(fp8_modules)
         self.kv_observer = kv_observer
         self.last_sync_seconds: float | None = None
@@ -241,13 +301,25 @@ class FP8VLLMGeneration(VLLMGeneration):
         import trl.generation.vllm_generation as trl_vllm
 
         llm_class = trl_vllm.LLM
-        overrides = engine_overrides(self.engine_dir, self.rollout_precision, self.kv_observer is not None)
-        os.environ.update(engine_env(self.rollout_precision))
+        if self.rollout_precision == "fp8":
+            self.kernel = rollout_kernel(
+                self.fp8_backend, jit_cache_dir=self.jit_cache_dir, device=self.accelerator.device
+            )
+            log = logger.warning if self.fp8_backend == "auto" and self.kernel.backend != "deepgemm" else logger.info
+            log("vLLM block-FP8 kernel for rollouts: %s (%s)", self.kernel.backend, self.kernel.reason)
+        overrides = engine_overrides(
+            self.engine_dir, self.rollout_precision, self.kv_observer is not None, self.kernel
+        )
+        os.environ.update(engine_env(self.rollout_precision, self.kernel))
         trl_vllm.LLM = lambda *a, **kw: llm_class(*a, **{**kw, **overrides})
+        start = time.perf_counter()
         try:
             super()._init_vllm()
         finally:
             trl_vllm.LLM = llm_class
+        # DeepGEMM's start-up includes compiling its kernels when the JIT cache is cold (minutes for an 8B model).
+        self.engine_start_seconds = time.perf_counter() - start
+        logger.info("vLLM engine started in %.0f s", self.engine_start_seconds)
 
     def _check_server(self) -> None:
         import requests
@@ -259,9 +331,15 @@ class FP8VLLMGeneration(VLLMGeneration):
         except (ConnectionError, requests.exceptions.ConnectionError) as exc:  # TRL raises the latter
             raise ConnectionError(
                 f"{exc} For FP8 rollouts the server must run an FP8 checkpoint of the initial policy: "
-                "`trl-fp8-quantize <model> <fp8_dir>` then `VLLM_USE_DEEP_GEMM=0 trl vllm-serve --model <fp8_dir>`."
+                f"`trl-fp8-quantize <model> <fp8_dir>` then `{server_command(server_kernel(self.fp8_backend))}`."
             ) from exc
-        check_server_config(client.get_server_info(), self.model, self.rollout_precision, self.kv_observer is not None)
+        # TRL's get_server_info() returns the config only; the same endpoint also reports the server's VLLM_* settings.
+        response = client.session.get(f"{client.base_url}/server_info", params={"config_format": "json"})
+        info = response.json() if response.status_code == 200 else {"vllm_config": client.get_server_info()}
+        check_server_config(
+            info["vllm_config"], self.model, self.rollout_precision, self.kv_observer is not None,
+            server_env=info.get("vllm_env"), fp8_backend=self.fp8_backend,
+        )  # fmt: skip
 
     # --- weight sync -------------------------------------------------------------------------------------------
 

@@ -33,9 +33,47 @@ def _artifacts() -> Path | None:
     return Path(out) if out else None
 
 
+KERNEL_CLASS_PREFIX = {"deepgemm": "DeepGemm", "cutlass": "Cutlass", "triton": "Triton"}
+
+
+def assert_engine_holds_trainer_fp8(trainer, layer_index=1):
+    """After a sync, vLLM's fused layers hold exactly the trainer's FP8 bits and scales, on the kernel the trainer
+    chose. DeepGEMM stores the scales in its own layout: the expected tensor is vLLM's DeepGEMM post-processing of
+    the trainer's scales (a layout change; with E8M0 off it changes no value). Returns the vLLM layer."""
+    from vllm.model_executor.layers.quantization.utils.fp8_utils import deepgemm_post_process_fp8_weight_block
+
+    from trl_fp8 import FP8Linear
+
+    generation = trainer.vllm_generation
+    generation.sync_weights()
+    vmodel = generation.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+    layer, vlayer = trainer.model.model.layers[layer_index], vmodel.model.layers[layer_index]
+    backend = generation.kernel.backend
+    for fused, parts in (
+        (vlayer.self_attn.qkv_proj, [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]),
+        (vlayer.mlp.gate_up_proj, [layer.mlp.gate_proj, layer.mlp.up_proj]),
+    ):
+        kernel = type(fused.quant_method.fp8_linear).__name__
+        assert kernel.startswith(KERNEL_CLASS_PREFIX[backend]), (backend, kernel)
+        assert all(isinstance(p, FP8Linear) for p in parts)
+        ours = [p.quantized_weight() for p in parts]
+        weight = torch.cat([q for q, _ in ours])
+        scale = torch.cat([s for _, s in ours])
+        if backend == "deepgemm":
+            _, scale = deepgemm_post_process_fp8_weight_block(
+                weight.clone(), scale.clone(), (128, 128), use_e8m0=False
+            )
+        assert fused.weight.dtype == torch.float8_e4m3fn
+        assert torch.equal(fused.weight.view(torch.uint8), weight.view(torch.uint8))
+        assert fused.weight_scale_inv.shape == scale.shape
+        assert torch.equal(fused.weight_scale_inv.float(), scale.float())
+    print(f"identity on {kernel} ({generation.kernel.reason}); engine start {generation.engine_start_seconds:.0f} s")
+    return vlayer
+
+
 def test_colocate_fp8_rollouts_use_the_trainers_fp8_weights_and_kv_scales(tmp_path):
     pytest.importorskip("vllm")
-    from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, FP8Linear
+    from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer
     from trl_fp8.toy_task import GRPO_SETTINGS, say_letter_dataset, say_letter_reward
 
     args = FP8GRPOConfig(
@@ -64,24 +102,11 @@ def test_colocate_fp8_rollouts_use_the_trainers_fp8_weights_and_kv_scales(tmp_pa
     assert all(0 <= m < 0.5 for m in mismatch)
     assert sum(rewards[-5:]) > sum(rewards[:5])
 
-    # Identity: after a sync, vLLM's fused layers hold exactly the trainer's FP8 bits and scales.
-    trainer.vllm_generation.sync_weights()
-    vmodel = trainer.vllm_generation.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
-    layer, vlayer = trainer.model.model.layers[1], vmodel.model.layers[1]
-    for fused, parts in (
-        (vlayer.self_attn.qkv_proj, [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]),
-        (vlayer.mlp.gate_up_proj, [layer.mlp.gate_proj, layer.mlp.up_proj]),
-    ):
-        assert all(isinstance(p, FP8Linear) for p in parts)
-        ours = [p.quantized_weight() for p in parts]
-        weight = torch.cat([q for q, _ in ours])
-        scale = torch.cat([s for _, s in ours])
-        assert fused.weight.dtype == torch.float8_e4m3fn
-        assert torch.equal(fused.weight.view(torch.uint8), weight.view(torch.uint8))
-        assert torch.equal(fused.weight_scale_inv.float(), scale)
+    vlayer = assert_engine_holds_trainer_fp8(trainer)
 
     # KV scales: vLLM's attention layer uses the amax/448 the trainer measured.
     observed = trainer.vllm_generation.kv_observer.scales(reset=False)
+    print(f"KV cache {vlayer.self_attn.attn.kv_cache_dtype}, attention {type(vlayer.self_attn.attn.impl).__name__}")
     attn = vlayer.self_attn.attn
     for leaf, name in (("k", "_k_scale"), ("v", "_v_scale"), ("q", "_q_scale")):
         ours = observed[f"model.layers.1.self_attn.{leaf}_scale"].item()
@@ -91,6 +116,27 @@ def test_colocate_fp8_rollouts_use_the_trainers_fp8_weights_and_kv_scales(tmp_pa
     out = tmp_path / "fp8"
     trainer.save_model(str(out))
     assert json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"] == "fp8"
+
+
+def test_power_of_two_scales_reach_the_default_kernel_unchanged(tmp_path):
+    """fp8_power_of_two_scales=True on the default kernel (DeepGEMM on Hopper): the engine holds those scales as they
+    are (vLLM's E8M0 rounding would also give powers of two, but rounded up from its own amax: not ours)."""
+    pytest.importorskip("vllm")
+    from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer
+    from trl_fp8.toy_task import GRPO_SETTINGS, say_letter_dataset, say_letter_reward
+
+    args = FP8GRPOConfig(
+        **GRPO_SETTINGS, output_dir=str(tmp_path / "out"), max_steps=2, logging_steps=1, bf16=True,
+        disable_tqdm=True, model_init_kwargs={"dtype": "bfloat16"}, use_vllm=True, vllm_mode="colocate",
+        vllm_gpu_memory_utilization=0.25, tis="token", fp8_power_of_two_scales=True,
+    )  # fmt: skip
+    trainer = FP8GRPOTrainer(
+        str(_tiny_model_dir(tmp_path)), say_letter_reward, args, train_dataset=say_letter_dataset(256)
+    )
+    trainer.train()
+    assert_engine_holds_trainer_fp8(trainer, layer_index=0)
+    scale = trainer.model.model.layers[0].mlp.down_proj.quantized_weight()[1]
+    assert torch.equal(torch.exp2(torch.log2(scale).round()), scale)  # the trainer's scales are powers of two
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8_online"])

@@ -56,12 +56,22 @@ def fp8_server(tmp_path_factory):
     from trl.scripts.vllm_serve import ScriptArguments, build_command
 
     serve = ScriptArguments(model=str(root / "fp8"), port=PORT, gpu_memory_utilization=0.3, enforce_eager=True)
-    cmd = build_command(serve, ["--worker-extension-cls", "vllm_weight_digest.WeightDigest"])
-    pythonpath = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
-    from trl_fp8.vllm_sync import engine_env
+    # The documented command (`vllm_kernels.server_command()`): DeepGEMM with E8M0 off.
+    from trl_fp8.vllm_kernels import default_jit_cache_dir, server_kernel
 
-    env = {**clean_subprocess_env(), **engine_env("fp8"), "CUDA_VISIBLE_DEVICES": server_gpu,
-           "VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": pythonpath}  # fmt: skip
+    kernel = server_kernel("deepgemm")
+    cmd = build_command(
+        serve,
+        [
+            "--linear-backend",
+            kernel.llm_kwargs["linear_backend"],
+            "--worker-extension-cls",
+            "vllm_weight_digest.WeightDigest",
+        ],
+    )
+    pythonpath = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
+    env = {**clean_subprocess_env(), **kernel.env, "DG_JIT_CACHE_DIR": str(default_jit_cache_dir()),
+           "CUDA_VISIBLE_DEVICES": server_gpu, "VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": pythonpath}  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         print(f"vllm-serve up in {_wait_healthy(proc, f'http://localhost:{PORT}/health'):.0f} s")
@@ -100,6 +110,7 @@ def test_server_refuses_a_trainer_whose_weights_it_cannot_take(fp8_server, tmp_p
 
 def test_server_mode_grpo_with_fp8_weight_push(fp8_server, tmp_path):
     from trl.generation.vllm_client import VLLMClient
+    from vllm.model_executor.layers.quantization.utils.fp8_utils import deepgemm_post_process_fp8_weight_block
 
     from trl_fp8 import FP8GRPOTrainer
     from trl_fp8.toy_task import say_letter_dataset, say_letter_reward
@@ -136,8 +147,11 @@ def test_server_mode_grpo_with_fp8_weight_push(fp8_server, tmp_path):
     ours = {}
     for name, parts in fused.items():
         quantized = [p.quantized_weight() for p in parts]
-        ours[f"{name}.weight"] = tensor_digest(torch.cat([q for q, _ in quantized]))
-        ours[f"{name}.weight_scale_inv"] = tensor_digest(torch.cat([s for _, s in quantized]))
+        weight, scale = torch.cat([q for q, _ in quantized]), torch.cat([s for _, s in quantized])
+        # DeepGEMM keeps the scales in its own layout (values unchanged with E8M0 off): compare against that.
+        _, scale = deepgemm_post_process_fp8_weight_block(weight.clone(), scale.clone(), (128, 128), use_e8m0=False)
+        ours[f"{name}.weight"] = tensor_digest(weight)
+        ours[f"{name}.weight_scale_inv"] = tensor_digest(scale)
     request = urllib.request.Request(
         f"http://localhost:{PORT}/collective_rpc",
         data=json.dumps({"method": "trl_fp8_weight_digest", "args": [json.dumps(sorted(ours))]}).encode(),

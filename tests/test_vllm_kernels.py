@@ -1,0 +1,108 @@
+"""The rollout kernel choice: DeepGEMM on Hopper when it can run, Cutlass otherwise, E8M0 off in every case."""
+
+import pytest
+import torch
+
+import trl_fp8.vllm_kernels as vk
+from trl_fp8 import FP8GRPOConfig
+from trl_fp8.vllm_kernels import rollout_kernel, server_command, server_kernel
+
+
+@pytest.fixture
+def hopper(monkeypatch, tmp_path):
+    """A machine that looks like the GPU host: an SM90 GPU, vLLM with its bundled DeepGEMM, nvcc on CUDA_HOME."""
+    vllm_pkg = tmp_path / "site" / "vllm"
+    (vllm_pkg / "third_party" / "deep_gemm").mkdir(parents=True)
+    (vllm_pkg / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.delitem(__import__("sys").modules, "vllm", raising=False)
+    cuda = tmp_path / "cuda"
+    (cuda / "bin").mkdir(parents=True)
+    (cuda / "bin" / "nvcc").write_text("")
+    monkeypatch.setenv("CUDA_HOME", str(cuda))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    for name in ("DG_JIT_CACHE_DIR", "VLLM_CACHE_ROOT", "VLLM_DEEP_GEMM_WARMUP"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    return tmp_path
+
+
+def test_auto_picks_deepgemm_on_hopper_with_e8m0_off_and_a_persistent_cache(hopper):
+    kernel = rollout_kernel("auto")
+    assert kernel.backend == "deepgemm" and kernel.llm_kwargs == {"linear_backend": "deep_gemm"}
+    assert kernel.env == {
+        "VLLM_USE_DEEP_GEMM": "1",
+        "VLLM_USE_DEEP_GEMM_E8M0": "0",
+        "DG_JIT_CACHE_DIR": str(hopper / "cache" / "vllm" / "deep_gemm"),  # vLLM's own default location
+        "VLLM_DEEP_GEMM_WARMUP": "full",
+    }
+    assert rollout_kernel("deepgemm", jit_cache_dir=hopper / "dg").env["DG_JIT_CACHE_DIR"] == str(hopper / "dg")
+
+
+def test_user_settings_for_cache_and_warmup_are_kept(hopper, monkeypatch):
+    monkeypatch.setenv("DG_JIT_CACHE_DIR", str(hopper / "mine"))
+    monkeypatch.setenv("VLLM_DEEP_GEMM_WARMUP", "relax")
+    env = rollout_kernel("auto").env
+    assert env["DG_JIT_CACHE_DIR"] == str(hopper / "mine") and env["VLLM_DEEP_GEMM_WARMUP"] == "relax"
+
+
+@pytest.mark.parametrize(
+    "breakage, reason",
+    [
+        ("no_nvcc", "nvcc"),
+        ("ada", "sm_89"),
+        ("blackwell", "sm_100"),
+        ("no_deepgemm", "no bundled DeepGEMM"),
+        ("no_gpu", "no CUDA GPU"),
+    ],
+)
+def test_auto_falls_back_to_cutlass_with_the_reason_and_deepgemm_refuses(hopper, monkeypatch, breakage, reason):
+    if breakage == "no_nvcc":
+        monkeypatch.setenv("CUDA_HOME", str(hopper / "nowhere"))
+    elif breakage in ("ada", "blackwell"):
+        cap = (8, 9) if breakage == "ada" else (10, 0)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
+    elif breakage == "no_deepgemm":
+        (hopper / "site" / "vllm" / "third_party" / "deep_gemm").rmdir()
+    else:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    kernel = rollout_kernel("auto")
+    assert kernel.backend == "cutlass" and reason in kernel.reason
+    assert kernel.env == {"VLLM_USE_DEEP_GEMM": "0", "VLLM_USE_DEEP_GEMM_E8M0": "0"}
+    assert kernel.llm_kwargs == {"linear_backend": "cutlass"}
+    with pytest.raises(ValueError, match=f"cannot run here: .*{reason}.*vllm_fp8_backend='cutlass'"):
+        rollout_kernel("deepgemm")
+
+
+@pytest.mark.parametrize("backend", ["cutlass", "triton"])
+def test_explicit_backends_keep_deepgemm_off(backend):
+    kernel = rollout_kernel(backend)
+    assert kernel.backend == backend and kernel.llm_kwargs == {"linear_backend": backend}
+    assert kernel.env == {"VLLM_USE_DEEP_GEMM": "0", "VLLM_USE_DEEP_GEMM_E8M0": "0"}
+
+
+def test_server_command_names_the_kernel_settings():
+    assert server_command() == (
+        "VLLM_USE_DEEP_GEMM=1 VLLM_USE_DEEP_GEMM_E8M0=0 trl vllm-serve --model <fp8_dir> --linear-backend deep_gemm"
+    )
+    assert server_command(server_kernel("cutlass"), "out/fp8").endswith("--model out/fp8 --linear-backend cutlass")
+    with pytest.raises(ValueError, match="unknown"):
+        server_kernel("marlin")
+
+
+def test_config_validates_the_backend():
+    with pytest.raises(ValueError, match="unknown"):
+        FP8GRPOConfig(output_dir="unused", use_cpu=True, bf16=False, vllm_fp8_backend="marlin")
+    with pytest.raises(ValueError, match="rollout_precision='bf16'"):
+        FP8GRPOConfig(output_dir="unused", use_cpu=True, bf16=False, fp8_recipe=None, vllm_fp8_backend="deepgemm")
+    assert FP8GRPOConfig(output_dir="unused", use_cpu=True, bf16=False).vllm_fp8_backend == "auto"
+
+
+def test_nvcc_is_found_where_deepgemm_looks(monkeypatch, tmp_path):
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.setenv("CUDA_PATH", str(tmp_path))
+    assert vk._find_nvcc() is None
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "nvcc").write_text("")
+    assert vk._find_nvcc() == str(tmp_path / "bin" / "nvcc")

@@ -1,0 +1,156 @@
+"""Which vLLM kernel runs the rollout engine's block-FP8 linear layers, and the settings that keep our values.
+
+vLLM 0.26 can multiply block-FP8 weights with DeepGEMM, its Cutlass block-scaled kernel or Triton. All three read the
+float8_e4m3fn weights and float32 `weight_scale_inv` that the trainer pushes, as long as vLLM's E8M0 option is off
+(with it on, DeepGEMM rounds every scale up to a power of two and requantizes the weight: vLLM's model would no longer
+be ours). DeepGEMM is the fastest on Hopper (measured 1.2x Cutlass at 64 sequences, see benchmarks/README.md) but it
+compiles its kernels just in time with nvcc; the compiled kernels go to a persistent cache directory, and vLLM's
+DeepGEMM warm-up compiles every GEMM size the engine can meet at start-up, so no compile stalls a rollout.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .config import VLLM_FP8_BACKENDS
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "VLLM_FP8_BACKENDS",
+    "RolloutKernel",
+    "deepgemm_unavailable_reason",
+    "default_jit_cache_dir",
+    "rollout_kernel",
+    "server_command",
+    "server_kernel",
+]
+
+# `--linear-backend` / `LLM(linear_backend=...)` names; an explicit name makes vLLM fail loudly if that kernel cannot
+# take a layer instead of silently picking another one.
+VLLM_LINEAR_BACKEND = {"deepgemm": "deep_gemm", "cutlass": "cutlass", "triton": "triton"}
+# Never E8M0: it changes our scales (weights) and rounds vLLM's activation scales up to powers of two.
+NO_E8M0 = {"VLLM_USE_DEEP_GEMM_E8M0": "0"}
+
+
+@dataclass(frozen=True)
+class RolloutKernel:
+    """A resolved choice: `backend` ("deepgemm", "cutlass" or "triton"), why it was chosen, the environment variables
+    vLLM must see before it builds its layers, and the `LLM(...)` arguments."""
+
+    backend: str
+    reason: str
+    env: dict[str, str] = field(default_factory=dict)
+    llm_kwargs: dict[str, str] = field(default_factory=dict)
+
+
+def default_jit_cache_dir() -> Path:
+    """DeepGEMM's compiled-kernel cache: `DG_JIT_CACHE_DIR` if set, else vLLM's own default,
+    `$VLLM_CACHE_ROOT/deep_gemm` (`~/.cache/vllm/deep_gemm`), which outlives the run."""
+    if os.environ.get("DG_JIT_CACHE_DIR"):
+        return Path(os.environ["DG_JIT_CACHE_DIR"])
+    root = os.environ.get("VLLM_CACHE_ROOT")
+    if not root:
+        root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "vllm")
+    return Path(root) / "deep_gemm"
+
+
+def _find_nvcc() -> str | None:
+    # Where DeepGEMM looks for it (vllm/third_party/deep_gemm/__init__.py): CUDA_HOME, CUDA_PATH, PATH, /usr/local/cuda.
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")):
+        if home:
+            return str(Path(home) / "bin" / "nvcc") if (Path(home) / "bin" / "nvcc").exists() else None
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    return "/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").exists() else None
+
+
+def _has_bundled_deepgemm() -> bool:
+    # find_spec of the top-level package does not import vLLM (whose settings must be assigned before it loads).
+    spec = importlib.util.find_spec("vllm")
+    return spec is not None and any(
+        (Path(p) / "third_party" / "deep_gemm").is_dir() for p in (spec.submodule_search_locations or [])
+    )
+
+
+def deepgemm_unavailable_reason(device: torch.device | int | None = None) -> str | None:
+    """Why DeepGEMM cannot run the trainer's FP8 rollouts here, or None when it can."""
+    if not torch.cuda.is_available():
+        return "no CUDA GPU"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) != (9, 0):
+        # Blackwell's DeepGEMM takes E8M0 (power-of-two) scales only, which are not the trainer's.
+        return f"DeepGEMM with float32 block scales runs on SM90 (Hopper); this GPU is sm_{major}{minor}"
+    if not _has_bundled_deepgemm():
+        return "this vLLM build has no bundled DeepGEMM (vllm/third_party/deep_gemm)"
+    if _find_nvcc() is None:
+        return (
+            "DeepGEMM compiles its kernels at run time with nvcc, which was not found (install the CUDA toolkit, "
+            "then set CUDA_HOME or put nvcc on PATH)"
+        )
+    return None
+
+
+def rollout_kernel(
+    backend: str = "auto", *, jit_cache_dir: str | Path | None = None, device: torch.device | int | None = None
+) -> RolloutKernel:
+    """Resolve `backend` ("auto", "deepgemm", "cutlass", "triton") for this machine.
+
+    "auto" takes DeepGEMM when `deepgemm_unavailable_reason` finds nothing against it, else Cutlass, and says why
+    in `reason` (the caller logs it). An explicit "deepgemm" that cannot run raises, naming the fix.
+    """
+    if backend not in VLLM_FP8_BACKENDS:
+        raise ValueError(f"vllm_fp8_backend={backend!r} is unknown; use one of {VLLM_FP8_BACKENDS}.")
+    if backend in ("auto", "deepgemm"):
+        why_not = deepgemm_unavailable_reason(device)
+        if why_not is None:
+            cache = Path(jit_cache_dir) if jit_cache_dir else default_jit_cache_dir()
+            env = {
+                "VLLM_USE_DEEP_GEMM": "1",
+                **NO_E8M0,
+                "DG_JIT_CACHE_DIR": str(cache),
+                # "full": vLLM compiles the GEMMs of every token count up to max_num_batched_tokens at engine start,
+                # so none compiles in the middle of a rollout. A user's own setting wins (it changes no values).
+                "VLLM_DEEP_GEMM_WARMUP": os.environ.get("VLLM_DEEP_GEMM_WARMUP", "full"),
+            }
+            reason = "requested" if backend == "deepgemm" else "fastest block-FP8 kernel on Hopper"
+            return RolloutKernel("deepgemm", f"{reason}; JIT cache {cache}", env, {"linear_backend": "deep_gemm"})
+        if backend == "deepgemm":
+            raise ValueError(
+                f"vllm_fp8_backend='deepgemm' cannot run here: {why_not}. Use vllm_fp8_backend='cutlass' (same "
+                "values, slower at small batches) or 'auto'."
+            )
+        return RolloutKernel(
+            "cutlass",
+            f"DeepGEMM unavailable ({why_not})",
+            {"VLLM_USE_DEEP_GEMM": "0", **NO_E8M0},
+            {"linear_backend": "cutlass"},
+        )
+    return RolloutKernel(
+        backend, "requested", {"VLLM_USE_DEEP_GEMM": "0", **NO_E8M0}, {"linear_backend": VLLM_LINEAR_BACKEND[backend]}
+    )
+
+
+def server_kernel(backend: str = "deepgemm") -> RolloutKernel:
+    """The settings a `trl vllm-serve` server needs for `backend` ("auto" meaning DeepGEMM, the server being on a
+    Hopper GPU with nvcc); nothing is checked here, the server runs elsewhere."""
+    if backend not in VLLM_FP8_BACKENDS:
+        raise ValueError(f"vllm_fp8_backend={backend!r} is unknown; use one of {VLLM_FP8_BACKENDS}.")
+    backend = "deepgemm" if backend == "auto" else backend
+    env = {"VLLM_USE_DEEP_GEMM": "1" if backend == "deepgemm" else "0", **NO_E8M0}
+    return RolloutKernel(backend, "server", env, {"linear_backend": VLLM_LINEAR_BACKEND[backend]})
+
+
+def server_command(kernel: RolloutKernel | None = None, model: str = "<fp8_dir>") -> str:
+    """The `trl vllm-serve` command line that serves an FP8 checkpoint with `kernel` (DeepGEMM when None)."""
+    kernel = kernel or server_kernel("deepgemm")
+    env = " ".join(f"{k}={v}" for k, v in kernel.env.items() if k.startswith("VLLM_USE_DEEP_GEMM"))
+    return f"{env} trl vllm-serve --model {model} --linear-backend {kernel.llm_kwargs['linear_backend']}"
