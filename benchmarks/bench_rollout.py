@@ -113,7 +113,7 @@ def build_trainer_model(shape: str):
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    config = Qwen3Config(**SHAPES[shape], head_dim=128, max_position_embeddings=8192, tie_word_embeddings=False)
+    config = Qwen3Config(**SHAPES[shape], head_dim=128, max_position_embeddings=40960, tie_word_embeddings=False)
     torch.manual_seed(0)
     with torch.device("cuda"):  # built in BF16 on the GPU: no FP32 copy for the allocator to keep cached
         model = Qwen3ForCausalLM._from_config(config, dtype=torch.bfloat16)
@@ -178,7 +178,7 @@ def run_engine(args):
     llm = start_engine(
         model, precision, Path(args.workdir), fp8_kv_cache=fp8_kv, backend=backend or "auto",
         gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=max_len,
-        max_num_seqs=max(s for s, _ in points),
+        max_num_seqs=max(s for s, _ in points), max_num_batched_tokens=4096,  # TRL's colocate setting
     )  # fmt: skip
     row["engine_start_s"] = time.perf_counter() - start
     row.update(engine_kernels(llm))

@@ -27,12 +27,14 @@ def json_lines(text: str) -> list[dict]:
 
 
 def run_child(script: str | Path, flag: str, name: str, argv: list[str]) -> list[dict] | None:
-    """Run `script flag name argv...` and return its JSON lines; on failure print its output's tail, return None."""
-    proc = subprocess.run([sys.executable, str(script), flag, name, *argv], capture_output=True, text=True)
+    """Run `script flag name argv...` and return its JSON lines; on failure print its stdout's tail, return None.
+
+    The child's stderr (progress lines, tracebacks) goes straight to ours, so a long run's log shows where it is."""
+    proc = subprocess.run([sys.executable, str(script), flag, name, *argv], stdout=subprocess.PIPE, text=True)
     rows = json_lines(proc.stdout)
     if proc.returncode != 0 or not rows:
-        print(proc.stdout[-3000:], proc.stderr[-6000:], sep="\n")
-        print(f"{name} failed (exit {proc.returncode})")
+        print(proc.stdout[-6000:])
+        print(f"{name} failed (exit {proc.returncode})", flush=True)
         return None
     return rows
 

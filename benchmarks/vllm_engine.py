@@ -41,20 +41,26 @@ def start_engine(
     return llm
 
 
-def engine_kernels(llm) -> dict[str, str]:
-    """The kernels vLLM actually selected: the FP8 linear kernel class (or "unquantized"), the attention backend,
-    and the KV cache's dtype and capacity in tokens."""
-    runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
-    layer = runner.model.model.layers[0]
-    kernel = getattr(layer.mlp.gate_up_proj.quant_method, "fp8_linear", None)
-    cache = llm.llm_engine.vllm_config.cache_config
+def engine_kernels(llm) -> dict:
+    """What vLLM actually selected: the FP8 linear kernel class (or the layer's quant method), the attention
+    implementation, and the KV cache's dtype and capacity in tokens (0 when vLLM did not report it). Best effort:
+    a field vLLM does not expose reads "unknown" instead of failing a long benchmark run."""
+
+    def read(fn, default="unknown"):
+        try:
+            return fn()
+        except (AttributeError, IndexError, TypeError):
+            return default
+
+    model = read(lambda: llm.llm_engine.model_executor.driver_worker.worker.model_runner.model, None)
+    layer = read(lambda: model.model.layers[0], None)
+    method = read(lambda: layer.mlp.gate_up_proj.quant_method, None)
+    cache = read(lambda: llm.llm_engine.vllm_config.cache_config, None)
     return {
-        "linear_kernel": type(kernel).__name__
-        if kernel is not None
-        else type(layer.mlp.gate_up_proj.quant_method).__name__,
-        "attention_backend": type(layer.self_attn.attn.impl).__name__,
-        "kv_cache_dtype": str(cache.cache_dtype),
-        "kv_cache_tokens": int((cache.num_gpu_blocks or 0) * cache.block_size),
+        "linear_kernel": type(getattr(method, "fp8_linear", method)).__name__,
+        "attention_backend": read(lambda: type(layer.self_attn.attn.impl).__name__),
+        "kv_cache_dtype": read(lambda: str(cache.cache_dtype)),
+        "kv_cache_tokens": read(lambda: int(cache.num_gpu_blocks * cache.block_size), 0),
     }
 
 

@@ -5,7 +5,7 @@ import torch
 
 import trl_fp8.vllm_kernels as vk
 from trl_fp8 import FP8GRPOConfig
-from trl_fp8.vllm_kernels import rollout_kernel, server_command, server_kernel
+from trl_fp8.vllm_kernels import check_fp8_kv_attention, rollout_kernel, server_command, server_kernel
 
 
 @pytest.fixture
@@ -106,3 +106,13 @@ def test_nvcc_is_found_where_deepgemm_looks(monkeypatch, tmp_path):
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "nvcc").write_text("")
     assert vk._find_nvcc() == str(tmp_path / "bin" / "nvcc")
+
+
+def test_fp8_kv_cache_needs_hopper_attention(hopper, monkeypatch):
+    check_fp8_kv_attention()  # SM90: FlashAttention-3 FP8
+    for cap in ((8, 9), (10, 0)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, cap=cap: cap)
+        with pytest.raises(ValueError, match=f"sm_{cap[0]}{cap[1]}.*Set fp8_kv_cache=False"):
+            check_fp8_kv_attention()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    check_fp8_kv_attention()  # no GPU: vLLM itself refuses

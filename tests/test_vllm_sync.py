@@ -193,8 +193,18 @@ def test_server_checks_name_the_fix(tmp_path):
         check_server_config(_server_info(tmp_path, model, architectures=["LlamaForCausalLM"]), model, "fp8", False)
     with pytest.raises(ValueError, match="hidden_size=512"):
         check_server_config(_server_info(tmp_path, model, hidden_size=512), model, "fp8", False)
-    with pytest.raises(ValueError, match="--kv_cache_dtype fp8"):
+    with pytest.raises(ValueError, match="--kv_cache_dtype fp8 --attention-backend FLASH_ATTN"):
         check_server_config(_server_info(tmp_path, model), model, "fp8", fp8_kv_cache=True)
+    # FP8 attention must read the pushed q/k/v scales at every step: FlashAttention-3 does, FlashInfer does not.
+    for backend, ok in (("FLASH_ATTN", True), ("AttentionBackendEnum.FLASH_ATTN", True), (None, True),
+                        ("FLASHINFER", False), ("TRITON_ATTN", False)):  # fmt: skip
+        info = {**_server_info(tmp_path, model, "fp8", "fp8"), "attention_config": {"backend": backend}}
+        if ok:
+            check_server_config(info, model, "fp8", fp8_kv_cache=True)
+        else:
+            with pytest.raises(ValueError, match=f"attention backend is '{backend}'.*--attention-backend FLASH_ATTN"):
+                check_server_config(info, model, "fp8", fp8_kv_cache=True)
+        check_server_config(info, model, "fp8", fp8_kv_cache=False)  # a BF16 KV cache: any attention will do
     # FP8 kernel settings: E8M0 with DeepGEMM enabled changes our scales; any kernel without it keeps them.
     deepgemm = {"VLLM_USE_DEEP_GEMM": True, "VLLM_USE_DEEP_GEMM_E8M0": False}
     check_server_config(_server_info(tmp_path, model), model, "fp8", False, server_env=deepgemm)
@@ -298,10 +308,24 @@ def fake_vllm(monkeypatch):
         (
             "fp8",
             True,
-            {"load_format": "dummy", "kv_cache_dtype": "fp8", "quantization": None, "linear_backend": "cutlass"},
+            {
+                "load_format": "dummy",
+                "kv_cache_dtype": "fp8",
+                "quantization": None,
+                "linear_backend": "cutlass",
+                "attention_backend": "FLASH_ATTN",
+            },  # FA3: the FP8 attention that takes new q/k/v scales each sync
         ),
-        ("fp8_online", False, {"load_format": "dummy", "quantization": "fp8", "linear_backend": None}),
-        ("bf16", False, {"load_format": "dummy", "quantization": None, "linear_backend": None}),
+        (
+            "fp8_online",
+            False,
+            {"load_format": "dummy", "quantization": "fp8", "linear_backend": None, "attention_backend": None},
+        ),
+        (
+            "bf16",
+            False,
+            {"load_format": "dummy", "quantization": None, "linear_backend": None, "attention_backend": None},
+        ),
     ],
 )
 def test_trainer_builds_vllm_from_a_config_folder_and_pushes_its_rollout_tensors(

@@ -6,6 +6,12 @@ float8_e4m3fn weights and float32 `weight_scale_inv` that the trainer pushes, as
 be ours). DeepGEMM is the fastest on Hopper (measured 1.2x Cutlass at 64 sequences, see benchmarks/README.md) but it
 compiles its kernels just in time with nvcc; the compiled kernels go to a persistent cache directory, and vLLM's
 DeepGEMM warm-up compiles every GEMM size the engine can meet at start-up, so no compile stalls a rollout.
+
+With an FP8 KV cache, attention runs in FP8 too (FP8 queries, keys and values) and its q/k/v scales change at every
+sync. vLLM 0.26's FlashAttention-3 backend reads them from the layer's scale tensors on every call, CUDA graphs
+included. Its FlashInfer backend copies them into Python floats on its first forward (`bmm1_scale`, `bmm2_scale`),
+so later scales would never reach it. The engine is therefore pinned to FlashAttention-3, which has FP8 on Hopper
+only.
 """
 
 from __future__ import annotations
@@ -24,8 +30,10 @@ from .config import VLLM_FP8_BACKENDS
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "FP8_KV_ATTENTION_BACKEND",
     "VLLM_FP8_BACKENDS",
     "RolloutKernel",
+    "check_fp8_kv_attention",
     "deepgemm_unavailable_reason",
     "default_jit_cache_dir",
     "rollout_kernel",
@@ -38,6 +46,8 @@ __all__ = [
 VLLM_LINEAR_BACKEND = {"deepgemm": "deep_gemm", "cutlass": "cutlass", "triton": "triton"}
 # Never E8M0: it changes our scales (weights) and rounds vLLM's activation scales up to powers of two.
 NO_E8M0 = {"VLLM_USE_DEEP_GEMM_E8M0": "0"}
+# The attention backend that takes new FP8 KV-cache scales at every sync (see the module docstring).
+FP8_KV_ATTENTION_BACKEND = "FLASH_ATTN"
 
 
 @dataclass(frozen=True)
@@ -97,6 +107,20 @@ def deepgemm_unavailable_reason(device: torch.device | int | None = None) -> str
             "then set CUDA_HOME or put nvcc on PATH)"
         )
     return None
+
+
+def check_fp8_kv_attention(device: torch.device | int | None = None) -> None:
+    """Raise naming the fix when this GPU cannot run an FP8 KV cache with per-step scales (FlashAttention-3's FP8
+    attention, SM90 only). Without a CUDA GPU nothing is checked: vLLM itself refuses to start."""
+    if not torch.cuda.is_available():
+        return
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) != (9, 0):
+        raise ValueError(
+            f"fp8_kv_cache=True needs vLLM's FlashAttention-3 FP8 attention, which runs on Hopper (SM90) only; this "
+            f"GPU is sm_{major}{minor}. vLLM's other FP8 attention (FlashInfer) keeps the first step's q/k/v scales "
+            "forever. Set fp8_kv_cache=False."
+        )
 
 
 def rollout_kernel(

@@ -43,7 +43,14 @@ from .export import (
     unwrap_model,
 )
 from .kv_scales import AttentionScaleObserver
-from .vllm_kernels import RolloutKernel, rollout_kernel, server_command, server_kernel
+from .vllm_kernels import (
+    FP8_KV_ATTENTION_BACKEND,
+    RolloutKernel,
+    check_fp8_kv_attention,
+    rollout_kernel,
+    server_command,
+    server_kernel,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -111,14 +118,15 @@ def engine_overrides(
     engine_dir: str | Path, rollout_precision: str, fp8_kv_cache: bool, kernel: RolloutKernel | None = None
 ) -> dict:
     """`LLM(...)` arguments that build a colocated engine from `write_engine_config`'s folder with dummy weights;
-    for "fp8" rollouts, `kernel`'s linear backend."""
+    for "fp8" rollouts, `kernel`'s linear backend; with an FP8 KV cache, the attention backend that takes new q/k/v
+    scales at every sync (`vllm_kernels.FP8_KV_ATTENTION_BACKEND`)."""
     overrides = {"model": str(engine_dir), "load_format": "dummy"}
     if rollout_precision == "fp8_online":
         overrides["quantization"] = VLLM_ONLINE_FP8
     if rollout_precision == "fp8" and kernel is not None:
         overrides.update(kernel.llm_kwargs)
     if fp8_kv_cache:
-        overrides["kv_cache_dtype"] = "fp8"
+        overrides.update(kv_cache_dtype="fp8", attention_backend=FP8_KV_ATTENTION_BACKEND)
     return overrides
 
 
@@ -223,7 +231,15 @@ def check_server_config(
     if fp8_kv_cache and not str(cache_dtype).startswith("fp8"):
         raise ValueError(
             f"fp8_kv_cache=True but the server's KV cache is {cache_dtype!r}. Restart it with "
-            "`trl vllm-serve ... --kv_cache_dtype fp8`, or set fp8_kv_cache=False."
+            f"`trl vllm-serve ... --kv_cache_dtype fp8 --attention-backend {FP8_KV_ATTENTION_BACKEND}`, or set "
+            "fp8_kv_cache=False."
+        )
+    attention = (server_config.get("attention_config") or {}).get("backend")  # None: vLLM's pick, FA3 on Hopper
+    if fp8_kv_cache and attention is not None and str(attention).rsplit(".", 1)[-1] != FP8_KV_ATTENTION_BACKEND:
+        raise ValueError(
+            f"fp8_kv_cache=True but the server's attention backend is {attention!r}, which does not take the q/k/v "
+            f"scales pushed at every step. Restart it with `--attention-backend {FP8_KV_ATTENTION_BACKEND}` (or no "
+            "--attention-backend, which picks it on Hopper)."
         )
     served = _served_model_config(server_config)
     if served is None:
@@ -296,6 +312,8 @@ class FP8VLLMGeneration(VLLMGeneration):
         self.engine_dir = Path(tempfile.mkdtemp(prefix="trl_fp8_vllm_engine_"))
         weakref.finalize(self, shutil.rmtree, str(self.engine_dir), True)
         write_engine_config(self.model, self.processing_class, self.engine_dir, self.fp8_modules)
+        if self.kv_observer is not None:
+            check_fp8_kv_attention(self.accelerator.device)
 
         # TRL builds `LLM(...)` itself with no knob for these settings: hand it an LLM that takes our overrides.
         import trl.generation.vllm_generation as trl_vllm

@@ -112,6 +112,9 @@ def test_colocate_fp8_rollouts_use_the_trainers_fp8_weights_and_kv_scales(tmp_pa
         ours = observed[f"model.layers.1.self_attn.{leaf}_scale"].item()
         assert getattr(attn, name).item() == pytest.approx(ours, rel=1e-6), leaf
     assert attn.kv_cache_dtype.startswith("fp8")
+    # FlashAttention-3's FP8 attention (queries quantized with our q scale), which reads the scales every call.
+    assert type(attn.impl).__name__ == "FlashAttentionImpl" and attn.impl.vllm_flash_attn_version == 3
+    assert attn.query_quant is not None  # queries quantized to FP8 with the q scale the trainer measured
 
     out = tmp_path / "fp8"
     trainer.save_model(str(out))

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The GPU runs behind the README's rollout section, on one GPU, in two phases that each fit one host lease
+# (`source .gpu/setup.sh` first; results and logs go to $WORK, default /var/tmp/trl_fp8_rollout_report, never into
+# the tree):
+#
+#   bash benchmarks/run_rollout_report.sh rollout   # bench_rollout: five engines x four points
+#   bash benchmarks/run_rollout_report.sh checks    # GPU test suite, identity per kernel, the 16k-token point
+#
+# DeepGEMM's compiled kernels go to $DG_JIT_CACHE_DIR (default /var/tmp/dg_cache). The first DeepGEMM engine on a
+# fresh host pays the cold compile (recorded in its row as jit_cache.state "cold"). `rollout` ends by packing the
+# cache into $WORK/dg_cache.tgz.part*; a later host unpacks parts found in $DG_CACHE_PARTS before `checks`, so its
+# 8B engines start warm.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+work=${WORK:-/var/tmp/trl_fp8_rollout_report}
+mkdir -p "$work"
+export DG_JIT_CACHE_DIR=${DG_JIT_CACHE_DIR:-/var/tmp/dg_cache} PYTHONUNBUFFERED=1
+export VLLM_LOGGING_STREAM=ext://sys.stderr  # vLLM's log beside our progress lines, live in the phase's logs
+device=$(python -c "import torch; print(torch.cuda.get_device_name().replace(' ', '_'))")
+
+timed() {  # name command...: run, log, record exit code and seconds
+  local name=$1 start=$SECONDS
+  shift
+  "$@" >"$work/$name.log" 2>&1
+  echo "$name rc=$? seconds=$((SECONDS - start))" | tee -a "$work/status.txt"
+}
+
+case "${1:-}" in
+rollout)
+  timed rollout python benchmarks/bench_rollout.py \
+    --engines fp8_deepgemm_kv fp8_deepgemm bf16 vllm_fp8 fp8_cutlass \
+    --points 64x1024 256x1024 1024x1024 64x4096 --out "$work/rollout_$device.json"
+  tar -C "$(dirname "$DG_JIT_CACHE_DIR")" -czf - "$(basename "$DG_JIT_CACHE_DIR")" | split -b 15M - "$work/dg_cache.tgz.part"
+  echo "dg_cache files=$(find "$DG_JIT_CACHE_DIR" -type f | wc -l) bytes=$(du -sb "$DG_JIT_CACHE_DIR" | cut -f1)" \
+    "packed=$(cat "$work"/dg_cache.tgz.part* | wc -c)" | tee -a "$work/status.txt"
+  ;;
+checks)
+  if ls "${DG_CACHE_PARTS:-/nonexistent}"/dg_cache.tgz.part* >/dev/null 2>&1; then
+    cat "$DG_CACHE_PARTS"/dg_cache.tgz.part* | tar -C "$(dirname "$DG_JIT_CACHE_DIR")" -xzf -
+    echo "dg_cache unpacked: $(find "$DG_JIT_CACHE_DIR" -type f | wc -l) files" | tee -a "$work/status.txt"
+  fi
+  TRL_FP8_ARTIFACTS=$work timed gpu_tests python -m pytest -m gpu tests/gpu -s -p no:cacheprovider
+  timed identity python benchmarks/bench_identity.py --settings bf16 fp8 --backends deepgemm cutlass \
+    --out "$work/identity_kernels_$device.json"
+  timed rollout_long python benchmarks/bench_rollout.py --engines fp8_deepgemm_kv bf16 --points 16x16384 \
+    --out "$work/rollout_long_$device.json"
+  ;;
+*)
+  echo "usage: $0 rollout|checks" >&2
+  exit 2
+  ;;
+esac
