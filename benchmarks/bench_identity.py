@@ -37,6 +37,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from common import run_child, versions  # noqa: E402
 
+from trl_fp8.config import VLLM_FP8_BACKENDS  # noqa: E402
+
 
 def build_model(args, seed=0):
     import torch
@@ -144,7 +146,7 @@ def main():
     parser.add_argument("--engine", help=argparse.SUPPRESS)  # "setting" or "setting:backend"
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     parser.add_argument(
-        "--backends", nargs="+", default=["auto"], choices=["auto", "deepgemm", "cutlass", "triton"],
+        "--backends", nargs="+", default=["auto"], choices=VLLM_FP8_BACKENDS,
         help="vLLM block-FP8 kernels to run the FP8 settings on",
     )  # fmt: skip
     parser.add_argument("--workdir", default="/tmp/trl_fp8_identity")

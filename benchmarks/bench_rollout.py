@@ -138,7 +138,7 @@ def run_engine(args):
     from vllm_engine import engine_kernels, start_engine, sync
 
     from trl_fp8 import convert_to_fp8
-    from trl_fp8.fp8_linear import FP8Linear
+    from trl_fp8.fp8_linear import FP8Linear, invalidate_fp8_weights
     from trl_fp8.kv_scales import AttentionScaleObserver
     from trl_fp8.vllm_kernels import rollout_kernel
 
@@ -189,9 +189,7 @@ def run_engine(args):
 
     syncs, quantize = [], []
     for _ in range(3):
-        for m in model.modules():  # a new optimizer step: the FP8 weights must be quantized again
-            if isinstance(m, FP8Linear):
-                m.invalidate()
+        invalidate_fp8_weights(model)  # a new optimizer step: the FP8 weights must be quantized again
         if train_fp8:
             torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -200,9 +198,7 @@ def run_engine(args):
                     m.quantized_weight()
             torch.cuda.synchronize()
             quantize.append(time.perf_counter() - t0)
-            for m in model.modules():
-                if isinstance(m, FP8Linear):
-                    m.invalidate()
+            invalidate_fp8_weights(model)  # the sync below quantizes again: its time includes quantization
         syncs.append(sync(llm, model, precision, scales))
     row["weight_sync_ms"] = 1e3 * statistics.median(syncs)
     if quantize:

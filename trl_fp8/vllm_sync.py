@@ -45,6 +45,7 @@ from .export import (
 from .kv_scales import AttentionScaleObserver
 from .vllm_kernels import (
     FP8_KV_ATTENTION_BACKEND,
+    VLLM_LINEAR_BACKEND,
     RolloutKernel,
     check_fp8_kv_attention,
     rollout_kernel,
@@ -181,8 +182,8 @@ def check_server_kernel(server_config: dict, server_env: dict | None, fp8_backen
             "and requantizes the weights, so rollouts would not run the trainer's model. Restart it as "
             f"`{server_command()}`."
         )
-    served = "deepgemm" if linear_backend == "auto" and on("VLLM_USE_DEEP_GEMM", True) else linear_backend
-    served = {"deep_gemm": "deepgemm"}.get(served, served)
+    served = "deep_gemm" if linear_backend == "auto" and on("VLLM_USE_DEEP_GEMM", True) else linear_backend
+    served = {vllm: ours for ours, vllm in VLLM_LINEAR_BACKEND.items()}.get(served, served)  # our backend names
     if fp8_backend != "auto" and served != fp8_backend:
         logger.warning(
             "vllm_fp8_backend=%r but the vLLM server runs %r (same FP8 values, other speed). For %r restart it as `%s`.",
