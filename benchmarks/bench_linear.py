@@ -25,6 +25,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trl_fp8 import FP8Linear, FP8LinearConfig  # noqa: E402
+from trl_fp8.fp8_linear import _shared_input  # noqa: E402
 
 QWEN3_8B = [
     (4096, 6144, "qkv_proj"),
@@ -83,25 +84,61 @@ def breakdown(m, k, n, device, dtype, reps, cuda):
     x = torch.randn(m, k, device=device, dtype=dtype)
     w = torch.randn(n, k, device=device, dtype=dtype)
     dy = torch.randn(m, n, device=device, dtype=dtype)
-    xq, xs = ops.quantize_act(x)
+    xa = ops.quantize_act(x, rows=True, cols=True)
     wq, ws = ops.quantize_weight(w)
-    wdq, wds = ops.quantize_weight_dgrad(w)
-    dq, ds = ops.quantize_act(dy)
-    dtq, dts = ops.quantize_act_t(dy)
-    xtq, xts = ops.quantize_act_t(x)
+    wdq, wds = ops.quantize_weight(w, col_major=True)
+    ga = ops.quantize_act(dy, rows=True, cols=True)
     steps = {
-        "quant x (1x128)": lambda: ops.quantize_act(x),
+        "quant x (both layouts)": lambda: ops.quantize_act(x, rows=True, cols=True),
         "quant W (128x128)": lambda: ops.quantize_weight(w),
-        "quant W (dgrad layout)": lambda: ops.quantize_weight_dgrad(w),
-        "quant dy (1x128)": lambda: ops.quantize_act(dy),
-        "quant dy.T (tokens)": lambda: ops.quantize_act_t(dy),
-        "quant x.T (tokens)": lambda: ops.quantize_act_t(x),
-        "gemm fprop": lambda: ops.gemm(xq, xs, wq, ws, True, dtype),
-        "gemm dgrad": lambda: ops.gemm(dq, ds, wdq.t(), wds.t(), True, dtype),
-        "gemm wgrad": lambda: ops.gemm(dtq, dts, xtq, xts, False, dtype),
+        "quant W (dgrad layout)": lambda: ops.quantize_weight(w, col_major=True),
+        "quant dy (both layouts)": lambda: ops.quantize_act(dy, rows=True, cols=True),
+        "gemm fprop": lambda: ops.gemm(xa.q, xa.scale_inv, wq, ws, True, dtype),
+        "gemm dgrad": lambda: ops.gemm(ga.q, ga.scale_inv, wdq.t(), wds.t(), True, dtype),
+        "gemm wgrad": lambda: ops.gemm(ga.qt, ga.scale_inv_t, xa.qt, xa.scale_inv_t, False, dtype),
         "bf16 mm (one GEMM)": lambda: x @ w.t(),
     }
     return {name: bench(fn, reps, cuda) for name, fn in steps.items()}
+
+
+def profile_step(mod, x, dy, cuda, out_dir, label, name, iters=20):
+    """Wall time per fwd+bwd against the host time spent issuing it and the GPU kernel time it queues. Kernel time
+    well under wall time with host time near wall time means the layer is host-bound (launch and Python overhead)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def step():
+        _shared_input.clear()
+        mod(x).backward(dy)
+
+    for _ in range(3):
+        step()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            step()
+        host = time.perf_counter() - t0
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    kernel_us = sum(e.self_device_time_total for e in events) if cuda else 0.0
+    launches = sum(e.count for e in events if e.key.startswith(("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunch")))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    safe = f"{label}_{name}".replace(" ", "_").replace("(", "").replace(")", "")
+    (out_dir / f"profile_{safe}.txt").write_text(events.table(sort_by=sort, row_limit=30))
+    row = {
+        "wall_ms": wall / iters * 1e3,
+        "host_issue_ms": host / iters * 1e3,
+        "gpu_kernels_ms": kernel_us / iters / 1e3,
+        "launches": launches / iters,
+    }
+    print(f"profile {label:<13} {name:<30} wall {row['wall_ms']:.3f} ms, host {row['host_issue_ms']:.3f} ms, "
+          f"kernels {row['gpu_kernels_ms']:.3f} ms, {row['launches']:.0f} launches")  # fmt: skip
+    return row
 
 
 def main():
@@ -110,6 +147,12 @@ def main():
     parser.add_argument("--quick", action="store_true", help="tiny shapes, for a CPU smoke run")
     parser.add_argument("--reps", type=int, default=200, help="milliseconds of timed repeats per case (GPU)")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/linear_<device>.json)")
+    parser.add_argument(
+        "--profile",
+        default=None,
+        metavar="DIR",
+        help="also profile bf16 and trl_fp8 (cached W) per shape: host time vs GPU kernel time, op tables to DIR",
+    )
     args = parser.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -119,7 +162,7 @@ def main():
     m = 256 if args.quick else args.tokens
     device_name = torch.cuda.get_device_name() if cuda else platform.processor() or "cpu"
 
-    rows, breakdowns = [], {}
+    rows, breakdowns, profiles = [], {}, {}
     for k, n, label in shapes:
         variants = make_variants(k, n, device, dtype, cuda)
         x = torch.randn(m, k, device=device, dtype=dtype, requires_grad=True)
@@ -129,6 +172,7 @@ def main():
             weight = next(mod.parameters())
 
             def step(mod=mod, x=x, dy=dy):
+                _shared_input.clear()  # the same x every call: quantize it every call, as a new activation would be
                 mod(x).backward(dy)
 
             if cuda:
@@ -143,6 +187,10 @@ def main():
         for r in rows[-len(variants) :]:
             r["speedup_vs_bf16"] = times["bf16"] / r["ms"]
         breakdowns[label] = breakdown(m, k, n, device, dtype, args.reps, cuda)
+        if args.profile:
+            for name in ("bf16", "trl_fp8 blockwise (cached W)"):
+                mod = variants[name]
+                profiles.setdefault(label, {})[name] = profile_step(mod, x, dy, cuda, Path(args.profile), label, name)
         del variants
 
     try:
@@ -166,6 +214,8 @@ def main():
         "results": rows,
         "trl_fp8_breakdown_ms": breakdowns,
     }
+    if profiles:
+        result["profile_per_iteration"] = profiles
     names = list(dict.fromkeys(r["variant"] for r in rows))
     print(f"\nLinear fwd+bwd, M={m} tokens, {device_name}: ms (speedup vs bf16)")
     print(f"{'shape':<14}" + "".join(f"{n[:28]:>31}" for n in names))

@@ -5,6 +5,7 @@
 #
 #   bash benchmarks/run_rollout_report.sh rollout   # bench_rollout: five engines x four points
 #   bash benchmarks/run_rollout_report.sh checks    # GPU test suite, identity per kernel, the 16k-token point
+#   bash benchmarks/run_rollout_report.sh linear    # bench_linear with the host-vs-kernel profile (training speed)
 #
 # DeepGEMM's compiled kernels go to $DG_JIT_CACHE_DIR (default /var/tmp/dg_cache). The first DeepGEMM engine on a
 # fresh host pays the cold compile (recorded in its row as jit_cache.state "cold"). `rollout` ends by packing the
@@ -45,8 +46,11 @@ checks)
   timed rollout_long python benchmarks/bench_rollout.py --engines fp8_deepgemm_kv bf16 --points 16x16384 \
     --out "$work/rollout_long_$device.json"
   ;;
+linear)
+  timed linear python benchmarks/bench_linear.py --profile "$work/profile" --out "$work/linear_$device.json"
+  ;;
 *)
-  echo "usage: $0 rollout|checks" >&2
+  echo "usage: $0 rollout|checks|linear" >&2
   exit 2
   ;;
 esac

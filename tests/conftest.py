@@ -7,6 +7,10 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 import pytest
 import torch
 
+if not torch.cuda.is_available():
+    # Triton kernels run in Triton's CPU interpreter here (tests/test_kernels.py); read when kernels are defined.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def _sm90() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9

@@ -135,7 +135,10 @@ def test_weight_cache_quantizes_once_per_weight_version(monkeypatch):
 
     calls = []
     orig = emulated.quantize_weight
-    monkeypatch.setattr(emulated, "quantize_weight", lambda w, **kw: calls.append(1) or orig(w, **kw))
+    # row-major calls only: DGrad re-quantizes into its own layout on every backward, by design
+    monkeypatch.setattr(
+        emulated, "quantize_weight", lambda w, **kw: kw.get("col_major") or calls.append(1) or orig(w, **kw)
+    )
     x = torch.randn(64, 256)
     for _ in range(3):  # micro-batches and log-prob passes with unchanged weights
         lin(x).sum().backward()
@@ -257,7 +260,11 @@ def test_frozen_weights_quantize_once_trainable_ones_once_per_step(monkeypatch):
     trainable, _ = make_layer(n=256, k=384)
     calls = []
     orig = emulated.quantize_weight
-    monkeypatch.setattr(emulated, "quantize_weight", lambda w, **kw: calls.append(w.data_ptr()) or orig(w, **kw))
+    monkeypatch.setattr(
+        emulated,
+        "quantize_weight",
+        lambda w, **kw: kw.get("col_major") or calls.append(w.data_ptr()) or orig(w, **kw),
+    )
     opt = torch.optim.AdamW(trainable.parameters(), lr=0.1, fused=True)
     x = torch.randn(16, 256)
     for _ in range(3):
@@ -265,3 +272,57 @@ def test_frozen_weights_quantize_once_trainable_ones_once_per_step(monkeypatch):
         opt.step()
     assert calls.count(frozen.weight.data_ptr()) == 1
     assert calls.count(trainable.weight.data_ptr()) == 3
+
+
+def test_layers_reading_one_input_quantize_it_once(monkeypatch):
+    """q/k/v (or gate/up) read the same tensor: its FP8 operands are made once and give the very same results as
+    three separate quantizations; an in-place change of the input or a new tensor quantizes again."""
+    from trl_fp8.ops import emulated
+
+    layers = [make_layer(n=n)[0] for n in (384, 128, 128)]
+    calls = []
+    orig = emulated.quantize_act
+    monkeypatch.setattr(emulated, "quantize_act", lambda x, **kw: calls.append(kw.get("cols")) or orig(x, **kw))
+    base = torch.randn(2, 40, 256, requires_grad=True)
+    x = base * 1.0  # a non-leaf activation, as a norm's output is
+    shared = [layer(x) for layer in layers]
+    assert calls == [True]  # one forward quantization, both layouts (WGrad's comes from it too)
+    sum(o.square().sum() for o in shared).backward()
+    shared_grads = [base.grad.clone()] + [layer.weight.grad.clone() for layer in layers]
+    for layer in layers:
+        layer.weight.grad = None
+    base.grad = None
+    calls.clear()
+    separate = [layer(base * 1.0) for layer in layers]  # a new tensor per layer
+    assert calls == [True, True, True]
+    sum(o.square().sum() for o in separate).backward()
+    for a, b in zip(shared, separate, strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(shared_grads, [base.grad] + [layer.weight.grad for layer in layers], strict=True):
+        assert torch.allclose(a, b, rtol=0, atol=1e-6)
+    calls.clear()
+    with torch.no_grad():
+        y = base * 1.0
+        first = layers[0](y)
+        y.add_(1.0)  # in place: the version counter moves, the cached operands are stale
+        assert not torch.equal(layers[0](y), first)
+    assert calls == [False, False]  # no-grad forwards skip WGrad's layout
+
+
+def test_backward_keeps_the_input_in_fp8_not_bf16():
+    """WGrad's operand is saved as the forward made it, FP8 x.T in token groups: half the bytes of the BF16 input
+    that nn.Linear keeps, and no second quantization of x in backward."""
+    lin, _ = make_layer(dtype=torch.bfloat16)
+    x = torch.randn(3, 100, 256, dtype=torch.bfloat16, requires_grad=True)
+    saved = []
+
+    def pack(t):
+        saved.append((t.dtype, tuple(t.shape)))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = lin(x)
+    assert (torch.float8_e4m3fn, (256, 384)) in saved  # x.T, 300 tokens padded to 384
+    assert not any(dtype == torch.bfloat16 and shape[-1] == 256 and shape != (384, 256) for dtype, shape in saved)
+    out.sum().backward()
+    assert x.grad is not None and lin.weight.grad is not None

@@ -13,28 +13,28 @@ WGrad   dW     = dy.T @ x   [N, K]  dy.T, groups along M (tokens)              x
 All operands are float8_e4m3fn with float32 scales, accumulation is fp32, and results leave the layer in the
 input's dtype (BF16) for `dx` and the master weight's dtype for `dW`: inter-op gradients stay BF16.
 
-Saved for backward: the input `x` in its own (BF16) precision, as `nn.Linear` does, and the FP8 weight with its
-scales (1 byte per parameter, shared with the weight cache). DGrad needs those FP8 values column-major; on the GPU
-the deterministic quantizer writes that layout directly (bit-identical, cheaper than transposing FP8 bytes), once
-per weight version when the cache is on. Token counts that are not multiples of 128 are zero-padded for WGrad;
-zeros change no group's amax, so the padding is exact.
+Passes over memory, per layer and step: the forward quantizes `x` once into both layouts it needs (groups along K
+for FProp, along tokens for WGrad) and saves the FP8 `x.T` for WGrad instead of the BF16 `x` (half the bytes);
+layers that read the same input (q/k/v, gate/up) share that one quantization. The backward quantizes `dy` once into
+both of its layouts, and re-quantizes the weight in DGrad's column-major layout (the quantizer is deterministic, so
+these are the forward's FP8 values bit for bit; no second FP8 copy of the weight outlives the forward).
 """
 
 from __future__ import annotations
 
 import functools
+import threading
+import weakref
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .config import FP8LinearConfig
 from .ops import select_ops
+from .quantization import QuantizedAct
 
 __all__ = ["FP8Linear", "invalidate_fp8_weights"]
-
-_ROWS = 128  # WGrad groups run along the token dim
 
 # When a cached FP8 weight is stale. Fused optimizers (AdamW(fused=True), the transformers default) update parameters
 # without bumping their autograd version counter, and writes through `.data` (PEFT's merge, TRL's reference-model
@@ -53,67 +53,81 @@ def _count_optimizer_step(optimizer, args, kwargs) -> None:
 register_optimizer_step_post_hook(_count_optimizer_step)
 
 
-def _pad_rows(x: torch.Tensor) -> torch.Tensor:
-    pad = -x.shape[0] % _ROWS
-    return F.pad(x, (0, 0, 0, pad)) if pad else x
-
-
 class FP8Weight:
-    """One weight's FP8 values and scales as the GEMMs use them: `q` `[N, K]` and `scale_inv` `[N/128, K/128]`.
-
-    The DGrad layout of the same values is made on first use and kept, so a cached `FP8Weight` serves every
-    micro-batch until the optimizer changes the weight.
-    """
+    """One weight's FP8 values and scales as FProp uses them: `q` `[N, K]` row-major, `scale_inv` `[N/128, K/128]`."""
 
     def __init__(self, weight: torch.Tensor, ops, power_of_two_scales: bool):
         self.ops, self.power_of_two_scales = ops, power_of_two_scales
-        self._weight = weight.detach()
         with torch.no_grad():
-            self.q, self.scale_inv = ops.quantize_weight(self._weight, power_of_two_scales=power_of_two_scales)
-        self._dgrad = None
+            self.q, self.scale_inv = ops.quantize_weight(weight.detach(), power_of_two_scales=power_of_two_scales)
 
-    def dgrad_operand(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._dgrad is None:
-            with torch.no_grad():
-                self._dgrad = self.ops.quantize_weight_dgrad(
-                    self._weight, power_of_two_scales=self.power_of_two_scales
-                )
-        return self._dgrad
+
+class _SharedInput(threading.local):
+    """The last input quantized, so the next layer reading the very same tensor (q/k/v after one norm, gate/up)
+    reuses its FP8 operands. Keyed on the tensor object (a weak reference, so a freed tensor whose memory is reused
+    never matches) and its version counter (in-place changes); dropped as soon as that tensor is freed."""
+
+    ref = None
+    key = None
+    value: QuantizedAct | None = None
+
+    def clear(self, *_):
+        self.ref = self.key = self.value = None
+
+
+_shared_input = _SharedInput()
+
+
+def _quantize_input(x: torch.Tensor, x2d: torch.Tensor, ops, pow2: bool, cols: bool) -> QuantizedAct:
+    cacheable = not (torch.compiler.is_compiling() or x.is_inference() or torch.is_inference_mode_enabled())
+    if cacheable:
+        c = _shared_input
+        key = (x._version, ops, pow2)
+        if c.ref is not None and c.ref() is x and c.key == key and (c.value.qt is not None or not cols):
+            return c.value
+    act = ops.quantize_act(x2d, rows=True, cols=cols, power_of_two_scales=pow2)
+    if cacheable:
+        c.clear()
+        c.ref, c.key, c.value = weakref.ref(x, c.clear), key, act
+    return act
 
 
 class _BlockwiseFP8Matmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, fp8_weight: FP8Weight):
+    def forward(ctx, x, weight, fp8_weight: FP8Weight, grad_enabled: bool = True):
         ops, pow2 = fp8_weight.ops, fp8_weight.power_of_two_scales
         k = x.shape[-1]
         x2d = x.reshape(-1, k)
         m = x2d.shape[0]
-        x_q, x_s = ops.quantize_act(_pad_rows(x2d), power_of_two_scales=pow2)
-        out = ops.gemm(x_q, x_s, fp8_weight.q, fp8_weight.scale_inv, True, x.dtype)[:m]
-        # `weight` is saved only so autograd rejects an in-place change between forward and backward.
-        ctx.save_for_backward(x, weight)
-        ctx.fp8_weight = fp8_weight
+        # (grad mode is off inside forward, so the caller says whether a backward can follow)
+        wgrad = ctx.needs_input_grad[1] and grad_enabled
+        act = _quantize_input(x, x2d, ops, pow2, cols=wgrad)
+        out = ops.gemm(act.q, act.scale_inv, fp8_weight.q, fp8_weight.scale_inv, True, x.dtype)[:m]
+        # `weight` is saved so DGrad can re-quantize it and so autograd rejects an in-place change before backward.
+        if wgrad:
+            ctx.save_for_backward(weight, act.qt, act.scale_inv_t)
+        else:
+            ctx.save_for_backward(weight)
+        ctx.ops, ctx.pow2, ctx.x_shape, ctx.x_dtype = ops, pow2, x.shape, x.dtype
         return out.reshape(*x.shape[:-1], fp8_weight.q.shape[0])
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight = ctx.saved_tensors
-        fp8_weight = ctx.fp8_weight
-        ops, pow2 = fp8_weight.ops, fp8_weight.power_of_two_scales
-        n, k = fp8_weight.q.shape
-        dy = _pad_rows(grad_out.reshape(-1, n).contiguous())
-        m = x.numel() // k
+        weight, *saved_x = ctx.saved_tensors
+        ops, pow2 = ctx.ops, ctx.pow2
+        n = weight.shape[0]
+        m = grad_out.numel() // n
+        need_dx, need_dw = ctx.needs_input_grad[:2]
         grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:
-            dy_q, dy_s = ops.quantize_act(dy, power_of_two_scales=pow2)
+        dy = ops.quantize_act(grad_out.reshape(-1, n), rows=need_dx, cols=need_dw, power_of_two_scales=pow2)
+        if need_dx:
             # W's 128x128 blocks are the same for W and W.T: DGrad multiplies by the forward's FP8 values.
-            w_q, w_s = fp8_weight.dgrad_operand()
-            grad_x = ops.gemm(dy_q, dy_s, w_q.t(), w_s.t(), True, x.dtype)[:m].reshape(x.shape)
-        if ctx.needs_input_grad[1]:
-            dyt_q, dyt_s = ops.quantize_act_t(dy, power_of_two_scales=pow2)
-            xt_q, xt_s = ops.quantize_act_t(_pad_rows(x.reshape(-1, k)), power_of_two_scales=pow2)
-            grad_w = ops.gemm(dyt_q, dyt_s, xt_q, xt_s, False, weight.dtype)
-        return grad_x, grad_w, None
+            w_q, w_s = ops.quantize_weight(weight.detach(), col_major=True, power_of_two_scales=pow2)
+            grad_x = ops.gemm(dy.q, dy.scale_inv, w_q.t(), w_s.t(), True, ctx.x_dtype)[:m].reshape(ctx.x_shape)
+        if need_dw:
+            xt_q, xt_s = saved_x
+            grad_w = ops.gemm(dy.qt, dy.scale_inv_t, xt_q, xt_s, False, weight.dtype)
+        return grad_x, grad_w, None, None
 
 
 class FP8Linear(nn.Linear):
@@ -181,7 +195,7 @@ class FP8Linear(nn.Linear):
         self.invalidate()  # whether it copied in place or assigned: do not rely on what the key happens to see
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = _BlockwiseFP8Matmul.apply(x, self.weight, self._fp8_weight())
+        out = _BlockwiseFP8Matmul.apply(x, self.weight, self._fp8_weight(), torch.is_grad_enabled())
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:

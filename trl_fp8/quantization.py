@@ -3,15 +3,17 @@
 Convention (vLLM / transformers block-FP8 checkpoints, DeepSeek-V3): a tensor `x` is stored as `q` in
 `float8_e4m3fn` and a float32 `scale_inv` per block, with `x ~= q * scale_inv` and `scale_inv = amax / 448`.
 
-The arithmetic mirrors torchao's blockwise Triton kernels step by step (amax clamped at 1e-12 in the input dtype,
-scale `448 / amax` computed in float64 then rounded to float32, `x * scale` in float32, saturating cast, stored
-reciprocal `1 / scale` in float32), so this pure-torch code and the GPU kernels produce the same bits; a GPU test
-checks it. The CPU emulation, the vLLM weight sync and the exporter all call these functions.
+The arithmetic is written once here and step for step in the Triton kernels (`trl_fp8.kernels`): amax in float32
+(exact for BF16 inputs) clamped at 1e-12, scale `448 / amax` computed in float64 then rounded to float32, `x * scale`
+in float32, saturating cast, stored reciprocal `1 / scale` in float32. So this pure-torch code and the kernels produce
+the same bits (tests check it on the GPU, and on CPU through Triton's interpreter). The CPU emulation, the vLLM
+weight sync and the exporter all call these functions.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -27,16 +29,19 @@ __all__ = [
     "dequantize_blocks",
     "quantize_groups",
     "dequantize_groups",
+    "QuantizedAct",
+    "quantize_act_layouts",
 ]
 
 
 def _scale_from_amax(amax: torch.Tensor, power_of_two: bool) -> torch.Tensor:
     """Quantization multiplier 448 / amax, float32 (rounded down to a power of two if asked)."""
-    amax = amax.clamp(min=EPS).to(torch.float64)
+    amax = amax.to(torch.float32).clamp(min=EPS).to(torch.float64)
     scale = (FP8_MAX / amax).to(torch.float32)
     if power_of_two:
-        # Round down, never up: a larger scale would push the block's amax past 448 and saturate it.
-        scale = torch.exp2(torch.floor(torch.log2(scale)))
+        # Round down, never up: a larger scale would push the block's amax past 448 and saturate it. Clearing the
+        # mantissa bits is exact (a float32 log2 can round 2**k * (1 - 2**-24) up to k); the kernels do the same.
+        scale = (scale.view(torch.int32) & 0x7F800000).view(torch.float32)
     return scale
 
 
@@ -116,3 +121,31 @@ def dequantize_groups(
     """Inverse of :func:`quantize_groups`."""
     groups = q.reshape(*q.shape[:-1], q.shape[-1] // group_size, group_size).to(torch.float32)
     return (groups * scale_inv[..., None]).reshape(q.shape).to(dtype)
+
+
+class QuantizedAct(NamedTuple):
+    """The FP8 operands of one activation or output gradient `x [M, K]`; `None` for a layout not asked for.
+
+    `M_pad` is the token count rounded up to 128, padded with zero tokens (WGrad sums over tokens in 128-groups).
+    """
+
+    q: torch.Tensor | None  # [M_pad, K]: groups along K (FProp and DGrad's A operand)
+    scale_inv: torch.Tensor | None  # [M_pad, K / 128]
+    qt: torch.Tensor | None  # [K, M_pad]: x.T in groups along tokens (WGrad's operands)
+    scale_inv_t: torch.Tensor | None  # [K, M_pad / 128]
+
+
+def quantize_act_layouts(
+    x: torch.Tensor, *, rows: bool = True, cols: bool = False, power_of_two_scales: bool = False
+) -> QuantizedAct:
+    """Reference for `trl_fp8.kernels.quantize_act`: a 2-D `x [M, K]` zero-padded to a multiple of 128 tokens, then
+    quantized in 1x128 groups along K (`rows`) and along tokens (`cols`)."""
+    pad = -x.shape[0] % 128
+    if pad:
+        x = F.pad(x, (0, 0, 0, pad))
+    q = s = qt = st = None
+    if rows:
+        q, s = quantize_groups(x, 128, power_of_two_scales=power_of_two_scales)
+    if cols:
+        qt, st = quantize_groups(x.t(), 128, power_of_two_scales=power_of_two_scales)
+    return QuantizedAct(q, s, qt, st)

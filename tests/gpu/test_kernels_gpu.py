@@ -29,22 +29,24 @@ def scaled_mm():
     return scaled_mm
 
 
-@pytest.mark.parametrize("m,k", [(256, 512), (4096, 4096), (384, 12288)])
-def test_triton_quantizers_match_reference_bit_for_bit(scaled_mm, m, k):
+@pytest.mark.parametrize("m,k", [(256, 512), (4096, 4096), (8000, 12288), (1, 128)])
+@pytest.mark.parametrize("pow2", [False, True])
+def test_triton_quantizers_match_reference_bit_for_bit(scaled_mm, m, k, pow2):
+    """Compiled for Hopper (tests/test_kernels.py runs the same kernels in Triton's CPU interpreter)."""
+    from trl_fp8.quantization import quantize_act_layouts
+
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 3
     x[:, :128] *= 1e-3  # a range of magnitudes across groups
-    q, s = scaled_mm.quantize_act(x)
-    q_ref, s_ref = quantize_groups(x)
-    assert torch.equal(_bits(q), _bits(q_ref)) and torch.equal(s.contiguous(), s_ref)
-    qt, st = scaled_mm.quantize_act_t(x)
-    qt_ref, st_ref = quantize_groups(x.t().contiguous())
-    assert torch.equal(_bits(qt), _bits(qt_ref)) and torch.equal(st.contiguous(), st_ref)
-    qw, sw = scaled_mm.quantize_weight(x)
-    qw_ref, sw_ref = quantize_blocks(x)
-    assert torch.equal(_bits(qw), _bits(qw_ref)) and torch.equal(sw.contiguous(), sw_ref)
-    qd, sd = scaled_mm.quantize_weight_dgrad(x)
-    assert qd.stride(0) == 1  # column-major, as DGrad's B operand wants
-    assert torch.equal(_bits(qd), _bits(qw_ref)) and torch.equal(sd.contiguous(), sw_ref)
+    x[:, -128:] = 0  # all-zero groups: the amax floor
+    got = scaled_mm.quantize_act(x, rows=True, cols=True, power_of_two_scales=pow2)
+    ref = quantize_act_layouts(x, rows=True, cols=True, power_of_two_scales=pow2)
+    assert torch.equal(_bits(got.q), _bits(ref.q)) and torch.equal(got.scale_inv, ref.scale_inv)
+    assert torch.equal(_bits(got.qt), _bits(ref.qt)) and torch.equal(got.scale_inv_t, ref.scale_inv_t)
+    for col_major in (False, True):
+        qw, sw = scaled_mm.quantize_weight(x, col_major=col_major, power_of_two_scales=pow2)
+        qw_ref, sw_ref = quantize_blocks(x, power_of_two_scales=pow2)
+        assert (qw.stride(0) == 1) == col_major  # DGrad's B operand is column-major
+        assert torch.equal(_bits(qw), _bits(qw_ref)) and torch.equal(sw.contiguous(), sw_ref)
 
 
 @pytest.mark.parametrize("m,n,k", [(256, 384, 512), (8192, 4096, 4096), (1024, 6144, 4096), (512, 1024, 640)])

@@ -8,22 +8,15 @@ from __future__ import annotations
 
 import torch
 
-from ..quantization import dequantize_blocks, dequantize_groups, quantize_blocks, quantize_groups
+from ..quantization import dequantize_blocks, dequantize_groups, quantize_act_layouts, quantize_blocks
 
 
-def quantize_act(x: torch.Tensor, *, power_of_two_scales: bool = False):
-    return quantize_groups(x, 128, power_of_two_scales=power_of_two_scales)
+def quantize_act(x: torch.Tensor, *, rows: bool = True, cols: bool = False, power_of_two_scales: bool = False):
+    return quantize_act_layouts(x, rows=rows, cols=cols, power_of_two_scales=power_of_two_scales)
 
 
-def quantize_act_t(x: torch.Tensor, *, power_of_two_scales: bool = False):
-    return quantize_groups(x.t(), 128, power_of_two_scales=power_of_two_scales)
-
-
-def quantize_weight(w: torch.Tensor, *, power_of_two_scales: bool = False):
-    return quantize_blocks(w, (128, 128), power_of_two_scales=power_of_two_scales)
-
-
-quantize_weight_dgrad = quantize_weight  # layout is irrelevant here
+def quantize_weight(w: torch.Tensor, *, col_major: bool = False, power_of_two_scales: bool = False):
+    return quantize_blocks(w, (128, 128), power_of_two_scales=power_of_two_scales)  # layout is irrelevant here
 
 
 def gemm(a_q, a_s, b_q, b_s, b_blocks: bool, out_dtype: torch.dtype) -> torch.Tensor:

@@ -1,0 +1,16 @@
+"""Triton kernels behind the GPU backend (`trl_fp8.ops.scaled_mm`): one op per file, each bit for bit equal to the
+reference quantizers in `trl_fp8.quantization` (tests run them on the GPU, and on CPU in Triton's interpreter).
+
+- `act_quant.quantize_act`: 1x128 groups of an activation or output gradient, in the layouts FProp/DGrad (groups
+  along K) and WGrad (groups along tokens) need, both from one read of the tensor.
+- `weight_quant.quantize_weight`: 128x128 blocks of a weight, row-major (FProp, vLLM sync, export) or
+  column-major (DGrad's operand).
+
+Each has one fixed launch configuration: quantization is a single memory-bound pass, so there is nothing to
+autotune, and a new token count costs no tuning run.
+"""
+
+from .act_quant import quantize_act
+from .weight_quant import quantize_weight
+
+__all__ = ["quantize_act", "quantize_weight"]

@@ -1,0 +1,75 @@
+"""1x128 group quantization of activations and output gradients, both operand layouts from one read.
+
+For `x [M, K]` (tokens x features) the blockwise GEMMs need:
+- rows: `q [M_pad, K]` row-major with `scale_inv [M_pad, K/128]` (groups along K), the A operand of FProp/DGrad;
+- cols: `qt [K, M_pad]` row-major with `scale_inv [K, M_pad/128]` (groups along tokens), an operand of WGrad.
+Scales are written column-major, the layout cuBLAS's blockwise `scaled_mm` reads, so nothing is copied later.
+`M_pad` rounds the token count up to 128; padded tokens are zeros (they change no group's amax), so WGrad needs no
+separate padding copy. One program owns one 128x128 tile and computes its row and column amaxes from one load.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..quantization import QuantizedAct
+from ._common import cast_fp8, fp8_scale
+
+BLOCK = 128
+
+
+@triton.jit
+def _act_quant_kernel(
+    x_ptr, stride_xm, stride_xk,
+    q_ptr, s_ptr, qt_ptr, st_ptr,
+    M, M_pad, K,
+    ROWS: tl.constexpr, COLS: tl.constexpr, POW2: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rm = pid_m * BLOCK + tl.arange(0, BLOCK)
+    rk = pid_k * BLOCK + tl.arange(0, BLOCK)
+    rm64 = rm.to(tl.int64)
+    rk64 = rk.to(tl.int64)
+    x = tl.load(x_ptr + rm64[:, None] * stride_xm + rk64[None, :] * stride_xk, mask=rm[:, None] < M, other=0.0)
+    x = x.to(tl.float32)
+    ax = tl.abs(x)
+    if ROWS:
+        scale = fp8_scale(tl.max(ax, axis=1), POW2)
+        q = cast_fp8(x, scale[:, None], q_ptr.dtype.element_ty)
+        tl.store(q_ptr + rm64[:, None] * K + rk64[None, :], q)
+        tl.store(s_ptr + pid_k * M_pad + rm64, tl.div_rn(1.0, scale))  # column-major [M_pad, K/128]
+    if COLS:
+        scale_t = fp8_scale(tl.max(ax, axis=0), POW2)
+        qt = cast_fp8(x, scale_t[None, :], qt_ptr.dtype.element_ty)
+        tl.store(qt_ptr + rk64[:, None] * M_pad + rm64[None, :], tl.trans(qt))
+        tl.store(st_ptr + pid_m * K + rk64, tl.div_rn(1.0, scale_t))  # column-major [K, M_pad/128]
+
+
+def quantize_act(
+    x: torch.Tensor, *, rows: bool = True, cols: bool = False, power_of_two_scales: bool = False
+) -> QuantizedAct:
+    """Quantize a 2-D `x [M, K]` (any strides, K a multiple of 128) into the layouts asked for; bit for bit
+    `trl_fp8.quantization.quantize_act_layouts`, with the scales column-major."""
+    m, k = x.shape
+    m_pad = triton.cdiv(m, BLOCK) * BLOCK
+    dev, fp8 = x.device, torch.float8_e4m3fn
+    q = s = qt = st = None
+    if rows:
+        q = torch.empty(m_pad, k, device=dev, dtype=fp8)
+        s = torch.empty(k // BLOCK, m_pad, device=dev, dtype=torch.float32).t()
+    if cols:
+        qt = torch.empty(k, m_pad, device=dev, dtype=fp8)
+        st = torch.empty(m_pad // BLOCK, k, device=dev, dtype=torch.float32).t()
+    if m_pad:
+        dummy = q if rows else qt  # unused pointer arguments of a disabled layout
+        _act_quant_kernel[(m_pad // BLOCK, k // BLOCK)](
+            x, x.stride(0), x.stride(1),
+            q if rows else dummy, s if rows else st, qt if cols else dummy, st if cols else s,
+            m, m_pad, k,
+            ROWS=rows, COLS=cols, POW2=power_of_two_scales, BLOCK=BLOCK,
+            num_warps=8, num_stages=1,
+        )  # fmt: skip
+    return QuantizedAct(q, s, qt, st)

@@ -1,0 +1,59 @@
+"""128x128 block quantization of a weight `w [N, K]`, written row-major or column-major.
+
+Row-major `q [N, K]` is FProp's operand and what the vLLM sync and the exporter send; column-major (storage `[K, N]`)
+is the operand of DGrad's `dy @ W`, which Hopper's FP8 tensor cores read K-major. Re-quantizing the weight for DGrad
+costs one read of the weight and keeps no second FP8 copy alive between forward and backward. Scales are
+`[N/128, K/128]` float32, row-major for the row layout and column-major for the other (cuBLAS's layouts).
+Edge blocks may be partial (zero padding changes no amax).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import cast_fp8, fp8_scale
+
+BLOCK = 128
+
+
+@triton.jit
+def _weight_quant_kernel(
+    w_ptr, stride_wn, stride_wk, q_ptr, s_ptr, N, K, NB, KB,
+    COL_MAJOR: tl.constexpr, POW2: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rn = (pid_n * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    rk = (pid_k * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    mask = (rn[:, None] < N) & (rk[None, :] < K)
+    w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :] * stride_wk, mask=mask, other=0.0).to(tl.float32)
+    scale = fp8_scale(tl.max(tl.max(tl.abs(w), axis=1), axis=0), POW2)
+    q = cast_fp8(w, scale, q_ptr.dtype.element_ty)
+    if COL_MAJOR:
+        tl.store(q_ptr + rk[:, None] * N + rn[None, :], tl.trans(q), mask=tl.trans(mask))
+        tl.store(s_ptr + pid_k * NB + pid_n, tl.div_rn(1.0, scale))
+    else:
+        tl.store(q_ptr + rn[:, None] * K + rk[None, :], q, mask=mask)
+        tl.store(s_ptr + pid_n * KB + pid_k, tl.div_rn(1.0, scale))
+
+
+def quantize_weight(
+    w: torch.Tensor, *, col_major: bool = False, power_of_two_scales: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(q [N, K], scale_inv [N/128, K/128])`; `col_major` picks the storage order of both."""
+    n, k = w.shape
+    nb, kb = triton.cdiv(n, BLOCK), triton.cdiv(k, BLOCK)
+    if col_major:
+        q = torch.empty(k, n, device=w.device, dtype=torch.float8_e4m3fn).t()
+        s = torch.empty(kb, nb, device=w.device, dtype=torch.float32).t()
+    else:
+        q = torch.empty(n, k, device=w.device, dtype=torch.float8_e4m3fn)
+        s = torch.empty(nb, kb, device=w.device, dtype=torch.float32)
+    if n and k:
+        _weight_quant_kernel[(nb, kb)](
+            w, w.stride(0), w.stride(1), q, s, n, k, nb, kb,
+            COL_MAJOR=col_major, POW2=power_of_two_scales, BLOCK=BLOCK, num_warps=8, num_stages=1,
+        )  # fmt: skip
+    return q, s
