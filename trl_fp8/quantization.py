@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
-EPS = 1e-12  # torchao's kernels clamp amax here; all-zero blocks get a finite (huge) scale and q == 0
+EPS = 1e-12  # amax floor (float32): all-zero groups get a finite (huge) scale and q == 0
 
 __all__ = [
     "FP8_DTYPE",

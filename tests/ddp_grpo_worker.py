@@ -1,0 +1,68 @@
+"""One rank of a multi-process FP8 GRPO run on CPU, launched by tests/test_multiprocess.py through `torchrun`.
+
+    torchrun --nproc_per_node 2 tests/ddp_grpo_worker.py MODEL_DIR OUT_DIR
+
+Trains the tiny Qwen3 for a few steps under DDP (gloo), exports the block-FP8 checkpoint (rank 0 writes it), and
+writes `OUT_DIR/rank<r>.json` with what every rank must agree on: its log history, a digest of its parameters and a
+digest of the FP8 tensors it would push to vLLM.
+"""
+
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+
+def tensor_digest(pairs) -> str:
+    h = hashlib.sha256()
+    for name, t in pairs:
+        t = t.detach().cpu().contiguous()
+        h.update(name.encode())
+        h.update(str(t.dtype).encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def main():
+    from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer
+    from trl_fp8.toy_task import GRPO_SETTINGS, say_letter_dataset, say_letter_reward
+    from trl_fp8.vllm_sync import rollout_weight_tensors
+
+    model_dir, out_dir = sys.argv[1], Path(sys.argv[2])
+    args = FP8GRPOConfig(
+        **{
+            **GRPO_SETTINGS,
+            "output_dir": str(out_dir / "run"),
+            "max_steps": 2,
+            "per_device_train_batch_size": 8,
+            "logging_steps": 1,
+            "use_cpu": True,
+            "bf16": False,
+            "disable_tqdm": True,
+            "save_bf16_master_weights": True,
+            "report_to": "none",
+        }
+    )
+    trainer = FP8GRPOTrainer(model_dir, say_letter_reward, args, train_dataset=say_letter_dataset(256))
+    trainer.train()
+    trainer.save_model(str(out_dir / "fp8"))
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    record = {
+        "rank": trainer.accelerator.process_index,
+        "world_size": trainer.accelerator.num_processes,
+        "distributed_type": str(trainer.accelerator.distributed_type),
+        "log_history": trainer.state.log_history,
+        "params": tensor_digest(model.named_parameters()),
+        "pushed_fp8": tensor_digest(rollout_weight_tensors(model, "fp8")),
+    }
+    (out_dir / f"rank{record['rank']}.json").write_text(json.dumps(record, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""FP8 GRPO in two processes (DDP over gloo, CPU) through `torchrun`, as a user launches several GPUs.
+
+The ranks must agree on everything but wall-clock times: the log history (TRL and our metrics reduced over ranks),
+the parameters after the optimizer steps, and the FP8 tensors each would push to vLLM. The export written by rank 0
+must equal, tensor for tensor and bit for bit, a one-process export of the same trained weights.
+"""
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from trl_fp8 import convert_to_fp8, save_fp8_checkpoint
+from trl_fp8.tiny_model import tiny_char_tokenizer, tiny_qwen3
+from trl_fp8.vllm_sync import rollout_weight_tensors
+
+from conftest import clean_subprocess_env
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMINGS = {"step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ddp")
+    tokenizer = tiny_char_tokenizer()
+    tiny_qwen3(vocab_size=128, eos_token_id=tokenizer.eos_token_id, pad_token_id=0).save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+           str(ROOT / "tests" / "ddp_grpo_worker.py"), str(root / "model"), str(root / "out")]  # fmt: skip
+    env = {**clean_subprocess_env(), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    ranks = [json.loads((root / "out" / f"rank{r}.json").read_text()) for r in (0, 1)]
+    return root / "out", ranks
+
+
+def test_ranks_agree_on_metrics_weights_and_pushed_fp8_tensors(two_rank_run):
+    _, (r0, r1) = two_rank_run
+    assert r0["world_size"] == r1["world_size"] == 2 and r0["distributed_type"] == "DistributedType.MULTI_CPU"
+    logs0, logs1 = r0["log_history"], r1["log_history"]
+    assert len(logs0) == len(logs1) == 3  # two logged steps and the end-of-training summary
+    for a, b in zip(logs0, logs1, strict=True):
+        assert a.keys() == b.keys()
+        assert {k: v for k, v in a.items() if k not in TIMINGS} == {k: v for k, v in b.items() if k not in TIMINGS}
+    assert logs0[0]["fp8/num_fp8_layers"] == 28 and logs0[0]["grad_norm"] > 0  # the first step moved the weights
+    assert r0["params"] == r1["params"]
+    assert r0["pushed_fp8"] == r1["pushed_fp8"]
+
+
+def test_rank0_export_equals_a_one_process_export_of_the_same_weights(two_rank_run, tmp_path):
+    out, (r0, _) = two_rank_run
+    from transformers import AutoModelForCausalLM
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from ddp_grpo_worker import tensor_digest
+
+    model = AutoModelForCausalLM.from_pretrained(out / "fp8" / "bf16_master", dtype=torch.float32)
+    assert tensor_digest(model.named_parameters()) == r0["params"]  # the master weights the ranks ended with
+    convert_to_fp8(model)
+    assert tensor_digest(rollout_weight_tensors(model, "fp8")) == r0["pushed_fp8"]
+    save_fp8_checkpoint(model, tmp_path / "one", progress=False)
+    ours, theirs = load_file(out / "fp8" / "model.safetensors"), load_file(tmp_path / "one" / "model.safetensors")
+    assert ours.keys() == theirs.keys() and any(t.dtype == torch.float8_e4m3fn for t in ours.values())
+    for name, t in ours.items():
+        assert t.dtype == theirs[name].dtype and torch.equal(t.view(torch.uint8), theirs[name].view(torch.uint8))
+    assert json.loads((out / "fp8" / "config.json").read_text())["quantization_config"]["weight_block_size"] == [
+        128,
+        128,
+    ]
+
+
+def test_the_demo_runs_under_torchrun_with_two_processes(tmp_path):
+    """The README's multi-process launch of the demo: rank 0 writes the warm-started model while the other waits
+    (no half-written `initial_model` is read), both train, one FP8 checkpoint is saved and reloaded."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+           "examples/grpo_fp8.py", "--max_steps", "2", "--output_dir", str(tmp_path / "demo")]  # fmt: skip
+    env = {**clean_subprocess_env(), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert proc.stdout.count("Saved the FP8 checkpoint") == 1
+    assert "after GRPO (FP8 checkpoint reloaded" in proc.stdout
+    assert (tmp_path / "demo" / "model.safetensors").exists()
