@@ -1,8 +1,8 @@
 """One rank of a multi-process FP8 GRPO run on CPU, launched by tests/test_multiprocess.py through `torchrun`.
 
-    torchrun --nproc_per_node 2 tests/ddp_grpo_worker.py MODEL_DIR OUT_DIR
+    torchrun --nproc_per_node 2 tests/ddp_grpo_worker.py MODEL_DIR OUT_DIR [ddp|fsdp2]
 
-Trains the tiny Qwen3 for a few steps under DDP (gloo), exports the block-FP8 checkpoint (rank 0 writes it), and
+Trains the tiny Qwen3 for a few steps under DDP or FSDP2 (gloo), exports the block-FP8 checkpoint (rank 0 writes it), and
 writes `OUT_DIR/rank<r>.json` with what every rank must agree on: its log history, a digest of its parameters and a
 digest of the FP8 tensors it would push to vLLM.
 """
@@ -22,6 +22,7 @@ import torch  # noqa: E402
 def tensor_digest(pairs) -> str:
     h = hashlib.sha256()
     for name, t in pairs:
+        t = t.full_tensor() if hasattr(t, "full_tensor") else t  # FSDP2 shards: digest the whole tensor
         t = t.detach().cpu().contiguous()
         h.update(name.encode())
         h.update(str(t.dtype).encode())
@@ -35,6 +36,11 @@ def main():
     from trl_fp8.vllm_sync import rollout_weight_tensors
 
     model_dir, out_dir = sys.argv[1], Path(sys.argv[2])
+    mode = sys.argv[3] if len(sys.argv) > 3 else "ddp"
+    sharding = {}
+    if mode == "fsdp2":
+        layers = {"version": 2, "transformer_layer_cls_to_wrap": ["Qwen3DecoderLayer"], "reshard_after_forward": True}
+        sharding = {"fsdp": True, "fsdp_config": layers}
     args = FP8GRPOConfig(
         **{
             **GRPO_SETTINGS,
@@ -47,13 +53,17 @@ def main():
             "disable_tqdm": True,
             "save_bf16_master_weights": True,
             "report_to": "none",
+            **sharding,
         }
     )
     trainer = FP8GRPOTrainer(model_dir, say_letter_reward, args, train_dataset=say_letter_dataset(256))
     trainer.train()
     trainer.save_model(str(out_dir / "fp8"))
     model = trainer.accelerator.unwrap_model(trainer.model)
+    from torch.distributed.tensor import DTensor
+
     record = {
+        "sharded": isinstance(model.model.layers[0].mlp.down_proj.weight, DTensor),
         "rank": trainer.accelerator.process_index,
         "world_size": trainer.accelerator.num_processes,
         "distributed_type": str(trainer.accelerator.distributed_type),

@@ -6,6 +6,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -230,6 +231,32 @@ def test_save_model_writes_a_block_fp8_checkpoint_transformers_loads(model_dir, 
     assert err < 0.12, err
 
 
+def test_export_streams_shards_that_transformers_reloads(tmp_path):
+    """A small `max_shard_size` splits the checkpoint into several files written one at a time, with an index; the
+    tensors are those of a single-file export."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from trl_fp8 import convert_to_fp8, save_fp8_checkpoint
+
+    model = tiny_qwen3(vocab_size=128)
+    convert_to_fp8(model)
+    save_fp8_checkpoint(model, tmp_path / "one", progress=False)
+    save_fp8_checkpoint(model, tmp_path / "many", progress=False, max_shard_size=2**20)
+    files = sorted(p.name for p in (tmp_path / "many").glob("model-*.safetensors"))
+    assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    index = json.loads((tmp_path / "many" / "model.safetensors.index.json").read_text())
+    single = load_file(tmp_path / "one" / "model.safetensors")
+    assert set(index["weight_map"]) == set(single) and set(index["weight_map"].values()) == set(files)
+    for f in files:
+        for name, t in load_file(tmp_path / "many" / f).items():
+            assert index["weight_map"][name] == f
+            assert torch.equal(t.view(torch.uint8), single[name].view(torch.uint8))
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in single.values())
+    assert not list((tmp_path / "many").glob("part-*")) and not list((tmp_path / "many").glob(".tmp-*"))
+    AutoModelForCausalLM.from_pretrained(tmp_path / "many")  # transformers follows the index
+
+
 def test_interrupted_or_corrupt_saves_never_look_complete(model_dir, tmp_path, monkeypatch):
     trainer = make_trainer(model_dir, tmp_path)
     out = tmp_path / "ckpt"
@@ -418,7 +445,7 @@ def test_quantize_cli_matches_the_training_quantizer(model_dir, tmp_path):
 @pytest.mark.parametrize(
     "env, name",
     [
-        ({"ACCELERATE_USE_FSDP": "true"}, "FSDP"),
+        ({"ACCELERATE_USE_FSDP": "true"}, "FSDP1"),  # accelerate's default FSDP version
         ({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"}, "DeepSpeed ZeRO-3"),
     ],
 )
@@ -434,6 +461,24 @@ def test_sharded_launches_are_refused_before_loading_the_model(tmp_path, monkeyp
         FP8GRPOTrainer("some/model", say_letter_reward, args, train_dataset=say_letter_dataset(16))
     assert loads == []
     check_no_weight_sharding(bf16_args)  # plain BF16 GRPO: TRL's business
+
+
+def test_fsdp2_launches_are_accepted_and_keep_no_fp8_weight_cache(tmp_path, monkeypatch):
+    """FSDP2 hands each layer the whole weight inside forward/backward, and the sync/export gather per tensor
+    (tests/test_multiprocess.py runs them sharded); a cached FP8 copy of every layer would undo the sharding."""
+    from trl_fp8.grpo_trainer import check_no_weight_sharding, weight_sharding
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    args = make_args(tmp_path)
+    assert weight_sharding(args) == "FSDP2"
+    check_no_weight_sharding(args)
+    converted = []
+    monkeypatch.setattr("trl_fp8.grpo_trainer.convert_to_fp8", lambda model, **kw: converted.append(kw["config"]))
+    FP8GRPOTrainer._convert(SimpleNamespace(_fp8_filter=None), object(), args)
+    assert converted[0].cache_quantized_weight is False
+    monkeypatch.delenv("ACCELERATE_USE_FSDP")
+    assert weight_sharding(make_args(tmp_path, fsdp=True)) == "FSDP2"  # transformers' default version
 
 
 def test_a_run_without_fp8_layers_is_an_error_not_a_silent_bf16_run(model_dir, tmp_path):

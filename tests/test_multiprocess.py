@@ -92,3 +92,24 @@ def test_the_demo_runs_under_torchrun_with_two_processes(tmp_path):
     assert proc.stdout.count("Saved the FP8 checkpoint") == 1
     assert "after GRPO (FP8 checkpoint reloaded" in proc.stdout
     assert (tmp_path / "demo" / "model.safetensors").exists()
+
+
+def test_fp8_layers_train_sync_and_export_under_fsdp2(tmp_path):
+    """FP8Linear on FSDP2-sharded weights: training equals an unsharded replica bit for bit (losses, weights), the
+    tensors for vLLM are gathered one at a time and equal the replica's, and the export written by rank 0 from the
+    shards equals a one-process export of the replica, tensor for tensor."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+           str(ROOT / "tests" / "fsdp2_fp8_worker.py"), str(tmp_path)]  # fmt: skip
+    env = {**clean_subprocess_env(), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    r0, r1 = (json.loads((tmp_path / f"fsdp2_rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["sharded"] and r1["sharded"]  # the layers really held DTensor shards
+    for r in (r0, r1):
+        assert r["losses"]["sharded"] == r["losses"]["replica"]
+        assert r["params"]["sharded"] == r["params"]["replica"] != r["initial_params"]
+        assert r["pushed_fp8"]["sharded"] == r["pushed_fp8"]["replica"]
+    sharded, replica = (load_file(tmp_path / d / "model.safetensors") for d in ("sharded", "replica"))
+    assert sharded.keys() == replica.keys() and sum(t.dtype == torch.float8_e4m3fn for t in sharded.values()) == 28
+    for name, t in sharded.items():
+        assert torch.equal(t.view(torch.uint8), replica[name].view(torch.uint8)), name

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from .conversion import is_fp8_linear, plan_fp8_conversion
-from .fp8_linear import FP8Linear
+from .fp8_linear import FP8Linear, _is_sharded
 from .quantization import quantize_blocks
 
 __all__ = [
@@ -111,11 +111,15 @@ def fp8_checkpoint_tensors(
             continue
         prefix, _, leaf = key.rpartition(".")
         name = hf_name(key)
-        if tie and tensor.data_ptr() in seen_storage:
+        sharded = _is_sharded(tensor)
+        storage = (tensor.to_local() if sharded else tensor).data_ptr()
+        if tie and storage in seen_storage:
             continue  # the tied lm_head: vLLM and transformers re-tie it from the embedding
-        seen_storage.add(tensor.data_ptr())
+        seen_storage.add(storage)
         lora_parent = _lora_parent(modules, prefix) if leaf == "weight" else None
         if leaf != "weight" or hf_name(prefix) not in fp8_modules:
+            if sharded:  # FSDP2: one whole tensor at a time, gathered by every rank in the same order
+                tensor = tensor.full_tensor()
             if lora_parent is not None:
                 tensor = _merged_weight(modules[prefix], lora_parent)
             if check_finite and tensor.is_floating_point() and not torch.isfinite(tensor).all():
@@ -125,14 +129,19 @@ def fp8_checkpoint_tensors(
             continue
         module = modules[prefix]
         if isinstance(module, FP8Linear) and lora_parent is None:
+            q, scale_inv = module.quantized_weight()  # FSDP2: gathered and quantized there
             weight = module.weight
-            q, scale_inv = module.quantized_weight()
         else:
+            if sharded:
+                raise NotImplementedError(
+                    f"{name}: exporting a sharded (FSDP2) layer that is not an FP8Linear without LoRA is not "
+                    "supported; convert the model with convert_to_fp8 and merge LoRA adapters before sharding."
+                )
             weight = _merged_weight(module, lora_parent)
             # A LoRA-wrapped FP8 layer keeps its own scale rounding for the merged weight.
             pow2 = module.fp8_config.power_of_two_scales if isinstance(module, FP8Linear) else power_of_two_scales
             q, scale_inv = quantize_blocks(weight, power_of_two_scales=pow2)
-        if check_finite and not torch.isfinite(weight).all():
+        if check_finite and not _all_finite(weight):
             raise ValueError(
                 f"{name} holds NaN or Inf values; refusing to write a corrupt FP8 checkpoint. The training run "
                 "diverged: lower the learning rate or resume from an earlier checkpoint."
@@ -183,17 +192,13 @@ def checkpoint_config(
     return config
 
 
-def _shard(tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list[dict[str, torch.Tensor]]:
-    shards, current, size = [], {}, 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if current and size + nbytes > max_shard_bytes:
-            shards.append(current)
-            current, size = {}, 0
-        current[name] = t
-        size += nbytes
-    shards.append(current)
-    return shards
+def _all_finite(t: torch.Tensor) -> bool:
+    """Whether every value is finite; for an FSDP2 shard, every rank gets the same answer (so all raise or none)."""
+    if not _is_sharded(t):
+        return bool(torch.isfinite(t).all())
+    ok = torch.isfinite(t.to_local()).all().to(torch.float32).reshape(1)
+    torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN, group=t.device_mesh.get_group())
+    return bool(ok.item())
 
 
 def save_fp8_checkpoint(
@@ -207,6 +212,7 @@ def save_fp8_checkpoint(
     max_shard_size: int = 5 * 2**30,
     extra_files: dict[str, str] | None = None,
     progress: bool = True,
+    write: bool = True,
 ) -> Path:
     """Write `model` as a block-FP8 checkpoint to `output_dir` (vLLM: `LLM(output_dir)`; transformers:
     `AutoModelForCausalLM.from_pretrained(output_dir)`).
@@ -220,10 +226,14 @@ def save_fp8_checkpoint(
         dtype: dtype of the high-precision tensors (None keeps the model's).
         max_shard_size: bytes per safetensors shard.
         extra_files: `{filename: text}` written with the checkpoint (e.g. a model card).
+        write: False on the ranks of a sharded (FSDP2) model that do not write: they still walk the tensors, taking
+            part in gathering each one, which every rank must do in the same order.
 
-    The write is atomic in the sense that matters: everything goes to a temporary folder first, and `config.json`,
-    which makes the folder look like a model, is moved in last. An interrupted save leaves no `config.json` and so
-    never passes for a complete checkpoint. NaN/Inf weights raise before anything is written.
+    Tensors stream to disk one safetensors shard at a time, so the writer holds at most one shard in memory (FSDP2:
+    one gathered tensor at a time on each rank besides). The write is atomic in the sense that matters: everything
+    goes to a temporary folder first, and `config.json`, which makes the folder look like a model, is moved in last.
+    An interrupted save leaves no `config.json` and so never passes for a complete checkpoint; NaN/Inf weights raise
+    before the output folder is touched.
     """
     from safetensors.torch import save_file
     from tqdm.auto import tqdm
@@ -234,34 +244,49 @@ def save_fp8_checkpoint(
     clean_fp8 = {hf_name(n) for n in fp8_modules}
     check_fused_groups(clean_fp8, linear_names)
 
-    tensors: dict[str, torch.Tensor] = {}
-    pairs = fp8_checkpoint_tensors(model, fp8_modules=fp8_modules, power_of_two_scales=power_of_two_scales)
-    for name, t in tqdm(pairs, desc="Quantizing FP8 checkpoint", unit="tensor", disable=not progress):
-        is_fp8_part = t.dtype == torch.float8_e4m3fn or name.endswith(".weight_scale_inv")
-        if dtype is not None and t.is_floating_point() and not is_fp8_part:
-            t = t.to(dtype)
-        tensors[name] = t.to("cpu").contiguous()
-
     config = checkpoint_config(hf_model, clean_fp8, linear_names, dtype)
-
+    pairs = fp8_checkpoint_tensors(model, fp8_modules=fp8_modules, power_of_two_scales=power_of_two_scales)
     out = Path(output_dir)
+    if not write:
+        for _ in pairs:  # take part in the gathers
+            pass
+        return out
+
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / f".tmp-fp8-save-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        shards = _shard(tensors, max_shard_size)
-        files = (
-            ["model.safetensors"]
-            if len(shards) == 1
-            else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-        )
-        for fname, shard in zip(files, tqdm(shards, desc="Writing shards", disable=not progress), strict=True):
-            save_file(shard, str(tmp / fname), metadata={"format": "pt"})
-        if len(shards) > 1:
+        shards: list[list[str]] = []  # tensor names per written shard, in order
+        shard: dict[str, torch.Tensor] = {}
+        shard_bytes = total_bytes = 0
+
+        def flush(tensors: dict[str, torch.Tensor]) -> None:
+            save_file(tensors, str(tmp / f"part-{len(shards):05d}.safetensors"), metadata={"format": "pt"})
+            shards.append(list(tensors))
+
+        for name, t in tqdm(pairs, desc="Writing FP8 checkpoint", unit="tensor", disable=not progress):
+            is_fp8_part = t.dtype == torch.float8_e4m3fn or name.endswith(".weight_scale_inv")
+            if dtype is not None and t.is_floating_point() and not is_fp8_part:
+                t = t.to(dtype)
+            t = t.to("cpu").contiguous()
+            nbytes = t.numel() * t.element_size()
+            if shard and shard_bytes + nbytes > max_shard_size:
+                flush(shard)
+                shard, shard_bytes = {}, 0
+            shard[name] = t
+            shard_bytes += nbytes
+            total_bytes += nbytes
+        flush(shard)
+        del shard
+        n = len(shards)
+        files = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        for i, fname in enumerate(files):
+            (tmp / f"part-{i:05d}.safetensors").rename(tmp / fname)
+        if n > 1:
             index = {
-                "metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
-                "weight_map": {name: f for f, shard in zip(files, shards, strict=True) for name in shard},
+                "metadata": {"total_size": total_bytes},
+                "weight_map": {name: f for f, names in zip(files, shards, strict=True) for name in names},
             }
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))

@@ -157,6 +157,15 @@ class FP8Linear(nn.Linear):
 
         This is what the vLLM weight sync and the exporter send, so rollouts run on the trainer's FP8 values.
         """
+        weight = self.weight
+        if _is_sharded(weight):
+            # FSDP2 between forwards: gather the whole weight (a collective: every rank must ask, in the same order,
+            # as the exporter and the vLLM sync do), quantize it and keep nothing.
+            full = weight.full_tensor()
+            cfg = self.fp8_config
+            return select_ops(cfg, full.device).quantize_weight(
+                full.detach(), power_of_two_scales=cfg.power_of_two_scales
+            )
         fp8_weight = self._fp8_weight()
         return fp8_weight.q, fp8_weight.scale_inv
 
@@ -200,6 +209,15 @@ class FP8Linear(nn.Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, fp8={self.fp8_config.recipe}"
+
+
+def _is_sharded(t: torch.Tensor) -> bool:
+    """A DTensor shard (FSDP2 outside its forward/backward); inside them FSDP2 hands the layer the whole weight."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
 
 
 def invalidate_fp8_weights(model: nn.Module) -> int:

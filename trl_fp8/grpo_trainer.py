@@ -101,7 +101,12 @@ class FP8GRPOTrainer(GRPOTrainer):
         if args.fp8_recipe is None:
             return ConversionReport(recipe="bf16")
         config = FP8LinearConfig(
-            recipe=args.fp8_recipe, power_of_two_scales=args.fp8_power_of_two_scales, backend=args.fp8_backend
+            recipe=args.fp8_recipe,
+            power_of_two_scales=args.fp8_power_of_two_scales,
+            backend=args.fp8_backend,
+            # FSDP2 shards the weights to save memory; a whole FP8 copy of every layer kept between steps would undo
+            # much of it, and quantizing a weight costs one pass over it per forward.
+            cache_quantized_weight=weight_sharding(args) != "FSDP2",
         )
         return convert_to_fp8(
             model,
@@ -221,17 +226,22 @@ class FP8GRPOTrainer(GRPOTrainer):
         if not self.args.save_fp8_checkpoint or self._saving_training_checkpoint:
             return super().save_model(output_dir, _internal_call)
         output_dir = output_dir or self.args.output_dir
-        if self.args.should_save:
-            model = self.accelerator.unwrap_model(self.model)
+        model = self.accelerator.unwrap_model(self.model)
+        fsdp2 = weight_sharding(self.args) == "FSDP2"
+        if self.args.should_save or fsdp2:  # FSDP2: every rank gathers each tensor, the main process writes
             save_fp8_checkpoint(
                 model,
                 output_dir,
                 self.processing_class,
                 power_of_two_scales=self.args.fp8_power_of_two_scales,
-                progress=not self.args.disable_tqdm,
+                progress=not self.args.disable_tqdm and self.args.should_save,
+                write=self.args.should_save,
             )
-            if self.args.save_bf16_master_weights:
-                model.save_pretrained(os.path.join(output_dir, "bf16_master"))
+        if self.args.save_bf16_master_weights:
+            state_dict = self.accelerator.get_state_dict(self.model) if fsdp2 else None  # gathered: a collective
+            if self.args.should_save:
+                model.save_pretrained(os.path.join(output_dir, "bf16_master"), state_dict=state_dict)
+        if self.args.should_save:
             torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
         self.accelerator.wait_for_everyone()
 
@@ -246,10 +256,16 @@ class FP8GRPOTrainer(GRPOTrainer):
 
 
 def weight_sharding(args) -> str | None:
-    """The weight sharding of the launch: "FSDP", "DeepSpeed ZeRO-3", or None (whole weights on every rank)."""
+    """The weight sharding of the launch: "FSDP2", "FSDP1", "DeepSpeed ZeRO-3", or None (whole weights on every rank).
+
+    FSDP comes from the training arguments (`fsdp=...`, `fsdp_config={"version": 2}`, transformers' default 2) or
+    from `accelerate launch --config_file fsdp*.yaml` (its `FSDP_VERSION`, accelerate's default 1).
+    """
     env = os.environ
-    if args.fsdp or env.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true"):
-        return "FSDP"
+    if args.fsdp:
+        return f"FSDP{int((args.fsdp_config or {}).get('version', 2))}"
+    if env.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true"):
+        return f"FSDP{int(env.get('FSDP_VERSION', '1'))}"
     ds_config = getattr(args, "hf_deepspeed_config", None)
     if ds_config is not None and ds_config.is_zero3():
         return "DeepSpeed ZeRO-3"
@@ -261,16 +277,20 @@ def weight_sharding(args) -> str | None:
 
 
 def check_no_weight_sharding(args: FP8GRPOConfig) -> None:
-    """Refuse sharded weights at start-up, not after training: FP8 layers, the vLLM sync and the FP8 export all read
-    whole weights, which FSDP / ZeRO-3 do not hold on any one rank."""
+    """Refuse, at start-up rather than after training, the sharding FP8 cannot follow.
+
+    FSDP2 works: its forward and backward hand each layer the whole weight, and the sync and the export gather one
+    tensor at a time (`FP8Linear.quantized_weight`). FSDP1 flattens parameters and ZeRO-3 partitions them outside
+    the module, so neither gives a layer, the sync or the exporter whole 128x128 blocks.
+    """
     sharding = weight_sharding(args)
     needs_whole_weights = args.fp8_recipe is not None or args.use_vllm or args.save_fp8_checkpoint
-    if sharding and needs_whole_weights:
+    if sharding not in (None, "FSDP2") and needs_whole_weights:
         raise NotImplementedError(
-            f"FP8GRPOTrainer does not support {sharding} yet: FP8 layers quantize whole 128x128 weight blocks and "
-            "the vLLM sync and FP8 export read whole weights, which sharded ranks do not hold. Launch with DDP "
-            "(TRL's accelerate_configs/multi_gpu.yaml) or DeepSpeed ZeRO-1/2 (zero2.yaml); or, for plain BF16 GRPO, "
-            "set fp8_recipe=None, use_vllm=False and save_fp8_checkpoint=False."
+            f"FP8GRPOTrainer does not support {sharding}: its layers, the vLLM sync and the FP8 export need whole "
+            "weights, which it does not give them. Shard with FSDP2 (TRL's accelerate_configs/fsdp2.yaml, or "
+            "fsdp_config={'version': 2}), or replicate with DDP (multi_gpu.yaml) or DeepSpeed ZeRO-1/2 "
+            "(zero2.yaml); or, for plain BF16 GRPO, set fp8_recipe=None, use_vllm=False and save_fp8_checkpoint=False."
         )
 
 

@@ -304,7 +304,7 @@ class FP8VLLMGeneration(VLLMGeneration):
     # --- start-up ----------------------------------------------------------------------------------------------
 
     def _init_vllm(self):
-        check_vllm_version()  # sharded (FSDP / ZeRO-3) launches were refused by the trainer before loading
+        check_vllm_version()  # FSDP1 / ZeRO-3 launches were refused by the trainer before loading
         if self.mode != "colocate":
             if self.accelerator.is_main_process:
                 self._check_server()  # before TRL joins the server's NCCL group, which cannot be undone
@@ -374,7 +374,8 @@ class FP8VLLMGeneration(VLLMGeneration):
         return scales
 
     def _iter_named_params(self):
-        # Every rank holds the full model (DDP / ZeRO-1/2), so no gather is needed; vLLM's loaders shard for TP.
+        # DDP / ZeRO-1/2: every rank holds the whole model. FSDP2: each tensor is gathered as it is produced, and TRL
+        # walks this on every rank in the same order (in server mode the others discard it). vLLM shards for TP.
         yield from rollout_weight_tensors(
             self.model,
             self.rollout_precision,
