@@ -1,0 +1,54 @@
+"""One rank of FP8 GRPO on two GPUs with vLLM colocated on each, launched by tests/gpu/test_multi_gpu.py:
+
+    accelerate launch --config_file <TRL's multi_gpu.yaml | fsdp2.yaml> --num_processes 2 \
+        tests/gpu/multi_gpu_worker.py MODEL_DIR OUT_DIR
+
+After training, every rank checks that its own engine holds the trainer's FP8 weights bit for bit (under FSDP2 each
+weight is gathered for that, by every rank in the same order), then writes `OUT_DIR/rank<r>.json` (log history,
+digests of the whole parameters and of the FP8 tensors for vLLM); `save_model` writes the export from rank 0.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parents[1]), str(HERE.parent), str(HERE)]
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def main():
+    from ddp_grpo_worker import tensor_digest
+    from test_vllm_gpu import assert_engine_holds_trainer_fp8
+    from torch.distributed.tensor import DTensor
+
+    from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer
+    from trl_fp8.toy_task import GRPO_SETTINGS, say_letter_dataset, say_letter_reward
+    from trl_fp8.vllm_sync import rollout_weight_tensors
+
+    model_dir, out = sys.argv[1], Path(sys.argv[2])
+    args = FP8GRPOConfig(
+        **{**GRPO_SETTINGS, "per_device_train_batch_size": 16},
+        output_dir=str(out / "run"), max_steps=3, logging_steps=1, bf16=True, disable_tqdm=True,
+        model_init_kwargs={"dtype": "bfloat16"}, use_vllm=True, vllm_mode="colocate",
+        vllm_gpu_memory_utilization=0.25, tis="token", save_bf16_master_weights=True,
+    )  # fmt: skip
+    trainer = FP8GRPOTrainer(model_dir, say_letter_reward, args, train_dataset=say_letter_dataset(512))
+    trainer.train()
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    assert_engine_holds_trainer_fp8(trainer)
+    record = {
+        "rank": trainer.accelerator.process_index,
+        "distributed_type": str(trainer.accelerator.distributed_type),
+        "sharded": isinstance(model.model.layers[0].mlp.down_proj.weight, DTensor),
+        "log_history": trainer.state.log_history,
+        "params": tensor_digest(model.named_parameters()),
+        "pushed_fp8": tensor_digest(rollout_weight_tensors(model, "fp8")),
+    }
+    trainer.save_model(str(out / "fp8"))
+    (out / f"rank{record['rank']}.json").write_text(json.dumps(record, indent=1))
+
+
+if __name__ == "__main__":
+    main()

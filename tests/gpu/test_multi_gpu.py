@@ -1,0 +1,76 @@
+"""FP8 GRPO on two GPUs of one host: DDP and FSDP2 through accelerate, vLLM colocated on each rank (TP=1).
+
+Needs a host with two SM90 GPUs (`nvidia-h200-x2`); skipped elsewhere. Per launch config: the ranks agree on their
+logs (timings aside), their parameters and the FP8 tensors for vLLM; each engine holds its trainer's FP8 weights
+bit for bit; the export written by rank 0 equals a one-process export of the trained master weights.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import clean_subprocess_env
+
+pytestmark = pytest.mark.gpu
+ROOT = Path(__file__).resolve().parents[2]
+TIMINGS = {"step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second", "fp8/weight_sync_ms"}
+
+
+def _host_gpus() -> int:
+    """GPUs on the host, whatever CUDA_VISIBLE_DEVICES this process was given."""
+    try:
+        listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(line.startswith("GPU ") for line in listing.splitlines())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.skipif(_host_gpus() < 2, reason="needs two GPUs on one host")
+@pytest.mark.parametrize("launch", ["multi_gpu", "fsdp2"])
+def test_two_gpu_grpo_with_colocated_engines(tmp_path, launch):
+    pytest.importorskip("vllm")
+    import trl
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from trl_fp8 import convert_to_fp8, save_fp8_checkpoint
+    from trl_fp8.tiny_model import tiny_char_tokenizer, tiny_qwen3
+
+    tokenizer = tiny_char_tokenizer()
+    model_dir = tmp_path / "model"
+    tiny_qwen3(vocab_size=128, eos_token_id=tokenizer.eos_token_id, pad_token_id=0).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    config = Path(trl.__file__).parent / "accelerate_configs" / f"{launch}.yaml"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes", "2",
+           "--main_process_port", str(_free_port()), str(ROOT / "tests" / "gpu" / "multi_gpu_worker.py"),
+           str(model_dir), str(tmp_path / "out")]  # fmt: skip
+    env = {**clean_subprocess_env(), "CUDA_VISIBLE_DEVICES": "0,1"}  # the NVLink multicast settings stay
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    r0, r1 = (json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in (0, 1))
+    print(f"{launch}: {r0['distributed_type']}, sharded={r0['sharded']}, last step {r0['log_history'][-2]}")
+    assert r0["sharded"] == (launch == "fsdp2")
+    for a, b in zip(r0["log_history"], r1["log_history"], strict=True):
+        assert {k: v for k, v in a.items() if k not in TIMINGS} == {k: v for k, v in b.items() if k not in TIMINGS}
+    assert r0["params"] == r1["params"] and r0["pushed_fp8"] == r1["pushed_fp8"]
+
+    master = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "fp8" / "bf16_master", dtype=torch.bfloat16)
+    convert_to_fp8(master)
+    save_fp8_checkpoint(master, tmp_path / "one", progress=False)
+    ours, one = (load_file(p / "model.safetensors") for p in (tmp_path / "out" / "fp8", tmp_path / "one"))
+    assert ours.keys() == one.keys()
+    for name, t in ours.items():
+        assert torch.equal(t.view(torch.uint8), one[name].view(torch.uint8)), name
+    assert os.path.exists(tmp_path / "out" / "fp8" / "config.json")
