@@ -72,6 +72,38 @@ def length_reward(completions, **kwargs) -> list[float]:
     return [(hash(c) % 1000) / 1000 for c in completions]
 
 
+# CUDA kernel names -> where the training phase's time goes (first match wins; checked on the names seen on H200).
+KERNEL_CATEGORIES = (
+    ("fp8 quantization (ours)", r"_act_quant_kernel|_weight_quant_kernel"),
+    ("gemm", r"gemm|cutlass|xmma|nvjet|cublas|scaled_mm|sm90_"),
+    ("attention", r"flash|fmha|attention|sdpa"),
+    ("optimizer", r"adam|multi_tensor|foreach"),
+    ("softmax / log-probs", r"softmax|logsumexp|cross_entropy|nll|log_prob"),
+    ("norms / reductions", r"reduce|norm|rsqrt|mean"),
+    ("copies / casts", r"copy|cast|convert|fill|cat_|catarray|index"),
+    ("elementwise / fused (triton)", r"elementwise|vectorized|unrolled|triton"),
+)
+
+
+def kernel_breakdown(prof, top: int = 25) -> dict:
+    """GPU kernel milliseconds of the profiled training phase by category, and the heaviest kernels."""
+    import re
+
+    kernels = [e for e in prof.key_averages() if e.self_device_time_total > 0 and not e.key.startswith("aten::")]
+    by_category: dict[str, float] = {}
+    for e in kernels:
+        name = e.key.lower()
+        category = next((c for c, pattern in KERNEL_CATEGORIES if re.search(pattern, name)), "other")
+        by_category[category] = by_category.get(category, 0.0) + e.self_device_time_total / 1e3
+    heaviest = sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]
+    return {
+        "kernel_ms_by_category": dict(sorted(by_category.items(), key=lambda kv: -kv[1])),
+        "top_kernels": [
+            {"name": e.key[:160], "ms": e.self_device_time_total / 1e3, "count": e.count} for e in heaviest
+        ],
+    }
+
+
 def run_one(args) -> None:
     import torch
     from datasets import Dataset
@@ -137,6 +169,45 @@ def run_one(args) -> None:
 
     generation.generate = timed(generation.generate, "rollout")
     generation.sync_weights = timed(generation.sync_weights, "sync")
+    profile = {}
+    if args.profile_step is not None:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+        state = {}
+
+        def untraced(fn):  # the rollout and the sync are measured above; the profile covers the training phase
+            def wrapper(*a, **k):
+                prof = state.get("prof")
+                if prof is not None:
+                    prof.toggle_collection_dynamic(False, activities)
+                try:
+                    return fn(*a, **k)
+                finally:
+                    if prof is not None:
+                        prof.toggle_collection_dynamic(True, activities)
+
+            return wrapper
+
+        generation.generate = untraced(generation.generate)
+        generation.sync_weights = untraced(generation.sync_weights)
+
+        class ProfileOneStep(TrainerCallback):
+            def on_step_begin(self, _args, st, control, **k):
+                if st.global_step == args.profile_step and "prof" not in state:
+                    state["prof"] = torch_profile(activities=activities)
+                    state["prof"].__enter__()
+
+            def on_step_end(self, _args, st, control, **k):
+                prof = state.get("prof")
+                if prof is not None and st.global_step == args.profile_step + 1:
+                    torch.cuda.synchronize()
+                    prof.__exit__(None, None, None)
+                    profile.update(step=args.profile_step, **kernel_breakdown(prof))
+                    state["prof"] = None
+
+        trainer.add_callback(ProfileOneStep())
     trainer.train()
 
     def per_step(key):  # seconds per optimizer step, by the step during which they ran
@@ -163,6 +234,8 @@ def run_one(args) -> None:
         "per_step": {"step_s": step, "rollout_s": rollout, "weight_sync_s": sync},
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
     }
+    if profile:
+        row["training_profile"] = profile
     print(json.dumps(row), flush=True)
 
 
@@ -181,6 +254,12 @@ def main():
     parser.add_argument("--completion_len", type=int, default=1024)
     parser.add_argument("--vllm_memory", type=float, default=0.3)
     parser.add_argument("--workdir", default="/tmp/trl_fp8_bench_grpo")
+    parser.add_argument(
+        "--profile_step",
+        type=int,
+        default=None,
+        help="profile this optimizer step's training phase (rollout and sync left out): GPU kernel time by category",
+    )
     parser.add_argument("--append", action="store_true", help="merge into an existing results file")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -219,6 +298,10 @@ def main():
                      f"{b['training_s'] / t['training_s']:.2f}x")  # fmt: skip
         print(f"{r['name']:<15}{t['step_s']:>9.2f}{t['rollout_s']:>11.2f}{t['training_s']:>12.2f}"
               f"{t['weight_sync_s']:>9.2f}{speed:>28}")  # fmt: skip
+    for r in result["results"]:
+        if "training_profile" in r:
+            cats = r["training_profile"]["kernel_ms_by_category"]
+            print(f"{r['name']} training-phase kernels (ms): " + ", ".join(f"{k} {v:.0f}" for k, v in cats.items()))
     print(f"wrote {out}")
     if failed:
         raise SystemExit(f"failed runs: {failed}")

@@ -25,10 +25,11 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trl_fp8 import FP8Linear, FP8LinearConfig  # noqa: E402
-from trl_fp8.fp8_linear import _shared_input  # noqa: E402
+from trl_fp8.fp8_linear import forget_quantized_input  # noqa: E402
 
 QWEN3_8B = [
     (4096, 6144, "qkv_proj"),
+    (4096, (4096, 1024, 1024), "q,k,v (3 layers)"),  # transformers' Qwen3: three layers reading one input
     (4096, 4096, "o_proj"),
     (4096, 24576, "gate_up_proj"),
     (12288, 4096, "down_proj"),
@@ -54,19 +55,40 @@ def bench(fn, reps: int, cuda: bool, grad_to_none=()) -> float:
     return sorted(times)[len(times) // 2]
 
 
+class SharedInputLinears(nn.Module):
+    """Several linear layers reading the same input, outputs concatenated (q/k/v as transformers runs them)."""
+
+    def __init__(self, k, ns, **kw):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(k, n, bias=False, **kw) for n in ns)
+
+    def forward(self, x):
+        return torch.cat([layer(x) for layer in self.layers], dim=-1)
+
+
 def make_variants(k, n, device, dtype, cuda):
     def bf16():
+        if isinstance(n, tuple):
+            return SharedInputLinears(k, n, device=device, dtype=dtype)
         return nn.Linear(k, n, bias=False, device=device, dtype=dtype)
 
+    def each_layer(mod, convert):  # convert(layer) -> layer, applied to the layer or to each shared-input layer
+        if isinstance(mod, nn.Linear):
+            return convert(mod)
+        mod.layers = nn.ModuleList(convert(layer) for layer in mod.layers)
+        return mod
+
     def ours(cache):
-        return FP8Linear.convert_(bf16(), FP8LinearConfig(cache_quantized_weight=cache))
+        return each_layer(
+            bf16(), lambda layer: FP8Linear.convert_(layer, FP8LinearConfig(cache_quantized_weight=cache))
+        )
 
     variants = {"bf16": bf16(), "trl_fp8 blockwise": ours(False), "trl_fp8 blockwise (cached W)": ours(True)}
     if cuda:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
         from torchao.prototype.blockwise_fp8_training.linear import Float8BlockwiseLinear
 
-        variants["torchao blockwise prototype"] = Float8BlockwiseLinear.from_float(bf16())
+        variants["torchao blockwise prototype"] = each_layer(bf16(), Float8BlockwiseLinear.from_float)
         tw = nn.Sequential(bf16())
         convert_to_float8_training(tw, config=Float8LinearConfig.from_recipe_name("tensorwise"))
         variants["torchao tensorwise"] = tw
@@ -107,7 +129,7 @@ def profile_step(mod, x, dy, cuda, out_dir, label, name, iters=20):
     from torch.profiler import ProfilerActivity, profile
 
     def step():
-        _shared_input.clear()
+        forget_quantized_input()
         mod(x).backward(dy)
 
     for _ in range(3):
@@ -158,7 +180,7 @@ def main():
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     dtype = torch.bfloat16
-    shapes = [(256, 384, "tiny_a"), (512, 256, "tiny_b")] if args.quick else QWEN3_8B
+    shapes = [(256, 384, "tiny_a"), (512, 256, "tiny_b"), (256, (128, 256), "tiny_ab")] if args.quick else QWEN3_8B
     m = 256 if args.quick else args.tokens
     device_name = torch.cuda.get_device_name() if cuda else platform.processor() or "cpu"
 
@@ -166,27 +188,28 @@ def main():
     for k, n, label in shapes:
         variants = make_variants(k, n, device, dtype, cuda)
         x = torch.randn(m, k, device=device, dtype=dtype, requires_grad=True)
-        dy = torch.randn(m, n, device=device, dtype=dtype)
+        dy = torch.randn(m, sum(n) if isinstance(n, tuple) else n, device=device, dtype=dtype)
         times = {}
         for name, mod in variants.items():
-            weight = next(mod.parameters())
+            params = list(mod.parameters())
 
             def step(mod=mod, x=x, dy=dy):
-                _shared_input.clear()  # the same x every call: quantize it every call, as a new activation would be
+                forget_quantized_input()  # the same x every call: quantize it every call, as a new activation would be
                 mod(x).backward(dy)
 
             if cuda:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
                 base = torch.cuda.memory_allocated()
-            times[name] = bench(step, args.reps, cuda, grad_to_none=(x, weight))
+            times[name] = bench(step, args.reps, cuda, grad_to_none=(x, *params))
             peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if cuda else None
             rows.append(
                 {"shape": label, "K": k, "N": n, "M": m, "variant": name, "ms": times[name], "peak_extra_MiB": peak}
             )
         for r in rows[-len(variants) :]:
             r["speedup_vs_bf16"] = times["bf16"] / r["ms"]
-        breakdowns[label] = breakdown(m, k, n, device, dtype, args.reps, cuda)
+        if not isinstance(n, tuple):  # the shared-input group is made of the layers measured on their own
+            breakdowns[label] = breakdown(m, k, n, device, dtype, args.reps, cuda)
         if args.profile:
             for name in ("bf16", "trl_fp8 blockwise (cached W)"):
                 mod = variants[name]

@@ -68,17 +68,35 @@ def plot_convergence(runs: list[dict], out: Path, plt) -> list[Path]:
     return written
 
 
+def rollout_points(result: dict) -> dict[str, dict[str, float]]:
+    """`{engine: {"<sequences>x<new tokens>": tokens/s}}` from a bench_rollout result, in either format: rows with
+    `points` (since the rollout-kernel issue) or the first format's `gen_<new tokens>` entries."""
+    table = {}
+    for r in result["results"]:
+        if "points" in r:
+            table[r["engine"]] = {f"{p['seqs']}x{p['new_tokens']}": p["tokens_per_s"] for p in r["points"]}
+        else:
+            gens = {k: v for k, v in r.items() if k.startswith("gen_")}
+            table[r["engine"]] = {
+                f"{v['prompts']}x{k.removeprefix('gen_')}": v["tokens_per_s"] for k, v in gens.items()
+            }
+    return table
+
+
 def plot_rollout(result: dict, out: Path, plt) -> Path:
-    rows = result["results"]
-    keys = [k for k in rows[0] if k.startswith("gen_")]
-    fig, ax = plt.subplots(figsize=(6.4, 4))
-    width = 0.8 / len(keys)
-    for i, key in enumerate(keys):
-        ax.bar([j + i * width for j in range(len(rows))], [r[key]["tokens_per_s"] for r in rows], width, label=key)
-    ax.set_xticks([j + width * (len(keys) - 1) / 2 for j in range(len(rows))], [r["engine"] for r in rows])
+    table = rollout_points(result)
+    engines = list(table)
+    labels = list(dict.fromkeys(label for points in table.values() for label in points))
+    fig, ax = plt.subplots(figsize=(7.2, 4))
+    width = 0.8 / len(engines)
+    for i, engine in enumerate(engines):
+        xs = [j + i * width for j, label in enumerate(labels) if label in table[engine]]
+        ax.bar(xs, [table[engine][label] for label in labels if label in table[engine]], width, label=engine)
+    ax.set_xticks([j + width * (len(engines) - 1) / 2 for j in range(len(labels))], labels)
+    ax.set_xlabel("concurrent sequences x new tokens")
     ax.set_ylabel("output tokens / s")
     ax.set_title(f"vLLM rollout throughput, {result['shape']['name']} shape ({result['device']})")
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "rollout_throughput.png", dpi=120)
     plt.close(fig)

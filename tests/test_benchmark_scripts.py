@@ -35,3 +35,26 @@ def test_pretrain_grpo_and_plots_run_at_smoke_size(tmp_path):
 
     out = _run(ROOT / "benchmarks" / "plot_results.py", "--results", results, "--out", tmp_path / "plots")
     assert "convergence_accuracy.png" in out and (tmp_path / "plots" / "convergence_reward.png").stat().st_size > 0
+
+
+def test_rollout_plot_reads_both_result_formats(tmp_path):
+    """bench_rollout rows with `points` (sequences x new tokens per point) and the first format's `gen_<tokens>`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from plot_results import plot_rollout, rollout_points
+
+    def point(seqs, new, tps):
+        return {"seqs": seqs, "new_tokens": new, "tokens_per_s": tps}
+
+    new = {"device": "X", "shape": {"name": "8b"}, "results": [
+        {"engine": "bf16", "points": [point(64, 1024, 100.0), point(256, 1024, 200.0)]},
+        {"engine": "fp8_deepgemm", "points": [point(64, 1024, 130.0)]},
+    ]}  # fmt: skip
+    old = {"results": [{"engine": "bf16", "gen_1024": {"prompts": 256, "tokens_per_s": 5.0}}]}
+    assert rollout_points(new) == {"bf16": {"64x1024": 100.0, "256x1024": 200.0}, "fp8_deepgemm": {"64x1024": 130.0}}
+    assert rollout_points(old) == {"bf16": {"256x1024": 5.0}}
+    assert plot_rollout(new, tmp_path, plt).exists()

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from .conversion import is_fp8_linear, plan_fp8_conversion
-from .fp8_linear import FP8Linear, _is_sharded
+from .fp8_linear import FP8Linear, is_sharded
 from .quantization import quantize_blocks
 
 __all__ = [
@@ -111,7 +111,7 @@ def fp8_checkpoint_tensors(
             continue
         prefix, _, leaf = key.rpartition(".")
         name = hf_name(key)
-        sharded = _is_sharded(tensor)
+        sharded = is_sharded(tensor)
         storage = (tensor.to_local() if sharded else tensor).data_ptr()
         if tie and storage in seen_storage:
             continue  # the tied lm_head: vLLM and transformers re-tie it from the embedding
@@ -194,7 +194,7 @@ def checkpoint_config(
 
 def _all_finite(t: torch.Tensor) -> bool:
     """Whether every value is finite; for an FSDP2 shard, every rank gets the same answer (so all raise or none)."""
-    if not _is_sharded(t):
+    if not is_sharded(t):
         return bool(torch.isfinite(t).all())
     ok = torch.isfinite(t.to_local()).all().to(torch.float32).reshape(1)
     torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN, group=t.device_mesh.get_group())

@@ -62,33 +62,49 @@ class FP8Weight:
             self.q, self.scale_inv = ops.quantize_weight(weight.detach(), power_of_two_scales=power_of_two_scales)
 
 
-class _SharedInput(threading.local):
-    """The last input quantized, so the next layer reading the very same tensor (q/k/v after one norm, gate/up)
-    reuses its FP8 operands. Keyed on the tensor object (a weak reference, so a freed tensor whose memory is reused
-    never matches) and its version counter (in-place changes); dropped as soon as that tensor is freed."""
+class _QuantizedInput:
+    """The FP8 operands of the last input a layer quantized, so the next layer reading the very same tensor (q/k/v
+    after one norm, gate/up) reuses them. Matched on the tensor object (a weak reference, so a freed tensor whose
+    memory is reused never matches) and its version counter (in-place changes). The operands are let go as soon as
+    that tensor is freed, from whichever thread frees it (autograd's, during backward)."""
 
-    ref = None
-    key = None
-    value: QuantizedAct | None = None
+    __slots__ = ("ref", "key", "value")
 
-    def clear(self, *_):
-        self.ref = self.key = self.value = None
+    def __init__(self, x: torch.Tensor, key: tuple, value: QuantizedAct):
+        self.key, self.value = key, value
+        self.ref = weakref.ref(x, self.drop)
+
+    def drop(self, _ref=None) -> None:
+        self.value = None
+
+    def matches(self, x: torch.Tensor, key: tuple, cols: bool) -> bool:
+        return (
+            self.value is not None and self.ref() is x and self.key == key and (self.value.qt is not None or not cols)
+        )
 
 
-_shared_input = _SharedInput()
+_last_input = threading.local()  # one entry per thread: concurrent forwards never see each other's
+
+
+def forget_quantized_input() -> None:
+    """Drop the shared-input entry (benchmarks that feed one tensor to a layer repeatedly call this per step)."""
+    entry = getattr(_last_input, "entry", None)
+    if entry is not None:
+        entry.drop()
+        _last_input.entry = None
 
 
 def _quantize_input(x: torch.Tensor, x2d: torch.Tensor, ops, pow2: bool, cols: bool) -> QuantizedAct:
     cacheable = not (torch.compiler.is_compiling() or x.is_inference() or torch.is_inference_mode_enabled())
     if cacheable:
-        c = _shared_input
         key = (x._version, ops, pow2)
-        if c.ref is not None and c.ref() is x and c.key == key and (c.value.qt is not None or not cols):
-            return c.value
+        entry = getattr(_last_input, "entry", None)
+        if entry is not None and entry.matches(x, key, cols):
+            return entry.value
+        forget_quantized_input()  # release the previous operands now, not when the garbage collector runs
     act = ops.quantize_act(x2d, rows=True, cols=cols, power_of_two_scales=pow2)
     if cacheable:
-        c.clear()
-        c.ref, c.key, c.value = weakref.ref(x, c.clear), key, act
+        _last_input.entry = _QuantizedInput(x, key, act)
     return act
 
 
@@ -158,7 +174,7 @@ class FP8Linear(nn.Linear):
         This is what the vLLM weight sync and the exporter send, so rollouts run on the trainer's FP8 values.
         """
         weight = self.weight
-        if _is_sharded(weight):
+        if is_sharded(weight):
             # FSDP2 between forwards: gather the whole weight (a collective: every rank must ask, in the same order,
             # as the exporter and the vLLM sync do), quantize it and keep nothing.
             full = weight.full_tensor()
@@ -211,7 +227,7 @@ class FP8Linear(nn.Linear):
         return f"{super().extra_repr()}, fp8={self.fp8_config.recipe}"
 
 
-def _is_sharded(t: torch.Tensor) -> bool:
+def is_sharded(t: torch.Tensor) -> bool:
     """A DTensor shard (FSDP2 outside its forward/backward); inside them FSDP2 hands the layer the whole weight."""
     if not torch.distributed.is_available():
         return False
