@@ -6,6 +6,7 @@
 #   bash benchmarks/run_rollout_report.sh rollout   # bench_rollout: five engines x four points
 #   bash benchmarks/run_rollout_report.sh checks    # GPU test suite, identity per kernel, the 16k-token point
 #   bash benchmarks/run_rollout_report.sh linear    # bench_linear with the host-vs-kernel profile (training speed)
+#   bash benchmarks/run_rollout_report.sh grpo      # bench_grpo, TRL BF16 vs unified FP8, training phase profiled
 #
 # DeepGEMM's compiled kernels go to $DG_JIT_CACHE_DIR (default /var/tmp/dg_cache). The first DeepGEMM engine on a
 # fresh host pays the cold compile (recorded in its row as jit_cache.state "cold"). `rollout` ends by packing the
@@ -49,8 +50,12 @@ checks)
 linear)
   timed linear python benchmarks/bench_linear.py --profile "$work/profile" --out "$work/linear_$device.json"
   ;;
+grpo)
+  MASTER_PORT=29610 timed grpo python benchmarks/bench_grpo.py --shape 8b --optim adamw_bnb_8bit \
+    --runs trl_bf16 unified unified_fp8kv --profile_step 3 --out "$work/grpo_speed_$device.json"
+  ;;
 *)
-  echo "usage: $0 rollout|checks|linear" >&2
+  echo "usage: $0 rollout|checks|linear|grpo" >&2
   exit 2
   ;;
 esac

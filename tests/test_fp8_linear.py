@@ -326,3 +326,22 @@ def test_backward_keeps_the_input_in_fp8_not_bf16():
     assert not any(dtype == torch.bfloat16 and shape[-1] == 256 and shape != (384, 256) for dtype, shape in saved)
     out.sum().backward()
     assert x.grad is not None and lin.weight.grad is not None
+
+
+def test_torch_compile_traces_the_layer_in_one_graph():
+    """`torch.compile(fullgraph=True)` traces forward and backward with no graph break (the weight cache and the
+    shared-input reuse step aside there) and computes the same bits as eager."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    lin, _ = make_layer()
+    x = torch.randn(3, 40, 256, requires_grad=True)
+    out = lin(x)
+    out.square().sum().backward()
+    eager = (out.detach(), x.grad.clone(), lin.weight.grad.clone())
+    x.grad = lin.weight.grad = None
+    compiled = torch.compile(lin, backend="aot_eager", fullgraph=True)
+    out = compiled(x)
+    out.square().sum().backward()
+    for a, b in zip(eager, (out.detach(), x.grad, lin.weight.grad), strict=True):
+        assert torch.equal(a, b)

@@ -192,6 +192,11 @@ class FP8Linear(nn.Linear):
 
     def _fp8_weight(self) -> FP8Weight:
         w, cfg = self.weight, self.fp8_config
+        if torch.compiler.is_compiling():
+            # Inside a compiled graph the weight is quantized in the graph (one pass, fused by the compiler with
+            # whatever it can); the cache's pointer and version checks would break the graph.
+            # (`select_ops` uncached there: the compiler traces through it and keeps its answer as a guard)
+            return FP8Weight(w, select_ops.__wrapped__(cfg, w.device), cfg.power_of_two_scales)
         key = self._cache_key()
         cached = self._fp8_weight_cache
         # Tensors made under inference_mode cannot be saved for backward: re-quantize outside it.
