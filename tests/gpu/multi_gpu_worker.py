@@ -1,8 +1,9 @@
 """One rank of FP8 GRPO on two GPUs with vLLM colocated on each, launched by tests/gpu/test_multi_gpu.py:
 
     accelerate launch --config_file <TRL's multi_gpu.yaml | fsdp2.yaml> --num_processes 2 \
-        tests/gpu/multi_gpu_worker.py MODEL_DIR OUT_DIR
+        tests/gpu/multi_gpu_worker.py MODEL_DIR OUT_DIR [VLLM_TP]
 
+VLLM_TP=2 makes the two ranks one tensor-parallel vLLM engine (TRL's `vllm_tensor_parallel_size`).
 After training, every rank checks that its own engine holds the trainer's FP8 weights bit for bit (under FSDP2 each
 weight is gathered for that, by every rank in the same order), then writes `OUT_DIR/rank<r>.json` (log history,
 digests of the whole parameters and of the FP8 tensors for vLLM); `save_model` writes the export from rank 0.
@@ -28,11 +29,13 @@ def main():
     from trl_fp8.vllm_sync import rollout_weight_tensors
 
     model_dir, out = sys.argv[1], Path(sys.argv[2])
+    vllm_tp = int(sys.argv[3]) if len(sys.argv) > 3 else 1
     args = FP8GRPOConfig(
         **{**GRPO_SETTINGS, "per_device_train_batch_size": 16},
         output_dir=str(out / "run"), max_steps=3, logging_steps=1, bf16=True, disable_tqdm=True,
         model_init_kwargs={"dtype": "bfloat16"}, use_vllm=True, vllm_mode="colocate",
         vllm_gpu_memory_utilization=0.25, tis="token", save_bf16_master_weights=True,
+        vllm_tensor_parallel_size=vllm_tp,
     )  # fmt: skip
     trainer = FP8GRPOTrainer(model_dir, say_letter_reward, args, train_dataset=say_letter_dataset(512))
     trainer.train()

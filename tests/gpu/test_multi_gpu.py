@@ -1,4 +1,5 @@
-"""FP8 GRPO on two GPUs of one host: DDP and FSDP2 through accelerate, vLLM colocated on each rank (TP=1).
+"""FP8 GRPO on two GPUs of one host: DDP and FSDP2 through accelerate, vLLM colocated on each rank (TP=1), and DDP
+with one vLLM engine across both GPUs (TP=2).
 
 Needs a host with two SM90 GPUs (`nvidia-h200-x2`); skipped elsewhere. Per launch config: the ranks agree on their
 logs (timings aside), their parameters and the FP8 tensors for vLLM; each engine holds its trainer's FP8 weights
@@ -38,8 +39,8 @@ def _free_port() -> int:
 
 
 @pytest.mark.skipif(_host_gpus() < 2, reason="needs two GPUs on one host")
-@pytest.mark.parametrize("launch", ["multi_gpu", "fsdp2"])
-def test_two_gpu_grpo_with_colocated_engines(tmp_path, launch):
+@pytest.mark.parametrize("launch,vllm_tp", [("multi_gpu", 1), ("fsdp2", 1), ("multi_gpu", 2)])
+def test_two_gpu_grpo_with_colocated_engines(tmp_path, launch, vllm_tp):
     pytest.importorskip("vllm")
     import trl
     from safetensors.torch import load_file
@@ -55,12 +56,14 @@ def test_two_gpu_grpo_with_colocated_engines(tmp_path, launch):
     config = Path(trl.__file__).parent / "accelerate_configs" / f"{launch}.yaml"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes", "2",
            "--main_process_port", str(_free_port()), str(ROOT / "tests" / "gpu" / "multi_gpu_worker.py"),
-           str(model_dir), str(tmp_path / "out")]  # fmt: skip
+           str(model_dir), str(tmp_path / "out"), str(vllm_tp)]  # fmt: skip
     env = {**clean_subprocess_env(), "CUDA_VISIBLE_DEVICES": "0,1"}  # the NVLink multicast settings stay
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     r0, r1 = (json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in (0, 1))
-    print(f"{launch}: {r0['distributed_type']}, sharded={r0['sharded']}, last step {r0['log_history'][-2]}")
+    print(
+        f"{launch}, vLLM TP={vllm_tp}: {r0['distributed_type']}, sharded={r0['sharded']}, last step {r0['log_history'][-2]}"
+    )
     assert r0["sharded"] == (launch == "fsdp2")
     for a, b in zip(r0["log_history"], r1["log_history"], strict=True):
         assert {k: v for k, v in a.items() if k not in TIMINGS} == {k: v for k, v in b.items() if k not in TIMINGS}

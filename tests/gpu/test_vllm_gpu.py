@@ -49,16 +49,30 @@ def assert_engine_holds_trainer_fp8(trainer, layer_index=1):
     vmodel = generation.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
     layer, vlayer = trainer.model.model.layers[layer_index], vmodel.model.layers[layer_index]
     backend = generation.kernel.backend
-    for fused, parts in (
-        (vlayer.self_attn.qkv_proj, [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]),
-        (vlayer.mlp.gate_up_proj, [layer.mlp.gate_proj, layer.mlp.up_proj]),
+    config = trainer.model.config
+    for fused, parts, kv in (
+        (vlayer.self_attn.qkv_proj, [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj], True),
+        (vlayer.mlp.gate_up_proj, [layer.mlp.gate_proj, layer.mlp.up_proj], False),
     ):
         kernel = type(fused.quant_method.fp8_linear).__name__
         assert kernel.startswith(KERNEL_CLASS_PREFIX[backend]), (backend, kernel)
         assert all(isinstance(p, FP8Linear) for p in parts)
-        ours = [p.quantized_weight() for p in parts]
-        weight = torch.cat([q for q, _ in ours])
-        scale = torch.cat([s for _, s in ours])
+        ours = [p.quantized_weight() for p in parts]  # FSDP2: gathered, by every rank in the same order
+        # Tensor parallelism: this engine rank holds its row shard of each part (k/v heads are replicated when
+        # there are fewer of them than ranks), blocks of 128 rows.
+        tp_rank, tp_size = getattr(fused, "tp_rank", 0), getattr(fused, "tp_size", 1)
+        shards = []
+        for i, (q, s) in enumerate(ours):
+            rows = q.shape[0]
+            if kv and i > 0 and config.num_key_value_heads < tp_size:
+                head = tp_rank * config.num_key_value_heads // tp_size
+                start, size = head * config.head_dim, config.head_dim
+            else:
+                size = rows // tp_size
+                start = tp_rank * size
+            shards.append((q[start : start + size], s[start // 128 : (start + size) // 128]))
+        weight = torch.cat([q for q, _ in shards])
+        scale = torch.cat([s for _, s in shards])
         if backend == "deepgemm":
             _, scale = deepgemm_post_process_fp8_weight_block(
                 weight.clone(), scale.clone(), (128, 128), use_e8m0=False
