@@ -476,7 +476,8 @@ def test_fsdp2_launches_are_accepted_and_keep_no_fp8_weight_cache(tmp_path, monk
     converted = []
     monkeypatch.setattr("trl_fp8.grpo_trainer.convert_to_fp8", lambda model, **kw: converted.append(kw["config"]))
     FP8GRPOTrainer._convert(SimpleNamespace(_fp8_filter=None), object(), args)
-    assert converted[0].cache_quantized_weight is False
+    FP8GRPOTrainer._convert(SimpleNamespace(_fp8_filter=None), object(), make_args(tmp_path, fp8_cache_weights=True))
+    assert [c.cache_quantized_weight for c in converted] == [False, True]  # the default under FSDP2; asked for
     monkeypatch.delenv("ACCELERATE_USE_FSDP")
     assert weight_sharding(make_args(tmp_path, fsdp=True)) == "FSDP2"  # transformers' default version
 

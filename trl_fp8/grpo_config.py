@@ -31,6 +31,11 @@ class FP8GRPOConfig(GRPOConfig):
         Round blockwise scales down to powers of two (DeepSeek / NeMo RL style).
     fp8_backend (`str`, *optional*, defaults to `"auto"`):
         `"scaled_mm"` (real FP8 kernels, SM90), `"emulated"` (exact emulation, any device) or `"auto"`.
+    fp8_cache_weights (`bool` or `None`, *optional*, defaults to `None`):
+        Keep each layer's FP8 weight between forwards until the optimizer changes it (one byte per parameter),
+        so micro-batches, scoring passes and the vLLM sync quantize once per step. `False` quantizes at every
+        forward instead (one read of the weights per forward) and saves that memory. `None`: on, except under
+        FSDP2, whose point is not to hold whole weights.
 
     > Parameters that control vLLM rollouts (`use_vllm=True`)
 
@@ -94,6 +99,13 @@ class FP8GRPOConfig(GRPOConfig):
         metadata={
             "help": "FP8 GEMM backend: 'scaled_mm' (real FP8 kernels, needs an SM90 GPU), 'emulated' (exact "
             "emulation on any device) or 'auto' (scaled_mm on SM90, emulated elsewhere).",
+        },
+    )
+    fp8_cache_weights: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Keep each layer's FP8 weight until the optimizer changes it (1 byte per parameter); False "
+            "quantizes at every forward and saves that memory. Default: on, except under FSDP2.",
         },
     )
     rollout_precision: str | None = field(

@@ -106,7 +106,9 @@ class FP8GRPOTrainer(GRPOTrainer):
             backend=args.fp8_backend,
             # FSDP2 shards the weights to save memory; a whole FP8 copy of every layer kept between steps would undo
             # much of it, and quantizing a weight costs one pass over it per forward.
-            cache_quantized_weight=weight_sharding(args) != "FSDP2",
+            cache_quantized_weight=(
+                weight_sharding(args) != "FSDP2" if args.fp8_cache_weights is None else args.fp8_cache_weights
+            ),
         )
         return convert_to_fp8(
             model,
