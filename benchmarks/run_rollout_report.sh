@@ -3,7 +3,7 @@
 # (`source .gpu/setup.sh` first; results and logs go to $WORK, default /var/tmp/trl_fp8_rollout_report, never into
 # the tree):
 #
-#   bash benchmarks/run_rollout_report.sh rollout   # bench_rollout: five engines x four points
+#   bash benchmarks/run_rollout_report.sh rollout   # bench_rollout: six engines x four points
 #   bash benchmarks/run_rollout_report.sh checks    # GPU test suite, identity per kernel, the 16k-token point
 #   bash benchmarks/run_rollout_report.sh linear    # bench_linear with the host-vs-kernel profile (training speed)
 #   bash benchmarks/run_rollout_report.sh grpo      # bench_grpo, TRL BF16 vs unified FP8, training phase profiled
@@ -30,7 +30,7 @@ timed() {  # name command...: run, log, record exit code and seconds
 case "${1:-}" in
 rollout)
   timed rollout python benchmarks/bench_rollout.py \
-    --engines fp8_deepgemm_kv fp8_deepgemm bf16 vllm_fp8 fp8_cutlass \
+    --engines fp8_deepgemm_kv fp8_deepgemm_kv_fused fp8_deepgemm fp8_deepgemm_fused bf16 vllm_fp8 \
     --points 64x1024 256x1024 1024x1024 64x4096 --out "$work/rollout_$device.json"
   tar -C "$(dirname "$DG_JIT_CACHE_DIR")" -czf - "$(basename "$DG_JIT_CACHE_DIR")" | split -b 15M - "$work/dg_cache.tgz.part"
   echo "dg_cache files=$(find "$DG_JIT_CACHE_DIR" -type f | wc -l) bytes=$(du -sb "$DG_JIT_CACHE_DIR" | cut -f1)" \
