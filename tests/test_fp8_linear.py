@@ -345,3 +345,28 @@ def test_torch_compile_traces_the_layer_in_one_graph():
     out.square().sum().backward()
     for a, b in zip(eager, (out.detach(), x.grad, lin.weight.grad), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_activation_checkpointing_recomputes_the_same_gradients(use_reentrant):
+    """Under torch.utils.checkpoint (what `gradient_checkpointing=True` runs) the recomputed forward saves the same
+    FP8 operands, shared-input reuse included, and the gradients equal those of a plain backward."""
+    from torch.utils.checkpoint import checkpoint
+
+    layers = nn.ModuleList(make_layer(n=n)[0] for n in (256, 128))
+
+    def block(x):
+        h = x * 1.0  # one tensor read by two layers, as q/k/v read the norm's output
+        return layers[0](h).sum(-1) + layers[1](h).sum(-1)
+
+    x = torch.randn(2, 70, 256, requires_grad=True)
+    grads = []
+    for ckpt in (False, True):
+        x.grad = None
+        for layer in layers:
+            layer.weight.grad = None
+        out = checkpoint(block, x, use_reentrant=use_reentrant) if ckpt else block(x)
+        out.square().sum().backward()
+        grads.append([x.grad.clone()] + [layer.weight.grad.clone() for layer in layers])
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b)
