@@ -5,7 +5,7 @@
 #
 #   bash benchmarks/run_rollout_report.sh rollout   # bench_rollout: six engines x four points
 #   bash benchmarks/run_rollout_report.sh checks    # GPU test suite, identity per kernel, the 16k-token point
-#   bash benchmarks/run_rollout_report.sh linear    # bench_linear with the host-vs-kernel profile (training speed)
+#   bash benchmarks/run_rollout_report.sh linear    # bench_linear (host vs kernel profile), bench_gemm (cuBLAS vs DeepGEMM)
 #   bash benchmarks/run_rollout_report.sh grpo      # bench_grpo, TRL BF16 vs unified FP8, training phase profiled
 #
 # DeepGEMM's compiled kernels go to $DG_JIT_CACHE_DIR (default /var/tmp/dg_cache). The first DeepGEMM engine on a
@@ -49,6 +49,7 @@ checks)
   ;;
 linear)
   timed linear python benchmarks/bench_linear.py --profile "$work/profile" --out "$work/linear_$device.json"
+  timed gemm python benchmarks/bench_gemm.py --out "$work/gemm_$device.json"
   ;;
 grpo)
   MASTER_PORT=29610 timed grpo python benchmarks/bench_grpo.py --shape 8b --optim adamw_bnb_8bit \

@@ -58,3 +58,17 @@ def test_rollout_plot_reads_both_result_formats(tmp_path):
     assert rollout_points(new) == {"bf16": {"64x1024": 100.0, "256x1024": 200.0}, "fp8_deepgemm": {"64x1024": 130.0}}
     assert rollout_points(old) == {"bf16": {"256x1024": 5.0}}
     assert plot_rollout(new, tmp_path, plt).exists()
+
+
+def test_linear_and_gemm_benchmarks_run_at_smoke_size(tmp_path):
+    """bench_linear (with its profile) and bench_gemm on CPU at tiny shapes: the emulated backend through the same
+    code the GPU run takes, so a changed kernel-layer interface breaks here, not on the lent GPU host."""
+    out = _run(ROOT / "benchmarks" / "bench_linear.py", "--quick", "--profile", tmp_path / "profile",
+               "--out", tmp_path / "linear.json")  # fmt: skip
+    result = json.loads((tmp_path / "linear.json").read_text())
+    assert {r["shape"] for r in result["results"]} == {"tiny_a", "tiny_b", "tiny_ab"}
+    assert "tiny_ab" in result["profile_per_iteration"] and "unaccounted" in out
+    out = _run(ROOT / "benchmarks" / "bench_gemm.py", "--quick", "--out", tmp_path / "gemm.json")
+    rows = json.loads((tmp_path / "gemm.json").read_text())["results"]
+    assert {(r["gemm"], r["variant"]) for r in rows} >= {("wgrad", "emulated"), ("fprop", "bf16 mm")}
+    assert all(r.get("rel_err_vs_emulation", 0.0) == 0.0 and "error" not in r for r in rows)
