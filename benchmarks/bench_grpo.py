@@ -3,6 +3,9 @@
     python benchmarks/bench_grpo.py --shape 8b --optim adamw_bnb_8bit --runs trl_bf16 fp8_rollout unified unified_fp8kv
     python benchmarks/bench_grpo.py       # Qwen3-4B shape, stock AdamW (no bitsandbytes needed)
 
+    python benchmarks/bench_grpo.py --shape 8b --num_processes 2 --launch_config fsdp2 --runs trl_bf16 unified
+                          # several GPUs: each run under `accelerate launch` with one of TRL's configs
+
 The first command is the committed run (`results/grpo_speed_NVIDIA_H200.json`, via `run_report.sh`); random
 weights, GPU host with vLLM.
 
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import statistics
 import sys
 import time
@@ -236,7 +240,23 @@ def run_one(args) -> None:
     }
     if profile:
         row["training_profile"] = profile
-    print(json.dumps(row), flush=True)
+    world = trainer.accelerator.num_processes
+    row["processes"] = world
+    row["completions_per_step"] = args.generation_batch * world
+    row["completions_per_s"] = row["completions_per_step"] / row["step_time"]["step_s"]
+    if trainer.accelerator.is_main_process:
+        print(json.dumps(row), flush=True)
+
+
+def launcher(num_processes: int, config: str, port: int) -> list[str] | None:
+    """`accelerate launch` with TRL's shipped config `config` (multi_gpu, fsdp2, ...) for several processes."""
+    if num_processes == 1:
+        return None
+    import trl
+
+    config_file = Path(trl.__file__).parent / "accelerate_configs" / f"{config}.yaml"
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_file),
+            "--num_processes", str(num_processes), "--main_process_port", str(port)]  # fmt: skip
 
 
 def main():
@@ -253,6 +273,8 @@ def main():
     parser.add_argument("--prompt_len", type=int, default=128)
     parser.add_argument("--completion_len", type=int, default=1024)
     parser.add_argument("--vllm_memory", type=float, default=0.3)
+    parser.add_argument("--num_processes", type=int, default=1, help="GPUs, one training process and engine each")
+    parser.add_argument("--launch_config", default="multi_gpu", help="TRL accelerate config with --num_processes > 1")
     parser.add_argument("--workdir", default="/tmp/trl_fp8_bench_grpo")
     parser.add_argument(
         "--profile_step",
@@ -273,9 +295,11 @@ def main():
         make_model_dir(workdir / "model", args.shape)
         torch.cuda.empty_cache()
     device = torch.cuda.get_device_name()
-    out = Path(args.out or ROOT / "benchmarks" / "results" / f"grpo_speed_{device.replace(' ', '_')}.json")
+    gpus = f"_{args.num_processes}x{args.launch_config}" if args.num_processes > 1 else ""
+    out = Path(args.out or ROOT / "benchmarks" / "results" / f"grpo_speed_{device.replace(' ', '_')}{gpus}.json")
     settings = {k: getattr(args, k) for k in ("shape", "optim", "steps", "warmup", "generation_batch", "micro_batch",
-                                              "num_generations", "prompt_len", "completion_len", "vllm_memory")}  # fmt: skip
+                                              "num_generations", "prompt_len", "completion_len", "vllm_memory",
+                                              "num_processes", "launch_config")}  # fmt: skip
     result = {
         "benchmark": "GRPO step time, vLLM colocated",
         "device": device,
@@ -286,9 +310,12 @@ def main():
     }
     if args.append:
         result["results"] = previous_rows(out, result, ("settings",), "name", args.runs)
-    failed = run_all(__file__, "--run", args.runs, sys.argv[1:], result, out, "name", list(RUNS))
+    port = int(os.environ.get("MASTER_PORT", "29610"))
+    failed = run_all(__file__, "--run", args.runs, sys.argv[1:], result, out, "name", list(RUNS),
+                     launcher(args.num_processes, args.launch_config, port))  # fmt: skip
     base = {r["name"]: r for r in result["results"]}.get("trl_bf16")
-    print(f"{'run':<15}{'step s':>9}{'rollout s':>11}{'training s':>12}{'sync s':>9}{'speedup e2e/rollout/train':>28}")
+    print(f"{'run':<15}{'step s':>9}{'rollout s':>11}{'training s':>12}{'sync s':>9}{'speedup e2e/rollout/train':>28}"
+          f"{'compl/s':>9}")  # fmt: skip
     for r in result["results"]:
         t = r["step_time"]
         speed = "-"
@@ -297,7 +324,7 @@ def main():
             speed = (f"{b['step_s'] / t['step_s']:.2f}x/{b['rollout_s'] / t['rollout_s']:.2f}x/"
                      f"{b['training_s'] / t['training_s']:.2f}x")  # fmt: skip
         print(f"{r['name']:<15}{t['step_s']:>9.2f}{t['rollout_s']:>11.2f}{t['training_s']:>12.2f}"
-              f"{t['weight_sync_s']:>9.2f}{speed:>28}")  # fmt: skip
+              f"{t['weight_sync_s']:>9.2f}{speed:>28}{r.get('completions_per_s', float('nan')):>9.1f}")  # fmt: skip
     for r in result["results"]:
         if "training_profile" in r:
             cats = r["training_profile"]["kernel_ms_by_category"]

@@ -26,11 +26,16 @@ def json_lines(text: str) -> list[dict]:
     return rows
 
 
-def run_child(script: str | Path, flag: str, name: str, argv: list[str]) -> list[dict] | None:
+def run_child(
+    script: str | Path, flag: str, name: str, argv: list[str], launcher: list[str] | None = None
+) -> list[dict] | None:
     """Run `script flag name argv...` and return its JSON lines; on failure print its stdout's tail, return None.
 
-    The child's stderr (progress lines, tracebacks) goes straight to ours, so a long run's log shows where it is."""
-    proc = subprocess.run([sys.executable, str(script), flag, name, *argv], stdout=subprocess.PIPE, text=True)
+    `launcher` replaces the plain interpreter (e.g. `accelerate launch ... --num_processes 2`): then only the main
+    process should print JSON. The child's stderr (progress lines, tracebacks) goes straight to ours, so a long
+    run's log shows where it is."""
+    cmd = [*(launcher or [sys.executable]), str(script), flag, name, *argv]
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
     rows = json_lines(proc.stdout)
     if proc.returncode != 0 or not rows:
         print(proc.stdout[-6000:])
@@ -58,12 +63,13 @@ def run_all(
     out: Path,
     id_key: str,
     order: list[str],
+    launcher: list[str] | None = None,
 ) -> list[str]:
     """One child per name (`run_child`), each one's last JSON row appended to `result["results"]` (sorted by
     `order`) and `out` rewritten after every child, so a crash keeps what ran. Returns the names that failed."""
     failed = []
     for name in names:
-        rows = run_child(script, flag, name, argv)
+        rows = run_child(script, flag, name, argv, launcher)
         if rows is None:
             failed.append(name)
             continue

@@ -7,6 +7,7 @@
 #   bash benchmarks/run_rollout_report.sh checks    # GPU test suite, identity per kernel, the 16k-token point
 #   bash benchmarks/run_rollout_report.sh linear    # bench_linear (host vs kernel profile), bench_gemm (cuBLAS vs DeepGEMM)
 #   bash benchmarks/run_rollout_report.sh grpo      # bench_grpo, TRL BF16 vs unified FP8, training phase profiled
+#   bash benchmarks/run_rollout_report.sh multi     # two GPUs: tests/gpu/test_multi_gpu.py, GRPO on 1 GPU vs 2 (FSDP2)
 #
 # DeepGEMM's compiled kernels go to $DG_JIT_CACHE_DIR (default /var/tmp/dg_cache). The first DeepGEMM engine on a
 # fresh host pays the cold compile (recorded in its row as jit_cache.state "cold"). `rollout` ends by packing the
@@ -55,8 +56,17 @@ grpo)
   MASTER_PORT=29610 timed grpo python benchmarks/bench_grpo.py --shape 8b --optim adamw_bnb_8bit \
     --runs trl_bf16 unified unified_fp8kv --profile_step 3 --out "$work/grpo_speed_$device.json"
   ;;
+multi)  # a 4B shape with stock fused AdamW: one step fits one GPU beside its engine, so 1 and 2 GPUs compare
+  TRL_FP8_ARTIFACTS=$work timed multi_gpu_tests python -m pytest -m gpu tests/gpu/test_multi_gpu.py -s -p no:cacheprovider
+  for runs in "1 multi_gpu" "2 fsdp2" "2 multi_gpu"; do
+    set -- $runs
+    CUDA_VISIBLE_DEVICES=$( [ "$1" = 1 ] && echo 0 || echo 0,1 ) MASTER_PORT=29620 timed "grpo_${1}x$2" \
+      python benchmarks/bench_grpo.py --shape 4b --runs trl_bf16 unified --num_processes "$1" --launch_config "$2" \
+      --out "$work/grpo_speed_${device}_${1}x$2.json"
+  done
+  ;;
 *)
-  echo "usage: $0 rollout|checks|linear|grpo" >&2
+  echo "usage: $0 rollout|checks|linear|grpo|multi" >&2
   exit 2
   ;;
 esac
