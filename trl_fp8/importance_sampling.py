@@ -11,7 +11,10 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["token_tis_ratio", "mismatch_stats"]
+__all__ = ["token_tis_ratio", "mismatch_stats", "POSITION_BUCKETS"]
+
+# Completion-token positions at which mismatch is also reported per bucket: does it compound with length?
+POSITION_BUCKETS = (0, 256, 1024, 4096, 16384)
 
 
 def token_tis_ratio(
@@ -38,6 +41,8 @@ def mismatch_stats(
     Returns `abs_logp_diff_mean`, `abs_logp_diff_max`, `kl_k3` (KL(pi_rollout || pi_train), Schulman's k3
     `r - 1 - log r` with `r = pi_train / pi_rollout`, averaged over tokens sampled from the rollout policy),
     `is_ratio_mean|max|min` and, with `cap`, `is_ratio_clipped_frac`; an empty dict when no process has a scored token.
+    For `[batch, completion position]` inputs, also `pos_<lo>_<hi>/abs_logp_diff_mean` and `pos_<lo>_<hi>/kl_k3` per
+    bucket of completion positions (`POSITION_BUCKETS`) that holds tokens.
 
     `gather` (e.g. `accelerator.gather`) concatenates a 1-D tensor over processes. Every process sends one tensor of
     the same shape whatever its batch holds (token-weighted sums and extremes), so the collectives always pair up,
@@ -46,6 +51,13 @@ def mismatch_stats(
     valid = mask.bool() & ~torch.isnan(rollout_logps)
     delta = (train_logps - rollout_logps)[valid].double()
     ratio = delta.exp()
+    k3 = ratio - 1 - delta
+    position = torch.arange(valid.shape[-1], device=valid.device).expand_as(valid)[valid]
+    bounds = (*POSITION_BUCKETS, float("inf"))
+    buckets = []  # tokens, sum |delta|, sum k3 per bucket: a fixed shape on every process
+    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+        inside = (position >= lo) & (position < hi)
+        buckets += [inside.sum().double(), delta.abs()[inside].sum(), k3[inside].sum()]
 
     def extreme(t: torch.Tensor, empty: float) -> torch.Tensor:
         return t.max() if t.numel() else t.new_tensor(empty)
@@ -55,16 +67,17 @@ def mismatch_stats(
         [
             delta.new_tensor(float(delta.numel())),
             delta.abs().sum(),
-            (ratio - 1 - delta).sum(),
+            k3.sum(),
             ratio.sum(),
             (ratio > cap).sum().double() if cap is not None else delta.new_zeros(()),
             extreme(delta.abs(), 0.0),
             extreme(ratio, 0.0),
             extreme(-ratio, float("-inf")),
+            *buckets,
         ]
     )
     rows = (gather(local) if gather is not None else local).reshape(-1, local.numel()).cpu()
-    sums, maxima = rows[:, :5].sum(0), rows[:, 5:].amax(0)
+    sums, maxima, bucket_sums = rows[:, :5].sum(0), rows[:, 5:8].amax(0), rows[:, 8:].sum(0).reshape(-1, 3)
     tokens = sums[0].item()
     if tokens == 0:
         return {}
@@ -78,4 +91,9 @@ def mismatch_stats(
     }
     if cap is not None:
         stats["is_ratio_clipped_frac"] = sums[4].item() / tokens
+    for lo, hi, (n, abs_sum, k3_sum) in zip(bounds[:-1], bounds[1:], bucket_sums.tolist(), strict=True):
+        if n:
+            name = f"pos_{lo}_{'inf' if hi == float('inf') else int(hi) - 1}"
+            stats[f"{name}/abs_logp_diff_mean"] = abs_sum / n
+            stats[f"{name}/kl_k3"] = k3_sum / n
     return stats
