@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The GPU runs behind the README's rollout section, on one GPU, in two phases that each fit one host lease
-# (`source .gpu/setup.sh` first; results and logs go to $WORK, default /var/tmp/trl_fp8_rollout_report, never into
-# the tree):
+# The GPU runs behind the README's rollout and training-speed sections, in phases; several phases run in the order
+# given (`bash benchmarks/run_rollout_report.sh linear suite rollout`). `source .gpu/setup.sh` first; results and
+# logs go to $WORK, default /var/tmp/trl_fp8_rollout_report, never into the tree.
 #
 #   bash benchmarks/run_rollout_report.sh rollout   # bench_rollout: six engines x four points
+#   bash benchmarks/run_rollout_report.sh suite     # the GPU test suite, one command
 #   bash benchmarks/run_rollout_report.sh checks    # GPU test suite, identity per kernel, the 16k-token point
 #   bash benchmarks/run_rollout_report.sh linear    # bench_linear (host vs kernel profile), bench_gemm (cuBLAS vs DeepGEMM)
 #   bash benchmarks/run_rollout_report.sh grpo      # bench_grpo, TRL BF16 vs unified FP8, training phase profiled
@@ -28,7 +29,9 @@ timed() {  # name command...: run, log, record exit code and seconds
   echo "$name rc=$? seconds=$((SECONDS - start))" | tee -a "$work/status.txt"
 }
 
-case "${1:-}" in
+[ $# -gt 0 ] || set -- usage
+for phase in "$@"; do
+case "$phase" in
 rollout)
   timed rollout python benchmarks/bench_rollout.py \
     --engines fp8_deepgemm_kv fp8_deepgemm_kv_fused fp8_deepgemm fp8_deepgemm_fused bf16 vllm_fp8 \
@@ -36,6 +39,9 @@ rollout)
   tar -C "$(dirname "$DG_JIT_CACHE_DIR")" -czf - "$(basename "$DG_JIT_CACHE_DIR")" | split -b 15M - "$work/dg_cache.tgz.part"
   echo "dg_cache files=$(find "$DG_JIT_CACHE_DIR" -type f | wc -l) bytes=$(du -sb "$DG_JIT_CACHE_DIR" | cut -f1)" \
     "packed=$(cat "$work"/dg_cache.tgz.part* | wc -c)" | tee -a "$work/status.txt"
+  ;;
+suite)
+  TRL_FP8_ARTIFACTS=$work timed gpu_tests python -m pytest -m gpu tests/gpu -s -p no:cacheprovider
   ;;
 checks)
   if ls "${DG_CACHE_PARTS:-/nonexistent}"/dg_cache.tgz.part* >/dev/null 2>&1; then
@@ -59,14 +65,15 @@ grpo)
 multi)  # a 4B shape with stock fused AdamW: one step fits one GPU beside its engine, so 1 and 2 GPUs compare
   TRL_FP8_ARTIFACTS=$work timed multi_gpu_tests python -m pytest -m gpu tests/gpu/test_multi_gpu.py -s -p no:cacheprovider
   for runs in "1 multi_gpu" "2 fsdp2" "2 multi_gpu"; do
-    set -- $runs
-    CUDA_VISIBLE_DEVICES=$( [ "$1" = 1 ] && echo 0 || echo 0,1 ) MASTER_PORT=29620 timed "grpo_${1}x$2" \
-      python benchmarks/bench_grpo.py --shape 4b --runs trl_bf16 unified --num_processes "$1" --launch_config "$2" \
-      --out "$work/grpo_speed_${device}_${1}x$2.json"
+    read -r n cfg <<<"$runs"
+    CUDA_VISIBLE_DEVICES=$( [ "$n" = 1 ] && echo 0 || echo 0,1 ) MASTER_PORT=29620 timed "grpo_${n}x$cfg" \
+      python benchmarks/bench_grpo.py --shape 4b --runs trl_bf16 unified --num_processes "$n" --launch_config "$cfg" \
+      --out "$work/grpo_speed_${device}_${n}x$cfg.json"
   done
   ;;
 *)
-  echo "usage: $0 rollout|checks|linear|grpo|multi" >&2
+  echo "usage: $0 PHASE... (rollout suite checks linear grpo multi)" >&2
   exit 2
   ;;
 esac
+done
