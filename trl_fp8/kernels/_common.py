@@ -17,6 +17,6 @@ def fp8_scale(amax, POW2: tl.constexpr):
 
 
 @triton.jit
-def cast_fp8(x, scale, dtype: tl.constexpr):
-    """Scale in float32, saturate at +-448, round to nearest even e4m3."""
-    return tl.clamp(x * scale, -448.0, 448.0).to(dtype)
+def scale_and_saturate(x, scale):
+    """`x * scale` in float32, saturated at +-448; the caller's cast to e4m3 rounds to nearest even."""
+    return tl.clamp(x * scale, -448.0, 448.0)

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ..quantization import QuantizedAct
-from ._common import cast_fp8, fp8_scale
+from ._common import fp8_scale, scale_and_saturate
 
 BLOCK = 128
 
@@ -38,12 +38,12 @@ def _act_quant_kernel(
     ax = tl.abs(x)
     if ROWS:
         scale = fp8_scale(tl.max(ax, axis=1), POW2)
-        q = cast_fp8(x, scale[:, None], q_ptr.dtype.element_ty)
+        q = scale_and_saturate(x, scale[:, None]).to(q_ptr.dtype.element_ty)
         tl.store(q_ptr + rm64[:, None] * K + rk64[None, :], q)
         tl.store(s_ptr + pid_k * M_pad + rm64, tl.div_rn(1.0, scale))  # column-major [M_pad, K/128]
     if COLS:
         scale_t = fp8_scale(tl.max(ax, axis=0), POW2)
-        qt = cast_fp8(x, scale_t[None, :], qt_ptr.dtype.element_ty)
+        qt = scale_and_saturate(x, scale_t[None, :]).to(qt_ptr.dtype.element_ty)
         tl.store(qt_ptr + rk64[:, None] * M_pad + rm64[None, :], tl.trans(qt))
         tl.store(st_ptr + pid_m * K + rk64, tl.div_rn(1.0, scale_t))  # column-major [K, M_pad/128]
 

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cast_fp8, fp8_scale
+from ._common import fp8_scale, scale_and_saturate
 
 BLOCK = 128
 
@@ -30,7 +30,7 @@ def _weight_quant_kernel(
     mask = (rn[:, None] < N) & (rk[None, :] < K)
     w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :] * stride_wk, mask=mask, other=0.0).to(tl.float32)
     scale = fp8_scale(tl.max(tl.max(tl.abs(w), axis=1), axis=0), POW2)
-    q = cast_fp8(w, scale, q_ptr.dtype.element_ty)
+    q = scale_and_saturate(w, scale).to(q_ptr.dtype.element_ty)
     if COL_MAJOR:
         tl.store(q_ptr + rk[:, None] * N + rn[None, :], tl.trans(q), mask=tl.trans(mask))
         tl.store(s_ptr + pid_k * NB + pid_n, tl.div_rn(1.0, scale))
