@@ -1,4 +1,5 @@
 import os
+import socket
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests build every model and tokenizer locally
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -38,6 +39,13 @@ def clean_subprocess_env() -> dict[str, str]:
     """This process's environment without distributed-launch variables (the NVLink settings stay)."""
     launch = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
     return {k: v for k, v in os.environ.items() if k not in launch}
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now, for a launcher's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -6,7 +6,6 @@ must equal, tensor for tensor and bit for bit, a one-process export of the same 
 """
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,16 +18,20 @@ from trl_fp8 import convert_to_fp8, save_fp8_checkpoint
 from trl_fp8.tiny_model import tiny_char_tokenizer, tiny_qwen3
 from trl_fp8.vllm_sync import rollout_weight_tensors
 
-from conftest import clean_subprocess_env
+from conftest import clean_subprocess_env, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMINGS = {"step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def torchrun_two(*args) -> subprocess.CompletedProcess:
+    """`torchrun --nproc_per_node 2 ARGS...` from the repository root, asserting it succeeded."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           *map(str, args)]  # fmt: skip
+    env = {**clean_subprocess_env(), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
 
 
 @pytest.fixture(scope="module")
@@ -37,11 +40,7 @@ def two_rank_run(tmp_path_factory):
     tokenizer = tiny_char_tokenizer()
     tiny_qwen3(vocab_size=128, eos_token_id=tokenizer.eos_token_id, pad_token_id=0).save_pretrained(root / "model")
     tokenizer.save_pretrained(root / "model")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
-           str(ROOT / "tests" / "ddp_grpo_worker.py"), str(root / "model"), str(root / "out")]  # fmt: skip
-    env = {**clean_subprocess_env(), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    torchrun_two(ROOT / "tests" / "ddp_grpo_worker.py", root / "model", root / "out")
     ranks = [json.loads((root / "out" / f"rank{r}.json").read_text()) for r in (0, 1)]
     return root / "out", ranks
 
@@ -84,11 +83,7 @@ def test_rank0_export_equals_a_one_process_export_of_the_same_weights(two_rank_r
 def test_the_demo_runs_under_torchrun_with_two_processes(tmp_path):
     """The README's multi-process launch of the demo: rank 0 writes the warm-started model while the other waits
     (no half-written `initial_model` is read), both train, one FP8 checkpoint is saved and reloaded."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
-           "examples/grpo_fp8.py", "--max_steps", "2", "--output_dir", str(tmp_path / "demo")]  # fmt: skip
-    env = {**clean_subprocess_env(), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    proc = torchrun_two("examples/grpo_fp8.py", "--max_steps", "2", "--output_dir", tmp_path / "demo")
     assert proc.stdout.count("Saved the FP8 checkpoint") == 1
     assert "after GRPO (FP8 checkpoint reloaded" in proc.stdout
     assert (tmp_path / "demo" / "model.safetensors").exists()
@@ -98,11 +93,7 @@ def test_fp8_layers_train_sync_and_export_under_fsdp2(tmp_path):
     """FP8Linear on FSDP2-sharded weights: training equals an unsharded replica bit for bit (losses, weights), the
     tensors for vLLM are gathered one at a time and equal the replica's, and the export written by rank 0 from the
     shards equals a one-process export of the replica, tensor for tensor."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
-           str(ROOT / "tests" / "fsdp2_fp8_worker.py"), str(tmp_path)]  # fmt: skip
-    env = {**clean_subprocess_env(), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    torchrun_two(ROOT / "tests" / "fsdp2_fp8_worker.py", tmp_path)
     r0, r1 = (json.loads((tmp_path / f"fsdp2_rank{r}.json").read_text()) for r in (0, 1))
     assert r0["sharded"] and r1["sharded"]  # the layers really held DTensor shards
     for r in (r0, r1):

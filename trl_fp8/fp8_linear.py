@@ -177,11 +177,9 @@ class FP8Linear(nn.Linear):
         if is_sharded(weight):
             # FSDP2 between forwards: gather the whole weight (a collective: every rank must ask, in the same order,
             # as the exporter and the vLLM sync do), quantize it and keep nothing.
-            full = weight.full_tensor()
-            cfg = self.fp8_config
-            return select_ops(cfg, full.device).quantize_weight(
-                full.detach(), power_of_two_scales=cfg.power_of_two_scales
-            )
+            full, cfg = weight.full_tensor(), self.fp8_config
+            fp8_weight = FP8Weight(full, select_ops(cfg, full.device), cfg.power_of_two_scales)
+            return fp8_weight.q, fp8_weight.scale_inv
         fp8_weight = self._fp8_weight()
         return fp8_weight.q, fp8_weight.scale_inv
 

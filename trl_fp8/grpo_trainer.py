@@ -229,7 +229,7 @@ class FP8GRPOTrainer(GRPOTrainer):
             return super().save_model(output_dir, _internal_call)
         output_dir = output_dir or self.args.output_dir
         model = self.accelerator.unwrap_model(self.model)
-        fsdp2 = weight_sharding(self.args) == "FSDP2"
+        fsdp2 = self.accelerator.is_fsdp2  # what accelerate applied (on CPU it falls back to DDP)
         if self.args.should_save or fsdp2:  # FSDP2: every rank gathers each tensor, the main process writes
             save_fp8_checkpoint(
                 model,

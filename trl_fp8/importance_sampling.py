@@ -51,13 +51,13 @@ def mismatch_stats(
     valid = mask.bool() & ~torch.isnan(rollout_logps)
     delta = (train_logps - rollout_logps)[valid].double()
     ratio = delta.exp()
-    k3 = ratio - 1 - delta
+    abs_delta, k3 = delta.abs(), ratio - 1 - delta
     position = torch.arange(valid.shape[-1], device=valid.device).expand_as(valid)[valid]
     bounds = (*POSITION_BUCKETS, float("inf"))
     buckets = []  # tokens, sum |delta|, sum k3 per bucket: a fixed shape on every process
     for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
         inside = (position >= lo) & (position < hi)
-        buckets += [inside.sum().double(), delta.abs()[inside].sum(), k3[inside].sum()]
+        buckets += [inside.sum().double(), abs_delta[inside].sum(), k3[inside].sum()]
 
     def extreme(t: torch.Tensor, empty: float) -> torch.Tensor:
         return t.max() if t.numel() else t.new_tensor(empty)
@@ -66,11 +66,11 @@ def mismatch_stats(
     local = torch.stack(
         [
             delta.new_tensor(float(delta.numel())),
-            delta.abs().sum(),
+            abs_delta.sum(),
             k3.sum(),
             ratio.sum(),
             (ratio > cap).sum().double() if cap is not None else delta.new_zeros(()),
-            extreme(delta.abs(), 0.0),
+            extreme(abs_delta, 0.0),
             extreme(ratio, 0.0),
             extreme(-ratio, float("-inf")),
             *buckets,

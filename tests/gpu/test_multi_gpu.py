@@ -8,7 +8,6 @@ bit for bit; the export written by rank 0 equals a one-process export of the tra
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import clean_subprocess_env
+from conftest import clean_subprocess_env, free_port
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,12 +29,6 @@ def _host_gpus() -> int:
     except (OSError, subprocess.SubprocessError):
         return 0
     return sum(line.startswith("GPU ") for line in listing.splitlines())
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.skipif(_host_gpus() < 2, reason="needs two GPUs on one host")
@@ -55,7 +48,7 @@ def test_two_gpu_grpo_with_colocated_engines(tmp_path, launch, vllm_tp):
     tokenizer.save_pretrained(model_dir)
     config = Path(trl.__file__).parent / "accelerate_configs" / f"{launch}.yaml"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes", "2",
-           "--main_process_port", str(_free_port()), str(ROOT / "tests" / "gpu" / "multi_gpu_worker.py"),
+           "--main_process_port", str(free_port()), str(ROOT / "tests" / "gpu" / "multi_gpu_worker.py"),
            str(model_dir), str(tmp_path / "out"), str(vllm_tp)]  # fmt: skip
     env = {**clean_subprocess_env(), "CUDA_VISIBLE_DEVICES": "0,1"}  # the NVLink multicast settings stay
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
