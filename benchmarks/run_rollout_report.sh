@@ -3,23 +3,30 @@
 # given (`bash benchmarks/run_rollout_report.sh linear suite rollout`). `source .gpu/setup.sh` first; results and
 # logs go to $WORK, default /var/tmp/trl_fp8_rollout_report, never into the tree.
 #
-#   bash benchmarks/run_rollout_report.sh rollout   # bench_rollout: six engines x four points
+#   bash benchmarks/run_rollout_report.sh kernels   # the GPU kernel tests alone (a minute: do the kernels run here?)
+#   bash benchmarks/run_rollout_report.sh rollout   # bench_rollout: $ROLLOUT_ENGINES (default six) x four points
+#   bash benchmarks/run_rollout_report.sh pack      # DeepGEMM's JIT cache into $WORK/dg_cache.tgz.part*
 #   bash benchmarks/run_rollout_report.sh suite     # the GPU test suite, one command
 #   bash benchmarks/run_rollout_report.sh checks    # GPU test suite, identity per kernel, the 16k-token point
 #   bash benchmarks/run_rollout_report.sh linear    # bench_linear (host vs kernel profile), bench_gemm (cuBLAS vs DeepGEMM)
-#   bash benchmarks/run_rollout_report.sh grpo      # bench_grpo, TRL BF16 vs unified FP8, training phase profiled
+#   bash benchmarks/run_rollout_report.sh grpo      # bench_grpo ($GRPO_RUNS), TRL BF16 vs unified FP8, profiled
 #   bash benchmarks/run_rollout_report.sh multi     # two GPUs: tests/gpu/test_multi_gpu.py, GRPO on 1 GPU vs 2 (FSDP2)
 #
 # DeepGEMM's compiled kernels go to $DG_JIT_CACHE_DIR (default /var/tmp/dg_cache). The first DeepGEMM engine on a
-# fresh host pays the cold compile (recorded in its row as jit_cache.state "cold"). `rollout` ends by packing the
-# cache into $WORK/dg_cache.tgz.part*; a later host unpacks parts found in $DG_CACHE_PARTS before `checks`, so its
-# 8B engines start warm.
+# fresh host pays the cold compile (recorded in its row as jit_cache.state "cold"). `pack` writes the cache to
+# $WORK/dg_cache.tgz.part*; a later host unpacks parts found in $DG_CACHE_PARTS before its first phase, so its
+# 8B engines start warm. `rollout` appends to its results file: engines run in separate calls share one table.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 work=${WORK:-/var/tmp/trl_fp8_rollout_report}
 mkdir -p "$work"
 export DG_JIT_CACHE_DIR=${DG_JIT_CACHE_DIR:-/var/tmp/dg_cache} PYTHONUNBUFFERED=1
 export VLLM_LOGGING_STREAM=ext://sys.stderr  # vLLM's log beside our progress lines, live in the phase's logs
+if ls "${DG_CACHE_PARTS:-/nonexistent}"/dg_cache.tgz.part* >/dev/null 2>&1 && [ ! -d "$DG_JIT_CACHE_DIR" ]; then
+  mkdir -p "$(dirname "$DG_JIT_CACHE_DIR")"
+  cat "$DG_CACHE_PARTS"/dg_cache.tgz.part* | tar -C "$(dirname "$DG_JIT_CACHE_DIR")" -xzf -
+  echo "dg_cache unpacked: $(find "$DG_JIT_CACHE_DIR" -type f | wc -l) files" | tee -a "$work/status.txt"
+fi
 device=$(python -c "import torch; print(torch.cuda.get_device_name().replace(' ', '_'))")
 
 timed() {  # name command...: run, log, record exit code and seconds
@@ -32,10 +39,16 @@ timed() {  # name command...: run, log, record exit code and seconds
 [ $# -gt 0 ] || set -- usage
 for phase in "$@"; do
 case "$phase" in
+kernels)
+  timed kernel_tests python -m pytest -m gpu tests/gpu/test_kernels_gpu.py -p no:cacheprovider
+  ;;
 rollout)
-  timed rollout python benchmarks/bench_rollout.py \
-    --engines fp8_deepgemm_kv fp8_deepgemm_kv_fused fp8_deepgemm fp8_deepgemm_fused bf16 vllm_fp8 \
-    --points 64x1024 256x1024 1024x1024 64x4096 --out "$work/rollout_$device.json"
+  engines=${ROLLOUT_ENGINES:-fp8_deepgemm_kv fp8_deepgemm_kv_fused fp8_deepgemm fp8_deepgemm_fused bf16 vllm_fp8}
+  # shellcheck disable=SC2086
+  timed "rollout_${engines// /+}" python benchmarks/bench_rollout.py --engines $engines \
+    --points 64x1024 256x1024 1024x1024 64x4096 --append --out "$work/rollout_$device.json"
+  ;;
+pack)
   tar -C "$(dirname "$DG_JIT_CACHE_DIR")" -czf - "$(basename "$DG_JIT_CACHE_DIR")" | split -b 15M - "$work/dg_cache.tgz.part"
   echo "dg_cache files=$(find "$DG_JIT_CACHE_DIR" -type f | wc -l) bytes=$(du -sb "$DG_JIT_CACHE_DIR" | cut -f1)" \
     "packed=$(cat "$work"/dg_cache.tgz.part* | wc -c)" | tee -a "$work/status.txt"
@@ -44,10 +57,6 @@ suite)
   TRL_FP8_ARTIFACTS=$work timed gpu_tests python -m pytest -m gpu tests/gpu -s -p no:cacheprovider
   ;;
 checks)
-  if ls "${DG_CACHE_PARTS:-/nonexistent}"/dg_cache.tgz.part* >/dev/null 2>&1; then
-    cat "$DG_CACHE_PARTS"/dg_cache.tgz.part* | tar -C "$(dirname "$DG_JIT_CACHE_DIR")" -xzf -
-    echo "dg_cache unpacked: $(find "$DG_JIT_CACHE_DIR" -type f | wc -l) files" | tee -a "$work/status.txt"
-  fi
   TRL_FP8_ARTIFACTS=$work timed gpu_tests python -m pytest -m gpu tests/gpu -s -p no:cacheprovider
   timed identity python benchmarks/bench_identity.py --settings bf16 fp8 --backends deepgemm cutlass \
     --out "$work/identity_kernels_$device.json"
@@ -60,7 +69,7 @@ linear)
   ;;
 grpo)
   MASTER_PORT=29610 timed grpo python benchmarks/bench_grpo.py --shape 8b --optim adamw_bnb_8bit \
-    --runs trl_bf16 unified unified_fp8kv --profile_step 3 --out "$work/grpo_speed_$device.json"
+    --runs ${GRPO_RUNS:-trl_bf16 unified unified_fp8kv} --profile_step 3 --out "$work/grpo_speed_$device.json"
   ;;
 multi)  # a 4B shape with stock fused AdamW: one step fits one GPU beside its engine, so 1 and 2 GPUs compare
   TRL_FP8_ARTIFACTS=$work timed multi_gpu_tests python -m pytest -m gpu tests/gpu/test_multi_gpu.py -s -p no:cacheprovider
@@ -72,7 +81,7 @@ multi)  # a 4B shape with stock fused AdamW: one step fits one GPU beside its en
   done
   ;;
 *)
-  echo "usage: $0 PHASE... (rollout suite checks linear grpo multi)" >&2
+  echo "usage: $0 PHASE... (kernels rollout pack suite checks linear grpo multi)" >&2
   exit 2
   ;;
 esac
