@@ -9,6 +9,8 @@
 #   bash benchmarks/run_rollout_report.sh suite     # the GPU test suite, one command
 #   bash benchmarks/run_rollout_report.sh checks    # GPU test suite, identity per kernel, the 16k-token point
 #   bash benchmarks/run_rollout_report.sh linear    # bench_linear (host vs kernel profile), bench_gemm (cuBLAS vs DeepGEMM)
+#   bash benchmarks/run_rollout_report.sh gemm      # bench_gemm alone
+#   bash benchmarks/run_rollout_report.sh quant     # bench_quant: our quantization kernels against the HBM floor
 #   bash benchmarks/run_rollout_report.sh grpo      # bench_grpo ($GRPO_RUNS), TRL BF16 vs unified FP8, profiled
 #   bash benchmarks/run_rollout_report.sh multi     # two GPUs: tests/gpu/test_multi_gpu.py, GRPO on 1 GPU vs 2 (FSDP2)
 #
@@ -67,6 +69,12 @@ linear)
   timed linear python benchmarks/bench_linear.py --profile "$work/profile" --out "$work/linear_$device.json"
   timed gemm python benchmarks/bench_gemm.py --out "$work/gemm_$device.json"
   ;;
+gemm)
+  timed gemm python benchmarks/bench_gemm.py --out "$work/gemm_$device.json"
+  ;;
+quant)
+  timed quant python benchmarks/bench_quant.py --num_warps 2 4 8 16 --out "$work/quant_$device.json"
+  ;;
 grpo)
   MASTER_PORT=29610 timed grpo python benchmarks/bench_grpo.py --shape 8b --optim adamw_bnb_8bit \
     --runs ${GRPO_RUNS:-trl_bf16 unified unified_fp8kv} --profile_step 3 --out "$work/grpo_speed_$device.json"
@@ -81,7 +89,7 @@ multi)  # a 4B shape with stock fused AdamW: one step fits one GPU beside its en
   done
   ;;
 *)
-  echo "usage: $0 PHASE... (kernels rollout pack suite checks linear grpo multi)" >&2
+  echo "usage: $0 PHASE... (kernels rollout pack suite checks linear gemm quant grpo multi)" >&2
   exit 2
   ;;
 esac

@@ -49,10 +49,16 @@ def _act_quant_kernel(
 
 
 def quantize_act(
-    x: torch.Tensor, *, rows: bool = True, cols: bool = False, power_of_two_scales: bool = False
+    x: torch.Tensor,
+    *,
+    rows: bool = True,
+    cols: bool = False,
+    power_of_two_scales: bool = False,
+    num_warps: int = 8,
 ) -> QuantizedAct:
     """Quantize a 2-D `x [M, K]` (any strides, K a multiple of 128) into the layouts asked for; bit for bit
-    `trl_fp8.quantization.quantize_act_layouts`, with the scales column-major."""
+    `trl_fp8.quantization.quantize_act_layouts`, with the scales column-major. `num_warps` changes only the launch
+    (`benchmarks/bench_quant.py` sweeps it), never the result."""
     m, k = x.shape
     m_pad = triton.cdiv(m, BLOCK) * BLOCK
     dev, fp8 = x.device, torch.float8_e4m3fn
@@ -70,6 +76,6 @@ def quantize_act(
             q if rows else dummy, s if rows else st, qt if cols else dummy, st if cols else s,
             m, m_pad, k,
             ROWS=rows, COLS=cols, POW2=power_of_two_scales, BLOCK=BLOCK,
-            num_warps=8, num_stages=1,
+            num_warps=num_warps, num_stages=1,
         )  # fmt: skip
     return QuantizedAct(q, s, qt, st)

@@ -40,9 +40,10 @@ def _weight_quant_kernel(
 
 
 def quantize_weight(
-    w: torch.Tensor, *, col_major: bool = False, power_of_two_scales: bool = False
+    w: torch.Tensor, *, col_major: bool = False, power_of_two_scales: bool = False, num_warps: int = 8
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(q [N, K], scale_inv [N/128, K/128])`; `col_major` picks the storage order of both."""
+    """`(q [N, K], scale_inv [N/128, K/128])`; `col_major` picks the storage order of both. `num_warps` changes
+    only the launch, never the result."""
     n, k = w.shape
     nb, kb = triton.cdiv(n, BLOCK), triton.cdiv(k, BLOCK)
     if col_major:
@@ -54,6 +55,6 @@ def quantize_weight(
     if n and k:
         _weight_quant_kernel[(nb, kb)](
             w, w.stride(0), w.stride(1), q, s, n, k, nb, kb,
-            COL_MAJOR=col_major, POW2=power_of_two_scales, BLOCK=BLOCK, num_warps=8, num_stages=1,
+            COL_MAJOR=col_major, POW2=power_of_two_scales, BLOCK=BLOCK, num_warps=num_warps, num_stages=1,
         )  # fmt: skip
     return q, s

@@ -1,0 +1,115 @@
+"""Our quantization kernels against their floor: bytes moved over HBM bandwidth.
+
+Each kernel is one memory-bound pass: it reads the BF16 tensor once and writes 1 byte per element per layout plus
+fp32 scales, so its floor is `bytes / HBM bandwidth`. This measures `trl_fp8.kernels` at the Qwen3-8B operand
+shapes (M tokens), per layout (FProp's rows, WGrad's cols, both from one read), and per launch width
+(`num_warps`, which changes only the launch, never the result), and prints the share of the floor each reaches:
+what the quantization inside `bench_linear`'s FP8 layer could still give back.
+
+    python benchmarks/bench_quant.py [--tokens 8192] [--num_warps 4 8 16] [--out results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import traceback
+from functools import partial
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from bench_linear import QWEN3_8B, bench  # noqa: E402
+from common import versions  # noqa: E402
+
+HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12}
+
+
+def act_bytes(m: int, k: int, rows: bool, cols: bool) -> int:
+    """BF16 read + one e4m3 byte per element and one fp32 scale per 128 elements, per layout written."""
+    m_pad = -(-m // 128) * 128
+    return 2 * m * k + (rows + cols) * (m_pad * k + 4 * m_pad * k // 128)
+
+
+def weight_bytes(n: int, k: int) -> int:
+    return 2 * n * k + n * k + 4 * -(-n // 128) * -(-k // 128)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--num_warps", type=int, nargs="+", default=[4, 8, 16])
+    parser.add_argument("--reps", type=int, default=100)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_quant.py times the Triton kernels on a GPU; on CPU, tests/test_kernels.py checks them")
+    from trl_fp8.kernels import quantize_act, quantize_weight
+
+    device = torch.cuda.get_device_name()
+    hbm = next((v for key, v in HBM_BYTES_PER_S.items() if key in device), None)
+    m = args.tokens
+    # x [M, K] feeds FProp and WGrad; dy [M, N] feeds DGrad and WGrad; W [N, K] both weight layouts.
+    operands = {}
+    for k, n, label in QWEN3_8B:
+        if isinstance(n, int):
+            operands.setdefault(("act", m, k), f"x of {label}")
+            operands.setdefault(("act", m, n), f"dy of {label}")
+            operands.setdefault(("weight", n, k), f"W of {label}")
+    layouts = {"act": [("rows", True, False), ("cols", False, True), ("both", True, True)],
+               "weight": [("row-major", False, None), ("col-major", True, None)]}  # fmt: skip
+    rows = []
+    for (kind, a, b), label in operands.items():
+        t = torch.randn(a, b, device="cuda", dtype=torch.bfloat16)
+        for layout, first, second in layouts[kind]:
+            for warps in args.num_warps:
+                row = {"tensor": label, "kind": kind, "shape": [a, b], "layout": layout, "num_warps": warps}
+                if kind == "act":
+                    fn = partial(quantize_act, t, rows=first, cols=second, num_warps=warps)
+                    nbytes = act_bytes(a, b, first, second)
+                else:
+                    fn = partial(quantize_weight, t, col_major=first, num_warps=warps)
+                    nbytes = weight_bytes(a, b)
+                try:
+                    row["us"] = 1e3 * bench(fn, args.reps, True)
+                    row["bytes"] = nbytes
+                    row["tb_per_s"] = nbytes / row["us"] / 1e6
+                    if hbm:
+                        row["floor_us"] = nbytes / hbm * 1e6
+                        row["of_floor"] = row["floor_us"] / row["us"]
+                except Exception:  # noqa: BLE001 - recorded, the sweep goes on
+                    row["error"] = traceback.format_exc(-1)
+                rows.append(row)
+        del t
+    print(f"\nQuantization kernels, M={m}, {device}: microseconds, TB/s, share of the HBM floor")
+    print(f"{'tensor':<22}{'shape':>14}{'layout':>11}{'warps':>6}{'us':>9}{'TB/s':>7}{'floor us':>9}{'of floor':>9}")
+    for r in rows:
+        shape = "x".join(map(str, r["shape"]))
+        if "error" in r:
+            print(f"{r['tensor']:<22}{shape:>14}{r['layout']:>11}{r['num_warps']:>6}  failed: {r['error'][:60]}")
+            continue
+        floor = f"{r['floor_us']:>9.1f}{r['of_floor']:>9.0%}" if hbm else ""
+        print(
+            f"{r['tensor']:<22}{shape:>14}{r['layout']:>11}{r['num_warps']:>6}{r['us']:>9.1f}{r['tb_per_s']:>7.2f}{floor}"
+        )
+    result = {
+        "benchmark": "trl_fp8.kernels quantization: time against the HBM floor, per layout and num_warps",
+        "device": device,
+        "date": datetime.date.today().isoformat(),
+        "versions": versions("torch", "triton"),
+        "tokens": m,
+        "hbm_bytes_per_s": hbm,
+        "results": rows,
+    }
+    out = Path(args.out or ROOT / "benchmarks" / "results" / f"quant_{device.replace(' ', '_')}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
