@@ -70,11 +70,12 @@ def deepgemm_call(a_q, a_s, b_q, b_s, b_blocks):
     else:
         b_s = get_col_major_tma_aligned_tensor(b_s.contiguous())
         out_dtype = torch.float32  # DeepGEMM's 1D1D (WGrad) kernel accumulates into fp32
-    out = torch.empty(a_q.shape[0], b_q.shape[0], device=a_q.device, dtype=out_dtype)
+    out = torch.zeros(a_q.shape[0], b_q.shape[0], device=a_q.device, dtype=out_dtype)
 
     # DeepGEMM infers the recipe from the scale dtypes, as (1, 128, 128) for fp32 scales: WGrad's 1x128-by-1x128
-    # operands must name theirs (1, 1, 128), or its layout check refuses B's per-row scales.
-    extra = {} if b_blocks else {"recipe": (1, 1, 128)}
+    # operands must name theirs (1, 1, 128). Its SM90 1D1D kernel only accumulates (d = c + a @ b.T, fp32), which
+    # is what a weight gradient does; `out` starts at zero, so the first call (the one checked) is the plain GEMM.
+    extra = {} if b_blocks else {"recipe": (1, 1, 128), "c": out}
 
     def run():
         fp8_gemm_nt((a_q, a_s), (b_q, b_s), out, is_deep_gemm_e8m0_used=False, **extra)

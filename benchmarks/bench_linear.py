@@ -146,7 +146,9 @@ def profile_step(mod, x, dy, cuda, out_dir, label, name, iters=20):
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0
     events = prof.key_averages()
-    kernel_us = sum(e.self_device_time_total for e in events) if cuda else 0.0
+    # Only device-side events: an op's own row repeats the time of the kernels it launched.
+    kernels = [e for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
+    kernel_us = sum(e.self_device_time_total for e in kernels)
     launches = sum(e.count for e in events if e.key.startswith(("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunch")))
     out_dir.mkdir(parents=True, exist_ok=True)
     sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
