@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_rollout import SHAPES  # noqa: E402
-from common import previous_rows, run_all, versions  # noqa: E402
+from common import device_kernel_events, previous_rows, run_all, versions  # noqa: E402
 
 RUNS = {  # run: (trainer, fp8_recipe, rollout_precision, fp8 KV cache)
     "trl_bf16": ("trl", None, "bf16", False),
@@ -93,7 +93,7 @@ def kernel_breakdown(prof, top: int = 25) -> dict:
     """GPU kernel milliseconds of the profiled training phase by category, and the heaviest kernels."""
     import re
 
-    kernels = [e for e in prof.key_averages() if e.self_device_time_total > 0 and not e.key.startswith("aten::")]
+    kernels = [e for e in device_kernel_events(prof) if e.self_device_time_total > 0]
     by_category: dict[str, float] = {}
     for e in kernels:
         name = e.key.lower()

@@ -24,6 +24,9 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import device_kernel_events  # noqa: E402
+
 from trl_fp8 import FP8Linear, FP8LinearConfig  # noqa: E402
 from trl_fp8.fp8_linear import forget_quantized_input  # noqa: E402
 
@@ -146,9 +149,7 @@ def profile_step(mod, x, dy, cuda, out_dir, label, name, iters=20):
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0
     events = prof.key_averages()
-    # Only device-side events: an op's own row repeats the time of the kernels it launched.
-    kernels = [e for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
-    kernel_us = sum(e.self_device_time_total for e in kernels)
+    kernel_us = sum(e.self_device_time_total for e in device_kernel_events(prof))
     launches = sum(e.count for e in events if e.key.startswith(("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunch")))
     out_dir.mkdir(parents=True, exist_ok=True)
     sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"

@@ -78,3 +78,11 @@ def run_all(
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2) + "\n")
     return failed
+
+
+def device_kernel_events(prof) -> list:
+    """A torch profiler's GPU kernel rows. The CPU-side rows of ops (and of autograd functions) repeat the device
+    time of the kernels they launched, so a sum over every row counts each kernel twice."""
+    import torch
+
+    return [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
