@@ -38,6 +38,10 @@ timed() {  # name command...: run, log, record exit code and seconds
   echo "$name rc=$? seconds=$((SECONDS - start))" | tee -a "$work/status.txt"
 }
 
+gpu_tests() {  # name test-path: the GPU suite (or part of it) as the README runs it, artifacts into $work
+  TRL_FP8_ARTIFACTS=$work timed "$1" python -m pytest -m gpu "$2" -s -p no:cacheprovider
+}
+
 [ $# -gt 0 ] || set -- usage
 for phase in "$@"; do
 case "$phase" in
@@ -56,10 +60,10 @@ pack)
     "packed=$(cat "$work"/dg_cache.tgz.part* | wc -c)" | tee -a "$work/status.txt"
   ;;
 suite)
-  TRL_FP8_ARTIFACTS=$work timed gpu_tests python -m pytest -m gpu tests/gpu -s -p no:cacheprovider
+  gpu_tests gpu_tests tests/gpu
   ;;
 checks)
-  TRL_FP8_ARTIFACTS=$work timed gpu_tests python -m pytest -m gpu tests/gpu -s -p no:cacheprovider
+  gpu_tests gpu_tests tests/gpu
   timed identity python benchmarks/bench_identity.py --settings bf16 fp8 --backends deepgemm cutlass \
     --out "$work/identity_kernels_$device.json"
   timed rollout_long python benchmarks/bench_rollout.py --engines fp8_deepgemm_kv bf16 --points 16x16384 \
@@ -67,8 +71,7 @@ checks)
   ;;
 linear)
   timed linear python benchmarks/bench_linear.py --profile "$work/profile" --out "$work/linear_$device.json"
-  timed gemm python benchmarks/bench_gemm.py --out "$work/gemm_$device.json"
-  ;;
+  ;&  # and on into gemm
 gemm)
   timed gemm python benchmarks/bench_gemm.py --out "$work/gemm_$device.json"
   ;;
@@ -80,7 +83,7 @@ grpo)
     --runs ${GRPO_RUNS:-trl_bf16 unified unified_fp8kv} --profile_step 3 --out "$work/grpo_speed_$device.json"
   ;;
 multi)  # a 4B shape with stock fused AdamW: one step fits one GPU beside its engine, so 1 and 2 GPUs compare
-  TRL_FP8_ARTIFACTS=$work timed multi_gpu_tests python -m pytest -m gpu tests/gpu/test_multi_gpu.py -s -p no:cacheprovider
+  gpu_tests multi_gpu_tests tests/gpu/test_multi_gpu.py
   for runs in "1 multi_gpu" "2 fsdp2" "2 multi_gpu"; do
     read -r n cfg <<<"$runs"
     CUDA_VISIBLE_DEVICES=$( [ "$n" = 1 ] && echo 0 || echo 0,1 ) MASTER_PORT=29620 timed "grpo_${n}x$cfg" \
