@@ -81,13 +81,16 @@ def make_variants(k, n, device, dtype, cuda):
         mod.layers = nn.ModuleList(convert(layer) for layer in mod.layers)
         return mod
 
-    def ours(cache):
-        return each_layer(
-            bf16(), lambda layer: FP8Linear.convert_(layer, FP8LinearConfig(cache_quantized_weight=cache))
-        )
+    def ours(cache, backend="auto"):
+        config = FP8LinearConfig(cache_quantized_weight=cache, backend=backend)
+        return each_layer(bf16(), lambda layer: FP8Linear.convert_(layer, config))
 
     variants = {"bf16": bf16(), "trl_fp8 blockwise": ours(False), "trl_fp8 blockwise (cached W)": ours(True)}
     if cuda:
+        from trl_fp8.ops import deep_gemm
+
+        if deep_gemm.available() is None:  # FProp and DGrad on DeepGEMM, the opt-in backend
+            variants["trl_fp8 deepgemm (cached W)"] = ours(True, "deepgemm")
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
         from torchao.prototype.blockwise_fp8_training.linear import Float8BlockwiseLinear
 

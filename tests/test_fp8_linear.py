@@ -370,3 +370,26 @@ def test_activation_checkpointing_recomputes_the_same_gradients(use_reentrant):
         grads.append([x.grad.clone()] + [layer.weight.grad.clone() for layer in layers])
     for a, b in zip(*grads, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend", ["scaled_mm", "deepgemm"])
+def test_real_kernel_backends_refuse_a_cpu_weight_naming_the_fix(backend):
+    lin = FP8Linear.convert_(nn.Linear(128, 128, bias=False), FP8LinearConfig(backend=backend))
+    with pytest.raises(RuntimeError, match=f"backend='{backend}' needs a CUDA SM90 GPU.*backend='auto'"):
+        lin(torch.randn(4, 128))
+
+
+def test_deepgemm_backend_without_vllm_names_the_extra(monkeypatch):
+    import builtins
+
+    from trl_fp8.ops import deep_gemm
+
+    real_import = builtins.__import__
+
+    def no_vllm(name, *args, **kwargs):
+        if name.startswith("vllm"):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_vllm)
+    assert "pip install 'trl-fp8[vllm]'" in deep_gemm.available()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 RECIPES = ("blockwise", "tensorwise", "rowwise")
-BACKENDS = ("auto", "scaled_mm", "emulated")
+BACKENDS = ("auto", "scaled_mm", "deepgemm", "emulated")
 # vLLM rollout weights: ours in FP8 (unified), BF16, or BF16 quantized by vLLM itself.
 ROLLOUT_PRECISIONS = ("fp8", "bf16", "fp8_online")
 # vLLM kernels for the rollout engine's block-FP8 linear layers ("auto": DeepGEMM on Hopper when it can run).
@@ -65,7 +65,9 @@ class FP8LinearConfig:
             binary; costs up to one bit of range per block.
         backend: `"scaled_mm"` runs real FP8 GEMMs (`torch.nn.functional.scaled_mm`, Hopper/SM90 for blockwise),
             `"emulated"` quantizes, dequantizes and multiplies in fp32 (exact emulation; any device), `"auto"`
-            picks `scaled_mm` on SM90 CUDA tensors and `emulated` elsewhere.
+            picks `scaled_mm` on SM90 CUDA tensors and `emulated` elsewhere. `"deepgemm"` (SM90, needs vLLM's
+            bundled DeepGEMM) runs FProp and DGrad on DeepGEMM and WGrad as `scaled_mm`: opt-in, not yet measured in
+            a layer (see `trl_fp8/ops/deep_gemm.py`).
         cache_quantized_weight: keep the FP8 copy of each weight between calls until the weight changes
             (optimizer step), so micro-batches, log-prob passes and the vLLM weight sync quantize once per step.
             Costs one byte per parameter.

@@ -4,7 +4,8 @@ Run with `pytest -m gpu tests/gpu -s` on the GPU host; everything here skips on 
 - quantizers: bit for bit (FP8 bytes and float32 scales identical to `trl_fp8.quantization`);
 - GEMMs on identical FP8 operands: cuBLAS vs fp32 emulation differ by summation order and the final bf16 rounding,
   bound 4e-3 relative (2**-8);
-- FP8Linear forward/backward, scaled_mm vs emulated backends, bf16 in and out: same bound.
+- FP8Linear forward/backward, scaled_mm (and deepgemm, where vLLM's DeepGEMM is there) vs emulated backends, bf16
+  in and out: same bound.
 """
 
 import pytest
@@ -49,6 +50,26 @@ def test_triton_quantizers_match_reference_bit_for_bit(scaled_mm, m, k, pow2):
         assert torch.equal(_bits(qw), _bits(qw_ref)) and torch.equal(sw.contiguous(), sw_ref)
 
 
+@pytest.mark.parametrize("m,n,k", [(256, 384, 512), (1024, 6144, 4096)])
+def test_deepgemm_gemms_match_emulation(m, n, k):
+    """FProp and DGrad orientations on DeepGEMM (WGrad delegates to cuBLAS, tested below)."""
+    _deepgemm_or_skip()
+    from trl_fp8.ops import deep_gemm
+
+    w_q, w_s = deep_gemm.quantize_weight(torch.randn(n, k, device="cuda", dtype=torch.bfloat16))
+    wt_q, wt_s = deep_gemm.quantize_weight(torch.randn(n, k, device="cuda", dtype=torch.bfloat16), col_major=True)
+    x = deep_gemm.quantize_act(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
+    dy = deep_gemm.quantize_act(torch.randn(m, n, device="cuda", dtype=torch.bfloat16))
+    for name, operands in (
+        ("fprop", (x.q, x.scale_inv, w_q, w_s)),
+        ("dgrad", (dy.q, dy.scale_inv, wt_q.t(), wt_s.t())),
+    ):
+        got = deep_gemm.gemm(*operands, True, torch.bfloat16)
+        ref = emulated.gemm(*operands, True, torch.float32)
+        print(f"deepgemm {name} m={m} n={n} k={k}: rel diff {rel_err(got, ref):.2e}")
+        assert got.shape == ref.shape and rel_err(got, ref) < 4e-3
+
+
 @pytest.mark.parametrize("m,n,k", [(256, 384, 512), (8192, 4096, 4096), (1024, 6144, 4096), (512, 1024, 640)])
 def test_scaled_mm_gemms_match_emulation(scaled_mm, m, n, k):
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -68,14 +89,24 @@ def test_scaled_mm_gemms_match_emulation(scaled_mm, m, n, k):
     assert got.shape == (m, k) and rel_err(got, ref) < 4e-3
 
 
+def _deepgemm_or_skip():
+    from trl_fp8.ops import deep_gemm
+
+    if (why_not := deep_gemm.available()) is not None:
+        pytest.skip(why_not)
+
+
 @pytest.mark.parametrize("lead", [(8192,), (100,), (3, 37), (2, 640)])
 @pytest.mark.parametrize("pow2", [False, True])
-def test_fp8_linear_gpu_matches_emulation(lead, pow2):
+@pytest.mark.parametrize("backend", ["scaled_mm", "deepgemm"])
+def test_fp8_linear_gpu_matches_emulation(lead, pow2, backend):
+    if backend == "deepgemm":
+        _deepgemm_or_skip()
     torch.manual_seed(0)
     lin = torch.nn.Linear(1024, 768, bias=False, device="cuda", dtype=torch.bfloat16)
     emu = torch.nn.Linear(1024, 768, bias=False, device="cuda", dtype=torch.bfloat16)
     emu.load_state_dict(lin.state_dict())
-    FP8Linear.convert_(lin, FP8LinearConfig(backend="scaled_mm", power_of_two_scales=pow2))
+    FP8Linear.convert_(lin, FP8LinearConfig(backend=backend, power_of_two_scales=pow2))
     FP8Linear.convert_(emu, FP8LinearConfig(backend="emulated", power_of_two_scales=pow2))
     x = torch.randn(*lead, 1024, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn(*lead, 768, device="cuda", dtype=torch.bfloat16)
@@ -86,7 +117,7 @@ def test_fp8_linear_gpu_matches_emulation(lead, pow2):
         out.backward(dy)
         results.append((out, xr.grad, layer.weight.grad))
     for name, got, ref in zip(("out", "dx", "dw"), *results, strict=True):
-        print(f"FP8Linear lead={lead} pow2={pow2} {name}: rel diff {rel_err(got, ref):.2e}")
+        print(f"FP8Linear {backend} lead={lead} pow2={pow2} {name}: rel diff {rel_err(got, ref):.2e}")
         assert got.dtype == torch.bfloat16 and rel_err(got, ref) < 4e-3
     assert torch.equal(_bits(lin.quantized_weight()[0]), _bits(emu.quantized_weight()[0]))
 

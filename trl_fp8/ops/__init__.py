@@ -57,9 +57,15 @@ def select_ops(config: FP8LinearConfig, device: torch.device) -> ModuleType:
         return emulated
     if not blockwise_scaled_mm_supported(device):
         raise RuntimeError(
-            f"backend='scaled_mm' needs a CUDA SM90 GPU (H100/H200) for blockwise FP8 GEMMs, but the weights are on "
-            f"{device}. Use backend='auto' (emulates elsewhere) or move the model to an SM90 GPU."
+            f"backend={config.backend!r} needs a CUDA SM90 GPU (H100/H200) for blockwise FP8 GEMMs, but the weights "
+            f"are on {device}. Use backend='auto' (emulates elsewhere) or move the model to an SM90 GPU."
         )
-    from . import scaled_mm  # imports torchao's Triton kernels, so only where CUDA is there
+    if config.backend == "deepgemm":
+        from . import deep_gemm
+
+        if (why_not := deep_gemm.available()) is not None:
+            raise RuntimeError(f"FP8LinearConfig(backend='deepgemm') cannot run: {why_not}.")
+        return deep_gemm
+    from . import scaled_mm  # imports the Triton kernels, so only where CUDA is there
 
     return scaled_mm

@@ -1,0 +1,47 @@
+"""FProp and DGrad on DeepGEMM (vLLM's bundled copy); the quantizers and WGrad as in `scaled_mm`.
+
+`benchmarks/bench_gemm.py` (one H200, 2026-11-23, `results/gemm_NVIDIA_H200.json`) ran DeepGEMM's 1x128 x 128x128
+kernel 9-17% faster than cuBLAS's blockwise `scaled_mm` at the Qwen3-8B shapes, on the same operands and to the same
+error against the exact emulation. Its SM90 WGrad kernel (1x128 x 1x128) only accumulates into an fp32 output, so
+WGrad stays on cuBLAS here. The operands already come in DeepGEMM's layouts: A row-major with MN-major scales
+(our quantizers write them so), B K-major (`[N, K]` for FProp; the column-major DGrad weight read as `W.T`) with
+`[N/128, K/128]` fp32 scales, passed through vLLM's own weight-scale preparation.
+
+Opt-in (`FP8LinearConfig(backend="deepgemm")`) until a layer benchmark and the GPU suite have measured it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import scaled_mm
+
+quantize_act = scaled_mm.quantize_act
+quantize_weight = scaled_mm.quantize_weight
+
+
+def available() -> str | None:
+    """None when DeepGEMM can run here, else why not (with the fix)."""
+    try:
+        from vllm.utils.import_utils import has_deep_gemm
+    except ImportError:
+        return "backend='deepgemm' uses the DeepGEMM bundled with vLLM: pip install 'trl-fp8[vllm]'"
+    if not has_deep_gemm():
+        return "this vLLM build has no DeepGEMM (vllm.third_party.deep_gemm); use backend='scaled_mm'"
+    return None
+
+
+def gemm(a_q, a_s, b_q, b_s, b_blocks: bool, out_dtype: torch.dtype) -> torch.Tensor:
+    if not b_blocks or out_dtype != torch.bfloat16:
+        return scaled_mm.gemm(a_q, a_s, b_q, b_s, b_blocks, out_dtype)
+    from vllm.model_executor.layers.quantization.utils.fp8_utils import deepgemm_post_process_fp8_weight_block
+    from vllm.utils.deep_gemm import fp8_gemm_nt, get_col_major_tma_aligned_tensor
+
+    b_q, b_s = deepgemm_post_process_fp8_weight_block(
+        b_q.contiguous(), b_s.contiguous(), (128, 128), use_e8m0=False
+    )  # E8M0 off: our scales as they are, never rounded to powers of two
+    out = torch.empty(a_q.shape[0], b_q.shape[0], device=a_q.device, dtype=out_dtype)
+    fp8_gemm_nt(
+        (a_q.contiguous(), get_col_major_tma_aligned_tensor(a_s)), (b_q, b_s), out, is_deep_gemm_e8m0_used=False
+    )
+    return out
