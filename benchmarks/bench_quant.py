@@ -2,9 +2,10 @@
 
 Each kernel is one memory-bound pass: it reads the BF16 tensor once and writes 1 byte per element per layout plus
 fp32 scales, so its floor is `bytes / HBM bandwidth`. This measures `trl_fp8.kernels` at the Qwen3-8B operand
-shapes (M tokens), per layout (FProp's rows, WGrad's cols, both from one read), and per launch width
-(`num_warps`, which changes only the launch, never the result), and prints the share of the floor each reaches:
-what the quantization inside `bench_linear`'s FP8 layer could still give back.
+shapes (M tokens), per layout (FProp's rows, WGrad's cols, both from one read; "/2nd": the cols layout from a
+second, K-major read of the tile) and per launch width (`num_warps`), neither of which changes the result, and
+prints the share of the floor each reaches: what the quantization inside `bench_linear`'s FP8 layer could still
+give back.
 
     python benchmarks/bench_quant.py [--tokens 8192] [--num_warps 4 8 16] [--out results.json]
 """
@@ -60,16 +61,20 @@ def main():
             operands.setdefault(("act", m, k), f"x of {label}")
             operands.setdefault(("act", m, n), f"dy of {label}")
             operands.setdefault(("weight", n, k), f"W of {label}")
-    layouts = {"act": [("rows", True, False), ("cols", False, True), ("both", True, True)],
-               "weight": [("row-major", False, None), ("col-major", True, None)]}  # fmt: skip
+    # (label, rows or col_major, cols, cols_second_read)
+    layouts = {"act": [("rows", True, False, False), ("cols", False, True, False), ("both", True, True, False),
+                       ("cols/2nd", False, True, True), ("both/2nd", True, True, True)],
+               "weight": [("row-major", False, None, None), ("col-major", True, None, None)]}  # fmt: skip
     rows = []
     for (kind, a, b), label in operands.items():
         t = torch.randn(a, b, device="cuda", dtype=torch.bfloat16)
-        for layout, first, second in layouts[kind]:
+        for layout, first, second, second_read in layouts[kind]:
             for warps in args.num_warps:
                 row = {"tensor": label, "kind": kind, "shape": [a, b], "layout": layout, "num_warps": warps}
                 if kind == "act":
-                    fn = partial(quantize_act, t, rows=first, cols=second, num_warps=warps)
+                    fn = partial(
+                        quantize_act, t, rows=first, cols=second, num_warps=warps, cols_second_read=second_read
+                    )
                     nbytes = act_bytes(a, b, first, second)
                 else:
                     fn = partial(quantize_weight, t, col_major=first, num_warps=warps)

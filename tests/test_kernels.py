@@ -57,9 +57,10 @@ def _input(m, k, dtype=torch.bfloat16, seed=0):
 
 @pytest.mark.parametrize("m,k", [(256, 384), (200, 256), (1, 128), (130, 128)])
 @pytest.mark.parametrize("pow2", [False, True])
-def test_act_quant_both_layouts_match_reference(m, k, pow2):
+@pytest.mark.parametrize("second_read", [False, True])
+def test_act_quant_both_layouts_match_reference(m, k, pow2, second_read):
     x = _input(m, k)
-    got = kernels.quantize_act(x, rows=True, cols=True, power_of_two_scales=pow2)
+    got = kernels.quantize_act(x, rows=True, cols=True, power_of_two_scales=pow2, cols_second_read=second_read)
     ref = quantize_act_layouts(x, rows=True, cols=True, power_of_two_scales=pow2)
     m_pad = -(-m // 128) * 128
     assert got.q.shape == (m_pad, k) and got.qt.shape == (k, m_pad)
@@ -73,11 +74,11 @@ def test_act_quant_both_layouts_match_reference(m, k, pow2):
     assert torch.equal(_bits(ref.qt), _bits(quantize_groups(xp.t().contiguous(), power_of_two_scales=pow2)[0]))
 
 
-@pytest.mark.parametrize("rows,cols", [(True, False), (False, True)])
-def test_act_quant_one_layout_and_strided_input(rows, cols):
+@pytest.mark.parametrize("rows,cols,second_read", [(True, False, False), (False, True, False), (False, True, True)])
+def test_act_quant_one_layout_and_strided_input(rows, cols, second_read):
     base = _input(300, 512, dtype=torch.float32)
     x = base[:, 128:384]  # a strided view: read in place, no copy
-    got = kernels.quantize_act(x, rows=rows, cols=cols)
+    got = kernels.quantize_act(x, rows=rows, cols=cols, cols_second_read=second_read)
     ref = quantize_act_layouts(x.contiguous(), rows=rows, cols=cols)
     if rows:
         assert got.qt is None and torch.equal(_bits(got.q), _bits(ref.q)) and torch.equal(got.scale_inv, ref.scale_inv)

@@ -39,10 +39,11 @@ def test_triton_quantizers_match_reference_bit_for_bit(scaled_mm, m, k, pow2):
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 3
     x[:, :128] *= 1e-3  # a range of magnitudes across groups
     x[:, -128:] = 0  # all-zero groups: the amax floor
-    got = scaled_mm.quantize_act(x, rows=True, cols=True, power_of_two_scales=pow2)
     ref = quantize_act_layouts(x, rows=True, cols=True, power_of_two_scales=pow2)
-    assert torch.equal(_bits(got.q), _bits(ref.q)) and torch.equal(got.scale_inv, ref.scale_inv)
-    assert torch.equal(_bits(got.qt), _bits(ref.qt)) and torch.equal(got.scale_inv_t, ref.scale_inv_t)
+    for launch in ({}, {"num_warps": 8}, {"cols_second_read": True}):  # launch choices never change the result
+        got = scaled_mm.quantize_act(x, rows=True, cols=True, power_of_two_scales=pow2, **launch)
+        assert torch.equal(_bits(got.q), _bits(ref.q)) and torch.equal(got.scale_inv, ref.scale_inv)
+        assert torch.equal(_bits(got.qt), _bits(ref.qt)) and torch.equal(got.scale_inv_t, ref.scale_inv_t)
     for col_major in (False, True):
         qw, sw = scaled_mm.quantize_weight(x, col_major=col_major, power_of_two_scales=pow2)
         qw_ref, sw_ref = quantize_blocks(x, power_of_two_scales=pow2)

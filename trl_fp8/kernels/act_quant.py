@@ -6,6 +6,11 @@ For `x [M, K]` (tokens x features) the blockwise GEMMs need:
 Scales are written column-major, the layout cuBLAS's blockwise `scaled_mm` reads, so nothing is copied later.
 `M_pad` rounds the token count up to 128; padded tokens are zeros (they change no group's amax), so WGrad needs no
 separate padding copy. One program owns one 128x128 tile and computes its row and column amaxes from one load.
+
+Launch (`benchmarks/bench_quant.py`, one H200, M=8192, Qwen3-8B shapes): writing both layouts, 4 warps ran
+1.56-1.64x faster than 8 (44-50% of the HBM floor against 28-31%); the column layout's transposed store is the slow
+half. 8 warps stay best for the row layout alone (63-77%). `cols_second_read` is a candidate not yet measured: the
+column layout from a second, K-major read of the tile (an L1/L2 hit, not HBM), stored without a register transpose.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ def _act_quant_kernel(
     x_ptr, stride_xm, stride_xk,
     q_ptr, s_ptr, qt_ptr, st_ptr,
     M, M_pad, K,
-    ROWS: tl.constexpr, COLS: tl.constexpr, POW2: tl.constexpr, BLOCK: tl.constexpr,
+    ROWS: tl.constexpr, COLS: tl.constexpr, POW2: tl.constexpr, BLOCK: tl.constexpr, COLS_SECOND_READ: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -33,18 +38,27 @@ def _act_quant_kernel(
     rk = pid_k * BLOCK + tl.arange(0, BLOCK)
     rm64 = rm.to(tl.int64)
     rk64 = rk.to(tl.int64)
-    x = tl.load(x_ptr + rm64[:, None] * stride_xm + rk64[None, :] * stride_xk, mask=rm[:, None] < M, other=0.0)
-    x = x.to(tl.float32)
-    ax = tl.abs(x)
+    if ROWS or not COLS_SECOND_READ:
+        x = tl.load(x_ptr + rm64[:, None] * stride_xm + rk64[None, :] * stride_xk, mask=rm[:, None] < M, other=0.0)
+        x = x.to(tl.float32)
     if ROWS:
-        scale = fp8_scale(tl.max(ax, axis=1), POW2)
+        scale = fp8_scale(tl.max(tl.abs(x), axis=1), POW2)
         q = scale_and_saturate(x, scale[:, None]).to(q_ptr.dtype.element_ty)
         tl.store(q_ptr + rm64[:, None] * K + rk64[None, :], q)
         tl.store(s_ptr + pid_k * M_pad + rm64, tl.div_rn(1.0, scale))  # column-major [M_pad, K/128]
     if COLS:
-        scale_t = fp8_scale(tl.max(ax, axis=0), POW2)
-        qt = scale_and_saturate(x, scale_t[None, :]).to(qt_ptr.dtype.element_ty)
-        tl.store(qt_ptr + rk64[:, None] * M_pad + rm64[None, :], tl.trans(qt))
+        if COLS_SECOND_READ:  # the tile read again as [K, M]: groups along tokens are then rows
+            xt = tl.load(
+                x_ptr + rk64[:, None] * stride_xk + rm64[None, :] * stride_xm, mask=rm[None, :] < M, other=0.0
+            )
+            xt = xt.to(tl.float32)
+            scale_t = fp8_scale(tl.max(tl.abs(xt), axis=1), POW2)
+            qt = scale_and_saturate(xt, scale_t[:, None]).to(qt_ptr.dtype.element_ty)
+            tl.store(qt_ptr + rk64[:, None] * M_pad + rm64[None, :], qt)
+        else:
+            scale_t = fp8_scale(tl.max(tl.abs(x), axis=0), POW2)
+            qt = scale_and_saturate(x, scale_t[None, :]).to(qt_ptr.dtype.element_ty)
+            tl.store(qt_ptr + rk64[:, None] * M_pad + rm64[None, :], tl.trans(qt))
         tl.store(st_ptr + pid_m * K + rk64, tl.div_rn(1.0, scale_t))  # column-major [K, M_pad/128]
 
 
@@ -54,11 +68,15 @@ def quantize_act(
     rows: bool = True,
     cols: bool = False,
     power_of_two_scales: bool = False,
-    num_warps: int = 8,
+    num_warps: int | None = None,
+    cols_second_read: bool = False,
 ) -> QuantizedAct:
     """Quantize a 2-D `x [M, K]` (any strides, K a multiple of 128) into the layouts asked for; bit for bit
-    `trl_fp8.quantization.quantize_act_layouts`, with the scales column-major. `num_warps` changes only the launch
-    (`benchmarks/bench_quant.py` sweeps it), never the result."""
+    `trl_fp8.quantization.quantize_act_layouts`, with the scales column-major. `num_warps` (default: the measured
+    best, 4 with the column layout, else 8) and `cols_second_read` change only how the kernel runs
+    (`benchmarks/bench_quant.py` sweeps both), never the result."""
+    if num_warps is None:
+        num_warps = 4 if cols else 8
     m, k = x.shape
     m_pad = triton.cdiv(m, BLOCK) * BLOCK
     dev, fp8 = x.device, torch.float8_e4m3fn
@@ -75,7 +93,7 @@ def quantize_act(
             x, x.stride(0), x.stride(1),
             q if rows else dummy, s if rows else st, qt if cols else dummy, st if cols else s,
             m, m_pad, k,
-            ROWS=rows, COLS=cols, POW2=power_of_two_scales, BLOCK=BLOCK,
+            ROWS=rows, COLS=cols, POW2=power_of_two_scales, BLOCK=BLOCK, COLS_SECOND_READ=cols_second_read,
             num_warps=num_warps, num_stages=1,
         )  # fmt: skip
     return QuantizedAct(q, s, qt, st)
