@@ -39,11 +39,12 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_rollout import SHAPES  # noqa: E402
 from common import device_kernel_events, previous_rows, run_all, versions  # noqa: E402
 
-RUNS = {  # run: (trainer, fp8_recipe, rollout_precision, fp8 KV cache)
-    "trl_bf16": ("trl", None, "bf16", False),
-    "fp8_rollout": ("trl_fp8", "none", "fp8", False),
-    "unified": ("trl_fp8", "blockwise", "fp8", False),
-    "unified_fp8kv": ("trl_fp8", "blockwise", "fp8", True),
+RUNS = {  # run: (trainer, fp8_recipe, rollout_precision, fp8 KV cache, training GEMM backend)
+    "trl_bf16": ("trl", None, "bf16", False, None),
+    "fp8_rollout": ("trl_fp8", "none", "fp8", False, "auto"),
+    "unified": ("trl_fp8", "blockwise", "fp8", False, "auto"),
+    "unified_fp8kv": ("trl_fp8", "blockwise", "fp8", True, "auto"),
+    "unified_deepgemm": ("trl_fp8", "blockwise", "fp8", False, "deepgemm"),  # FProp/DGrad on DeepGEMM (opt-in)
 }
 
 
@@ -116,7 +117,7 @@ def run_one(args) -> None:
 
     from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer
 
-    trainer_kind, recipe, precision, fp8_kv = RUNS[args.run]
+    trainer_kind, recipe, precision, fp8_kv, gemm_backend = RUNS[args.run]
     g = torch.Generator().manual_seed(0)
     vocab = SHAPES[args.shape]["vocab_size"]
     prompts = [" ".join(f"t{i}" for i in torch.randint(2, vocab, (args.prompt_len,), generator=g).tolist())
@@ -136,7 +137,7 @@ def run_one(args) -> None:
     else:
         trainer_cls = FP8GRPOTrainer
         config = FP8GRPOConfig(**common, fp8_recipe=recipe, rollout_precision=precision, fp8_kv_cache=fp8_kv,
-                               tis="token", tis_cap=2.0, save_fp8_checkpoint=False)  # fmt: skip
+                               fp8_backend=gemm_backend, tis="token", tis_cap=2.0, save_fp8_checkpoint=False)  # fmt: skip
 
     timings = {"rollout": [], "sync": [], "step": []}
 
@@ -229,6 +230,7 @@ def run_one(args) -> None:
         "fp8_recipe": recipe,
         "rollout_precision": precision,
         "fp8_kv_cache": fp8_kv,
+        "fp8_backend": gemm_backend,
         "step_time": {
             "step_s": med(step),
             "rollout_s": med(rollout),

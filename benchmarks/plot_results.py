@@ -103,7 +103,13 @@ def plot_rollout(result: dict, out: Path, plt) -> Path:
     return out / "rollout_throughput.png"
 
 
-RUN_ORDER = ("trl_bf16", "fp8_rollout", "unified", "unified_fp8kv")  # bench_grpo.RUNS, baseline first
+RUN_ORDER = (
+    "trl_bf16",
+    "fp8_rollout",
+    "unified",
+    "unified_fp8kv",
+    "unified_deepgemm",
+)  # bench_grpo.RUNS, baseline first
 
 
 def _speed_rows(result: dict) -> list[dict]:
