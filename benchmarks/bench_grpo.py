@@ -14,7 +14,13 @@ Runs (one child process each, vLLM colocated, same model, prompts, batch and 1k-
 - `trl_bf16`: TRL's plain `GRPOTrainer` (BF16 training, BF16 vLLM rollouts): what a user runs today;
 - `fp8_rollout`: `FP8GRPOTrainer`, BF16 training, rollouts on block-FP8 weights quantized by the trainer;
 - `unified`: `FP8GRPOTrainer`, blockwise FP8 training and rollouts on the same FP8 weights (Jet-RL's flow);
-- `unified_fp8kv` (with `--runs ... unified_fp8kv`): the same plus an FP8 KV cache.
+- `unified_fp8kv` (with `--runs ... unified_fp8kv`): the same plus an FP8 KV cache;
+- `unified_deepgemm`: `unified` with FProp and DGrad on DeepGEMM (`fp8_backend="deepgemm"`);
+- `unified_nocache`: `unified` quantizing each weight at every forward instead of caching its FP8 copy (the
+  memory that copy costs, against the time it saves).
+
+Peak allocated memory is recorded per phase (rollout: sync + generate; training: the rest), with the size of the
+FP8 weight cache at the end.
 
 Each step is split into rollout (vLLM generate), weight sync, and training (everything else: scoring log-probs,
 rewards, forward/backward, optimizer). The first `--warmup` steps are dropped; medians are reported. All runs use
@@ -39,12 +45,13 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_rollout import SHAPES  # noqa: E402
 from common import device_kernel_events, previous_rows, run_all, versions  # noqa: E402
 
-RUNS = {  # run: (trainer, fp8_recipe, rollout_precision, fp8 KV cache, training GEMM backend)
-    "trl_bf16": ("trl", None, "bf16", False, None),
-    "fp8_rollout": ("trl_fp8", "none", "fp8", False, "auto"),
-    "unified": ("trl_fp8", "blockwise", "fp8", False, "auto"),
-    "unified_fp8kv": ("trl_fp8", "blockwise", "fp8", True, "auto"),
-    "unified_deepgemm": ("trl_fp8", "blockwise", "fp8", False, "deepgemm"),  # FProp/DGrad on DeepGEMM (opt-in)
+RUNS = {  # run: (trainer, fp8_recipe, rollout_precision, fp8 KV cache, training GEMM backend, FP8 weight cache)
+    "trl_bf16": ("trl", None, "bf16", False, None, None),
+    "fp8_rollout": ("trl_fp8", "none", "fp8", False, "auto", None),
+    "unified": ("trl_fp8", "blockwise", "fp8", False, "auto", None),
+    "unified_fp8kv": ("trl_fp8", "blockwise", "fp8", True, "auto", None),
+    "unified_deepgemm": ("trl_fp8", "blockwise", "fp8", False, "deepgemm", None),  # FProp/DGrad on DeepGEMM (opt-in)
+    "unified_nocache": ("trl_fp8", "blockwise", "fp8", False, "auto", False),  # weights quantized at every forward
 }
 
 
@@ -109,6 +116,18 @@ def kernel_breakdown(prof, top: int = 25) -> dict:
     }
 
 
+def fp8_weight_cache_bytes(model) -> int:
+    """Bytes of the FP8 weights (values and scales) that `FP8Linear` layers keep cached between calls."""
+    from trl_fp8.fp8_linear import FP8Linear
+
+    total = 0
+    for module in model.modules():
+        cached = getattr(module, "_fp8_weight_cache", None) if isinstance(module, FP8Linear) else None
+        if cached is not None:
+            total += sum(t.numel() * t.element_size() for t in (cached[1].q, cached[1].scale_inv))
+    return total
+
+
 def run_one(args) -> None:
     import torch
     from datasets import Dataset
@@ -117,7 +136,7 @@ def run_one(args) -> None:
 
     from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer
 
-    trainer_kind, recipe, precision, fp8_kv, gemm_backend = RUNS[args.run]
+    trainer_kind, recipe, precision, fp8_kv, gemm_backend, cache_weights = RUNS[args.run]
     g = torch.Generator().manual_seed(0)
     vocab = SHAPES[args.shape]["vocab_size"]
     prompts = [" ".join(f"t{i}" for i in torch.randint(2, vocab, (args.prompt_len,), generator=g).tolist())
@@ -137,9 +156,17 @@ def run_one(args) -> None:
     else:
         trainer_cls = FP8GRPOTrainer
         config = FP8GRPOConfig(**common, fp8_recipe=recipe, rollout_precision=precision, fp8_kv_cache=fp8_kv,
-                               fp8_backend=gemm_backend, tis="token", tis_cap=2.0, save_fp8_checkpoint=False)  # fmt: skip
+                               fp8_backend=gemm_backend, fp8_cache_weights=cache_weights, tis="token", tis_cap=2.0,
+                               save_fp8_checkpoint=False)  # fmt: skip
 
     timings = {"rollout": [], "sync": [], "step": []}
+    # Peak allocated bytes by phase: "rollout" covers sync + generate, "training" the rest of the step (scoring,
+    # forward/backward, optimizer). The allocator's peak is read and reset at each phase boundary.
+    peaks = {"rollout": 0, "training": 0}
+
+    def close_phase(phase: str) -> None:
+        peaks[phase] = max(peaks[phase], torch.cuda.max_memory_allocated())
+        torch.cuda.reset_peak_memory_stats()
 
     class StepTimer(TrainerCallback):
         """Optimizer-step wall times: the time between consecutive step ends (step begin fires per micro-step)."""
@@ -153,6 +180,7 @@ def run_one(args) -> None:
             now = time.perf_counter()
             timings["step"].append(now - self.last)
             self.last = now
+            close_phase("training")
 
     trainer = trainer_cls(
         str(Path(args.workdir) / "model"), length_reward, config,
@@ -163,12 +191,16 @@ def run_one(args) -> None:
     def timed(fn, key):
         def wrapper(*a, **k):
             torch.cuda.synchronize()
+            if key == "sync":  # the sync opens the rollout phase
+                close_phase("training")
             start = time.perf_counter()
             try:
                 return fn(*a, **k)
             finally:
                 torch.cuda.synchronize()
                 timings[key].append((trainer.state.global_step, time.perf_counter() - start))
+                if key == "rollout":
+                    close_phase("rollout")
 
         return wrapper
 
@@ -221,6 +253,7 @@ def run_one(args) -> None:
             totals[step] += seconds
         return totals
 
+    close_phase("training")
     rollout, sync, step = per_step("rollout"), per_step("sync"), timings["step"]
     keep = range(args.warmup, len(step))
     med = lambda xs: statistics.median(xs[i] for i in keep)  # noqa: E731
@@ -231,6 +264,7 @@ def run_one(args) -> None:
         "rollout_precision": precision,
         "fp8_kv_cache": fp8_kv,
         "fp8_backend": gemm_backend,
+        "fp8_cache_weights": cache_weights,
         "step_time": {
             "step_s": med(step),
             "rollout_s": med(rollout),
@@ -238,7 +272,9 @@ def run_one(args) -> None:
             "training_s": med([s - r - w for s, r, w in zip(step, rollout, sync, strict=True)]),
         },
         "per_step": {"step_s": step, "rollout_s": rollout, "weight_sync_s": sync},
-        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "peak_memory_gib": max(peaks.values()) / 2**30,
+        "peak_memory_by_phase_gib": {phase: b / 2**30 for phase, b in peaks.items()},
+        "fp8_weight_cache_gib": fp8_weight_cache_bytes(trainer.model) / 2**30,
     }
     if profile:
         row["training_profile"] = profile
@@ -316,8 +352,8 @@ def main():
     failed = run_all(__file__, "--run", args.runs, sys.argv[1:], result, out, "name", list(RUNS),
                      launcher(args.num_processes, args.launch_config, port))  # fmt: skip
     base = {r["name"]: r for r in result["results"]}.get("trl_bf16")
-    print(f"{'run':<15}{'step s':>9}{'rollout s':>11}{'training s':>12}{'sync s':>9}{'speedup e2e/rollout/train':>28}"
-          f"{'compl/s':>9}")  # fmt: skip
+    print(f"{'run':<17}{'step s':>9}{'rollout s':>11}{'training s':>12}{'sync s':>9}{'speedup e2e/rollout/train':>28}"
+          f"{'compl/s':>9}{'first step s':>14}{'peak GiB roll/train':>21}")  # fmt: skip
     for r in result["results"]:
         t = r["step_time"]
         speed = "-"
@@ -325,8 +361,11 @@ def main():
             b = base["step_time"]
             speed = (f"{b['step_s'] / t['step_s']:.2f}x/{b['rollout_s'] / t['rollout_s']:.2f}x/"
                      f"{b['training_s'] / t['training_s']:.2f}x")  # fmt: skip
-        print(f"{r['name']:<15}{t['step_s']:>9.2f}{t['rollout_s']:>11.2f}{t['training_s']:>12.2f}"
-              f"{t['weight_sync_s']:>9.2f}{speed:>28}{r.get('completions_per_s', float('nan')):>9.1f}")  # fmt: skip
+        peak = r.get("peak_memory_by_phase_gib", {})
+        peak = f"{peak['rollout']:.1f}/{peak['training']:.1f}" if peak else f"{r['peak_memory_gib']:.1f}"
+        print(f"{r['name']:<17}{t['step_s']:>9.2f}{t['rollout_s']:>11.2f}{t['training_s']:>12.2f}"
+              f"{t['weight_sync_s']:>9.2f}{speed:>28}{r.get('completions_per_s', float('nan')):>9.1f}"
+              f"{r['per_step']['step_s'][0]:>14.1f}{peak:>21}")  # fmt: skip
     for r in result["results"]:
         if "training_profile" in r:
             cats = r["training_profile"]["kernel_ms_by_category"]

@@ -5,7 +5,8 @@
 
 Variants: BF16 `nn.Linear`; trl_fp8 blockwise (`FP8Linear`, weight re-quantized every call as after each optimizer
 step, and with the weight cache hit, as for further micro-batches and log-prob passes); torchao's blockwise
-prototype (`Float8BlockwiseLinear`); torchao tensorwise `Float8Linear` (eager and `torch.compile`). Also the raw
+prototype (`Float8BlockwiseLinear`); torchao tensorwise `Float8Linear` (eager and `torch.compile`). On the GPU also
+trl_fp8 with FProp/DGrad on DeepGEMM (`backend="deepgemm"`) and trl_fp8 under `torch.compile`. Also the raw
 GEMMs (BF16 mm vs one blockwise FP8 scaled_mm) and where trl_fp8's time goes (quantization passes vs GEMMs).
 """
 
@@ -91,6 +92,8 @@ def make_variants(k, n, device, dtype, cuda):
 
         if deep_gemm.available() is None:  # FProp and DGrad on DeepGEMM, the opt-in backend
             variants["trl_fp8 deepgemm (cached W)"] = ours(True, "deepgemm")
+        # Compiled: no Python between kernels, the weight quantized inside the graph at every call (no cache there)
+        variants["trl_fp8 blockwise (compiled)"] = torch.compile(ours(False))
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
         from torchao.prototype.blockwise_fp8_training.linear import Float8BlockwiseLinear
 
@@ -185,6 +188,7 @@ def main():
 
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
+    torch._dynamo.config.recompile_limit = 64  # every shape's compiled variants are new modules: one compile each
     dtype = torch.bfloat16
     shapes = [(256, 384, "tiny_a"), (512, 256, "tiny_b"), (256, (128, 256), "tiny_ab")] if args.quick else QWEN3_8B
     m = 256 if args.quick else args.tokens
@@ -207,13 +211,17 @@ def main():
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
                 base = torch.cuda.memory_allocated()
-            times[name] = bench(step, args.reps, cuda, grad_to_none=(x, *params))
-            peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if cuda else None
-            rows.append(
-                {"shape": label, "K": k, "N": n, "M": m, "variant": name, "ms": times[name], "peak_extra_MiB": peak}
-            )
-        for r in rows[-len(variants) :]:
-            r["speedup_vs_bf16"] = times["bf16"] / r["ms"]
+            row = {"shape": label, "K": k, "N": n, "M": m, "variant": name}
+            try:
+                times[name] = row["ms"] = bench(step, args.reps, cuda, grad_to_none=(x, *params))
+            except Exception as e:  # one variant failing (a compiler error, say) must not lose the others
+                row["error"] = f"{type(e).__name__}: {e}"[:500]
+                print(f"{label} {name}: FAILED {row['error']}", flush=True)
+                rows.append(row)
+                continue
+            row["peak_extra_MiB"] = (torch.cuda.max_memory_allocated() - base) / 2**20 if cuda else None
+            row["speedup_vs_bf16"] = times["bf16"] / row["ms"]
+            rows.append(row)
         if not isinstance(n, tuple):  # the shared-input group is made of the layers measured on their own
             breakdowns[label] = breakdown(m, k, n, device, dtype, args.reps, cuda)
         if args.profile:
@@ -250,7 +258,10 @@ def main():
     print(f"{'shape':<14}" + "".join(f"{n[:28]:>31}" for n in names))
     for _, _, label in shapes:
         cells = {r["variant"]: r for r in rows if r["shape"] == label}
-        print(f"{label:<14}" + "".join(f"{cells[v]['ms']:>21.3f} ({cells[v]['speedup_vs_bf16']:.2f}x)" for v in names))
+        print(f"{label:<14}" + "".join(
+            f"{cells[v]['ms']:>21.3f} ({cells[v]['speedup_vs_bf16']:.2f}x)" if "ms" in cells[v] else f"{'failed':>31}"
+            for v in names
+        ))  # fmt: skip
     print("\ntrl_fp8 blockwise breakdown (ms):")
     steps = list(next(iter(breakdowns.values())))
     print(f"{'shape':<14}" + "".join(f"{s[:20]:>21}" for s in steps))
