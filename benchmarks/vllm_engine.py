@@ -11,7 +11,7 @@ from pathlib import Path
 from trl_fp8.export import fp8_module_names
 from trl_fp8.vllm_kernels import rollout_kernel
 from trl_fp8.vllm_sync import (
-    engine_env,
+    apply_engine_env,
     engine_overrides,
     push_to_engine,
     rollout_weight_tensors,
@@ -29,7 +29,7 @@ def start_engine(
     from vllm import LLM
 
     kernel = rollout_kernel(backend) if precision == "fp8" else None
-    os.environ.update(engine_env(precision, kernel))  # the kernel that runs our FP8 values as they are
+    apply_engine_env(precision, kernel)  # the kernel that runs our FP8 values as they are
     fp8_modules = fp8_module_names(model) if precision == "fp8" else set()
     engine_dir = write_engine_config(model, None, workdir / f"engine_{precision}", fp8_modules)
     kwargs = dict(

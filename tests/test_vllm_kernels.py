@@ -116,3 +116,29 @@ def test_fp8_kv_cache_needs_hopper_attention(hopper, monkeypatch):
             check_fp8_kv_attention()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     check_fp8_kv_attention()  # no GPU: vLLM itself refuses
+
+
+def test_engine_settings_reach_decisions_vllm_cached_earlier(monkeypatch):
+    """vLLM caches "is DeepGEMM usable" (functools.cache) from the environment of its first question. The trainer's
+    DeepGEMM GEMMs may ask first, under VLLM_USE_DEEP_GEMM=0; the engine's own setting must still win (the GPU suite
+    saw the engine refuse DeepGEMM otherwise). A stand-in for `vllm.utils.deep_gemm` with the same caches."""
+    import functools
+    import os
+    import sys
+    import types
+
+    from trl_fp8.vllm_sync import apply_engine_env
+
+    fake = types.ModuleType("vllm.utils.deep_gemm")
+    fake.is_deep_gemm_supported = functools.cache(lambda: os.environ.get("VLLM_USE_DEEP_GEMM") == "1")
+    fake.is_deep_gemm_e8m0_used = functools.cache(lambda: os.environ.get("VLLM_USE_DEEP_GEMM_E8M0") == "1")
+    fake.DeepGemmQuantScaleFMT = type("DeepGemmQuantScaleFMT", (), {"_oracle_cache": "asked before"})
+    monkeypatch.setitem(sys.modules, "vllm.utils.deep_gemm", fake)
+    monkeypatch.setenv("VLLM_USE_DEEP_GEMM", "0")
+    monkeypatch.setenv("VLLM_USE_DEEP_GEMM_E8M0", "1")
+    assert not fake.is_deep_gemm_supported() and fake.is_deep_gemm_e8m0_used()  # cached under the old settings
+
+    kernel = vk.RolloutKernel("deepgemm", "test", {"VLLM_USE_DEEP_GEMM": "1", **vk.NO_E8M0})
+    apply_engine_env("fp8", kernel)
+    assert fake.is_deep_gemm_supported() and not fake.is_deep_gemm_e8m0_used()
+    assert fake.DeepGemmQuantScaleFMT._oracle_cache is None

@@ -20,6 +20,7 @@ import importlib.util
 import logging
 import os
 import shutil
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,6 +37,7 @@ __all__ = [
     "check_fp8_kv_attention",
     "deepgemm_unavailable_reason",
     "default_jit_cache_dir",
+    "forget_cached_deepgemm_decisions",
     "rollout_kernel",
     "server_command",
     "server_kernel",
@@ -59,6 +61,26 @@ class RolloutKernel:
     reason: str
     env: dict[str, str] = field(default_factory=dict)
     llm_kwargs: dict[str, str] = field(default_factory=dict)
+
+
+def forget_cached_deepgemm_decisions() -> None:
+    """Make vLLM re-read `VLLM_USE_DEEP_GEMM*` the next time it asks.
+
+    vLLM caches (`functools.cache`) whether DeepGEMM is usable and whether it takes E8M0 scales the first time anything
+    asks, from the environment of that moment. The trainer's own DeepGEMM GEMMs (`fp8_backend="deepgemm"`) may ask
+    before the engine's settings are assigned; with `VLLM_USE_DEEP_GEMM=0` then, the engine later refused DeepGEMM
+    ("only Hopper and Blackwell GPUs are supported"). Nothing is imported here: a vLLM not yet loaded has no cache.
+    """
+    deep_gemm = sys.modules.get("vllm.utils.deep_gemm")
+    if deep_gemm is None:
+        return
+    for name in ("is_deep_gemm_supported", "is_deep_gemm_e8m0_used"):
+        cache_clear = getattr(getattr(deep_gemm, name, None), "cache_clear", None)
+        if cache_clear is not None:
+            cache_clear()
+    scale_format = getattr(deep_gemm, "DeepGemmQuantScaleFMT", None)
+    if scale_format is not None and getattr(scale_format, "_oracle_cache", None) is not None:
+        scale_format._oracle_cache = None  # its E8M0-or-float32 answer, derived from the same settings
 
 
 def default_jit_cache_dir() -> Path:

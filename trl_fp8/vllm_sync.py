@@ -48,6 +48,7 @@ from .vllm_kernels import (
     VLLM_LINEAR_BACKEND,
     RolloutKernel,
     check_fp8_kv_attention,
+    forget_cached_deepgemm_decisions,
     rollout_kernel,
     server_command,
     server_kernel,
@@ -58,6 +59,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "ROLLOUT_PRECISIONS",
     "FP8VLLMGeneration",
+    "apply_engine_env",
     "check_server_config",
     "check_server_kernel",
     "check_vllm_version",
@@ -141,6 +143,12 @@ def engine_env(rollout_precision: str, kernel: RolloutKernel | None = None) -> d
     if check_rollout_precision(rollout_precision) != "fp8":
         return {}
     return dict((kernel or rollout_kernel("auto")).env)
+
+
+def apply_engine_env(rollout_precision: str, kernel: RolloutKernel | None = None) -> None:
+    """Assign `engine_env` to this process's environment, and make vLLM forget what it decided from the old one."""
+    os.environ.update(engine_env(rollout_precision, kernel))
+    forget_cached_deepgemm_decisions()
 
 
 def push_to_engine(llm, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
@@ -329,7 +337,7 @@ class FP8VLLMGeneration(VLLMGeneration):
         overrides = engine_overrides(
             self.engine_dir, self.rollout_precision, self.kv_observer is not None, self.kernel
         )
-        os.environ.update(engine_env(self.rollout_precision, self.kernel))
+        apply_engine_env(self.rollout_precision, self.kernel)
         trl_vllm.LLM = lambda *a, **kw: llm_class(*a, **{**kw, **overrides})
         start = time.perf_counter()
         try:
