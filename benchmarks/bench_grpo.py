@@ -328,6 +328,9 @@ def main():
 
     import torch
 
+    from trl_fp8.grpo_config import check_optimizer_installed
+
+    check_optimizer_installed(args.optim)  # every run's child would load the model and start vLLM first
     workdir = Path(args.workdir)
     if not (workdir / "model" / "config.json").exists():
         make_model_dir(workdir / "model", args.shape)

@@ -14,6 +14,11 @@
 #   bash benchmarks/run_rollout_report.sh grpo      # bench_grpo ($GRPO_RUNS), TRL BF16 vs unified FP8, profiled
 #   bash benchmarks/run_rollout_report.sh multi     # two GPUs: tests/gpu/test_multi_gpu.py, GRPO on 1 GPU vs 2 (FSDP2)
 #
+# `grpo` trains with bitsandbytes' 8-bit AdamW (an 8B step beside its engine fits one GPU so), which the GPU kit lacks:
+#   pip download bitsandbytes==0.50.2 --no-deps --only-binary :all: --python-version 3.12 \
+#     --platform manylinux_2_24_x86_64 -d .gpu/bnb
+# then add "$kit"/bnb to the wheel loop of .gpu/setup.sh and stage .gpu/bnb in a call of its own (41 MB).
+#
 # DeepGEMM's compiled kernels go to $DG_JIT_CACHE_DIR (default /var/tmp/dg_cache). The first DeepGEMM engine on a
 # fresh host pays the cold compile (recorded in its row as jit_cache.state "cold"). `pack` writes the cache to
 # $WORK/dg_cache.tgz.part*; a later host unpacks parts found in $DG_CACHE_PARTS before its first phase, so its

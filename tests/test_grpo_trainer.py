@@ -409,6 +409,19 @@ def test_bad_configs_name_the_fix(tmp_path, kwargs, message):
         make_args(tmp_path, **kwargs)
 
 
+def test_a_bitsandbytes_optimizer_without_bitsandbytes_is_refused_at_config_time(tmp_path, monkeypatch):
+    """Before the model loads and vLLM starts: transformers alone finds out when training begins."""
+    import transformers.utils
+
+    monkeypatch.setattr(transformers.utils, "is_bitsandbytes_available", lambda: False)
+    with pytest.raises(ImportError, match=r"optim='adamw_bnb_8bit' is a bitsandbytes optimizer.*trl-fp8\[bnb\]"):
+        make_args(tmp_path, optim="adamw_bnb_8bit")
+    monkeypatch.setattr(transformers.utils, "is_bitsandbytes_available", lambda: True)
+    assert make_args(tmp_path, optim="adamw_bnb_8bit").optim == "adamw_bnb_8bit"
+    monkeypatch.setattr(transformers.utils, "is_bitsandbytes_available", lambda: False)
+    assert make_args(tmp_path, optim="adamw_torch").optim == "adamw_torch"  # other optimizers need nothing
+
+
 def test_plain_grpo_config_is_refused_with_the_fix(model_dir, tmp_path):
     from trl import GRPOConfig
 

@@ -213,3 +213,20 @@ class FP8GRPOConfig(GRPOConfig):
         elif self.tis == "off":
             self.vllm_importance_sampling_correction = False
         super().__post_init__()
+        check_optimizer_installed(self.optim)
+
+
+def check_optimizer_installed(optim) -> None:
+    """Refuse a bitsandbytes optimizer without bitsandbytes now: transformers only finds out when training starts,
+    after the model has loaded and the vLLM engine has started (minutes with a cold DeepGEMM cache)."""
+    try:
+        from transformers.trainer_optimizer import _BITSANDBYTES_OPTIMIZERS
+        from transformers.utils import is_bitsandbytes_available
+    except ImportError:  # a transformers that moved these still checks when training starts
+        return
+    if optim in _BITSANDBYTES_OPTIMIZERS and not is_bitsandbytes_available():
+        name = getattr(optim, "value", optim)
+        raise ImportError(
+            f"optim={name!r} is a bitsandbytes optimizer, and bitsandbytes is not installed: "
+            "pip install 'trl-fp8[bnb]', or choose another optimizer (optim='adamw_torch_fused')."
+        )
