@@ -6,7 +6,8 @@
   accuracy and trainer-vs-rollout mismatch of every `results/convergence*/grpo_*.json` setting (one colour per
   setting, one line style per seed);
 - `rollout_throughput.png`: `results/rollout_*.json`, tokens/s per engine;
-- `grpo_step_time.png`: `results/grpo_speed_*.json`, step time split into rollout / training / weight sync.
+- `grpo_step_time.png`: `results/grpo_speed_*.json`, step time split into rollout / training / weight sync;
+- `linear_speedup.png`: `results/linear_*.json`, each variant's forward+backward speed-up over BF16 per layer shape.
 
 A plot whose results are missing is skipped (and said so); nothing is invented. The same run also prints the
 report's tables (`tables`), which the README and `notebooks/fp8_vs_bf16.ipynb` quote.
@@ -109,6 +110,7 @@ RUN_ORDER = (
     "unified",
     "unified_fp8kv",
     "unified_deepgemm",
+    "unified_nocache",
 )  # bench_grpo.RUNS, baseline first
 
 
@@ -136,6 +138,35 @@ def plot_step_time(result: dict, out: Path, plt) -> Path:
     fig.savefig(out / "grpo_step_time.png", dpi=120)
     plt.close(fig)
     return out / "grpo_step_time.png"
+
+
+def linear_speedups(result: dict) -> dict[str, dict[str, float]]:
+    """variant -> shape -> speed-up over BF16, for the variants that ran (a failed variant has no time)."""
+    table: dict[str, dict[str, float]] = {}
+    for row in result["results"]:
+        if row["variant"] != "bf16" and "speedup_vs_bf16" in row:
+            table.setdefault(row["variant"], {})[row["shape"]] = row["speedup_vs_bf16"]
+    return table
+
+
+def plot_linear(result: dict, out: Path, plt, goal: float = 1.45) -> Path:
+    table = linear_speedups(result)
+    shapes = list(dict.fromkeys(row["shape"] for row in result["results"]))
+    fig, ax = plt.subplots(figsize=(9, 4.4))
+    width = 0.8 / len(table)
+    for i, (variant, speed) in enumerate(table.items()):
+        xs = [j + i * width for j, shape in enumerate(shapes) if shape in speed]
+        ax.bar(xs, [speed[shape] for shape in shapes if shape in speed], width, label=variant)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.axhline(goal, color="black", linewidth=0.8, linestyle="--", label=f"goal {goal}x")
+    ax.set_xticks([j + width * (len(table) - 1) / 2 for j in range(len(shapes))], shapes, fontsize=8)
+    ax.set_ylabel("speed-up over BF16, forward+backward")
+    ax.set_title(f"Linear layer, M={result['tokens']} tokens, Qwen3-8B shapes ({result['device']}, {result['date']})")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(out / "linear_speedup.png", dpi=120)
+    plt.close(fig)
+    return out / "linear_speedup.png"
 
 
 def _convergence_runs(results: Path) -> list[dict]:
@@ -204,6 +235,8 @@ def main(argv=None) -> list[Path]:
         written.append(plot_rollout(result, out, plt))
     for result in _load(results.glob("grpo_speed_*.json"))[:1]:
         written.append(plot_step_time(result, out, plt))
+    for result in _load(results.glob("linear_*.json"))[:1]:
+        written.append(plot_linear(result, out, plt))
     for path in written:
         print(f"wrote {path}")
     print(tables(results))

@@ -68,6 +68,19 @@ def test_linear_and_gemm_benchmarks_run_at_smoke_size(tmp_path):
     result = json.loads((tmp_path / "linear.json").read_text())
     assert {r["shape"] for r in result["results"]} == {"tiny_a", "tiny_b", "tiny_ab"}
     assert "tiny_ab" in result["profile_per_iteration"] and "unaccounted" in out
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from plot_results import linear_speedups, plot_linear
+
+    result["results"].append({"shape": "tiny_a", "variant": "broken", "error": "RuntimeError: x"})  # a failed variant
+    speedups = linear_speedups(result)
+    assert "broken" not in speedups and "bf16" not in speedups
+    assert set(speedups["trl_fp8 blockwise (cached W)"]) == {"tiny_a", "tiny_b", "tiny_ab"}
+    assert plot_linear(result, tmp_path, plt).exists()
     out = _run(ROOT / "benchmarks" / "bench_gemm.py", "--quick", "--out", tmp_path / "gemm.json")
     rows = json.loads((tmp_path / "gemm.json").read_text())["results"]
     assert {(r["gemm"], r["variant"]) for r in rows} >= {("wgrad", "emulated"), ("fprop", "bf16 mm")}
