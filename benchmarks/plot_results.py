@@ -169,8 +169,8 @@ def plot_linear(result: dict, out: Path, plt, goal: float = 1.45) -> Path:
     return out / "linear_speedup.png"
 
 
-def _convergence_runs(results: Path) -> list[dict]:
-    runs = _load(results.glob("convergence*/grpo_*.json"))
+def _convergence_runs(results: Path, task: str = "addition") -> list[dict]:
+    runs = [r for r in _load(results.glob("convergence*/grpo_*.json")) if r["args"].get("task", "addition") == task]
     return sorted(runs, key=lambda r: (r["args"]["seed"], list(SETTING_ORDER).index(r["setting"]["name"])))
 
 

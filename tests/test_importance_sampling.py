@@ -40,8 +40,8 @@ def test_mismatch_stats_match_hand_computed_values():
             "is_ratio_max": E_HALF,
             "is_ratio_min": E_MINUS_ONE,
             "is_ratio_clipped_frac": 0.5,
-            "pos_0_255/abs_logp_diff_mean": 0.75,  # every token sits in the first position bucket
-            "pos_0_255/kl_k3": k3,
+            "pos_0_63/abs_logp_diff_mean": 0.75,  # every token sits in the first position bucket
+            "pos_0_63/kl_k3": k3,
         }
     )
     assert "is_ratio_clipped_frac" not in mismatch_stats(TRAIN, ROLLOUT, MASK)
@@ -83,7 +83,8 @@ def test_mismatch_stats_reduce_over_processes_when_a_rank_has_no_tokens(tmp_path
 
 
 def test_mismatch_is_also_reported_by_completion_position():
-    """Per bucket of completion positions (0-255, 256-1023, ...): does the mismatch grow along the completion?"""
+    """Per bucket of completion positions (0-63, 64-127, ..., 256-511, ..., 1024-2047, ...): does the mismatch grow
+    along the completion?"""
     train = torch.zeros(2, 1100)
     rollout = torch.zeros(2, 1100)
     rollout[:, 10] = -0.5  # early tokens: delta +0.5
@@ -94,9 +95,10 @@ def test_mismatch_is_also_reported_by_completion_position():
     mask[1, 1050] = 1
     mask[1, 300] = 0  # padding in the middle bucket of the second completion
     stats = mismatch_stats(train, rollout, mask)
-    assert stats["pos_0_255/abs_logp_diff_mean"] == pytest.approx(0.5)
-    assert stats["pos_256_1023/abs_logp_diff_mean"] == pytest.approx(1.0)
-    assert stats["pos_1024_4095/abs_logp_diff_mean"] == pytest.approx(2.0)
-    assert stats["pos_1024_4095/kl_k3"] == pytest.approx(math.exp(2.0) - 1 - 2.0)
-    assert not any(k.startswith(("pos_4096", "pos_16384")) for k in stats)  # empty buckets are not logged
+    assert stats["pos_0_63/abs_logp_diff_mean"] == pytest.approx(0.5)
+    assert stats["pos_256_511/abs_logp_diff_mean"] == pytest.approx(1.0)
+    assert stats["pos_1024_2047/abs_logp_diff_mean"] == pytest.approx(2.0)
+    assert stats["pos_1024_2047/kl_k3"] == pytest.approx(math.exp(2.0) - 1 - 2.0)
+    buckets = {k.split("/")[0] for k in stats if k.startswith("pos_")}
+    assert buckets == {"pos_0_63", "pos_256_511", "pos_1024_2047"}  # empty buckets are not logged
     assert stats["abs_logp_diff_mean"] == pytest.approx((0.5 + 0.5 + 1.0 + 2.0) / 4)

@@ -13,8 +13,9 @@ import torch
 
 __all__ = ["token_tis_ratio", "mismatch_stats", "POSITION_BUCKETS"]
 
-# Completion-token positions at which mismatch is also reported per bucket: does it compound with length?
-POSITION_BUCKETS = (0, 256, 1024, 4096, 16384)
+# Completion-token positions at which mismatch is also reported per bucket: does it compound with length? Doubling
+# widths from 64 tokens, so that completions of a few hundred tokens get several buckets too.
+POSITION_BUCKETS = (0, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 def token_tis_ratio(

@@ -3,6 +3,10 @@
 A prompt is one user message `"4821+377="`; the answer is the decimal sum. The character tokenizer of
 `trl_fp8.tiny_model` covers it, so nothing is downloaded. Difficulty grows with the number of digits, which lets a
 briefly pre-trained model solve only part of the problems: room for GRPO to improve and for precision to matter.
+
+A convergence task module (`pretrain.py --task`, `run_grpo.py --task`) provides `problems`, `tokenizer`,
+`MODEL_KWARGS`, `max_completion_length`, `Batcher`, `grpo_dataset`, `exact_answer_reward` and `greedy_accuracy`;
+`program_trace.py` is the long-completion one.
 """
 
 from __future__ import annotations
@@ -10,6 +14,17 @@ from __future__ import annotations
 import random
 
 DIGITS = (2, 5)  # operand lengths, inclusive
+MODEL_KWARGS = dict(vocab_size=128, max_position_embeddings=128)
+
+
+def tokenizer():
+    from trl_fp8.tiny_model import tiny_char_tokenizer
+
+    return tiny_char_tokenizer()
+
+
+def max_completion_length() -> int:
+    return 8  # the longest sum (6 digits), with room for the end token
 
 
 def _number(rng: random.Random, digits: tuple[int, int]) -> int:
@@ -50,6 +65,41 @@ def chat_prompt(tokenizer, question: str) -> str:
     return tokenizer.apply_chat_template(
         [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
     )
+
+
+class Batcher:
+    """Chat-formatted prompt + answer + <|im_end|>, right padded; the loss covers the answer and the end token only.
+
+    The tokenizer is character level, so a row is the chat template's fixed prefix and suffix around the question's
+    characters: built from ids directly, rendering the template once rather than 512 times a step (that, not the GPU,
+    was the pre-training bottleneck). The first rows are checked against the full tokenization.
+    """
+
+    def __init__(self, tokenizer):
+        before, after = chat_prompt(tokenizer, "\x00").split("\x00")
+        self.tokenizer = tokenizer
+        self.prefix = tokenizer(before, add_special_tokens=False)["input_ids"]
+        self.suffix = tokenizer(after, add_special_tokens=False)["input_ids"]
+        self.ids = {c: tokenizer.convert_tokens_to_ids(c) for c in "0123456789+="}
+        for q, a in problems(4, seed=123):
+            full = tokenizer(chat_prompt(tokenizer, q) + a, add_special_tokens=False)["input_ids"]
+            assert full == self.prompt(q) + self.chars(a), "character-level shortcut disagrees with the tokenizer"
+
+    def chars(self, text: str) -> list[int]:
+        return [self.ids[c] for c in text]
+
+    def prompt(self, question: str) -> list[int]:
+        return self.prefix + self.chars(question) + self.suffix
+
+    def __call__(self, pairs, device):
+        import torch
+
+        eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
+        rows = [(self.prompt(q), self.chars(a) + [eos]) for q, a in pairs]
+        width = max(len(p) + len(a) for p, a in rows)
+        ids = torch.tensor([p + a + [pad] * (width - len(p) - len(a)) for p, a in rows])
+        labels = torch.tensor([[-100] * len(p) + a + [-100] * (width - len(p) - len(a)) for p, a in rows])
+        return ids.to(device, non_blocking=True), labels.to(device, non_blocking=True)
 
 
 def greedy_accuracy(model, tokenizer, pairs: list[tuple[str, str]], batch_size: int = 512, max_new_tokens: int = 8):

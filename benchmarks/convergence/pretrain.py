@@ -1,7 +1,9 @@
-"""Pre-train the convergence model: a Qwen3-architecture model (dims multiples of 128) taught multi-digit addition
-by supervised training on generated problems, stopped once it solves part of the held-out set.
+"""Pre-train the convergence model: a Qwen3-architecture model (dims multiples of 128) taught a task (`--task`:
+multi-digit addition, or tracing a program with completions of hundreds of words) by supervised training on
+generated problems, stopped once it solves part of the held-out set.
 
     python benchmarks/convergence/pretrain.py --out /tmp/arith-base            # GPU host, a few minutes
+    python benchmarks/convergence/pretrain.py --task trace --size large --out /tmp/trace-base
 
 Writes the model and tokenizer to `--out` and `benchmarks/results/convergence/pretrain_<device>.json` (loss and
 held-out greedy accuracy per evaluation). GRPO then starts from `--out` (`run_grpo.py`).
@@ -21,12 +23,25 @@ sys.path.insert(0, str(HERE.parents[1]))
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from arithmetic import chat_prompt, greedy_accuracy, problems  # noqa: E402
 from common import versions  # noqa: E402
+
+TASKS = {  # --task: the module under benchmarks/convergence that defines it
+    "addition": "arithmetic",  # multi-digit addition, answers of at most 7 characters
+    "trace": "program_trace",  # trace a straight-line program: completions of 130-770 words, 4k-word vocabulary
+}
+
+
+def load_task(name: str):
+    import importlib
+
+    return importlib.import_module(TASKS[name])
+
 
 SIZES = {  # hidden, layers, heads (head_dim 128), kv heads, intermediate
     "base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=6, num_key_value_heads=2,
                  intermediate_size=2048),  # 76M parameters
+    "large": dict(hidden_size=1024, num_hidden_layers=16, num_attention_heads=8, num_key_value_heads=2,
+                  intermediate_size=3072),  # ~200M with the trace task's 4k vocabulary: the long-completion study
     "small": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
                   intermediate_size=768),  # ~3M: a CPU check that the task is learnable
     "smoke": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=1, num_key_value_heads=1,
@@ -34,53 +49,18 @@ SIZES = {  # hidden, layers, heads (head_dim 128), kv heads, intermediate
 }  # fmt: skip
 
 
-def build(size: str, seed: int):
+def build(task, size: str, seed: int):
     import torch
 
-    from trl_fp8.tiny_model import tiny_char_tokenizer, tiny_qwen3
+    from trl_fp8.tiny_model import tiny_qwen3
 
-    tokenizer = tiny_char_tokenizer()
+    tokenizer = task.tokenizer()
     torch.manual_seed(seed)
     model = tiny_qwen3(
-        seed=seed, vocab_size=128, head_dim=128, max_position_embeddings=128, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, **SIZES[size],
+        seed=seed, head_dim=128, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        **task.MODEL_KWARGS, **SIZES[size],
     )  # fmt: skip
     return model, tokenizer
-
-
-class Batcher:
-    """Chat-formatted prompt + answer + <|im_end|>, right padded; the loss covers the answer and the end token only.
-
-    The tokenizer is character level, so a row is the chat template's fixed prefix and suffix around the question's
-    characters: built from ids directly, rendering the template once rather than 512 times a step (that, not the GPU,
-    was the pre-training bottleneck). The first rows are checked against the full tokenization.
-    """
-
-    def __init__(self, tokenizer):
-        before, after = chat_prompt(tokenizer, "\x00").split("\x00")
-        self.tokenizer = tokenizer
-        self.prefix = tokenizer(before, add_special_tokens=False)["input_ids"]
-        self.suffix = tokenizer(after, add_special_tokens=False)["input_ids"]
-        self.ids = {c: tokenizer.convert_tokens_to_ids(c) for c in "0123456789+="}
-        for q, a in problems(4, seed=123):
-            full = tokenizer(chat_prompt(tokenizer, q) + a, add_special_tokens=False)["input_ids"]
-            assert full == self.prompt(q) + self.chars(a), "character-level shortcut disagrees with the tokenizer"
-
-    def chars(self, text: str) -> list[int]:
-        return [self.ids[c] for c in text]
-
-    def prompt(self, question: str) -> list[int]:
-        return self.prefix + self.chars(question) + self.suffix
-
-    def __call__(self, pairs, device):
-        import torch
-
-        eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
-        rows = [(self.prompt(q), self.chars(a) + [eos]) for q, a in pairs]
-        width = max(len(p) + len(a) for p, a in rows)
-        ids = torch.tensor([p + a + [pad] * (width - len(p) - len(a)) for p, a in rows])
-        labels = torch.tensor([[-100] * len(p) + a + [-100] * (width - len(p) - len(a)) for p, a in rows])
-        return ids.to(device, non_blocking=True), labels.to(device, non_blocking=True)
 
 
 def main():
@@ -88,6 +68,7 @@ def main():
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--task", choices=list(TASKS), default="addition")
     parser.add_argument("--size", choices=list(SIZES), default="base")
     parser.add_argument("--max_steps", type=int, default=6000)
     parser.add_argument("--batch_size", type=int, default=512)
@@ -101,18 +82,19 @@ def main():
     args = parser.parse_args()
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, tokenizer = build(args.size, args.seed)
+    task = load_task(args.task)
+    model, tokenizer = build(task, args.size, args.seed)
     model.to(device)
     tokenizer.padding_side = "left"  # generation; training batches are built by hand (right padded)
     params = sum(p.numel() for p in model.parameters())
-    held_out = problems(args.eval_problems, seed=10_000 + args.seed)
+    held_out = task.problems(args.eval_problems, seed=10_000 + args.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 200))
-    batcher = Batcher(tokenizer)
+    batcher = task.Batcher(tokenizer)
     log, start = [], time.time()
     step = 0
     for step in range(1, args.max_steps + 1):
-        ids, labels = batcher(problems(args.batch_size, seed=args.seed * 1_000_003 + step), device)
+        ids, labels = batcher(task.problems(args.batch_size, seed=args.seed * 1_000_003 + step), device)
         with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
             loss = model(input_ids=ids, labels=labels).loss
         loss.backward()
@@ -121,7 +103,7 @@ def main():
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
         if step % args.eval_every == 0 or step == args.max_steps:
-            accuracy = greedy_accuracy(model, tokenizer, held_out)
+            accuracy = task.greedy_accuracy(model, tokenizer, held_out)
             log.append({"step": step, "loss": loss.item(), "held_out_accuracy": accuracy, "s": time.time() - start})
             print(json.dumps(log[-1]), flush=True)
             if accuracy >= args.target_accuracy or time.time() - start > 60 * args.max_minutes:
@@ -131,7 +113,7 @@ def main():
     tokenizer.save_pretrained(args.out)
     device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     result = {
-        "run": "pretrain (supervised) on multi-digit addition",
+        "run": f"pretrain (supervised) on {args.task} ({task.__name__})",
         "device": device_name,
         "date": datetime.date.today().isoformat(),
         "versions": versions("torch", "transformers"),
@@ -140,7 +122,8 @@ def main():
         "steps": step,
         "log": log,
     }
-    default = HERE.parents[0] / "results" / "convergence" / f"pretrain_{device_name.replace(' ', '_')}.json"
+    folder = "convergence" if args.task == "addition" else f"convergence_{args.task}"
+    default = HERE.parents[0] / "results" / folder / f"pretrain_{device_name.replace(' ', '_')}.json"
     out = Path(args.results or default)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")

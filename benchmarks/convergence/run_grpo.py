@@ -1,7 +1,8 @@
-"""GRPO from the pre-trained arithmetic model in one precision setting; same seeds and steps for every setting.
+"""GRPO from a pre-trained convergence model in one precision setting; same seeds and steps for every setting.
 
     python benchmarks/convergence/run_grpo.py --model /tmp/arith-base --setting fp8_tis     # GPU host with vLLM
     python benchmarks/convergence/run_grpo.py --model /tmp/arith-base --setting all
+    python benchmarks/convergence/run_grpo.py --task trace --model /tmp/trace-base --setting all   # long completions
 
 Settings (all through `FP8GRPOTrainer`, vLLM colocated, so every run logs the same trainer-vs-rollout mismatch):
 
@@ -14,7 +15,7 @@ Settings (all through `FP8GRPOTrainer`, vLLM colocated, so every run logs the sa
 | `fp8_tis` | blockwise FP8 | the trainer's own FP8 weights | token TIS (cap 2) |
 
 Per step: reward and mismatch (mean |delta logp|, KL k3); every `--eval_every` steps: held-out greedy accuracy.
-Writes `benchmarks/results/convergence/grpo_<setting>_<device>.json`. `--no_vllm` runs without vLLM (CPU smoke).
+Writes `benchmarks/results/convergence[_<task>]/grpo_<setting>_<device>.json`. `--no_vllm` runs without vLLM (CPU smoke).
 `--setting all --parallel` runs the five settings at once on one GPU (the model is small, a run alone leaves the GPU
 mostly idle): they build their trainers and vLLM engines one at a time, then train together. Results are the same
 kind; the logged step times are then not a speed measure.
@@ -39,8 +40,8 @@ sys.path.insert(0, str(HERE.parents[1]))
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from arithmetic import exact_answer_reward, greedy_accuracy, grpo_dataset, problems  # noqa: E402
 from common import versions  # noqa: E402
+from pretrain import TASKS, load_task  # noqa: E402
 
 SETTINGS = {  # setting: (fp8_recipe, rollout_precision, tis)
     "bf16": ("none", "bf16", "off"),
@@ -86,13 +87,14 @@ def run(args, setting: str) -> Path:
     from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer
 
     recipe, precision, tis = SETTINGS[setting]
+    task = load_task(args.task)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    held_out = problems(args.eval_problems, seed=20_000)
+    held_out = task.problems(args.eval_problems, seed=20_000)
     cuda = torch.cuda.is_available()
     config = FP8GRPOConfig(
         output_dir=str(Path(args.workdir) / setting), max_steps=args.steps, learning_rate=args.lr,
         lr_scheduler_type="constant", per_device_train_batch_size=args.batch_size, num_generations=args.num_generations,
-        max_completion_length=8, temperature=1.0, beta=0.0, logging_steps=1, save_strategy="no", report_to="none",
+        max_completion_length=task.max_completion_length(), temperature=1.0, beta=0.0, logging_steps=1, save_strategy="no", report_to="none",
         seed=args.seed, bf16=cuda, use_cpu=not cuda, gradient_checkpointing=False, disable_tqdm=True,
         model_init_kwargs={"dtype": "bfloat16" if cuda else "float32"}, fp8_recipe=recipe, tis=tis,
         use_vllm=not args.no_vllm, vllm_mode="colocate", vllm_gpu_memory_utilization=args.vllm_memory,
@@ -103,17 +105,18 @@ def run(args, setting: str) -> Path:
     class HeldOut(TrainerCallback):
         def on_step_end(self, _args, state, control, model=None, **kwargs):
             if state.global_step % args.eval_every == 0 or state.global_step == args.steps:
-                accuracy = greedy_accuracy(model, tokenizer, held_out)
+                accuracy = task.greedy_accuracy(model, tokenizer, held_out)
                 evals.append({"step": state.global_step, "held_out_accuracy": accuracy})
                 print(json.dumps({"setting": setting, **evals[-1]}), flush=True)
 
     sync_dir = Path(args.sync_dir) if args.sync_dir else None
     with start_turn(sync_dir):
         trainer = FP8GRPOTrainer(
-            args.model, exact_answer_reward, config, train_dataset=grpo_dataset(args.steps * args.batch_size, seed=1),
-            processing_class=tokenizer, callbacks=[HeldOut()],
+            args.model, task.exact_answer_reward, config,
+            train_dataset=task.grpo_dataset(args.steps * args.batch_size, seed=1), processing_class=tokenizer,
+            callbacks=[HeldOut()],
         )  # fmt: skip
-        evals.append({"step": 0, "held_out_accuracy": greedy_accuracy(trainer.model, tokenizer, held_out)})
+        evals.append({"step": 0, "held_out_accuracy": task.greedy_accuracy(trainer.model, tokenizer, held_out)})
         print(json.dumps({"setting": setting, **evals[-1]}), flush=True)
     wait_for_all(sync_dir, setting, args.sync_count)
     trainer.train()
@@ -124,7 +127,7 @@ def run(args, setting: str) -> Path:
     ]
     device = torch.cuda.get_device_name() if cuda else "cpu"
     result = {
-        "run": f"GRPO on multi-digit addition, setting {setting}",
+        "run": f"GRPO on {args.task} ({task.__name__}), setting {setting}",
         "setting": {"name": setting, "fp8_recipe": recipe, "rollout_precision": precision, "tis": tis},
         "device": device,
         "date": datetime.date.today().isoformat(),
@@ -145,6 +148,7 @@ def run(args, setting: str) -> Path:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="the pre-trained model folder (pretrain.py --out)")
+    parser.add_argument("--task", choices=list(TASKS), default="addition", help="the task the model was trained on")
     parser.add_argument("--setting", choices=[*SETTINGS, "all"], default="all")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch_size", type=int, default=128)
@@ -157,10 +161,13 @@ def main():
     parser.add_argument("--vllm_memory", type=float, default=None, help="vLLM's GPU share (0.3; 0.12 with --parallel)")
     parser.add_argument("--parallel", action="store_true", help="with --setting all: all settings at once, one GPU")
     parser.add_argument("--workdir", default="/tmp/trl_fp8_convergence")
-    parser.add_argument("--results_dir", default=str(HERE.parent / "results" / "convergence"))
+    parser.add_argument("--results_dir", default=None, help="default results/convergence[_<task>]")
     parser.add_argument("--sync_dir", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--sync_count", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.results_dir is None:
+        folder = "convergence" if args.task == "addition" else f"convergence_{args.task}"
+        args.results_dir = str(HERE.parent / "results" / folder)
     if args.vllm_memory is None:
         args.vllm_memory = 0.12 if args.parallel else 0.3
     if args.setting != "all":

@@ -1,0 +1,73 @@
+"""The long-completion convergence task (`benchmarks/convergence/program_trace.py`): generated programs, their
+written-out traces, the word-level tokenizer and the exact reward."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "convergence"))
+
+import program_trace as task  # noqa: E402
+
+
+def test_traces_match_an_independent_evaluation_of_the_prompt():
+    pairs = task.problems(300, seed=7)
+    assert pairs == task.problems(300, seed=7) and pairs != task.problems(300, seed=8)
+    for prompt, completion in pairs:
+        assert completion == task.completion(task.evaluate(prompt))
+        lines = prompt.count(" ;")
+        assert task.STEPS[0] <= lines <= task.STEPS[1]
+        assert len(completion.split()) == 4 * lines + 2  # "name = value ;" per line, then "answer value"
+
+
+def test_every_word_is_one_token_and_the_vocabulary_is_fp8_eligible():
+    tok = task.tokenizer()
+    prompt, completion = task.problems(1, seed=3)[0]
+    text = f"{prompt} {completion}"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) == len(text.split()) and tok.unk_token_id not in ids
+    assert tok.decode(ids) == text
+    assert task.VOCAB_SIZE % 128 == 0 and len(tok) <= task.VOCAB_SIZE and len(tok) > 4000
+    ids, labels = task.Batcher(tok)([(prompt, completion)], "cpu")
+    answer_ids = labels[labels != -100].tolist()
+    assert answer_ids[-1] == tok.eos_token_id and len(answer_ids) == len(completion.split()) + 1
+
+
+@pytest.mark.parametrize(
+    "text, reward",
+    [
+        ("v1 = 3 ; v2 = 5 ; answer 5", 1.0),
+        ("v1 = 3 ; v2 = 4 ; answer 4", 0.0),  # a wrong step makes the answer wrong
+        ("v1 = 3 ; v2 = 5 ;", 0.0),  # no answer
+        ("answer 7 ; answer 5", 1.0),  # the last answer counts
+    ],
+)
+def test_reward_is_the_exact_final_answer(text, reward):
+    assert task.exact_answer_reward([text], ["5"]) == [reward]
+
+
+def test_greedy_accuracy_scores_generated_answers():
+    """A stand-in model that writes a fixed completion: accuracy counts the right final answers."""
+    import torch
+
+    tok = task.tokenizer()
+    pairs = task.problems(4, seed=11, steps=(2, 3))
+    scripted = [tok(f" {c}", add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for _, c in pairs[:2]]
+
+    class Scripted(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.p = torch.nn.Parameter(torch.zeros(1))
+
+        def generate(self, input_ids, max_new_tokens, **kwargs):
+            rows = [
+                scripted[i % 2] + [tok.pad_token_id] * (max_new_tokens - len(scripted[i % 2]))
+                for i in range(len(input_ids))
+            ]
+            return torch.cat([input_ids, torch.tensor(rows)], dim=1)
+
+    # pairs 0 and 1 get their own completions (right); 2 and 3 get those of 0 and 1 (right only by chance)
+    expected = sum(task.answer_of(scripted_c) == task.answer_of(c) for scripted_c, (_, c) in
+                   zip([pairs[0][1], pairs[1][1]] * 2, pairs, strict=True)) / 4  # fmt: skip
+    assert task.greedy_accuracy(Scripted(), tok, pairs, batch_size=4, max_new_tokens=64) == expected >= 0.5
