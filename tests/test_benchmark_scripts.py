@@ -48,8 +48,8 @@ def test_long_completion_task_pretrains_and_runs_grpo_at_smoke_size(tmp_path):
     assert json.loads((tmp_path / "base" / "config.json").read_text())["vocab_size"] == 4224
     results = tmp_path / "results" / "convergence_trace"
     _run(conv / "run_grpo.py", "--task", "trace", "--model", tmp_path / "base", "--setting", "fp8_tis", "--steps", "1",
-         "--batch_size", "4", "--num_generations", "2", "--eval_every", "1", "--eval_problems", "2", "--no_vllm",
-         "--results_dir", results, "--workdir", tmp_path / "work")  # fmt: skip
+         "--batch_size", "4", "--micro_batch", "2", "--num_generations", "2", "--eval_every", "1", "--eval_problems",
+         "2", "--no_vllm", "--results_dir", results, "--workdir", tmp_path / "work")  # fmt: skip
     (run,) = [json.loads(p.read_text()) for p in results.glob("grpo_*.json")]
     assert run["args"]["task"] == "trace" and [e["step"] for e in run["held_out"]] == [0, 1]
     sys.path.insert(0, str(ROOT / "benchmarks"))

@@ -88,14 +88,18 @@ def run(args, setting: str) -> Path:
 
     recipe, precision, tis = SETTINGS[setting]
     task = load_task(args.task)
+    micro_batch = args.micro_batch or args.batch_size
+    if args.batch_size % micro_batch:
+        raise SystemExit(f"--batch_size {args.batch_size} must be a multiple of --micro_batch {micro_batch}")
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     held_out = task.problems(args.eval_problems, seed=20_000)
     cuda = torch.cuda.is_available()
     config = FP8GRPOConfig(
         output_dir=str(Path(args.workdir) / setting), max_steps=args.steps, learning_rate=args.lr,
-        lr_scheduler_type="constant", per_device_train_batch_size=args.batch_size, num_generations=args.num_generations,
+        lr_scheduler_type="constant", per_device_train_batch_size=micro_batch, num_generations=args.num_generations,
+        gradient_accumulation_steps=args.batch_size // micro_batch,
         max_completion_length=task.max_completion_length(), temperature=1.0, beta=0.0, logging_steps=1, save_strategy="no", report_to="none",
-        seed=args.seed, bf16=cuda, use_cpu=not cuda, gradient_checkpointing=False, disable_tqdm=True,
+        seed=args.seed, bf16=cuda, use_cpu=not cuda, gradient_checkpointing=args.gradient_checkpointing, disable_tqdm=True,
         model_init_kwargs={"dtype": "bfloat16" if cuda else "float32"}, fp8_recipe=recipe, tis=tis,
         use_vllm=not args.no_vllm, vllm_mode="colocate", vllm_gpu_memory_utilization=args.vllm_memory,
         rollout_precision=precision, save_fp8_checkpoint=False,
@@ -151,7 +155,9 @@ def main():
     parser.add_argument("--task", choices=list(TASKS), default="addition", help="the task the model was trained on")
     parser.add_argument("--setting", choices=[*SETTINGS, "all"], default="all")
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--batch_size", type=int, default=128)
+    parser.add_argument("--batch_size", type=int, default=128, help="completions per optimizer step")
+    parser.add_argument("--micro_batch", type=int, default=None, help="completions per forward/backward (long tasks)")
+    parser.add_argument("--gradient_checkpointing", action="store_true", help="recompute activations (long tasks)")
     parser.add_argument("--num_generations", type=int, default=8)
     parser.add_argument("--lr", type=float, default=2e-5)
     parser.add_argument("--eval_every", type=int, default=10)
