@@ -10,7 +10,8 @@ Every step is one retrieval (an earlier variable's value, up to hundreds of toke
 subtraction, and one wrong step makes every later value that depends on it wrong: errors, and trainer-vs-rollout
 mismatch, can compound with completion length. The completion is `4 K + 2` tokens (130 to 770 for the default
 `K` of 32 to 192). The vocabulary is word level: `NAMES` identifiers, the numbers 0-99 and a few words, padded to a
-multiple of 128 so that `lm_head` is blockwise-FP8 eligible too. The reward is exact: the final value must be right.
+multiple of 128 like every model dim here (the conversion keeps `lm_head` in BF16 all the same, and the softmax over
+4k entries is the trainer's and vLLM's own). The reward is exact: the final value must be right.
 """
 
 from __future__ import annotations
