@@ -177,8 +177,7 @@ class FP8Linear(nn.Linear):
         if is_sharded(weight):
             # FSDP2 between forwards: gather the whole weight (a collective: every rank must ask, in the same order,
             # as the exporter and the vLLM sync do), quantize it and keep nothing.
-            full, cfg = weight.full_tensor(), self.fp8_config
-            fp8_weight = FP8Weight(full, select_ops(cfg, full.device), cfg.power_of_two_scales)
+            fp8_weight = self._quantize(weight.full_tensor())
             return fp8_weight.q, fp8_weight.scale_inv
         fp8_weight = self._fp8_weight()
         return fp8_weight.q, fp8_weight.scale_inv
@@ -188,13 +187,17 @@ class FP8Linear(nn.Linear):
         steps = _optimizer_steps if w.requires_grad else None  # frozen weights do not change with optimizer steps
         return (w.data_ptr(), w._version, w.device, w.dtype, self._fp8_invalidations, steps)
 
+    def _quantize(self, w: torch.Tensor, select=select_ops) -> FP8Weight:
+        cfg = self.fp8_config
+        return FP8Weight(w, select(cfg, w.device), cfg.power_of_two_scales)
+
     def _fp8_weight(self) -> FP8Weight:
         w, cfg = self.weight, self.fp8_config
         if torch.compiler.is_compiling():
             # Inside a compiled graph the weight is quantized in the graph (one pass, fused by the compiler with
             # whatever it can); the cache's pointer and version checks would break the graph.
             # (`select_ops` uncached there: the compiler traces through it and keeps its answer as a guard)
-            return FP8Weight(w, select_ops.__wrapped__(cfg, w.device), cfg.power_of_two_scales)
+            return self._quantize(w, select_ops.__wrapped__)
         key = self._cache_key()
         cached = self._fp8_weight_cache
         # Tensors made under inference_mode cannot be saved for backward: re-quantize outside it.
@@ -204,7 +207,7 @@ class FP8Linear(nn.Linear):
             and (torch.is_inference_mode_enabled() or not cached[1].q.is_inference())
         ):
             return cached[1]
-        fp8_weight = FP8Weight(w, select_ops(cfg, w.device), cfg.power_of_two_scales)
+        fp8_weight = self._quantize(w)
         self._fp8_weight_cache = (key, fp8_weight) if cfg.cache_quantized_weight else None
         return fp8_weight
 
