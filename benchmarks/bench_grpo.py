@@ -55,15 +55,12 @@ RUNS = {  # run: (trainer, fp8_recipe, rollout_precision, fp8 KV cache, training
 }
 
 
-def word_tokenizer(vocab_size: int):
+def vocab_tokenizer(vocab_size: int):
     """A word-level tokenizer covering the whole model vocabulary ("t<i>"), so random rollouts decode."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from trl_fp8.tiny_model import word_tokenizer
 
-    vocab = {"<pad>": 0, "<eos>": 1, **{f"t{i}": i for i in range(2, vocab_size)}}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", padding_side="left")
+    return word_tokenizer(["<pad>", "<eos>", *(f"t{i}" for i in range(2, vocab_size))], pad="<pad>", eos="<eos>",
+                          unk="<pad>")  # fmt: skip
 
 
 def make_model_dir(path: Path, shape: str) -> None:
@@ -76,7 +73,7 @@ def make_model_dir(path: Path, shape: str) -> None:
     with torch.device("cuda"):
         model = Qwen3ForCausalLM._from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(path)
-    word_tokenizer(config.vocab_size).save_pretrained(path)
+    vocab_tokenizer(config.vocab_size).save_pretrained(path)
 
 
 def length_reward(completions, **kwargs) -> list[float]:

@@ -67,3 +67,16 @@ def tiny_char_tokenizer():
         chat_template=CHAT_TEMPLATE,
         padding_side="left",
     )
+
+
+def word_tokenizer(words, *, pad: str, eos: str, unk: str):
+    """A word-level fast tokenizer over `words` (token id = position), split on whitespace, left padding for
+    generation; built in memory."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=unk))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token=pad, eos_token=eos, unk_token=unk, padding_side="left"
+    )

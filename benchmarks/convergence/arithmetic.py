@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import random
 
+from task_utils import greedy_completions, right_padded
+
 DIGITS = (2, 5)  # operand lengths, inclusive
 MODEL_KWARGS = dict(vocab_size=128, max_position_embeddings=128)
 
@@ -92,35 +94,14 @@ class Batcher:
         return self.prefix + self.chars(question) + self.suffix
 
     def __call__(self, pairs, device):
-        import torch
-
-        eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
-        rows = [(self.prompt(q), self.chars(a) + [eos]) for q, a in pairs]
-        width = max(len(p) + len(a) for p, a in rows)
-        ids = torch.tensor([p + a + [pad] * (width - len(p) - len(a)) for p, a in rows])
-        labels = torch.tensor([[-100] * len(p) + a + [-100] * (width - len(p) - len(a)) for p, a in rows])
-        return ids.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+        eos = self.tokenizer.eos_token_id
+        return right_padded(
+            [(self.prompt(q), self.chars(a) + [eos]) for q, a in pairs], self.tokenizer.pad_token_id, device
+        )
 
 
 def greedy_accuracy(model, tokenizer, pairs: list[tuple[str, str]], batch_size: int = 512, max_new_tokens: int = 8):
     """Fraction of `pairs` the model answers exactly with greedy decoding (the model's own forward, FP8 or not)."""
-    import torch
-
-    was_training = model.training
-    model.eval()
-    correct = 0
-    device = next(model.parameters()).device
-    with torch.no_grad():
-        for start in range(0, len(pairs), batch_size):
-            chunk = pairs[start : start + batch_size]
-            enc = tokenizer([chat_prompt(tokenizer, q) for q, _ in chunk], return_tensors="pt", padding=True).to(
-                device
-            )
-            out = model.generate(
-                **enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id,
-                eos_token_id=tokenizer.eos_token_id,
-            )  # fmt: skip
-            texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-            correct += sum(t.strip() == a for t, (_, a) in zip(texts, chunk, strict=True))
-    model.train(was_training)
-    return correct / len(pairs)
+    prompts = [chat_prompt(tokenizer, q) for q, _ in pairs]
+    texts = greedy_completions(model, tokenizer, prompts, batch_size, max_new_tokens)
+    return sum(t.strip() == a for t, (_, a) in zip(texts, pairs, strict=True)) / len(pairs)

@@ -37,6 +37,11 @@ def load_task(name: str):
     return importlib.import_module(TASKS[name])
 
 
+def results_folder(task: str) -> Path:
+    """`benchmarks/results/convergence` for addition (the first report's runs), `convergence_<task>` otherwise."""
+    return HERE.parent / "results" / ("convergence" if task == "addition" else f"convergence_{task}")
+
+
 SIZES = {  # hidden, layers, heads (head_dim 128), kv heads, intermediate
     "base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=6, num_key_value_heads=2,
                  intermediate_size=2048),  # 76M parameters
@@ -122,8 +127,7 @@ def main():
         "steps": step,
         "log": log,
     }
-    folder = "convergence" if args.task == "addition" else f"convergence_{args.task}"
-    default = HERE.parents[0] / "results" / folder / f"pretrain_{device_name.replace(' ', '_')}.json"
+    default = results_folder(args.task) / f"pretrain_{device_name.replace(' ', '_')}.json"
     out = Path(args.results or default)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import random
 
+from task_utils import greedy_completions, right_padded
+
 NAMES = 4000  # variable identifiers v0 .. v3999
 MODULUS = 100
 STEPS = (32, 192)  # assignments per program, inclusive
@@ -98,14 +100,9 @@ def evaluate(prompt: str) -> list[tuple[str, int]]:
 
 def tokenizer():
     """A word-level fast tokenizer over `VOCAB` (whitespace split), built in memory; left padding for generation."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from trl_fp8.tiny_model import word_tokenizer
 
-    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(VOCAB)}, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>", padding_side="left"
-    )
+    return word_tokenizer(VOCAB, pad="<pad>", eos="<eos>", unk="<unk>")
 
 
 MODEL_KWARGS = dict(vocab_size=VOCAB_SIZE, max_position_embeddings=2048)
@@ -126,13 +123,7 @@ class Batcher:
         return [self.ids[w] for w in text.split()]
 
     def __call__(self, pairs, device):
-        import torch
-
-        rows = [(self.words(q), self.words(a) + [self.eos]) for q, a in pairs]
-        width = max(len(p) + len(a) for p, a in rows)
-        ids = torch.tensor([p + a + [self.pad] * (width - len(p) - len(a)) for p, a in rows])
-        labels = torch.tensor([[-100] * len(p) + a + [-100] * (width - len(p) - len(a)) for p, a in rows])
-        return ids.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+        return right_padded([(self.words(q), self.words(a) + [self.eos]) for q, a in pairs], self.pad, device)
 
 
 def grpo_dataset(n: int, seed: int):
@@ -150,22 +141,7 @@ def exact_answer_reward(completions, answer, **kwargs) -> list[float]:
 
 def greedy_accuracy(model, tok, pairs: list[tuple[str, str]], batch_size: int = 64, max_new_tokens: int | None = None):
     """Fraction of `pairs` whose greedy completion ends with the right answer (the model's own forward)."""
-    import torch
-
-    was_training = model.training
-    model.eval()
-    correct = 0
-    device = next(model.parameters()).device
-    limit = max_new_tokens or max_completion_length()
-    with torch.no_grad():
-        for start in range(0, len(pairs), batch_size):
-            chunk = pairs[start : start + batch_size]
-            enc = tok([q for q, _ in chunk], return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-            out = model.generate(
-                **enc, max_new_tokens=limit, do_sample=False, pad_token_id=tok.pad_token_id,
-                eos_token_id=tok.eos_token_id,
-            )  # fmt: skip
-            texts = tok.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-            correct += sum(answer_of(t) == answer_of(a) for t, (_, a) in zip(texts, chunk, strict=True))
-    model.train(was_training)
-    return correct / len(pairs)
+    texts = greedy_completions(
+        model, tok, [q for q, _ in pairs], batch_size, max_new_tokens or max_completion_length()
+    )
+    return sum(answer_of(t) == answer_of(a) for t, (_, a) in zip(texts, pairs, strict=True)) / len(pairs)

@@ -41,7 +41,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 from common import versions  # noqa: E402
-from pretrain import TASKS, load_task  # noqa: E402
+from pretrain import TASKS, load_task, results_folder  # noqa: E402
 
 SETTINGS = {  # setting: (fp8_recipe, rollout_precision, tis)
     "bf16": ("none", "bf16", "off"),
@@ -172,8 +172,7 @@ def main():
     parser.add_argument("--sync_count", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.results_dir is None:
-        folder = "convergence" if args.task == "addition" else f"convergence_{args.task}"
-        args.results_dir = str(HERE.parent / "results" / folder)
+        args.results_dir = str(results_folder(args.task))
     if args.vllm_memory is None:
         args.vllm_memory = 0.12 if args.parallel else 0.3
     if args.setting != "all":
