@@ -51,4 +51,6 @@ def test_results_notebook_redraws_the_committed_results(tmp_path):
         final = 100 * run["held_out"][-1]["held_out_accuracy"]
         assert f"| {run['setting']['name']} | {run['args']['seed']} |" in outputs and f"{final:.2f}" in outputs
     images = [o for cell in nb.cells for o in cell.get("outputs", []) if "image/png" in o.get("data", {})]
-    assert len(images) == 6, "expected the three convergence plots, rollout throughput, GRPO step time, linear speed-up"
+    assert len(images) == 6, (
+        "expected the three convergence plots, rollout throughput, GRPO step time, linear speed-up"
+    )
