@@ -23,8 +23,9 @@ Peak allocated memory is recorded per phase (rollout: sync + generate; training:
 FP8 weight cache at the end.
 
 Each step is split into rollout (vLLM generate), weight sync, and training (everything else: scoring log-probs,
-rewards, forward/backward, optimizer). The first `--warmup` steps are dropped; medians are reported. All runs use
-token-level IS correction so they do the same work. Writes `benchmarks/results/grpo_speed_<device>.json`.
+rewards, forward/backward, optimizer). Medians are reported over the steps after the first `--warmup` and before
+`--profile_step` (profile the last step). All runs use token-level IS correction so they do the same work.
+Writes `benchmarks/results/grpo_speed_<device>.json`.
 """
 
 from __future__ import annotations
@@ -81,15 +82,18 @@ def length_reward(completions, **kwargs) -> list[float]:
     return [(hash(c) % 1000) / 1000 for c in completions]
 
 
-# CUDA kernel names -> where the training phase's time goes (first match wins; checked on the names seen on H200).
+# CUDA kernel names -> where the training phase's time goes (first match wins; checked on the names seen on H200:
+# flash attention's names hold "cutlass", PyTorch's strided elementwise kernels "gpu_kernel_impl_nocast", and
+# cuBLAS's blockwise FP8 GEMMs are nvjet "qqtst" kernels).
 KERNEL_CATEGORIES = (
     ("fp8 quantization (ours)", r"_act_quant_kernel|_weight_quant_kernel"),
-    ("gemm", r"gemm|cutlass|xmma|nvjet|cublas|scaled_mm|sm90_"),
     ("attention", r"flash|fmha|attention|sdpa"),
+    ("gemm, fp8", r"qqtst|deep_gemm|fp8_gemm|scaled_mm"),
+    ("gemm, bf16", r"gemm|cutlass|xmma|nvjet|cublas|sm90_"),
     ("optimizer", r"adam|multi_tensor|foreach"),
     ("softmax / log-probs", r"softmax|logsumexp|cross_entropy|nll|log_prob"),
     ("norms / reductions", r"reduce|norm|rsqrt|mean"),
-    ("copies / casts", r"copy|cast|convert|fill|cat_|catarray|index"),
+    ("copies / casts", r"copy|(?<!no)cast|convert|fill|cat_|catarray|index"),
     ("elementwise / fused (triton)", r"elementwise|vectorized|unrolled|triton"),
 )
 
@@ -203,13 +207,12 @@ def run_one(args) -> None:
 
     generation.generate = timed(generation.generate, "rollout")
     generation.sync_weights = timed(generation.sync_weights, "sync")
-    profile = {}
+    profile, state = {}, {}
     if args.profile_step is not None:
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as torch_profile
 
         activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
-        state = {}
 
         def untraced(fn):  # the rollout and the sync are measured above; the profile covers the training phase
             def wrapper(*a, **k):
@@ -237,12 +240,13 @@ def run_one(args) -> None:
                 prof = state.get("prof")
                 if prof is not None and st.global_step == args.profile_step + 1:
                     torch.cuda.synchronize()
-                    prof.__exit__(None, None, None)
-                    profile.update(step=args.profile_step, **kernel_breakdown(prof))
-                    state["prof"] = None
+                    prof.__exit__(None, None, None)  # stops collecting; the events are read after training
+                    state["prof"], state["done"] = None, prof
 
         trainer.add_callback(ProfileOneStep())
     trainer.train()
+    if "done" in state:
+        profile.update(step=args.profile_step, **kernel_breakdown(state["done"]))
 
     def per_step(key):  # seconds per optimizer step, by the step during which they ran
         totals = [0.0] * args.steps
@@ -251,9 +255,8 @@ def run_one(args) -> None:
         return totals
 
     close_phase("training")
-    rollout, sync, step = per_step("rollout"), per_step("sync"), timings["step"]
-    keep = range(args.warmup, len(step))
-    med = lambda xs: statistics.median(xs[i] for i in keep)  # noqa: E731
+    per_step_s = {"step_s": timings["step"], "rollout_s": per_step("rollout"), "weight_sync_s": per_step("sync")}
+    keep = median_steps(args.steps, args.warmup, args.profile_step)
     row = {
         "name": args.run,
         "trainer": trainer_kind,
@@ -262,13 +265,9 @@ def run_one(args) -> None:
         "fp8_kv_cache": fp8_kv,
         "fp8_backend": gemm_backend,
         "fp8_cache_weights": cache_weights,
-        "step_time": {
-            "step_s": med(step),
-            "rollout_s": med(rollout),
-            "weight_sync_s": med(sync),
-            "training_s": med([s - r - w for s, r, w in zip(step, rollout, sync, strict=True)]),
-        },
-        "per_step": {"step_s": step, "rollout_s": rollout, "weight_sync_s": sync},
+        "step_time": step_medians(per_step_s, keep),
+        "median_steps": keep,
+        "per_step": per_step_s,
         "peak_memory_gib": max(peaks.values()) / 2**30,
         "peak_memory_by_phase_gib": {phase: b / 2**30 for phase, b in peaks.items()},
         "fp8_weight_cache_gib": fp8_weight_cache_bytes(trainer.model) / 2**30,
@@ -281,6 +280,39 @@ def run_one(args) -> None:
     row["completions_per_s"] = row["completions_per_step"] / row["step_time"]["step_s"]
     if trainer.accelerator.is_main_process:
         print(json.dumps(row), flush=True)
+
+
+def median_steps(steps: int, warmup: int, profile_step: int | None) -> list[int]:
+    """The steps whose medians are reported: after the warm-up, before the profiled step. The profiler slows the
+    step it records, and reading its events (tens of seconds) and freeing them disturb the steps that follow."""
+    if profile_step is not None and not 0 <= profile_step < steps:
+        raise ValueError(f"--profile_step {profile_step} is not one of the {steps} steps (0-{steps - 1})")
+    end = steps if profile_step is None else profile_step
+    if end - warmup < 1:
+        raise ValueError(f"no step left to time: --warmup {warmup}, --profile_step {profile_step}, --steps {steps}")
+    return list(range(warmup, end))
+
+
+def step_medians(per_step: dict[str, list[float]], keep: list[int]) -> dict[str, float]:
+    """Median seconds per phase over the steps `keep`; training is what the step spends outside rollout and sync."""
+    training = [s - r - w for s, r, w in zip(per_step["step_s"], per_step["rollout_s"], per_step["weight_sync_s"],
+                                             strict=True)]  # fmt: skip
+    phases = {**per_step, "training_s": training}
+    return {
+        key: statistics.median(phases[key][i] for i in keep)
+        for key in ("step_s", "rollout_s", "weight_sync_s", "training_s")
+    }
+
+
+def resummarize(path: Path, keep: list[int]) -> None:
+    """Recompute a results file's medians from its per-step times over the steps `keep` (for a run whose
+    profiled step was not the last: its medians took in the steps the profiler disturbed)."""
+    result = json.loads(path.read_text())
+    for row in result["results"]:
+        row["step_time"], row["median_steps"] = step_medians(row["per_step"], keep), keep
+    result["settings"]["median_steps"] = keep
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"rewrote the medians of {path} over steps {keep}")
 
 
 def launcher(num_processes: int, config: str, port: int) -> list[str] | None:
@@ -318,8 +350,17 @@ def main():
         help="profile this optimizer step's training phase (rollout and sync left out): GPU kernel time by category",
     )
     parser.add_argument("--append", action="store_true", help="merge into an existing results file")
+    parser.add_argument(
+        "--resummarize",
+        metavar="RESULTS_JSON",
+        default=None,
+        help="only recompute that file's medians from its per-step times, over --median_steps",
+    )
+    parser.add_argument("--median_steps", type=int, nargs="+", default=None, help="with --resummarize")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.resummarize:
+        return resummarize(Path(args.resummarize), args.median_steps or median_steps(args.steps, args.warmup, None))
     if args.run:
         return run_one(args)
 
@@ -337,7 +378,8 @@ def main():
     out = Path(args.out or ROOT / "benchmarks" / "results" / f"grpo_speed_{device.replace(' ', '_')}{gpus}.json")
     settings = {k: getattr(args, k) for k in ("shape", "optim", "steps", "warmup", "generation_batch", "micro_batch",
                                               "num_generations", "prompt_len", "completion_len", "vllm_memory",
-                                              "num_processes", "launch_config")}  # fmt: skip
+                                              "num_processes", "launch_config", "profile_step")}  # fmt: skip
+    settings["median_steps"] = median_steps(args.steps, args.warmup, args.profile_step)
     result = {
         "benchmark": "GRPO step time, vLLM colocated",
         "device": device,

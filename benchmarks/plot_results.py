@@ -132,7 +132,7 @@ def plot_step_time(result: dict, out: Path, plt) -> Path:
         for i, total in enumerate(bottom):
             ax.text(i, total, f"{base / total:.2f}x", ha="center", va="bottom")
     ax.set_ylabel("seconds per GRPO step (median)")
-    ax.set_title(f"GRPO step time, {result['settings']['shape']} shape ({result['device']})")
+    ax.set_title(f"GRPO step time, {result['settings']['shape']} shape ({result['device']}, {result['date']})")
     ax.legend(loc="lower right")
     fig.tight_layout()
     fig.savefig(out / "grpo_step_time.png", dpi=120)

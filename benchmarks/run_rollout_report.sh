@@ -85,7 +85,7 @@ quant)
   ;;
 grpo)
   MASTER_PORT=29610 timed grpo python benchmarks/bench_grpo.py --shape 8b --optim adamw_bnb_8bit \
-    --runs ${GRPO_RUNS:-trl_bf16 unified unified_deepgemm} --profile_step 3 --out "$work/grpo_speed_$device.json"
+    --runs ${GRPO_RUNS:-trl_bf16 unified unified_deepgemm unified_nocache} --steps 6 --warmup 1 --profile_step 5 --out "$work/grpo_speed_$device.json"
   ;;
 multi)  # a 4B shape with stock fused AdamW: one step fits one GPU beside its engine, so 1 and 2 GPUs compare
   gpu_tests multi_gpu_tests tests/gpu/test_multi_gpu.py

@@ -106,3 +106,48 @@ def test_linear_and_gemm_benchmarks_run_at_smoke_size(tmp_path):
     rows = json.loads((tmp_path / "gemm.json").read_text())["results"]
     assert {(r["gemm"], r["variant"]) for r in rows} >= {("wgrad", "emulated"), ("fprop", "bf16 mm")}
     assert all(r.get("rel_err_vs_emulation", 0.0) == 0.0 and "error" not in r for r in rows)
+
+
+def test_grpo_medians_leave_out_the_profiled_step_and_after(tmp_path):
+    """bench_grpo times the steps after the warm-up and before the profiled one (reading a profile takes tens of
+    seconds and lands in the next step); `--resummarize` recomputes a results file's medians from its per-step
+    times; the kernel categories do not file `gpu_kernel_impl_nocast` elementwise kernels under casts."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import pytest
+    from bench_grpo import KERNEL_CATEGORIES, median_steps, step_medians
+
+    assert median_steps(6, 1, 5) == [1, 2, 3, 4] and median_steps(6, 2, None) == [2, 3, 4, 5]
+    with pytest.raises(ValueError, match="no step left"):
+        median_steps(6, 3, 3)
+    with pytest.raises(ValueError, match="not one of the 6 steps"):
+        median_steps(6, 1, 6)
+    per_step = {"step_s": [30.0, 10.0, 12.0, 11.0, 60.0], "rollout_s": [5.0, 4.0, 4.0, 4.0, 4.0],
+                "weight_sync_s": [1.0, 0.5, 0.5, 0.5, 0.5]}  # fmt: skip
+    medians = step_medians(per_step, [1, 2, 3])
+    assert medians == {"step_s": 11.0, "rollout_s": 4.0, "weight_sync_s": 0.5, "training_s": 6.5}
+
+    path = tmp_path / "grpo.json"
+    row = {"name": "trl_bf16", "step_time": {}, "per_step": per_step}
+    path.write_text(json.dumps({"settings": {}, "results": [row]}))
+    _run(ROOT / "benchmarks" / "bench_grpo.py", "--resummarize", path, "--median_steps", "1", "2")
+    result = json.loads(path.read_text())
+    assert result["settings"]["median_steps"] == [1, 2]
+    assert result["results"][0]["step_time"] == {"step_s": 11.0, "rollout_s": 4.0, "weight_sync_s": 0.5,
+                                                 "training_s": 6.5}  # fmt: skip
+
+    import re
+
+    def category(name):
+        return next((c for c, pattern in KERNEL_CATEGORIES if re.search(pattern, name.lower())), "other")
+
+    elementwise = "void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast<at::native::BinaryFunctor<c10::BFloat16>"
+    assert category(elementwise) != "copies / casts"
+    assert (
+        category("void at::native::vectorized_elementwise_kernel<8, at::native::bfloat16_copy_kernel_cuda")
+        == "copies / casts"
+    )
+    flash = "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4, false, false, cutlass::bfloat16_t"
+    assert category(flash) == "attention"
+    assert category("nvjet_sm90_qqtst_128x128_128x6_2x1_v_bz_coopA_algo2_Ablk128_Bvec128_TNN") == "gemm, fp8"
+    assert category("void deep_gemm::sm90_fp8_gemm_1d2d_impl<(cute::UMMA::Major)0, 0u, 12288u") == "gemm, fp8"
+    assert category("nvjet_sm90_tst_192x192_64x4_2x1_v_bz_coopB_TNN") == "gemm, bf16"
