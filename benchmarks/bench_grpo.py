@@ -64,11 +64,16 @@ def vocab_tokenizer(vocab_size: int):
                           unk="<pad>")  # fmt: skip
 
 
-def make_model_dir(path: Path, shape: str) -> None:
+def model_positions(prompt_len: int, completion_len: int) -> int:
+    """The model's (and so vLLM's) context: prompt plus completion, rounded up to a power of two, at least 4096."""
+    return max(4096, 1 << (prompt_len + completion_len - 1).bit_length())
+
+
+def make_model_dir(path: Path, shape: str, positions: int) -> None:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    config = Qwen3Config(**SHAPES[shape], head_dim=128, max_position_embeddings=4096, tie_word_embeddings=False,
+    config = Qwen3Config(**SHAPES[shape], head_dim=128, max_position_embeddings=positions, tie_word_embeddings=False,
                          eos_token_id=1, pad_token_id=0)  # fmt: skip
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -129,6 +134,11 @@ def fp8_weight_cache_bytes(model) -> int:
     return total
 
 
+def model_dir(args) -> Path:
+    """One random model per shape and context length under `--workdir`, shared by the runs (and by later calls)."""
+    return Path(args.workdir) / f"model_{args.shape}_{model_positions(args.prompt_len, args.completion_len)}"
+
+
 def run_one(args) -> None:
     import torch
     from datasets import Dataset
@@ -184,7 +194,7 @@ def run_one(args) -> None:
             close_phase("training")
 
     trainer = trainer_cls(
-        str(Path(args.workdir) / "model"), length_reward, config,
+        str(model_dir(args)), length_reward, config,
         train_dataset=Dataset.from_dict({"prompt": prompts}), callbacks=[StepTimer()],
     )  # fmt: skip
     generation = trainer.vllm_generation
@@ -369,9 +379,8 @@ def main():
     from trl_fp8.grpo_config import check_optimizer_installed
 
     check_optimizer_installed(args.optim)  # every run's child would load the model and start vLLM first
-    workdir = Path(args.workdir)
-    if not (workdir / "model" / "config.json").exists():
-        make_model_dir(workdir / "model", args.shape)
+    if not (model_dir(args) / "config.json").exists():
+        make_model_dir(model_dir(args), args.shape, model_positions(args.prompt_len, args.completion_len))
         torch.cuda.empty_cache()
     device = torch.cuda.get_device_name()
     gpus = f"_{args.num_processes}x{args.launch_config}" if args.num_processes > 1 else ""

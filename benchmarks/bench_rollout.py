@@ -46,6 +46,8 @@ SHAPES = {  # Qwen3 configs: hidden, intermediate, layers, heads, kv heads, voca
                num_key_value_heads=8, vocab_size=151936),
     "4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
                num_key_value_heads=8, vocab_size=151936),
+    "1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                 num_key_value_heads=8, vocab_size=151936),
     "tiny": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=2,
                  num_key_value_heads=1, vocab_size=4096),
 }  # fmt: skip

@@ -12,6 +12,7 @@
 #   bash benchmarks/run_rollout_report.sh gemm      # bench_gemm alone
 #   bash benchmarks/run_rollout_report.sh quant     # bench_quant: our quantization kernels against the HBM floor
 #   bash benchmarks/run_rollout_report.sh grpo      # bench_grpo ($GRPO_RUNS), TRL BF16 vs unified FP8, profiled
+#   bash benchmarks/run_rollout_report.sh long      # bench_grpo's long regime ($LONG_RUNS): 128 x 4096 tokens, 1.7B
 #   bash benchmarks/run_rollout_report.sh multi     # two GPUs: tests/gpu/test_multi_gpu.py, GRPO on 1 GPU vs 2 (FSDP2)
 #
 # `grpo` trains with bitsandbytes' 8-bit AdamW (an 8B step beside its engine fits one GPU so), which the GPU kit lacks:
@@ -85,7 +86,14 @@ quant)
   ;;
 grpo)
   MASTER_PORT=29610 timed grpo python benchmarks/bench_grpo.py --shape 8b --optim adamw_bnb_8bit \
-    --runs ${GRPO_RUNS:-trl_bf16 unified unified_deepgemm unified_nocache} --steps 6 --warmup 1 --profile_step 5 --out "$work/grpo_speed_$device.json"
+    --runs ${GRPO_RUNS:-trl_bf16 unified unified_deepgemm unified_nocache} --steps 6 --warmup 1 --profile_step 5 \
+    --out "$work/grpo_speed_$device.json"
+  ;;
+long)  # the long regime: 128 completions of 4096 tokens per step, on the Qwen3-1.7B shape (its four runs fit a lease)
+  # shellcheck disable=SC2086
+  MASTER_PORT=29630 timed grpo_long python benchmarks/bench_grpo.py --shape 1.7b \
+    --runs ${LONG_RUNS:-trl_bf16 fp8_rollout unified unified_fp8kv} --completion_len 4096 --generation_batch 128 \
+    --micro_batch 4 --vllm_memory 0.55 --steps 4 --warmup 1 --profile_step 3 --out "$work/grpo_speed_long_$device.json"
   ;;
 multi)  # a 4B shape with stock fused AdamW: one step fits one GPU beside its engine, so 1 and 2 GPUs compare
   gpu_tests multi_gpu_tests tests/gpu/test_multi_gpu.py
@@ -97,7 +105,7 @@ multi)  # a 4B shape with stock fused AdamW: one step fits one GPU beside its en
   done
   ;;
 *)
-  echo "usage: $0 PHASE... (kernels rollout pack suite checks linear gemm quant grpo multi)" >&2
+  echo "usage: $0 PHASE... (kernels rollout pack suite checks linear gemm quant grpo long multi)" >&2
   exit 2
   ;;
 esac

@@ -114,7 +114,9 @@ def test_grpo_medians_leave_out_the_profiled_step_and_after(tmp_path):
     times; the kernel categories do not file `gpu_kernel_impl_nocast` elementwise kernels under casts."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import pytest
-    from bench_grpo import KERNEL_CATEGORIES, median_steps, step_medians
+    from bench_grpo import KERNEL_CATEGORIES, median_steps, model_positions, step_medians
+
+    assert model_positions(128, 1024) == 4096 and model_positions(128, 4096) == 8192  # the long regime's context
 
     assert median_steps(6, 1, 5) == [1, 2, 3, 4] and median_steps(6, 2, None) == [2, 3, 4, 5]
     with pytest.raises(ValueError, match="no step left"):
