@@ -34,7 +34,7 @@ def _smooth(values: list[float], window: int = 5) -> list[float]:
     return out
 
 
-def plot_convergence(runs: list[dict], out: Path, plt) -> list[Path]:
+def plot_convergence(runs: list[dict], out: Path, plt, prefix: str = "convergence") -> list[Path]:
     def steps_with(key):  # 10-step means: the per-step values are noisy
         return lambda r: (
             [s["step"] for s in r["steps"] if key in s],
@@ -43,9 +43,9 @@ def plot_convergence(runs: list[dict], out: Path, plt) -> list[Path]:
 
     written = []
     panels = [
-        ("convergence_reward.png", "reward (10-step mean)", lambda r: ([s["step"] for s in r["steps"]], _smooth([s["reward"] for s in r["steps"]], 10))),
-        ("convergence_accuracy.png", "held-out greedy accuracy", lambda r: ([e["step"] for e in r["held_out"]], [e["held_out_accuracy"] for e in r["held_out"]])),
-        ("convergence_mismatch.png", "mean |logp_train - logp_rollout| (10-step mean)", steps_with("fp8/mismatch/abs_logp_diff_mean")),
+        (f"{prefix}_reward.png", "reward (10-step mean)", lambda r: ([s["step"] for s in r["steps"]], _smooth([s["reward"] for s in r["steps"]], 10))),
+        (f"{prefix}_accuracy.png", "held-out greedy accuracy", lambda r: ([e["step"] for e in r["held_out"]], [e["held_out_accuracy"] for e in r["held_out"]])),
+        (f"{prefix}_mismatch.png", "mean |logp_train - logp_rollout| (10-step mean)", steps_with("fp8/mismatch/abs_logp_diff_mean")),
     ]  # fmt: skip
     settings = list(dict.fromkeys(r["setting"]["name"] for r in runs))
     seeds = sorted({r["args"]["seed"] for r in runs})
@@ -56,7 +56,7 @@ def plot_convergence(runs: list[dict], out: Path, plt) -> list[Path]:
             seed = run["args"]["seed"]
             ax.plot(x, y, color=f"C{settings.index(run['setting']['name'])}", linestyle=["-", "--", ":"][seeds.index(seed) % 3],
                     linewidth=1.2, label=f"{run['setting']['name']} (seed {seed})")  # fmt: skip
-        if name == "convergence_mismatch.png":
+        if name.endswith("_mismatch.png"):
             ax.set_yscale("log")
         ax.set_xlabel("GRPO step")
         ax.set_ylabel(ylabel)
@@ -67,6 +67,42 @@ def plot_convergence(runs: list[dict], out: Path, plt) -> list[Path]:
         plt.close(fig)
         written.append(out / name)
     return written
+
+
+def mismatch_by_position(runs: list[dict], stat: str = "abs_logp_diff_mean") -> dict[str, dict[int, float]]:
+    """setting -> first completion position of each bucket -> the bucket's mismatch `stat`, the mean over every
+    logged step of every seed (`fp8/mismatch/pos_<lo>_<hi>/<stat>`, logged where the bucket held tokens)."""
+    sums: dict[str, dict[int, list[float]]] = {}
+    for run in runs:
+        for step in run["steps"]:
+            for key, value in step.items():
+                if key.startswith("fp8/mismatch/pos_") and key.endswith(f"/{stat}"):
+                    lo = int(key.removeprefix("fp8/mismatch/pos_").split("_")[0])
+                    sums.setdefault(run["setting"]["name"], {}).setdefault(lo, []).append(value)
+    return {s: {lo: sum(v) / len(v) for lo, v in sorted(b.items())} for s, b in sums.items()}
+
+
+def plot_mismatch_by_position(runs: list[dict], out: Path, plt, prefix: str) -> Path | None:
+    panels = [(stat, label) for stat, label in (("abs_logp_diff_mean", "mean |logp_train - logp_rollout|"),
+                                                ("kl_k3", "KL(rollout || train), k3")) if mismatch_by_position(runs, stat)]  # fmt: skip
+    if not panels:
+        return None
+    settings = list(dict.fromkeys(r["setting"]["name"] for r in runs))
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.0 * len(panels), 4.2), squeeze=False)
+    for ax, (stat, label) in zip(axes[0], panels, strict=True):
+        for setting, buckets in mismatch_by_position(runs, stat).items():
+            ax.plot([lo + 1 for lo in buckets], list(buckets.values()), marker="o",
+                    color=f"C{settings.index(setting)}", label=setting)  # fmt: skip
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("completion position (first of its bucket, +1)")
+        ax.set_ylabel(label)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"Mismatch along the completion, mean over steps and seeds ({runs[0]['device']})")
+    fig.tight_layout()
+    fig.savefig(out / f"{prefix}_mismatch_by_position.png", dpi=120)
+    plt.close(fig)
+    return out / f"{prefix}_mismatch_by_position.png"
 
 
 def rollout_points(result: dict) -> dict[str, dict[str, float]]:
@@ -231,6 +267,10 @@ def main(argv=None) -> list[Path]:
         written += plot_convergence(runs, out, plt)
     else:
         print("no results/convergence*/grpo_*.json: convergence plots skipped")
+    trace_runs = _convergence_runs(results, "trace")
+    if trace_runs:  # the long-completion task: its own curves, and the mismatch along the completion
+        written += plot_convergence(trace_runs, out, plt, prefix="convergence_trace")
+        written += [p for p in [plot_mismatch_by_position(trace_runs, out, plt, "convergence_trace")] if p]
     for result in _load(results.glob("rollout_*.json"))[:1]:
         written.append(plot_rollout(result, out, plt))
     for result in _load(results.glob("grpo_speed_*.json"))[:1]:

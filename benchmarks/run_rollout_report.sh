@@ -13,6 +13,7 @@
 #   bash benchmarks/run_rollout_report.sh quant     # bench_quant: our quantization kernels against the HBM floor
 #   bash benchmarks/run_rollout_report.sh grpo      # bench_grpo ($GRPO_RUNS), TRL BF16 vs unified FP8, profiled
 #   bash benchmarks/run_rollout_report.sh long      # bench_grpo's long regime ($LONG_RUNS): 128 x 4096 tokens, 1.7B
+#   bash benchmarks/run_rollout_report.sh trace     # pre-train the long-completion model, GRPO x 5 settings x 2 seeds
 #   bash benchmarks/run_rollout_report.sh multi     # two GPUs: tests/gpu/test_multi_gpu.py, GRPO on 1 GPU vs 2 (FSDP2)
 #
 # `grpo` trains with bitsandbytes' 8-bit AdamW (an 8B step beside its engine fits one GPU so), which the GPU kit lacks:
@@ -95,6 +96,15 @@ long)  # the long regime: 128 completions of 4096 tokens per step, on the Qwen3-
     --runs ${LONG_RUNS:-trl_bf16 fp8_rollout unified unified_fp8kv} --completion_len 4096 --generation_batch 128 \
     --micro_batch 4 --vllm_memory 0.55 --steps 4 --warmup 1 --profile_step 3 --out "$work/grpo_speed_long_$device.json"
   ;;
+trace)  # the long-completion accuracy study: pre-train the ~200M trace model, then GRPO in the five settings, 2 seeds
+  timed trace_pretrain python benchmarks/convergence/pretrain.py --task trace --size large --out "$work/trace-base" \
+    --batch_size 128 --eval_every 200 --eval_problems 256 --target_accuracy "${TRACE_TARGET:-0.3}" \
+    --max_minutes "${TRACE_PRETRAIN_MIN:-8}" --results "$work/trace_pretrain_$device.json"
+  timed trace_grpo python benchmarks/convergence/run_grpo.py --task trace --model "$work/trace-base" --setting all \
+    --parallel --seeds 0 1 --steps "${TRACE_STEPS:-60}" --batch_size 64 --micro_batch 8 --gradient_checkpointing \
+    --eval_every 20 --eval_problems 256 --vllm_memory 0.05 --results_dir "$work/convergence_trace" \
+    --workdir /var/tmp/trace_grpo  # ten runs (five settings x two seeds) share the GPU; seed 1 -> *_seed1
+  ;;
 multi)  # a 4B shape with stock fused AdamW: one step fits one GPU beside its engine, so 1 and 2 GPUs compare
   gpu_tests multi_gpu_tests tests/gpu/test_multi_gpu.py
   for runs in "1 multi_gpu" "2 fsdp2" "2 multi_gpu"; do
@@ -105,7 +115,7 @@ multi)  # a 4B shape with stock fused AdamW: one step fits one GPU beside its en
   done
   ;;
 *)
-  echo "usage: $0 PHASE... (kernels rollout pack suite checks linear gemm quant grpo long multi)" >&2
+  echo "usage: $0 PHASE... (kernels rollout pack suite checks linear gemm quant grpo long trace multi)" >&2
   exit 2
   ;;
 esac

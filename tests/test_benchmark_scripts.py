@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -38,7 +40,7 @@ def test_pretrain_grpo_and_plots_run_at_smoke_size(tmp_path):
 
 
 def test_long_completion_task_pretrains_and_runs_grpo_at_smoke_size(tmp_path):
-    """`--task trace`: word-level tokenizer, 4k-word vocabulary, completions up to 771 tokens, through the same
+    """`--task trace`: word-level tokenizer, 4k-word vocabulary, completions up to 1,003 tokens, through the same
     pre-training and GRPO scripts; its results stay out of the addition plots."""
     conv = ROOT / "benchmarks" / "convergence"
     _run(conv / "pretrain.py", "--task", "trace", "--out", tmp_path / "base", "--size", "smoke", "--max_steps", "2",
@@ -113,7 +115,6 @@ def test_grpo_medians_leave_out_the_profiled_step_and_after(tmp_path):
     seconds and lands in the next step); `--resummarize` recomputes a results file's medians from its per-step
     times; the kernel categories do not file `gpu_kernel_impl_nocast` elementwise kernels under casts."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    import pytest
     from bench_grpo import KERNEL_CATEGORIES, median_steps, model_positions, step_medians
 
     assert model_positions(128, 1024) == 4096 and model_positions(128, 4096) == 8192  # the long regime's context
@@ -153,3 +154,36 @@ def test_grpo_medians_leave_out_the_profiled_step_and_after(tmp_path):
     assert category("nvjet_sm90_qqtst_128x128_128x6_2x1_v_bz_coopA_algo2_Ablk128_Bvec128_TNN") == "gemm, fp8"
     assert category("void deep_gemm::sm90_fp8_gemm_1d2d_impl<(cute::UMMA::Major)0, 0u, 12288u") == "gemm, fp8"
     assert category("nvjet_sm90_tst_192x192_64x4_2x1_v_bz_coopB_TNN") == "gemm, bf16"
+
+
+def test_mismatch_by_position_averages_each_bucket_over_steps_and_seeds(tmp_path):
+    """The long-completion report's plot: per setting, the mean of each position bucket's logged mismatch."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from plot_results import mismatch_by_position, plot_mismatch_by_position
+
+    def run(setting, seed, values):
+        steps = [{"step": i + 1, "reward": 0.5, **{f"fp8/mismatch/pos_{lo}_{hi}/{stat}": v for (lo, hi), v in zip(
+            [(0, 63), (64, 127), (512, 1023)], row, strict=False) for stat in ("abs_logp_diff_mean", "kl_k3")}}
+            for i, row in enumerate(values)]  # fmt: skip
+        return {"setting": {"name": setting}, "args": {"seed": seed}, "steps": steps, "device": "cpu"}
+
+    runs = [run("fp8", 0, [[0.1, 0.2, 0.4], [0.3, 0.2]]), run("fp8", 1, [[0.2, 0.2, 0.6]]), run("bf16", 0, [[0.01]])]
+    table = mismatch_by_position(runs)
+    assert table["fp8"] == pytest.approx({0: 0.2, 64: 0.2, 512: 0.5}) and table["bf16"] == {0: 0.01}
+    assert plot_mismatch_by_position(runs, tmp_path, plt, "convergence_trace").exists()
+    assert plot_mismatch_by_position([run("bf16", 0, [])], tmp_path, plt, "x") is None  # nothing logged: no plot
+
+
+def test_parallel_runs_get_their_own_seed_and_results_folder():
+    """`run_grpo.py --parallel --seeds 0 1` passes each run one `--seed` and `--results_dir`, never the parent's."""
+    sys.path.insert(0, str(ROOT / "benchmarks" / "convergence"))
+    from run_grpo import strip_option
+
+    argv = ["--task", "trace", "--seeds", "0", "1", "--results_dir", "/r", "--seed", "3", "--steps", "5"]
+    assert strip_option(strip_option(strip_option(argv, "--seeds"), "--seed"), "--results_dir") == [
+        "--task", "trace", "--steps", "5"]  # fmt: skip

@@ -15,10 +15,38 @@ def test_traces_match_an_independent_evaluation_of_the_prompt():
     pairs = task.problems(300, seed=7)
     assert pairs == task.problems(300, seed=7) and pairs != task.problems(300, seed=8)
     for prompt, completion in pairs:
-        assert completion == task.completion(task.evaluate(prompt))
-        lines = prompt.count(" ;")
-        assert task.STEPS[0] <= lines <= task.STEPS[1]
-        assert len(completion.split()) == 4 * lines + 2  # "name = value ;" per line, then "answer value"
+        lines = task.evaluate(prompt)
+        assert completion == task.completion(lines)
+        assert task.STEPS[0] <= len(lines) == prompt.count(" ;") <= task.STEPS[1]
+        # a line writes itself (`L<i> <name> = <expr> ;`: 5 or 7 words), "<name> is <value> ;" per variable it reads and for its own value, and
+        # "a op b = value ;" when it computes; then "answer value"
+        words = sum(4 + len(expr) + 4 * sum(w.startswith("v") for w in expr) + 6 * (len(expr) == 3) + 4
+                    for _, expr, _ in lines)  # fmt: skip
+        assert len(completion.split()) == words + 2 <= task.max_completion_length() - 1
+        assert completion.split()[-1] == str(lines[-1][2])
+
+
+def test_every_written_step_is_a_copy_a_look_up_or_one_modular_operation():
+    """The roles `written_steps` gives each word hold: a look-up repeats the value stated earlier for that name, an
+    arithmetic step is the modular result of the two words before its `=`, line numbers count up."""
+    for prompt, _ in task.problems(50, seed=5):
+        steps = task.written_steps(task.evaluate(prompt))
+        words = [w for w, _ in steps]
+        stated, line = {}, 0
+        for i, (word, role) in enumerate(steps):
+            if role == "line":
+                line += 1
+                assert word == f"L{line}"
+            elif role in ("lookup", "state"):
+                name = words[i - 2]
+                assert words[i - 1] == "is" and (role == "state" or stated[name] == word)
+                stated[name] = word
+            elif role == "arithmetic":
+                a, op, b = words[i - 4 : i - 1]
+                assert int(word) == (int(a) + int(b) if op == "+" else int(a) - int(b)) % task.MODULUS
+            elif role == "copy":
+                assert word in prompt.split() or word in words[:i]
+        assert steps[-1] == (words[-1], "answer") and stated[words[-6]] == words[-1]
 
 
 def test_every_word_is_one_token_and_the_vocabulary_is_fp8_eligible():

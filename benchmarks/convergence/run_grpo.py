@@ -18,7 +18,8 @@ Per step: reward and mismatch (mean |delta logp|, KL k3); every `--eval_every` s
 Writes `benchmarks/results/convergence[_<task>]/grpo_<setting>_<device>.json`. `--no_vllm` runs without vLLM (CPU smoke).
 `--setting all --parallel` runs the five settings at once on one GPU (the model is small, a run alone leaves the GPU
 mostly idle): they build their trainers and vLLM engines one at a time, then train together. Results are the same
-kind; the logged step times are then not a speed measure.
+kind; the logged step times are then not a speed measure. `--seeds 0 1` with it runs every setting for both seeds
+at once (ten runs).
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ def run(args, setting: str) -> Path:
     held_out = task.problems(args.eval_problems, seed=20_000)
     cuda = torch.cuda.is_available()
     config = FP8GRPOConfig(
-        output_dir=str(Path(args.workdir) / setting), max_steps=args.steps, learning_rate=args.lr,
+        output_dir=str(Path(args.workdir) / f"{setting}_seed{args.seed}"), max_steps=args.steps, learning_rate=args.lr,
         lr_scheduler_type="constant", per_device_train_batch_size=micro_batch, num_generations=args.num_generations,
         gradient_accumulation_steps=args.batch_size // micro_batch,
         max_completion_length=task.max_completion_length(), temperature=1.0, beta=0.0, logging_steps=1, save_strategy="no", report_to="none",
@@ -122,10 +123,10 @@ def run(args, setting: str) -> Path:
         )  # fmt: skip
         evals.append({"step": 0, "held_out_accuracy": task.greedy_accuracy(trainer.model, tokenizer, held_out)})
         print(json.dumps({"setting": setting, **evals[-1]}), flush=True)
-    wait_for_all(sync_dir, setting, args.sync_count)
+    wait_for_all(sync_dir, args.sync_name or setting, args.sync_count)
     trainer.train()
-    steps = [
-        {"step": log["step"], **{m: log[m] for m in METRICS if m in log}}
+    steps = [  # the metrics, and the mismatch per bucket of completion positions (does it grow along a completion?)
+        {"step": log["step"], **{m: v for m, v in log.items() if m in METRICS or m.startswith("fp8/mismatch/pos_")}}
         for log in trainer.state.log_history
         if "reward" in log
     ]
@@ -137,7 +138,7 @@ def run(args, setting: str) -> Path:
         "date": datetime.date.today().isoformat(),
         "versions": versions("torch", "transformers", "trl", "torchao"),
         "args": {
-            **{k: v for k, v in vars(args).items() if k not in ("setting", "sync_dir", "sync_count")},
+            **{k: v for k, v in vars(args).items() if k not in ("setting", "sync_dir", "sync_count", "sync_name")},
             "parallel": sync_dir is not None,
         },  # fmt: skip
         "steps": steps,
@@ -163,6 +164,9 @@ def main():
     parser.add_argument("--eval_every", type=int, default=10)
     parser.add_argument("--eval_problems", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", type=int, nargs="+", default=None,
+                        help="with --setting all --parallel: every setting for each of these seeds, all at once; "
+                        "the first writes to --results_dir, each later seed N to <results_dir>_seedN")  # fmt: skip
     parser.add_argument("--no_vllm", action="store_true")
     parser.add_argument("--vllm_memory", type=float, default=None, help="vLLM's GPU share (0.3; 0.12 with --parallel)")
     parser.add_argument("--parallel", action="store_true", help="with --setting all: all settings at once, one GPU")
@@ -170,6 +174,7 @@ def main():
     parser.add_argument("--results_dir", default=None, help="default results/convergence[_<task>]")
     parser.add_argument("--sync_dir", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--sync_count", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--sync_name", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.results_dir is None:
         args.results_dir = str(results_folder(args.task))
@@ -180,37 +185,61 @@ def main():
         return
     # One process per setting: a colocated vLLM engine does not give its GPU memory back within a process.
     argv = [a for a in sys.argv[1:] if a != "--parallel"] + ["--vllm_memory", str(args.vllm_memory)]
+    if args.seeds and not args.parallel:
+        raise SystemExit("--seeds runs the seeds at once: add --parallel (or run one --seed at a time)")
     if not args.parallel:
         failed = [s for s in SETTINGS if subprocess.run([sys.executable, __file__, *argv, "--setting", s]).returncode]
     else:
-        failed = run_parallel(argv, Path(args.workdir))
+        failed = run_parallel(strip_option(argv, "--seeds"), Path(args.workdir), args.seeds or [args.seed],
+                              args.results_dir)  # fmt: skip
     if failed:
         raise SystemExit(f"failed settings: {failed}")
 
 
-def run_parallel(argv: list[str], workdir: Path) -> list[str]:
-    """All settings at once, each logging to `<workdir>/<setting>.log`; returns the settings that failed."""
+def strip_option(argv: list[str], option: str) -> list[str]:
+    """`argv` without `option` and the values that follow it (up to the next `--flag`)."""
+    out, skipping = [], False
+    for arg in argv:
+        if arg == option:
+            skipping = True
+        elif skipping and not arg.startswith("--"):
+            continue
+        else:
+            skipping = False
+            out.append(arg)
+    return out
+
+
+def run_parallel(argv: list[str], workdir: Path, seeds: list[int], results_dir: str) -> list[str]:
+    """Every setting for every seed at once, each logging to `<workdir>/<setting>_seed<n>.log`; returns the runs that
+    failed. They start one at a time (`start_turn`) and train together (`wait_for_all`)."""
     sync_dir = workdir / "parallel_sync"
     shutil.rmtree(sync_dir, ignore_errors=True)
     sync_dir.mkdir(parents=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "2"}  # five trainers share the host's cores
+    # Several trainers share the host's cores. No common MASTER_PORT: each colocated engine is a one-process world
+    # that takes a free rendezvous port while it holds the start-up turn.
+    env = {k: v for k, v in os.environ.items() if k != "MASTER_PORT"} | {"OMP_NUM_THREADS": "2"}
+    runs = [(setting, seed) for seed in seeds for setting in SETTINGS]
     procs = {}
-    for setting in SETTINGS:
-        cmd = [sys.executable, __file__, *argv, "--setting", setting, "--sync_dir", str(sync_dir),
-               "--sync_count", str(len(SETTINGS))]  # fmt: skip
-        log = open(workdir / f"{setting}.log", "w")  # noqa: SIM115 (closed with the process)
-        procs[setting] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log)
-    print(f"started {list(SETTINGS)}; logs in {workdir}/<setting>.log", flush=True)
+    for setting, seed in runs:
+        name = f"{setting}_seed{seed}"
+        results = results_dir if seed == seeds[0] else f"{results_dir}_seed{seed}"
+        cmd = [sys.executable, __file__, *strip_option(strip_option(argv, "--seed"), "--results_dir"),
+               "--setting", setting, "--seed", str(seed), "--results_dir", results, "--sync_dir", str(sync_dir),
+               "--sync_count", str(len(runs)), "--sync_name", name]  # fmt: skip
+        log = open(workdir / f"{name}.log", "w")  # noqa: SIM115 (closed with the process)
+        procs[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log)
+    print(f"started {list(procs)}; logs in {workdir}/<setting>_seed<n>.log", flush=True)
     failed = []
     while procs:
-        for setting, (proc, log) in list(procs.items()):
+        for name, (proc, log) in list(procs.items()):
             if proc.poll() is None:
                 continue
             log.close()
-            del procs[setting]
-            print(f"{setting} exited {proc.returncode}", flush=True)
+            del procs[name]
+            print(f"{name} exited {proc.returncode}", flush=True)
             if proc.returncode:
-                failed.append(setting)
+                failed.append(name)
                 (sync_dir / "abort").touch()  # runs still waiting to train give up; running ones finish
         time.sleep(2)
     return failed

@@ -1,0 +1,108 @@
+"""Can a small model learn the steps of the program-trace task? A CPU check before GPU time goes into the study.
+
+    python benchmarks/convergence/probe_trace_learnability.py            # ~35 min on 2 CPU cores
+
+Supervised training of a small Qwen3 (`pretrain.SIZES`) on short programs (`--lines`), logging on held-out programs
+the teacher-forced accuracy of each kind of written step (`program_trace.written_steps`: the next line number, a
+copy, a look-up of an earlier value, one modular sum, the stated value, the answer) and the greedy accuracy of the
+final answer. Writes `benchmarks/results/convergence_trace/learnability_cpu.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+import program_trace as task  # noqa: E402
+from common import versions  # noqa: E402
+from pretrain import SIZES, build, results_folder  # noqa: E402
+
+
+def step_accuracy(model, batcher, pairs) -> dict[str, float]:
+    """Teacher-forced next-word accuracy on the completions of `pairs`, by kind of step (`end`: the end token)."""
+    import torch
+
+    hits: dict[str, list[int]] = {}
+    model.eval()
+    with torch.no_grad():
+        ids, labels = batcher(pairs, "cpu")
+        predicted = model(input_ids=ids).logits[:, :-1].argmax(-1)
+        for row, (prompt, _) in enumerate(pairs):
+            roles = [role for _, role in task.written_steps(task.evaluate(prompt))] + ["end"]
+            targets = (labels[row, 1:] != -100).nonzero().flatten()
+            assert len(targets) == len(roles)
+            for position, role in zip(targets.tolist(), roles, strict=True):
+                hits.setdefault(role, []).append(int(predicted[row, position] == labels[row, position + 1]))
+    model.train()
+    return {role: sum(h) / len(h) for role, h in sorted(hits.items())}
+
+
+def main():
+    import torch
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", choices=list(SIZES), default="small")
+    parser.add_argument("--lines", type=int, nargs=2, default=(4, 8), help="assignments per program (min max)")
+    parser.add_argument("--batch_size", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--max_minutes", type=float, default=35.0)
+    parser.add_argument("--eval_every", type=int, default=100)
+    parser.add_argument("--eval_problems", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=str(results_folder("trace") / "learnability_cpu.json"))
+    args = parser.parse_args()
+
+    torch.manual_seed(args.seed)
+    model, tokenizer = build(task, args.size, args.seed)
+    tokenizer.padding_side = "left"
+    batcher = task.Batcher(tokenizer)
+    lines = tuple(args.lines)
+    held_out = task.problems(args.eval_problems, seed=10_000 + args.seed, steps=lines)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 100))
+    log, start, step = [], time.time(), 0
+    while time.time() - start < 60 * args.max_minutes:
+        step += 1
+        ids, labels = batcher(task.problems(args.batch_size, seed=args.seed * 1_000_003 + step, steps=lines), "cpu")
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step % args.eval_every == 0:
+            log.append({"step": step, "s": round(time.time() - start), "loss": loss.item(),
+                        "step_accuracy": step_accuracy(model, batcher, held_out)})  # fmt: skip
+            print(json.dumps(log[-1]), flush=True)
+    answer_accuracy = task.greedy_accuracy(
+        model, tokenizer, held_out, max_new_tokens=task.max_completion_length(lines)
+    )
+    result = {
+        "run": "program_trace learnability probe (supervised, CPU)",
+        "device": "cpu",
+        "date": datetime.date.today().isoformat(),
+        "versions": versions("torch", "transformers"),
+        "size": {"name": args.size, "parameters": sum(p.numel() for p in model.parameters()), **SIZES[args.size]},
+        "args": vars(args),
+        "steps": step,
+        "log": log,
+        "final_step_accuracy": step_accuracy(model, batcher, held_out),
+        "greedy_answer_accuracy": answer_accuracy,
+        "chance_answer_accuracy": 1 / task.MODULUS,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"{step} steps; greedy answer accuracy {answer_accuracy:.3f}; by step kind {result['final_step_accuracy']}")
+
+
+if __name__ == "__main__":
+    main()
