@@ -90,11 +90,12 @@ grpo)
     --runs ${GRPO_RUNS:-trl_bf16 unified unified_deepgemm unified_nocache} --steps 6 --warmup 1 --profile_step 5 \
     --out "$work/grpo_speed_$device.json"
   ;;
-long)  # the long regime: 128 completions of 4096 tokens per step, on the Qwen3-1.7B shape (its four runs fit a lease)
+long)  # the long regime: 128 completions of 4096 tokens per step on the Qwen3-1.7B shape: a step of roughly a minute
+  # (0.5M tokens to generate and to train on), so four runs of three steps (one timed, one profiled) fit a lease
   # shellcheck disable=SC2086
   MASTER_PORT=29630 timed grpo_long python benchmarks/bench_grpo.py --shape 1.7b \
     --runs ${LONG_RUNS:-trl_bf16 fp8_rollout unified unified_fp8kv} --completion_len 4096 --generation_batch 128 \
-    --micro_batch 4 --vllm_memory 0.55 --steps 4 --warmup 1 --profile_step 3 --out "$work/grpo_speed_long_$device.json"
+    --micro_batch 4 --vllm_memory 0.55 --steps 3 --warmup 1 --profile_step 2 --out "$work/grpo_speed_long_$device.json"
   ;;
 trace)  # the long-completion accuracy study: pre-train the ~200M trace model, then GRPO in the five settings, 2 seeds
   timed trace_pretrain python benchmarks/convergence/pretrain.py --task trace --size large --out "$work/trace-base" \
