@@ -68,6 +68,21 @@ def build(task, size: str, seed: int):
     return model, tokenizer
 
 
+def train_step(model, optimizer, schedule, ids, labels):
+    """One supervised step (BF16 autocast on CUDA, gradients clipped at 1); returns the loss, detached."""
+    import torch
+
+    device = ids.device.type
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+        loss = model(input_ids=ids, labels=labels).loss
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    schedule.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
 def main():
     import torch
 
@@ -100,13 +115,7 @@ def main():
     step = 0
     for step in range(1, args.max_steps + 1):
         ids, labels = batcher(task.problems(args.batch_size, seed=args.seed * 1_000_003 + step), device)
-        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
-            loss = model(input_ids=ids, labels=labels).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad(set_to_none=True)
+        loss = train_step(model, optimizer, schedule, ids, labels)
         if step % args.eval_every == 0 or step == args.max_steps:
             accuracy = task.greedy_accuracy(model, tokenizer, held_out)
             log.append({"step": step, "loss": loss.item(), "held_out_accuracy": accuracy, "s": time.time() - start})

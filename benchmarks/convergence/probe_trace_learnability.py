@@ -23,7 +23,7 @@ sys.path.insert(0, str(HERE))
 
 import program_trace as task  # noqa: E402
 from common import versions  # noqa: E402
-from pretrain import SIZES, build, results_folder  # noqa: E402
+from pretrain import SIZES, build, results_folder, train_step  # noqa: E402
 
 
 def step_accuracy(model, batcher, pairs) -> dict[str, float]:
@@ -72,12 +72,7 @@ def main():
     while time.time() - start < 60 * args.max_minutes:
         step += 1
         ids, labels = batcher(task.problems(args.batch_size, seed=args.seed * 1_000_003 + step, steps=lines), "cpu")
-        loss = model(input_ids=ids, labels=labels).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad(set_to_none=True)
+        loss = train_step(model, optimizer, schedule, ids, labels)
         if step % args.eval_every == 0:
             log.append({"step": step, "s": round(time.time() - start), "loss": loss.item(),
                         "step_accuracy": step_accuracy(model, batcher, held_out)})  # fmt: skip
