@@ -275,8 +275,7 @@ def run_one(args) -> None:
         "fp8_kv_cache": fp8_kv,
         "fp8_backend": gemm_backend,
         "fp8_cache_weights": cache_weights,
-        "step_time": step_medians(per_step_s, keep),
-        "median_steps": keep,
+        "step_time": step_medians(per_step_s, keep),  # over the file's settings.median_steps
         "per_step": per_step_s,
         "peak_memory_gib": max(peaks.values()) / 2**30,
         "peak_memory_by_phase_gib": {phase: b / 2**30 for phase, b in peaks.items()},
@@ -319,7 +318,7 @@ def resummarize(path: Path, keep: list[int]) -> None:
     profiled step was not the last: its medians took in the steps the profiler disturbed)."""
     result = json.loads(path.read_text())
     for row in result["results"]:
-        row["step_time"], row["median_steps"] = step_medians(row["per_step"], keep), keep
+        row["step_time"] = step_medians(row["per_step"], keep)
     result["settings"]["median_steps"] = keep
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"rewrote the medians of {path} over steps {keep}")
@@ -379,8 +378,9 @@ def main():
     from trl_fp8.grpo_config import check_optimizer_installed
 
     check_optimizer_installed(args.optim)  # every run's child would load the model and start vLLM first
-    if not (model_dir(args) / "config.json").exists():
-        make_model_dir(model_dir(args), args.shape, model_positions(args.prompt_len, args.completion_len))
+    model = model_dir(args)
+    if not (model / "config.json").exists():
+        make_model_dir(model, args.shape, model_positions(args.prompt_len, args.completion_len))
         torch.cuda.empty_cache()
     device = torch.cuda.get_device_name()
     gpus = f"_{args.num_processes}x{args.launch_config}" if args.num_processes > 1 else ""

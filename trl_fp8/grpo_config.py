@@ -31,8 +31,8 @@ class FP8GRPOConfig(GRPOConfig):
         Round blockwise scales down to powers of two (DeepSeek / NeMo RL style).
     fp8_backend (`str`, *optional*, defaults to `"auto"`):
         `"scaled_mm"` (real FP8 kernels, SM90), `"emulated"` (exact emulation, any device) or `"auto"`;
-        `"deepgemm"` (SM90 with vLLM's DeepGEMM: FProp and DGrad on DeepGEMM) is opt-in: faster per layer, not
-        yet measured in a GRPO run.
+        `"deepgemm"` (SM90 with vLLM's DeepGEMM: FProp and DGrad on DeepGEMM) is opt-in: in an 8B GRPO run on
+        H200 its training phase was 3% faster, for 12 s of just-in-time compiles in the first step.
     fp8_cache_weights (`bool` or `None`, *optional*, defaults to `None`):
         Keep each layer's FP8 weight between forwards until the optimizer changes it (one byte per parameter),
         so micro-batches, scoring passes and the vLLM sync quantize once per step. `False` quantizes at every
@@ -101,7 +101,7 @@ class FP8GRPOConfig(GRPOConfig):
         metadata={
             "help": "FP8 GEMM backend: 'scaled_mm' (real FP8 kernels, needs an SM90 GPU), 'emulated' (exact "
             "emulation on any device), 'auto' (scaled_mm on SM90, emulated elsewhere), or 'deepgemm' (SM90 with "
-            "vLLM's DeepGEMM for FProp and DGrad; opt-in, not yet measured in a GRPO run).",
+            "vLLM's DeepGEMM for FProp and DGrad; opt-in: 3% faster training, +12 s first step on an 8B H200 run).",
         },
     )
     fp8_cache_weights: bool | None = field(
