@@ -97,14 +97,15 @@ long)  # the long regime: 128 completions of 4096 tokens per step on the Qwen3-1
     --runs ${LONG_RUNS:-trl_bf16 fp8_rollout unified unified_fp8kv} --completion_len 4096 --generation_batch 128 \
     --micro_batch 4 --vllm_memory 0.55 --steps 3 --warmup 1 --profile_step 2 --out "$work/grpo_speed_long_$device.json"
   ;;
-trace)  # the long-completion accuracy study: pre-train the ~200M trace model, then GRPO in the five settings, 2 seeds
-  timed trace_pretrain python benchmarks/convergence/pretrain.py --task trace --size large --out "$work/trace-base" \
-    --batch_size 128 --eval_every 200 --eval_problems 256 --target_accuracy "${TRACE_TARGET:-0.3}" \
-    --max_minutes "${TRACE_PRETRAIN_MIN:-8}" --results "$work/trace_pretrain_$device.json"
+trace)  # the long-completion study: pre-train the 107M trace model, then GRPO in the five settings x 2 seeds at once,
+  # each part bounded in time so the whole fits one lease (~25 min); results are written after every evaluation
+  timed trace_pretrain python benchmarks/convergence/pretrain.py --task trace --size medium --out "$work/trace-base" \
+    --batch_size 128 --eval_every 300 --eval_problems 256 --target_accuracy "${TRACE_TARGET:-0.3}" \
+    --max_minutes "${TRACE_PRETRAIN_MIN:-7}" --results "$work/convergence_trace/pretrain_$device.json"
   timed trace_grpo python benchmarks/convergence/run_grpo.py --task trace --model "$work/trace-base" --setting all \
-    --parallel --seeds 0 1 --steps "${TRACE_STEPS:-60}" --batch_size 64 --micro_batch 8 --gradient_checkpointing \
-    --eval_every 20 --eval_problems 256 --vllm_memory 0.05 --results_dir "$work/convergence_trace" \
-    --workdir /var/tmp/trace_grpo  # ten runs (five settings x two seeds) share the GPU; seed 1 -> *_seed1
+    --parallel --seeds 0 1 --steps "${TRACE_STEPS:-60}" --max_minutes "${TRACE_GRPO_MIN:-9}" --lr 3e-5 \
+    --batch_size 64 --micro_batch 8 --gradient_checkpointing --eval_every 20 --eval_problems 256 --vllm_memory 0.05 \
+    --results_dir "$work/convergence_trace" --workdir "$work/trace_grpo"  # seed 1 -> convergence_trace_seed1
   ;;
 multi)  # a 4B shape with stock fused AdamW: one step fits one GPU beside its engine, so 1 and 2 GPUs compare
   gpu_tests multi_gpu_tests tests/gpu/test_multi_gpu.py

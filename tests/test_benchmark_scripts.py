@@ -47,13 +47,15 @@ def test_long_completion_task_pretrains_and_runs_grpo_at_smoke_size(tmp_path):
          "--batch_size", "2", "--eval_every", "2", "--eval_problems", "2", "--results", tmp_path / "pretrain.json")  # fmt: skip
     pretrain = json.loads((tmp_path / "pretrain.json").read_text())
     assert pretrain["args"]["task"] == "trace" and [e["step"] for e in pretrain["log"]] == [2]
-    assert json.loads((tmp_path / "base" / "config.json").read_text())["vocab_size"] == 4224
+    assert json.loads((tmp_path / "base" / "config.json").read_text())["vocab_size"] == 4096
     results = tmp_path / "results" / "convergence_trace"
-    _run(conv / "run_grpo.py", "--task", "trace", "--model", tmp_path / "base", "--setting", "fp8_tis", "--steps", "1",
-         "--batch_size", "4", "--micro_batch", "2", "--num_generations", "2", "--eval_every", "1", "--eval_problems",
-         "2", "--no_vllm", "--results_dir", results, "--workdir", tmp_path / "work")  # fmt: skip
+    _run(conv / "run_grpo.py", "--task", "trace", "--model", tmp_path / "base", "--setting", "fp8_tis", "--steps", "3",
+         "--max_minutes", "1e-6", "--batch_size", "4", "--micro_batch", "2", "--num_generations", "2", "--eval_every",
+         "5", "--eval_problems", "2", "--no_vllm", "--results_dir", results, "--workdir", tmp_path / "work")  # fmt: skip
     (run,) = [json.loads(p.read_text()) for p in results.glob("grpo_*.json")]
+    # the deadline passed during step 1: training stopped there and the model was evaluated there
     assert run["args"]["task"] == "trace" and [e["step"] for e in run["held_out"]] == [0, 1]
+    assert run["stopped_by_deadline"] == 1 and [s["step"] for s in run["steps"]] == [1]
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from plot_results import _convergence_runs
 
@@ -187,3 +189,24 @@ def test_parallel_runs_get_their_own_seed_and_results_folder():
     argv = ["--task", "trace", "--seeds", "0", "1", "--results_dir", "/r", "--seed", "3", "--steps", "5"]
     assert strip_option(strip_option(strip_option(argv, "--seeds"), "--seed"), "--results_dir") == [
         "--task", "trace", "--steps", "5"]  # fmt: skip
+
+
+def test_parallel_runs_stop_level_at_the_deadline(tmp_path):
+    """The first run past `--max_minutes` fixes the stop step for all: one behind trains on to it, one ahead stops at
+    once; a run lagging past the grace period stops where it is."""
+    sys.path.insert(0, str(ROOT / "benchmarks" / "convergence"))
+    from run_grpo import Deadline
+
+    first, behind, ahead, lagging = (Deadline(1e-6, tmp_path, grace_s=g) for g in (60, 60, 60, 0))
+    assert not Deadline(None, tmp_path).reached(100)  # no --max_minutes: never
+    for deadline in (first, behind, ahead, lagging):
+        assert not deadline.reached(1)  # not started: training has not begun
+        deadline.start()
+    import time
+
+    time.sleep(0.01)
+    assert first.reached(5) and (tmp_path / "stop").read_text() == "5" and first.stopped_at == 5
+    assert not behind.reached(4) and behind.reached(5) and behind.stopped_at == 5
+    assert ahead.reached(7) and ahead.stopped_at == 7
+    assert lagging.reached(2) and lagging.stopped_at == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["stop"]  # the per-process temporary link source is gone

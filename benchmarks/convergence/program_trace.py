@@ -1,21 +1,21 @@
 """The long-completion convergence task: trace a straight-line program, writing out every step of its evaluation.
 
 A prompt is a numbered program of `K` assignments over variables named from a vocabulary of several thousand
-identifiers, with values modulo 100. The completion walks it line by line: it copies the line, looks up the value of
+identifiers, with values modulo 10. The completion walks it line by line: it copies the line, looks up the value of
 each variable the line reads, does the one modular addition or subtraction, states the new value, and ends with the
 last one:
 
-    prompt:      L1 v3051 = 37 ; L2 v12 = v3051 + 45 ; L3 v40 = v12 - v3051 ; trace
-    completion:  L1 v3051 = 37 ; v3051 is 37 ;
-                 L2 v12 = v3051 + 45 ; v3051 is 37 ; 37 + 45 = 82 ; v12 is 82 ;
-                 L3 v40 = v12 - v3051 ; v12 is 82 ; v3051 is 37 ; 82 - 37 = 45 ; v40 is 45 ; answer 45 <eos>
+    prompt:      L1 v3051 = 7 ; L2 v12 = v3051 + 5 ; L3 v40 = v12 - v3051 ; trace
+    completion:  L1 v3051 = 7 ; v3051 is 7 ;
+                 L2 v12 = v3051 + 5 ; v3051 is 7 ; 7 + 5 = 2 ; v12 is 2 ;
+                 L3 v40 = v12 - v3051 ; v12 is 2 ; v3051 is 7 ; 2 - 7 = 5 ; v40 is 5 ; answer 5 <eos>
 
 Every written word is one simple operation: the next line number, a copy from the program, a look-up of `<name> is`
 where that variable was stated (up to hundreds of words back), or one entry of the modular addition table. So a
 model of a few hundred million parameters can learn each step, and one wrong step makes every later value that
 depends on it wrong: errors, and trainer-vs-rollout mismatch, compound with completion length. A line costs 9 to 25
 words: completions are 160 to 940 words (mean 540) for the default `K` of 8 to 40. The vocabulary is word level: `NAMES`
-identifiers, the line numbers, the numbers 0-99 and a few words, padded to a multiple of 128 like every model dim
+identifiers, the line numbers, the digits and a few words, padded to a multiple of 128 like every model dim
 here (the conversion keeps `lm_head` in BF16 all the same, and the softmax over 4k entries is the trainer's and
 vLLM's own). The reward is exact: the final value must be right.
 """
@@ -27,14 +27,15 @@ import random
 from task_utils import greedy_completions, right_padded
 
 NAMES = 4000  # variable identifiers v0 .. v3999
-MODULUS = 100
+MODULUS = 10  # 100 left the sums at chance in the CPU probe (a 10,000-entry table); 10 keeps the chain of
+# dependent look-ups, which is what compounds with length, and a table a small model learns in minutes
 STEPS = (8, 40)  # assignments per program, inclusive
 MAX_STEPS = 64  # line numbers L1 .. L64 in the vocabulary
 WORDS = ("=", "+", "-", ";", "is", "trace", "answer")
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 VOCAB = (*SPECIAL_TOKENS, *WORDS, *(str(n) for n in range(MODULUS)), *(f"L{i}" for i in range(1, MAX_STEPS + 1)),
          *(f"v{i}" for i in range(NAMES)))  # fmt: skip
-VOCAB_SIZE = (len(VOCAB) + 127) // 128 * 128  # 4224: ids past the words stay unused
+VOCAB_SIZE = (len(VOCAB) + 127) // 128 * 128  # 4096: ids past the words stay unused
 
 
 def program(rng: random.Random, steps: tuple[int, int] = STEPS, modulus: int = MODULUS):
@@ -52,10 +53,10 @@ def program(rng: random.Random, steps: tuple[int, int] = STEPS, modulus: int = M
             expr = [str(value)]
         elif i == 1 or rng.random() < 0.5:  # earlier variable op constant
             src, op, c = rng.choice(names[:i]), rng.choice("+-"), rng.randrange(modulus)
-            value, expr = _apply(values[src], op, c), [src, op, str(c)]
+            value, expr = _apply(values[src], op, c, modulus), [src, op, str(c)]
         else:  # earlier variable op earlier variable
             (a, b), op = rng.sample(names[:i], 2), rng.choice("+-")
-            value, expr = _apply(values[a], op, values[b]), [a, op, b]
+            value, expr = _apply(values[a], op, values[b], modulus), [a, op, b]
         values[name] = value
         lines.append((name, expr, value))
     prompt = " ".join(f"L{i} {name} = {' '.join(expr)} ;" for i, (name, expr, _) in enumerate(lines, 1))

@@ -15,7 +15,9 @@ Settings (all through `FP8GRPOTrainer`, vLLM colocated, so every run logs the sa
 | `fp8_tis` | blockwise FP8 | the trainer's own FP8 weights | token TIS (cap 2) |
 
 Per step: reward and mismatch (mean |delta logp|, KL k3); every `--eval_every` steps: held-out greedy accuracy.
-Writes `benchmarks/results/convergence[_<task>]/grpo_<setting>_<device>.json`. `--no_vllm` runs without vLLM (CPU smoke).
+Writes `benchmarks/results/convergence[_<task>]/grpo_<setting>_<device>.json`, after every evaluation (a run cut off
+keeps what it measured). `--max_minutes` bounds the training time: parallel runs then all stop at the step the first
+one reached at the deadline, and evaluate there. `--no_vllm` runs without vLLM (CPU smoke).
 `--setting all --parallel` runs the five settings at once on one GPU (the model is small, a run alone leaves the GPU
 mostly idle): they build their trainers and vLLM engines one at a time, then train together. Results are the same
 kind; the logged step times are then not a speed measure. `--seeds 0 1` with it runs every setting for both seeds
@@ -81,6 +83,43 @@ def wait_for_all(sync_dir: Path | None, setting: str, count: int, timeout_s: flo
         time.sleep(1)
 
 
+class Deadline:
+    """`--max_minutes` of training. The first run past it writes its step to `<sync_dir>/stop` and every parallel run
+    stops at that step, so the settings end level and compare at one step; a run lagging further than `grace_s`
+    behind stops where it is."""
+
+    def __init__(self, minutes: float | None, sync_dir: Path | None, grace_s: float = 120):
+        self.minutes, self.grace_s = minutes, grace_s
+        self.stop_file = sync_dir / "stop" if sync_dir else None
+        self.end: float | None = None
+        self.stopped_at: int | None = None
+
+    def start(self) -> None:
+        if self.minutes:
+            self.end = time.time() + 60 * self.minutes
+
+    def reached(self, step: int) -> bool:
+        if self.end is None:
+            return False
+        now = time.time()
+        if self.stop_file is not None and self.stop_file.exists():
+            stop = step >= int(self.stop_file.read_text()) or now > self.end + self.grace_s
+        elif now > self.end:
+            stop = True
+            if self.stop_file is not None:  # link, not write: atomic, and the first run past the deadline wins
+                tmp = self.stop_file.with_name(f"stop.{os.getpid()}")
+                tmp.write_text(str(step))
+                with contextlib.suppress(FileExistsError):
+                    os.link(tmp, self.stop_file)
+                tmp.unlink()
+                stop = step >= int(self.stop_file.read_text())
+        else:
+            stop = False
+        if stop:
+            self.stopped_at = step
+        return stop
+
+
 def run(args, setting: str) -> Path:
     import torch
     from transformers import AutoTokenizer, TrainerCallback
@@ -106,47 +145,61 @@ def run(args, setting: str) -> Path:
         rollout_precision=precision, save_fp8_checkpoint=False,
     )  # fmt: skip
     evals: list[dict] = []
+    sync_dir = Path(args.sync_dir) if args.sync_dir else None
+    deadline = Deadline(args.max_minutes, sync_dir)
+    device = torch.cuda.get_device_name() if cuda else "cpu"
+    out = Path(args.results_dir) / f"grpo_{setting}_{device.replace(' ', '_')}.json"
+
+    def held_out_accuracy(model, step: int) -> None:
+        evals.append({"step": step, "held_out_accuracy": task.greedy_accuracy(model, tokenizer, held_out)})
+        print(json.dumps({"setting": setting, **evals[-1]}), flush=True)
+
+    def write(trainer) -> None:
+        steps = [  # the metrics, and the mismatch per bucket of completion positions (does it grow along a completion?)
+            {"step": log["step"], **{m: v for m, v in log.items() if m in METRICS or m.startswith("fp8/mismatch/pos_")}}
+            for log in trainer.state.log_history
+            if "reward" in log
+        ]
+        result = {
+            "run": f"GRPO on {args.task} ({task.__name__}), setting {setting}",
+            "setting": {"name": setting, "fp8_recipe": recipe, "rollout_precision": precision, "tis": tis},
+            "device": device,
+            "date": datetime.date.today().isoformat(),
+            "versions": versions("torch", "transformers", "trl", "torchao"),
+            "args": {
+                **{k: v for k, v in vars(args).items() if k not in ("setting", "sync_dir", "sync_count", "sync_name")},
+                "parallel": sync_dir is not None,
+            },  # fmt: skip
+            "stopped_by_deadline": deadline.stopped_at,
+            "steps": steps,
+            "held_out": evals,
+        }
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(result, indent=1) + "\n")
+        tmp.replace(out)
 
     class HeldOut(TrainerCallback):
-        def on_step_end(self, _args, state, control, model=None, **kwargs):
-            if state.global_step % args.eval_every == 0 or state.global_step == args.steps:
-                accuracy = task.greedy_accuracy(model, tokenizer, held_out)
-                evals.append({"step": state.global_step, "held_out_accuracy": accuracy})
-                print(json.dumps({"setting": setting, **evals[-1]}), flush=True)
+        def on_train_begin(self, _args, state, control, **kwargs):
+            deadline.start()
 
-    sync_dir = Path(args.sync_dir) if args.sync_dir else None
+        def on_step_end(self, _args, state, control, model=None, **kwargs):
+            stop = deadline.reached(state.global_step)
+            control.should_training_stop |= stop
+            if state.global_step % args.eval_every == 0 or state.global_step == args.steps or stop:
+                held_out_accuracy(model, state.global_step)
+                write(trainer)  # after every evaluation: a run cut off (a lease running out) keeps what it measured
+
     with start_turn(sync_dir):
         trainer = FP8GRPOTrainer(
             args.model, task.exact_answer_reward, config,
             train_dataset=task.grpo_dataset(args.steps * args.batch_size, seed=1), processing_class=tokenizer,
             callbacks=[HeldOut()],
         )  # fmt: skip
-        evals.append({"step": 0, "held_out_accuracy": task.greedy_accuracy(trainer.model, tokenizer, held_out)})
-        print(json.dumps({"setting": setting, **evals[-1]}), flush=True)
     wait_for_all(sync_dir, args.sync_name or setting, args.sync_count)
+    held_out_accuracy(trainer.model, 0)  # outside the start-up turn: parallel runs evaluate at once
     trainer.train()
-    steps = [  # the metrics, and the mismatch per bucket of completion positions (does it grow along a completion?)
-        {"step": log["step"], **{m: v for m, v in log.items() if m in METRICS or m.startswith("fp8/mismatch/pos_")}}
-        for log in trainer.state.log_history
-        if "reward" in log
-    ]
-    device = torch.cuda.get_device_name() if cuda else "cpu"
-    result = {
-        "run": f"GRPO on {args.task} ({task.__name__}), setting {setting}",
-        "setting": {"name": setting, "fp8_recipe": recipe, "rollout_precision": precision, "tis": tis},
-        "device": device,
-        "date": datetime.date.today().isoformat(),
-        "versions": versions("torch", "transformers", "trl", "torchao"),
-        "args": {
-            **{k: v for k, v in vars(args).items() if k not in ("setting", "sync_dir", "sync_count", "sync_name")},
-            "parallel": sync_dir is not None,
-        },  # fmt: skip
-        "steps": steps,
-        "held_out": evals,
-    }
-    out = Path(args.results_dir) / f"grpo_{setting}_{device.replace(' ', '_')}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    write(trainer)
     return out
 
 
@@ -163,6 +216,8 @@ def main():
     parser.add_argument("--lr", type=float, default=2e-5)
     parser.add_argument("--eval_every", type=int, default=10)
     parser.add_argument("--eval_problems", type=int, default=2048)
+    parser.add_argument("--max_minutes", type=float, default=None,
+                        help="stop training after this long (then evaluate and write); parallel runs stop level")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--seeds", type=int, nargs="+", default=None,
                         help="with --setting all --parallel: every setting for each of these seeds, all at once; "
