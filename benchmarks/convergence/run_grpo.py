@@ -156,7 +156,10 @@ def run(args, setting: str) -> Path:
 
     def write(trainer) -> None:
         steps = [  # the metrics, and the mismatch per bucket of completion positions (does it grow along a completion?)
-            {"step": log["step"], **{m: v for m, v in log.items() if m in METRICS or m.startswith("fp8/mismatch/pos_")}}
+            {
+                "step": log["step"],
+                **{m: v for m, v in log.items() if m in METRICS or m.startswith("fp8/mismatch/pos_")},
+            }
             for log in trainer.state.log_history
             if "reward" in log
         ]
@@ -216,8 +219,12 @@ def main():
     parser.add_argument("--lr", type=float, default=2e-5)
     parser.add_argument("--eval_every", type=int, default=10)
     parser.add_argument("--eval_problems", type=int, default=2048)
-    parser.add_argument("--max_minutes", type=float, default=None,
-                        help="stop training after this long (then evaluate and write); parallel runs stop level")
+    parser.add_argument(
+        "--max_minutes",
+        type=float,
+        default=None,
+        help="stop training after this long (then evaluate and write); parallel runs stop level",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--seeds", type=int, nargs="+", default=None,
                         help="with --setting all --parallel: every setting for each of these seeds, all at once; "
