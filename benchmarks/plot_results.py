@@ -267,10 +267,11 @@ def main(argv=None) -> list[Path]:
         written += plot_convergence(runs, out, plt)
     else:
         print("no results/convergence*/grpo_*.json: convergence plots skipped")
-    trace_runs = _convergence_runs(results, "trace")
-    if trace_runs:  # the long-completion task: its own curves, and the mismatch along the completion
-        written += plot_convergence(trace_runs, out, plt, prefix="convergence_trace")
-        written += [p for p in [plot_mismatch_by_position(trace_runs, out, plt, "convergence_trace")] if p]
+    for task in ("chain", "trace"):  # the long-completion tasks: their own curves, and the mismatch along a completion
+        long_runs = _convergence_runs(results, task)
+        if long_runs:
+            written += plot_convergence(long_runs, out, plt, prefix=f"convergence_{task}")
+            written += [p for p in [plot_mismatch_by_position(long_runs, out, plt, f"convergence_{task}")] if p]
     for result in _load(results.glob("rollout_*.json"))[:1]:
         written.append(plot_rollout(result, out, plt))
     for result in _load(results.glob("grpo_speed_*.json"))[:1]:

@@ -13,7 +13,7 @@
 #   bash benchmarks/run_rollout_report.sh quant     # bench_quant: our quantization kernels against the HBM floor
 #   bash benchmarks/run_rollout_report.sh grpo      # bench_grpo ($GRPO_RUNS), TRL BF16 vs unified FP8, profiled
 #   bash benchmarks/run_rollout_report.sh long      # bench_grpo's long regime ($LONG_RUNS): 128 x 4096 tokens, 1.7B
-#   bash benchmarks/run_rollout_report.sh trace     # pre-train the long-completion model, GRPO x 5 settings x 2 seeds
+#   bash benchmarks/run_rollout_report.sh chain     # pre-train the long-completion model, GRPO x 5 settings x 2 seeds
 #   bash benchmarks/run_rollout_report.sh multi     # two GPUs: tests/gpu/test_multi_gpu.py, GRPO on 1 GPU vs 2 (FSDP2)
 #
 # `grpo` trains with bitsandbytes' 8-bit AdamW (an 8B step beside its engine fits one GPU so), which the GPU kit lacks:
@@ -91,21 +91,25 @@ grpo)
     --out "$work/grpo_speed_$device.json"
   ;;
 long)  # the long regime: 128 completions of 4096 tokens per step on the Qwen3-1.7B shape: a step of roughly a minute
-  # (0.5M tokens to generate and to train on), so four runs of three steps (one timed, one profiled) fit a lease
+  # (0.5M tokens to generate and to train on), so four runs of three steps (one timed, one profiled) fit a lease.
+  # The first FP8 engine compiles DeepGEMM's kernels for these shapes cold (minutes, before any timed step; the 107M
+  # chain model's took 4.4 min); `pack` afterwards keeps them for the next host.
   # shellcheck disable=SC2086
   MASTER_PORT=29630 timed grpo_long python benchmarks/bench_grpo.py --shape 1.7b \
     --runs ${LONG_RUNS:-trl_bf16 fp8_rollout unified unified_fp8kv} --completion_len 4096 --generation_batch 128 \
     --micro_batch 4 --vllm_memory 0.55 --steps 3 --warmup 1 --profile_step 2 --out "$work/grpo_speed_long_$device.json"
   ;;
-trace)  # the long-completion study: pre-train the 107M trace model, then GRPO in the five settings x 2 seeds at once,
-  # each part bounded in time so the whole fits one lease (~25 min); results are written after every evaluation
-  timed trace_pretrain python benchmarks/convergence/pretrain.py --task trace --size medium --out "$work/trace-base" \
-    --batch_size 128 --eval_every 300 --eval_problems 256 --target_accuracy "${TRACE_TARGET:-0.3}" \
-    --max_minutes "${TRACE_PRETRAIN_MIN:-7}" --results "$work/convergence_trace/pretrain_$device.json"
-  timed trace_grpo python benchmarks/convergence/run_grpo.py --task trace --model "$work/trace-base" --setting all \
-    --parallel --seeds 0 1 --steps "${TRACE_STEPS:-60}" --max_minutes "${TRACE_GRPO_MIN:-9}" --lr 3e-5 \
-    --batch_size 64 --micro_batch 8 --gradient_checkpointing --eval_every 20 --eval_problems 256 --vllm_memory 0.05 \
-    --results_dir "$work/convergence_trace" --workdir "$work/trace_grpo"  # seed 1 -> convergence_trace_seed1
+chain)  # the long-completion study: pre-train the 107M addition-chain model, then GRPO in the five settings x 2 seeds
+  # at once, each part bounded in time so the whole fits one lease (~25 min); results are written after every
+  # evaluation. Batch 64: 128 rows of ~1k words ran out of the H200's memory. Cutlass rollouts: DeepGEMM's cold JIT
+  # compile of a new shape's kernels took 4.4 min per engine start-up here, and start-ups take turns.
+  timed chain_pretrain python benchmarks/convergence/pretrain.py --task chain --size medium --out "$work/chain-base" \
+    --batch_size 64 --eval_every 50 --eval_problems 128 --target_accuracy "${CHAIN_TARGET:-0.3}" \
+    --max_minutes "${CHAIN_PRETRAIN_MIN:-6}" --results "$work/convergence_chain/pretrain_$device.json"
+  timed chain_grpo python benchmarks/convergence/run_grpo.py --task chain --model "$work/chain-base" --setting all \
+    --parallel --seeds 0 1 --steps "${CHAIN_STEPS:-60}" --max_minutes "${CHAIN_GRPO_MIN:-9}" --lr 5e-5 \
+    --batch_size 64 --micro_batch 8 --gradient_checkpointing --eval_every 10 --eval_problems 256 --vllm_memory 0.05 \
+    --vllm_fp8_backend cutlass --results_dir "$work/convergence_chain" --workdir "$work/chain_grpo"  # seed 1: *_seed1
   ;;
 multi)  # a 4B shape with stock fused AdamW: one step fits one GPU beside its engine, so 1 and 2 GPUs compare
   gpu_tests multi_gpu_tests tests/gpu/test_multi_gpu.py
@@ -117,7 +121,7 @@ multi)  # a 4B shape with stock fused AdamW: one step fits one GPU beside its en
   done
   ;;
 *)
-  echo "usage: $0 PHASE... (kernels rollout pack suite checks linear gemm quant grpo long trace multi)" >&2
+  echo "usage: $0 PHASE... (kernels rollout pack suite checks linear gemm quant grpo long chain multi)" >&2
   exit 2
   ;;
 esac

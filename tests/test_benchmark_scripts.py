@@ -40,26 +40,26 @@ def test_pretrain_grpo_and_plots_run_at_smoke_size(tmp_path):
 
 
 def test_long_completion_task_pretrains_and_runs_grpo_at_smoke_size(tmp_path):
-    """`--task trace`: word-level tokenizer, 4k-word vocabulary, completions up to 1,003 tokens, through the same
-    pre-training and GRPO scripts; its results stay out of the addition plots."""
+    """`--task chain`: word-level tokenizer, completions up to 864 tokens, through the same pre-training and GRPO
+    scripts; its results stay out of the addition plots."""
     conv = ROOT / "benchmarks" / "convergence"
-    _run(conv / "pretrain.py", "--task", "trace", "--out", tmp_path / "base", "--size", "smoke", "--max_steps", "2",
+    _run(conv / "pretrain.py", "--task", "chain", "--out", tmp_path / "base", "--size", "smoke", "--max_steps", "2",
          "--batch_size", "2", "--eval_every", "2", "--eval_problems", "2", "--results", tmp_path / "pretrain.json")  # fmt: skip
     pretrain = json.loads((tmp_path / "pretrain.json").read_text())
-    assert pretrain["args"]["task"] == "trace" and [e["step"] for e in pretrain["log"]] == [2]
-    assert json.loads((tmp_path / "base" / "config.json").read_text())["vocab_size"] == 4096
-    results = tmp_path / "results" / "convergence_trace"
-    _run(conv / "run_grpo.py", "--task", "trace", "--model", tmp_path / "base", "--setting", "fp8_tis", "--steps", "3",
+    assert pretrain["args"]["task"] == "chain" and [e["step"] for e in pretrain["log"]] == [2]
+    assert json.loads((tmp_path / "base" / "config.json").read_text())["vocab_size"] == 128
+    results = tmp_path / "results" / "convergence_chain"
+    _run(conv / "run_grpo.py", "--task", "chain", "--model", tmp_path / "base", "--setting", "fp8_tis", "--steps", "3",
          "--max_minutes", "1e-6", "--batch_size", "4", "--micro_batch", "2", "--num_generations", "2", "--eval_every",
          "5", "--eval_problems", "2", "--no_vllm", "--results_dir", results, "--workdir", tmp_path / "work")  # fmt: skip
     (run,) = [json.loads(p.read_text()) for p in results.glob("grpo_*.json")]
     # the deadline passed during step 1: training stopped there and the model was evaluated there
-    assert run["args"]["task"] == "trace" and [e["step"] for e in run["held_out"]] == [0, 1]
+    assert run["args"]["task"] == "chain" and [e["step"] for e in run["held_out"]] == [0, 1]
     assert run["stopped_by_deadline"] == 1 and [s["step"] for s in run["steps"]] == [1]
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from plot_results import _convergence_runs
 
-    assert _convergence_runs(tmp_path / "results") == [] and len(_convergence_runs(tmp_path / "results", "trace")) == 1
+    assert _convergence_runs(tmp_path / "results") == [] and len(_convergence_runs(tmp_path / "results", "chain")) == 1
 
 
 def test_rollout_plot_reads_both_result_formats(tmp_path):

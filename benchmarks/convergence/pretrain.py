@@ -27,6 +27,7 @@ from common import versions  # noqa: E402
 
 TASKS = {  # --task: the module under benchmarks/convergence that defines it
     "addition": "arithmetic",  # multi-digit addition, answers of at most 7 characters
+    "chain": "addition_chain",  # a running sum written out term by term: completions of 140-860 words
     "trace": "program_trace",  # trace a straight-line program: completions of 160-940 words, 4k-word vocabulary
 }
 

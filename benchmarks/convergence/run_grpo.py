@@ -2,7 +2,7 @@
 
     python benchmarks/convergence/run_grpo.py --model /tmp/arith-base --setting fp8_tis     # GPU host with vLLM
     python benchmarks/convergence/run_grpo.py --model /tmp/arith-base --setting all
-    python benchmarks/convergence/run_grpo.py --task trace --model /tmp/trace-base --setting all   # long completions
+    python benchmarks/convergence/run_grpo.py --task chain --model /tmp/chain-base --setting all   # long completions
 
 Settings (all through `FP8GRPOTrainer`, vLLM colocated, so every run logs the same trainer-vs-rollout mismatch):
 
@@ -142,7 +142,7 @@ def run(args, setting: str) -> Path:
         seed=args.seed, bf16=cuda, use_cpu=not cuda, gradient_checkpointing=args.gradient_checkpointing, disable_tqdm=True,
         model_init_kwargs={"dtype": "bfloat16" if cuda else "float32"}, fp8_recipe=recipe, tis=tis,
         use_vllm=not args.no_vllm, vllm_mode="colocate", vllm_gpu_memory_utilization=args.vllm_memory,
-        rollout_precision=precision, save_fp8_checkpoint=False,
+        rollout_precision=precision, vllm_fp8_backend=args.vllm_fp8_backend, save_fp8_checkpoint=False,
     )  # fmt: skip
     evals: list[dict] = []
     sync_dir = Path(args.sync_dir) if args.sync_dir else None
@@ -231,6 +231,9 @@ def main():
                         "the first writes to --results_dir, each later seed N to <results_dir>_seedN")  # fmt: skip
     parser.add_argument("--no_vllm", action="store_true")
     parser.add_argument("--vllm_memory", type=float, default=None, help="vLLM's GPU share (0.3; 0.12 with --parallel)")
+    parser.add_argument("--vllm_fp8_backend", default="auto",
+                        help="the block-FP8 rollout kernel (`cutlass` spares a fresh host DeepGEMM's minutes of JIT "
+                        "compilation for a new model shape; same values)")  # fmt: skip
     parser.add_argument("--parallel", action="store_true", help="with --setting all: all settings at once, one GPU")
     parser.add_argument("--workdir", default="/tmp/trl_fp8_convergence")
     parser.add_argument("--results_dir", default=None, help="default results/convergence[_<task>]")
