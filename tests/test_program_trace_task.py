@@ -49,19 +49,6 @@ def test_every_written_step_is_a_copy_a_look_up_or_one_modular_operation():
         assert steps[-1] == (words[-1], "answer") and stated[words[-6]] == words[-1]
 
 
-def test_every_word_is_one_token_and_the_vocabulary_is_fp8_eligible():
-    tok = task.tokenizer()
-    prompt, completion = task.problems(1, seed=3)[0]
-    text = f"{prompt} {completion}"
-    ids = tok(text, add_special_tokens=False)["input_ids"]
-    assert len(ids) == len(text.split()) and tok.unk_token_id not in ids
-    assert tok.decode(ids) == text
-    assert task.VOCAB_SIZE % 128 == 0 and len(tok) <= task.VOCAB_SIZE and len(tok) > 4000
-    ids, labels = task.Batcher(tok)([(prompt, completion)], "cpu")
-    answer_ids = labels[labels != -100].tolist()
-    assert answer_ids[-1] == tok.eos_token_id and len(answer_ids) == len(completion.split()) + 1
-
-
 @pytest.mark.parametrize(
     "text, reward",
     [
