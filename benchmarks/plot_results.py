@@ -154,7 +154,21 @@ def _speed_rows(result: dict) -> list[dict]:
     return sorted(result["results"], key=lambda r: RUN_ORDER.index(r["name"]) if r["name"] in RUN_ORDER else 99)
 
 
-def plot_step_time(result: dict, out: Path, plt) -> Path:
+def speed_results(results: Path) -> list[tuple[str, dict]]:
+    """`(plot stem, bench_grpo result)` per regime that has a result: the 64 x 1k one (`grpo_speed_<device>.json`;
+    dated files are earlier runs) and the long one (`grpo_speed_long_<device>.json`, the report's `long` phase)."""
+    paths = sorted(results.glob("grpo_speed_*.json"))  # "<device>.json" sorts before "<device>_<date>.json"
+    regimes = {"grpo_step_time": [p for p in paths if not p.name.startswith("grpo_speed_long_")],
+               "grpo_step_time_long": [p for p in paths if p.name.startswith("grpo_speed_long_")]}  # fmt: skip
+    return [(stem, json.loads(found[0].read_text())) for stem, found in regimes.items() if found]
+
+
+def _regime(result: dict) -> str:
+    s = result["settings"]
+    return f"{s['shape']} shape, {s['generation_batch']} x {s['completion_len']} tokens"
+
+
+def plot_step_time(result: dict, out: Path, plt, stem: str = "grpo_step_time") -> Path:
     rows = _speed_rows(result)
     base = next((r["step_time"]["step_s"] for r in rows if r["name"] == "trl_bf16"), None)
     parts = ("rollout_s", "training_s", "weight_sync_s")
@@ -168,12 +182,12 @@ def plot_step_time(result: dict, out: Path, plt) -> Path:
         for i, total in enumerate(bottom):
             ax.text(i, total, f"{base / total:.2f}x", ha="center", va="bottom")
     ax.set_ylabel("seconds per GRPO step (median)")
-    ax.set_title(f"GRPO step time, {result['settings']['shape']} shape ({result['device']}, {result['date']})")
+    ax.set_title(f"GRPO step time, {_regime(result)} ({result['device']}, {result['date']})", fontsize=10)
     ax.legend(loc="lower right")
     fig.tight_layout()
-    fig.savefig(out / "grpo_step_time.png", dpi=120)
+    fig.savefig(out / f"{stem}.png", dpi=120)
     plt.close(fig)
-    return out / "grpo_step_time.png"
+    return out / f"{stem}.png"
 
 
 def linear_speedups(result: dict) -> dict[str, dict[str, float]]:
@@ -216,10 +230,10 @@ SETTING_ORDER = ("bf16", "bf16_fp8rollout", "bf16_fp8rollout_tis", "fp8", "fp8_t
 def tables(results: Path) -> str:
     """The report's tables as Markdown, from the JSON: GRPO step time and the convergence runs."""
     lines = []
-    for result in _load(results.glob("grpo_speed_*.json"))[:1]:
+    for _, result in speed_results(results):
         rows = {r["name"]: r["step_time"] for r in _speed_rows(result)}
         base = rows.get("trl_bf16")
-        lines += [f"GRPO step time, {result['settings']['shape']} shape, {result['device']} (median s per step)", "",
+        lines += [f"GRPO step time, {_regime(result)}, {result['device']} (median s per step)", "",
                   "| run | step | rollout | training | weight sync | speed-up: step / rollout / training |",
                   "|---|---|---|---|---|---|"]  # fmt: skip
         for name, t in rows.items():
@@ -246,7 +260,31 @@ def tables(results: Path) -> str:
                 f"{acc[last]:.2f} | {mean('reward', steps[-20:]):.3f} | {mean('fp8/mismatch/abs_logp_diff_mean'):.4f} | "
                 f"{mean('fp8/mismatch/kl_k3'):.1e} |"
             )  # fmt: skip
+    for task in ("chain", "trace"):
+        lines += long_task_table(_convergence_runs(results, task), task)
     return "\n".join(lines)
+
+
+def long_task_table(runs: list[dict], task: str) -> list[str]:
+    """Held-out accuracy at the start and the last evaluation, and the mismatch at the start and the end of the
+    completions (first and last position bucket, mean of all steps), per run of a long-completion task."""
+    if not runs:
+        return []
+    lines = [f"Long completions (`--task {task}`): held-out greedy accuracy (%, {runs[0]['args']['eval_problems']} "
+             "problems) and mismatch along the completion (mean abs dlogp, mean of all steps)", "",
+             "| setting | seed | step 0 | last step | accuracy there | reward, last 10 steps | positions 0-63 | last bucket |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in runs:
+        acc = {e["step"]: 100 * e["held_out_accuracy"] for e in r["held_out"]}
+        last = max(acc)
+        rewards = [s["reward"] for s in r["steps"][-10:]]
+        buckets = mismatch_by_position([r]).get(r["setting"]["name"], {})
+        first, end = (
+            f"{buckets[k]:.4f}" if buckets else "-" for k in (min(buckets, default=0), max(buckets, default=0))
+        )
+        lines.append(f"| {r['setting']['name']} | {r['args']['seed']} | {acc[0]:.2f} | {last} | {acc[last]:.2f} | "
+                     f"{sum(rewards) / max(1, len(rewards)):.3f} | {first} | {end} (from {max(buckets, default=0)}) |")  # fmt: skip
+    return [*lines, ""]
 
 
 def main(argv=None) -> list[Path]:
@@ -274,8 +312,8 @@ def main(argv=None) -> list[Path]:
             written += [p for p in [plot_mismatch_by_position(long_runs, out, plt, f"convergence_{task}")] if p]
     for result in _load(results.glob("rollout_*.json"))[:1]:
         written.append(plot_rollout(result, out, plt))
-    for result in _load(results.glob("grpo_speed_*.json"))[:1]:
-        written.append(plot_step_time(result, out, plt))
+    for stem, result in speed_results(results):
+        written.append(plot_step_time(result, out, plt, stem))
     for result in _load(results.glob("linear_*.json"))[:1]:
         written.append(plot_linear(result, out, plt))
     for path in written:

@@ -108,7 +108,7 @@ chain)  # the long-completion study: pre-train the 107M addition-chain model, th
     --max_minutes "${CHAIN_PRETRAIN_MIN:-6}" --results "$work/convergence_chain/pretrain_$device.json"
   timed chain_grpo python benchmarks/convergence/run_grpo.py --task chain --model "$work/chain-base" --setting all \
     --parallel --seeds 0 1 --steps "${CHAIN_STEPS:-60}" --max_minutes "${CHAIN_GRPO_MIN:-9}" --lr 5e-5 \
-    --batch_size 64 --micro_batch 8 --gradient_checkpointing --eval_every 10 --eval_problems 256 --vllm_memory 0.05 \
+    --batch_size 64 --micro_batch 8 --gradient_checkpointing --eval_every 20 --eval_problems 256 --vllm_memory 0.05 \
     --vllm_fp8_backend cutlass --results_dir "$work/convergence_chain" --workdir "$work/chain_grpo"  # seed 1: *_seed1
   ;;
 multi)  # a 4B shape with stock fused AdamW: one step fits one GPU beside its engine, so 1 and 2 GPUs compare

@@ -210,3 +210,39 @@ def test_parallel_runs_stop_level_at_the_deadline(tmp_path):
     assert ahead.reached(7) and ahead.stopped_at == 7
     assert lagging.reached(2) and lagging.stopped_at == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["stop"]  # the per-process temporary link source is gone
+
+
+def test_speed_regimes_and_long_task_runs_get_their_own_tables_and_plots(tmp_path):
+    """`grpo_speed_<device>.json` (64 x 1k) and `grpo_speed_long_<device>.json` each get a table and a plot (a dated
+    file is an earlier run, left out); a long-completion task's runs get the accuracy-and-mismatch table."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from plot_results import main as plot_results
+    from plot_results import speed_results, tables
+
+    def speed(completion_len, step_s):
+        rows = [{"name": name, "step_time": {"step_s": t, "rollout_s": t / 2, "training_s": t / 2, "weight_sync_s": 0.0}}
+                for name, t in (("trl_bf16", step_s), ("unified", step_s / 2))]  # fmt: skip
+        settings = {"shape": "1.7b", "generation_batch": 128, "completion_len": completion_len}
+        return json.dumps({"settings": settings, "results": rows, "device": "cpu", "date": "today"})
+
+    (tmp_path / "grpo_speed_cpu.json").write_text(speed(1024, 10.0))
+    (tmp_path / "grpo_speed_cpu_2026-01-01.json").write_text(speed(1024, 99.0))
+    (tmp_path / "grpo_speed_long_cpu.json").write_text(speed(4096, 40.0))
+    assert [stem for stem, _ in speed_results(tmp_path)] == ["grpo_step_time", "grpo_step_time_long"]
+    chain = tmp_path / "convergence_chain"
+    chain.mkdir()
+    steps = [{"step": 1, "reward": 0.25, "fp8/mismatch/pos_0_63/abs_logp_diff_mean": 0.001,
+              "fp8/mismatch/pos_512_1023/abs_logp_diff_mean": 0.004}]  # fmt: skip
+    run = {"setting": {"name": "fp8"}, "args": {"seed": 0, "task": "chain", "eval_problems": 256}, "steps": steps,
+           "held_out": [{"step": 0, "held_out_accuracy": 0.3}, {"step": 1, "held_out_accuracy": 0.35}],
+           "device": "cpu"}  # fmt: skip
+    (chain / "grpo_fp8_cpu.json").write_text(json.dumps(run))
+    text = tables(tmp_path)
+    assert "1.7b shape, 128 x 1024 tokens" in text and "1.7b shape, 128 x 4096 tokens" in text
+    assert "| unified | 5.00 |" in text and "| unified | 20.00 |" in text and "99.00" not in text
+    assert "| fp8 | 0 | 30.00 | 1 | 35.00 | 0.250 | 0.0010 | 0.0040 (from 512) |" in text
+    names = {p.name for p in plot_results(["--results", str(tmp_path), "--out", str(tmp_path / "plots")])}
+    assert {"grpo_step_time.png", "grpo_step_time_long.png", "convergence_chain_mismatch_by_position.png"} <= names

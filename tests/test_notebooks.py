@@ -2,6 +2,7 @@
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import nbformat
@@ -43,14 +44,21 @@ def test_results_notebook_redraws_the_committed_results(tmp_path):
     )
     assert "vllm_fp8" in outputs and "rollout_NVIDIA_H200.json" in outputs
     # The step-time and accuracy tables carry the numbers of the committed JSON, every run and seed.
-    speed = json.loads(next((ROOT / "benchmarks" / "results").glob("grpo_speed_*.json")).read_text())
-    for row in speed["results"]:
-        assert f"| {row['name']} | {row['step_time']['step_s']:.2f} |" in outputs
-    runs = list((ROOT / "benchmarks" / "results").glob("convergence*/grpo_*.json"))
+    results = ROOT / "benchmarks" / "results"
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from plot_results import _convergence_runs, speed_results
+
+    for _, speed in speed_results(results):  # each regime: 64 x 1k, and the long one once it has run
+        for row in speed["results"]:
+            assert f"| {row['name']} | {row['step_time']['step_s']:.2f} |" in outputs
+    runs = list(results.glob("convergence*/grpo_*.json"))
     for run in map(json.loads, (p.read_text() for p in runs)):
         final = 100 * run["held_out"][-1]["held_out_accuracy"]
         assert f"| {run['setting']['name']} | {run['args']['seed']} |" in outputs and f"{final:.2f}" in outputs
     images = [o for cell in nb.cells for o in cell.get("outputs", []) if "image/png" in o.get("data", {})]
-    assert len(images) == 6, (
-        "expected the three convergence plots, rollout throughput, GRPO step time, linear speed-up"
+    long_tasks = [task for task in ("chain", "trace") if _convergence_runs(results, task)]
+    expected = 3 + 1 + len(speed_results(results)) + 1 + 4 * len(long_tasks)
+    assert len(images) == expected, (
+        "expected the three convergence plots, rollout throughput, GRPO step time per regime, linear speed-up, and "
+        "per long-completion task its three curves and the mismatch along the completion"
     )
