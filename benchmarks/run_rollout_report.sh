@@ -93,13 +93,13 @@ grpo)
 long)  # the long regime: 128 completions of 4096 tokens per step on the Qwen3-1.7B shape: a step of roughly a minute
   # (0.5M tokens to generate and to train on), so four runs of three steps (one timed, one profiled) fit a lease.
   # The first FP8 engine compiles DeepGEMM's kernels for these shapes cold (minutes, before any timed step; the 107M
-  # chain model's took 4.4 min); `pack` afterwards keeps them for the next host.
+  # trace model's took 4.4 min); `pack` afterwards keeps them for the next host.
   # shellcheck disable=SC2086
   MASTER_PORT=29630 timed grpo_long python benchmarks/bench_grpo.py --shape 1.7b \
     --runs ${LONG_RUNS:-trl_bf16 fp8_rollout unified unified_fp8kv} --completion_len 4096 --generation_batch 128 \
     --micro_batch 4 --vllm_memory 0.55 --steps 3 --warmup 1 --profile_step 2 --out "$work/grpo_speed_long_$device.json"
   ;;
-chain)  # the long-completion study: pre-train the 107M addition-chain model, then GRPO in the five settings x 2 seeds
+chain)  # the long-completion study: pre-train the 101M addition-chain model, then GRPO in the five settings x 2 seeds
   # at once, each part bounded in time so the whole fits one lease (~25 min); results are written after every
   # evaluation. Batch 64: 128 rows of ~1k words ran out of the H200's memory. Cutlass rollouts: DeepGEMM's cold JIT
   # compile of a new shape's kernels took 4.4 min per engine start-up here, and start-ups take turns.

@@ -47,7 +47,7 @@ SIZES = {  # hidden, layers, heads (head_dim 128), kv heads, intermediate
     "base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=6, num_key_value_heads=2,
                  intermediate_size=2048),  # 76M parameters
     "medium": dict(hidden_size=768, num_hidden_layers=16, num_attention_heads=6, num_key_value_heads=2,
-                   intermediate_size=2048),  # 107M with the trace task's 4k vocabulary: the long-completion study
+                   intermediate_size=2048),  # 101M with the chain task's vocabulary, 107M with the trace task's 4k
     "large": dict(hidden_size=1024, num_hidden_layers=16, num_attention_heads=8, num_key_value_heads=2,
                   intermediate_size=3072),  # 201M with the trace task's 4k vocabulary
     "small": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
