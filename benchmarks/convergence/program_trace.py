@@ -119,7 +119,7 @@ def evaluate(prompt: str, modulus: int = MODULUS) -> list[tuple[str, list[str], 
         value = values[expr[0]] if expr[0] in values else int(expr[0])
         if len(expr) == 3:
             other = values[expr[2]] if expr[2] in values else int(expr[2])
-            value = (value + other) % modulus if expr[1] == "+" else (value - other) % modulus
+            value = _apply(value, expr[1], other, modulus)
         values[name] = value
         lines.append((name, expr, value))
     return lines
