@@ -275,8 +275,9 @@ def run_one(args) -> None:
         "fp8_kv_cache": fp8_kv,
         "fp8_backend": gemm_backend,
         "fp8_cache_weights": cache_weights,
-        "step_time": step_medians(per_step_s, keep),  # over the file's settings.median_steps
+        "step_time": step_medians(per_step_s, keep),  # over measured.median_steps
         "per_step": per_step_s,
+        "measured": measurement(args),
         "peak_memory_gib": max(peaks.values()) / 2**30,
         "peak_memory_by_phase_gib": {phase: b / 2**30 for phase, b in peaks.items()},
         "fp8_weight_cache_gib": fp8_weight_cache_bytes(trainer.model) / 2**30,
@@ -313,12 +314,25 @@ def step_medians(per_step: dict[str, list[float]], keep: list[int]) -> dict[str,
     }
 
 
+# What a run measures, shared by the rows of one results file (`--append` refuses a file of another regime) ...
+REGIME = ("shape", "optim", "generation_batch", "micro_batch", "num_generations", "prompt_len", "completion_len",
+          "vllm_memory", "num_processes", "launch_config")  # fmt: skip
+
+
+def measurement(args) -> dict:
+    """... and how a row was measured, kept per row: rows appended by separate calls may have timed other steps."""
+    return {"steps": args.steps, "warmup": args.warmup, "profile_step": args.profile_step,
+            "median_steps": median_steps(args.steps, args.warmup, args.profile_step),
+            "deep_gemm_warmup": os.environ.get("VLLM_DEEP_GEMM_WARMUP", "full")}  # fmt: skip
+
+
 def resummarize(path: Path, keep: list[int]) -> None:
     """Recompute a results file's medians from its per-step times over the steps `keep` (for a run whose
     profiled step was not the last: its medians took in the steps the profiler disturbed)."""
     result = json.loads(path.read_text())
     for row in result["results"]:
         row["step_time"] = step_medians(row["per_step"], keep)
+        row.setdefault("measured", {})["median_steps"] = keep
     result["settings"]["median_steps"] = keep
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"rewrote the medians of {path} over steps {keep}")
@@ -385,10 +399,7 @@ def main():
     device = torch.cuda.get_device_name()
     gpus = f"_{args.num_processes}x{args.launch_config}" if args.num_processes > 1 else ""
     out = Path(args.out or ROOT / "benchmarks" / "results" / f"grpo_speed_{device.replace(' ', '_')}{gpus}.json")
-    settings = {k: getattr(args, k) for k in ("shape", "optim", "steps", "warmup", "generation_batch", "micro_batch",
-                                              "num_generations", "prompt_len", "completion_len", "vllm_memory",
-                                              "num_processes", "launch_config", "profile_step")}  # fmt: skip
-    settings["median_steps"] = median_steps(args.steps, args.warmup, args.profile_step)
+    settings = {k: getattr(args, k) for k in REGIME} | measurement(args)
     result = {
         "benchmark": "GRPO step time, vLLM colocated",
         "device": device,
@@ -398,7 +409,7 @@ def main():
         "results": [],
     }
     if args.append:
-        result["results"] = previous_rows(out, result, ("settings",), "name", args.runs)
+        result["results"] = previous_rows(out, result, tuple(f"settings.{k}" for k in REGIME), "name", args.runs)
     port = int(os.environ.get("MASTER_PORT", "29610"))
     failed = run_all(__file__, "--run", args.runs, sys.argv[1:], result, out, "name", list(RUNS),
                      launcher(args.num_processes, args.launch_config, port))  # fmt: skip

@@ -45,12 +45,22 @@ def run_child(
 
 
 def previous_rows(out: Path, result: dict, same: tuple[str, ...], id_key: str, rerun: list[str]) -> list[dict]:
-    """Rows of an earlier results file to keep under `--append`: same device and `same` settings, not re-run now."""
+    """Rows of an earlier results file to keep under `--append`, those not re-run now. The file must hold the same
+    device and `same` keys (dotted for nested ones, "settings.shape"): rows of another regime are refused, not
+    dropped, so that no measured row is lost by overwriting the file."""
     if not out.exists():
         return []
     previous = json.loads(out.read_text())
-    if any(previous.get(key) != result[key] for key in ("device", *same)):
-        return []
+
+    def get(d: dict, key: str):
+        for part in key.split("."):
+            d = d.get(part) if isinstance(d, dict) else None
+        return d
+
+    differ = [f"{key}: {get(previous, key)!r} there, {get(result, key)!r} now"
+              for key in ("device", *same) if get(previous, key) != get(result, key)]  # fmt: skip
+    if differ:
+        raise SystemExit(f"--append: {out} was measured otherwise ({'; '.join(differ)}); write to another --out")
     return [row for row in previous["results"] if row[id_key] not in rerun]
 
 

@@ -14,6 +14,7 @@
 #   bash benchmarks/run_rollout_report.sh grpo      # bench_grpo ($GRPO_RUNS), TRL BF16 vs unified FP8, profiled
 #   bash benchmarks/run_rollout_report.sh long      # bench_grpo's long regime ($LONG_RUNS): 128 x 4096 tokens, 1.7B
 #   bash benchmarks/run_rollout_report.sh chain     # pre-train the long-completion model, GRPO x 5 settings x 2 seeds
+#                                                   (one GPU or two: a seed per GPU)
 #   bash benchmarks/run_rollout_report.sh multi     # two GPUs: tests/gpu/test_multi_gpu.py, GRPO on 1 GPU vs 2 (FSDP2)
 #
 # `grpo` trains with bitsandbytes' 8-bit AdamW (an 8B step beside its engine fits one GPU so), which the GPU kit lacks:
@@ -90,26 +91,38 @@ grpo)
     --runs ${GRPO_RUNS:-trl_bf16 unified unified_deepgemm unified_nocache} --steps 6 --warmup 1 --profile_step 5 \
     --out "$work/grpo_speed_$device.json"
   ;;
-long)  # the long regime: 128 completions of 4096 tokens per step on the Qwen3-1.7B shape: a step of roughly a minute
-  # (0.5M tokens to generate and to train on), so four runs of three steps (one timed, one profiled) fit a lease.
-  # The first FP8 engine compiles DeepGEMM's kernels for these shapes cold (minutes, before any timed step; the 107M
-  # trace model's took 4.4 min); `pack` afterwards keeps them for the next host.
-  # shellcheck disable=SC2086
-  MASTER_PORT=29630 timed grpo_long python benchmarks/bench_grpo.py --shape 1.7b \
-    --runs ${LONG_RUNS:-trl_bf16 fp8_rollout unified unified_fp8kv} --completion_len 4096 --generation_batch 128 \
-    --micro_batch 4 --vllm_memory 0.55 --steps 3 --warmup 1 --profile_step 2 --out "$work/grpo_speed_long_$device.json"
+long)  # the long regime: 128 completions of 4096 tokens per step on the Qwen3-1.7B shape: a step of 80-90 s on an H200
+  # (0.5M tokens to generate and to train on). LONG_STEPS=3 (default) times step 1 and profiles step 2's training;
+  # LONG_STEPS=2 times step 1 alone (a run then takes ~4.5 min with its start-up). DeepGEMM's warm-up is skipped
+  # (VLLM_DEEP_GEMM_WARMUP=skip, recorded per row): the 'full' one compiled cold for 4.4 min per fresh host, while with
+  # 'skip' the untimed step 0 of unified took as long as step 1 (79.7 s, 79.6 s). Rows append: runs of separate
+  # calls (another lease) share the file, each row saying how it was measured.
+  steps=${LONG_STEPS:-3} long_out="$work/grpo_speed_long_$device.json"
+  [ -f "$long_out" ] || cp "benchmarks/results/$(basename "$long_out")" "$long_out" 2>/dev/null  # the committed rows
+  # shellcheck disable=SC2046,SC2086
+  VLLM_DEEP_GEMM_WARMUP=${VLLM_DEEP_GEMM_WARMUP:-skip} MASTER_PORT=29630 timed grpo_long python benchmarks/bench_grpo.py \
+    --shape 1.7b --runs ${LONG_RUNS:-trl_bf16 fp8_rollout unified unified_fp8kv} --completion_len 4096 \
+    --generation_batch 128 --micro_batch 4 --vllm_memory 0.55 --steps "$steps" --warmup 1 \
+    $([ "$steps" -ge 3 ] && echo --profile_step 2) --append --out "$long_out"
   ;;
 chain)  # the long-completion study: pre-train the 101M addition-chain model, then GRPO in the five settings x 2 seeds
-  # at once, each part bounded in time so the whole fits one lease (~25 min); results are written after every
+  # at once, each part bounded in time so the whole fits one lease (~28 min); results are written after every
   # evaluation. Batch 64: 128 rows of ~1k words ran out of the H200's memory. Cutlass rollouts: DeepGEMM's cold JIT
-  # compile of a new shape's kernels took 4.4 min per engine start-up here, and start-ups take turns.
+  # compile of a new shape's kernels took 4.4 min per engine start-up here, and start-ups take turns (~50 s each on
+  # one GPU). On two GPUs each seed gets one (five runs per GPU, start-ups in two queues), so GRPO gets more minutes.
+  # Greedy evaluation in batches of 64 (one GPU) or 128 (two): ten runs evaluating 256 problems at once ran an H200
+  # out of memory.
+  gpus=$(python -c "import torch; print(' '.join(map(str, range(min(2, torch.cuda.device_count())))))")
+  [ "$gpus" = "0" ] && chain_min=8 eval_batch=64 || chain_min=13 eval_batch=128
   timed chain_pretrain python benchmarks/convergence/pretrain.py --task chain --size medium --out "$work/chain-base" \
     --batch_size 64 --eval_every 50 --eval_problems 128 --target_accuracy "${CHAIN_TARGET:-0.3}" \
     --max_minutes "${CHAIN_PRETRAIN_MIN:-6}" --results "$work/convergence_chain/pretrain_$device.json"
+  # shellcheck disable=SC2086
   timed chain_grpo python benchmarks/convergence/run_grpo.py --task chain --model "$work/chain-base" --setting all \
-    --parallel --seeds 0 1 --steps "${CHAIN_STEPS:-60}" --max_minutes "${CHAIN_GRPO_MIN:-9}" --lr 5e-5 \
-    --batch_size 64 --micro_batch 8 --gradient_checkpointing --eval_every 20 --eval_problems 256 --vllm_memory 0.05 \
-    --vllm_fp8_backend cutlass --results_dir "$work/convergence_chain" --workdir "$work/chain_grpo"  # seed 1: *_seed1
+    --parallel --seeds 0 1 --gpus $gpus --steps "${CHAIN_STEPS:-100}" --max_minutes "${CHAIN_GRPO_MIN:-$chain_min}" \
+    --lr 5e-5 --batch_size 64 --micro_batch 8 --gradient_checkpointing --eval_every 20 --eval_problems 128 \
+    --eval_batch "$eval_batch" --vllm_memory 0.05 --vllm_fp8_backend cutlass --results_dir "$work/convergence_chain" \
+    --workdir "$work/chain_grpo"  # seed 1: *_seed1
   ;;
 multi)  # a 4B shape with stock fused AdamW: one step fits one GPU beside its engine, so 1 and 2 GPUs compare
   gpu_tests multi_gpu_tests tests/gpu/test_multi_gpu.py

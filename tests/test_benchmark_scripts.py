@@ -158,6 +158,24 @@ def test_grpo_medians_leave_out_the_profiled_step_and_after(tmp_path):
     assert category("nvjet_sm90_tst_192x192_64x4_2x1_v_bz_coopB_TNN") == "gemm, bf16"
 
 
+def test_append_keeps_rows_of_the_same_regime_and_refuses_another(tmp_path):
+    """`--append` keeps the earlier rows that are not re-run when device and regime match (rows measured over other
+    steps included); a file of another regime is refused by name, never overwritten with its rows dropped."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from common import previous_rows
+
+    out = tmp_path / "grpo.json"
+    rows = [{"name": "trl_bf16", "measured": {"steps": 3}}, {"name": "unified", "measured": {"steps": 3}}]
+    out.write_text(json.dumps({"device": "H200", "settings": {"shape": "1.7b", "steps": 3}, "results": rows}))
+    now = {"device": "H200", "settings": {"shape": "1.7b", "steps": 2}}
+    assert previous_rows(out, now, ("settings.shape",), "name", ["unified"]) == rows[:1]
+    with pytest.raises(SystemExit, match=r"settings.shape: '1.7b' there, '8b' now.*another --out"):
+        previous_rows(out, {**now, "settings": {"shape": "8b"}}, ("settings.shape",), "name", ["unified"])
+    with pytest.raises(SystemExit, match="device: 'H200' there, 'H100' now"):
+        previous_rows(out, {**now, "device": "H100"}, ("settings.shape",), "name", ["unified"])
+    assert json.loads(out.read_text())["results"] == rows  # refused: the file is as it was
+
+
 def test_mismatch_by_position_averages_each_bucket_over_steps_and_seeds(tmp_path):
     """The long-completion report's plot: per setting, the mean of each position bucket's logged mismatch."""
     import matplotlib
@@ -189,6 +207,37 @@ def test_parallel_runs_get_their_own_seed_and_results_folder():
     argv = ["--task", "trace", "--seeds", "0", "1", "--results_dir", "/r", "--seed", "3", "--steps", "5"]
     assert strip_option(strip_option(strip_option(argv, "--seeds"), "--seed"), "--results_dir") == [
         "--task", "trace", "--steps", "5"]  # fmt: skip
+
+
+def test_every_setting_builds_its_config_with_a_rollout_kernel_named(monkeypatch, tmp_path):
+    """`--vllm_fp8_backend cutlass` reaches only the settings with our block-FP8 rollouts: the BF16 and vLLM-online
+    settings refuse a kernel choice, and a GPU lease once lost its first launch to that refusal."""
+    import argparse
+
+    import trl_fp8.config
+
+    sys.path.insert(0, str(ROOT / "benchmarks" / "convergence"))
+    from pretrain import load_task
+    from run_grpo import SETTINGS, grpo_config
+
+    monkeypatch.setattr(trl_fp8.config, "check_vllm_version", lambda: "0.26.0")  # no vLLM on the CPU host
+    args = argparse.Namespace(workdir=str(tmp_path), seed=0, steps=4, lr=1e-5, batch_size=64, micro_batch=8,
+                              num_generations=8, gradient_checkpointing=True, no_vllm=False, vllm_memory=0.05,
+                              vllm_fp8_backend="cutlass")  # fmt: skip
+    configs = {s: grpo_config(args, s, load_task("chain"), cuda=False) for s in SETTINGS}
+    assert {s: c.vllm_fp8_backend for s, c in configs.items()} == {
+        "bf16": "auto", "bf16_fp8rollout": "auto", "bf16_fp8rollout_tis": "auto", "fp8": "cutlass",
+        "fp8_tis": "cutlass"}  # fmt: skip
+    assert {c.gradient_accumulation_steps for c in configs.values()} == {8}
+
+
+def test_parallel_seeds_spread_over_gpus_one_seed_per_gpu():
+    sys.path.insert(0, str(ROOT / "benchmarks" / "convergence"))
+    from run_grpo import gpu_of_seed
+
+    assert gpu_of_seed([0, 1], [0, 1]) == {0: "0", 1: "1"}
+    assert gpu_of_seed([0, 1, 2], [3]) == {0: "3", 1: "3", 2: "3"}
+    assert gpu_of_seed([0, 1], None) == {0: None, 1: None}
 
 
 def test_parallel_runs_stop_level_at_the_deadline(tmp_path):

@@ -21,7 +21,7 @@ one reached at the deadline, and evaluate there. `--no_vllm` runs without vLLM (
 `--setting all --parallel` runs the five settings at once on one GPU (the model is small, a run alone leaves the GPU
 mostly idle): they build their trainers and vLLM engines one at a time, then train together. Results are the same
 kind; the logged step times are then not a speed measure. `--seeds 0 1` with it runs every setting for both seeds
-at once (ten runs).
+at once (ten runs); `--gpus 0 1` then puts each seed's five runs on a GPU of its own.
 """
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ def start_turn(sync_dir: Path | None):
     if sync_dir is None:
         yield
         return
-    with open(sync_dir / "lock", "w") as lock:
+    # one turn per GPU: runs on another GPU (`--gpus`) do not skew this one's profiling
+    with open(sync_dir / f"lock.gpu{os.environ.get('CUDA_VISIBLE_DEVICES', '')}", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             yield
@@ -120,30 +121,42 @@ class Deadline:
         return stop
 
 
+def grpo_config(args, setting: str, task, cuda: bool):
+    """The `FP8GRPOConfig` of one setting: every setting runs the same GRPO, only precision and correction differ."""
+    from trl_fp8 import FP8GRPOConfig
+
+    recipe, precision, tis = SETTINGS[setting]
+    micro_batch = args.micro_batch or args.batch_size
+    if args.batch_size % micro_batch:
+        raise SystemExit(f"--batch_size {args.batch_size} must be a multiple of --micro_batch {micro_batch}")
+    return FP8GRPOConfig(
+        output_dir=str(Path(args.workdir) / f"{setting}_seed{args.seed}"), max_steps=args.steps, learning_rate=args.lr,
+        lr_scheduler_type="constant", per_device_train_batch_size=micro_batch, num_generations=args.num_generations,
+        gradient_accumulation_steps=args.batch_size // micro_batch,
+        max_completion_length=task.max_completion_length(), temperature=1.0, beta=0.0, logging_steps=1,
+        save_strategy="no", report_to="none", seed=args.seed, bf16=cuda, use_cpu=not cuda,
+        gradient_checkpointing=args.gradient_checkpointing, disable_tqdm=True,
+        model_init_kwargs={"dtype": "bfloat16" if cuda else "float32"}, fp8_recipe=recipe, tis=tis,
+        use_vllm=not args.no_vllm, vllm_mode="colocate", vllm_gpu_memory_utilization=args.vllm_memory,
+        rollout_precision=precision, save_fp8_checkpoint=False,
+        # the kernel choice is for our block-FP8 rollouts only (BF16 and vLLM's online FP8 refuse it)
+        vllm_fp8_backend=args.vllm_fp8_backend if precision == "fp8" else "auto",
+    )  # fmt: skip
+
+
 def run(args, setting: str) -> Path:
     import torch
     from transformers import AutoTokenizer, TrainerCallback
 
-    from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer
+    from trl_fp8 import FP8GRPOTrainer
 
+    launched = time.time()
     recipe, precision, tis = SETTINGS[setting]
     task = load_task(args.task)
-    micro_batch = args.micro_batch or args.batch_size
-    if args.batch_size % micro_batch:
-        raise SystemExit(f"--batch_size {args.batch_size} must be a multiple of --micro_batch {micro_batch}")
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     held_out = task.problems(args.eval_problems, seed=20_000)
     cuda = torch.cuda.is_available()
-    config = FP8GRPOConfig(
-        output_dir=str(Path(args.workdir) / f"{setting}_seed{args.seed}"), max_steps=args.steps, learning_rate=args.lr,
-        lr_scheduler_type="constant", per_device_train_batch_size=micro_batch, num_generations=args.num_generations,
-        gradient_accumulation_steps=args.batch_size // micro_batch,
-        max_completion_length=task.max_completion_length(), temperature=1.0, beta=0.0, logging_steps=1, save_strategy="no", report_to="none",
-        seed=args.seed, bf16=cuda, use_cpu=not cuda, gradient_checkpointing=args.gradient_checkpointing, disable_tqdm=True,
-        model_init_kwargs={"dtype": "bfloat16" if cuda else "float32"}, fp8_recipe=recipe, tis=tis,
-        use_vllm=not args.no_vllm, vllm_mode="colocate", vllm_gpu_memory_utilization=args.vllm_memory,
-        rollout_precision=precision, vllm_fp8_backend=args.vllm_fp8_backend, save_fp8_checkpoint=False,
-    )  # fmt: skip
+    config = grpo_config(args, setting, task, cuda)
     evals: list[dict] = []
     sync_dir = Path(args.sync_dir) if args.sync_dir else None
     deadline = Deadline(args.max_minutes, sync_dir)
@@ -151,7 +164,9 @@ def run(args, setting: str) -> Path:
     out = Path(args.results_dir) / f"grpo_{setting}_{device.replace(' ', '_')}.json"
 
     def held_out_accuracy(model, step: int) -> None:
-        evals.append({"step": step, "held_out_accuracy": task.greedy_accuracy(model, tokenizer, held_out)})
+        batch = {"batch_size": args.eval_batch} if args.eval_batch else {}  # else the task's own default
+        accuracy = task.greedy_accuracy(model, tokenizer, held_out, **batch)
+        evals.append({"step": step, "held_out_accuracy": accuracy})
         print(json.dumps({"setting": setting, **evals[-1]}), flush=True)
 
     def write(trainer) -> None:
@@ -194,11 +209,15 @@ def run(args, setting: str) -> Path:
                 write(trainer)  # after every evaluation: a run cut off (a lease running out) keeps what it measured
 
     with start_turn(sync_dir):
+        turn = time.time()
         trainer = FP8GRPOTrainer(
             args.model, task.exact_answer_reward, config,
             train_dataset=task.grpo_dataset(args.steps * args.batch_size, seed=1), processing_class=tokenizer,
             callbacks=[HeldOut()],
         )  # fmt: skip
+    # where a start-up's minutes go: waiting for the turn, or building the trainer and its engine
+    print(json.dumps({"setting": setting, "waited_for_turn_s": round(turn - launched, 1),
+                      "built_trainer_s": round(time.time() - turn, 1)}), flush=True)  # fmt: skip
     wait_for_all(sync_dir, args.sync_name or setting, args.sync_count)
     held_out_accuracy(trainer.model, 0)  # outside the start-up turn: parallel runs evaluate at once
     trainer.train()
@@ -219,6 +238,9 @@ def main():
     parser.add_argument("--lr", type=float, default=2e-5)
     parser.add_argument("--eval_every", type=int, default=10)
     parser.add_argument("--eval_problems", type=int, default=2048)
+    parser.add_argument("--eval_batch", type=int, default=None,
+                        help="problems per greedy-decoding batch (the task's default; its KV cache grows with it: "
+                        "keep it small for many parallel runs)")  # fmt: skip
     parser.add_argument(
         "--max_minutes",
         type=float,
@@ -234,7 +256,16 @@ def main():
     parser.add_argument("--vllm_fp8_backend", default="auto",
                         help="the block-FP8 rollout kernel (`cutlass` spares a fresh host DeepGEMM's minutes of JIT "
                         "compilation for a new model shape; same values)")  # fmt: skip
-    parser.add_argument("--parallel", action="store_true", help="with --setting all: all settings at once, one GPU")
+    parser.add_argument(
+        "--parallel", action="store_true", help="with --setting all: all settings at once (one GPU, or --gpus)"
+    )
+    parser.add_argument(
+        "--gpus",
+        type=int,
+        nargs="+",
+        default=None,
+        help="with --parallel: spread the seeds over these GPUs (seed i on gpus[i % n])",
+    )
     parser.add_argument("--workdir", default="/tmp/trl_fp8_convergence")
     parser.add_argument("--results_dir", default=None, help="default results/convergence[_<task>]")
     parser.add_argument("--sync_dir", default=None, help=argparse.SUPPRESS)
@@ -255,8 +286,8 @@ def main():
     if not args.parallel:
         failed = [s for s in SETTINGS if subprocess.run([sys.executable, __file__, *argv, "--setting", s]).returncode]
     else:
-        failed = run_parallel(strip_option(argv, "--seeds"), Path(args.workdir), args.seeds or [args.seed],
-                              args.results_dir)  # fmt: skip
+        failed = run_parallel(strip_option(strip_option(argv, "--seeds"), "--gpus"), Path(args.workdir),
+                              args.seeds or [args.seed], args.results_dir, args.gpus)  # fmt: skip
     if failed:
         raise SystemExit(f"failed settings: {failed}")
 
@@ -275,9 +306,17 @@ def strip_option(argv: list[str], option: str) -> list[str]:
     return out
 
 
-def run_parallel(argv: list[str], workdir: Path, seeds: list[int], results_dir: str) -> list[str]:
+def gpu_of_seed(seeds: list[int], gpus: list[int] | None) -> dict[int, str | None]:
+    """Seed -> the CUDA_VISIBLE_DEVICES of its runs: the i-th seed on `gpus[i % n]`, all five settings of a seed on
+    one GPU (so a seed's settings compare on one device); None leaves the device as it is."""
+    return {seed: None if not gpus else str(gpus[i % len(gpus)]) for i, seed in enumerate(seeds)}
+
+
+def run_parallel(
+    argv: list[str], workdir: Path, seeds: list[int], results_dir: str, gpus: list[int] | None = None
+) -> list[str]:
     """Every setting for every seed at once, each logging to `<workdir>/<setting>_seed<n>.log`; returns the runs that
-    failed. They start one at a time (`start_turn`) and train together (`wait_for_all`)."""
+    failed. They start one at a time per GPU (`start_turn`) and train together (`wait_for_all`)."""
     sync_dir = workdir / "parallel_sync"
     shutil.rmtree(sync_dir, ignore_errors=True)
     sync_dir.mkdir(parents=True)
@@ -293,7 +332,9 @@ def run_parallel(argv: list[str], workdir: Path, seeds: list[int], results_dir: 
                "--setting", setting, "--seed", str(seed), "--results_dir", results, "--sync_dir", str(sync_dir),
                "--sync_count", str(len(runs)), "--sync_name", name]  # fmt: skip
         log = open(workdir / f"{name}.log", "w")  # noqa: SIM115 (closed with the process)
-        procs[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log)
+        gpu = gpu_of_seed(seeds, gpus)[seed]
+        run_env = env if gpu is None else env | {"CUDA_VISIBLE_DEVICES": gpu}
+        procs[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=run_env), log)
     print(f"started {list(procs)}; logs in {workdir}/<setting>_seed<n>.log", flush=True)
     failed = []
     while procs:
