@@ -106,20 +106,25 @@ long)  # the long regime: 128 completions of 4096 tokens per step on the Qwen3-1
     $([ "$steps" -ge 3 ] && echo --profile_step 2) --append --out "$long_out"
   ;;
 chain)  # the long-completion study: pre-train the 101M addition-chain model, then GRPO in the five settings x 2 seeds
-  # at once, each part bounded in time so the whole fits one lease (~28 min); results are written after every
+  # at once, each part bounded in time so the whole fits one lease (25 min); results are written after every
   # evaluation. Batch 64: 128 rows of ~1k words ran out of the H200's memory. Cutlass rollouts: DeepGEMM's cold JIT
   # compile of a new shape's kernels took 4.4 min per engine start-up here, and start-ups take turns (~50 s each on
   # one GPU). On two GPUs each seed gets one (five runs per GPU, start-ups in two queues), so GRPO gets more minutes.
   # Greedy evaluation in batches of 64 (one GPU) or 128 (two): ten runs evaluating 256 problems at once ran an H200
   # out of memory.
+  # Training ends by a wall-clock time: CHAIN_PHASE_MIN (default 25) after the phase began, less 2.5 min for the
+  # final evaluation, however long pre-training and the start-ups took (the 2026-11-23 lease ran out mid-start-up).
+  # Pre-training stops at its first evaluation >= CHAIN_TARGET: the 2026-11-23 model jumped from 7% to 47.7% between
+  # steps 500 and 550 (5.5 -> 6 min), so its time limit leaves room for a later jump.
+  phase_end=$(($(date +%s) + ${CHAIN_PHASE_MIN:-25} * 60 - 150))
   gpus=$(python -c "import torch; print(' '.join(map(str, range(min(2, torch.cuda.device_count())))))")
-  [ "$gpus" = "0" ] && chain_min=8 eval_batch=64 || chain_min=13 eval_batch=128
+  [ "$gpus" = "0" ] && eval_batch=64 || eval_batch=128
   timed chain_pretrain python benchmarks/convergence/pretrain.py --task chain --size medium --out "$work/chain-base" \
     --batch_size 64 --eval_every 50 --eval_problems 128 --target_accuracy "${CHAIN_TARGET:-0.3}" \
-    --max_minutes "${CHAIN_PRETRAIN_MIN:-6}" --results "$work/convergence_chain/pretrain_$device.json"
+    --max_minutes "${CHAIN_PRETRAIN_MIN:-7.5}" --results "$work/convergence_chain/pretrain_$device.json"
   # shellcheck disable=SC2086
   timed chain_grpo python benchmarks/convergence/run_grpo.py --task chain --model "$work/chain-base" --setting all \
-    --parallel --seeds 0 1 --gpus $gpus --steps "${CHAIN_STEPS:-100}" --max_minutes "${CHAIN_GRPO_MIN:-$chain_min}" \
+    --parallel --seeds 0 1 --gpus $gpus --steps "${CHAIN_STEPS:-100}" --stop_at "$phase_end" \
     --lr 5e-5 --batch_size 64 --micro_batch 8 --gradient_checkpointing --eval_every 20 --eval_problems 128 \
     --eval_batch "$eval_batch" --vllm_memory 0.05 --vllm_fp8_backend cutlass --results_dir "$work/convergence_chain" \
     --workdir "$work/chain_grpo"  # seed 1: *_seed1

@@ -4,6 +4,7 @@ full size; see benchmarks/README.md)."""
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -248,11 +249,17 @@ def test_parallel_runs_stop_level_at_the_deadline(tmp_path):
 
     first, behind, ahead, lagging = (Deadline(1e-6, tmp_path, grace_s=g) for g in (60, 60, 60, 0))
     assert not Deadline(None, tmp_path).reached(100)  # no --max_minutes: never
+    past, later = Deadline(None, None, stop_at=time.time() - 1), Deadline(60, None, stop_at=time.time() - 1)
+    for d in (past, later):  # --stop_at alone, or sooner than --max_minutes: it ends training
+        d.start()
+        assert d.reached(3) and d.stopped_at == 3
+    sooner = Deadline(1e-6, None, stop_at=time.time() + 3600)
+    sooner.start()
+    time.sleep(0.01)
+    assert sooner.reached(1)  # --max_minutes sooner than --stop_at
     for deadline in (first, behind, ahead, lagging):
         assert not deadline.reached(1)  # not started: training has not begun
         deadline.start()
-    import time
-
     time.sleep(0.01)
     assert first.reached(5) and (tmp_path / "stop").read_text() == "5" and first.stopped_at == 5
     assert not behind.reached(4) and behind.reached(5) and behind.stopped_at == 5

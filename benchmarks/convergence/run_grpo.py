@@ -17,7 +17,8 @@ Settings (all through `FP8GRPOTrainer`, vLLM colocated, so every run logs the sa
 Per step: reward and mismatch (mean |delta logp|, KL k3); every `--eval_every` steps: held-out greedy accuracy.
 Writes `benchmarks/results/convergence[_<task>]/grpo_<setting>_<device>.json`, after every evaluation (a run cut off
 keeps what it measured). `--max_minutes` bounds the training time: parallel runs then all stop at the step the first
-one reached at the deadline, and evaluate there. `--no_vllm` runs without vLLM (CPU smoke).
+one reached at the deadline, and evaluate there; `--stop_at` (a wall-clock time: a lease's end) bounds it the same
+way whatever the start-ups took. `--no_vllm` runs without vLLM (CPU smoke).
 `--setting all --parallel` runs the five settings at once on one GPU (the model is small, a run alone leaves the GPU
 mostly idle): they build their trainers and vLLM engines one at a time, then train together. Results are the same
 kind; the logged step times are then not a speed measure. `--seeds 0 1` with it runs every setting for both seeds
@@ -89,15 +90,18 @@ class Deadline:
     stops at that step, so the settings end level and compare at one step; a run lagging further than `grace_s`
     behind stops where it is."""
 
-    def __init__(self, minutes: float | None, sync_dir: Path | None, grace_s: float = 120):
-        self.minutes, self.grace_s = minutes, grace_s
+    def __init__(
+        self, minutes: float | None, sync_dir: Path | None, grace_s: float = 120, stop_at: float | None = None
+    ):
+        self.minutes, self.grace_s, self.stop_at = minutes, grace_s, stop_at
         self.stop_file = sync_dir / "stop" if sync_dir else None
         self.end: float | None = None
         self.stopped_at: int | None = None
 
     def start(self) -> None:
-        if self.minutes:
-            self.end = time.time() + 60 * self.minutes
+        """Training starts: the deadline is `minutes` from now, or `stop_at` (a wall-clock time) if that is sooner."""
+        ends = [time.time() + 60 * self.minutes] if self.minutes else []
+        self.end = min(ends + ([self.stop_at] if self.stop_at else []), default=None)
 
     def reached(self, step: int) -> bool:
         if self.end is None:
@@ -159,7 +163,7 @@ def run(args, setting: str) -> Path:
     config = grpo_config(args, setting, task, cuda)
     evals: list[dict] = []
     sync_dir = Path(args.sync_dir) if args.sync_dir else None
-    deadline = Deadline(args.max_minutes, sync_dir)
+    deadline = Deadline(args.max_minutes, sync_dir, stop_at=args.stop_at)
     device = torch.cuda.get_device_name() if cuda else "cpu"
     out = Path(args.results_dir) / f"grpo_{setting}_{device.replace(' ', '_')}.json"
 
@@ -246,6 +250,13 @@ def main():
         type=float,
         default=None,
         help="stop training after this long (then evaluate and write); parallel runs stop level",
+    )
+    parser.add_argument(
+        "--stop_at",
+        type=float,
+        default=None,
+        help="stop training by this wall-clock time (Unix seconds) at the latest, like --max_minutes: a lease's end "
+        "less the final evaluation, whatever the start-ups took",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--seeds", type=int, nargs="+", default=None,
