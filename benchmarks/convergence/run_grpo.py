@@ -86,9 +86,9 @@ def wait_for_all(sync_dir: Path | None, setting: str, count: int, timeout_s: flo
 
 
 class Deadline:
-    """`--max_minutes` of training. The first run past it writes its step to `<sync_dir>/stop` and every parallel run
-    stops at that step, so the settings end level and compare at one step; a run lagging further than `grace_s`
-    behind stops where it is."""
+    """`--max_minutes` of training, or until `--stop_at`, whichever is sooner. The first run past it writes its step
+    to `<sync_dir>/stop` and every parallel run stops at that step, so the settings end level and compare at one step;
+    a run lagging further than `grace_s` behind stops where it is."""
 
     def __init__(
         self, minutes: float | None, sync_dir: Path | None, grace_s: float = 120, stop_at: float | None = None
@@ -100,8 +100,8 @@ class Deadline:
 
     def start(self) -> None:
         """Training starts: the deadline is `minutes` from now, or `stop_at` (a wall-clock time) if that is sooner."""
-        ends = [time.time() + 60 * self.minutes] if self.minutes else []
-        self.end = min(ends + ([self.stop_at] if self.stop_at else []), default=None)
+        ends = (time.time() + 60 * self.minutes if self.minutes else None, self.stop_at)
+        self.end = min((end for end in ends if end), default=None)
 
     def reached(self, step: int) -> bool:
         if self.end is None:
@@ -335,6 +335,7 @@ def run_parallel(
     # that takes a free rendezvous port while it holds the start-up turn.
     env = {k: v for k, v in os.environ.items() if k != "MASTER_PORT"} | {"OMP_NUM_THREADS": "2"}
     runs = [(setting, seed) for seed in seeds for setting in SETTINGS]
+    gpu = gpu_of_seed(seeds, gpus)
     procs = {}
     for setting, seed in runs:
         name = f"{setting}_seed{seed}"
@@ -343,8 +344,7 @@ def run_parallel(
                "--setting", setting, "--seed", str(seed), "--results_dir", results, "--sync_dir", str(sync_dir),
                "--sync_count", str(len(runs)), "--sync_name", name]  # fmt: skip
         log = open(workdir / f"{name}.log", "w")  # noqa: SIM115 (closed with the process)
-        gpu = gpu_of_seed(seeds, gpus)[seed]
-        run_env = env if gpu is None else env | {"CUDA_VISIBLE_DEVICES": gpu}
+        run_env = env if gpu[seed] is None else env | {"CUDA_VISIBLE_DEVICES": gpu[seed]}
         procs[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=run_env), log)
     print(f"started {list(procs)}; logs in {workdir}/<setting>_seed<n>.log", flush=True)
     failed = []
