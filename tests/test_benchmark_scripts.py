@@ -241,6 +241,19 @@ def test_parallel_seeds_spread_over_gpus_one_seed_per_gpu():
     assert gpu_of_seed([0, 1], None) == {0: None, 1: None}
 
 
+def test_parallel_runs_each_get_their_own_rendezvous_port():
+    """Two GPUs' start-up queues once picked port 29500 at the same moment: every run now has a port of its own."""
+    sys.path.insert(0, str(ROOT / "benchmarks" / "convergence"))
+    from run_grpo import SETTINGS, gpu_of_seed, run_env
+
+    gpu = gpu_of_seed([0, 1], [0, 1])
+    seeds = [seed for seed in (0, 1) for _ in SETTINGS]  # the runs in run_parallel's order
+    envs = [run_env(i, gpu[seed]) for i, seed in enumerate(seeds)]
+    assert len({e["MASTER_PORT"] for e in envs}) == len(envs) == 2 * len(SETTINGS)
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["0"] * len(SETTINGS) + ["1"] * len(SETTINGS)
+    assert "CUDA_VISIBLE_DEVICES" not in run_env(0, None)
+
+
 def test_parallel_runs_stop_level_at_the_deadline(tmp_path):
     """The first run past `--max_minutes` fixes the stop step for all: one behind trains on to it, one ahead stops at
     once; a run lagging past the grace period stops where it is."""

@@ -323,6 +323,14 @@ def gpu_of_seed(seeds: list[int], gpus: list[int] | None) -> dict[int, str | Non
     return {seed: None if not gpus else str(gpus[i % len(gpus)]) for i, seed in enumerate(seeds)}
 
 
+def run_env(index: int, gpu: str | None) -> dict[str, str]:
+    """What the `index`-th parallel run adds to the environment. The trainers share the host's cores. Each colocated
+    engine is a one-process world with a rendezvous port of its own: left to TRL's free-port pick (29500 first), the
+    start-up queues of two GPUs took the same port at once (EADDRINUSE, 2026-11-23)."""
+    env = {"OMP_NUM_THREADS": "2", "MASTER_PORT": str(29600 + index)}
+    return env if gpu is None else env | {"CUDA_VISIBLE_DEVICES": gpu}
+
+
 def run_parallel(
     argv: list[str], workdir: Path, seeds: list[int], results_dir: str, gpus: list[int] | None = None
 ) -> list[str]:
@@ -331,9 +339,6 @@ def run_parallel(
     sync_dir = workdir / "parallel_sync"
     shutil.rmtree(sync_dir, ignore_errors=True)
     sync_dir.mkdir(parents=True)
-    # Several trainers share the host's cores. No common MASTER_PORT: each colocated engine is a one-process world
-    # that takes a free rendezvous port while it holds the start-up turn.
-    env = {k: v for k, v in os.environ.items() if k != "MASTER_PORT"} | {"OMP_NUM_THREADS": "2"}
     runs = [(setting, seed) for seed in seeds for setting in SETTINGS]
     gpu = gpu_of_seed(seeds, gpus)
     procs = {}
@@ -344,8 +349,8 @@ def run_parallel(
                "--setting", setting, "--seed", str(seed), "--results_dir", results, "--sync_dir", str(sync_dir),
                "--sync_count", str(len(runs)), "--sync_name", name]  # fmt: skip
         log = open(workdir / f"{name}.log", "w")  # noqa: SIM115 (closed with the process)
-        run_env = env if gpu[seed] is None else env | {"CUDA_VISIBLE_DEVICES": gpu[seed]}
-        procs[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=run_env), log)
+        env = os.environ | run_env(len(procs), gpu[seed])
+        procs[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log)
     print(f"started {list(procs)}; logs in {workdir}/<setting>_seed<n>.log", flush=True)
     failed = []
     while procs:
