@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_rollout import SHAPES  # noqa: E402
-from common import device_kernel_events, previous_rows, run_all, versions  # noqa: E402
+from common import kernel_breakdown, previous_rows, run_all, versions  # noqa: E402
 
 RUNS = {  # run: (trainer, fp8_recipe, rollout_precision, fp8 KV cache, training GEMM backend, FP8 weight cache)
     "trl_bf16": ("trl", None, "bf16", False, None, None),
@@ -85,41 +85,6 @@ def make_model_dir(path: Path, shape: str, positions: int) -> None:
 def length_reward(completions, **kwargs) -> list[float]:
     """Any reward with spread will do for timing: a hash of the text."""
     return [(hash(c) % 1000) / 1000 for c in completions]
-
-
-# CUDA kernel names -> where the training phase's time goes (first match wins; checked on the names seen on H200:
-# flash attention's names hold "cutlass", PyTorch's strided elementwise kernels "gpu_kernel_impl_nocast", and
-# cuBLAS's blockwise FP8 GEMMs are nvjet "qqtst" kernels).
-KERNEL_CATEGORIES = (
-    ("fp8 quantization (ours)", r"_act_quant_kernel|_weight_quant_kernel"),
-    ("attention", r"flash|fmha|attention|sdpa"),
-    ("gemm, fp8", r"qqtst|deep_gemm|fp8_gemm|scaled_mm"),
-    ("gemm, bf16", r"gemm|cutlass|xmma|nvjet|cublas|sm90_"),
-    ("optimizer", r"adam|multi_tensor|foreach"),
-    ("softmax / log-probs", r"softmax|logsumexp|cross_entropy|nll|log_prob"),
-    ("norms / reductions", r"reduce|norm|rsqrt|mean"),
-    ("copies / casts", r"copy|(?<!no)cast|convert|fill|cat_|catarray|index"),
-    ("elementwise / fused (triton)", r"elementwise|vectorized|unrolled|triton"),
-)
-
-
-def kernel_breakdown(prof, top: int = 25) -> dict:
-    """GPU kernel milliseconds of the profiled training phase by category, and the heaviest kernels."""
-    import re
-
-    kernels = [e for e in device_kernel_events(prof) if e.self_device_time_total > 0]
-    by_category: dict[str, float] = {}
-    for e in kernels:
-        name = e.key.lower()
-        category = next((c for c, pattern in KERNEL_CATEGORIES if re.search(pattern, name)), "other")
-        by_category[category] = by_category.get(category, 0.0) + e.self_device_time_total / 1e3
-    heaviest = sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]
-    return {
-        "kernel_ms_by_category": dict(sorted(by_category.items(), key=lambda kv: -kv[1])),
-        "top_kernels": [
-            {"name": e.key[:160], "ms": e.self_device_time_total / 1e3, "count": e.count} for e in heaviest
-        ],
-    }
 
 
 def fp8_weight_cache_bytes(model) -> int:

@@ -11,8 +11,11 @@ load, CUDA graphs on), next to a trainer-side model of the same shape on the sam
 - `vllm_fp8`: BF16 weights pushed, vLLM quantizes them itself (`quantization="fp8"`, per-tensor weights);
 - `fp8_<kernel>`: trl_fp8's block-FP8 weights and scales, quantized on the trainer's GPU and pushed (the unified
   flow), multiplied by vLLM's DeepGEMM, Cutlass or Triton block-FP8 kernel (`vllm_fp8_backend`);
-- `fp8_deepgemm_kv`: the same on DeepGEMM plus an FP8 KV cache (FP8 attention) with q/k/v scales measured on the
-  trainer's forward.
+- `fp8_deepgemm_kv`, `fp8_cutlass_kv`: the same on DeepGEMM or Cutlass plus an FP8 KV cache (FP8 attention) with
+  q/k/v scales measured on the trainer's forward.
+
+`--profile_point SxN` runs one more rollout under the torch profiler and records its GPU kernel time by category
+(attention, FP8 and BF16 GEMMs, ...) and its heaviest kernels: how far each part of a decode step is from its floor.
 
 Per engine: engine start-up (with DeepGEMM, whether its JIT cache was cold), the weight sync of one step
 (quantization included, median of 3), and for each `--points` entry `SxN` (S sequences of `--prompt_len` prompt
@@ -39,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from common import previous_rows, run_all, versions  # noqa: E402
+from common import kernel_breakdown, previous_rows, run_all, versions  # noqa: E402
 
 SHAPES = {  # Qwen3 configs: hidden, intermediate, layers, heads, kv heads, vocab
     "8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
@@ -58,6 +61,7 @@ ENGINES = {  # engine: (trainer in FP8, rollout precision, FP8 KV cache, vLLM bl
     "fp8_triton": (True, "fp8", False, "triton"),
     "fp8_deepgemm": (True, "fp8", False, "deepgemm"),
     "fp8_deepgemm_kv": (True, "fp8", True, "deepgemm"),
+    "fp8_cutlass_kv": (True, "fp8", True, "cutlass"),  # no DeepGEMM JIT compile: a fresh host starts in a minute
     "fp8_deepgemm_fused": (True, "fp8", False, "deepgemm"),
     "fp8_deepgemm_kv_fused": (True, "fp8", True, "deepgemm"),
 }
@@ -145,6 +149,12 @@ def timed_generate(llm, prompts, max_tokens):
     return {"output_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
 
 
+def parse_point(point: str) -> tuple[int, int]:
+    """The `--points` notation: SxN -> (S sequences, N new tokens each)."""
+    seqs, new = point.split("x")
+    return int(seqs), int(new)
+
+
 def run_engine(args):
     import os
 
@@ -187,12 +197,13 @@ def run_engine(args):
         row["jit_cache"] = {"dir": cache, "files_before": cache_files(cache)}
     torch.cuda.empty_cache()  # vLLM sizes its KV cache from the memory free at start-up
     start = time.perf_counter()
-    points = [tuple(int(x) for x in p.split("x")) for p in args.points]
-    max_len = args.prompt_len + max(n for _, n in points) + 16
+    points = [parse_point(p) for p in args.points]
+    sized = points + ([parse_point(args.profile_point)] if args.profile_point else [])  # the engine must hold all
+    max_len = args.prompt_len + max(n for _, n in sized) + 16
     llm = start_engine(
         model, precision, Path(args.workdir), fp8_kv_cache=fp8_kv, backend=backend or "auto",
         gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=max_len,
-        max_num_seqs=max(s for s, _ in points), max_num_batched_tokens=4096,  # TRL's colocate setting
+        max_num_seqs=max(s for s, _ in sized), max_num_batched_tokens=4096,  # TRL's colocate setting
         **ENGINE_LLM_KWARGS.get(args.engine, {}),
     )  # fmt: skip
     if args.engine in ENGINE_LLM_KWARGS:
@@ -240,6 +251,17 @@ def run_engine(args):
             point.update(floor, of_floor=point["tokens_per_s"] / floor["floor_tokens_per_s"])
         row["points"].append(point)
         print(f"# {args.engine} {seqs}x{new}: {point['tokens_per_s']:.0f} tok/s", file=sys.stderr, flush=True)
+    if args.profile_point:  # where a decode step's time goes: attention against the GEMMs and the rest
+        from torch.profiler import ProfilerActivity, profile
+
+        seqs, new = parse_point(args.profile_point)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            timed = timed_generate(llm, prompts(seqs), new)
+        row["profile"] = {"seqs": seqs, "new_tokens": new, "profiled_seconds": timed["seconds"],
+                          **kernel_breakdown(prof)}  # fmt: skip
+        if hw:  # the attention kernels' own floor: every decode step reads each sequence's cache once
+            kv_read = seqs * (new * args.prompt_len + new * (new - 1) / 2) * sizes["kv_per_token"]
+            row["profile"]["attention_kv_floor_ms"] = 1e3 * kv_read / hw["hbm"]
     print(json.dumps(row), flush=True)
 
 
@@ -258,6 +280,13 @@ def summary(rows: list[dict]) -> str:
                 f"{r['engine']:<17}{r['linear_kernel'][:33]:<34}{r['engine_start_s']:>8.0f}{r['weight_sync_ms']:>8.0f}"
                 f"{str(p['seqs']) + 'x' + str(p['new_tokens']):>11}{p['tokens_per_s']:>9.0f}{ratio:>9}{floor:>9}"
             )
+    for r in rows:  # --profile_point: kernel time by category, attention against its floor
+        if "profile" in r:
+            prof = r["profile"]
+            parts = ", ".join(f"{c} {ms:.0f}" for c, ms in prof["kernel_ms_by_category"].items())
+            floor = prof.get("attention_kv_floor_ms")
+            kv_floor = f" (attention's KV floor {floor:.0f})" if floor else ""
+            lines.append(f"{r['engine']} {prof['seqs']}x{prof['new_tokens']} kernel ms: {parts}{kv_floor}")
     return "\n".join(lines)
 
 
@@ -268,6 +297,11 @@ def main():
     parser.add_argument("--shape", choices=list(SHAPES), default="8b")
     parser.add_argument("--points", nargs="+", default=DEFAULT_POINTS, help="SxN: S sequences, N new tokens each")
     parser.add_argument("--prompt_len", type=int, default=256)
+    parser.add_argument(
+        "--profile_point",
+        default=None,
+        help="SxN: one more rollout under the torch profiler, its kernel time by category",
+    )
     parser.add_argument("--gpu_memory_utilization", type=float, default=0.6)
     parser.add_argument("--workdir", default="/tmp/trl_fp8_rollout")
     parser.add_argument("--append", action="store_true", help="merge into an existing results file")

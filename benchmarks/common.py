@@ -1,5 +1,6 @@
 """What the benchmark scripts share: package versions for their results files, one child process per
-configuration (a vLLM engine holds on to its GPU state, so each gets a fresh process), and `--append` merging."""
+configuration (a vLLM engine holds on to its GPU state, so each gets a fresh process), `--append` merging, and the
+kernel-time breakdown of a torch profile."""
 
 from __future__ import annotations
 
@@ -96,3 +97,39 @@ def device_kernel_events(prof) -> list:
     import torch
 
     return [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+# CUDA kernel names -> where a profiled phase's time goes (first match wins; checked on the names seen on H200:
+# flash attention's names hold "cutlass", PyTorch's strided elementwise kernels "gpu_kernel_impl_nocast", and
+# cuBLAS's blockwise FP8 GEMMs are nvjet "qqtst" kernels).
+KERNEL_CATEGORIES = (
+    ("fp8 quantization (ours)", r"_act_quant_kernel|_weight_quant_kernel"),
+    ("attention", r"flash|fmha|attention|sdpa"),
+    ("gemm, fp8", r"qqtst|deep_gemm|fp8_gemm|scaled_mm"),
+    ("gemm, bf16", r"gemm|cutlass|xmma|nvjet|cublas|sm90_"),
+    ("optimizer", r"adam|multi_tensor|foreach"),
+    ("softmax / log-probs", r"softmax|logsumexp|cross_entropy|nll|log_prob"),
+    ("norms / reductions", r"reduce|norm|rsqrt|mean"),
+    ("copies / casts", r"copy|(?<!no)cast|convert|fill|cat_|catarray|index"),
+    ("elementwise / fused (triton)", r"elementwise|vectorized|unrolled|triton"),
+)
+
+
+def kernel_breakdown(prof, top: int = 25) -> dict:
+    """GPU kernel milliseconds of a profiled phase (a training step, a rollout) by category, and the heaviest
+    kernels."""
+    import re
+
+    kernels = [e for e in device_kernel_events(prof) if e.self_device_time_total > 0]
+    by_category: dict[str, float] = {}
+    for e in kernels:
+        name = e.key.lower()
+        category = next((c for c, pattern in KERNEL_CATEGORIES if re.search(pattern, name)), "other")
+        by_category[category] = by_category.get(category, 0.0) + e.self_device_time_total / 1e3
+    heaviest = sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]
+    return {
+        "kernel_ms_by_category": dict(sorted(by_category.items(), key=lambda kv: -kv[1])),
+        "top_kernels": [
+            {"name": e.key[:160], "ms": e.self_device_time_total / 1e3, "count": e.count} for e in heaviest
+        ],
+    }

@@ -13,6 +13,7 @@
 #   bash benchmarks/run_rollout_report.sh quant     # bench_quant: our quantization kernels against the HBM floor
 #   bash benchmarks/run_rollout_report.sh grpo      # bench_grpo ($GRPO_RUNS), TRL BF16 vs unified FP8, profiled
 #   bash benchmarks/run_rollout_report.sh long      # bench_grpo's long regime ($LONG_RUNS): 128 x 4096 tokens, 1.7B
+#   bash benchmarks/run_rollout_report.sh kvprofile # the long regime's rollout (1.7B, 128 x 4096), kernel time profiled
 #   bash benchmarks/run_rollout_report.sh chain     # pre-train the long-completion model, GRPO x 5 settings x 2 seeds
 #                                                   (one GPU or two: a seed per GPU)
 #   bash benchmarks/run_rollout_report.sh multi     # two GPUs: tests/gpu/test_multi_gpu.py, GRPO on 1 GPU vs 2 (FSDP2)
@@ -105,6 +106,13 @@ long)  # the long regime: 128 completions of 4096 tokens per step on the Qwen3-1
     --generation_batch 128 --micro_batch 4 --vllm_memory 0.55 --steps "$steps" --warmup 1 \
     $([ "$steps" -ge 3 ] && echo --profile_step 2) --append --out "$long_out"
   ;;
+kvprofile)  # the long regime's rollouts alone: BF16 and FP8 weights, BF16 and FP8 KV cache, each with a profiled
+  # 128 x 1024 rollout: how far FP8-KV attention (FlashAttention-3, Q/K/V in FP8) sits from its byte floor. Cutlass
+  # kernels: no DeepGEMM cold compile on a fresh host.
+  timed rollout_kvprofile python benchmarks/bench_rollout.py --shape 1.7b --engines bf16 fp8_cutlass fp8_cutlass_kv \
+    --points 128x4096 --prompt_len 128 --profile_point 128x1024 --gpu_memory_utilization 0.55 \
+    --workdir "$work/rollout" --out "$work/rollout_long_$device.json"
+  ;;
 chain)  # the long-completion study: pre-train the 101M addition-chain model, then GRPO in the five settings x 2 seeds
   # at once, each part bounded in time so the whole fits one lease (25 min); results are written after every
   # evaluation. Batch 64: 128 rows of ~1k words ran out of the H200's memory. Cutlass rollouts: DeepGEMM's cold JIT
@@ -139,7 +147,7 @@ multi)  # a 4B shape with stock fused AdamW: one step fits one GPU beside its en
   done
   ;;
 *)
-  echo "usage: $0 PHASE... (kernels rollout pack suite checks linear gemm quant grpo long chain multi)" >&2
+  echo "usage: $0 PHASE... (kernels rollout pack suite checks linear gemm quant grpo long kvprofile chain multi)" >&2
   exit 2
   ;;
 esac

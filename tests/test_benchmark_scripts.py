@@ -86,6 +86,24 @@ def test_rollout_plot_reads_both_result_formats(tmp_path):
     assert plot_rollout(new, tmp_path, plt).exists()
 
 
+def test_rollout_summary_gives_each_profiled_engine_its_kernel_time_and_attention_floor():
+    """`bench_rollout --profile_point SxN`: the summary adds, per profiled engine, the kernel milliseconds by category
+    and attention's KV-read floor (absent without a known device)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_rollout import parse_point, summary
+
+    assert parse_point("128x4096") == (128, 4096)
+    point = {"seqs": 128, "new_tokens": 4096, "tokens_per_s": 100.0, "of_floor": 0.5}
+    row = {"linear_kernel": "k", "engine_start_s": 1.0, "weight_sync_ms": 2.0, "points": [point]}
+    profile = {"seqs": 128, "new_tokens": 1024, "kernel_ms_by_category": {"attention": 900.0, "gemm, fp8": 300.0}}
+    rows = [row | {"engine": "bf16"}, row | {"engine": "fp8_cutlass_kv", "profile": profile | {"attention_kv_floor_ms": 450.0}},
+            row | {"engine": "fp8_cutlass", "profile": profile}]  # fmt: skip
+    lines = summary(rows).splitlines()
+    assert lines[-2] == "fp8_cutlass_kv 128x1024 kernel ms: attention 900, gemm, fp8 300 (attention's KV floor 450)"
+    assert lines[-1] == "fp8_cutlass 128x1024 kernel ms: attention 900, gemm, fp8 300"
+    assert sum("kernel ms" in line for line in lines) == 2
+
+
 def test_linear_and_gemm_benchmarks_run_at_smoke_size(tmp_path):
     """bench_linear (with its profile) and bench_gemm on CPU at tiny shapes: the emulated backend through the same
     code the GPU run takes, so a changed kernel-layer interface breaks here, not on the lent GPU host."""
@@ -118,7 +136,8 @@ def test_grpo_medians_leave_out_the_profiled_step_and_after(tmp_path):
     seconds and lands in the next step); `--resummarize` recomputes a results file's medians from its per-step
     times; the kernel categories do not file `gpu_kernel_impl_nocast` elementwise kernels under casts."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from bench_grpo import KERNEL_CATEGORIES, median_steps, model_positions, step_medians
+    from bench_grpo import median_steps, model_positions, step_medians
+    from common import KERNEL_CATEGORIES
 
     assert model_positions(128, 1024) == 4096 and model_positions(128, 4096) == 8192  # the long regime's context
 
