@@ -273,6 +273,20 @@ def test_parallel_runs_each_get_their_own_rendezvous_port():
     assert "CUDA_VISIBLE_DEVICES" not in run_env(0, None)
 
 
+def test_parallel_runs_train_once_all_started_or_failed(tmp_path, capsys):
+    """A run that fails to start no longer stops the others: they train once every run is ready or marked failed,
+    and give up only if some run neither starts nor fails in time."""
+    sys.path.insert(0, str(ROOT / "benchmarks" / "convergence"))
+    from run_grpo import wait_for_all
+
+    (tmp_path / "bf16_seed0.ready").touch()
+    (tmp_path / "fp8_seed1.failed").touch()
+    wait_for_all(tmp_path, "fp8_seed0", 3)
+    assert "fp8_seed0: training without ['fp8_seed1'], which failed" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="1 parallel runs never started"):
+        wait_for_all(tmp_path, "fp8_tis_seed0", 5, timeout_s=0)
+
+
 def test_parallel_runs_stop_level_at_the_deadline(tmp_path):
     """The first run past `--max_minutes` fixes the stop step for all: one behind trains on to it, one ahead stops at
     once; a run lagging past the grace period stops where it is."""

@@ -74,15 +74,21 @@ def start_turn(sync_dir: Path | None):
 
 
 def wait_for_all(sync_dir: Path | None, setting: str, count: int, timeout_s: float = 1800) -> None:
-    """Train only once every parallel run has started (see `start_turn`); give up if the parent says one failed."""
+    """Train only once every parallel run has started (see `start_turn`) or failed (the parent marks those): the
+    others train without it rather than lose the lease's results (one start-up failure once stopped all ten)."""
     if sync_dir is None:
         return
     (sync_dir / f"{setting}.ready").touch()
     deadline = time.time() + timeout_s
-    while len(list(sync_dir.glob("*.ready"))) < count:
-        if (sync_dir / "abort").exists() or time.time() > deadline:
-            raise SystemExit(f"{setting}: another parallel run failed to start; not training")
+    while True:
+        ready, failed = ({p.stem for p in sync_dir.glob(f"*.{state}")} for state in ("ready", "failed"))
+        if len(ready | failed) >= count:  # a run may fail after it was ready: count it once
+            break
+        if time.time() > deadline:
+            raise SystemExit(f"{setting}: {count - len(ready | failed)} parallel runs never started; not training")
         time.sleep(1)
+    if failed:
+        print(f"{setting}: training without {sorted(failed)}, which failed", flush=True)
 
 
 class Deadline:
@@ -362,7 +368,7 @@ def run_parallel(
             print(f"{name} exited {proc.returncode}", flush=True)
             if proc.returncode:
                 failed.append(name)
-                (sync_dir / "abort").touch()  # runs still waiting to train give up; running ones finish
+                (sync_dir / f"{name}.failed").touch()  # runs waiting to train go on without it
         time.sleep(2)
     return failed
 
