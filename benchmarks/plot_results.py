@@ -225,6 +225,7 @@ def _convergence_runs(results: Path, task: str = "addition") -> list[dict]:
 
 
 SETTING_ORDER = ("bf16", "bf16_fp8rollout", "bf16_fp8rollout_tis", "fp8", "fp8_tis")
+LONG_TASKS = ("chain", "trace")  # the long-completion tasks (`run_grpo.py --task`): their own tables and plots
 
 
 def tables(results: Path) -> str:
@@ -260,7 +261,7 @@ def tables(results: Path) -> str:
                 f"{acc[last]:.2f} | {mean('reward', steps[-20:]):.3f} | {mean('fp8/mismatch/abs_logp_diff_mean'):.4f} | "
                 f"{mean('fp8/mismatch/kl_k3'):.1e} |"
             )  # fmt: skip
-    for task in ("chain", "trace"):
+    for task in LONG_TASKS:
         lines += long_task_table(_convergence_runs(results, task), task)
     return "\n".join(lines)
 
@@ -279,11 +280,10 @@ def long_task_table(runs: list[dict], task: str) -> list[str]:
         last = max(acc)
         rewards = [s["reward"] for s in r["steps"][-10:]]
         buckets = mismatch_by_position([r]).get(r["setting"]["name"], {})
-        first, end = (
-            f"{buckets[k]:.4f}" if buckets else "-" for k in (min(buckets, default=0), max(buckets, default=0))
-        )
+        start, end = min(buckets, default=0), max(buckets, default=0)  # first and last position bucket
+        first, final = (f"{buckets[k]:.4f}" if buckets else "-" for k in (start, end))
         lines.append(f"| {r['setting']['name']} | {r['args']['seed']} | {acc[0]:.2f} | {last} | {acc[last]:.2f} | "
-                     f"{sum(rewards) / max(1, len(rewards)):.3f} | {first} | {end} (from {max(buckets, default=0)}) |")  # fmt: skip
+                     f"{sum(rewards) / max(1, len(rewards)):.3f} | {first} | {final} (from {end}) |")  # fmt: skip
     return [*lines, ""]
 
 
@@ -305,7 +305,7 @@ def main(argv=None) -> list[Path]:
         written += plot_convergence(runs, out, plt)
     else:
         print("no results/convergence*/grpo_*.json: convergence plots skipped")
-    for task in ("chain", "trace"):  # the long-completion tasks: their own curves, and the mismatch along a completion
+    for task in LONG_TASKS:  # their own curves, and the mismatch along a completion
         long_runs = _convergence_runs(results, task)
         if long_runs:
             written += plot_convergence(long_runs, out, plt, prefix=f"convergence_{task}")

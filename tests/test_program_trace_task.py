@@ -9,6 +9,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "convergence"))
 
 import program_trace as task  # noqa: E402
+from task_utils import answer_of  # noqa: E402
 
 
 def test_traces_match_an_independent_evaluation_of_the_prompt():
@@ -83,6 +84,6 @@ def test_greedy_accuracy_scores_generated_answers():
             return torch.cat([input_ids, torch.tensor(rows)], dim=1)
 
     # pairs 0 and 1 get their own completions (right); 2 and 3 get those of 0 and 1 (right only by chance)
-    expected = sum(task.answer_of(scripted_c) == task.answer_of(c) for scripted_c, (_, c) in
+    expected = sum(answer_of(scripted_c) == answer_of(c) for scripted_c, (_, c) in
                    zip([pairs[0][1], pairs[1][1]] * 2, pairs, strict=True)) / 4  # fmt: skip
     assert task.greedy_accuracy(Scripted(), tok, pairs, batch_size=4, max_new_tokens=64) == expected >= 0.5
