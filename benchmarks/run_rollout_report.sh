@@ -16,7 +16,13 @@
 #   bash benchmarks/run_rollout_report.sh kvprofile # the long regime's rollout (1.7B, 128 x 4096), kernel time profiled
 #   bash benchmarks/run_rollout_report.sh chain     # pre-train the long-completion model, GRPO x 5 settings x 2 seeds
 #                                                   (one GPU or two: a seed per GPU)
+#   bash benchmarks/run_rollout_report.sh chainbase # pre-train it alone; a BF16 copy in 15 MB parts, $WORK/chain_base.part.*
 #   bash benchmarks/run_rollout_report.sh multi     # two GPUs: tests/gpu/test_multi_gpu.py, GRPO on 1 GPU vs 2 (FSDP2)
+#
+# A later host can start `chain` from the base of an earlier one (the same model for every lease, and 6-7 minutes
+# saved): bring the parts back (four files of 15 MB per call), keep them in git-ignored folders of three (.gpu/cb1 ...),
+# send each in a call of its own with `mkdir -p /var/tmp/cbparts && cp .gpu/cbN/part.* /var/tmp/cbparts/`, then run
+# `CHAIN_BASE_PARTS=/var/tmp/cbparts bash benchmarks/run_rollout_report.sh chain`.
 #
 # `grpo` trains with bitsandbytes' 8-bit AdamW (an 8B step beside its engine fits one GPU so), which the GPU kit lacks:
 #   pip download bitsandbytes==0.50.2 --no-deps --only-binary :all: --python-version 3.12 \
@@ -47,8 +53,16 @@ timed() {  # name command...: run, log, record exit code and seconds
   echo "$name rc=$? seconds=$((SECONDS - start))" | tee -a "$work/status.txt"
 }
 
+chain_pretrain() {  # the 101M addition-chain model, pre-trained to $CHAIN_TARGET held-out accuracy, into $work/chain-base
+  # Pre-training stops at its first evaluation >= CHAIN_TARGET: the 2026-11-23 models stayed at chance, then jumped
+  # between steps 500 and 600 (5.5-6.7 min), so its time limit leaves room for a later jump.
+  timed chain_pretrain python benchmarks/convergence/pretrain.py --task chain --size medium --out "$work/chain-base" \
+    --batch_size 64 --eval_every 50 --eval_problems 128 --target_accuracy "${CHAIN_TARGET:-0.3}" \
+    --max_minutes "${CHAIN_PRETRAIN_MIN:-7.5}" --results "$work/convergence_chain/pretrain_$device.json"
+}
+
 gpu_tests() {  # name test-path: the GPU suite (or part of it) as the README runs it, artifacts into $work
-  TRL_FP8_ARTIFACTS=$work timed "$1" python -m pytest -m gpu "$2" -s -p no:cacheprovider
+  TRL_FP8_ARTIFACTS=$work timed "$1" python -m pytest -m gpu "$2" -s -p no:cacheprovider --durations=15
 }
 
 [ $# -gt 0 ] || set -- usage
@@ -120,22 +134,36 @@ chain)  # the long-completion study: pre-train the 101M addition-chain model, th
   # one GPU). On two GPUs each seed gets one (five runs per GPU, start-ups in two queues), so GRPO gets more minutes.
   # Greedy evaluation in batches of 64 (one GPU) or 128 (two): ten runs evaluating 256 problems at once ran an H200
   # out of memory.
+  # CHAIN_SEEDS (default "0 1") picks the seeds: one seed per lease on one GPU gives each run twice the GPU share, and
+  # with the base carried in (CHAIN_BASE_PARTS) every lease trains from the same model.
   # Training ends by a wall-clock time: CHAIN_PHASE_MIN (default 25) after the phase began, less 2.5 min for the
   # final evaluation, however long pre-training and the start-ups took (the 2026-11-23 lease ran out mid-start-up).
-  # Pre-training stops at its first evaluation >= CHAIN_TARGET: the 2026-11-23 model jumped from 7% to 47.7% between
-  # steps 500 and 550 (5.5 -> 6 min), so its time limit leaves room for a later jump.
   phase_end=$(($(date +%s) + ${CHAIN_PHASE_MIN:-25} * 60 - 150))
   gpus=$(python -c "import torch; print(' '.join(map(str, range(min(2, torch.cuda.device_count())))))")
   [ "$gpus" = "0" ] && eval_batch=64 || eval_batch=128
-  timed chain_pretrain python benchmarks/convergence/pretrain.py --task chain --size medium --out "$work/chain-base" \
-    --batch_size 64 --eval_every 50 --eval_problems 128 --target_accuracy "${CHAIN_TARGET:-0.3}" \
-    --max_minutes "${CHAIN_PRETRAIN_MIN:-7.5}" --results "$work/convergence_chain/pretrain_$device.json"
+  base="$work/chain-base"
+  if ls "${CHAIN_BASE_PARTS:-/nonexistent}"/part.* >/dev/null 2>&1; then  # an earlier host's base (`chainbase`)
+    cat "$CHAIN_BASE_PARTS"/part.* | tar -C "$work" -xzf - || exit 1
+    base="$work/chain-base-bf16"
+    echo "chain base from $CHAIN_BASE_PARTS: $(grep -o '"steps": [0-9]*' "$work"/convergence_chain/pretrain_*.json)" \
+      | tee -a "$work/status.txt"
+  else
+    chain_pretrain
+  fi
   # shellcheck disable=SC2086
-  timed chain_grpo python benchmarks/convergence/run_grpo.py --task chain --model "$work/chain-base" --setting all \
-    --parallel --seeds 0 1 --gpus $gpus --steps "${CHAIN_STEPS:-100}" --stop_at "$phase_end" \
+  timed chain_grpo python benchmarks/convergence/run_grpo.py --task chain --model "$base" --setting all \
+    --parallel --seeds ${CHAIN_SEEDS:-0 1} --gpus $gpus --steps "${CHAIN_STEPS:-100}" --stop_at "$phase_end" \
     --lr 5e-5 --batch_size 64 --micro_batch 8 --gradient_checkpointing --eval_every 20 --eval_problems 128 \
     --eval_batch "$eval_batch" --vllm_memory 0.05 --vllm_fp8_backend cutlass --results_dir "$work/convergence_chain" \
     --workdir "$work/chain_grpo"  # seed 1: *_seed1
+  ;;
+chainbase)  # the chain's base for later hosts: GRPO trains in BF16 on CUDA, so a BF16 copy loses nothing it uses
+  chain_pretrain
+  python -c "import sys, torch; from transformers import AutoModelForCausalLM as M
+M.from_pretrained(sys.argv[1], dtype=torch.bfloat16).save_pretrained(sys.argv[2])" "$work/chain-base" "$work/chain-base-bf16" \
+    && cp "$work"/chain-base/tokenizer{,_config}.json "$work/chain-base-bf16/" \
+    && tar -C "$work" -czf - chain-base-bf16 convergence_chain chain_pretrain.log | split -b 15M - "$work/chain_base.part." \
+    && echo "chain base: $(ls "$work"/chain_base.part.* | wc -l) parts" | tee -a "$work/status.txt"
   ;;
 multi)  # a 4B shape with stock fused AdamW: one step fits one GPU beside its engine, so 1 and 2 GPUs compare
   gpu_tests multi_gpu_tests tests/gpu/test_multi_gpu.py
@@ -147,7 +175,7 @@ multi)  # a 4B shape with stock fused AdamW: one step fits one GPU beside its en
   done
   ;;
 *)
-  echo "usage: $0 PHASE... (kernels rollout pack suite checks linear gemm quant grpo long kvprofile chain multi)" >&2
+  echo "usage: $0 PHASE... (kernels rollout pack suite checks linear gemm quant grpo long kvprofile chain chainbase multi)" >&2
   exit 2
   ;;
 esac

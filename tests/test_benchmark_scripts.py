@@ -227,6 +227,10 @@ def test_parallel_runs_get_their_own_seed_and_results_folder():
     argv = ["--task", "trace", "--seeds", "0", "1", "--results_dir", "/r", "--seed", "3", "--steps", "5"]
     assert strip_option(strip_option(strip_option(argv, "--seeds"), "--seed"), "--results_dir") == [
         "--task", "trace", "--steps", "5"]  # fmt: skip
+    from run_grpo import seed_results_dir
+
+    # a seed's folder does not depend on which seeds ran beside it (seed 1 alone, in a later lease, still gets _seed1)
+    assert [seed_results_dir("/r/c", s) for s in (0, 1, 2)] == ["/r/c", "/r/c_seed1", "/r/c_seed2"]
 
 
 def test_every_setting_builds_its_config_with_a_rollout_kernel_named(monkeypatch, tmp_path):

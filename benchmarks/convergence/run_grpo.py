@@ -22,7 +22,8 @@ way whatever the start-ups took. `--no_vllm` runs without vLLM (CPU smoke).
 `--setting all --parallel` runs the five settings at once on one GPU (the model is small, a run alone leaves the GPU
 mostly idle): they build their trainers and vLLM engines one at a time, then train together. Results are the same
 kind; the logged step times are then not a speed measure. `--seeds 0 1` with it runs every setting for both seeds
-at once (ten runs); `--gpus 0 1` then puts each seed's five runs on a GPU of its own.
+at once (ten runs); `--gpus 0 1` then puts each seed's five runs on a GPU of its own. Seed n > 0 writes to
+`<results_dir>_seed<n>` whether or not seed 0 runs beside it.
 """
 
 from __future__ import annotations
@@ -329,6 +330,12 @@ def gpu_of_seed(seeds: list[int], gpus: list[int] | None) -> dict[int, str | Non
     return {seed: None if not gpus else str(gpus[i % len(gpus)]) for i, seed in enumerate(seeds)}
 
 
+def seed_results_dir(results_dir: str, seed: int) -> str:
+    """Seed 0 writes to `results_dir`, seed n to `<results_dir>_seed<n>`, whichever seeds run together: the seeds of
+    one study may run in separate leases (`--seeds 0`, later `--seeds 1`) and still land in their own folders."""
+    return results_dir if seed == 0 else f"{results_dir}_seed{seed}"
+
+
 def run_env(index: int, gpu: str | None) -> dict[str, str]:
     """What the `index`-th parallel run adds to the environment. The trainers share the host's cores. Each colocated
     engine is a one-process world with a rendezvous port of its own: left to TRL's free-port pick (29500 first), the
@@ -350,7 +357,7 @@ def run_parallel(
     procs = {}
     for setting, seed in runs:
         name = f"{setting}_seed{seed}"
-        results = results_dir if seed == seeds[0] else f"{results_dir}_seed{seed}"
+        results = seed_results_dir(results_dir, seed)
         cmd = [sys.executable, __file__, *strip_option(strip_option(argv, "--seed"), "--results_dir"),
                "--setting", setting, "--seed", str(seed), "--results_dir", results, "--sync_dir", str(sync_dir),
                "--sync_count", str(len(runs)), "--sync_name", name]  # fmt: skip
