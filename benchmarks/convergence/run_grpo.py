@@ -15,8 +15,8 @@ Settings (all through `FP8GRPOTrainer`, vLLM colocated, so every run logs the sa
 | `fp8_tis` | blockwise FP8 | the trainer's own FP8 weights | token TIS (cap 2) |
 
 Per step: reward and mismatch (mean |delta logp|, KL k3); every `--eval_every` steps: held-out greedy accuracy.
-Writes `benchmarks/results/convergence[_<task>]/grpo_<setting>_<device>.json`, after every evaluation (a run cut off
-keeps what it measured). `--max_minutes` bounds the training time: parallel runs then all stop at the step the first
+Writes `benchmarks/results/convergence[_<task>]/grpo_<setting>_<device>.json` after every logged step and evaluation
+(a run cut off keeps what it measured). `--max_minutes` bounds the training time: parallel runs then all stop at the step the first
 one reached at the deadline, and evaluate there; `--stop_at` (a wall-clock time: a lease's end) bounds it the same
 way whatever the start-ups took. `--no_vllm` runs without vLLM (CPU smoke).
 `--setting all --parallel` runs the five settings at once on one GPU (the model is small, a run alone leaves the GPU
@@ -218,6 +218,10 @@ def run(args, setting: str) -> Path:
             if state.global_step % args.eval_every == 0 or state.global_step == args.steps or stop:
                 held_out_accuracy(model, state.global_step)
                 write(trainer)  # after every evaluation: a run cut off (a lease running out) keeps what it measured
+
+        def on_log(self, _args, state, control, logs=None, **kwargs):
+            if logs and "reward" in logs:  # and every step's metrics: hosts have been taken back between evaluations
+                write(trainer)
 
     with start_turn(sync_dir):
         turn = time.time()
