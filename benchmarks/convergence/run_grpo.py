@@ -16,9 +16,9 @@ Settings (all through `FP8GRPOTrainer`, vLLM colocated, so every run logs the sa
 
 Per step: reward and mismatch (mean |delta logp|, KL k3); every `--eval_every` steps: held-out greedy accuracy.
 Writes `benchmarks/results/convergence[_<task>]/grpo_<setting>_<device>.json` after every logged step and evaluation
-(a run cut off keeps what it measured). `--max_minutes` bounds the training time: parallel runs then all stop at the step the first
-one reached at the deadline, and evaluate there; `--stop_at` (a wall-clock time: a lease's end) bounds it the same
-way whatever the start-ups took. `--no_vllm` runs without vLLM (CPU smoke).
+(a run cut off keeps what it measured). `--max_minutes` bounds the training time: parallel runs then all stop at
+the step the first one reached at the deadline, and evaluate there; `--stop_at` (a wall-clock time: a lease's end)
+bounds it the same way whatever the start-ups took. `--no_vllm` runs without vLLM (CPU smoke).
 `--setting all --parallel` runs the five settings at once on one GPU (the model is small, a run alone leaves the GPU
 mostly idle): they build their trainers and vLLM engines one at a time, then train together. Results are the same
 kind; the logged step times are then not a speed measure. `--seeds 0 1` with it runs every setting for both seeds
