@@ -267,23 +267,39 @@ def tables(results: Path) -> str:
 
 
 def long_task_table(runs: list[dict], task: str) -> list[str]:
-    """Held-out accuracy at the start and the last evaluation, and the mismatch at the start and the end of the
-    completions (first and last position bucket, mean of all steps), per run of a long-completion task."""
+    """Per run of a long-completion task: held-out accuracy at the start, at the last step every run evaluated (runs
+    stopped by a lease's deadline end at different steps) and at its own last evaluation, and the mismatch at the start
+    and the end of the completions (first and last position bucket, mean of all steps). Then per setting, the mismatch
+    in every position bucket, the mean over steps and seeds: does it grow along a completion?"""
     if not runs:
         return []
+    common = max(set.intersection(*({e["step"] for e in r["held_out"]} for r in runs)))
     lines = [f"Long completions (`--task {task}`): held-out greedy accuracy (%, {runs[0]['args']['eval_problems']} "
              "problems) and mismatch along the completion (mean abs dlogp, mean of all steps)", "",
-             "| setting | seed | step 0 | last step | accuracy there | reward, last 10 steps | positions 0-63 | last bucket |",
-             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             f"| setting | seed | step 0 | step {common} | last step | accuracy there | reward, last 10 steps | "
+             "positions 0-63 | last bucket |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in runs:
         acc = {e["step"]: 100 * e["held_out_accuracy"] for e in r["held_out"]}
         last = max(acc)
         rewards = [s["reward"] for s in r["steps"][-10:]]
         buckets = mismatch_by_position([r]).get(r["setting"]["name"], {})
         start, end = min(buckets, default=0), max(buckets, default=0)  # first and last position bucket
-        first, final = (f"{buckets[k]:.4f}" if buckets else "-" for k in (start, end))
-        lines.append(f"| {r['setting']['name']} | {r['args']['seed']} | {acc[0]:.2f} | {last} | {acc[last]:.2f} | "
-                     f"{sum(rewards) / max(1, len(rewards)):.3f} | {first} | {final} (from {end}) |")  # fmt: skip
+        first, final = (f"{buckets[k]:.2e}" if buckets else "-" for k in (start, end))
+        lines.append(f"| {r['setting']['name']} | {r['args']['seed']} | {acc[0]:.2f} | {acc[common]:.2f} | {last} | "
+                     f"{acc[last]:.2f} | {sum(rewards) / max(1, len(rewards)):.3f} | {first} | {final} (from {end}) |")  # fmt: skip
+    for stat, label in (("abs_logp_diff_mean", "mean abs dlogp"), ("kl_k3", "KL k3")):
+        by_setting = mismatch_by_position(runs, stat)
+        if not by_setting:
+            continue
+        bounds = sorted({lo for buckets in by_setting.values() for lo in buckets})
+        lines += ["", f"Mismatch along the completion (`--task {task}`), {label} per position bucket, mean over steps "
+                  "and seeds", "", "| setting | " + " | ".join(f"from {lo}" for lo in bounds) + " | last / first |",
+                  "|---|" + "---|" * (len(bounds) + 1)]  # fmt: skip
+        for setting, buckets in by_setting.items():
+            cells = " | ".join(f"{buckets[lo]:.2e}" if lo in buckets else "-" for lo in bounds)
+            growth = buckets[max(buckets)] / buckets[min(buckets)] if buckets[min(buckets)] else float("nan")
+            lines.append(f"| {setting} | {cells} | {growth:.1f}x |")
     return [*lines, ""]
 
 

@@ -135,7 +135,9 @@ chain)  # the long-completion study: pre-train the 101M addition-chain model, th
   # Greedy evaluation in batches of 64 (one GPU) or 128 (two): ten runs evaluating 256 problems at once ran an H200
   # out of memory.
   # CHAIN_SEEDS (default "0 1") picks the seeds: one seed per lease on one GPU gives each run twice the GPU share, and
-  # with the base carried in (CHAIN_BASE_PARTS) every lease trains from the same model.
+  # with the base carried in (CHAIN_BASE_PARTS) every lease trains from the same model. On 2026-11-24, a seed per
+  # H200 lease with CHAIN_PHASE_MIN=26: five start-ups took 3.7-5.0 min, then BF16 runs took 6.6-7.0 s a step (step
+  # 100 reached) and unified FP8 7.5-8.5 s (79-100 steps); the lease, staging included, took 27-28 min of its 30.
   # Training ends by a wall-clock time: CHAIN_PHASE_MIN (default 25) after the phase began, less 2.5 min for the
   # final evaluation, however long pre-training and the start-ups took (the 2026-11-23 lease ran out mid-start-up).
   phase_end=$(($(date +%s) + ${CHAIN_PHASE_MIN:-25} * 60 - 150))

@@ -346,9 +346,18 @@ def test_speed_regimes_and_long_task_runs_get_their_own_tables_and_plots(tmp_pat
            "held_out": [{"step": 0, "held_out_accuracy": 0.3}, {"step": 1, "held_out_accuracy": 0.35}],
            "device": "cpu"}  # fmt: skip
     (chain / "grpo_fp8_cpu.json").write_text(json.dumps(run))
+    (tmp_path / "convergence_chain_seed1").mkdir()  # a second seed that evaluated one step further
+    later = {
+        **run,
+        "args": {**run["args"], "seed": 1},
+        "held_out": [*run["held_out"], {"step": 2, "held_out_accuracy": 0.4}],
+    }
+    (tmp_path / "convergence_chain_seed1" / "grpo_fp8_cpu.json").write_text(json.dumps(later))
     text = tables(tmp_path)
     assert "1.7b shape, 128 x 1024 tokens" in text and "1.7b shape, 128 x 4096 tokens" in text
     assert "| unified | 5.00 |" in text and "| unified | 20.00 |" in text and "99.00" not in text
-    assert "| fp8 | 0 | 30.00 | 1 | 35.00 | 0.250 | 0.0010 | 0.0040 (from 512) |" in text
+    assert "| fp8 | 0 | 30.00 | 35.00 | 1 | 35.00 | 0.250 | 1.00e-03 | 4.00e-03 (from 512) |" in text
+    assert "| fp8 | 1 | 30.00 | 35.00 | 2 | 40.00 |" in text  # step 1: the last step both seeds evaluated
+    assert "| fp8 | 1.00e-03 | 4.00e-03 | 4.0x |" in text  # the per-bucket table: from 0, from 512, last / first
     names = {p.name for p in plot_results(["--results", str(tmp_path), "--out", str(tmp_path / "plots")])}
     assert {"grpo_step_time.png", "grpo_step_time_long.png", "convergence_chain_mismatch_by_position.png"} <= names

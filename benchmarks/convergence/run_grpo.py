@@ -16,9 +16,10 @@ Settings (all through `FP8GRPOTrainer`, vLLM colocated, so every run logs the sa
 
 Per step: reward and mismatch (mean |delta logp|, KL k3); every `--eval_every` steps: held-out greedy accuracy.
 Writes `benchmarks/results/convergence[_<task>]/grpo_<setting>_<device>.json` after every logged step and evaluation
-(a run cut off keeps what it measured). `--max_minutes` bounds the training time: parallel runs then all stop at
-the step the first one reached at the deadline, and evaluate there; `--stop_at` (a wall-clock time: a lease's end)
-bounds it the same way whatever the start-ups took. `--no_vllm` runs without vLLM (CPU smoke).
+(a run cut off keeps what it measured). `--max_minutes` bounds the training time: parallel runs then stop at the
+step the first one reached at the deadline (a run already past it, where it is), and evaluate; `--stop_at` (a
+wall-clock time: a lease's end) bounds it the same way whatever the start-ups took. `--no_vllm` runs without vLLM
+(CPU smoke).
 `--setting all --parallel` runs the five settings at once on one GPU (the model is small, a run alone leaves the GPU
 mostly idle): they build their trainers and vLLM engines one at a time, then train together. Results are the same
 kind; the logged step times are then not a speed measure. `--seeds 0 1` with it runs every setting for both seeds
@@ -94,8 +95,9 @@ def wait_for_all(sync_dir: Path | None, setting: str, count: int, timeout_s: flo
 
 class Deadline:
     """`--max_minutes` of training, or until `--stop_at`, whichever is sooner. The first run past it writes its step
-    to `<sync_dir>/stop` and every parallel run stops at that step, so the settings end level and compare at one step;
-    a run lagging further than `grace_s` behind stops where it is."""
+    to `<sync_dir>/stop` and every parallel run stops at that step (one already past it, at its next check: the
+    2026-11-24 lease stopped two runs at steps 79 and 80), so the settings end level or nearly; a run lagging further
+    than `grace_s` behind stops where it is. Runs that reach `max_steps` first are not held back."""
 
     def __init__(
         self, minutes: float | None, sync_dir: Path | None, grace_s: float = 120, stop_at: float | None = None
