@@ -129,9 +129,9 @@ kvprofile)  # the long regime's rollouts alone: BF16 and FP8 weights, BF16 and F
   ;;
 chain)  # the long-completion study: pre-train the 101M addition-chain model, then GRPO in the five settings x 2 seeds
   # at once, each part bounded in time so the whole fits one lease (25 min); results are written after every
-  # logged step and evaluation. Batch 64: 128 rows of ~1k words ran out of the H200's memory. Cutlass rollouts: DeepGEMM's cold JIT
-  # compile of a new shape's kernels took 4.4 min per engine start-up here, and start-ups take turns (~50 s each on
-  # one GPU). On two GPUs each seed gets one (five runs per GPU, start-ups in two queues), so GRPO gets more minutes.
+  # logged step and evaluation. Batch 64: 128 rows of ~1k words ran out of the H200's memory. Cutlass rollouts:
+  # DeepGEMM's cold JIT compile of a new shape's kernels took 4.4 min per engine start-up here, and start-ups take
+  # turns (~50 s each on one GPU). On two GPUs each seed gets one (five runs per GPU, start-ups in two queues), so GRPO gets more minutes.
   # Greedy evaluation in batches of 64 (one GPU) or 128 (two): ten runs evaluating 256 problems at once ran an H200
   # out of memory.
   # CHAIN_SEEDS (default "0 1") picks the seeds: one seed per lease on one GPU gives each run twice the GPU share, and
