@@ -101,11 +101,13 @@ def device_kernel_events(prof) -> list:
 
 # CUDA kernel names -> where a profiled phase's time goes (first match wins; checked on the names seen on H200:
 # flash attention's names hold "cutlass", PyTorch's strided elementwise kernels "gpu_kernel_impl_nocast", and
-# cuBLAS's blockwise FP8 GEMMs are nvjet "qqtst" kernels).
+# cuBLAS's blockwise FP8 GEMMs are nvjet "qqtst" kernels; vLLM's are "cutlass_3x_gemm_fp8_blockwise", and its
+# activation quantizers come fused into RMSNorm and SiLU-and-mul, so they must match before "norm").
 KERNEL_CATEGORIES = (
     ("fp8 quantization (ours)", r"_act_quant_kernel|_weight_quant_kernel"),
+    ("fp8 quantization (vLLM)", r"per_block_quant|per_token_group_quant|scaled_fp8_quant"),
     ("attention", r"flash|fmha|attention|sdpa"),
-    ("gemm, fp8", r"qqtst|deep_gemm|fp8_gemm|scaled_mm"),
+    ("gemm, fp8", r"qqtst|deep_gemm|fp8_gemm|gemm_fp8|scaled_mm"),
     ("gemm, bf16", r"gemm|cutlass|xmma|nvjet|cublas|sm90_"),
     ("optimizer", r"adam|multi_tensor|foreach"),
     ("softmax / log-probs", r"softmax|logsumexp|cross_entropy|nll|log_prob"),

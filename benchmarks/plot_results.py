@@ -5,7 +5,8 @@
 - `convergence_reward.png`, `convergence_accuracy.png`, `convergence_mismatch.png`: per-step reward, held-out
   accuracy and trainer-vs-rollout mismatch of every `results/convergence*/grpo_*.json` setting (one colour per
   setting, one line style per seed);
-- `rollout_throughput.png`: `results/rollout_*.json`, tokens/s per engine;
+- `rollout_throughput.png`: `results/rollout_<device>.json`, tokens/s per engine (the long regime's profiled
+  rollouts, `rollout_long_<device>.json`, get a table);
 - `grpo_step_time.png`: `results/grpo_speed_*.json`, step time split into rollout / training / weight sync;
 - `linear_speedup.png`: `results/linear_*.json`, each variant's forward+backward speed-up over BF16 per layer shape.
 
@@ -120,6 +121,56 @@ def rollout_points(result: dict) -> dict[str, dict[str, float]]:
     return table
 
 
+def rollout_result(results: Path) -> dict | None:
+    """The rollout benchmark of the report (`rollout_<device>.json`): dated files are earlier runs, and
+    `rollout_long_<device>.json` is the long regime's profile (`rollout_profile_table`)."""
+    paths = sorted(p for p in results.glob("rollout_*.json") if not p.name.startswith("rollout_long_"))
+    return json.loads(paths[0].read_text()) if paths else None
+
+
+def rollout_profile_table(result: dict) -> list[str]:
+    """Per engine of a profiled bench_rollout run (`run_rollout_report.sh kvprofile`): throughput against BF16 and
+    its floor, then the profiled rollout's GPU kernel time by category. The categories are recomputed from the
+    heaviest kernels the file records with today's `KERNEL_CATEGORIES` (the file's own may predate a name), and the
+    share of the kernel time those kernels cover is shown."""
+    import re
+
+    from common import KERNEL_CATEGORIES
+
+    rows = [r for r in result["results"] if "profile" in r]
+    if not rows:
+        return []
+    by_engine = {}
+    for r in rows:
+        ms = {}
+        for k in r["profile"]["top_kernels"]:
+            name = k["name"].lower()
+            category = next((c for c, pattern in KERNEL_CATEGORIES if re.search(pattern, name)), "other")
+            ms[category] = ms.get(category, 0.0) + k["ms"]
+        by_engine[r["engine"]] = ms
+    categories = sorted(
+        {c for ms in by_engine.values() for c in ms}, key=lambda c: -max(m.get(c, 0) for m in by_engine.values())
+    )
+    base = next((r["points"][0]["tokens_per_s"] for r in rows if r["engine"] == "bf16"), None)
+    p = rows[0]["profile"]
+    lines = [f"Rollouts alone, {result['shape']['name']} shape, {result['device']}: tokens/s at "
+             f"{rows[0]['points'][0]['seqs']}x{rows[0]['points'][0]['new_tokens']}, then kernel seconds of a profiled "
+             f"{p['seqs']}x{p['new_tokens']} rollout (attention's KV floor in brackets)", "",
+             "| engine | tokens/s | vs bf16 | of floor | kernels | " + " | ".join(categories)
+             + " | recorded kernels cover |",
+             "|---|" + "---|" * (len(categories) + 5)]  # fmt: skip
+    for r in rows:
+        point, prof, ms = r["points"][0], r["profile"], by_engine[r["engine"]]
+        total = sum(prof["kernel_ms_by_category"].values())
+        cells = [f"{ms[c] / 1e3:.2f}" if c in ms else "-" for c in categories]
+        if "attention" in categories:
+            cells[categories.index("attention")] += f" ({prof['attention_kv_floor_ms'] / 1e3:.2f})"
+        ratio = f"{point['tokens_per_s'] / base:.2f}x" if base else "-"
+        lines.append(f"| {r['engine']} | {point['tokens_per_s']:.0f} | {ratio} | {point['of_floor']:.0%} | "
+                     f"{total / 1e3:.2f} | " + " | ".join(cells) + f" | {sum(ms.values()) / total:.1%} |")  # fmt: skip
+    return [*lines, ""]
+
+
 def plot_rollout(result: dict, out: Path, plt) -> Path:
     table = rollout_points(result)
     engines = list(table)
@@ -229,7 +280,8 @@ LONG_TASKS = ("chain", "trace")  # the long-completion tasks (`run_grpo.py --tas
 
 
 def tables(results: Path) -> str:
-    """The report's tables as Markdown, from the JSON: GRPO step time and the convergence runs."""
+    """The report's tables as Markdown, from the JSON: GRPO step time, the convergence runs and the long regime's
+    profiled rollouts."""
     lines = []
     for _, result in speed_results(results):
         rows = {r["name"]: r["step_time"] for r in _speed_rows(result)}
@@ -263,6 +315,8 @@ def tables(results: Path) -> str:
             )  # fmt: skip
     for task in LONG_TASKS:
         lines += long_task_table(_convergence_runs(results, task), task)
+    for result in _load(results.glob("rollout_long_*.json"))[:1]:
+        lines += rollout_profile_table(result)
     return "\n".join(lines)
 
 
@@ -326,8 +380,9 @@ def main(argv=None) -> list[Path]:
         if long_runs:
             written += plot_convergence(long_runs, out, plt, prefix=f"convergence_{task}")
             written += [p for p in [plot_mismatch_by_position(long_runs, out, plt, f"convergence_{task}")] if p]
-    for result in _load(results.glob("rollout_*.json"))[:1]:
-        written.append(plot_rollout(result, out, plt))
+    rollout = rollout_result(results)
+    if rollout:
+        written.append(plot_rollout(rollout, out, plt))
     for stem, result in speed_results(results):
         written.append(plot_step_time(result, out, plt, stem))
     for result in _load(results.glob("linear_*.json"))[:1]:

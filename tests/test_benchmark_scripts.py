@@ -134,7 +134,8 @@ def test_linear_and_gemm_benchmarks_run_at_smoke_size(tmp_path):
 def test_grpo_medians_leave_out_the_profiled_step_and_after(tmp_path):
     """bench_grpo times the steps after the warm-up and before the profiled one (reading a profile takes tens of
     seconds and lands in the next step); `--resummarize` recomputes a results file's medians from its per-step
-    times; the kernel categories do not file `gpu_kernel_impl_nocast` elementwise kernels under casts."""
+    times; the kernel categories do not file `gpu_kernel_impl_nocast` elementwise kernels under casts, and file
+    vLLM's block-FP8 GEMM and activation quantizers as FP8."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from bench_grpo import median_steps, model_positions, step_medians
     from common import KERNEL_CATEGORIES
@@ -173,6 +174,18 @@ def test_grpo_medians_leave_out_the_profiled_step_and_after(tmp_path):
     )
     flash = "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4, false, false, cutlass::bfloat16_t"
     assert category(flash) == "attention"
+    # vLLM's block-FP8 rollout kernels, as named in the 2026-11-24 kvprofile (H200, vLLM 0.26)
+    assert (
+        category("void cutlass::device_kernel<vllm::cutlass_3x_gemm_fp8_blockwise<cutlass::bfloat16_t, 1, 128")
+        == "gemm, fp8"
+    )
+    assert category("nvjet_sm90_tst_192x64_64x6_1x2_h_bz_TNT") == "gemm, bf16"
+    for quantizer in (
+        "void vllm::rms_norm_per_block_quant_kernel<c10::BFloat16, c10::Float8_e4m3fn, true, true, 128>",
+        "void vllm::silu_and_mul_per_block_quant_kernel<c10::BFloat16, c10::Float8_e4m3fn, true, 128>",
+        "void per_token_group_quant_8bit_kernel<c10::BFloat16, c10::Float8_e4m3fn, true, false, float>",
+    ):
+        assert category(quantizer) == "fp8 quantization (vLLM)"
     assert category("nvjet_sm90_qqtst_128x128_128x6_2x1_v_bz_coopA_algo2_Ablk128_Bvec128_TNN") == "gemm, fp8"
     assert category("void deep_gemm::sm90_fp8_gemm_1d2d_impl<(cute::UMMA::Major)0, 0u, 12288u") == "gemm, fp8"
     assert category("nvjet_sm90_tst_192x192_64x4_2x1_v_bz_coopB_TNN") == "gemm, bf16"
@@ -320,13 +333,15 @@ def test_parallel_runs_stop_level_at_the_deadline(tmp_path):
 
 def test_speed_regimes_and_long_task_runs_get_their_own_tables_and_plots(tmp_path):
     """`grpo_speed_<device>.json` (64 x 1k) and `grpo_speed_long_<device>.json` each get a table and a plot (a dated
-    file is an earlier run, left out); a long-completion task's runs get the accuracy-and-mismatch table."""
+    file is an earlier run, left out); a long-completion task's runs get the accuracy-and-mismatch table; the
+    rollout plot draws `rollout_<device>.json`, and the long regime's profiled rollouts get a table whose kernel
+    categories are recomputed from the recorded kernels."""
     import matplotlib
 
     matplotlib.use("Agg")
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from plot_results import main as plot_results
-    from plot_results import speed_results, tables
+    from plot_results import rollout_result, speed_results, tables
 
     def speed(completion_len, step_s):
         rows = [{"name": name, "step_time": {"step_s": t, "rollout_s": t / 2, "training_s": t / 2, "weight_sync_s": 0.0}}
@@ -353,11 +368,35 @@ def test_speed_regimes_and_long_task_runs_get_their_own_tables_and_plots(tmp_pat
         "held_out": [*run["held_out"], {"step": 2, "held_out_accuracy": 0.4}],
     }
     (tmp_path / "convergence_chain_seed1" / "grpo_fp8_cpu.json").write_text(json.dumps(later))
+
+    def rollout(engine, tokens_per_s, profile=None):
+        point = {"seqs": 128, "new_tokens": 4096, "tokens_per_s": tokens_per_s, "of_floor": 0.5}
+        return {"engine": engine, "points": [point], **({"profile": profile} if profile else {})}
+
+    def profile(kernels):  # as bench_rollout records it: the file's own categories, and the heaviest kernels
+        return {"seqs": 128, "new_tokens": 1024, "attention_kv_floor_ms": 1000.0,
+                "kernel_ms_by_category": {"stale": sum(kernels.values())},
+                "top_kernels": [{"name": name, "ms": ms, "count": 1} for name, ms in kernels.items()]}  # fmt: skip
+
+    shape = {"name": "1.7b"}
+    (tmp_path / "rollout_cpu.json").write_text(
+        json.dumps({"device": "cpu", "shape": shape, "results": [rollout("bf16", 100.0)]})
+    )
+    bf16 = profile({"flash_fwd_kernel": 3000.0, "nvjet_sm90_tst_192x64": 1000.0})
+    fp8 = profile({"flash_fwd_kernel": 3000.0, "cutlass_3x_gemm_fp8_blockwise": 1500.0,
+                   "silu_and_mul_per_block_quant_kernel": 400.0, "unknown": 100.0})  # fmt: skip
+    long = [rollout("bf16", 100.0, bf16), rollout("fp8_cutlass", 90.0, fp8)]
+    (tmp_path / "rollout_long_cpu.json").write_text(json.dumps({"device": "cpu", "shape": shape, "results": long}))
+    assert rollout_result(tmp_path)["results"] == [rollout("bf16", 100.0)]
     text = tables(tmp_path)
+    assert "| engine | tokens/s | vs bf16 | of floor | kernels | attention | gemm, fp8 | gemm, bf16 |" in text
+    assert "| fp8_cutlass | 90 | 0.90x | 50% | 5.00 | 3.00 (1.00) | 1.50 | - | 0.40 | 0.10 | 100.0% |" in text
+    assert "| bf16 | 100 | 1.00x | 50% | 4.00 | 3.00 (1.00) | - | 1.00 | - | - | 100.0% |" in text
     assert "1.7b shape, 128 x 1024 tokens" in text and "1.7b shape, 128 x 4096 tokens" in text
     assert "| unified | 5.00 |" in text and "| unified | 20.00 |" in text and "99.00" not in text
     assert "| fp8 | 0 | 30.00 | 35.00 | 1 | 35.00 | 0.250 | 1.00e-03 | 4.00e-03 (from 512) |" in text
     assert "| fp8 | 1 | 30.00 | 35.00 | 2 | 40.00 |" in text  # step 1: the last step both seeds evaluated
     assert "| fp8 | 1.00e-03 | 4.00e-03 | 4.0x |" in text  # the per-bucket table: from 0, from 512, last / first
     names = {p.name for p in plot_results(["--results", str(tmp_path), "--out", str(tmp_path / "plots")])}
-    assert {"grpo_step_time.png", "grpo_step_time_long.png", "convergence_chain_mismatch_by_position.png"} <= names
+    assert {"grpo_step_time.png", "grpo_step_time_long.png", "convergence_chain_mismatch_by_position.png",
+            "rollout_throughput.png"} <= names  # fmt: skip

@@ -51,6 +51,9 @@ def test_results_notebook_redraws_the_committed_results(tmp_path):
     for _, speed in speed_results(results):  # each regime: 64 x 1k, and the long one once it has run
         for row in speed["results"]:
             assert f"| {row['name']} | {row['step_time']['step_s']:.2f} |" in outputs
+    for profiled in results.glob("rollout_long_*.json"):  # the long regime's profiled rollouts, every engine
+        for row in json.loads(profiled.read_text())["results"]:
+            assert f"| {row['engine']} | {row['points'][0]['tokens_per_s']:.0f} |" in outputs
     runs = list(results.glob("convergence*/grpo_*.json"))
     for run in map(json.loads, (p.read_text() for p in runs)):
         final = 100 * run["held_out"][-1]["held_out_accuracy"]
