@@ -117,16 +117,20 @@ KERNEL_CATEGORIES = (
 )
 
 
+def kernel_category(name: str) -> str:
+    """Where a CUDA kernel's time goes, by its name (`KERNEL_CATEGORIES`)."""
+    import re
+
+    return next((c for c, pattern in KERNEL_CATEGORIES if re.search(pattern, name.lower())), "other")
+
+
 def kernel_breakdown(prof, top: int = 25) -> dict:
     """GPU kernel milliseconds of a profiled phase (a training step, a rollout) by category, and the heaviest
     kernels."""
-    import re
-
     kernels = [e for e in device_kernel_events(prof) if e.self_device_time_total > 0]
     by_category: dict[str, float] = {}
     for e in kernels:
-        name = e.key.lower()
-        category = next((c for c, pattern in KERNEL_CATEGORIES if re.search(pattern, name)), "other")
+        category = kernel_category(e.key)
         by_category[category] = by_category.get(category, 0.0) + e.self_device_time_total / 1e3
     heaviest = sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]
     return {

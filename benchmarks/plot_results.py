@@ -131,11 +131,9 @@ def rollout_result(results: Path) -> dict | None:
 def rollout_profile_table(result: dict) -> list[str]:
     """Per engine of a profiled bench_rollout run (`run_rollout_report.sh kvprofile`): throughput against BF16 and
     its floor, then the profiled rollout's GPU kernel time by category. The categories are recomputed from the
-    heaviest kernels the file records with today's `KERNEL_CATEGORIES` (the file's own may predate a name), and the
+    heaviest kernels the file records with today's `kernel_category` (the file's own may predate a name), and the
     share of the kernel time those kernels cover is shown."""
-    import re
-
-    from common import KERNEL_CATEGORIES
+    from common import kernel_category
 
     rows = [r for r in result["results"] if "profile" in r]
     if not rows:
@@ -144,8 +142,7 @@ def rollout_profile_table(result: dict) -> list[str]:
     for r in rows:
         ms = {}
         for k in r["profile"]["top_kernels"]:
-            name = k["name"].lower()
-            category = next((c for c, pattern in KERNEL_CATEGORIES if re.search(pattern, name)), "other")
+            category = kernel_category(k["name"])
             ms[category] = ms.get(category, 0.0) + k["ms"]
         by_engine[r["engine"]] = ms
     categories = sorted(

@@ -138,7 +138,7 @@ def test_grpo_medians_leave_out_the_profiled_step_and_after(tmp_path):
     vLLM's block-FP8 GEMM and activation quantizers as FP8."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from bench_grpo import median_steps, model_positions, step_medians
-    from common import KERNEL_CATEGORIES
+    from common import kernel_category as category
 
     assert model_positions(128, 1024) == 4096 and model_positions(128, 4096) == 8192  # the long regime's context
 
@@ -160,11 +160,6 @@ def test_grpo_medians_leave_out_the_profiled_step_and_after(tmp_path):
     assert result["settings"]["median_steps"] == [1, 2]
     assert result["results"][0]["step_time"] == {"step_s": 11.0, "rollout_s": 4.0, "weight_sync_s": 0.5,
                                                  "training_s": 6.5}  # fmt: skip
-
-    import re
-
-    def category(name):
-        return next((c for c, pattern in KERNEL_CATEGORIES if re.search(pattern, name.lower())), "other")
 
     elementwise = "void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast<at::native::BinaryFunctor<c10::BFloat16>"
     assert category(elementwise) != "copies / casts"
