@@ -202,13 +202,22 @@ def _speed_rows(result: dict) -> list[dict]:
     return sorted(result["results"], key=lambda r: RUN_ORDER.index(r["name"]) if r["name"] in RUN_ORDER else 99)
 
 
+# plot stem -> the prefix of bench_grpo's result files it draws
+SPEED_FILES = {"grpo_step_time": "grpo_speed_", "grpo_step_time_four": "grpo_speed_four_",
+               "grpo_step_time_long": "grpo_speed_long_"}  # fmt: skip
+
+
 def speed_results(results: Path) -> list[tuple[str, dict]]:
-    """`(plot stem, bench_grpo result)` per regime that has a result: the 64 x 1k one (`grpo_speed_<device>.json`;
-    dated files are earlier runs) and the long one (`grpo_speed_long_<device>.json`, the report's `long` phase)."""
+    """`(plot stem, bench_grpo result)` per set of runs that has a result: the 64 x 1k variants of unified FP8
+    (`grpo_speed_<device>.json`; dated files are earlier runs), the report's four flows at 64 x 1k (`four` phase,
+    `grpo_speed_four_<device>.json`) and in the long regime (`long` phase, `grpo_speed_long_<device>.json`)."""
     paths = sorted(results.glob("grpo_speed_*.json"))  # "<device>.json" sorts before "<device>_<date>.json"
-    regimes = {"grpo_step_time": [p for p in paths if not p.name.startswith("grpo_speed_long_")],
-               "grpo_step_time_long": [p for p in paths if p.name.startswith("grpo_speed_long_")]}  # fmt: skip
-    return [(stem, json.loads(found[0].read_text())) for stem, found in regimes.items() if found]
+
+    def prefix(path: Path) -> str:  # the longest prefix that names the file
+        return max((p for p in SPEED_FILES.values() if path.name.startswith(p)), key=len)
+
+    found = {stem: [p for p in paths if prefix(p) == pre] for stem, pre in SPEED_FILES.items()}
+    return [(stem, json.loads(files[0].read_text())) for stem, files in found.items() if files]
 
 
 def _regime(result: dict) -> str:
@@ -283,7 +292,7 @@ def tables(results: Path) -> str:
     for _, result in speed_results(results):
         rows = {r["name"]: r["step_time"] for r in _speed_rows(result)}
         base = rows.get("trl_bf16")
-        lines += [f"GRPO step time, {_regime(result)}, {result['device']} (median s per step)", "",
+        lines += [f"GRPO step time, {_regime(result)}, {result['device']}, {result['date']} (median s per step)", "",
                   "| run | step | rollout | training | weight sync | speed-up: step / rollout / training |",
                   "|---|---|---|---|---|---|"]  # fmt: skip
         for name, t in rows.items():

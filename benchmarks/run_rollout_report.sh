@@ -12,6 +12,7 @@
 #   bash benchmarks/run_rollout_report.sh gemm      # bench_gemm alone
 #   bash benchmarks/run_rollout_report.sh quant     # bench_quant: our quantization kernels against the HBM floor
 #   bash benchmarks/run_rollout_report.sh grpo      # bench_grpo ($GRPO_RUNS), TRL BF16 vs unified FP8, profiled
+#   bash benchmarks/run_rollout_report.sh four      # bench_grpo: the four runs of `long` at 64 x 1024 on the 8B shape
 #   bash benchmarks/run_rollout_report.sh long      # bench_grpo's long regime ($LONG_RUNS): 128 x 4096 tokens, 1.7B
 #   bash benchmarks/run_rollout_report.sh kvprofile # the long regime's rollout (1.7B, 128 x 4096), kernel time profiled
 #   bash benchmarks/run_rollout_report.sh chain     # pre-train the long-completion model, GRPO x 5 settings x 2 seeds
@@ -105,6 +106,14 @@ grpo)
   MASTER_PORT=29610 timed grpo python benchmarks/bench_grpo.py --shape 8b --optim adamw_bnb_8bit \
     --runs ${GRPO_RUNS:-trl_bf16 unified unified_deepgemm unified_nocache} --steps 6 --warmup 1 --profile_step 5 \
     --out "$work/grpo_speed_$device.json"
+  ;;
+four)  # report v2's first regime: the four runs of `long` (with FP8 rollouts and the FP8 KV cache) at the grpo phase's
+  # 8B shape and 64 x 1024 tokens, with today's defaults. DeepGEMM's warm-up is skipped as in `long`: the first FP8
+  # run's untimed step 0 compiles its kernels; medians of steps 1-3.
+  # shellcheck disable=SC2086
+  VLLM_DEEP_GEMM_WARMUP=${VLLM_DEEP_GEMM_WARMUP:-skip} MASTER_PORT=29640 timed grpo_four python benchmarks/bench_grpo.py \
+    --shape 8b --optim adamw_bnb_8bit --runs ${FOUR_RUNS:-trl_bf16 fp8_rollout unified unified_fp8kv} \
+    --steps "${FOUR_STEPS:-4}" --warmup 1 --out "$work/grpo_speed_four_$device.json"
   ;;
 long)  # the long regime: 128 completions of 4096 tokens per step on the Qwen3-1.7B shape: a step of 80-90 s on an H200
   # (0.5M tokens to generate and to train on). LONG_STEPS=3 (default) times step 1 and profiles step 2's training;

@@ -327,10 +327,10 @@ def test_parallel_runs_stop_level_at_the_deadline(tmp_path):
 
 
 def test_speed_regimes_and_long_task_runs_get_their_own_tables_and_plots(tmp_path):
-    """`grpo_speed_<device>.json` (64 x 1k) and `grpo_speed_long_<device>.json` each get a table and a plot (a dated
-    file is an earlier run, left out); a long-completion task's runs get the accuracy-and-mismatch table; the
-    rollout plot draws `rollout_<device>.json`, and the long regime's profiled rollouts get a table whose kernel
-    categories are recomputed from the recorded kernels."""
+    """`grpo_speed_<device>.json` (64 x 1k), `grpo_speed_four_<device>.json` and `grpo_speed_long_<device>.json`
+    each get a table and a plot (a dated file is an earlier run, left out); a long-completion task's runs get the
+    accuracy-and-mismatch table; the rollout plot draws `rollout_<device>.json`, and the long regime's profiled
+    rollouts get a table whose kernel categories are recomputed from the recorded kernels."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -347,7 +347,10 @@ def test_speed_regimes_and_long_task_runs_get_their_own_tables_and_plots(tmp_pat
     (tmp_path / "grpo_speed_cpu.json").write_text(speed(1024, 10.0))
     (tmp_path / "grpo_speed_cpu_2026-01-01.json").write_text(speed(1024, 99.0))
     (tmp_path / "grpo_speed_long_cpu.json").write_text(speed(4096, 40.0))
-    assert [stem for stem, _ in speed_results(tmp_path)] == ["grpo_step_time", "grpo_step_time_long"]
+    (tmp_path / "grpo_speed_four_cpu.json").write_text(speed(1024, 30.0))
+    found = speed_results(tmp_path)
+    assert [stem for stem, _ in found] == ["grpo_step_time", "grpo_step_time_four", "grpo_step_time_long"]
+    assert [r["results"][0]["step_time"]["step_s"] for _, r in found] == [10.0, 30.0, 40.0]
     chain = tmp_path / "convergence_chain"
     chain.mkdir()
     steps = [{"step": 1, "reward": 0.25, "fp8/mismatch/pos_0_63/abs_logp_diff_mean": 0.001,
@@ -389,9 +392,10 @@ def test_speed_regimes_and_long_task_runs_get_their_own_tables_and_plots(tmp_pat
     assert "| bf16 | 100 | 1.00x | 50% | 4.00 | 3.00 (1.00) | - | 1.00 | - | - | 100.0% |" in text
     assert "1.7b shape, 128 x 1024 tokens" in text and "1.7b shape, 128 x 4096 tokens" in text
     assert "| unified | 5.00 |" in text and "| unified | 20.00 |" in text and "99.00" not in text
+    assert "| unified | 15.00 |" in text  # the four flows at 64 x 1k: a table of their own
     assert "| fp8 | 0 | 30.00 | 35.00 | 1 | 35.00 | 0.250 | 1.00e-03 | 4.00e-03 (from 512) |" in text
     assert "| fp8 | 1 | 30.00 | 35.00 | 2 | 40.00 |" in text  # step 1: the last step both seeds evaluated
     assert "| fp8 | 1.00e-03 | 4.00e-03 | 4.0x |" in text  # the per-bucket table: from 0, from 512, last / first
     names = {p.name for p in plot_results(["--results", str(tmp_path), "--out", str(tmp_path / "plots")])}
-    assert {"grpo_step_time.png", "grpo_step_time_long.png", "convergence_chain_mismatch_by_position.png",
-            "rollout_throughput.png"} <= names  # fmt: skip
+    assert {"grpo_step_time.png", "grpo_step_time_four.png", "grpo_step_time_long.png",
+            "convergence_chain_mismatch_by_position.png", "rollout_throughput.png"} <= names  # fmt: skip
