@@ -48,6 +48,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+DECODER_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                   "mlp.up_proj", "mlp.down_proj")  # fmt: skip
+
+
+def layer_names(i: int) -> list[str]:
+    """The linear layers of decoder layer `i` of a (tiny) Qwen3, in transformers names."""
+    return [f"model.layers.{i}.{p}" for p in DECODER_LINEARS]
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """||out - ref|| / ||ref|| in float64."""
     ref = ref.double()

@@ -10,14 +10,7 @@ from torch import nn
 from trl_fp8 import FP8Linear, FP8LinearConfig, convert_to_fp8, fp8_recipe_of, is_fp8_linear
 from trl_fp8.tiny_model import tiny_qwen3
 
-from conftest import rel_err
-
-PROJ = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-        "mlp.up_proj", "mlp.down_proj"]  # fmt: skip
-
-
-def layer_names(i):
-    return [f"model.layers.{i}.{p}" for p in PROJ]
+from conftest import layer_names, rel_err
 
 
 def test_converts_every_projection_and_keeps_lm_head():
@@ -57,6 +50,24 @@ def test_misfit_dims_are_kept_with_a_warning():
         report = convert_to_fp8(model)
     assert report.converted == ["0"]
     assert report.kept == {"1": "dims not multiples of 128", "2": "dims not multiples of 128"}
+
+
+def test_layers_vllm_fuses_are_all_fp8_or_all_kept_with_the_reason():
+    """GQA with 64-wide k/v projections (k, v cannot be 128x128-blocked): q is kept with them, since vLLM runs q/k/v
+    as one qkv_proj; likewise gate with up when a filter keeps up. Export then works instead of failing after
+    training."""
+    model = tiny_qwen3(num_attention_heads=2, num_key_value_heads=1, head_dim=64)
+    with pytest.warns(UserWarning, match="not multiples of 128"):
+        report = convert_to_fp8(model, module_filter_fn=lambda mod, fqn: fqn != "model.layers.2.mlp.up_proj")
+    for i in range(4):
+        assert report.kept[f"model.layers.{i}.self_attn.k_proj"] == "dims not multiples of 128"
+        assert report.kept[f"model.layers.{i}.self_attn.q_proj"] == (
+            "vLLM fuses it with k_proj (dims not multiples of 128), v_proj (dims not multiples of 128)")  # fmt: skip
+        assert f"model.layers.{i}.self_attn.o_proj" in report.converted
+    assert report.kept["model.layers.2.mlp.gate_proj"] == "vLLM fuses it with up_proj (module_filter_fn)"
+    assert "model.layers.1.mlp.gate_proj" in report.converted
+    assert not is_fp8_linear(model.model.layers[0].self_attn.q_proj)
+    assert "vLLM fuses it with k_proj" in report.summary()
 
 
 def test_converting_twice_is_a_noop_and_another_recipe_raises():

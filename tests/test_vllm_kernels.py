@@ -94,7 +94,7 @@ def test_server_command_names_the_kernel_settings():
 def test_config_validates_the_backend():
     with pytest.raises(ValueError, match="unknown"):
         FP8GRPOConfig(output_dir="unused", use_cpu=True, bf16=False, vllm_fp8_backend="marlin")
-    with pytest.raises(ValueError, match="rollout_precision='bf16'"):
+    with pytest.raises(ValueError, match="vllm_fp8_backend='deepgemm' sets up vLLM rollouts, but use_vllm=False"):
         FP8GRPOConfig(output_dir="unused", use_cpu=True, bf16=False, fp8_recipe=None, vllm_fp8_backend="deepgemm")
     assert FP8GRPOConfig(output_dir="unused", use_cpu=True, bf16=False).vllm_fp8_backend == "auto"
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, FP8Linear, convert_to_fp8
-from trl_fp8.export import fp8_module_names
+from trl_fp8.export import checkpoint_config, fp8_module_names, linear_module_names
 from trl_fp8.kv_scales import AttentionScaleObserver
 from trl_fp8.tiny_model import tiny_char_tokenizer, tiny_qwen3
 from trl_fp8.toy_task import GRPO_SETTINGS, say_letter_dataset, say_letter_reward
@@ -25,7 +25,7 @@ from trl_fp8.vllm_sync import (
     write_engine_config,
 )
 
-from conftest import assert_fp8_equal
+from conftest import assert_fp8_equal, layer_names
 
 
 def fp8_model(**kwargs):
@@ -168,12 +168,16 @@ def test_engine_folder_has_configs_and_tokenizer_but_no_weights(tmp_path):
     assert "quantization_config" not in json.loads((tmp_path / "bf16" / "config.json").read_text())
 
 
-def _server_info(tmp_path, model, quantization="fp8", cache_dtype="auto", **config_overrides):
-    """The /server_info tree a real `trl vllm-serve` returned on the GPU host, pointed at a served folder here."""
+def _server_info(tmp_path, model, quantization="fp8", cache_dtype="auto", *, online=False, **config_overrides):
+    """The /server_info tree a real `trl vllm-serve` returned on the GPU host, pointed at a served folder here: our
+    block-FP8 checkpoint of `model` when `quantization="fp8"`, or (`online=True`) the BF16 model vLLM quantizes."""
     info = json.loads((Path(__file__).parent / "data" / "vllm_server_info.json").read_text())
     served = tmp_path / f"served-{len(list(tmp_path.iterdir()))}"
     served.mkdir()
-    config = {**model.config.to_dict(), "architectures": ["Qwen3ForCausalLM"], **config_overrides}
+    config = {**model.config.to_dict(), "architectures": ["Qwen3ForCausalLM"]}
+    if quantization == "fp8" and not online:
+        config = checkpoint_config(model, fp8_module_names(model), linear_module_names(model), torch.bfloat16)
+    config.update(config_overrides)
     (served / "config.json").write_text(json.dumps(config))
     info["model_config"].update(model=str(served), quantization=quantization)
     info["cache_config"]["cache_dtype"] = cache_dtype
@@ -185,7 +189,7 @@ def test_server_checks_name_the_fix(tmp_path):
     check_server_config(_server_info(tmp_path, model), model, "fp8", fp8_kv_cache=False)
     check_server_config(_server_info(tmp_path, model, None), model, "bf16", fp8_kv_cache=False)
     check_server_config(_server_info(tmp_path, model, "fp8", "fp8"), model, "fp8", fp8_kv_cache=True)
-    with pytest.raises(ValueError, match="trl-fp8-quantize"):
+    with pytest.raises(ValueError, match="trl-fp8 quantize"):
         check_server_config(_server_info(tmp_path, model, None), model, "fp8", fp8_kv_cache=False)
     with pytest.raises(ValueError, match="--quantization fp8"):
         check_server_config(_server_info(tmp_path, model, None), model, "fp8_online", fp8_kv_cache=False)
@@ -221,6 +225,56 @@ def test_server_checks_name_the_fix(tmp_path):
     remote = _server_info(tmp_path, model, hidden_size=512)
     remote["model_config"]["model"] = "/nonexistent/fp8"
     check_server_config(remote, model, "fp8", fp8_kv_cache=False)
+
+
+def test_server_quantization_must_be_the_trainers_block_fp8_layout(tmp_path, caplog, monkeypatch):
+    """vLLM reports quantization="fp8" for a block-FP8 checkpoint and for a BF16 model it quantizes online alike:
+    the served model's own quantization_config tells them apart, and its high-precision layers must be ours."""
+    model = fp8_model()
+    online = _server_info(tmp_path, model, online=True)  # `--quantization fp8` on the BF16 model
+    with pytest.raises(ValueError, match="quantizes a BF16 checkpoint itself.*trl-fp8 quantize"):
+        check_server_config(online, model, "fp8", fp8_kv_cache=False)
+    check_server_config(online, model, "fp8_online", fp8_kv_cache=False)
+    with pytest.raises(ValueError, match="pushes BF16 weights for vLLM to quantize, but the server serves a 'fp8'"):
+        check_server_config(_server_info(tmp_path, model), model, "fp8_online", fp8_kv_cache=False)
+    # A checkpoint with other BF16 layers than the trainer's (made without its num_first_layers_in_bf16=1).
+    kept_first = tiny_qwen3()
+    convert_to_fp8(kept_first, num_first_layers_in_bf16=1)
+    with pytest.raises(
+        ValueError, match=r"FP8 on the server: model.layers.0.mlp.down_proj.*--num_first_layers_in_bf16"
+    ):
+        check_server_config(_server_info(tmp_path, model), kept_first, "fp8", fp8_kv_cache=False)
+    check_server_config(_server_info(tmp_path, kept_first), kept_first, "fp8", fp8_kv_cache=False)
+    with pytest.raises(ValueError, match="FP8 in the trainer, BF16 on the server"):
+        check_server_config(_server_info(tmp_path, kept_first), model, "fp8", fp8_kv_cache=False)
+    # The trainer's export plan (BF16 training, FP8 rollouts) is what counts, when given.
+    plain = tiny_qwen3()
+    planned = fp8_module_names(kept_first)
+    check_server_config(_server_info(tmp_path, kept_first), plain, "fp8", False, fp8_modules=planned)
+    other_block = _server_info(tmp_path, model)
+    served = Path(other_block["model_config"]["model"]) / "config.json"
+    config = json.loads(served.read_text())
+    config["quantization_config"]["weight_block_size"] = [64, 64]
+    served.write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"weight_block_size=\[64, 64\], not the 128x128 block FP8"):
+        check_server_config(other_block, model, "fp8", fp8_kv_cache=False)
+    # A server on another host serving a Hub id: its config.json comes from the Hub (here a stand-in download).
+    import huggingface_hub
+
+    remote = _server_info(tmp_path, model, online=True)
+    folder = remote["model_config"]["model"]
+    remote["model_config"]["model"] = "someone/tiny-bf16"
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda repo, name, revision=None: f"{folder}/{name}")
+    with pytest.raises(ValueError, match="quantizes a BF16 checkpoint itself"):
+        check_server_config(remote, model, "fp8", fp8_kv_cache=False)
+
+    def offline(*args, **kwargs):
+        raise OSError("no network")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
+    with caplog.at_level("WARNING", logger="trl_fp8.vllm_sync"):
+        check_server_config(remote, model, "fp8", fp8_kv_cache=False)
+    assert "cannot be checked" in caplog.text
 
 
 def test_server_kernel_check_reports_the_served_kernel_and_warns_on_another(caplog):
@@ -411,6 +465,51 @@ def test_lora_fp8_rollouts_push_every_engine_fp8_layer_in_fp8(fake_vllm, tmp_pat
             module, "base_layer") else module.weight.detach()  # fmt: skip
         assert_fp8_equal(pushed[f"{name}.weight"], pushed[f"{name}.weight_scale_inv"], weight)
     assert not any("lora" in n or "base_layer" in n for n in pushed)
+
+
+def test_bf16_training_fp8_rollouts_follow_the_runs_layer_choices(fake_vllm, tmp_path):
+    """BF16 training, FP8 rollouts: the engine's FP8 layers and the pushed tensors follow num_first_layers_in_bf16
+    and fp8_module_filter_fn (they used to be everything but lm_head), with power-of-two scales when asked."""
+    tokenizer = tiny_char_tokenizer()
+    args = FP8GRPOConfig(
+        **{**GRPO_SETTINGS, "per_device_train_batch_size": 16}, output_dir=str(tmp_path), use_cpu=True, bf16=False,
+        use_vllm=True, vllm_mode="colocate", fp8_recipe=None, rollout_precision="fp8", num_last_layers_in_bf16=1,
+        fp8_power_of_two_scales=True,
+    )  # fmt: skip
+    trainer = FP8GRPOTrainer(tiny_qwen3(vocab_size=128, eos_token_id=tokenizer.eos_token_id, pad_token_id=0),
+                             say_letter_reward, args, train_dataset=say_letter_dataset(64), processing_class=tokenizer,
+                             fp8_module_filter_fn=lambda mod, fqn: not fqn.endswith("o_proj"))  # fmt: skip
+    generation = trainer.vllm_generation
+    kept = set(json.loads((generation.engine_dir / "config.json").read_text())["quantization_config"][
+        "modules_to_not_convert"])  # fmt: skip
+    assert kept == {"lm_head", *layer_names(3), *(f"model.layers.{i}.self_attn.o_proj" for i in range(3))}
+    generation.sync_weights()
+    pushed = dict(fake_vllm.instances[0].pushed)
+    assert pushed["model.layers.3.mlp.up_proj.weight"].dtype == torch.bfloat16
+    assert pushed["model.layers.1.self_attn.o_proj.weight"].dtype == torch.bfloat16
+    scale = pushed["model.layers.1.mlp.up_proj.weight_scale_inv"]
+    assert torch.equal(scale, torch.exp2(torch.log2(scale).round()))  # what the exported checkpoint holds too
+
+
+def test_dora_rollouts_push_the_weight_peft_merges(fake_vllm, tmp_path):
+    import copy
+
+    from peft import LoraConfig
+
+    trainer = _tiny_trainer(
+        tmp_path,
+        peft_config=LoraConfig(
+            r=4, target_modules=["q_proj", "v_proj"], use_dora=True, init_lora_weights=False
+        ),  # fmt: skip
+    )
+    trainer.vllm_generation.sync_weights()
+    pushed = dict(fake_vllm.instances[0].pushed)
+    merged = copy.deepcopy(trainer.model).merge_and_unload()
+    for name in ("model.layers.0.self_attn.q_proj", "model.layers.3.self_attn.v_proj"):
+        assert_fp8_equal(
+            pushed[f"{name}.weight"], pushed[f"{name}.weight_scale_inv"], merged.get_submodule(name).weight
+        )
+    assert not any("lora" in n or "magnitude" in n for n in pushed)
 
 
 def test_no_tis_and_no_mismatch_logging_leave_trls_importance_sampling_off(fake_vllm, tmp_path, model_batch):

@@ -89,6 +89,11 @@ class FP8LinearConfig:
                 f"block_size={self.block_size} is not supported: cuBLAS blockwise FP8 GEMMs and vLLM block-FP8 "
                 "checkpoints use 128. Set block_size=128."
             )
+        if self.recipe != "blockwise" and self.backend in ("scaled_mm", "deepgemm"):
+            raise ValueError(
+                f"backend={self.backend!r} picks the kernels of the blockwise recipe; torchao's {self.recipe!r} "
+                "recipe runs its own. Use backend='auto' (or 'emulated'), or recipe='blockwise'."
+            )
         if self.recipe != "blockwise" and self.power_of_two_scales:
             raise ValueError(
                 "power_of_two_scales applies to the blockwise recipe only; torchao's rowwise recipe already "

@@ -13,14 +13,24 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .adapters import hf_name, is_adapter_module, tuner_layer_names
 from .config import FP8LinearConfig
 from .fp8_linear import FP8Linear
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ConversionReport", "convert_to_fp8", "plan_fp8_conversion", "is_fp8_linear", "fp8_recipe_of"]
+__all__ = [
+    "FUSED_GROUPS",
+    "ConversionReport",
+    "convert_to_fp8",
+    "plan_fp8_conversion",
+    "is_fp8_linear",
+    "fp8_recipe_of",
+]
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+# vLLM runs each group as one fused layer (qkv_proj, gate_up_proj): its members are all FP8 or all high precision.
+FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 @dataclass
@@ -106,6 +116,7 @@ def plan_fp8_conversion(
         raise ValueError("num_first_layers_in_bf16 and num_last_layers_in_bf16 must be >= 0.")
 
     report = ConversionReport(recipe=config.recipe)
+    tuners = tuner_layer_names(model)
     linears = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.Linear)]
     n_layers = _num_layers(model, [name for name, _ in linears])
     if n_layers and num_first_layers_in_bf16 + num_last_layers_in_bf16 >= n_layers:
@@ -130,13 +141,14 @@ def plan_fp8_conversion(
                 )
             report.converted.append(name)
             continue
-        reason = _keep_reason(name, mod, config, head_weight, bf16_layers, module_filter_fn)
+        reason = _keep_reason(name, mod, config, head_weight, bf16_layers, module_filter_fn, tuners)
         if reason is None:
             to_convert.append((name, mod))
             continue
         report.kept[name] = reason
         if reason.startswith("dims"):
             misfits.append(f"{name} {tuple(mod.weight.shape)}")
+    to_convert = _keep_fused_groups_together(to_convert, report)
     if misfits and warn:
         warnings.warn(
             f"{len(misfits)} linear layer(s) kept in high precision because their dims are not multiples of "
@@ -160,10 +172,12 @@ def convert_to_fp8(
     """Convert the eligible `nn.Linear` layers of `model` to FP8, in place.
 
     Kept in high precision, with the reason in the report: the LM head (and any linear sharing the embedding
-    weight), LoRA adapter layers, the first/last `num_*_layers_in_bf16` decoder layers (counted from the
-    `layers.<i>.` index in module names), layers rejected by `module_filter_fn(module, fqn)`, and layers whose dims
-    are not multiples of 128 (16 for torchao's recipes), the last with a warning. Parameter names and `state_dict`
-    keys do not change. Converting an already converted model is a no-op; converting it to another recipe raises.
+    weight), PEFT adapter layers, the first/last `num_*_layers_in_bf16` decoder layers (counted from the
+    `layers.<i>.` index in module names), layers rejected by `module_filter_fn(module, fqn)`, layers whose dims
+    are not multiples of 128 (16 for torchao's recipes), the last with a warning, and the siblings of any of these
+    that vLLM fuses with them (q/k/v, gate/up: one fused layer is all FP8 or all high precision). Parameter names
+    and `state_dict` keys do not change. Converting an already converted model is a no-op; converting it to another
+    recipe raises.
 
     Args:
         model: any `nn.Module`, typically a transformers causal LM (possibly PEFT-wrapped).
@@ -200,12 +214,12 @@ def convert_to_fp8(
     return report
 
 
-def _keep_reason(name, mod, config, head_weight, bf16_layers, module_filter_fn) -> str | None:
-    leaf = name.rsplit(".", 1)[-1]
+def _keep_reason(name, mod, config, head_weight, bf16_layers, module_filter_fn, tuners) -> str | None:
+    leaf = hf_name(name).rsplit(".", 1)[-1]
     if leaf == "lm_head" or (head_weight is not None and mod.weight is head_weight):
         return "lm_head"
-    if "lora_" in name:
-        return "LoRA adapter"
+    if is_adapter_module(name, tuners):
+        return "LoRA adapter" if "lora_" in name else "PEFT adapter"
     if (m := _LAYER_INDEX.search(name)) and int(m.group(1)) in bf16_layers:
         return "first/last layers in bf16"
     if module_filter_fn is not None and not module_filter_fn(mod, name):
@@ -216,6 +230,26 @@ def _keep_reason(name, mod, config, head_weight, bf16_layers, module_filter_fn) 
     if not mod.weight.is_floating_point():
         return f"weight dtype {mod.weight.dtype}"
     return None
+
+
+def _keep_fused_groups_together(
+    to_convert: list[tuple[str, nn.Linear]], report: ConversionReport
+) -> list[tuple[str, nn.Linear]]:
+    """Keep in high precision every layer whose fused-group siblings (vLLM's qkv_proj / gate_up_proj) stay there, so
+    rollouts and the exported checkpoint can load; the report says which sibling and why."""
+    planned = {hf_name(name): name for name, _ in to_convert}
+    kept = {hf_name(name): reason for name, reason in report.kept.items()}
+    held_back: dict[str, str] = {}
+    for clean, name in planned.items():
+        parent, _, leaf = clean.rpartition(".")
+        group = next((g for g in FUSED_GROUPS if leaf in g), None)
+        if group is None:
+            continue
+        blockers = [f"{m} ({kept[f'{parent}.{m}']})" for m in group if f"{parent}.{m}" in kept]
+        if blockers:
+            held_back[name] = f"vLLM fuses it with {', '.join(blockers)}"
+    report.kept.update(held_back)
+    return [(name, mod) for name, mod in to_convert if name not in held_back]
 
 
 def _convert_with_torchao(model: nn.Module, config: FP8LinearConfig, names: set[str], device: torch.device) -> None:

@@ -12,14 +12,22 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from .conversion import is_fp8_linear, plan_fp8_conversion
+from .adapters import (
+    check_adapters_mergeable,
+    hf_name,
+    is_adapter_module,
+    merged_base_parameters,
+    tuner_layer_names,
+    unwrap_model,
+)
+from .checkpoint_folder import replace_checkpoint
+from .conversion import FUSED_GROUPS, is_fp8_linear, plan_fp8_conversion
 from .fp8_linear import FP8Linear, is_sharded
 from .quantization import quantize_blocks
 
@@ -35,29 +43,14 @@ __all__ = [
 ]
 
 QUANTIZATION_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
-# vLLM fuses these projections into one layer, so they must all be FP8 or all be kept.
-FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-_PEFT_MARKERS = re.compile(r"\.base_layer(?=\.|$)|\.modules_to_save\.[^.]+(?=\.|$)")
-
-
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """The transformers model inside DDP / accelerate / PEFT wrappers (LoRA layers stay injected)."""
-    while hasattr(model, "module") and isinstance(model.module, nn.Module):
-        model = model.module
-    get_base = getattr(model, "get_base_model", None)
-    return get_base() if callable(get_base) else model
-
-
-def hf_name(name: str) -> str:
-    """PEFT module/parameter name -> the plain transformers name."""
-    return _PEFT_MARKERS.sub("", name)
+_BASE_LAYER_SUFFIX = re.compile(r"(?:\.base_layer)+$")
 
 
 def fp8_module_names(model: nn.Module) -> set[str]:
     """Names (in `unwrap_model(model)`) of the linear layers the checkpoint stores in FP8.
 
     A converted model: its FP8 layers. A model trained in high precision: the layers `convert_to_fp8` would convert
-    (so a BF16 run can still be served in FP8, the "BF16 train, FP8 rollout" setting).
+    with its default options (the trainer passes its own plan instead, which honours its layer choices).
     """
     hf_model = unwrap_model(model)
     names = {name for name, mod in hf_model.named_modules() if is_fp8_linear(mod)}
@@ -65,21 +58,6 @@ def fp8_module_names(model: nn.Module) -> set[str]:
         report, _ = plan_fp8_conversion(hf_model, warn=False)
         names = set(report.converted)
     return names
-
-
-def _lora_parent(modules: dict[str, nn.Module], name: str):
-    parent = modules.get(name.rsplit(".base_layer", 1)[0]) if name.endswith(".base_layer") else None
-    return parent if parent is not None and hasattr(parent, "get_delta_weight") else None
-
-
-def _merged_weight(module: nn.Module, lora_parent) -> torch.Tensor:
-    weight = module.weight.detach()
-    if lora_parent is None or getattr(lora_parent, "merged", False):
-        return weight
-    for adapter in lora_parent.active_adapters:
-        if adapter in lora_parent.lora_A:
-            weight = weight + lora_parent.get_delta_weight(adapter).to(weight.dtype)
-    return weight
 
 
 def fp8_checkpoint_tensors(
@@ -92,22 +70,27 @@ def fp8_checkpoint_tensors(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(name, tensor)` pairs of the block-FP8 checkpoint of `model`, in transformers names, on its device.
 
-    FP8 layers yield `name.weight` and `name.weight_scale_inv`. An `FP8Linear` without LoRA yields its cached
-    quantized weight (bit for bit what its forward uses); a LoRA-wrapped layer yields its merged weight `W + BA`
-    quantized by the same quantizer; high-precision layers planned for FP8 are quantized here too.
-    `fp8_modules=set()` gives the plain high-precision checkpoint (LoRA still merged). `dtype` casts the
+    FP8 layers yield `name.weight` and `name.weight_scale_inv`. An `FP8Linear` without an adapter yields its cached
+    quantized weight (bit for bit what its forward uses); a layer with a PEFT adapter yields its weight merged by
+    PEFT's own `merge` (`adapters.merged_base_parameters`: LoRA, DoRA, LoHa, IA3, ...) and quantized by the same
+    quantizer; high-precision layers planned for FP8 are quantized here too. Adapter tensors themselves are never
+    yielded; adapters that cannot be merged (prompt tuning, ...) raise naming their type.
+    `fp8_modules=set()` gives the plain high-precision checkpoint (adapters still merged). `dtype` casts the
     high-precision tensors (the FP8 weights and their float32 scales are never cast).
     """
+    check_adapters_mergeable(model)
     hf_model = unwrap_model(model)
     modules = dict(hf_model.named_modules())
+    tuners = set(tuner_layer_names(hf_model))
     fp8_modules = fp8_module_names(model) if fp8_modules is None else fp8_modules
     # Compare in transformers names: the set may have been taken before PEFT wrapped the layers (`q_proj`) while the
     # state dict is read after (`q_proj.base_layer`), or the other way round.
     fp8_modules = {hf_name(n) for n in fp8_modules}
     tie = bool(getattr(getattr(hf_model, "config", None), "tie_word_embeddings", False))
     seen_storage: set[int] = set()
+    merged: tuple[str, dict[str, torch.Tensor]] | None = None  # one tuner layer's merged parameters at a time
     for key, tensor in hf_model.state_dict().items():
-        if "lora_" in key or ".original_module." in key:
+        if is_adapter_module(key, tuners):
             continue
         prefix, _, leaf = key.rpartition(".")
         name = hf_name(key)
@@ -116,29 +99,34 @@ def fp8_checkpoint_tensors(
         if tie and storage in seen_storage:
             continue  # the tied lm_head: vLLM and transformers re-tie it from the embedding
         seen_storage.add(storage)
-        lora_parent = _lora_parent(modules, prefix) if leaf == "weight" else None
+        tuner = _BASE_LAYER_SUFFIX.sub("", prefix) if _BASE_LAYER_SUFFIX.search(prefix) else None
+        merged_tensor = None
+        if tuner in tuners:
+            if merged is None or merged[0] != tuner:
+                merged = (tuner, merged_base_parameters(modules[tuner]))
+            merged_tensor = merged[1].get(leaf)
         if leaf != "weight" or hf_name(prefix) not in fp8_modules:
-            if sharded:  # FSDP2: one whole tensor at a time, gathered by every rank in the same order
+            if merged_tensor is not None:
+                tensor = merged_tensor
+            elif sharded:  # FSDP2: one whole tensor at a time, gathered by every rank in the same order
                 tensor = tensor.full_tensor()
-            if lora_parent is not None:
-                tensor = _merged_weight(modules[prefix], lora_parent)
             if check_finite and tensor.is_floating_point() and not torch.isfinite(tensor).all():
                 raise ValueError(f"{name} holds NaN or Inf values; refusing to write a corrupt checkpoint.")
             tensor = tensor.detach()
             yield name, tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
             continue
         module = modules[prefix]
-        if isinstance(module, FP8Linear) and lora_parent is None:
+        if isinstance(module, FP8Linear) and merged_tensor is None:
             q, scale_inv = module.quantized_weight()  # FSDP2: gathered and quantized there
             weight = module.weight
         else:
-            if sharded:
+            if sharded and merged_tensor is None:
                 raise NotImplementedError(
-                    f"{name}: exporting a sharded (FSDP2) layer that is not an FP8Linear without LoRA is not "
-                    "supported; convert the model with convert_to_fp8 and merge LoRA adapters before sharding."
+                    f"{name}: exporting a sharded (FSDP2) layer that is not an FP8Linear is not supported; convert "
+                    "the model with convert_to_fp8 before sharding."
                 )
-            weight = _merged_weight(module, lora_parent)
-            # A LoRA-wrapped FP8 layer keeps its own scale rounding for the merged weight.
+            weight = module.weight.detach() if merged_tensor is None else merged_tensor
+            # An adapter-wrapped FP8 layer keeps its own scale rounding for the merged weight.
             pow2 = module.fp8_config.power_of_two_scales if isinstance(module, FP8Linear) else power_of_two_scales
             q, scale_inv = quantize_blocks(weight, power_of_two_scales=pow2)
         if check_finite and not _all_finite(weight):
@@ -161,15 +149,19 @@ def check_fused_groups(fp8_modules: set[str], linear_names: set[str]) -> None:
             states = {s: s in fp8_modules for s in siblings if s in linear_names}
             if len(set(states.values())) > 1:
                 raise ValueError(
-                    f"vLLM fuses {', '.join(group)} into one layer, but only some are FP8 here: {states}. Keep all of "
-                    "them in BF16 or none (adjust module_filter_fn), then convert again."
+                    f"vLLM fuses {', '.join(group)} into one layer, but only some are FP8 here: {states}. Store all "
+                    "of them in FP8 or none (convert_to_fp8 and plan_fp8_conversion choose so on their own)."
                 )
 
 
 def linear_module_names(model: nn.Module) -> set[str]:
-    """Transformers names of the model's linear layers (LoRA adapters excluded)."""
+    """Transformers names of the model's linear layers (adapter layers excluded)."""
+    hf_model = unwrap_model(model)
+    tuners = tuner_layer_names(hf_model)
     return {
-        hf_name(n) for n, m in unwrap_model(model).named_modules() if isinstance(m, nn.Linear) and "lora_" not in n
+        hf_name(n)
+        for n, m in hf_model.named_modules()
+        if isinstance(m, nn.Linear) and not is_adapter_module(n, tuners)
     }
 
 
@@ -211,6 +203,8 @@ def save_fp8_checkpoint(
     power_of_two_scales: bool = False,
     max_shard_size: int = 5 * 2**30,
     extra_files: dict[str, str] | None = None,
+    write_extra: Callable[[Path], None] | None = None,
+    before_swap: Callable[[], None] | None = None,
     progress: bool = True,
     write: bool = True,
 ) -> Path:
@@ -219,32 +213,37 @@ def save_fp8_checkpoint(
 
     Args:
         model: a transformers causal LM, converted with `convert_to_fp8` or not (then its eligible layers are
-            quantized here), possibly PEFT-wrapped (LoRA is merged into the exported weights).
-        output_dir: created if needed. Files of an earlier save there are replaced.
+            quantized here), possibly PEFT-wrapped (adapters are merged into the exported weights by PEFT's own
+            merge; adapters that cannot be merged raise, naming their type).
+        output_dir: created if needed. The checkpoint of an earlier save there is replaced as a whole (its weights,
+            shards, adapters, configs, tokenizer); other entries (training `checkpoint-*` folders, logs) are kept.
         tokenizer: saved alongside when given.
         fp8_modules: names of the layers to store in FP8 (default: :func:`fp8_module_names`).
         dtype: dtype of the high-precision tensors (None keeps the model's).
         max_shard_size: bytes per safetensors shard.
         extra_files: `{filename: text}` written with the checkpoint (e.g. a model card).
+        write_extra: `fn(folder)` writing more files into the new checkpoint before it is swapped in.
+        before_swap: called right before the new checkpoint replaces the old one (the trainer waits there for a Hub
+            upload of `output_dir` that is in flight).
         write: False on the ranks of a sharded (FSDP2) model that do not write: they still walk the tensors, taking
             part in gathering each one, which every rank must do in the same order.
 
     Tensors stream to disk one safetensors shard at a time, so the writer holds at most one shard in memory (FSDP2:
-    one gathered tensor at a time on each rank besides). The write is atomic in the sense that matters: everything
-    goes to a temporary folder first, and `config.json`, which makes the folder look like a model, is moved in last.
-    An interrupted save leaves no `config.json` and so never passes for a complete checkpoint; NaN/Inf weights raise
-    before the output folder is touched.
+    one gathered tensor at a time on each rank besides). The save is atomic (`checkpoint_folder.replace_checkpoint`):
+    the checkpoint is written to a folder beside `output_dir` and swapped in whole, so `output_dir` holds the old
+    checkpoint or the new one whatever happens, and NaN/Inf weights raise before it is touched. A custom-code model
+    (`trust_remote_code`) gets its code files, as `save_pretrained` writes them.
     """
     from safetensors.torch import save_file
     from tqdm.auto import tqdm
 
+    check_adapters_mergeable(model)
     hf_model = unwrap_model(model)
     fp8_modules = fp8_module_names(model) if fp8_modules is None else fp8_modules
     linear_names = linear_module_names(hf_model)
     clean_fp8 = {hf_name(n) for n in fp8_modules}
     check_fused_groups(clean_fp8, linear_names)
 
-    config = checkpoint_config(hf_model, clean_fp8, linear_names, dtype)
     pairs = fp8_checkpoint_tensors(model, fp8_modules=fp8_modules, power_of_two_scales=power_of_two_scales)
     out = Path(output_dir)
     if not write:
@@ -252,11 +251,9 @@ def save_fp8_checkpoint(
             pass
         return out
 
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / f".tmp-fp8-save-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    with replace_checkpoint(out, before_swap=before_swap) as tmp:
+        _save_custom_code(hf_model, tmp)  # before the config: it adds the `auto_map` entries
+        config = checkpoint_config(hf_model, clean_fp8, linear_names, dtype)
         shards: list[list[str]] = []  # tensor names per written shard, in order
         shard: dict[str, torch.Tensor] = {}
         shard_bytes = total_bytes = 0
@@ -297,14 +294,18 @@ def save_fp8_checkpoint(
             tokenizer.save_pretrained(tmp)
         for fname, text in (extra_files or {}).items():
             (tmp / fname).write_text(text)
-
-        # Swap in: drop the old config first (the folder stops looking complete), replace weights, config last.
-        (out / "config.json").unlink(missing_ok=True)
-        for stale in list(out.glob("model*.safetensors")) + list(out.glob("model.safetensors.index.json")):
-            if stale.name not in files:
-                stale.unlink()
-        for path in sorted(tmp.iterdir(), key=lambda p: p.name == "config.json"):
-            os.replace(path, out / path.name)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if write_extra is not None:
+            write_extra(tmp)
     return out
+
+
+def _save_custom_code(hf_model: nn.Module, folder: Path) -> None:
+    """Copy a custom-code model's (and config's) Python files and set their `auto_map`, as `save_pretrained` does,
+    so `from_pretrained(..., trust_remote_code=True)` can load the checkpoint anywhere."""
+    from transformers.dynamic_module_utils import custom_object_save
+
+    config = getattr(hf_model, "config", None)
+    if getattr(type(hf_model), "_auto_class", None) is not None:
+        custom_object_save(hf_model, folder, config=config)
+    if config is not None and getattr(type(config), "_auto_class", None) is not None:
+        custom_object_save(config, folder, config=config)

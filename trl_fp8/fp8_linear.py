@@ -22,6 +22,7 @@ these are the forward's FP8 values bit for bit; no second FP8 copy of the weight
 
 from __future__ import annotations
 
+import copy
 import functools
 import threading
 import weakref
@@ -60,6 +61,12 @@ class FP8Weight:
         self.ops, self.power_of_two_scales = ops, power_of_two_scales
         with torch.no_grad():
             self.q, self.scale_inv = ops.quantize_weight(weight.detach(), power_of_two_scales=power_of_two_scales)
+
+    def __deepcopy__(self, memo):  # `ops` is a module, which cannot be copied: share it (a deep-copied model works)
+        clone = object.__new__(FP8Weight)
+        clone.ops, clone.power_of_two_scales = self.ops, self.power_of_two_scales
+        clone.q, clone.scale_inv = copy.deepcopy(self.q, memo), copy.deepcopy(self.scale_inv, memo)
+        return clone
 
 
 class _QuantizedInput:

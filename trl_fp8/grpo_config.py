@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import warnings
+from dataclasses import dataclass, field, fields
 
 from trl import GRPOConfig
 
@@ -184,9 +185,8 @@ class FP8GRPOConfig(GRPOConfig):
             )
         if isinstance(self.rollout_precision, str) and self.rollout_precision.lower() in ("none", "null", ""):
             self.rollout_precision = None
-        if self.rollout_precision is None:
-            self.rollout_precision = "fp8" if self.fp8_recipe == "blockwise" else "bf16"
-        check_rollout_precision(self.rollout_precision)
+        if self.rollout_precision is not None:
+            check_rollout_precision(self.rollout_precision)
         if self.rollout_precision == "fp8" and self.fp8_recipe not in ("blockwise", None):
             raise ValueError(
                 f"rollout_precision='fp8' serves the trainer's block-FP8 weights, but fp8_recipe={self.fp8_recipe!r} "
@@ -195,6 +195,9 @@ class FP8GRPOConfig(GRPOConfig):
             )
         if self.vllm_fp8_backend not in VLLM_FP8_BACKENDS:
             raise ValueError(f"vllm_fp8_backend={self.vllm_fp8_backend!r} is unknown; use one of {VLLM_FP8_BACKENDS}.")
+        self._refuse_settings_without_effect()
+        if self.rollout_precision is None and self.use_vllm:
+            self.rollout_precision = "fp8" if self.fp8_recipe == "blockwise" else "bf16"
         if self.vllm_fp8_backend != "auto" and self.rollout_precision != "fp8":
             raise ValueError(
                 f"vllm_fp8_backend={self.vllm_fp8_backend!r} picks the kernel of rollout_precision='fp8' rollouts, "
@@ -206,6 +209,7 @@ class FP8GRPOConfig(GRPOConfig):
             fp8_config.check_vllm_version()  # now, before a script writes anything for a run that cannot start
         if self.save_fp8_checkpoint is None:
             self.save_fp8_checkpoint = self.fp8_recipe is not None
+        self._refuse_layer_choices_without_effect()
         # Map onto TRL's own fields before its __post_init__ validates them.
         if self.tis == "token":
             self.vllm_importance_sampling_correction = True
@@ -215,6 +219,83 @@ class FP8GRPOConfig(GRPOConfig):
             self.vllm_importance_sampling_correction = False
         super().__post_init__()
         check_optimizer_installed(self.optim)
+
+    @property
+    def fp8_outside_training(self) -> bool:
+        """Whether some weights are stored in FP8 outside training: FP8 rollouts or an FP8 checkpoint."""
+        return bool(self.save_fp8_checkpoint) or (self.use_vllm and self.rollout_precision == "fp8")
+
+    def _refuse_settings_without_effect(self) -> None:
+        """Raise for a setting that this combination would silently ignore, naming the fix (warn where harmless)."""
+        if not self.use_vllm:
+            for name, default in (("rollout_precision", None), ("vllm_fp8_backend", "auto"),
+                                  ("vllm_jit_cache_dir", None)):  # fmt: skip
+                if getattr(self, name) != default:
+                    raise ValueError(
+                        f"{name}={getattr(self, name)!r} sets up vLLM rollouts, but use_vllm=False: the trainer "
+                        f"generates with its own model. Set use_vllm=True, or drop {name}."
+                    )
+        if self.fp8_recipe is None:
+            for name, default in (("fp8_backend", "auto"), ("fp8_cache_weights", None)):
+                if getattr(self, name) != default:
+                    raise ValueError(
+                        f"{name}={getattr(self, name)!r} sets up FP8 training, but fp8_recipe=None trains in BF16. "
+                        f"Drop {name}, or train in FP8 with fp8_recipe='blockwise'."
+                    )
+        elif self.fp8_recipe != "blockwise" and self.fp8_backend in ("deepgemm", "scaled_mm"):
+            raise ValueError(
+                f"fp8_backend={self.fp8_backend!r} picks the kernels of the blockwise recipe; torchao's "
+                f"{self.fp8_recipe!r} recipe runs its own. Use fp8_backend='auto' (or 'emulated'), or "
+                "fp8_recipe='blockwise'."
+            )
+        if self.tis == "token":
+            trl_defaults = {f.name: f.default for f in fields(GRPOConfig)}
+            if self.vllm_importance_sampling_correction is False:
+                raise ValueError(
+                    "tis='token' turns TRL's importance-sampling correction on, but "
+                    "vllm_importance_sampling_correction=False turns it off. Drop one of them (tis='off' is the way to say off)."
+                )
+            mode = self.vllm_importance_sampling_mode
+            if mode not in (trl_defaults["vllm_importance_sampling_mode"], "token_truncate"):
+                raise ValueError(
+                    f"tis='token' is TRL's vllm_importance_sampling_mode='token_truncate', but "
+                    f"vllm_importance_sampling_mode={mode!r} is set. Drop one of them."
+                )
+            for name in ("vllm_importance_sampling_clip_max", "vllm_importance_sampling_cap"):
+                value = getattr(self, name, None)
+                if value not in (trl_defaults.get(name), self.tis_cap):
+                    raise ValueError(
+                        f"tis='token' clips the ratio at tis_cap={self.tis_cap}, but {name}={value} is set. Set "
+                        f"tis_cap={value} instead."
+                    )
+        elif self.tis_cap != 2.0:
+            warnings.warn(
+                f"tis_cap={self.tis_cap} has no effect without tis='token' (TRL's own correction, if on, clips at "
+                "vllm_importance_sampling_clip_max).",
+                stacklevel=3,
+            )
+
+    def _refuse_layer_choices_without_effect(self) -> None:
+        if self.save_bf16_master_weights and not self.save_fp8_checkpoint:
+            warnings.warn(
+                "save_bf16_master_weights=True has no effect with save_fp8_checkpoint=False: save_model() writes the "
+                "high-precision master weights already.",
+                stacklevel=3,
+            )
+        if self.fp8_recipe is not None or self.fp8_outside_training:
+            return
+        chosen = [
+            f"{name}={getattr(self, name)}"
+            for name in ("num_first_layers_in_bf16", "num_last_layers_in_bf16", "fp8_power_of_two_scales")
+            if getattr(self, name)
+        ]
+        if chosen:
+            raise ValueError(
+                f"{', '.join(chosen)} chooses how layers are stored in FP8, but nothing is FP8 here: fp8_recipe=None "
+                "trains in BF16, save_fp8_checkpoint=False saves BF16 and the rollouts are not rollout_precision="
+                "'fp8'. Drop it, or set save_fp8_checkpoint=True / rollout_precision='fp8' (BF16 training, FP8 "
+                "export or rollouts)."
+            )
 
 
 def check_optimizer_installed(optim) -> None:

@@ -7,7 +7,10 @@ Thin on purpose: the model is converted before TRL wraps it, TRL's vLLM generati
   importance sampling of its own (rollouts with log-probs but without vLLM), adds the token TIS ratio to the batch;
 - `_compute_loss`: lets TRL apply that ratio with its own code (and not apply it when TIS is off);
 - `_generate_single_turn`: measures the FP8 KV-cache scales once before the very first rollout;
-- `save_model` / `_save_checkpoint`: final saves are block-FP8 checkpoints, training checkpoints keep BF16 masters;
+- `save_model` / `_save_checkpoint`: final saves are block-FP8 checkpoints, swapped into the output folder atomically
+  (after any Hub upload of it in flight), training checkpoints keep BF16 masters;
+- `_push_from_checkpoint`: clears model files a training checkpoint's files would not overwrite before transformers
+  copies them into the output folder for a Hub push, so the upload is one model, not a mix;
 - `create_model_card`: says which recipe and which layers stayed in high precision.
 """
 
@@ -15,8 +18,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -25,13 +30,16 @@ from transformers.trainer import TRAINING_ARGS_NAME
 from trl import GRPOTrainer
 from trl.trainer.utils import create_model_from_path, pad
 
+from .checkpoint_folder import drop_checkpoint_entries, is_checkpoint_entry
 from .config import FP8LinearConfig
-from .conversion import ConversionReport, convert_to_fp8
+from .conversion import ConversionReport, convert_to_fp8, plan_fp8_conversion
 from .export import save_fp8_checkpoint, unwrap_model
 from .fp8_linear import invalidate_fp8_weights
 from .grpo_config import FP8GRPOConfig
 from .importance_sampling import mismatch_stats, token_tis_ratio
 from .kv_scales import AttentionScaleObserver
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["FP8GRPOTrainer", "check_no_weight_sharding"]
 
@@ -43,9 +51,11 @@ class FP8GRPOTrainer(GRPOTrainer):
     [`FP8GRPOConfig`] as `args`, plus:
 
     Args:
-        fp8_module_filter_fn: `fn(module, fqn) -> bool`; return False to keep a linear layer in BF16.
+        fp8_module_filter_fn: `fn(module, fqn) -> bool`; return False to keep a linear layer in BF16 (in training, and
+            in the FP8 rollouts and checkpoint of a BF16 run).
 
-    With `peft_config`, the frozen base layers are FP8 and the LoRA adapters stay BF16.
+    With `peft_config`, the frozen base layers are FP8 and the adapters stay BF16; rollouts and the exported
+    checkpoint get the weights merged by PEFT's own merge.
     """
 
     def __init__(
@@ -70,6 +80,7 @@ class FP8GRPOTrainer(GRPOTrainer):
             model = self._load_model(model, args, trainer_kwargs.get("quantization_config"))
         self._fp8_filter = fp8_module_filter_fn
         self.fp8_report = self._convert(model, args)
+        self.fp8_export_report = self._plan_fp8_outside_training(model, args)
         self._saving_training_checkpoint = False
         self._kv_observer = AttentionScaleObserver(model) if args.use_vllm and args.fp8_kv_cache else None
         with self._fp8_vllm_generation(args):
@@ -119,6 +130,33 @@ class FP8GRPOTrainer(GRPOTrainer):
             device=args.device,  # where it will train; a model loaded on CPU would make torchao emulate
         )
 
+    def _plan_fp8_outside_training(self, model: nn.Module, args: FP8GRPOConfig) -> ConversionReport | None:
+        """BF16 training with FP8 rollouts or an FP8 checkpoint: the layers stored in FP8 there, chosen with the run's
+        own layer options. None when training in FP8 (its FP8 layers are what is stored) or when nothing is FP8."""
+        if args.fp8_recipe is not None:
+            return None
+        if not args.fp8_outside_training:
+            if self._fp8_filter is not None:
+                raise ValueError(
+                    "fp8_module_filter_fn chooses FP8 layers, but nothing is FP8 here: fp8_recipe=None trains in "
+                    "BF16, save_fp8_checkpoint=False saves BF16 and the rollouts are not rollout_precision='fp8'. "
+                    "Drop it, or set save_fp8_checkpoint=True / rollout_precision='fp8'."
+                )
+            return None
+        report, _ = plan_fp8_conversion(
+            unwrap_model(model),
+            num_first_layers_in_bf16=args.num_first_layers_in_bf16,
+            num_last_layers_in_bf16=args.num_last_layers_in_bf16,
+            module_filter_fn=self._fp8_filter,
+        )
+        logger.info("BF16 training; FP8 rollouts/checkpoint: %s", report.summary())
+        return report
+
+    @property
+    def _fp8_stored_modules(self) -> set[str] | None:
+        """The layers that rollouts and the checkpoint store in FP8 (None: read them from the model's FP8 layers)."""
+        return None if self.fp8_export_report is None else set(self.fp8_export_report.converted)
+
     @contextlib.contextmanager
     def _fp8_vllm_generation(self, args: FP8GRPOConfig):
         """Make TRL build `FP8VLLMGeneration` instead of `VLLMGeneration` (it has no factory hook for it)."""
@@ -134,6 +172,8 @@ class FP8GRPOTrainer(GRPOTrainer):
         trl_grpo.VLLMGeneration = functools.partial(
             FP8VLLMGeneration,
             rollout_precision=args.rollout_precision,
+            fp8_modules=self._fp8_stored_modules,
+            power_of_two_scales=args.fp8_power_of_two_scales,
             kv_observer=self._kv_observer,
             fp8_backend=args.vllm_fp8_backend,
             jit_cache_dir=args.vllm_jit_cache_dir,
@@ -230,22 +270,41 @@ class FP8GRPOTrainer(GRPOTrainer):
         output_dir = output_dir or self.args.output_dir
         model = self.accelerator.unwrap_model(self.model)
         fsdp2 = self.accelerator.is_fsdp2  # what accelerate applied (on CPU it falls back to DDP)
+        state_dict = None
+        if self.args.save_bf16_master_weights and fsdp2:
+            state_dict = self.accelerator.get_state_dict(self.model)  # gathered: a collective, on every rank
+
+        def write_extra(folder: Path) -> None:  # into the new checkpoint, before it is swapped in
+            if self.args.save_bf16_master_weights:
+                model.save_pretrained(folder / "bf16_master", state_dict=state_dict)
+            torch.save(self.args, folder / TRAINING_ARGS_NAME)
+
         if self.args.should_save or fsdp2:  # FSDP2: every rank gathers each tensor, the main process writes
             save_fp8_checkpoint(
                 model,
                 output_dir,
                 self.processing_class,
+                fp8_modules=self._fp8_stored_modules,
                 power_of_two_scales=self.args.fp8_power_of_two_scales,
+                write_extra=write_extra,
+                before_swap=self._finish_current_push,  # never change a folder while it is being uploaded
                 progress=not self.args.disable_tqdm and self.args.should_save,
                 write=self.args.should_save,
             )
-        if self.args.save_bf16_master_weights:
-            state_dict = self.accelerator.get_state_dict(self.model) if fsdp2 else None  # gathered: a collective
-            if self.args.should_save:
-                model.save_pretrained(os.path.join(output_dir, "bf16_master"), state_dict=state_dict)
-        if self.args.should_save:
-            torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
         self.accelerator.wait_for_everyone()
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        # Transformers copies the checkpoint's model files over the output folder's one by one, then uploads the
+        # folder; files of an earlier save that the checkpoint lacks (FP8 shards, adapters, bf16_master) would be
+        # uploaded beside them as one mixed model. Remove those first, and never while an upload reads the folder.
+        if self.is_world_process_zero() and self.args.hub_strategy != "end":
+            if self.args.hub_always_push:
+                self._finish_current_push()
+            in_flight = getattr(self, "push_in_progress", None)
+            if in_flight is None or in_flight.is_done():  # else transformers skips this push
+                keep = {p.name for p in Path(checkpoint_folder).iterdir() if is_checkpoint_entry(p.name)}
+                drop_checkpoint_entries(self.args.output_dir, keep | {TRAINING_ARGS_NAME})
+        super()._push_from_checkpoint(checkpoint_folder)
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
         tags = [tags] if isinstance(tags, str) else list(tags or [])
@@ -254,7 +313,7 @@ class FP8GRPOTrainer(GRPOTrainer):
             return
         path = os.path.join(self.args.output_dir, "README.md")
         with open(path, "a") as f:
-            f.write("\n" + fp8_model_card_section(self.fp8_report, self.args))
+            f.write("\n" + fp8_model_card_section(self.fp8_report, self.args, self.fp8_export_report))
 
 
 def weight_sharding(args) -> str | None:
@@ -319,23 +378,31 @@ class _InvalidateSyncedReference(TrainerCallback):
             invalidate_fp8_weights(self.ref_model)
 
 
-def fp8_model_card_section(report: ConversionReport, args: FP8GRPOConfig) -> str:
-    kept = sorted(report.kept.items())
+def fp8_model_card_section(
+    report: ConversionReport, args: FP8GRPOConfig, export_report: ConversionReport | None = None
+) -> str:
+    """The model card's FP8 section: the training recipe, how the weights are stored, the layers kept in high
+    precision (those of `export_report` for a BF16 run with an FP8 checkpoint)."""
+    stored = export_report or report
+    kept = sorted(stored.kept.items())
+    if report.recipe == "bf16":
+        trained = "in BF16 (`fp8_recipe=None`)"
+    else:
+        trained = f"with FP8 recipe `{report.recipe}` ({report.num_fp8_layers} linear layers in FP8"
+        trained += (", power-of-two scales" if args.fp8_power_of_two_scales else "") + ")"
     lines = [
         "## FP8",
         "",
-        f"Trained with [trl-fp8](https://pypi.org/project/trl-fp8/) `FP8GRPOTrainer`, recipe `{report.recipe}` "
-        f"({report.num_fp8_layers} linear layers in FP8"
-        + (", power-of-two scales" if args.fp8_power_of_two_scales else "")
+        f"Trained with [trl-fp8](https://pypi.org/project/trl-fp8/) `FP8GRPOTrainer` {trained}"
         + (f", token TIS capped at {args.tis_cap}" if args.tis == "token" else "")
-        + ").",
+        + ".",
         "",
     ]
     if args.save_fp8_checkpoint:
         lines += [
-            "The weights are a block-FP8 checkpoint (`quant_method: fp8`, 128x128 weight blocks, float32 "
-            "`weight_scale_inv`, dynamic 1x128 activations): `vllm serve <this repo>` or "
-            "`AutoModelForCausalLM.from_pretrained(<this repo>)` load it as is.",
+            f"The weights are a block-FP8 checkpoint ({stored.num_fp8_layers} linear layers in FP8; `quant_method: "
+            "fp8`, 128x128 weight blocks, float32 `weight_scale_inv`, dynamic 1x128 activations): `vllm serve <this "
+            "repo>` or `AutoModelForCausalLM.from_pretrained(<this repo>)` load it as is.",
             "",
         ]
     if kept:

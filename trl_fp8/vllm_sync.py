@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -60,6 +61,7 @@ __all__ = [
     "ROLLOUT_PRECISIONS",
     "FP8VLLMGeneration",
     "apply_engine_env",
+    "check_served_quantization",
     "check_server_config",
     "check_server_kernel",
     "check_vllm_version",
@@ -79,19 +81,23 @@ def rollout_weight_tensors(
     rollout_precision: str,
     *,
     fp8_modules: set[str] | None = None,
+    power_of_two_scales: bool = False,
     attention_scales: dict[str, torch.Tensor] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """`(name, tensor)` pairs pushed to vLLM at each sync, in transformers names, on the model's device.
 
     "fp8": the block-FP8 checkpoint tensors (FP8 layers as float8_e4m3fn weight + float32 `weight_scale_inv`, the
-    trainer's own quantized weights; the rest in BF16). "bf16" and "fp8_online": BF16 tensors only. LoRA adapters are
-    merged in; a tied lm_head is left to vLLM's tying. `attention_scales` (FP8 KV cache) come last, after every
-    layer's weights, because vLLM processes attention scales after the linear layers.
+    trainer's own quantized weights; the rest in BF16). "bf16" and "fp8_online": BF16 tensors only. PEFT adapters are
+    merged in by PEFT's own merge; a tied lm_head is left to vLLM's tying. `power_of_two_scales` rounds the scales of
+    layers quantized here (a BF16-trained model's; FP8 layers keep their own setting), as the exporter does.
+    `attention_scales` (FP8 KV cache) come last, after every layer's weights, because vLLM processes attention scales
+    after the linear layers.
     """
     check_rollout_precision(rollout_precision)
     yield from fp8_checkpoint_tensors(
         model,
         fp8_modules=fp8_modules if rollout_precision == "fp8" else set(),
+        power_of_two_scales=power_of_two_scales,
         check_finite=False,
         dtype=torch.bfloat16,
     )
@@ -159,13 +165,98 @@ def push_to_engine(llm, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
 
 
 def _served_model_config(server_config: dict) -> dict | None:
-    """The served model's `config.json` when the server's model path is readable here (one host, the usual
-    two-GPU setup); vLLM's `/server_info` does not include the architecture itself."""
-    path = server_config.get("model_config", {}).get("model")
-    config = Path(str(path)) / "config.json" if path else None
-    if config is None or not config.is_file():
+    """The served model's `config.json`: read from its folder when that is readable here (one host, the usual two-GPU
+    setup), or from the Hub when the server serves a Hub id (cached or downloaded). vLLM's `/server_info` reports
+    neither the architecture nor the checkpoint's `quantization_config` itself. None when neither source answers."""
+    model_config = server_config.get("model_config", {})
+    path = model_config.get("model")
+    if not path:
         return None
-    return json.loads(config.read_text())
+    config = Path(str(path)) / "config.json"
+    if config.is_file():
+        return json.loads(config.read_text())
+    if Path(str(path)).is_absolute() or not re.fullmatch(r"[\w.-]+/[\w.-]+", str(path)):
+        return None  # a folder on the server's host
+    try:
+        from huggingface_hub import hf_hub_download
+
+        local = hf_hub_download(str(path), "config.json", revision=model_config.get("revision"))
+    except Exception as exc:  # offline, private, gated: say so in the caller's warning, never fail the run here
+        logger.info("Could not read %s's config.json from the Hub: %s", path, exc)
+        return None
+    return json.loads(Path(local).read_text())
+
+
+def _ignored_by(entries: list[str], name: str) -> bool:
+    """Whether a `modules_to_not_convert` / `ignored_layers` list keeps linear layer `name` unquantized (exact names,
+    parent modules, and vLLM's `re:` patterns)."""
+    for entry in entries:
+        if entry.startswith("re:"):
+            if re.fullmatch(entry[3:], name):
+                return True
+        elif name == entry or name.startswith(entry + "."):
+            return True
+    return False
+
+
+def check_served_quantization(
+    served: dict | None, model: nn.Module, rollout_precision: str, fp8_modules: set[str], fix: str
+) -> None:
+    """Raise naming the fix when the served checkpoint's quantization is not what this trainer pushes.
+
+    vLLM reports `quantization="fp8"` both for a block-FP8 checkpoint and for a BF16 model it quantizes itself
+    (`--quantization fp8`), so the served model's own `quantization_config` decides: for "fp8" rollouts it must be
+    a 128x128 block-FP8 checkpoint keeping exactly the trainer's high-precision layers (vLLM builds the layers' FP8
+    or BF16 parameters from it, and a pushed tensor of the other kind would not fit); for "fp8_online" it must be a
+    BF16 model. `served` None (a server on another host that does not report its config): warn that this could not
+    be checked.
+    """
+    if rollout_precision == "bf16":
+        return  # a BF16 server reports quantization=None, already checked
+    if served is None:
+        logger.warning(
+            "The vLLM server's model config is not readable from here, so whether it serves a block-FP8 checkpoint "
+            "with the trainer's high-precision layers (rollout_precision=%r) cannot be checked.",
+            rollout_precision,
+        )
+        return
+    config = served.get("quantization_config") or None
+    if rollout_precision == "fp8_online":
+        if config is not None:
+            raise ValueError(
+                f"rollout_precision='fp8_online' pushes BF16 weights for vLLM to quantize, but the server serves a "
+                f"{config.get('quant_method')!r} checkpoint. Serve the BF16 model with `trl vllm-serve --model "
+                "<bf16 model> --quantization fp8`, or use rollout_precision='fp8' with this checkpoint."
+            )
+        return
+    if config is None:
+        raise ValueError(
+            "rollout_precision='fp8' pushes the trainer's block-FP8 weights and scales, but the server quantizes a "
+            "BF16 checkpoint itself (vLLM's online FP8, `--quantization fp8`: other layers, other scales), so it "
+            f"cannot take them. {fix}."
+        )
+    block = list(config.get("weight_block_size") or [])
+    if config.get("quant_method") != "fp8" or block != [128, 128]:
+        raise ValueError(
+            f"The server's checkpoint is quant_method={config.get('quant_method')!r} with weight_block_size={block}, "
+            f"not the 128x128 block FP8 the trainer pushes. {fix}."
+        )
+    ignored = list(config.get("modules_to_not_convert") or config.get("ignored_layers") or [])
+    linear = {n for n in linear_module_names(model) if n.rsplit(".", 1)[-1] != "lm_head"}  # vLLM never quantizes it
+    ours = {hf_name(n) for n in fp8_modules}
+    theirs_only = sorted(n for n in linear if _ignored_by(ignored, n) and n in ours)
+    ours_only = sorted(n for n in linear if not _ignored_by(ignored, n) and n not in ours)
+    if theirs_only or ours_only:
+        shown = "; ".join(
+            f"{what}: {', '.join(names[:3])}{f' (+{len(names) - 3} more)' if len(names) > 3 else ''}"
+            for what, names in (("FP8 in the trainer, BF16 on the server", theirs_only),
+                                ("BF16 in the trainer, FP8 on the server", ours_only)) if names
+        )  # fmt: skip
+        raise ValueError(
+            f"The server's checkpoint keeps other layers in high precision than the trainer ({shown}), so the pushed "
+            f"weights would not fit its layers. {fix}, with the trainer's layer choices "
+            "(--num_first_layers_in_bf16 / --num_last_layers_in_bf16 / --keep_in_bf16)."
+        )
 
 
 def check_server_kernel(server_config: dict, server_env: dict | None, fp8_backend: str = "auto") -> str | None:
@@ -208,17 +299,20 @@ def check_server_config(
     *,
     server_env: dict | None = None,
     fp8_backend: str = "auto",
+    fp8_modules: set[str] | None = None,
 ) -> None:
     """Raise naming the fix when a `trl vllm-serve` server cannot take this trainer's weights.
 
     `server_config` is the server's `/server_info` VllmConfig tree (`VLLMClient.get_server_info()`) and `server_env`
     its `vllm_env` (the VLLM_* settings it runs with): its quantization, KV-cache dtype and, for FP8 rollouts, its
-    block-FP8 kernel settings (`check_server_kernel`) are checked, and, when the served model folder is readable
-    from here, its architecture and shapes.
+    block-FP8 kernel settings (`check_server_kernel`) are checked, and, when the served model's config is known
+    (reported, or readable from here), its architecture, shapes and quantization config: a block-FP8 checkpoint
+    with the same high-precision layers as `fp8_modules` (default: the model's FP8 layers) for "fp8" rollouts, a
+    BF16 model for "fp8_online" (`check_served_quantization`).
     """
     hf_config = unwrap_model(model).config
     fix = (
-        "Start the server on an FP8 checkpoint of this very policy: `trl-fp8-quantize <model> <fp8_dir>` then "
+        "Start the server on an FP8 checkpoint of this very policy: `trl-fp8 quantize <model> <fp8_dir>` then "
         f"`{server_command()}`"
     )
     quantization = server_config.get("model_config", {}).get("quantization")
@@ -251,6 +345,8 @@ def check_server_config(
             "--attention-backend, which picks it on Hopper)."
         )
     served = _served_model_config(server_config)
+    fp8_modules = fp8_module_names(model) if fp8_modules is None else fp8_modules
+    check_served_quantization(served, model, rollout_precision, fp8_modules, fix)
     if served is None:
         return
     ours = list(getattr(hf_config, "architectures", None) or [type(unwrap_model(model)).__name__])
@@ -273,6 +369,8 @@ class FP8VLLMGeneration(VLLMGeneration):
         rollout_precision: "fp8", "bf16" or "fp8_online".
         fp8_modules: names of the layers served in FP8. Default: read from the model (`export.fp8_module_names`)
             at start-up and at every sync, so they follow PEFT wrapping.
+        power_of_two_scales: round the scales of layers quantized for the sync (a BF16-trained model's) down to
+            powers of two, as the exported checkpoint does.
         kv_observer: an `AttentionScaleObserver` on the policy; its scales are pushed with every sync and vLLM's KV
             cache is FP8. None: KV cache in the model dtype.
         fp8_backend: vLLM's kernel for the FP8 linear layers ("auto", "deepgemm", "cutlass", "triton"; see
@@ -285,6 +383,7 @@ class FP8VLLMGeneration(VLLMGeneration):
         *args,
         rollout_precision: str = "fp8",
         fp8_modules: set[str] | None = None,
+        power_of_two_scales: bool = False,
         kv_observer: AttentionScaleObserver | None = None,
         fp8_backend: str = "auto",
         jit_cache_dir: str | None = None,
@@ -296,6 +395,7 @@ class FP8VLLMGeneration(VLLMGeneration):
         self.kernel: RolloutKernel | None = None  # resolved at colocated start-up
         self.engine_start_seconds: float | None = None
         self._fp8_modules = None if fp8_modules is None else set(fp8_modules)
+        self.power_of_two_scales = power_of_two_scales
         self.kv_observer = kv_observer
         self.last_sync_seconds: float | None = None
         self.engine_dir: Path | None = None
@@ -358,14 +458,14 @@ class FP8VLLMGeneration(VLLMGeneration):
         except (ConnectionError, requests.exceptions.ConnectionError) as exc:  # TRL raises the latter
             raise ConnectionError(
                 f"{exc} For FP8 rollouts the server must run an FP8 checkpoint of the initial policy: "
-                f"`trl-fp8-quantize <model> <fp8_dir>` then `{server_command(server_kernel(self.fp8_backend))}`."
+                f"`trl-fp8 quantize <model> <fp8_dir>` then `{server_command(server_kernel(self.fp8_backend))}`."
             ) from exc
         # TRL's get_server_info() returns the config only; the same endpoint also reports the server's VLLM_* settings.
         response = client.session.get(f"{client.base_url}/server_info", params={"config_format": "json"})
         info = response.json() if response.status_code == 200 else {"vllm_config": client.get_server_info()}
         check_server_config(
             info["vllm_config"], self.model, self.rollout_precision, self.kv_observer is not None,
-            server_env=info.get("vllm_env"), fp8_backend=self.fp8_backend,
+            server_env=info.get("vllm_env"), fp8_backend=self.fp8_backend, fp8_modules=self.fp8_modules,
         )  # fmt: skip
 
     # --- weight sync -------------------------------------------------------------------------------------------
@@ -388,6 +488,7 @@ class FP8VLLMGeneration(VLLMGeneration):
             self.model,
             self.rollout_precision,
             fp8_modules=self.fp8_modules,
+            power_of_two_scales=self.power_of_two_scales,
             attention_scales=self._attention_scales(),
         )
 

@@ -151,9 +151,10 @@ def grpo_config(args, setting: str, task, cuda: bool):
         gradient_checkpointing=args.gradient_checkpointing, disable_tqdm=True,
         model_init_kwargs={"dtype": "bfloat16" if cuda else "float32"}, fp8_recipe=recipe, tis=tis,
         use_vllm=not args.no_vllm, vllm_mode="colocate", vllm_gpu_memory_utilization=args.vllm_memory,
-        rollout_precision=precision, save_fp8_checkpoint=False,
-        # the kernel choice is for our block-FP8 rollouts only (BF16 and vLLM's online FP8 refuse it)
-        vllm_fp8_backend=args.vllm_fp8_backend if precision == "fp8" else "auto",
+        # without vLLM the rollout settings are refused (nothing would use them); the kernel choice is for our
+        # block-FP8 rollouts only (BF16 and vLLM's online FP8 refuse it)
+        rollout_precision=None if args.no_vllm else precision, save_fp8_checkpoint=False,
+        vllm_fp8_backend=args.vllm_fp8_backend if precision == "fp8" and not args.no_vllm else "auto",
     )  # fmt: skip
 
 

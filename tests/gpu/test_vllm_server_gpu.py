@@ -1,8 +1,11 @@
-"""Server mode on a two-GPU host: `trl vllm-serve` on one GPU serves our FP8 checkpoint, the trainer on the other
-pushes its FP8 weights and scales through TRL's client. The trainer process must see one GPU only (else Trainer
-wraps it in DataParallel), so name the server's GPU apart:
+"""Server mode: `trl vllm-serve` serves our FP8 checkpoint (made by `trl-fp8 quantize`) and the trainer pushes its
+FP8 weights and scales through TRL's client. The push needs a second GPU (NCCL joins no two ranks on one GPU), and
+the trainer process must see one GPU only (else Trainer wraps it in DataParallel), so name the server's GPU apart:
 
     CUDA_VISIBLE_DEVICES=0 TRL_FP8_SERVER_GPU=1 python -m pytest -m gpu tests/gpu/test_vllm_server_gpu.py -s
+
+On one GPU the server shares it (a small memory share, Cutlass kernel: nothing to compile) and only the checks a
+trainer makes before joining the server run against it; the weight-push test is skipped.
 """
 
 import json
@@ -12,6 +15,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -41,25 +45,26 @@ def _wait_healthy(proc, url, timeout=420):
 def fp8_server(tmp_path_factory):
     pytest.importorskip("vllm")
     server_gpu = os.environ.get("TRL_FP8_SERVER_GPU")
-    if server_gpu is None:
-        pytest.skip("server mode needs a second GPU: set TRL_FP8_SERVER_GPU (see the module docstring)")
+    two_gpus = server_gpu is not None
     from trl_fp8.tiny_model import tiny_char_tokenizer, tiny_qwen3
 
     root = tmp_path_factory.mktemp("server")
     tokenizer = tiny_char_tokenizer()
     tiny_qwen3(vocab_size=128, eos_token_id=tokenizer.eos_token_id, pad_token_id=0).save_pretrained(root / "model")
     tokenizer.save_pretrained(root / "model")
-    subprocess.run([sys.executable, "-m", "trl_fp8.quantize", str(root / "model"), str(root / "fp8")], check=True)
+    subprocess.run([sys.executable, "-m", "trl_fp8", "quantize", str(root / "model"), str(root / "fp8")], check=True)
     log = open(root / "server.log", "w")
     # Exactly what `trl vllm-serve` runs (vLLM's server in dev mode), plus a worker extension that lets the test read
     # digests of the engine's weights.
     from trl.scripts.vllm_serve import ScriptArguments, build_command
 
-    serve = ScriptArguments(model=str(root / "fp8"), port=PORT, gpu_memory_utilization=0.3, enforce_eager=True)
+    serve = ScriptArguments(
+        model=str(root / "fp8"), port=PORT, gpu_memory_utilization=0.3 if two_gpus else 0.1, enforce_eager=True
+    )
     # The documented command (`vllm_kernels.server_command()`): DeepGEMM with E8M0 off.
     from trl_fp8.vllm_kernels import default_jit_cache_dir, server_kernel
 
-    kernel = server_kernel("deepgemm")
+    kernel = server_kernel("deepgemm" if two_gpus else "cutlass")
     cmd = build_command(
         serve,
         [
@@ -71,11 +76,17 @@ def fp8_server(tmp_path_factory):
     )
     pythonpath = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
     env = {**clean_subprocess_env(), **kernel.env, "DG_JIT_CACHE_DIR": str(default_jit_cache_dir()),
-           "CUDA_VISIBLE_DEVICES": server_gpu, "VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": pythonpath}  # fmt: skip
+           "CUDA_VISIBLE_DEVICES": server_gpu or os.environ.get("CUDA_VISIBLE_DEVICES", "0"),
+           "VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": pythonpath}  # fmt: skip
+    if not two_gpus:  # the server takes a share of this GPU: hand back what earlier tests' engines left cached
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         print(f"vllm-serve up in {_wait_healthy(proc, f'http://localhost:{PORT}/health'):.0f} s")
-        yield root
+        yield SimpleNamespace(root=root, two_gpus=two_gpus)
     finally:
         proc.terminate()
         try:
@@ -103,12 +114,22 @@ def test_server_refuses_a_trainer_whose_weights_it_cannot_take(fp8_server, tmp_p
     from trl_fp8 import FP8GRPOTrainer
     from trl_fp8.toy_task import say_letter_dataset, say_letter_reward
 
+    model = str(fp8_server.root / "model")
     args = _config(tmp_path, max_steps=1, rollout_precision="bf16")
     with pytest.raises(ValueError, match="quantization"):
-        FP8GRPOTrainer(str(fp8_server / "model"), say_letter_reward, args, train_dataset=say_letter_dataset(64))
+        FP8GRPOTrainer(model, say_letter_reward, args, train_dataset=say_letter_dataset(64))
+    # vLLM says quantization="fp8" for online FP8 too: the served checkpoint's own layers must match the trainer's.
+    args = _config(tmp_path, max_steps=1, num_first_layers_in_bf16=1)
+    with pytest.raises(ValueError, match="keeps other layers in high precision than the trainer"):
+        FP8GRPOTrainer(model, say_letter_reward, args, train_dataset=say_letter_dataset(64))
+    args = _config(tmp_path, max_steps=1, rollout_precision="fp8_online", fp8_recipe=None)
+    with pytest.raises(ValueError, match="pushes BF16 weights for vLLM to quantize"):
+        FP8GRPOTrainer(model, say_letter_reward, args, train_dataset=say_letter_dataset(64))
 
 
 def test_server_mode_grpo_with_fp8_weight_push(fp8_server, tmp_path):
+    if not fp8_server.two_gpus:
+        pytest.skip("the weight push needs a second GPU: set TRL_FP8_SERVER_GPU (see the module docstring)")
     from trl.generation.vllm_client import VLLMClient
     from vllm.model_executor.layers.quantization.utils.fp8_utils import deepgemm_post_process_fp8_weight_block
 
@@ -121,7 +142,7 @@ def test_server_mode_grpo_with_fp8_weight_push(fp8_server, tmp_path):
         Path(artifacts, "server_info.json").write_text(json.dumps(info, indent=1, default=str))
     args = _config(tmp_path, max_steps=20)
     trainer = FP8GRPOTrainer(
-        str(fp8_server / "model"), say_letter_reward, args, train_dataset=say_letter_dataset(2048)
+        str(fp8_server.root / "model"), say_letter_reward, args, train_dataset=say_letter_dataset(2048)
     )
     trainer.train()
     logs = [log for log in trainer.state.log_history if "reward" in log]

@@ -1,0 +1,37 @@
+"""`trl-fp8`: the command line, one subcommand per task.
+
+    trl-fp8 quantize MODEL OUT [...]    write a block-FP8 checkpoint of a BF16 model (see `trl_fp8.quantize`)
+
+`python -m trl_fp8` runs the same command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import quantize
+
+# name: (module with add_arguments(parser) and run(args) -> exit code, one-line help)
+SUBCOMMANDS = {
+    "quantize": (quantize, "write a block-FP8 checkpoint of a high-precision model (for vLLM and transformers)"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="trl-fp8", description="FP8 reinforcement learning on Hugging Face TRL.")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        sub = subparsers.add_parser(name, help=help_text, description=module.__doc__.split("\n\n")[0])
+        module.add_arguments(sub)
+        sub.set_defaults(run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
