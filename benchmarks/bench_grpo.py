@@ -125,7 +125,7 @@ def run_one(args) -> None:
         seed=0, optim=args.optim, use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=args.vllm_memory,
         generation_kwargs={"ignore_eos": True}, vllm_importance_sampling_correction=True,
         vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_max=2.0,
-        model_init_kwargs={"dtype": "bfloat16"}, disable_tqdm=True,
+        model_init_kwargs={"dtype": "bfloat16"}, disable_tqdm=True, vllm_enable_sleep_mode=args.sleep_mode,
     )  # fmt: skip
     if trainer_kind == "trl":
         trainer_cls, config = GRPOTrainer, GRPOConfig(**common)
@@ -158,11 +158,34 @@ def run_one(args) -> None:
             self.last = now
             close_phase("training")
 
+    import trl.generation.vllm_generation as trl_vllm
+
+    from trl_fp8.rollout_stats import RolloutStats, engine_kv_cache_tokens
+
+    llm_class = trl_vllm.LLM  # every engine collects vLLM's scheduler statistics (TRL's own builds it without)
+    trl_vllm.LLM = lambda *a, **kw: llm_class(*a, **{"disable_log_stats": False, **kw})
+    start = time.perf_counter()
     trainer = trainer_cls(
         str(model_dir(args)), length_reward, config,
         train_dataset=Dataset.from_dict({"prompt": prompts}), callbacks=[StepTimer()],
     )  # fmt: skip
+    startup_s = time.perf_counter() - start  # model load and engine start (DeepGEMM's warm-up included)
     generation = trainer.vllm_generation
+    stats = getattr(generation, "rollout_stats", None) or RolloutStats.attach(generation.llm)
+    rollout_stats = []
+
+    def with_stats(fn):
+        def wrapper(*a, **k):
+            stats.read()
+            try:
+                return fn(*a, **k)
+            finally:
+                rollout_stats.append(stats.read(reset=False))  # FP8GRPOTrainer reads (and resets) them after
+
+        return wrapper
+
+    if stats is not None:
+        generation.generate = with_stats(generation.generate)
 
     def timed(fn, key):
         def wrapper(*a, **k):
@@ -246,6 +269,10 @@ def run_one(args) -> None:
         "peak_memory_gib": max(peaks.values()) / 2**30,
         "peak_memory_by_phase_gib": {phase: b / 2**30 for phase, b in peaks.items()},
         "fp8_weight_cache_gib": fp8_weight_cache_bytes(trainer.model) / 2**30,
+        "startup_s": startup_s,
+        "time_to_first_step_s": startup_s + per_step_s["step_s"][0],
+        "kv_cache_tokens": engine_kv_cache_tokens(generation.llm),
+        "rollout_stats": rollout_stats,  # per rollout: most sequences at once, preemptions, peak KV-cache use
     }
     if profile:
         row["training_profile"] = profile
@@ -281,7 +308,7 @@ def step_medians(per_step: dict[str, list[float]], keep: list[int]) -> dict[str,
 
 # What a run measures, shared by the rows of one results file (`--append` refuses a file of another regime) ...
 REGIME = ("shape", "optim", "generation_batch", "micro_batch", "num_generations", "prompt_len", "completion_len",
-          "vllm_memory", "num_processes", "launch_config")  # fmt: skip
+          "vllm_memory", "sleep_mode", "num_processes", "launch_config")  # fmt: skip
 
 
 def measurement(args) -> dict:
@@ -328,6 +355,7 @@ def main():
     parser.add_argument("--prompt_len", type=int, default=128)
     parser.add_argument("--completion_len", type=int, default=1024)
     parser.add_argument("--vllm_memory", type=float, default=0.3)
+    parser.add_argument("--sleep_mode", action="store_true", help="vllm_enable_sleep_mode for every run")
     parser.add_argument("--num_processes", type=int, default=1, help="GPUs, one training process and engine each")
     parser.add_argument("--launch_config", default="multi_gpu", help="TRL accelerate config with --num_processes > 1")
     parser.add_argument("--workdir", default="/tmp/trl_fp8_bench_grpo")

@@ -14,6 +14,11 @@ load, CUDA graphs on), next to a trainer-side model of the same shape on the sam
 - `fp8_deepgemm_kv`, `fp8_cutlass_kv`: the same on DeepGEMM or Cutlass plus an FP8 KV cache (FP8 attention) with
   q/k/v scales measured on the trainer's forward.
 
+`--gpu_memory_utilization` gives every engine the same share of the GPU (matched memory: FP8 engines hold more KV
+cache); `--max_num_seqs` caps every engine at the same number of sequences at once (matched concurrency). Each row
+records vLLM's KV-cache tokens next to `trl_fp8.capacity`'s estimate, and each point the most sequences that ran at
+once and the preemptions (vLLM's scheduler statistics).
+
 `--profile_point SxN` runs one more rollout under the torch profiler and records its GPU kernel time by category
 (attention, FP8 and BF16 GEMMs, ...) and its heaviest kernels: how far each part of a decode step is from its floor.
 
@@ -162,8 +167,10 @@ def run_engine(args):
     from vllm_engine import engine_kernels, start_engine, sync
 
     from trl_fp8 import convert_to_fp8
+    from trl_fp8.capacity import ModelShape, rollout_capacity
     from trl_fp8.fp8_linear import FP8Linear, invalidate_fp8_weights
     from trl_fp8.kv_scales import AttentionScaleObserver
+    from trl_fp8.rollout_stats import RolloutStats
     from trl_fp8.vllm_kernels import rollout_kernel
 
     train_fp8, precision, fp8_kv, backend = ENGINES[args.engine]
@@ -200,16 +207,27 @@ def run_engine(args):
     points = [parse_point(p) for p in args.points]
     sized = points + ([parse_point(args.profile_point)] if args.profile_point else [])  # the engine must hold all
     max_len = args.prompt_len + max(n for _, n in sized) + 16
+    # --max_num_seqs: matched concurrency (every engine decodes at most that many); else every point's S at once.
+    max_num_seqs = args.max_num_seqs or max(s for s, _ in sized)
     llm = start_engine(
         model, precision, Path(args.workdir), fp8_kv_cache=fp8_kv, backend=backend or "auto",
         gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=max_len,
-        max_num_seqs=max(s for s, _ in sized), max_num_batched_tokens=4096,  # TRL's colocate setting
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=4096,  # TRL's colocate setting
         **ENGINE_LLM_KWARGS.get(args.engine, {}),
     )  # fmt: skip
+    stats = RolloutStats.attach(llm)
     if args.engine in ENGINE_LLM_KWARGS:
         row["llm_kwargs"] = ENGINE_LLM_KWARGS[args.engine]
     row["engine_start_s"] = time.perf_counter() - start
     row.update(engine_kernels(llm))
+    # The planner's estimate beside vLLM's own figure (trl_fp8.capacity; its goal: within 10%).
+    total = torch.cuda.mem_get_info()[1]
+    shape = ModelShape.from_config(model.config)
+    planned = rollout_capacity(shape, total, args.gpu_memory_utilization, fp8_weights=precision != "bf16",
+                               fp8_kv=fp8_kv, seq_len=max_len, max_num_seqs=max_num_seqs).kv_tokens  # fmt: skip
+    row.update(gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=max_num_seqs, gpu_total_bytes=total,
+               planner_kv_tokens=planned, planner_error=planned / row["kv_cache_tokens"] - 1 if row["kv_cache_tokens"]
+               else None)  # fmt: skip
     if backend == "deepgemm":
         row["jit_cache"]["files_after"] = cache_files(row["jit_cache"]["dir"])
         row["jit_cache"]["state"] = "warm" if row["jit_cache"]["files_before"] else "cold"
@@ -243,7 +261,12 @@ def run_engine(args):
     timed_generate(llm, prompts(8), 16)  # warm-up
     row["points"] = []
     for seqs, new in points:
+        if stats:
+            stats.read()
         point = {"seqs": seqs, "new_tokens": new, **timed_generate(llm, prompts(seqs), new)}
+        if stats:  # how many decoded at once, and how often the KV cache ran out (preempted, recomputed)
+            took = stats.read()
+            point.update(running_peak=int(took["running_peak"]), preemptions=int(took["preemptions"]))
         if hw:
             floor = floor_tokens_per_s(
                 sizes, hw, precision != "bf16", seqs, args.prompt_len, new, row["kv_cache_tokens"]
@@ -269,7 +292,8 @@ def summary(rows: list[dict]) -> str:
     """One line per engine and point: tok/s, ratio to BF16 at the same point, share of the floor."""
     base = {(p["seqs"], p["new_tokens"]): p for r in rows if r["engine"] == "bf16" for p in r["points"]}
     lines = [
-        f"{'engine':<17}{'kernel':<34}{'start s':>8}{'sync ms':>8}{'point':>11}{'tok/s':>9}{'vs bf16':>9}{'of floor':>9}"
+        f"{'engine':<17}{'kernel':<34}{'start s':>8}{'sync ms':>8}{'KV tokens':>10}{'point':>11}{'at once':>8}"
+        f"{'preempt':>8}{'tok/s':>9}{'vs bf16':>9}{'of floor':>9}"
     ]
     for r in rows:
         for p in r["points"]:
@@ -278,7 +302,9 @@ def summary(rows: list[dict]) -> str:
             floor = f"{p['of_floor']:.0%}" if "of_floor" in p else "-"
             lines.append(
                 f"{r['engine']:<17}{r['linear_kernel'][:33]:<34}{r['engine_start_s']:>8.0f}{r['weight_sync_ms']:>8.0f}"
-                f"{str(p['seqs']) + 'x' + str(p['new_tokens']):>11}{p['tokens_per_s']:>9.0f}{ratio:>9}{floor:>9}"
+                f"{r.get('kv_cache_tokens', 0):>10}{str(p['seqs']) + 'x' + str(p['new_tokens']):>11}"
+                f"{p.get('running_peak', '-'):>8}{p.get('preemptions', '-'):>8}{p['tokens_per_s']:>9.0f}{ratio:>9}"
+                f"{floor:>9}"
             )
     for r in rows:  # --profile_point: kernel time by category, attention against its floor
         if "profile" in r:
@@ -303,6 +329,12 @@ def main():
         help="SxN: one more rollout under the torch profiler, its kernel time by category",
     )
     parser.add_argument("--gpu_memory_utilization", type=float, default=0.6)
+    parser.add_argument(
+        "--max_num_seqs",
+        type=int,
+        default=None,
+        help="vLLM's max_num_seqs for every engine (matched concurrency); default: each point's S",
+    )
     parser.add_argument("--workdir", default="/tmp/trl_fp8_rollout")
     parser.add_argument("--append", action="store_true", help="merge into an existing results file")
     parser.add_argument("--out", default=None)
@@ -323,11 +355,13 @@ def main():
         "shape": {"name": args.shape, **SHAPES[args.shape]},
         "prompt_len": args.prompt_len,
         "gpu_memory_utilization": args.gpu_memory_utilization,
+        "max_num_seqs": args.max_num_seqs,
         "hardware_peaks": hardware(device),
         "results": [],
     }
     if args.append:
-        result["results"] = previous_rows(out, result, ("shape", "prompt_len"), "engine", args.engines)
+        same = ("shape", "prompt_len", "gpu_memory_utilization", "max_num_seqs")
+        result["results"] = previous_rows(out, result, same, "engine", args.engines)
     failed = run_all(__file__, "--engine", args.engines, sys.argv[1:], result, out, "engine", list(ENGINES))
     print(summary(result["results"]))
     print(f"wrote {out}")

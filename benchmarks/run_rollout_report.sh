@@ -5,6 +5,9 @@
 #
 #   bash benchmarks/run_rollout_report.sh kernels   # the GPU kernel tests alone (a minute: do the kernels run here?)
 #   bash benchmarks/run_rollout_report.sh rollout   # bench_rollout: $ROLLOUT_ENGINES (default six) x four points
+#   bash benchmarks/run_rollout_report.sh capacity  # bench_rollout at matched memory: bf16 / FP8 / FP8 + FP8 KV at
+#                                                   # $CAPACITY_SHARES (default 0.3) of the GPU, 256x2048 and 128x4096
+#   bash benchmarks/run_rollout_report.sh concurrency # the same engines capped at $CAPACITY_SEQS sequences at once
 #   bash benchmarks/run_rollout_report.sh pack      # DeepGEMM's JIT cache into $WORK/dg_cache.tgz.part*
 #   bash benchmarks/run_rollout_report.sh suite     # the GPU test suite, one command
 #   bash benchmarks/run_rollout_report.sh checks    # GPU test suite, identity per kernel, the 16k-token point
@@ -77,6 +80,22 @@ rollout)
   # shellcheck disable=SC2086
   timed "rollout_${engines// /+}" python benchmarks/bench_rollout.py --engines $engines \
     --points 64x1024 256x1024 1024x1024 64x4096 --append --out "$work/rollout_$device.json"
+  ;;
+capacity)  # matched memory: every engine gets the same share of the GPU ($CAPACITY_SHARES, one results file each)
+  for share in ${CAPACITY_SHARES:-0.3}; do
+    # shellcheck disable=SC2086
+    timed "capacity_mem$share" python benchmarks/bench_rollout.py --engines ${CAPACITY_ENGINES:-bf16 fp8_deepgemm fp8_deepgemm_kv} \
+      --points 256x2048 128x4096 --prompt_len 256 --gpu_memory_utilization "$share" --append \
+      --out "$work/rollout_capacity_mem${share}_$device.json"
+  done
+  ;;
+concurrency)  # matched concurrency: the same share, and every engine capped at $CAPACITY_SEQS sequences at once
+  share=${CAPACITY_SHARES:-0.3}
+  # shellcheck disable=SC2086
+  timed "concurrency_seqs${CAPACITY_SEQS:-22}" python benchmarks/bench_rollout.py \
+    --engines ${CAPACITY_ENGINES:-bf16 fp8_deepgemm fp8_deepgemm_kv} --points 256x2048 128x4096 --prompt_len 256 \
+    --gpu_memory_utilization "$share" --max_num_seqs "${CAPACITY_SEQS:-22}" --append \
+    --out "$work/rollout_capacity_mem${share}_seqs${CAPACITY_SEQS:-22}_$device.json"
   ;;
 pack)
   tar -C "$(dirname "$DG_JIT_CACHE_DIR")" -czf - "$(basename "$DG_JIT_CACHE_DIR")" | split -b 15M - "$work/dg_cache.tgz.part"
@@ -186,7 +205,8 @@ multi)  # a 4B shape with stock fused AdamW: one step fits one GPU beside its en
   done
   ;;
 *)
-  echo "usage: $0 PHASE... (kernels rollout pack suite checks linear gemm quant grpo long kvprofile chain chainbase multi)" >&2
+  echo "usage: $0 PHASE... (kernels rollout capacity concurrency pack suite checks linear gemm quant grpo long kvprofile" \
+    "chain chainbase multi)" >&2
   exit 2
   ;;
 esac

@@ -1,6 +1,7 @@
 """`trl-fp8`: the command line, one subcommand per task.
 
     trl-fp8 quantize MODEL OUT [...]    write a block-FP8 checkpoint of a BF16 model (see `trl_fp8.quantize`)
+    trl-fp8 plan MODEL [...]            rollout capacity in BF16 / FP8 / FP8 + FP8 KV, and the trainer's memory
 
 `python -m trl_fp8` runs the same command.
 """
@@ -10,11 +11,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import quantize
+from . import plan, quantize
 
 # name: (module with add_arguments(parser) and run(args) -> exit code, one-line help)
 SUBCOMMANDS = {
     "quantize": (quantize, "write a block-FP8 checkpoint of a high-precision model (for vLLM and transformers)"),
+    "plan": (plan, "how many sequences vLLM decodes at once in BF16 / FP8 / FP8 + FP8 KV, and whether training fits"),
 }
 
 

@@ -38,6 +38,7 @@ from .fp8_linear import invalidate_fp8_weights
 from .grpo_config import FP8GRPOConfig
 from .importance_sampling import mismatch_stats, token_tis_ratio
 from .kv_scales import AttentionScaleObserver
+from .rollout_stats import capacity_line
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +83,7 @@ class FP8GRPOTrainer(GRPOTrainer):
         self.fp8_report = self._convert(model, args)
         self.fp8_export_report = self._plan_fp8_outside_training(model, args)
         self._saving_training_checkpoint = False
+        self._capacity_reported = False
         self._kv_observer = AttentionScaleObserver(model) if args.use_vllm and args.fp8_kv_cache else None
         with self._fp8_vllm_generation(args):
             super().__init__(model, reward_funcs, args, *trainer_args, **trainer_kwargs)
@@ -210,6 +212,7 @@ class FP8GRPOTrainer(GRPOTrainer):
         if sync_seconds is not None:
             self._metrics[mode]["fp8/weight_sync_ms"].append(1e3 * sync_seconds)
             self.vllm_generation.last_sync_seconds = None
+        self._log_rollout_capacity(output, mode)
         rollout_logps = output.get("sampling_per_token_logps")
         if rollout_logps is None:
             return output  # rollouts by the trainer's own FP8 model: nothing differs, nothing to correct
@@ -231,6 +234,26 @@ class FP8GRPOTrainer(GRPOTrainer):
                 train_logps, rollout_logps, mask, self.args.tis_cap, self.args.vllm_importance_sampling_clip_min
             )
         return output
+
+    def _log_rollout_capacity(self, output, mode) -> None:
+        """Per rollout, what the colocated engine did (`vllm/*`: peak running and waiting sequences, preemptions,
+        peak KV-cache use); after the first, one line on what its KV cache holds against a BF16 engine's."""
+        generation = getattr(self, "vllm_generation", None)
+        stats = getattr(generation, "rollout_stats", None)
+        if stats is None:
+            return
+        for key, value in stats.read().items():
+            self._metrics[mode][f"vllm/{key}"].append(value)
+        kv_tokens = generation.kv_cache_tokens
+        if kv_tokens:
+            self._metrics[mode]["vllm/kv_cache_tokens"].append(float(kv_tokens))
+        if kv_tokens and not self._capacity_reported:
+            self._capacity_reported = True
+            seq_len = int(output["prompt_mask"].sum(1).max()) + self.max_completion_length
+            line = capacity_line(unwrap_model(self.model), kv_tokens, fp8_weights=generation.rollout_precision != "bf16",
+                                 fp8_kv=self._kv_observer is not None, seq_len=seq_len)  # fmt: skip
+            self.accelerator.print(f"[trl-fp8] vLLM engine: {line} The rollout batch has {len(output['prompt_ids'])} "
+                                   "sequences per process.")  # fmt: skip
 
     @torch.no_grad()
     def _trainer_logps(self, output, mode) -> torch.Tensor:

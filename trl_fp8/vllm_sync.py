@@ -44,6 +44,7 @@ from .export import (
     unwrap_model,
 )
 from .kv_scales import AttentionScaleObserver
+from .rollout_stats import RolloutStats, engine_kv_cache_tokens
 from .vllm_kernels import (
     FP8_KV_ATTENTION_BACKEND,
     VLLM_LINEAR_BACKEND,
@@ -129,7 +130,8 @@ def engine_overrides(
     """`LLM(...)` arguments that build a colocated engine from `write_engine_config`'s folder with dummy weights;
     for "fp8" rollouts, `kernel`'s linear backend; with an FP8 KV cache, the attention backend that takes new q/k/v
     scales at every sync (`vllm_kernels.FP8_KV_ATTENTION_BACKEND`)."""
-    overrides = {"model": str(engine_dir), "load_format": "dummy"}
+    # disable_log_stats=False: vLLM computes per-step scheduler statistics, which `RolloutStats` collects.
+    overrides = {"model": str(engine_dir), "load_format": "dummy", "disable_log_stats": False}
     if rollout_precision == "fp8_online":
         overrides["quantization"] = VLLM_ONLINE_FP8
     if rollout_precision == "fp8" and kernel is not None:
@@ -399,6 +401,8 @@ class FP8VLLMGeneration(VLLMGeneration):
         self.kv_observer = kv_observer
         self.last_sync_seconds: float | None = None
         self.engine_dir: Path | None = None
+        self.rollout_stats: RolloutStats | None = None  # colocate: what the engine did in each rollout
+        self.kv_cache_tokens: int | None = None
         super().__init__(*args, **kwargs)
 
     @property
@@ -446,7 +450,11 @@ class FP8VLLMGeneration(VLLMGeneration):
             trl_vllm.LLM = llm_class
         # DeepGEMM's start-up includes compiling its kernels when the JIT cache is cold (minutes for an 8B model).
         self.engine_start_seconds = time.perf_counter() - start
-        logger.info("vLLM engine started in %.0f s", self.engine_start_seconds)
+        self.rollout_stats = RolloutStats.attach(self.llm)
+        self.kv_cache_tokens = engine_kv_cache_tokens(self.llm)
+        logger.info(
+            "vLLM engine started in %.0f s, KV cache %s tokens", self.engine_start_seconds, self.kv_cache_tokens
+        )
 
     def _check_server(self) -> None:
         import requests

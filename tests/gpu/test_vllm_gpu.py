@@ -36,16 +36,18 @@ def _artifacts() -> Path | None:
 KERNEL_CLASS_PREFIX = {"deepgemm": "DeepGemm", "cutlass": "Cutlass", "triton": "Triton"}
 
 
-def assert_engine_holds_trainer_fp8(trainer, layer_index=1):
-    """After a sync, vLLM's fused layers hold exactly the trainer's FP8 bits and scales, on the kernel the trainer
-    chose. DeepGEMM stores the scales in its own layout: the expected tensor is vLLM's DeepGEMM post-processing of
-    the trainer's scales (a layout change; with E8M0 off it changes no value). Returns the vLLM layer."""
+def assert_engine_holds_trainer_fp8(trainer, layer_index=1, sync=True):
+    """After a sync (`sync=False`: as the engine is now), vLLM's fused layers hold exactly the trainer's FP8 bits and
+    scales, on the kernel the trainer chose. DeepGEMM stores the scales in its own layout: the expected tensor is
+    vLLM's DeepGEMM post-processing of the trainer's scales (a layout change; with E8M0 off it changes no value).
+    Returns the vLLM layer."""
     from vllm.model_executor.layers.quantization.utils.fp8_utils import deepgemm_post_process_fp8_weight_block
 
     from trl_fp8 import FP8Linear
 
     generation = trainer.vllm_generation
-    generation.sync_weights()
+    if sync:
+        generation.sync_weights()
     vmodel = generation.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
     layer, vlayer = trainer.model.model.layers[layer_index], vmodel.model.layers[layer_index]
     backend = generation.kernel.backend
@@ -115,24 +117,62 @@ def test_colocate_fp8_rollouts_use_the_trainers_fp8_weights_and_kv_scales(tmp_pa
     assert len(sync_ms) == len(logs)  # one sync per optimizer step, each logged
     assert all(0 <= m < 0.5 for m in mismatch)
     assert sum(rewards[-5:]) > sum(rewards[:5])
+    # What the engine did in each rollout reaches the logs: the whole generation batch running at once.
+    batch = args.per_device_train_batch_size * args.steps_per_generation
+    assert all(log["vllm/running_peak"] == batch and log["vllm/preemptions"] == 0 for log in logs)
+    assert all(log["vllm/kv_cache_tokens"] > 16 * 64 for log in logs)
 
     vlayer = assert_engine_holds_trainer_fp8(trainer)
+    assert_engine_uses_trainer_kv_scales(trainer, vlayer)
 
-    # KV scales: vLLM's attention layer uses the amax/448 the trainer measured.
+    out = tmp_path / "fp8"
+    trainer.save_model(str(out))
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"] == "fp8"
+
+
+def assert_engine_uses_trainer_kv_scales(trainer, vlayer, layer_index=1):
+    """vLLM's attention layer uses the amax/448 the trainer measured, in FP8 attention."""
     observed = trainer.vllm_generation.kv_observer.scales(reset=False)
     print(f"KV cache {vlayer.self_attn.attn.kv_cache_dtype}, attention {type(vlayer.self_attn.attn.impl).__name__}")
     attn = vlayer.self_attn.attn
     for leaf, name in (("k", "_k_scale"), ("v", "_v_scale"), ("q", "_q_scale")):
-        ours = observed[f"model.layers.1.self_attn.{leaf}_scale"].item()
+        ours = observed[f"model.layers.{layer_index}.self_attn.{leaf}_scale"].item()
         assert getattr(attn, name).item() == pytest.approx(ours, rel=1e-6), leaf
     assert attn.kv_cache_dtype.startswith("fp8")
     # FlashAttention-3's FP8 attention (queries quantized with our q scale), which reads the scales every call.
     assert type(attn.impl).__name__ == "FlashAttentionImpl" and attn.impl.vllm_flash_attn_version == 3
     assert attn.query_quant is not None  # queries quantized to FP8 with the q scale the trainer measured
 
-    out = tmp_path / "fp8"
-    trainer.save_model(str(out))
-    assert json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"] == "fp8"
+
+def test_sleep_mode_wakes_up_with_the_trainers_current_fp8_weights_and_kv_scales(tmp_path):
+    """`vllm_enable_sleep_mode=True` (TRL sleeps the engine at level 2 after each rollout, discarding its weights):
+    at every wake-up, right before generating, the engine holds the trainer's FP8 weights and KV scales of that
+    step, bit for bit."""
+    pytest.importorskip("vllm")
+    from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer
+    from trl_fp8.toy_task import GRPO_SETTINGS, say_letter_dataset, say_letter_reward
+
+    args = FP8GRPOConfig(
+        **GRPO_SETTINGS, output_dir=str(tmp_path / "out"), max_steps=4, logging_steps=1, bf16=True,
+        disable_tqdm=True, model_init_kwargs={"dtype": "bfloat16"}, use_vllm=True, vllm_mode="colocate",
+        vllm_gpu_memory_utilization=0.25, vllm_enable_sleep_mode=True, tis="token", fp8_kv_cache=True,
+    )  # fmt: skip
+    trainer = FP8GRPOTrainer(
+        str(_tiny_model_dir(tmp_path)), say_letter_reward, args, train_dataset=say_letter_dataset(256)
+    )
+    llm, checked = trainer.vllm_generation.llm, []
+    generate = llm.generate
+
+    def checked_generate(*a, **k):  # awake again, weights pushed: the engine must be this step's trainer
+        vlayer = assert_engine_holds_trainer_fp8(trainer, sync=False)
+        assert_engine_uses_trainer_kv_scales(trainer, vlayer)
+        checked.append(trainer.state.global_step)
+        return generate(*a, **k)
+
+    llm.generate = checked_generate
+    trainer.train()
+    assert llm.llm_engine.is_sleeping()  # TRL put it back to sleep after the last rollout
+    assert checked == [0, 1, 2, 3]
 
 
 def test_power_of_two_scales_reach_the_default_kernel_unchanged(tmp_path):

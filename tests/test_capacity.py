@@ -1,0 +1,132 @@
+"""The rollout-capacity arithmetic (`trl_fp8.capacity`) and `trl-fp8 plan`: parameter counts against real models, KV
+tokens against what vLLM reported in the committed benchmark rows, and the command's output and errors."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from trl_fp8.capacity import (
+    GPU_MEMORY_BYTES,
+    ModelShape,
+    kv_bytes_per_token,
+    rollout_capacity,
+    trainer_memory_bytes,
+    weight_bytes,
+)
+from trl_fp8.cli import main as cli
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def tiny_configs():
+    from transformers import Qwen3Config, Qwen3MoeConfig
+
+    common = dict(vocab_size=128, hidden_size=256, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
+                  head_dim=128)  # fmt: skip
+    return {
+        "dense": Qwen3Config(intermediate_size=512, **common),
+        "tied": Qwen3Config(intermediate_size=512, tie_word_embeddings=True, **common),
+        "moe": Qwen3MoeConfig(
+            intermediate_size=512,
+            moe_intermediate_size=128,
+            num_experts=8,
+            num_experts_per_tok=2,
+            mlp_only_layers=[1],
+            **common,
+        ),  # fmt: skip
+    }
+
+
+@pytest.mark.parametrize("kind", ["dense", "tied", "moe"])
+def test_parameter_counts_are_the_models_own(kind):
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_configs()[kind]
+    model = AutoModelForCausalLM.from_config(config)
+    shape = ModelShape.from_config(config)
+    assert shape.params == sum(p.numel() for p in model.parameters())
+    high_precision = sum(p.numel() for n, p in model.named_parameters() if "embed" in n or "lm_head" in n or "norm" in n
+                         or n.endswith("mlp.gate.weight"))  # fmt: skip
+    assert shape.other_params == high_precision  # what FP8 leaves in 16 bits: embeddings, head, norms, routers
+    assert weight_bytes(shape, fp8=False) == 2 * shape.params
+    assert weight_bytes(shape, fp8=True) < weight_bytes(shape, fp8=False)
+    assert kv_bytes_per_token(shape, fp8_kv=False) == 3 * 2 * 1 * 128 * 2 == 2 * kv_bytes_per_token(shape, fp8_kv=True)
+
+
+def measured_rows():
+    """(device, shape, share, max_num_seqs, engine, vLLM's KV tokens) of every committed bench_rollout row."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_rollout import ENGINES, SHAPES
+
+    rows = []
+    for path in sorted(RESULTS.glob("rollout*_NVIDIA_*.json")):
+        data = json.loads(path.read_text())
+        for row in data["results"]:
+            if not row.get("kv_cache_tokens"):
+                continue
+            seqs = max([p["seqs"] for p in row["points"]] + [row.get("profile", {}).get("seqs", 0)])
+            seqs = row.get("max_num_seqs", seqs)  # recorded in newer rows
+            device = next(k for k in GPU_MEMORY_BYTES if k in data["device"])
+            train_fp8, precision, fp8_kv, _ = ENGINES[row["engine"]]
+            shape = ModelShape.from_config({**SHAPES[data["shape"]["name"]], "head_dim": 128})
+            rows.append((path.name, device, shape, row.get("gpu_memory_utilization", data["gpu_memory_utilization"]),
+                         seqs, precision != "bf16", fp8_kv, row["kv_cache_tokens"]))  # fmt: skip
+    return rows
+
+
+def test_kv_tokens_land_within_3_percent_of_what_vllm_reported():
+    rows = measured_rows()
+    assert len(rows) >= 8
+    for name, device, shape, share, seqs, fp8_weights, fp8_kv, measured in rows:
+        estimate = rollout_capacity(shape, GPU_MEMORY_BYTES[device], share, fp8_weights=fp8_weights, fp8_kv=fp8_kv,
+                                    seq_len=2048, max_num_seqs=seqs).kv_tokens  # fmt: skip
+        assert abs(estimate / measured - 1) < 0.03, (name, share, fp8_weights, fp8_kv, estimate, measured)
+
+
+def test_fp8_holds_more_sequences_at_matched_memory():
+    config = {"model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+              "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936}  # fmt: skip
+    shape = ModelShape.from_config(config)  # the Qwen3-8B shape at TRL's colocate share of an H100
+    caps = [rollout_capacity(shape, GPU_MEMORY_BYTES["H100"], 0.3, fp8_weights=w, fp8_kv=k, seq_len=2304,
+                             max_num_seqs=256) for w, k in ((False, False), (True, False), (True, True))]  # fmt: skip
+    assert [c.sequences for c in caps] == [22, 42, 85]  # vLLM held 22, 42 and 85 in the research measurement
+    assert caps[0].waves(256) == 12 and caps[2].waves(256) == 4
+    with pytest.raises(ValueError, match="gpu_memory_utilization must be in"):
+        rollout_capacity(
+            shape, GPU_MEMORY_BYTES["H100"], 1.3, fp8_weights=True, fp8_kv=False, seq_len=1, max_num_seqs=1
+        )
+    memory = trainer_memory_bytes(shape, optim="adamw_bnb_8bit")
+    assert memory["optimizer"] == 2 * shape.params and memory["fp8_weight_cache"] == shape.linear_params
+    assert trainer_memory_bytes(shape, lora=True)["gradients"] == 0
+
+
+def test_plan_prints_the_three_flows(tmp_path, capsys):
+    path = tmp_path / "tiny"
+    tiny_configs()["moe"].save_pretrained(path)
+    assert cli(["plan", str(path), "--gpu_memory_gib", "1", "--prompt_len", "16", "--completion_len", "48",
+                "--generation_batch", "64", "--vllm_gpu_memory_utilization", "0.9"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    lines = {line.split()[0] + (" KV" if "FP8 KV" in line else ""): line for line in out.splitlines()[2:5]}
+    assert set(lines) == {"BF16", "FP8", "FP8 KV"}, out
+    tokens = {k: int(v.split()[-5].replace(",", "")) for k, v in lines.items()}  # columns from the right
+    assert tokens["FP8 KV"] > tokens["FP8"] > tokens["BF16"] > 0
+    assert "vLLM share 0.9" in out
+
+
+def test_plan_errors_name_the_problem(tmp_path, capsys):
+    assert cli(["plan", str(tmp_path / "missing"), "--gpu", "H100"]) == 2
+    assert "cannot read a model config" in capsys.readouterr().err
+    mla = tmp_path / "mla"
+    mla.mkdir()
+    (mla / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", "kv_lora_rank": 512}))
+    assert cli(["plan", str(mla), "--gpu", "H100"]) == 2
+    assert "multi-head latent attention" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        dense = tmp_path / "dense"
+        tiny_configs()["dense"].save_pretrained(dense)
+        assert cli(["plan", str(dense)]) == 2
+        assert "no GPU here: pass --gpu" in capsys.readouterr().err

@@ -1,0 +1,197 @@
+"""Rollout capacity: what a vLLM engine's memory share holds in BF16, FP8 and FP8 + FP8 KV cache, and whether the
+trainer beside it fits. The arithmetic behind `trl-fp8 plan`, the engine's start-up log line and the benchmarks.
+
+vLLM gives its KV cache what is left of `gpu_memory_utilization x GPU memory` after the weights and its own
+overhead (activations of a `max_num_batched_tokens` profiling step, the sampler's logits, CUDA graphs and the CUDA
+context). FP8 weights free half of the linear layers' bytes for KV cache, and an FP8 KV cache halves the bytes of
+every cached token; both let more sequences decode at once.
+
+The overhead model is empirical: `VLLM_OVERHEAD` was fitted on vLLM 0.26.0's own KV-cache sizes for random Qwen3-8B
+and Qwen3-1.7B shapes on H100 and H200 (9 engines, 0.3-0.6 of the GPU): every estimate there is within 3% of the
+tokens vLLM reported (`tests/test_capacity.py` checks the committed rows). Other vLLM versions, other attention kinds
+(sliding windows, MLA) and tensor parallelism are not modelled.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = [
+    "GPU_MEMORY_BYTES",
+    "ModelShape",
+    "RolloutCapacity",
+    "kv_bytes_per_token",
+    "rollout_capacity",
+    "trainer_memory_bytes",
+    "vllm_overhead_bytes",
+    "weight_bytes",
+]
+
+GiB = 2**30
+# Total memory as CUDA reports it (`torch.cuda.mem_get_info()[1]`, the figure vLLM multiplies by its share).
+GPU_MEMORY_BYTES = {"H100": 81559 * 2**20, "H200": 143771 * 2**20}
+BLOCK = 128  # FP8 weight blocks: one float32 scale per 128 x 128
+KV_BLOCK_TOKENS = 16  # vLLM allocates the KV cache in blocks of 16 tokens
+# overhead = base + activations x activation_factor + sampler logits x logits_factor (see vllm_overhead_bytes)
+VLLM_OVERHEAD = {"base": 0.67 * GiB, "activation_factor": 2.56, "logits_factor": 0.55}
+# Optimizer state bytes per trainable BF16 parameter (beyond the parameter and its gradient): AdamW keeps two
+# moments in the parameter's dtype, bitsandbytes' 8-bit AdamW two 1-byte moments.
+OPTIMIZER_STATE_BYTES = {"adamw_torch": 4, "adamw_torch_fused": 4, "adamw_bnb_8bit": 2, "adamw_8bit": 2,
+                         "paged_adamw_8bit": 2, "adafactor": 0, "sgd": 0}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a decoder-only transformer that decide its memory: parameters that FP8 stores in 1 byte (the
+    linear layers of attention and MLP or experts) and those that stay 16-bit (embeddings, lm_head, norms, routers)."""
+
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int  # the dense MLP's, or one expert's for a mixture of experts
+    vocab_size: int
+    num_kv_heads: int
+    head_dim: int
+    linear_params: int
+    other_params: int
+
+    @property
+    def params(self) -> int:
+        return self.linear_params + self.other_params
+
+    @classmethod
+    def from_config(cls, config) -> ModelShape:
+        """From a transformers config (object or dict; a multimodal model's `text_config` is used).
+
+        Raises ValueError naming what it cannot model: a missing field, or an attention kind other than grouped
+        query attention (e.g. DeepSeek's MLA)."""
+        c = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+        c = c.get("text_config") or c
+        name = c.get("model_type", "this model")
+        if c.get("kv_lora_rank"):
+            raise ValueError(f"{name} uses multi-head latent attention (MLA), which the planner does not model.")
+
+        def need(*keys):
+            for key in keys:
+                if c.get(key) is not None:
+                    return c[key]
+            raise ValueError(f"The {name} config has no {' / '.join(keys)}: the planner cannot size it.")
+
+        hidden, layers, vocab = need("hidden_size"), need("num_hidden_layers"), need("vocab_size")
+        heads = need("num_attention_heads")
+        kv_heads = c.get("num_key_value_heads") or heads
+        head_dim = c.get("head_dim") or hidden // heads
+        attention = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2  # q, o; k, v
+        experts = c.get("num_experts") or c.get("num_local_experts") or 0
+        if experts:  # a mixture of experts: every MoE layer holds all experts (3 projections each) and a router
+            expert_dim = need("moe_intermediate_size", "intermediate_size")
+            shared = c.get("shared_expert_intermediate_size") or 0
+            dense_only = set(c.get("mlp_only_layers") or [])
+            step = c.get("decoder_sparse_step") or 1
+            moe_layers = [i for i in range(layers) if i not in dense_only and (i + 1) % step == 0]
+            dense_dim = c.get("intermediate_size") or expert_dim
+            mlp = len(moe_layers) * (3 * hidden * (experts * expert_dim + shared)) + (layers - len(moe_layers)) * (
+                3 * hidden * dense_dim
+            )
+            router = len(moe_layers) * hidden * (experts + (1 if shared else 0))
+            intermediate = expert_dim
+        else:
+            intermediate = need("intermediate_size")
+            mlp, router = layers * 3 * hidden * intermediate, 0
+        embeddings = vocab * hidden * (1 if c.get("tie_word_embeddings") else 2)
+        norms = layers * (2 * hidden + 2 * head_dim) + hidden
+        return cls(layers, hidden, intermediate, vocab, kv_heads, head_dim,
+                   layers * attention + mlp, embeddings + norms + router)  # fmt: skip
+
+
+def weight_bytes(shape: ModelShape, fp8: bool) -> int:
+    """Bytes of the weights in vLLM: BF16 everywhere, or FP8 linear layers (plus a float32 scale per 128x128 block)
+    beside 16-bit embeddings, lm_head and norms."""
+    if not fp8:
+        return 2 * shape.params
+    return shape.linear_params + 4 * math.ceil(shape.linear_params / BLOCK**2) + 2 * shape.other_params
+
+
+def kv_bytes_per_token(shape: ModelShape, fp8_kv: bool) -> int:
+    """KV-cache bytes of one token: K and V of every layer, 1 byte an element in FP8, 2 in BF16."""
+    return shape.num_layers * 2 * shape.num_kv_heads * shape.head_dim * (1 if fp8_kv else 2)
+
+
+def vllm_overhead_bytes(shape: ModelShape, max_num_seqs: int, max_num_batched_tokens: int = 4096) -> int:
+    """What vLLM keeps of its share besides weights and KV cache (the fitted model in the module docstring): a fixed
+    part, the activations of a `max_num_batched_tokens` step through one layer, and float32 logits for
+    `max_num_seqs` sequences."""
+    activations = max_num_batched_tokens * (2 * shape.intermediate_size + 4 * shape.hidden_size) * 2
+    logits = max_num_seqs * shape.vocab_size * 4
+    o = VLLM_OVERHEAD
+    return int(o["base"] + o["activation_factor"] * activations + o["logits_factor"] * logits)
+
+
+@dataclass(frozen=True)
+class RolloutCapacity:
+    """What one vLLM engine holds: bytes of weights, of a cached token, the KV tokens and whole sequences at once."""
+
+    weight_bytes: int
+    kv_bytes_per_token: int
+    kv_tokens: int
+    sequences: int  # of `seq_len` tokens that decode at once (at most max_num_seqs)
+    seq_len: int
+
+    def waves(self, batch: int) -> int:
+        """Rounds of decoding for `batch` sequences (1: every sequence fits at once)."""
+        return math.ceil(batch / self.sequences) if self.sequences else 0
+
+
+def rollout_capacity(
+    shape: ModelShape,
+    gpu_memory_bytes: int,
+    gpu_memory_utilization: float,
+    *,
+    fp8_weights: bool,
+    fp8_kv: bool,
+    seq_len: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int = 4096,
+) -> RolloutCapacity:
+    """Estimate the engine's KV cache (vLLM's "GPU KV cache size") and how many `seq_len`-token sequences decode at
+    once, for a share `gpu_memory_utilization` of `gpu_memory_bytes`."""
+    if not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}.")
+    weights = weight_bytes(shape, fp8_weights)
+    per_token = kv_bytes_per_token(shape, fp8_kv)
+    free = gpu_memory_utilization * gpu_memory_bytes - weights
+    free -= vllm_overhead_bytes(shape, max_num_seqs, max_num_batched_tokens)
+    tokens = max(0, int(free // per_token)) // KV_BLOCK_TOKENS * KV_BLOCK_TOKENS
+    return RolloutCapacity(weights, per_token, tokens, min(max_num_seqs, tokens // seq_len), seq_len)
+
+
+def trainer_memory_bytes(
+    shape: ModelShape,
+    *,
+    optim: str = "adamw_torch",
+    fp8_training: bool = True,
+    fp8_weight_cache: bool = True,
+    lora: bool = False,
+    micro_batch: int = 8,
+    seq_len: int = 2048,
+    gradient_checkpointing: bool = True,
+) -> dict[str, int]:
+    """A rough account of the trainer's own GPU memory (BF16 master weights): weights, gradients, optimizer states,
+    the FP8 weight cache, activations of one micro-batch and its logits. Estimates, not measurements."""
+    if optim not in OPTIMIZER_STATE_BYTES:
+        raise ValueError(f"optim={optim!r} is not modelled; use one of {sorted(OPTIMIZER_STATE_BYTES)}.")
+    trainable = 0 if lora else shape.params
+    tokens = micro_batch * seq_len
+    per_layer = tokens * (3 * shape.intermediate_size + 6 * shape.hidden_size) * 2
+    if gradient_checkpointing:  # a checkpoint per layer, one layer recomputed at a time
+        activations = shape.num_layers * tokens * shape.hidden_size * 2 + per_layer
+    else:
+        activations = shape.num_layers * per_layer
+    return {
+        "weights": 2 * shape.params,
+        "gradients": 2 * trainable,
+        "optimizer": OPTIMIZER_STATE_BYTES[optim] * trainable,
+        "fp8_weight_cache": shape.linear_params if fp8_training and fp8_weight_cache else 0,
+        "activations": activations,
+        "logits": tokens * shape.vocab_size * (2 + 4),  # BF16 logits and their float32 log-softmax
+    }

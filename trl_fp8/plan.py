@@ -1,0 +1,103 @@
+"""`trl-fp8 plan`: what a colocated vLLM engine holds in BF16, FP8 and FP8 + FP8 KV cache, and whether training fits.
+
+    trl-fp8 plan MODEL [--gpu H100 | --gpu_memory_gib 80] [--vllm_gpu_memory_utilization 0.3]
+                 [--prompt_len 256] [--completion_len 2048] [--generation_batch 128] [--optim adamw_bnb_8bit] ...
+
+MODEL is a model folder or a Hub id (its config.json only). The estimates are `trl_fp8.capacity`'s: KV-cache tokens
+as vLLM 0.26 sizes them (within a few percent of what it reported in our benchmarks), sequences of
+prompt + completion tokens that decode at once, and a rough account of the trainer's memory beside the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .capacity import (
+    GPU_MEMORY_BYTES,
+    OPTIMIZER_STATE_BYTES,
+    GiB,
+    ModelShape,
+    rollout_capacity,
+    trainer_memory_bytes,
+    vllm_overhead_bytes,
+)
+
+FLOWS = (("BF16", False, False), ("FP8", True, False), ("FP8 + FP8 KV", True, True))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="model folder or Hub id (only its config is read)")
+    gpu = parser.add_mutually_exclusive_group()
+    gpu.add_argument("--gpu", choices=sorted(GPU_MEMORY_BYTES), help="GPU kind (default: this machine's GPU)")
+    gpu.add_argument("--gpu_memory_gib", type=float, help="GPU memory in GiB, as CUDA reports it")
+    parser.add_argument("--vllm_gpu_memory_utilization", type=float, default=0.3, help="vLLM's share (TRL: 0.3)")
+    parser.add_argument("--prompt_len", type=int, default=256)
+    parser.add_argument("--completion_len", type=int, default=2048)
+    parser.add_argument("--generation_batch", type=int, default=128, help="sequences per rollout (max_num_seqs)")
+    parser.add_argument("--micro_batch", type=int, default=8, help="per_device_train_batch_size")
+    parser.add_argument("--optim", default="adamw_torch", choices=sorted(OPTIMIZER_STATE_BYTES))
+    parser.add_argument("--no_gradient_checkpointing", action="store_true")
+    parser.add_argument("--lora", action="store_true", help="only adapters train: no gradients or optimizer state")
+    parser.add_argument("--sleep_mode", action="store_true", help="vllm_enable_sleep_mode: vLLM frees its share")
+    parser.add_argument("--trust_remote_code", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        shape = ModelShape.from_config(_load_config(args.model, args.trust_remote_code))
+        total = _gpu_memory(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    seq_len = args.prompt_len + args.completion_len
+    share = args.vllm_gpu_memory_utilization
+    print(f"{args.model}: {shape.params / 1e9:.2f}B parameters ({shape.linear_params / 1e9:.2f}B in linear layers); "
+          f"GPU {total / GiB:.1f} GiB, vLLM share {share:g}; {args.generation_batch} sequences of "
+          f"{args.prompt_len} + {args.completion_len} tokens")  # fmt: skip
+    print(f"{'':<14}{'vLLM weights':>13}{'KV B/token':>11}{'KV tokens':>11}{'seqs at once':>13}{'waves':>6}"
+          f"{'trainer':>9}{'fits':>6}")  # fmt: skip
+    for name, fp8_weights, fp8_kv in FLOWS:
+        try:
+            cap = rollout_capacity(shape, total, share, fp8_weights=fp8_weights, fp8_kv=fp8_kv, seq_len=seq_len,
+                                   max_num_seqs=args.generation_batch)  # fmt: skip
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        trainer = sum(
+            trainer_memory_bytes(
+                shape, optim=args.optim, fp8_training=fp8_weights, lora=args.lora, micro_batch=args.micro_batch,
+                seq_len=seq_len, gradient_checkpointing=not args.no_gradient_checkpointing,
+            ).values()
+        )  # fmt: skip
+        # Beside training, vLLM holds its whole share, or (sleeping) only what it cannot release.
+        engine = vllm_overhead_bytes(shape, args.generation_batch) if args.sleep_mode else share * total
+        fits = "yes" if trainer + engine <= 0.97 * total else "no"
+        waves = cap.waves(args.generation_batch) if cap.sequences else "-"
+        print(f"{name:<14}{cap.weight_bytes / GiB:>11.1f}Gi{cap.kv_bytes_per_token:>11,}{cap.kv_tokens:>11,}"
+              f"{cap.sequences:>13}{waves:>6}{trainer / GiB:>7.1f}Gi{fits:>6}")  # fmt: skip
+    print("KV tokens: vLLM 0.26's sizing, estimated; trainer: BF16 masters, gradients, optimizer, FP8 weight cache, "
+          "one micro-batch's activations and logits (rough); fits: trainer + vLLM's share within 97% of the GPU.")  # fmt: skip
+    return 0
+
+
+def _gpu_memory(args) -> int:
+    if args.gpu_memory_gib:
+        return int(args.gpu_memory_gib * GiB)
+    if args.gpu:
+        return GPU_MEMORY_BYTES[args.gpu]
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError(f"no GPU here: pass --gpu ({' or '.join(sorted(GPU_MEMORY_BYTES))}) or --gpu_memory_gib.")
+    return torch.cuda.mem_get_info()[1]
+
+
+def _load_config(model: str, trust_remote_code: bool):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"cannot read a model config from {model!r}: {first}") from exc
