@@ -597,9 +597,10 @@ def test_rollout_statistics_and_the_capacity_line_reach_the_logs(fake_vllm, tmp_
     seq_len = 10 + trainer.max_completion_length
     line = capsys.readouterr().out
     assert (
-        f"KV cache 197,984 tokens (FP8 weights + FP8 KV cache): {197_984 // seq_len:,} sequences of {seq_len}" in line
+        f"KV cache 197,984 tokens (FP8 weights + FP8 KV cache): room for {197_984 // seq_len:,} sequences of {seq_len}"
+        in line
     )
-    assert "a BF16 engine in the same memory would hold" in line
+    assert "a BF16 engine in the same memory would have room for" in line
     trainer._log_rollout_capacity(output, "train")  # the line once; the metrics every rollout, from zero again
     assert capsys.readouterr().out == "" and trainer._metrics["train"]["vllm/running_peak"] == [85.0, 0.0]
 
@@ -614,5 +615,5 @@ def test_the_bf16_equivalent_moves_the_saved_weight_bytes_into_bf16_kv_cache():
     saved = weight_bytes(shape, False) - weight_bytes(shape, True)
     expected = (tokens * kv_bytes_per_token(shape, True) - saved) // kv_bytes_per_token(shape, False) // 100
     line = capacity_line(model, tokens, fp8_weights=True, fp8_kv=True, seq_len=100)
-    assert line.endswith(f"would hold {expected:,}.") and "1,000 sequences of 100 tokens" in line
+    assert line.endswith(f"would have room for {expected:,}.") and "1,000 sequences of 100 tokens" in line
     assert capacity_line(model, tokens, fp8_weights=False, fp8_kv=False, seq_len=100).endswith("at once.")

@@ -86,8 +86,8 @@ def check_adapters_mergeable(model: nn.Module) -> None:
         if getattr(config, "is_prompt_learning", False) or peft_type == "ADAPTION_PROMPT":
             raise AdapterMergeError(
                 f"PEFT adapter {name!r} is of type {peft_type}, which adds learned prompt or prefix vectors "
-                "instead of changing weights: it cannot be merged into the FP8 weights that vLLM and the checkpoint receive. "
-                "Train a weight adapter (LoRA, DoRA, LoHa, LoKr, IA3, ...) or save the adapter alone with "
+                "instead of changing weights: it cannot be merged into the FP8 weights that vLLM and the checkpoint "
+                "receive. Train a weight adapter (LoRA, DoRA, LoHa, LoKr, IA3, ...) or save the adapter alone with "
                 "model.save_pretrained()."
             )
 

@@ -253,7 +253,8 @@ class FP8GRPOConfig(GRPOConfig):
             if self.vllm_importance_sampling_correction is False:
                 raise ValueError(
                     "tis='token' turns TRL's importance-sampling correction on, but "
-                    "vllm_importance_sampling_correction=False turns it off. Drop one of them (tis='off' is the way to say off)."
+                    "vllm_importance_sampling_correction=False turns it off. Drop one of them (tis='off' is the way "
+                    "to say off)."
                 )
             mode = self.vllm_importance_sampling_mode
             if mode not in (trl_defaults["vllm_importance_sampling_mode"], "token_truncate"):

@@ -250,10 +250,11 @@ class FP8GRPOTrainer(GRPOTrainer):
         if kv_tokens and not self._capacity_reported:
             self._capacity_reported = True
             seq_len = int(output["prompt_mask"].sum(1).max()) + self.max_completion_length
-            line = capacity_line(unwrap_model(self.model), kv_tokens, fp8_weights=generation.rollout_precision != "bf16",
+            fp8_weights = generation.rollout_precision != "bf16"
+            line = capacity_line(unwrap_model(self.model), kv_tokens, fp8_weights=fp8_weights,
                                  fp8_kv=self._kv_observer is not None, seq_len=seq_len)  # fmt: skip
-            self.accelerator.print(f"[trl-fp8] vLLM engine: {line} The rollout batch has {len(output['prompt_ids'])} "
-                                   "sequences per process.")  # fmt: skip
+            self.accelerator.print(f"[trl-fp8] vLLM engine: {line} This process's rollouts have "
+                                   f"{len(output['prompt_ids'])} sequences.")  # fmt: skip
 
     @torch.no_grad()
     def _trainer_logps(self, output, mode) -> torch.Tensor:

@@ -76,8 +76,10 @@ def run(args: argparse.Namespace) -> int:
         waves = cap.waves(args.generation_batch) if cap.sequences else "-"
         print(f"{name:<14}{cap.weight_bytes / GiB:>11.1f}Gi{cap.kv_bytes_per_token:>11,}{cap.kv_tokens:>11,}"
               f"{cap.sequences:>13}{waves:>6}{trainer / GiB:>7.1f}Gi{fits:>6}")  # fmt: skip
-    print("KV tokens: vLLM 0.26's sizing, estimated; trainer: BF16 masters, gradients, optimizer, FP8 weight cache, "
-          "one micro-batch's activations and logits (rough); fits: trainer + vLLM's share within 97% of the GPU.")  # fmt: skip
+    print(
+        "KV tokens: vLLM 0.26's sizing, estimated; trainer: BF16 masters, gradients, optimizer, FP8 weight cache, one "
+        "micro-batch's activations and logits (rough); fits: trainer + vLLM's share within 97% of the GPU."
+    )
     return 0
 
 

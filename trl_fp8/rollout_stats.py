@@ -77,13 +77,14 @@ def engine_kv_cache_tokens(llm) -> int | None:
 
 
 def capacity_line(model: nn.Module, kv_tokens: int, *, fp8_weights: bool, fp8_kv: bool, seq_len: int) -> str:
-    """`KV cache 197,984 tokens (FP8 weights + FP8 KV cache): 85 sequences of 2,304 tokens at once; a BF16 engine in
-    the same memory would hold 22.` The BF16 figure moves the weight bytes FP8 saves back into BF16 KV cache
-    (`capacity.ModelShape`), and is left out for a model the capacity arithmetic cannot size."""
+    """`KV cache 197,984 tokens (FP8 weights + FP8 KV cache): room for 85 sequences of 2,304 tokens at once; a BF16
+    engine in the same memory would have room for 22.` The BF16 figure moves the weight bytes FP8 saves back into
+    BF16 KV cache (`capacity.ModelShape`), and is left out for a model the capacity arithmetic cannot size."""
     from .capacity import ModelShape, kv_bytes_per_token, weight_bytes
 
     kind = ("FP8 weights" if fp8_weights else "BF16 weights") + (" + FP8 KV cache" if fp8_kv else "")
-    line = f"KV cache {kv_tokens:,} tokens ({kind}): {kv_tokens // seq_len:,} sequences of {seq_len:,} tokens at once"
+    line = f"KV cache {kv_tokens:,} tokens ({kind}): room for {kv_tokens // seq_len:,} sequences of {seq_len:,} tokens"
+    line += " at once"
     if not (fp8_weights or fp8_kv):
         return line + "."
     try:
@@ -92,4 +93,4 @@ def capacity_line(model: nn.Module, kv_tokens: int, *, fp8_weights: bool, fp8_kv
         return line + "."
     memory = kv_tokens * kv_bytes_per_token(shape, fp8_kv) + weight_bytes(shape, fp8_weights)
     bf16_tokens = max(0, memory - weight_bytes(shape, False)) // kv_bytes_per_token(shape, False)
-    return f"{line}; a BF16 engine in the same memory would hold {bf16_tokens // seq_len:,}."
+    return f"{line}; a BF16 engine in the same memory would have room for {bf16_tokens // seq_len:,}."
