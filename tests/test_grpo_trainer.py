@@ -452,6 +452,7 @@ def test_config_round_trips_through_trl_parser(tmp_path):
         ({"fp8_recipe": None, "fp8_cache_weights": False}, "fp8_cache_weights=False sets up FP8 training"),
         ({"fp8_recipe": None, "num_first_layers_in_bf16": 1}, "num_first_layers_in_bf16=1 chooses how layers"),
         ({"fp8_recipe": None, "fp8_power_of_two_scales": True}, "fp8_power_of_two_scales=True chooses how layers"),
+        ({"fp8_recipe": None, "fp8_keep_experts_in_bf16": True}, "fp8_keep_experts_in_bf16=True chooses how layers"),
         ({"tis": "token", "vllm_importance_sampling_correction": False}, "Drop one of them (tis='off'"),
         ({"tis": "token", "vllm_importance_sampling_mode": "sequence_truncate"}, "vllm_importance_sampling_mode="),
         ({"tis": "token", "vllm_importance_sampling_clip_max": 5.0}, "Set tis_cap=5.0 instead"),

@@ -15,6 +15,7 @@ from torch import nn
 
 from .adapters import hf_name, is_adapter_module, tuner_layer_names
 from .config import FP8LinearConfig
+from .fp8_experts import FP8Experts, expert_layout_problem, is_experts_module
 from .fp8_linear import FP8Linear
 
 logger = logging.getLogger(__name__)
@@ -24,6 +25,7 @@ __all__ = [
     "ConversionReport",
     "convert_to_fp8",
     "plan_fp8_conversion",
+    "router_module_names",
     "is_fp8_linear",
     "fp8_recipe_of",
 ]
@@ -35,11 +37,15 @@ FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 @dataclass
 class ConversionReport:
-    """What :func:`convert_to_fp8` did: FP8 layers, and linear layers kept in high precision with the reason."""
+    """What :func:`convert_to_fp8` did: FP8 layers (linear layers and MoE expert layers), the layers kept in high
+    precision with the reason, and every other parameter left in high precision with its reason."""
 
     recipe: str
     converted: list[str] = field(default_factory=list)
     kept: dict[str, str] = field(default_factory=dict)
+    experts: list[str] = field(default_factory=list)  # the converted names that are expert layers
+    num_experts: int = 0  # experts in those layers
+    high_precision_params: dict[str, str] = field(default_factory=dict)
 
     @property
     def num_fp8_layers(self) -> int:
@@ -48,23 +54,35 @@ class ConversionReport:
     def summary(self) -> str:
         if self.recipe == "bf16":
             return "BF16 training (fp8_recipe=None): no linear layer runs in FP8."
-        lines = [f"FP8 ({self.recipe}): {len(self.converted)} linear layers converted, {len(self.kept)} kept."]
-        reasons: dict[str, list[str]] = {}
-        for name, reason in self.kept.items():
-            reasons.setdefault(reason, []).append(name)
-        for reason, names in reasons.items():
-            shown = ", ".join(names[:4]) + (f", ... ({len(names)} in all)" if len(names) > 4 else "")
-            lines.append(f"  kept in high precision ({reason}): {shown}")
+        linears = len(self.converted) - len(self.experts)
+        what = f"{linears} linear layers"
+        if self.experts:
+            what += f" and {len(self.experts)} expert layers ({self.num_experts} experts)"
+        lines = [f"FP8 ({self.recipe}): {what} converted, {len(self.kept)} kept."]
+        lines += _grouped_lines("kept in high precision", self.kept)
+        params = {n: r for n, r in self.high_precision_params.items() if r not in ("embedding", "norm", "bias")}
+        lines += _grouped_lines("parameter in high precision", params)
         return "\n".join(lines)
 
 
+def _grouped_lines(what: str, reasons_by_name: dict[str, str]) -> list[str]:
+    reasons: dict[str, list[str]] = {}
+    for name, reason in reasons_by_name.items():
+        reasons.setdefault(reason, []).append(name)
+    return [
+        f"  {what} ({reason}): " + ", ".join(names[:4]) + (f", ... ({len(names)} in all)" if len(names) > 4 else "")
+        for reason, names in reasons.items()
+    ]
+
+
 def is_fp8_linear(module: nn.Module) -> bool:
+    """Whether `module` runs its GEMMs in FP8: a converted linear layer or expert layer."""
     return fp8_recipe_of(module) is not None
 
 
 def fp8_recipe_of(module: nn.Module) -> str | None:
-    """The FP8 recipe a converted linear layer runs, or None for a high-precision module."""
-    if isinstance(module, FP8Linear):
+    """The FP8 recipe a converted linear or expert layer runs, or None for a high-precision module."""
+    if isinstance(module, FP8Linear | FP8Experts):
         return module.fp8_config.recipe
     float8_linear = _torchao_float8_linear_cls()
     if float8_linear is not None and isinstance(module, float8_linear):
@@ -101,12 +119,14 @@ def plan_fp8_conversion(
     module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
     *,
     config: FP8LinearConfig | None = None,
+    keep_experts_in_bf16: bool = False,
     warn: bool = True,
-) -> tuple[ConversionReport, list[tuple[str, nn.Linear]]]:
-    """Decide which linear layers of `model` would be FP8, without changing it.
+) -> tuple[ConversionReport, list[tuple[str, nn.Module]]]:
+    """Decide which linear and expert layers of `model` would be FP8, without changing it.
 
     Returns the report (layers already FP8 count as converted) and the `(name, module)` pairs still to convert.
-    Used by :func:`convert_to_fp8` and by the exporter for models trained in BF16.
+    Used by :func:`convert_to_fp8` and by the exporter for models trained in BF16. Raises ValueError naming the
+    layout for mixture-of-experts layers it cannot run in FP8, unless `keep_experts_in_bf16`.
     """
     if config is None:
         config = FP8LinearConfig(recipe=recipe)
@@ -117,6 +137,7 @@ def plan_fp8_conversion(
 
     report = ConversionReport(recipe=config.recipe)
     tuners = tuner_layer_names(model)
+    routers = router_module_names(model)
     linears = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.Linear)]
     n_layers = _num_layers(model, [name for name, _ in linears])
     if n_layers and num_first_layers_in_bf16 + num_last_layers_in_bf16 >= n_layers:
@@ -141,7 +162,8 @@ def plan_fp8_conversion(
                 )
             report.converted.append(name)
             continue
-        reason = _keep_reason(name, mod, config, head_weight, bf16_layers, module_filter_fn, tuners)
+        reason = "router" if name in routers else None
+        reason = reason or _keep_reason(name, mod, config, head_weight, bf16_layers, module_filter_fn, tuners)
         if reason is None:
             to_convert.append((name, mod))
             continue
@@ -156,7 +178,95 @@ def plan_fp8_conversion(
             stacklevel=3,
         )
     report.converted.extend(name for name, _ in to_convert)
+    to_convert += _plan_experts(model, config, report, bf16_layers, module_filter_fn, keep_experts_in_bf16, warn)
+    report.high_precision_params = _high_precision_params(model, report, tuners)
     return report, to_convert
+
+
+def _plan_experts(model, config, report, bf16_layers, module_filter_fn, keep_experts_in_bf16, warn):
+    """The expert layers (3-D expert weights, transformers 5's fused layout) to convert; the others go to
+    `report.kept` with their reason, or raise when their layout cannot run in FP8 and no opt-out was given."""
+    to_convert = []
+    for name, mod in model.named_modules():
+        if not is_experts_module(mod):
+            continue
+        if isinstance(mod, FP8Experts):
+            report.converted.append(name)
+            report.experts.append(name)
+            report.num_experts += mod.num_experts
+            continue
+        problem = expert_layout_problem(mod, config.dim_multiple)
+        if keep_experts_in_bf16:
+            reason = "keep_experts_in_bf16"
+        elif (m := _LAYER_INDEX.search(name)) and int(m.group(1)) in bf16_layers:
+            reason = "first/last layers in bf16"
+        elif module_filter_fn is not None and not module_filter_fn(mod, name):
+            reason = "module_filter_fn"
+        elif problem is not None and problem.startswith("dims"):
+            reason = problem
+            if warn:
+                warnings.warn(f"{name}: experts kept in high precision, {problem}.", stacklevel=4)
+        elif problem is not None or config.recipe != "blockwise":
+            why = problem or f"FP8 experts need the blockwise recipe, not {config.recipe!r}"
+            raise ValueError(
+                f"{name}: {why}, so its experts (most of the model's weights) cannot run in FP8. Keep them in BF16 "
+                "on purpose with keep_experts_in_bf16=True (FP8GRPOConfig(fp8_keep_experts_in_bf16=True)), or "
+                "use the blockwise recipe on a model whose experts follow transformers' fused gate_up_proj / "
+                "down_proj layout."
+            )
+        else:
+            reason = None
+        if reason is None:
+            to_convert.append((name, mod))
+            report.converted.append(name)
+            report.experts.append(name)
+            report.num_experts += mod.num_experts
+        else:
+            report.kept[name] = reason
+    return to_convert
+
+
+def _high_precision_params(model: nn.Module, report: ConversionReport, tuners) -> dict[str, str]:
+    """Every parameter outside the FP8 layers' weights, with why it is not FP8."""
+    fp8 = set(report.converted)
+    routers = router_module_names(model)
+    modules = dict(model.named_modules())
+    reasons = {}
+    for name, _ in model.named_parameters():
+        owner, _, leaf = name.rpartition(".")
+        if owner in fp8 and (leaf == "weight" or owner in report.experts):
+            continue
+        module = modules.get(owner)
+        if owner in report.kept:
+            reason = report.kept[owner]
+        elif owner in routers:
+            reason = "router"
+        elif is_adapter_module(name, tuners):
+            reason = "PEFT adapter"
+        elif isinstance(module, nn.Embedding):
+            reason = "embedding"
+        elif "norm" in type(module).__name__.lower():
+            reason = "norm"
+        elif leaf == "bias":
+            reason = "bias"
+        else:
+            reason = "not a linear or expert weight"
+        reasons[name] = reason
+    return reasons
+
+
+def router_module_names(model: nn.Module) -> set[str]:
+    """The routers of mixture-of-experts layers: the `gate` / `router` module beside each experts module. They stay
+    in high precision (an FP8 router flips top-k choices) and are listed as such in exported checkpoints."""
+    names = set()
+    for name, mod in model.named_modules():
+        if not is_experts_module(mod) or "." not in name:
+            continue
+        parent_name = name.rsplit(".", 1)[0]
+        for child_name, child in model.get_submodule(parent_name).named_children():
+            if child_name in ("gate", "router") or "router" in type(child).__name__.lower():
+                names.add(f"{parent_name}.{child_name}")
+    return names
 
 
 def convert_to_fp8(
@@ -168,8 +278,14 @@ def convert_to_fp8(
     *,
     config: FP8LinearConfig | None = None,
     device: torch.device | str | None = None,
+    keep_experts_in_bf16: bool = False,
 ) -> ConversionReport:
-    """Convert the eligible `nn.Linear` layers of `model` to FP8, in place.
+    """Convert the eligible `nn.Linear` layers and mixture-of-experts expert layers of `model` to FP8, in place.
+
+    Expert layers (transformers 5's fused `gate_up_proj [E, 2I, H]` / `down_proj [E, H, I]`) become `FP8Experts`:
+    per-expert 128x128 weight blocks, the dense recipe's groups and GEMMs. Their routers stay in high precision. An
+    expert layout that cannot run in FP8 raises, naming it, unless `keep_experts_in_bf16=True`. The report lists
+    every parameter left in high precision with its reason (`high_precision_params`).
 
     Kept in high precision, with the reason in the report: the LM head (and any linear sharing the embedding
     weight), PEFT adapter layers, the first/last `num_*_layers_in_bf16` decoder layers (counted from the
@@ -196,8 +312,9 @@ def convert_to_fp8(
             early; `fp8_recipe=None` is the way to ask for BF16).
     """
     report, to_convert = plan_fp8_conversion(
-        model, recipe, num_first_layers_in_bf16, num_last_layers_in_bf16, module_filter_fn, config=config
-    )
+        model, recipe, num_first_layers_in_bf16, num_last_layers_in_bf16, module_filter_fn, config=config,
+        keep_experts_in_bf16=keep_experts_in_bf16,
+    )  # fmt: skip
     if not report.converted:
         raise ValueError(
             f"No linear layer of {type(model).__name__} can run in FP8:\n{report.summary()}\nAdjust "
@@ -206,7 +323,7 @@ def convert_to_fp8(
     config = config or FP8LinearConfig(recipe=recipe)
     if config.recipe == "blockwise":
         for _, mod in to_convert:
-            FP8Linear.convert_(mod, config)
+            (FP8Experts if is_experts_module(mod) else FP8Linear).convert_(mod, config)
     else:
         device = torch.device(device) if device is not None else next(model.parameters()).device
         _convert_with_torchao(model, config, {name for name, _ in to_convert}, device)

@@ -10,8 +10,10 @@ weight sync streams them to a running engine.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -27,7 +29,8 @@ from .adapters import (
     unwrap_model,
 )
 from .checkpoint_folder import replace_checkpoint
-from .conversion import FUSED_GROUPS, is_fp8_linear, plan_fp8_conversion
+from .conversion import FUSED_GROUPS, is_fp8_linear, plan_fp8_conversion, router_module_names
+from .fp8_experts import EXPERT_WEIGHTS, FP8Experts, is_experts_module
 from .fp8_linear import FP8Linear, is_sharded
 from .quantization import quantize_blocks
 
@@ -42,7 +45,10 @@ __all__ = [
     "unwrap_model",
 ]
 
+logger = logging.getLogger(__name__)
+
 QUANTIZATION_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+BLOCK = 128
 _BASE_LAYER_SUFFIX = re.compile(r"(?:\.base_layer)+$")
 
 
@@ -87,6 +93,7 @@ def fp8_checkpoint_tensors(
     # state dict is read after (`q_proj.base_layer`), or the other way round.
     fp8_modules = {hf_name(n) for n in fp8_modules}
     tie = bool(getattr(getattr(hf_model, "config", None), "tie_word_embeddings", False))
+    names = checkpoint_names(hf_model)
     seen_storage: set[int] = set()
     merged: tuple[str, dict[str, torch.Tensor]] | None = None  # one tuner layer's merged parameters at a time
     for key, tensor in hf_model.state_dict().items():
@@ -99,6 +106,11 @@ def fp8_checkpoint_tensors(
         if tie and storage in seen_storage:
             continue  # the tied lm_head: vLLM and transformers re-tie it from the embedding
         seen_storage.add(storage)
+        if leaf in EXPERT_WEIGHTS and is_experts_module(modules[prefix]):
+            fp8 = hf_name(prefix) in fp8_modules
+            yield from _expert_tensors(modules[prefix], name, leaf, fp8, names, power_of_two_scales, check_finite,
+                                       dtype)  # fmt: skip
+            continue
         tuner = _BASE_LAYER_SUFFIX.sub("", prefix) if _BASE_LAYER_SUFFIX.search(prefix) else None
         merged_tensor = None
         if tuner in tuners:
@@ -113,7 +125,7 @@ def fp8_checkpoint_tensors(
             if check_finite and tensor.is_floating_point() and not torch.isfinite(tensor).all():
                 raise ValueError(f"{name} holds NaN or Inf values; refusing to write a corrupt checkpoint.")
             tensor = tensor.detach()
-            yield name, tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+            yield names.tensor(name), tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
             continue
         module = modules[prefix]
         if isinstance(module, FP8Linear) and merged_tensor is None:
@@ -134,8 +146,104 @@ def fp8_checkpoint_tensors(
                 f"{name} holds NaN or Inf values; refusing to write a corrupt FP8 checkpoint. The training run "
                 "diverged: lower the learning rate or resume from an earlier checkpoint."
             )
-        yield name, q
-        yield name + "_scale_inv", scale_inv
+        yield names.tensor(name), q
+        yield names.tensor(name) + "_scale_inv", scale_inv
+
+
+_CHECKPOINT_NAMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def checkpoint_names(hf_model: nn.Module) -> CheckpointNames:
+    """`CheckpointNames` of `hf_model` (adapters left out), worked out once per model and state-dict layout."""
+    tuners = tuner_layer_names(hf_model)
+    keys = [hf_name(k) for k in hf_model.state_dict() if not is_adapter_module(k, tuners)]
+    cached = _CHECKPOINT_NAMES.get(hf_model)
+    if cached is None or cached[0] != keys:
+        cached = (keys, CheckpointNames(hf_model, keys))
+        _CHECKPOINT_NAMES[hf_model] = cached
+    return cached[1]
+
+
+class CheckpointNames:
+    """The names transformers' `save_pretrained` gives each tensor on disk: its conversion mapping reverted (for MoE
+    models: fused `experts.gate_up_proj [E, 2I, H]` split into one tensor per expert and projection, named as the
+    family's Hub checkpoints name them, e.g. `mlp.experts.3.gate_proj.weight`, or Mixtral's `block_sparse_moe.
+    experts.3.w1.weight`). Learnt once per model by reverting a stand-in state dict whose every element (each
+    expert's each projection) carries a distinct code."""
+
+    def __init__(self, hf_model: nn.Module, keys: list[str]):
+        from transformers.core_model_loading import revert_weight_conversion
+
+        modules = dict(hf_model.named_modules())
+        dummy, owner = {}, {}  # code -> (key, expert, part)
+        for key in keys:
+            prefix, _, leaf = key.rpartition(".")
+            experts = leaf in EXPERT_WEIGHTS and is_experts_module(modules.get(prefix, nn.Module()))
+            e, n = (getattr(modules[prefix], leaf).shape[0], len(EXPERT_CHECKPOINT_PARTS[leaf])) if experts else (1, 1)
+            codes = torch.arange(len(owner), len(owner) + e * n, dtype=torch.float64)
+            for code, (i, j) in zip(codes.tolist(), ((i, j) for i in range(e) for j in range(n)), strict=True):
+                owner[code] = (key, i, j) if experts else (key, None, None)
+            dummy[key] = codes.reshape(e, n, 1) if experts else codes
+        self._names, self._experts = {}, {}
+        try:
+            reverted = revert_weight_conversion(hf_model, dummy)
+        except Exception as exc:  # a model transformers cannot revert: its in-memory names, and say so
+            logger.warning("transformers could not name %s's checkpoint tensors (%s); in-memory names are used.",
+                           type(hf_model).__name__, exc)  # fmt: skip
+            reverted = dummy
+        for disk, tensor in reverted.items():
+            if tensor.numel() != 1 or tensor.dtype != torch.float64 or tensor.item() not in owner:
+                continue
+            key, expert, part = owner[tensor.item()]
+            if expert is None:
+                self._names[key] = disk
+            else:
+                self._experts[(key, expert, part)] = disk
+
+    def tensor(self, key: str) -> str:
+        return self._names.get(key, key)
+
+    def expert(self, key: str, expert: int, part: int) -> str:
+        prefix, _, leaf = key.rpartition(".")
+        default = f"{prefix}.{expert}.{EXPERT_CHECKPOINT_PARTS[leaf][part]}.weight"
+        return self._experts.get((key, expert, part), default)
+
+
+# transformers 5 fuses each MoE layer's experts in memory; checkpoints (Hub releases, vLLM's loader) keep them apart.
+EXPERT_CHECKPOINT_PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+
+def _expert_tensors(module, key, leaf, fp8, names, power_of_two_scales, check_finite, dtype):
+    """`gate_up_proj [E, 2I, H]` or `down_proj [E, H, I]` of an expert layer as per-expert checkpoint tensors (gate
+    and up `[I, H]`, or down), named as the family's checkpoints name them (`names`), each with its
+    `weight_scale_inv` when FP8 (an `FP8Experts` layer's own quantized blocks, what its forward multiplies)."""
+    name = key.rpartition(".")[0]
+    weight = getattr(module, leaf)
+    if is_sharded(weight):
+        raise NotImplementedError(f"{name}.{leaf}: exporting FSDP2-sharded expert weights is not supported yet.")
+    weight = weight.detach()
+    if check_finite and not torch.isfinite(weight).all():
+        raise ValueError(
+            f"{name}.{leaf} holds NaN or Inf values; refusing to write a corrupt checkpoint. The training run "
+            "diverged: lower the learning rate or resume from an earlier checkpoint."
+        )
+    parts = EXPERT_CHECKPOINT_PARTS[leaf]
+    if fp8:
+        if isinstance(module, FP8Experts):
+            q, scale = module.quantized_expert_weight(leaf)
+        else:  # planned for FP8 by a BF16 run: the same blocks the trainer's quantizer would make
+            e, n, k = weight.shape
+            q, scale = quantize_blocks(weight.reshape(e * n, k), power_of_two_scales=power_of_two_scales)
+            q, scale = q.reshape(e, n, k), scale.reshape(e, n // BLOCK, k // BLOCK)
+    for e in range(weight.shape[0]):
+        for i in range(len(parts)):
+            rows = slice(i * weight.shape[1] // len(parts), (i + 1) * weight.shape[1] // len(parts))
+            disk = names.expert(key, e, i)
+            if fp8:
+                yield disk, q[e, rows]
+                yield disk + "_scale_inv", scale[e, rows.start // BLOCK : rows.stop // BLOCK]
+            else:
+                yield disk, weight[e, rows].to(dtype) if dtype is not None else weight[e, rows]
 
 
 def check_fused_groups(fp8_modules: set[str], linear_names: set[str]) -> None:
@@ -155,14 +263,16 @@ def check_fused_groups(fp8_modules: set[str], linear_names: set[str]) -> None:
 
 
 def linear_module_names(model: nn.Module) -> set[str]:
-    """Transformers names of the model's linear layers (adapter layers excluded)."""
+    """Transformers names of the layers a block-FP8 checkpoint stores either in FP8 or in `modules_to_not_convert`:
+    linear layers, mixture-of-experts expert layers and their routers (adapter layers excluded)."""
     hf_model = unwrap_model(model)
     tuners = tuner_layer_names(hf_model)
-    return {
+    layers = {
         hf_name(n)
         for n, m in hf_model.named_modules()
-        if isinstance(m, nn.Linear) and not is_adapter_module(n, tuners)
+        if (isinstance(m, nn.Linear) or is_experts_module(m)) and not is_adapter_module(n, tuners)
     }
+    return layers | {hf_name(n) for n in router_module_names(hf_model)}
 
 
 def checkpoint_config(
@@ -174,14 +284,30 @@ def checkpoint_config(
     config["architectures"] = config.get("architectures") or [type(hf_model).__name__]
     config.pop("quantization_config", None)
     if fp8_modules:
+        kept = linear_names - fp8_modules
         config["quantization_config"] = {
             **QUANTIZATION_CONFIG,
-            "modules_to_not_convert": sorted(linear_names - fp8_modules),
+            # transformers matches its in-memory module names, vLLM the checkpoint's (Mixtral: block_sparse_moe.*)
+            "modules_to_not_convert": sorted(kept | _disk_module_names(hf_model, kept)),
         }
     if dtype is not None:
         config["dtype"] = str(dtype).removeprefix("torch.")
         config.pop("torch_dtype", None)
     return config
+
+
+def _disk_module_names(hf_model: nn.Module, modules: set[str]) -> set[str]:
+    """The checkpoint's names of `modules` where they differ from the in-memory ones."""
+    names, found = checkpoint_names(hf_model), set()
+    params = dict(hf_model.named_parameters())
+    for module in modules:
+        for leaf in ("weight", *EXPERT_WEIGHTS):
+            if f"{module}.{leaf}" in params:
+                key = f"{module}.{leaf}"
+                disk = names.expert(key, 0, 0).rsplit(".", 3)[0] if leaf in EXPERT_WEIGHTS else names.tensor(key)
+                found.add(disk.removesuffix(".weight"))
+                break
+    return found - modules
 
 
 def _all_finite(t: torch.Tensor) -> bool:

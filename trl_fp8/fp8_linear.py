@@ -62,6 +62,13 @@ class FP8Weight:
         with torch.no_grad():
             self.q, self.scale_inv = ops.quantize_weight(weight.detach(), power_of_two_scales=power_of_two_scales)
 
+    @classmethod
+    def of(cls, q: torch.Tensor, scale_inv: torch.Tensor, ops, power_of_two_scales: bool) -> FP8Weight:
+        """An FP8 weight already quantized (one expert's slice of an `FP8Experts` weight)."""
+        weight = object.__new__(cls)
+        weight.ops, weight.power_of_two_scales, weight.q, weight.scale_inv = ops, power_of_two_scales, q, scale_inv
+        return weight
+
     def __deepcopy__(self, memo):  # `ops` is a module, which cannot be copied: share it (a deep-copied model works)
         clone = object.__new__(FP8Weight)
         clone.ops, clone.power_of_two_scales = self.ops, self.power_of_two_scales
@@ -250,8 +257,9 @@ def is_sharded(t: torch.Tensor) -> bool:
 
 
 def invalidate_fp8_weights(model: nn.Module) -> int:
-    """Invalidate the cached FP8 weight of every `FP8Linear` in `model`; returns how many there were."""
-    layers = [m for m in model.modules() if isinstance(m, FP8Linear)]
+    """Invalidate the cached FP8 weights of every FP8 layer (`FP8Linear`, `FP8Experts`) in `model`; returns how many
+    there were."""
+    layers = [m for m in model.modules() if hasattr(m, "fp8_config") and callable(getattr(m, "invalidate", None))]
     for layer in layers:
         layer.invalidate()
     return len(layers)

@@ -28,6 +28,9 @@ class FP8GRPOConfig(GRPOConfig):
         Decoder layers at the input end kept in BF16.
     num_last_layers_in_bf16 (`int`, *optional*, defaults to `0`):
         Decoder layers at the output end kept in BF16.
+    fp8_keep_experts_in_bf16 (`bool`, *optional*, defaults to `False`):
+        Mixture-of-experts models: keep the expert layers in BF16 (attention stays FP8). Needed for an expert layout
+        trl-fp8 cannot run in FP8, which otherwise raises naming it.
     fp8_power_of_two_scales (`bool`, *optional*, defaults to `False`):
         Round blockwise scales down to powers of two (DeepSeek / NeMo RL style).
     fp8_backend (`str`, *optional*, defaults to `"auto"`):
@@ -93,6 +96,13 @@ class FP8GRPOConfig(GRPOConfig):
     )
     num_last_layers_in_bf16: int = field(
         default=0, metadata={"help": "Number of decoder layers at the output end kept in BF16."}
+    )
+    fp8_keep_experts_in_bf16: bool = field(
+        default=False,
+        metadata={
+            "help": "Mixture-of-experts models: keep the expert layers in BF16 (needed for expert layouts "
+            "trl-fp8 cannot run in FP8, which otherwise raise)."
+        },  # fmt: skip
     )
     fp8_power_of_two_scales: bool = field(
         default=False, metadata={"help": "Round blockwise FP8 scales down to powers of two (DeepSeek/NeMo style)."}
@@ -287,7 +297,12 @@ class FP8GRPOConfig(GRPOConfig):
             return
         chosen = [
             f"{name}={getattr(self, name)}"
-            for name in ("num_first_layers_in_bf16", "num_last_layers_in_bf16", "fp8_power_of_two_scales")
+            for name in (
+                "num_first_layers_in_bf16",
+                "num_last_layers_in_bf16",
+                "fp8_power_of_two_scales",
+                "fp8_keep_experts_in_bf16",
+            )  # fmt: skip
             if getattr(self, name)
         ]
         if chosen:

@@ -130,6 +130,7 @@ class FP8GRPOTrainer(GRPOTrainer):
             module_filter_fn=self._fp8_filter,
             config=config,
             device=args.device,  # where it will train; a model loaded on CPU would make torchao emulate
+            keep_experts_in_bf16=args.fp8_keep_experts_in_bf16,
         )
 
     def _plan_fp8_outside_training(self, model: nn.Module, args: FP8GRPOConfig) -> ConversionReport | None:
@@ -150,6 +151,7 @@ class FP8GRPOTrainer(GRPOTrainer):
             num_first_layers_in_bf16=args.num_first_layers_in_bf16,
             num_last_layers_in_bf16=args.num_last_layers_in_bf16,
             module_filter_fn=self._fp8_filter,
+            keep_experts_in_bf16=args.fp8_keep_experts_in_bf16,
         )
         logger.info("BF16 training; FP8 rollouts/checkpoint: %s", report.summary())
         return report

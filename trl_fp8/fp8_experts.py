@@ -1,0 +1,156 @@
+"""`FP8Experts`: the fused experts of a transformers mixture-of-experts layer, with every GEMM in blockwise FP8.
+
+transformers 5 keeps a MoE layer's experts as two 3-D parameters, `gate_up_proj [E, 2I, H]` and `down_proj [E, H, I]`
+(gate and up concatenated along rows), in a module whose forward routes each token to its top-k experts. Converted,
+the same module (same parameters, same `state_dict` keys, BF16 master weights) runs each expert's two projections with
+the dense layer's blockwise FP8 math (`fp8_linear._BlockwiseFP8Matmul`: 128x128 weight blocks per expert, 1x128
+activation and gradient groups, FProp, DGrad and WGrad in FP8) on the tokens routed to it. A weight block never
+spans two experts (their row counts are multiples of 128), so quantizing `[E, N, K]` as one `[E*N, K]` matrix gives
+each expert's own blocks, and the export splits them back into per-expert tensors.
+
+This loop over experts is the exact reference a grouped kernel must equal; experts that receive no token are
+skipped, uneven token counts are the normal case. The router stays in high precision (an FP8 router flips top-k
+choices), and so does anything of a layout this module does not handle (`expert_layout_problem` names why).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import fp8_linear
+from .config import FP8LinearConfig
+from .fp8_linear import FP8Weight, _BlockwiseFP8Matmul
+from .ops import select_ops
+
+__all__ = ["FP8Experts", "expert_layout_problem", "is_experts_module"]
+
+EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
+
+
+def is_experts_module(module: nn.Module) -> bool:
+    """A module holding expert weights as 3-D parameters (transformers 5's fused experts), converted or not."""
+    return any(p.ndim == 3 for p in module.parameters(recurse=False))
+
+
+def expert_layout_problem(module: nn.Module, dim_multiple: int = 128) -> str | None:
+    """Why `module`'s experts cannot run as FP8 experts, or None: the layout must be transformers' default gated one
+    (`gate_up_proj [E, 2I, H]` with gate then up, `down_proj [E, H, I]`, no biases, no transposition, no norm after
+    the experts) with I and H multiples of 128."""
+    name = type(module).__name__
+    params = dict(module.named_parameters(recurse=False))
+    if set(params) != set(EXPERT_WEIGHTS):
+        return f"{name} holds {sorted(params)}, not the fused gate_up_proj / down_proj layout"
+    flags = {"has_gate": True, "is_concatenated": True, "is_transposed": False, "has_bias": False,
+             "has_post_expert_norm": False}  # fmt: skip
+    off = [f"{k}={getattr(module, k, None)}" for k, v in flags.items() if getattr(module, k, v) != v]
+    if off:
+        return f"{name} has an expert layout trl-fp8 does not run in FP8 ({', '.join(off)})"
+    if not (isinstance(getattr(module, "num_experts", None), int) and callable(getattr(module, "act_fn", None))):
+        return f"{name} has no num_experts / act_fn attributes to route and gate with"
+    apply_gate = getattr(type(module), "_apply_gate", None)
+    if apply_gate is not None:
+        from transformers.integrations.moe import _default_apply_gate
+
+        if apply_gate is not _default_apply_gate:
+            return f"{name} applies its own gating function"
+    gate_up, down = params["gate_up_proj"], params["down_proj"]
+    e, two_i, h = gate_up.shape
+    if down.shape != (e, h, two_i // 2) or two_i % 2:
+        return f"{name}: gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} do not pair up"
+    if (two_i // 2) % dim_multiple or h % dim_multiple:
+        return f"dims not multiples of {dim_multiple} (intermediate {two_i // 2}, hidden {h})"
+    return None
+
+
+class FP8Experts(nn.Module):
+    """The FP8 forward of a transformers fused-experts module (mixed into its own class by `convert_`)."""
+
+    fp8_config: FP8LinearConfig
+
+    @classmethod
+    def convert_(cls, module: nn.Module, config: FP8LinearConfig) -> nn.Module:
+        """Turn `module` (an experts module `expert_layout_problem` accepts) into FP8 experts in place."""
+        if config.recipe != "blockwise":
+            raise ValueError(f"FP8 experts implement the blockwise recipe; got recipe={config.recipe!r}.")
+        module.__class__ = _fp8_class(type(module))
+        module.fp8_config = config
+        module._fp8_weight_cache = {}
+        module._fp8_invalidations = 0
+        return module
+
+    def invalidate(self) -> None:
+        """Forget the cached FP8 expert weights (after writing them behind autograd's back)."""
+        self._fp8_weight_cache = {}
+        self._fp8_invalidations += 1
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        super()._load_from_state_dict(*args, **kwargs)
+        self.invalidate()
+
+    def quantized_expert_weight(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(q [E, N, K], scale_inv [E, N/128, K/128])` of `gate_up_proj` or `down_proj`: each expert's 128x128 blocks,
+        exactly as the forward multiplies them (what the vLLM sync and the export send)."""
+        weight = getattr(self, name)
+        steps = fp8_linear._optimizer_steps if weight.requires_grad else None
+        key = (weight.data_ptr(), weight._version, weight.device, weight.dtype, self._fp8_invalidations, steps)
+        cached = self._fp8_weight_cache.get(name)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        e, n, k = weight.shape
+        ops = select_ops(self.fp8_config, weight.device)
+        with torch.no_grad():
+            q, s = ops.quantize_weight(weight.detach().reshape(e * n, k),
+                                       power_of_two_scales=self.fp8_config.power_of_two_scales)  # fmt: skip
+        value = (q.reshape(e, n, k), s.reshape(e, n // 128, k // 128))
+        if self.fp8_config.cache_quantized_weight:
+            self._fp8_weight_cache[name] = (key, value)
+        return value
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        num_tokens, hidden = hidden_states.shape
+        top_k = top_k_index.shape[-1]
+        expert_ids = top_k_index.reshape(-1)
+        order = torch.argsort(expert_ids, stable=True)  # token-expert pairs grouped by expert, token order kept
+        counts = torch.bincount(expert_ids, minlength=self.num_experts).tolist()
+        x = hidden_states[order // top_k]
+        gate_up = self._experts_linear(x, "gate_up_proj", counts)
+        gate, up = gate_up.chunk(2, dim=-1)
+        h = self.act_fn(gate) * up
+        out = self._experts_linear(h, "down_proj", counts)
+        out = out * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
+        # Back to token order, then the sum over each token's k experts in fp32 (as transformers' grouped path does).
+        unsorted = torch.empty_like(out).index_copy_(0, order, out)
+        return unsorted.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(hidden_states.dtype)
+
+    def _experts_linear(self, x: torch.Tensor, name: str, counts: list[int]) -> torch.Tensor:
+        """`x[rows of e] @ W[e].T` for every expert e with tokens, in blockwise FP8 (the dense layer's autograd
+        function on each expert's rows and its weight view, so the gradient lands in the 3-D parameter)."""
+        weight = getattr(self, name)
+        q, s = self.quantized_expert_weight(name)
+        ops = select_ops(self.fp8_config, weight.device)
+        pow2, grad = self.fp8_config.power_of_two_scales, torch.is_grad_enabled()
+        outs, start = [], 0
+        for e, n in enumerate(counts):
+            if n:
+                fp8_weight = FP8Weight.of(q[e], s[e], ops, pow2)
+                outs.append(_BlockwiseFP8Matmul.apply(x[start : start + n], weight[e], fp8_weight, grad))
+                start += n
+        if not outs:
+            return x.new_zeros((0, weight.shape[1]))
+        return torch.cat(outs)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_experts} experts, fp8={self.fp8_config.recipe}"
+
+
+_FP8_CLASSES: dict[type, type] = {}
+
+
+def _fp8_class(base: type) -> type:
+    """`FP8<base>`: the FP8 forward over `base` (so `isinstance(module, base)` and its other methods still hold)."""
+    if issubclass(base, FP8Experts):
+        return base
+    if base not in _FP8_CLASSES:
+        _FP8_CLASSES[base] = type(f"FP8{base.__name__}", (FP8Experts, base), {"forward": FP8Experts.forward})
+    return _FP8_CLASSES[base]
