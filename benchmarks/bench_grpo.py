@@ -58,7 +58,7 @@ RUNS = {  # run: (trainer, fp8_recipe, rollout_precision, fp8 KV cache, training
 
 def vocab_tokenizer(vocab_size: int):
     """A word-level tokenizer covering the whole model vocabulary ("t<i>"), so random rollouts decode."""
-    from trl_fp8.tiny_model import word_tokenizer
+    from trl_fp8.demo.tiny_model import word_tokenizer
 
     return word_tokenizer(["<pad>", "<eos>", *(f"t{i}" for i in range(2, vocab_size))], pad="<pad>", eos="<eos>",
                           unk="<pad>")  # fmt: skip

@@ -43,7 +43,7 @@ from trl_fp8.config import VLLM_FP8_BACKENDS  # noqa: E402
 def build_model(args, seed=0):
     import torch
 
-    from trl_fp8.tiny_model import tiny_qwen3
+    from trl_fp8.demo.tiny_model import tiny_qwen3
 
     model = tiny_qwen3(
         seed=seed,

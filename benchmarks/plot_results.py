@@ -11,7 +11,7 @@
 - `linear_speedup.png`: `results/linear_*.json`, each variant's forward+backward speed-up over BF16 per layer shape.
 
 A plot whose results are missing is skipped (and said so); nothing is invented. The same run also prints the
-report's tables (`tables`), which the README and `notebooks/fp8_vs_bf16.ipynb` quote.
+report's tables (`tables`), which `docs/benchmarks.md` and `notebooks/fp8_vs_bf16.ipynb` quote.
 """
 
 from __future__ import annotations
@@ -282,7 +282,7 @@ def _convergence_runs(results: Path, task: str = "addition") -> list[dict]:
 
 
 SETTING_ORDER = ("bf16", "bf16_fp8rollout", "bf16_fp8rollout_tis", "fp8", "fp8_tis")
-LONG_TASKS = ("chain", "trace")  # the long-completion tasks (`run_grpo.py --task`): their own tables and plots
+LONG_TASKS = ("chain",)  # the long-completion tasks (`run_grpo.py --task`): their own tables and plots
 
 
 def tables(results: Path) -> str:

@@ -58,7 +58,7 @@ def main():
     import torch
 
     from trl_fp8 import FP8LinearConfig, convert_to_fp8
-    from trl_fp8.tiny_model import tiny_qwen3
+    from trl_fp8.demo.tiny_model import tiny_qwen3
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden", type=int, default=1024)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU runs behind the README's rollout and training-speed sections, in phases; several phases run in the order
+# The GPU runs behind the rollout and training-speed sections of docs/benchmarks.md, in phases; several phases run in the order
 # given (`bash benchmarks/run_rollout_report.sh linear suite rollout`). `source .gpu/setup.sh` first; results and
 # logs go to $WORK, default /var/tmp/trl_fp8_rollout_report, never into the tree.
 #
@@ -65,7 +65,7 @@ chain_pretrain() {  # the 101M addition-chain model, pre-trained to $CHAIN_TARGE
     --max_minutes "${CHAIN_PRETRAIN_MIN:-7.5}" --results "$work/convergence_chain/pretrain_$device.json"
 }
 
-gpu_tests() {  # name test-path: the GPU suite (or part of it) as the README runs it, artifacts into $work
+gpu_tests() {  # name test-path: the GPU suite (or part of it) as docs/tests.md runs it, artifacts into $work
   TRL_FP8_ARTIFACTS=$work timed "$1" python -m pytest -m gpu "$2" -s -p no:cacheprovider --durations=15
 }
 

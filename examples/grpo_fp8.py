@@ -11,7 +11,7 @@
 Every `FP8GRPOConfig` (hence `GRPOConfig`), `ModelConfig` and TRL GRPO script flag works, and `--config run.yaml`.
 With no `--model_name_or_path`, the demo builds a Qwen3-architecture model (dims multiples of 128) and a character
 tokenizer locally, gives it a brief supervised warm start on "say <letter>" (so that it is right for some letters,
-see `trl_fp8/toy_task.py`), trains it with GRPO, saves the checkpoint, and prints the greedy accuracy over every
+see `trl_fp8/demo/toy_task.py`), trains it with GRPO, saves the checkpoint, and prints the greedy accuracy over every
 letter before GRPO and of the saved checkpoint after it. Its files go to `out/grpo_fp8_demo` (BF16:
 `out/grpo_bf16_demo`) unless `--output_dir` says otherwise.
 """
@@ -30,9 +30,9 @@ from trl import ModelConfig, TrlParser, get_peft_config  # noqa: E402
 from trl.scripts.grpo import GRPOScriptArguments  # noqa: E402
 
 from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer  # noqa: E402
-from trl_fp8.toy_task import WARM_START_GRPO_SETTINGS  # noqa: E402
+from trl_fp8.demo.toy_task import DEMO_GRPO_SETTINGS, DEMO_MAX_STEPS  # noqa: E402
 
-DEMO_DEFAULTS = dict(WARM_START_GRPO_SETTINGS, output_dir="out/grpo_fp8_demo", max_steps=60, logging_steps=5)
+DEMO_DEFAULTS = dict(DEMO_GRPO_SETTINGS, output_dir="out/grpo_fp8_demo", max_steps=DEMO_MAX_STEPS, logging_steps=5)
 BF16_DEMO_OUTPUT_DIR = "out/grpo_bf16_demo"  # the baseline never overwrites the FP8 checkpoint
 
 
@@ -57,8 +57,8 @@ class RewardTrend(TrainerCallback):
 def demo_model_and_data(training_args):
     """Tiny Qwen3 + character tokenizer, warm-started and saved locally (TRL and vLLM load it by path), the task,
     and the greedy accuracy of the warm-started model."""
-    from trl_fp8.tiny_model import tiny_char_tokenizer, tiny_qwen3
-    from trl_fp8.toy_task import greedy_accuracy, say_letter_dataset, say_letter_reward, warm_start
+    from trl_fp8.demo.tiny_model import tiny_char_tokenizer, tiny_qwen3
+    from trl_fp8.demo.toy_task import greedy_accuracy, say_letter_dataset, say_letter_reward, warm_start
 
     tokenizer = tiny_char_tokenizer()
     path = os.path.join(training_args.output_dir, "initial_model")
@@ -128,13 +128,15 @@ def main():
     if before is not None and trainer.accelerator.is_main_process:
         from transformers import AutoModelForCausalLM
 
-        from trl_fp8.toy_task import greedy_accuracy
+        from trl_fp8.demo.toy_task import demo_measured_range, greedy_accuracy
 
         report_accuracy("before GRPO (warm start)", *before)
         saved = AutoModelForCausalLM.from_pretrained(training_args.output_dir)  # what a user would load
         report_accuracy(
             f"after GRPO ({what} reloaded from {training_args.output_dir})", *greedy_accuracy(saved, tokenizer)
         )
+        if training_args.fp8_recipe and training_args.max_steps == DEMO_MAX_STEPS:
+            print(demo_measured_range(), flush=True)
     if training_args.push_to_hub:
         trainer.push_to_hub(dataset_name=script_args.dataset_name)
 

@@ -29,7 +29,7 @@ def main():
     from torch.distributed.tensor import DTensor
 
     from trl_fp8 import FP8LinearConfig, convert_to_fp8, save_fp8_checkpoint
-    from trl_fp8.tiny_model import tiny_qwen3
+    from trl_fp8.demo.tiny_model import tiny_qwen3
     from trl_fp8.vllm_sync import rollout_weight_tensors
 
     out = Path(sys.argv[1])

@@ -20,7 +20,7 @@ def main(out: str, seed: int, point: str) -> None:
 
     import trl_fp8.checkpoint_folder as folder
     from trl_fp8 import convert_to_fp8, save_fp8_checkpoint
-    from trl_fp8.tiny_model import tiny_qwen3
+    from trl_fp8.demo.tiny_model import tiny_qwen3
 
     calls = {"save_file": 0, "link": 0}
     real_save_file, real_link, real_exchange, real_rename = (

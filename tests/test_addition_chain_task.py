@@ -9,7 +9,6 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "convergence"))
 
 import addition_chain as task  # noqa: E402
-import program_trace  # noqa: E402
 
 
 def test_completions_add_up_the_prompt_and_have_the_stated_length():
@@ -46,9 +45,8 @@ def test_every_written_step_is_a_copy_or_one_sum():
         assert task.step_roles(prompt) == [r for _, r in steps]
 
 
-@pytest.mark.parametrize("task", [task, program_trace], ids=["chain", "trace"])
-def test_every_word_is_one_token_and_the_vocabulary_is_fp8_eligible(task):
-    """Both word-level tasks (this one and `program_trace.py`): one token a word, vocabulary a multiple of 128."""
+def test_every_word_is_one_token_and_the_vocabulary_is_fp8_eligible():
+    """One token a word, vocabulary a multiple of 128."""
     tok = task.tokenizer()
     prompt, completion = task.problems(1, seed=3)[0]
     text = f"{prompt} {completion}"

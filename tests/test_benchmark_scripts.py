@@ -223,7 +223,7 @@ def test_mismatch_by_position_averages_each_bucket_over_steps_and_seeds(tmp_path
     runs = [run("fp8", 0, [[0.1, 0.2, 0.4], [0.3, 0.2]]), run("fp8", 1, [[0.2, 0.2, 0.6]]), run("bf16", 0, [[0.01]])]
     table = mismatch_by_position(runs)
     assert table["fp8"] == pytest.approx({0: 0.2, 64: 0.2, 512: 0.5}) and table["bf16"] == {0: 0.01}
-    assert plot_mismatch_by_position(runs, tmp_path, plt, "convergence_trace").exists()
+    assert plot_mismatch_by_position(runs, tmp_path, plt, "convergence_x").exists()
     assert plot_mismatch_by_position([run("bf16", 0, [])], tmp_path, plt, "x") is None  # nothing logged: no plot
 
 

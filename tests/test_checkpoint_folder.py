@@ -16,7 +16,7 @@ import torch
 import trl_fp8.checkpoint_folder as checkpoint_folder
 from trl_fp8 import convert_to_fp8, save_fp8_checkpoint
 from trl_fp8.checkpoint_folder import drop_checkpoint_entries, holds_a_model, remove_leftovers, replace_checkpoint
-from trl_fp8.tiny_model import tiny_qwen3
+from trl_fp8.demo.tiny_model import tiny_qwen3
 
 from conftest import clean_subprocess_env
 

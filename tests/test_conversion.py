@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from trl_fp8 import FP8Linear, FP8LinearConfig, convert_to_fp8, fp8_recipe_of, is_fp8_linear
-from trl_fp8.tiny_model import tiny_qwen3
+from trl_fp8.demo.tiny_model import tiny_qwen3
 
 from conftest import layer_names, rel_err
 

@@ -199,8 +199,8 @@ def test_grpo_trains_a_moe_model_in_fp8_and_syncs_and_saves_its_experts(tmp_path
     from transformers import AutoModelForCausalLM
 
     from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer
-    from trl_fp8.tiny_model import tiny_char_tokenizer
-    from trl_fp8.toy_task import GRPO_SETTINGS, say_letter_dataset, say_letter_reward
+    from trl_fp8.demo.tiny_model import tiny_char_tokenizer
+    from trl_fp8.demo.toy_task import GRPO_SETTINGS, say_letter_dataset, say_letter_reward
     from trl_fp8.vllm_sync import rollout_weight_tensors
 
     tokenizer = tiny_char_tokenizer()

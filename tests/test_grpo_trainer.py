@@ -13,9 +13,9 @@ import torch
 from safetensors import safe_open
 
 from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, FP8Linear, dequantize_blocks, quantize_blocks
+from trl_fp8.demo.tiny_model import tiny_char_tokenizer, tiny_qwen3
+from trl_fp8.demo.toy_task import GRPO_SETTINGS, say_letter_dataset, say_letter_reward
 from trl_fp8.grpo_trainer import fp8_model_card_section
-from trl_fp8.tiny_model import tiny_char_tokenizer, tiny_qwen3
-from trl_fp8.toy_task import GRPO_SETTINGS, say_letter_dataset, say_letter_reward
 
 from conftest import assert_fp8_equal, layer_names, rel_err
 
@@ -83,31 +83,32 @@ def test_trains_with_fp8_layers(model_dir, tmp_path):
 
 
 def test_grpo_learns_the_task_held_out_greedy_accuracy_of_the_saved_checkpoint_rises(tmp_path):
-    """The demo's recipe: warm start, FP8 GRPO, save, reload the FP8 checkpoint and ask every letter greedily.
+    """The demo's recipe and seed: warm start, FP8 GRPO, save, reload the FP8 checkpoint and ask every letter greedily.
 
-    Seed 0, greedy accuracy of the reloaded checkpoint: 25% -> 87.5% on one CPU machine, 37.5% -> 62.5% (mean reward
-    0.43 -> 0.77) on another (same result with 1 and 2 threads there): float rounding differs between CPUs and sampling
-    amplifies it. So the bound is two letters more than before, and the reward gain."""
+    Measured with 2 and 8 threads on one CPU: 25% -> 100%, mean reward 0.60 -> 0.99 (`DEMO_MEASURED`). Another CPU may
+    round sums differently and sampling amplifies that (over seeds 0-4 the gain was 25-75 points), so the bound is
+    three letters more than before, and the reward gain."""
     from transformers import AutoModelForCausalLM
 
-    from trl_fp8.toy_task import WARM_START_GRPO_SETTINGS, greedy_accuracy, warm_start
+    from trl_fp8.demo.toy_task import DEMO_GRPO_SETTINGS, DEMO_MAX_STEPS, greedy_accuracy, warm_start
 
+    seed = DEMO_GRPO_SETTINGS["seed"]
     tokenizer = tiny_char_tokenizer()
-    model = tiny_qwen3(vocab_size=128, eos_token_id=tokenizer.eos_token_id, pad_token_id=0)
-    warm_start(model, tokenizer)
+    model = tiny_qwen3(seed=seed, vocab_size=128, eos_token_id=tokenizer.eos_token_id, pad_token_id=0)
+    warm_start(model, tokenizer, seed=seed)
     before, _ = greedy_accuracy(model, tokenizer)
     model.save_pretrained(tmp_path / "init")  # by path: TRL loads the reference model (beta > 0) from it
-    args = FP8GRPOConfig(**WARM_START_GRPO_SETTINGS, output_dir=str(tmp_path / "out"), max_steps=60, logging_steps=1,
-                         use_cpu=True, bf16=False, disable_tqdm=True)  # fmt: skip
-    trainer = FP8GRPOTrainer(str(tmp_path / "init"), say_letter_reward, args, train_dataset=say_letter_dataset(),
-                             processing_class=tokenizer)  # fmt: skip
+    args = FP8GRPOConfig(**DEMO_GRPO_SETTINGS, output_dir=str(tmp_path / "out"), max_steps=DEMO_MAX_STEPS,
+                         logging_steps=1, use_cpu=True, bf16=False, disable_tqdm=True)  # fmt: skip
+    trainer = FP8GRPOTrainer(str(tmp_path / "init"), say_letter_reward, args,
+                             train_dataset=say_letter_dataset(seed=seed), processing_class=tokenizer)  # fmt: skip
     trainer.train()
     trainer.save_model(str(tmp_path / "fp8"))
     after, answers = greedy_accuracy(AutoModelForCausalLM.from_pretrained(tmp_path / "fp8"), tokenizer)
     r = rewards(trainer)
     early, late = sum(r[:5]) / 5, sum(r[-10:]) / 10
     print(f"greedy accuracy {before:.3f} -> {after:.3f} {answers}; reward {early:.3f} -> {late:.3f}")
-    assert after >= before + 0.25, (before, after, answers)
+    assert after >= before + 0.375, (before, after, answers)
     assert late > early + 0.25, (early, late)
 
 

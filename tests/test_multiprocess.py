@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from trl_fp8 import convert_to_fp8, save_fp8_checkpoint
-from trl_fp8.tiny_model import tiny_char_tokenizer, tiny_qwen3
+from trl_fp8.demo.tiny_model import tiny_char_tokenizer, tiny_qwen3
 from trl_fp8.vllm_sync import rollout_weight_tensors
 
 from conftest import clean_subprocess_env, free_port
@@ -81,7 +81,7 @@ def test_rank0_export_equals_a_one_process_export_of_the_same_weights(two_rank_r
 
 
 def test_the_demo_runs_under_torchrun_with_two_processes(tmp_path):
-    """The README's multi-process launch of the demo: rank 0 writes the warm-started model while the other waits
+    """The documented multi-process launch of the demo (docs/rollouts.md): rank 0 writes the warm-started model while the other waits
     (no half-written `initial_model` is read), both train, one FP8 checkpoint is saved and reloaded."""
     proc = torchrun_two("examples/grpo_fp8.py", "--max_steps", "2", "--output_dir", tmp_path / "demo")
     assert proc.stdout.count("Saved the FP8 checkpoint") == 1

@@ -22,7 +22,7 @@ def hopper(monkeypatch, tmp_path):
     monkeypatch.setenv("CUDA_HOME", str(cuda))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    for name in ("DG_JIT_CACHE_DIR", "VLLM_CACHE_ROOT", "VLLM_DEEP_GEMM_WARMUP"):
+    for name in ("DG_JIT_CACHE_DIR", "VLLM_CACHE_ROOT", "VLLM_DEEP_GEMM_WARMUP", "VLLM_MOE_USE_DEEP_GEMM"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     return tmp_path
@@ -36,6 +36,7 @@ def test_auto_picks_deepgemm_on_hopper_with_e8m0_off_and_a_persistent_cache(hopp
         "VLLM_USE_DEEP_GEMM_E8M0": "0",
         "DG_JIT_CACHE_DIR": str(hopper / "cache" / "vllm" / "deep_gemm"),  # vLLM's own default location
         "VLLM_DEEP_GEMM_WARMUP": "full",
+        "VLLM_MOE_USE_DEEP_GEMM": "0",  # experts on vLLM's preferred MoE kernel, not DeepGEMM's grouped one
     }
     assert rollout_kernel("deepgemm", jit_cache_dir=hopper / "dg").env["DG_JIT_CACHE_DIR"] == str(hopper / "dg")
 
@@ -43,8 +44,10 @@ def test_auto_picks_deepgemm_on_hopper_with_e8m0_off_and_a_persistent_cache(hopp
 def test_user_settings_for_cache_and_warmup_are_kept(hopper, monkeypatch):
     monkeypatch.setenv("DG_JIT_CACHE_DIR", str(hopper / "mine"))
     monkeypatch.setenv("VLLM_DEEP_GEMM_WARMUP", "relax")
+    monkeypatch.setenv("VLLM_MOE_USE_DEEP_GEMM", "1")
     env = rollout_kernel("auto").env
     assert env["DG_JIT_CACHE_DIR"] == str(hopper / "mine") and env["VLLM_DEEP_GEMM_WARMUP"] == "relax"
+    assert env["VLLM_MOE_USE_DEEP_GEMM"] == "1"
 
 
 @pytest.mark.parametrize(
@@ -84,7 +87,8 @@ def test_explicit_backends_keep_deepgemm_off(backend):
 
 def test_server_command_names_the_kernel_settings():
     assert server_command() == (
-        "VLLM_USE_DEEP_GEMM=1 VLLM_USE_DEEP_GEMM_E8M0=0 trl vllm-serve --model <fp8_dir> --linear-backend deep_gemm"
+        "VLLM_USE_DEEP_GEMM=1 VLLM_USE_DEEP_GEMM_E8M0=0 VLLM_MOE_USE_DEEP_GEMM=0 trl vllm-serve --model <fp8_dir> "
+        "--linear-backend deep_gemm"
     )
     assert server_command(server_kernel("cutlass"), "out/fp8").endswith("--model out/fp8 --linear-backend cutlass")
     with pytest.raises(ValueError, match="unknown"):

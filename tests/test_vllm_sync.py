@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, FP8Linear, convert_to_fp8
+from trl_fp8.demo.tiny_model import tiny_char_tokenizer, tiny_qwen3
+from trl_fp8.demo.toy_task import GRPO_SETTINGS, say_letter_dataset, say_letter_reward
 from trl_fp8.export import checkpoint_config, fp8_module_names, linear_module_names
 from trl_fp8.kv_scales import AttentionScaleObserver
-from trl_fp8.tiny_model import tiny_char_tokenizer, tiny_qwen3
-from trl_fp8.toy_task import GRPO_SETTINGS, say_letter_dataset, say_letter_reward
 from trl_fp8.vllm_sync import (
     FP8VLLMGeneration,
     check_server_config,

@@ -1,7 +1,7 @@
 """trl-fp8: FP8 reinforcement learning of LLMs on Hugging Face TRL.
 
-Public API: the blockwise quantizers, the FP8 linear layer and the model conversion. The GRPO trainer, vLLM weight
-sync and exporter build on these.
+Public API: the blockwise quantizers, the FP8 linear and expert layers, the model conversion, the GRPO trainer and
+its configuration, the exporter, and the rollout-capacity arithmetic behind `trl-fp8 plan`.
 """
 
 import os as _os
@@ -16,8 +16,10 @@ try:
 except ImportError:  # pragma: no cover
     pass
 
+from .capacity import ModelShape, rollout_capacity
 from .config import FP8LinearConfig
 from .conversion import ConversionReport, convert_to_fp8, fp8_recipe_of, is_fp8_linear
+from .fp8_experts import FP8Experts
 from .fp8_linear import FP8Linear
 from .quantization import FP8_DTYPE, FP8_MAX, dequantize_blocks, dequantize_groups, quantize_blocks, quantize_groups
 
@@ -44,8 +46,10 @@ __all__ = [
     "ConversionReport",
     "FP8GRPOConfig",
     "FP8GRPOTrainer",
+    "FP8Experts",
     "FP8Linear",
     "FP8LinearConfig",
+    "ModelShape",
     "convert_to_fp8",
     "dequantize_blocks",
     "dequantize_groups",
@@ -53,5 +57,6 @@ __all__ = [
     "is_fp8_linear",
     "quantize_blocks",
     "quantize_groups",
+    "rollout_capacity",
     "save_fp8_checkpoint",
 ]

@@ -298,11 +298,14 @@ def convert_to_fp8(
     Args:
         model: any `nn.Module`, typically a transformers causal LM (possibly PEFT-wrapped).
         recipe: "blockwise" (default), "tensorwise" or "rowwise".
-        num_first_layers_in_bf16 / num_last_layers_in_bf16: decoder layers to keep in BF16 at each end.
+        num_first_layers_in_bf16: decoder layers to keep in BF16 at the input end.
+        num_last_layers_in_bf16: decoder layers to keep in BF16 at the output end.
         module_filter_fn: return False to keep a layer in high precision.
         config: full layer configuration; its `recipe` must agree with `recipe` when both are given.
         device: the device the model will train on, when it is loaded elsewhere (torchao's recipes decide there
             whether to emulate). Default: where its parameters are. Blockwise layers pick their kernels per call.
+        keep_experts_in_bf16: keep mixture-of-experts expert layers in BF16 (needed for layouts FP8 experts do not
+            handle, which otherwise raise).
 
     Returns:
         A :class:`ConversionReport`.

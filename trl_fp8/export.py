@@ -16,9 +16,13 @@ import re
 import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase, ProcessorMixin
 
 from .adapters import (
     check_adapters_mergeable,
@@ -322,7 +326,7 @@ def _all_finite(t: torch.Tensor) -> bool:
 def save_fp8_checkpoint(
     model: nn.Module,
     output_dir: str | os.PathLike,
-    tokenizer=None,
+    tokenizer: PreTrainedTokenizerBase | ProcessorMixin | None = None,
     *,
     fp8_modules: set[str] | None = None,
     dtype: torch.dtype | None = torch.bfloat16,

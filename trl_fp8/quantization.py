@@ -19,7 +19,9 @@ import torch
 import torch.nn.functional as F
 
 FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
+"""The FP8 format of every weight, activation and gradient: e4m3 (4 exponent bits, 3 mantissa bits, no infinity)."""
+FP8_MAX = torch.finfo(FP8_DTYPE).max
+"""The largest e4m3 value, 448.0: a block's amax is scaled onto it."""
 EPS = 1e-12  # amax floor (float32): all-zero groups get a finite (huge) scale and q == 0
 
 __all__ = [

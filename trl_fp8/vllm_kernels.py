@@ -48,6 +48,16 @@ __all__ = [
 VLLM_LINEAR_BACKEND = {"deepgemm": "deep_gemm", "cutlass": "cutlass", "triton": "triton"}
 # Never E8M0: it changes our scales (weights) and rounds vLLM's activation scales up to powers of two.
 NO_E8M0 = {"VLLM_USE_DEEP_GEMM_E8M0": "0"}
+
+
+def moe_kernel_env() -> dict[str, str]:
+    """Experts of a mixture of experts on vLLM's own choice of block-FP8 MoE kernel (Triton on Hopper at TP 1), not
+    DeepGEMM's grouped GEMM, which `VLLM_USE_DEEP_GEMM=1` would otherwise force: its full warm-up compiles thousands
+    of grouped kernels (seen on one H100: a 4-expert test model still compiling after 80 s). A user's own
+    `VLLM_MOE_USE_DEEP_GEMM` wins. Dense models are unaffected."""
+    return {"VLLM_MOE_USE_DEEP_GEMM": os.environ.get("VLLM_MOE_USE_DEEP_GEMM", "0")}
+
+
 # The attention backend that takes new FP8 KV-cache scales at every sync (see the module docstring).
 FP8_KV_ATTENTION_BACKEND = "FLASH_ATTN"
 
@@ -166,6 +176,7 @@ def rollout_kernel(
                 # "full": vLLM compiles the GEMMs of every token count up to max_num_batched_tokens at engine start,
                 # so none compiles in the middle of a rollout. A user's own setting wins (it changes no values).
                 "VLLM_DEEP_GEMM_WARMUP": os.environ.get("VLLM_DEEP_GEMM_WARMUP", "full"),
+                **moe_kernel_env(),
             }
             reason = "requested" if backend == "deepgemm" else "fastest block-FP8 kernel on Hopper"
             return RolloutKernel("deepgemm", f"{reason}; JIT cache {cache}", env, {"linear_backend": "deep_gemm"})
@@ -192,11 +203,13 @@ def server_kernel(backend: str = "deepgemm") -> RolloutKernel:
         raise ValueError(f"vllm_fp8_backend={backend!r} is unknown; use one of {VLLM_FP8_BACKENDS}.")
     backend = "deepgemm" if backend == "auto" else backend
     env = {"VLLM_USE_DEEP_GEMM": "1" if backend == "deepgemm" else "0", **NO_E8M0}
+    if backend == "deepgemm":
+        env.update(moe_kernel_env())
     return RolloutKernel(backend, "server", env, {"linear_backend": VLLM_LINEAR_BACKEND[backend]})
 
 
 def server_command(kernel: RolloutKernel | None = None, model: str = "<fp8_dir>") -> str:
     """The `trl vllm-serve` command line that serves an FP8 checkpoint with `kernel` (DeepGEMM when None)."""
     kernel = kernel or server_kernel("deepgemm")
-    env = " ".join(f"{k}={v}" for k, v in kernel.env.items() if k.startswith("VLLM_USE_DEEP_GEMM"))
+    env = " ".join(f"{k}={v}" for k, v in kernel.env.items() if k.startswith(("VLLM_USE_DEEP_GEMM", "VLLM_MOE")))
     return f"{env} trl vllm-serve --model {model} --linear-backend {kernel.llm_kwargs['linear_backend']}"

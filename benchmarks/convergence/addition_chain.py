@@ -12,9 +12,9 @@ table. A term costs 9 words: completions are 140 to 860 words for the default `K
 every later sum wrong, so errors, and trainer-vs-rollout mismatch, compound with completion length. The reward is
 exact: the final sum must be right.
 
-Why not `program_trace.py` (the first long task, variables over a 4k-word vocabulary, each line looking up values
-stated hundreds of words back): a 107M model pre-trained on it for 5.5 minutes on an H200 stayed at chance (see the
-README), and a study needs a model that solves part of its problems first. Here the only long-range step is the
+Why not the first long task, tracing a program over a 4k-word vocabulary, each line looking up values stated hundreds
+of words back (removed on 2026-11-25, see the changelog): a 107M model pre-trained on it for 5.5 minutes on an H200
+stayed at chance, and a study needs a model that solves part of its problems first. Here the only long-range step is the
 simplest copy (the word after the one just written), which is what a small transformer learns first. The vocabulary
 is small (128 entries); the conversion keeps `lm_head` in BF16, so its size changes no FP8 step.
 """

@@ -1,12 +1,12 @@
 """The convergence task: multi-digit addition with an exact verifier.
 
 A prompt is one user message `"4821+377="`; the answer is the decimal sum. The character tokenizer of
-`trl_fp8.tiny_model` covers it, so nothing is downloaded. Difficulty grows with the number of digits, which lets a
+`trl_fp8.demo.tiny_model` covers it, so nothing is downloaded. Difficulty grows with the number of digits, which lets a
 briefly pre-trained model solve only part of the problems: room for GRPO to improve and for precision to matter.
 
 A convergence task module (`pretrain.py --task`, `run_grpo.py --task`) provides `problems`, `tokenizer`,
 `MODEL_KWARGS`, `max_completion_length`, `Batcher`, `grpo_dataset`, `exact_answer_reward` and `greedy_accuracy`;
-`program_trace.py` is the long-completion one.
+`addition_chain.py` is the long-completion one.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ MODEL_KWARGS = dict(vocab_size=128, max_position_embeddings=128)
 
 
 def tokenizer():
-    from trl_fp8.tiny_model import tiny_char_tokenizer
+    from trl_fp8.demo.tiny_model import tiny_char_tokenizer
 
     return tiny_char_tokenizer()
 

@@ -3,7 +3,7 @@ multi-digit addition, or tracing a program with completions of hundreds of words
 generated problems, stopped once it solves part of the held-out set.
 
     python benchmarks/convergence/pretrain.py --out /tmp/arith-base            # GPU host, a few minutes
-    python benchmarks/convergence/pretrain.py --task trace --size medium --out /tmp/trace-base
+    python benchmarks/convergence/pretrain.py --task chain --size medium --out /tmp/chain-base
 
 Writes the model and tokenizer to `--out` and `benchmarks/results/convergence/pretrain_<device>.json` (loss and
 held-out greedy accuracy per evaluation). GRPO then starts from `--out` (`run_grpo.py`).
@@ -28,7 +28,6 @@ from common import versions  # noqa: E402
 TASKS = {  # --task: the module under benchmarks/convergence that defines it
     "addition": "arithmetic",  # multi-digit addition, answers of at most 7 characters
     "chain": "addition_chain",  # a running sum written out term by term: completions of 140-860 words
-    "trace": "program_trace",  # trace a straight-line program: completions of 160-940 words, 4k-word vocabulary
 }
 
 
@@ -47,11 +46,11 @@ SIZES = {  # hidden, layers, heads (head_dim 128), kv heads, intermediate
     "base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=6, num_key_value_heads=2,
                  intermediate_size=2048),  # 76M parameters
     "medium": dict(hidden_size=768, num_hidden_layers=16, num_attention_heads=6, num_key_value_heads=2,
-                   intermediate_size=2048),  # 101M with the chain task's vocabulary, 107M with the trace task's 4k
+                   intermediate_size=2048),  # 101M with the chain task's vocabulary 4k
     "large": dict(hidden_size=1024, num_hidden_layers=16, num_attention_heads=8, num_key_value_heads=2,
-                  intermediate_size=3072),  # 201M with the trace task's 4k vocabulary
+                  intermediate_size=3072),  # a larger model for harder tasks
     "small": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
-                  intermediate_size=768),  # ~3M (5M with the trace vocabulary): CPU learnability checks
+                  intermediate_size=768),  # ~3M: CPU learnability checks
     "smoke": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=1, num_key_value_heads=1,
                   intermediate_size=256),
 }  # fmt: skip
@@ -60,7 +59,7 @@ SIZES = {  # hidden, layers, heads (head_dim 128), kv heads, intermediate
 def build(task, size: str, seed: int):
     import torch
 
-    from trl_fp8.tiny_model import tiny_qwen3
+    from trl_fp8.demo.tiny_model import tiny_qwen3
 
     tokenizer = task.tokenizer()
     torch.manual_seed(seed)

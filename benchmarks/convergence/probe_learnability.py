@@ -1,7 +1,6 @@
 """Can a small model learn the steps of a long-completion task? A CPU check before GPU time goes into the study.
 
     python benchmarks/convergence/probe_learnability.py --task chain --steps 8 24     # ~30 min on 2 CPU cores
-    python benchmarks/convergence/probe_learnability.py --task trace --steps 4 8
 
 Supervised training of a small Qwen3 (`pretrain.SIZES`) on short problems (`--steps`: terms or program lines),
 logging on held-out problems the teacher-forced accuracy of each kind of written step (the task's `step_roles`: the

@@ -1,5 +1,5 @@
 """What the convergence task modules share: the supervised batch layout and greedy generation for held-out accuracy
-(all of them), and for the word-level long-completion tasks (`addition_chain.py`, `program_trace.py`) the tokenizer,
+(all of them), and for the word-level long-completion tasks (`addition_chain.py`) the tokenizer,
 the batcher and the final-answer reward, dataset and accuracy."""
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def greedy_completions(model, tokenizer, prompts: list[str], batch_size: int, ma
 
 def word_tokenizer_for(vocab):
     """A word-level fast tokenizer over `vocab` (whitespace split; `<pad>`, `<eos>`, `<unk>` among its words)."""
-    from trl_fp8.tiny_model import word_tokenizer
+    from trl_fp8.demo.tiny_model import word_tokenizer
 
     return word_tokenizer(vocab, pad="<pad>", eos="<eos>", unk="<unk>")
 

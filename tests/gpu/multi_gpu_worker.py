@@ -25,7 +25,7 @@ def main():
     from torch.distributed.tensor import DTensor
 
     from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer
-    from trl_fp8.toy_task import GRPO_SETTINGS, say_letter_dataset, say_letter_reward
+    from trl_fp8.demo.toy_task import GRPO_SETTINGS, say_letter_dataset, say_letter_reward
     from trl_fp8.vllm_sync import rollout_weight_tensors
 
     model_dir, out = sys.argv[1], Path(sys.argv[2])

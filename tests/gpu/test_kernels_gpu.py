@@ -124,7 +124,7 @@ def test_fp8_linear_gpu_matches_emulation(lead, pow2, backend):
 
 
 def test_tiny_qwen3_trains_on_gpu():
-    from trl_fp8.tiny_model import tiny_qwen3
+    from trl_fp8.demo.tiny_model import tiny_qwen3
 
     model = tiny_qwen3(dtype=torch.bfloat16).cuda()
     report = convert_to_fp8(model)

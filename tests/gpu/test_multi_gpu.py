@@ -40,7 +40,7 @@ def test_two_gpu_grpo_with_colocated_engines(tmp_path, launch, vllm_tp):
     from transformers import AutoModelForCausalLM
 
     from trl_fp8 import convert_to_fp8, save_fp8_checkpoint
-    from trl_fp8.tiny_model import tiny_char_tokenizer, tiny_qwen3
+    from trl_fp8.demo.tiny_model import tiny_char_tokenizer, tiny_qwen3
 
     tokenizer = tiny_char_tokenizer()
     model_dir = tmp_path / "model"

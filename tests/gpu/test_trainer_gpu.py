@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, FP8Linear
+from trl_fp8.demo.tiny_model import tiny_char_tokenizer, tiny_qwen3
+from trl_fp8.demo.toy_task import GRPO_SETTINGS, say_letter_dataset, say_letter_reward
 from trl_fp8.ops import select_ops
-from trl_fp8.tiny_model import tiny_char_tokenizer, tiny_qwen3
-from trl_fp8.toy_task import GRPO_SETTINGS, say_letter_dataset, say_letter_reward
 
 from conftest import rel_err
 

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _tiny_model_dir(tmp_path):
-    from trl_fp8.tiny_model import tiny_char_tokenizer, tiny_qwen3
+    from trl_fp8.demo.tiny_model import tiny_char_tokenizer, tiny_qwen3
 
     tokenizer = tiny_char_tokenizer()
     model_dir = tmp_path / "model"
@@ -90,7 +90,7 @@ def assert_engine_holds_trainer_fp8(trainer, layer_index=1, sync=True):
 def test_colocate_fp8_rollouts_use_the_trainers_fp8_weights_and_kv_scales(tmp_path):
     pytest.importorskip("vllm")
     from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer
-    from trl_fp8.toy_task import GRPO_SETTINGS, say_letter_dataset, say_letter_reward
+    from trl_fp8.demo.toy_task import GRPO_SETTINGS, say_letter_dataset, say_letter_reward
 
     args = FP8GRPOConfig(
         **GRPO_SETTINGS, output_dir=str(tmp_path / "out"), max_steps=30, logging_steps=1, bf16=True,
@@ -152,7 +152,7 @@ def test_sleep_mode_wakes_up_with_the_trainers_current_fp8_weights_and_kv_scales
     step, bit for bit."""
     pytest.importorskip("vllm")
     from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer
-    from trl_fp8.toy_task import GRPO_SETTINGS, say_letter_dataset, say_letter_reward
+    from trl_fp8.demo.toy_task import GRPO_SETTINGS, say_letter_dataset, say_letter_reward
 
     args = FP8GRPOConfig(
         **GRPO_SETTINGS, output_dir=str(tmp_path / "out"), max_steps=4, logging_steps=1, bf16=True,
@@ -182,7 +182,7 @@ def test_power_of_two_scales_reach_the_default_kernel_unchanged(tmp_path):
     are (vLLM's E8M0 rounding would also give powers of two, but rounded up from its own amax: not ours)."""
     pytest.importorskip("vllm")
     from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer
-    from trl_fp8.toy_task import GRPO_SETTINGS, say_letter_dataset, say_letter_reward
+    from trl_fp8.demo.toy_task import GRPO_SETTINGS, say_letter_dataset, say_letter_reward
 
     args = FP8GRPOConfig(
         **GRPO_SETTINGS, output_dir=str(tmp_path / "out"), max_steps=2, logging_steps=1, bf16=True,
@@ -215,3 +215,17 @@ def test_colocate_other_rollout_precisions_run_grpo_steps(tmp_path, precision):
     logs = [line for line in proc.stdout.splitlines() if "fp8/mismatch/abs_logp_diff_mean" in line]
     print(f"{precision}: {logs[-1][:400] if logs else tail[-600:]}")
     assert len(logs) == 3 and all("fp8/weight_sync_ms" in line for line in logs)
+
+
+def test_colocate_moe_rollouts_use_the_trainers_fp8_experts(tmp_path):
+    """A Qwen3-MoE trained by FP8GRPOTrainer with colocated vLLM: after several steps, the engine's FusedMoE
+    (block-FP8 `Fp8MoEMethod`) holds each expert's FP8 blocks and scales exactly as the trainer quantized them
+    (`moe_colocate_worker.py`). In a process of its own: vLLM creates its expert-parallel group only with the first
+    engine of a process, and the tests above started dense ones in this process."""
+    pytest.importorskip("vllm")
+    cmd = [sys.executable, str(Path(__file__).with_name("moe_colocate_worker.py")), str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=480, env=clean_subprocess_env())
+    out = proc.stdout + proc.stderr
+    print("\n".join(line for line in out.splitlines() if line.startswith("[moe]")))
+    assert proc.returncode == 0, out[-6000:]
+    assert "[moe] identity" in proc.stdout

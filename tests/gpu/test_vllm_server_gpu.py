@@ -46,7 +46,7 @@ def fp8_server(tmp_path_factory):
     pytest.importorskip("vllm")
     server_gpu = os.environ.get("TRL_FP8_SERVER_GPU")
     two_gpus = server_gpu is not None
-    from trl_fp8.tiny_model import tiny_char_tokenizer, tiny_qwen3
+    from trl_fp8.demo.tiny_model import tiny_char_tokenizer, tiny_qwen3
 
     root = tmp_path_factory.mktemp("server")
     tokenizer = tiny_char_tokenizer()
@@ -101,7 +101,7 @@ def fp8_server(tmp_path_factory):
 
 def _config(tmp_path, **kwargs):
     from trl_fp8 import FP8GRPOConfig
-    from trl_fp8.toy_task import GRPO_SETTINGS
+    from trl_fp8.demo.toy_task import GRPO_SETTINGS
 
     return FP8GRPOConfig(
         **GRPO_SETTINGS, output_dir=str(tmp_path / "out"), logging_steps=1, bf16=True, disable_tqdm=True,
@@ -112,7 +112,7 @@ def _config(tmp_path, **kwargs):
 
 def test_server_refuses_a_trainer_whose_weights_it_cannot_take(fp8_server, tmp_path):
     from trl_fp8 import FP8GRPOTrainer
-    from trl_fp8.toy_task import say_letter_dataset, say_letter_reward
+    from trl_fp8.demo.toy_task import say_letter_dataset, say_letter_reward
 
     model = str(fp8_server.root / "model")
     args = _config(tmp_path, max_steps=1, rollout_precision="bf16")
@@ -134,7 +134,7 @@ def test_server_mode_grpo_with_fp8_weight_push(fp8_server, tmp_path):
     from vllm.model_executor.layers.quantization.utils.fp8_utils import deepgemm_post_process_fp8_weight_block
 
     from trl_fp8 import FP8GRPOTrainer
-    from trl_fp8.toy_task import say_letter_dataset, say_letter_reward
+    from trl_fp8.demo.toy_task import say_letter_dataset, say_letter_reward
 
     info = VLLMClient(base_url=f"http://localhost:{PORT}").get_server_info()
     artifacts = os.environ.get("TRL_FP8_ARTIFACTS")
