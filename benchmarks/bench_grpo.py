@@ -17,7 +17,9 @@ Runs (one child process each, vLLM colocated, same model, prompts, batch and 1k-
 - `unified_fp8kv` (with `--runs ... unified_fp8kv`): the same plus an FP8 KV cache;
 - `unified_deepgemm`: `unified` with FProp and DGrad on DeepGEMM (`fp8_backend="deepgemm"`);
 - `unified_nocache`: `unified` quantizing each weight at every forward instead of caching its FP8 copy (the
-  memory that copy costs, against the time it saves).
+  memory that copy costs, against the time it saves);
+- `unified_fused`: `unified` with q/k/v and gate/up as one FP8 GEMM per pass and SiLU·mul fused into
+  `down_proj`'s input quantization (`fp8_fuse_sibling_gemms=True, fp8_fuse_swiglu=True`).
 
 Peak allocated memory is recorded per phase (rollout: sync + generate; training: the rest), with the size of the
 FP8 weight cache at the end.
@@ -53,7 +55,11 @@ RUNS = {  # run: (trainer, fp8_recipe, rollout_precision, fp8 KV cache, training
     "unified_fp8kv": ("trl_fp8", "blockwise", "fp8", True, "auto", None),
     "unified_deepgemm": ("trl_fp8", "blockwise", "fp8", False, "deepgemm", None),  # FProp/DGrad on DeepGEMM (opt-in)
     "unified_nocache": ("trl_fp8", "blockwise", "fp8", False, "auto", False),  # weights quantized at every forward
+    "unified_fused": ("trl_fp8", "blockwise", "fp8", False, "auto", None),  # + RUN_OPTIONS below
 }
+RUN_OPTIONS = {
+    "unified_fused": {"fp8_fuse_sibling_gemms": True, "fp8_fuse_swiglu": True}
+}  # further FP8GRPOConfig fields of a run
 
 
 def vocab_tokenizer(vocab_size: int):
@@ -133,7 +139,7 @@ def run_one(args) -> None:
         trainer_cls = FP8GRPOTrainer
         config = FP8GRPOConfig(**common, fp8_recipe=recipe, rollout_precision=precision, fp8_kv_cache=fp8_kv,
                                fp8_backend=gemm_backend, fp8_cache_weights=cache_weights, tis="token", tis_cap=2.0,
-                               save_fp8_checkpoint=False)  # fmt: skip
+                               save_fp8_checkpoint=False, **RUN_OPTIONS.get(args.run, {}))  # fmt: skip
 
     timings = {"rollout": [], "sync": [], "step": []}
     # Peak allocated bytes by phase: "rollout" covers sync + generate, "training" the rest of the step (scoring,
@@ -263,6 +269,7 @@ def run_one(args) -> None:
         "fp8_kv_cache": fp8_kv,
         "fp8_backend": gemm_backend,
         "fp8_cache_weights": cache_weights,
+        "fp8_options": RUN_OPTIONS.get(args.run, {}),
         "step_time": step_medians(per_step_s, keep),  # over measured.median_steps
         "per_step": per_step_s,
         "measured": measurement(args),

@@ -5,7 +5,8 @@
 
 Variants: BF16 `nn.Linear`; trl_fp8 blockwise (`FP8Linear`, weight re-quantized every call as after each optimizer
 step, and with the weight cache hit, as for further micro-batches and log-prob passes); torchao's blockwise
-prototype (`Float8BlockwiseLinear`); torchao tensorwise `Float8Linear` (eager and `torch.compile`). On the GPU also
+prototype (`Float8BlockwiseLinear`); for q/k/v as three layers, trl_fp8 running them as one GEMM per pass
+(`fp8_fuse_sibling_gemms`); torchao tensorwise `Float8Linear` (eager and `torch.compile`). On the GPU also
 trl_fp8 with FProp/DGrad on DeepGEMM (`backend="deepgemm"`) and trl_fp8 under `torch.compile`. Also the raw
 GEMMs (BF16 mm vs one blockwise FP8 scaled_mm) and where trl_fp8's time goes (quantization passes vs GEMMs).
 """
@@ -30,6 +31,7 @@ from common import device_kernel_events  # noqa: E402
 
 from trl_fp8 import FP8Linear, FP8LinearConfig  # noqa: E402
 from trl_fp8.fp8_linear import forget_quantized_input  # noqa: E402
+from trl_fp8.sibling_gemms import FP8SiblingGroup  # noqa: E402
 
 QWEN3_8B = [
     (4096, 6144, "qkv_proj"),
@@ -87,6 +89,10 @@ def make_variants(k, n, device, dtype, cuda):
         return each_layer(bf16(), lambda layer: FP8Linear.convert_(layer, config))
 
     variants = {"bf16": bf16(), "trl_fp8 blockwise": ours(False), "trl_fp8 blockwise (cached W)": ours(True)}
+    if isinstance(n, tuple):  # the layers reading one input as one GEMM per pass (fp8_fuse_sibling_gemms)
+        fused = ours(True)
+        FP8SiblingGroup(list(fused.layers))
+        variants["trl_fp8 blockwise (cached W, one GEMM)"] = fused
     if cuda:
         from trl_fp8.ops import deep_gemm
 
@@ -259,7 +265,8 @@ def main():
     for _, _, label in shapes:
         cells = {r["variant"]: r for r in rows if r["shape"] == label}
         print(f"{label:<14}" + "".join(
-            f"{cells[v]['ms']:>21.3f} ({cells[v]['speedup_vs_bf16']:.2f}x)" if "ms" in cells[v] else f"{'failed':>31}"
+            f"{cells[v]['ms']:>21.3f} ({cells[v]['speedup_vs_bf16']:.2f}x)" if "ms" in cells.get(v, {})
+            else f"{'failed' if v in cells else '-':>31}"
             for v in names
         ))  # fmt: skip
     print("\ntrl_fp8 blockwise breakdown (ms):")

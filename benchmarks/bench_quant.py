@@ -5,7 +5,9 @@ fp32 scales, so its floor is `bytes / HBM bandwidth`. This measures `trl_fp8.ker
 shapes (M tokens), per layout (FProp's rows, WGrad's cols, both from one read; "/2nd": the cols layout from a
 second, K-major read of the tile) and per launch width (`num_warps`), neither of which changes the result, and
 prints the share of the floor each reaches: what the quantization inside `bench_linear`'s FP8 layer could still
-give back.
+give back. Also the gated MLP's `silu(gate) * up` quantized for `down_proj` (`quantize_swiglu`, one read of gate
+and up, both layouts written, no BF16 product) against eager's silu, product and quantization passes, each against
+its own floor.
 
     python benchmarks/bench_quant.py [--tokens 8192] [--num_warps 4 8 16] [--out results.json]
 """
@@ -34,6 +36,14 @@ def act_bytes(m: int, k: int, rows: bool, cols: bool) -> int:
     """BF16 read + one e4m3 byte per element and one fp32 scale per 128 elements, per layout written."""
     m_pad = -(-m // 128) * 128
     return 2 * m * k + (rows + cols) * (m_pad * k + 4 * m_pad * k // 128)
+
+
+def swiglu_bytes(m: int, i: int, fused: bool) -> int:
+    """Fused: gate and up read, both FP8 layouts written. Eager: silu (read gate, write s), the product (read s and
+    up, write h), then the quantization of h (`act_bytes`)."""
+    if fused:
+        return act_bytes(m, i, True, True) + 2 * m * i
+    return 4 * m * i + 6 * m * i + act_bytes(m, i, True, True)
 
 
 def weight_bytes(n: int, k: int) -> int:
@@ -90,6 +100,7 @@ def main():
                     row["error"] = traceback.format_exc(-1)
                 rows.append(row)
         del t
+    rows += swiglu_rows(m, hbm, args.reps)
     print(f"\nQuantization kernels, M={m}, {device}: microseconds, TB/s, share of the HBM floor")
     print(f"{'tensor':<22}{'shape':>14}{'layout':>11}{'warps':>6}{'us':>9}{'TB/s':>7}{'floor us':>9}{'of floor':>9}")
     for r in rows:
@@ -114,6 +125,38 @@ def main():
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
+
+
+def swiglu_rows(m: int, hbm: float | None, reps: int) -> list[dict]:
+    """`quantize_swiglu` against eager (`F.silu(gate) * up`, then `quantize_act`) at Qwen3-8B's intermediate size,
+    gate and up as the two halves of one gate_up output."""
+    import torch.nn.functional as F
+
+    from trl_fp8.kernels import quantize_act, quantize_swiglu
+
+    inter = 12288
+    gate_up = torch.randn(m, 2 * inter, device="cuda", dtype=torch.bfloat16)
+    gate, up = gate_up[:, :inter], gate_up[:, inter:]
+    variants = {
+        "fused": (partial(quantize_swiglu, gate, up, rows=True, cols=True), True),
+        "eager": (lambda: quantize_act(F.silu(gate) * up, rows=True, cols=True), False),
+    }
+    rows = []
+    for layout, (fn, fused) in variants.items():
+        row = {"tensor": "silu(gate)*up of down_proj", "kind": "swiglu", "shape": [m, inter], "layout": layout,
+               "num_warps": 4}  # fmt: skip
+        nbytes = swiglu_bytes(m, inter, fused)
+        try:
+            row["us"] = 1e3 * bench(fn, reps, True)
+            row["bytes"] = nbytes
+            row["tb_per_s"] = nbytes / row["us"] / 1e6
+            if hbm:
+                row["floor_us"] = nbytes / hbm * 1e6
+                row["of_floor"] = row["floor_us"] / row["us"]
+        except Exception:  # noqa: BLE001 - recorded, the sweep goes on
+            row["error"] = traceback.format_exc(-1)
+        rows.append(row)
+    return rows
 
 
 if __name__ == "__main__":

@@ -131,6 +131,17 @@ def test_linear_and_gemm_benchmarks_run_at_smoke_size(tmp_path):
     assert all(r.get("rel_err_vs_emulation", 0.0) == 0.0 and "error" not in r for r in rows)
 
 
+def test_saved_activation_counts_at_smoke_size(tmp_path):
+    """FP8 keeps fewer bytes for backward than BF16, and the fused MLP exactly one [tokens, intermediate] BF16
+    tensor less than the unfused FP8 layer (silu(gate), recomputed in backward)."""
+    _run(ROOT / "benchmarks" / "bench_saved_activations.py", "--quick", "--out", tmp_path / "saved.json")
+    rows = {r["setting"]: r for r in json.loads((tmp_path / "saved.json").read_text())["results"]}
+    outside = {k: r["bytes_per_token_outside_attention_core"] for k, r in rows.items()}
+    assert outside["bf16"] > outside["fp8"] > outside["fp8_fused"]
+    assert outside["fp8"] - outside["fp8_fused"] == 2 * 768  # the tiny shape's intermediate size, BF16
+    assert rows["fp8"]["bytes_per_token"]["norms"] == rows["bf16"]["bytes_per_token"]["norms"]  # norms stay BF16
+
+
 def test_grpo_medians_leave_out_the_profiled_step_and_after(tmp_path):
     """bench_grpo times the steps after the warm-up and before the profiled one (reading a profile takes tens of
     seconds and lands in the next step); `--resummarize` recomputes a results file's medians from its per-step

@@ -60,9 +60,11 @@ def rewards(trainer):
     return [log["reward"] for log in trainer.state.log_history if "reward" in log]
 
 
-def test_trains_with_fp8_layers(model_dir, tmp_path):
-    trainer = make_trainer(model_dir, tmp_path, max_steps=3)
+@pytest.mark.parametrize("fuse", [False, True], ids=["each_layer", "fused_siblings"])
+def test_trains_with_fp8_layers(model_dir, tmp_path, fuse):
+    trainer = make_trainer(model_dir, tmp_path, max_steps=3, fp8_fuse_sibling_gemms=fuse)
     layers = trainer.model.model.layers
+    assert (layers[0].self_attn.k_proj._fp8_group is not None) == fuse
     assert all(isinstance(getattr(layer.self_attn, p), FP8Linear) for layer in layers for p in ("q_proj", "o_proj"))
     assert type(trainer.model.lm_head) is torch.nn.Linear
     assert trainer.fp8_report.num_fp8_layers == 28

@@ -1,9 +1,10 @@
 """The Triton quantization kernels (`trl_fp8.kernels`) against the reference quantizers, bit for bit.
 
 On CPU they run in Triton's interpreter (conftest sets `TRITON_INTERPRET=1`), which checks every index, mask, layout
-and scale step of the kernel code itself. The interpreter's own float32 -> e4m3 conversion is wrong (it truncates
-the mantissa without carrying into the exponent), so here it is replaced by torch's round-to-nearest-even cast, which
-is what the GPU's `cvt.rn.satfinite.e4m3x2.f32` does; tests/gpu runs the same kernels compiled on Hopper.
+and scale step of the kernel code itself. The interpreter's own float32 -> e4m3 and float32 -> bf16 conversions are
+wrong (they truncate the mantissa without carrying into the exponent), so here they are replaced by torch's
+round-to-nearest-even casts, which is what the GPU's `cvt.rn.satfinite.e4m3x2.f32` and `cvt.rn.bf16.f32` do;
+tests/gpu runs the same kernels compiled on Hopper.
 """
 
 import numpy as np
@@ -33,6 +34,9 @@ def exact_fp8_cast_in_interpreter(monkeypatch):
         if output_dtype == tl.float8e4nv and input_dtype == tl.float32:
             f32 = torch.from_numpy(np.ascontiguousarray(values).view(np.float32).copy())
             return f32.to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+        if output_dtype == tl.bfloat16 and input_dtype == tl.float32:  # truncated too; the GPU rounds to nearest even
+            f32 = torch.from_numpy(np.ascontiguousarray(values).view(np.float32).copy())
+            return f32.to(torch.bfloat16).view(torch.uint16).numpy()
         return original(values, input_dtype, output_dtype, rounding_mode)
 
     monkeypatch.setattr(interpreter, "_convert_float", convert)
@@ -85,6 +89,43 @@ def test_act_quant_one_layout_and_strided_input(rows, cols, second_read):
     else:
         assert got.q is None and torch.equal(_bits(got.qt), _bits(ref.qt))
         assert torch.equal(got.scale_inv_t, ref.scale_inv_t)
+
+
+@pytest.mark.parametrize("m", [256, 200, 1])
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("rows,cols", [(True, True), (True, False), (False, True)])
+def test_swiglu_quant_matches_reference(m, pow2, rows, cols):
+    """gate and up as the two column halves of one gate_up output (what grouped siblings hand over), BF16.
+
+    The product is eager's up to the exponential: this kernel's `exp` (here NumPy's, on the GPU Triton's) and
+    PyTorch's `silu` may round the last bit differently, which BF16 rounding hides but for rare ties. So the product
+    the kernel formed (written to `out` for this test) must be eager's but for at most 0.5% of its elements, each
+    one BF16 step away, and the FP8 operands must be the reference quantization of that product, bit for bit."""
+    gate_up = torch.cat([_input(m, 256, seed=1), _input(m, 256, seed=2)], dim=1)
+    gate, up = gate_up[:, :256], gate_up[:, 256:]
+    h = torch.empty(m, 256, dtype=gate.dtype, device=gate.device)
+    got = kernels.quantize_swiglu(gate, up, rows=rows, cols=cols, power_of_two_scales=pow2, out=h)
+    eager = F.silu(gate) * up
+    differ = h != eager
+    assert differ.float().mean().item() <= 0.005
+    step = (eager.float().abs() * 2**-7).clamp(min=2**-133)  # one BF16 step at each value (8 significant bits)
+    assert ((h.float() - eager.float()).abs()[differ] <= step[differ] * 1.001).all()
+    ref = quantize_act_layouts(h, rows=rows, cols=cols, power_of_two_scales=pow2)
+    if rows:
+        assert torch.equal(_bits(got.q), _bits(ref.q)) and torch.equal(got.scale_inv, ref.scale_inv)
+        assert got.q.is_contiguous() and got.scale_inv.stride(0) == 1
+    if cols:
+        assert torch.equal(_bits(got.qt), _bits(ref.qt)) and torch.equal(got.scale_inv_t, ref.scale_inv_t)
+        assert got.qt.is_contiguous() and got.scale_inv_t.stride(0) == 1
+    assert (got.q is None) != rows and (got.qt is None) != cols
+
+
+def test_swiglu_quant_refuses_mismatched_operands():
+    x = _input(128, 256)
+    with pytest.raises(ValueError, match="one shape and dtype with unit stride"):
+        kernels.quantize_swiglu(x, x[:, :128])
+    with pytest.raises(ValueError, match="one shape and dtype with unit stride"):
+        kernels.quantize_swiglu(x.t(), x.t())
 
 
 @pytest.mark.parametrize("n,k", [(256, 384), (200, 130), (128, 640)])

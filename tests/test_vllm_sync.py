@@ -213,7 +213,8 @@ def test_server_checks_name_the_fix(tmp_path):
     deepgemm = {"VLLM_USE_DEEP_GEMM": True, "VLLM_USE_DEEP_GEMM_E8M0": False}
     check_server_config(_server_info(tmp_path, model), model, "fp8", False, server_env=deepgemm)
     with pytest.raises(
-        ValueError, match="VLLM_USE_DEEP_GEMM_E8M0=0 trl vllm-serve --model <fp8_dir> --linear-backend"
+        ValueError,
+        match="VLLM_USE_DEEP_GEMM_E8M0=0 VLLM_MOE_USE_DEEP_GEMM=0 trl vllm-serve --model <fp8_dir> --linear-backend",
     ):
         check_server_config(
             _server_info(tmp_path, model), model, "fp8", False, server_env={"VLLM_USE_DEEP_GEMM": True}
@@ -568,7 +569,10 @@ def test_unreachable_server_says_how_to_start_one(monkeypatch):
         server_base_url="http://127.0.0.1:9", server_timeout=0.0, model=fp8_model(), rollout_precision="fp8",
         kv_observer=None, fp8_backend="auto",
     )  # fmt: skip
-    with pytest.raises(ConnectionError, match="E8M0=0 trl vllm-serve --model <fp8_dir> --linear-backend deep_gemm"):
+    with pytest.raises(
+        ConnectionError,
+        match="E8M0=0 VLLM_MOE_USE_DEEP_GEMM=0 trl vllm-serve --model <fp8_dir> --linear-backend deep_gemm",
+    ):
         FP8VLLMGeneration._check_server(generation)
 
 

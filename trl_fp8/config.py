@@ -71,6 +71,12 @@ class FP8LinearConfig:
         cache_quantized_weight: keep the FP8 copy of each weight between calls until the weight changes
             (optimizer step), so micro-batches, log-prob passes and the vLLM weight sync quantize once per step.
             Costs one byte per parameter.
+        fuse_sibling_gemms: run layers that read one input and that vLLM fuses (q/k/v, gate/up) as one FP8 GEMM
+            per pass on their stacked weight blocks (`trl_fp8.sibling_gemms`): a third of the kernel launches for
+            q/k/v, the same values per layer up to fp32 summation order, the same FP8 bytes synced and exported.
+        fuse_swiglu: in gated MLPs with SiLU (`down_proj(silu(gate_proj(x)) * up_proj(x))`), form the product and
+            quantize it for `down_proj` in one kernel, never writing it in BF16, and recompute `silu(gate)` in
+            backward instead of keeping it (`trl_fp8.fused_swiglu`): the unfused FP8 path's values.
     """
 
     recipe: str = "blockwise"
@@ -78,6 +84,8 @@ class FP8LinearConfig:
     power_of_two_scales: bool = False
     backend: str = "auto"
     cache_quantized_weight: bool = True
+    fuse_sibling_gemms: bool = False
+    fuse_swiglu: bool = False
 
     def __post_init__(self):
         if self.recipe not in RECIPES:
@@ -94,6 +102,12 @@ class FP8LinearConfig:
                 f"backend={self.backend!r} picks the kernels of the blockwise recipe; torchao's {self.recipe!r} "
                 "recipe runs its own. Use backend='auto' (or 'emulated'), or recipe='blockwise'."
             )
+        for fusion in ("fuse_sibling_gemms", "fuse_swiglu"):
+            if self.recipe != "blockwise" and getattr(self, fusion):
+                raise ValueError(
+                    f"{fusion} applies to the blockwise recipe only; torchao's {self.recipe!r} recipe runs each layer "
+                    f"on its own. Use recipe='blockwise' or drop {fusion}."
+                )
         if self.recipe != "blockwise" and self.power_of_two_scales:
             raise ValueError(
                 "power_of_two_scales applies to the blockwise recipe only; torchao's rowwise recipe already "

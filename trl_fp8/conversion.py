@@ -17,6 +17,8 @@ from .adapters import hf_name, is_adapter_module, tuner_layer_names
 from .config import FP8LinearConfig
 from .fp8_experts import FP8Experts, expert_layout_problem, is_experts_module
 from .fp8_linear import FP8Linear
+from .fused_swiglu import fuse_swiglu
+from .sibling_gemms import FUSED_GROUPS, group_fp8_siblings
 
 logger = logging.getLogger(__name__)
 
@@ -31,8 +33,8 @@ __all__ = [
 ]
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-# vLLM runs each group as one fused layer (qkv_proj, gate_up_proj): its members are all FP8 or all high precision.
-FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+# vLLM runs each of FUSED_GROUPS as one fused layer (qkv_proj, gate_up_proj): its members are all FP8 or all high
+# precision.
 
 
 @dataclass
@@ -293,7 +295,9 @@ def convert_to_fp8(
     are not multiples of 128 (16 for torchao's recipes), the last with a warning, and the siblings of any of these
     that vLLM fuses with them (q/k/v, gate/up: one fused layer is all FP8 or all high precision). Parameter names
     and `state_dict` keys do not change. Converting an already converted model is a no-op; converting it to another
-    recipe raises.
+    recipe raises. With `config.fuse_sibling_gemms`, q/k/v and gate/up then run as one FP8 GEMM per pass
+    (`trl_fp8.sibling_gemms`); with `config.fuse_swiglu`, gated MLPs fuse their activation into `down_proj`'s input
+    quantization (`trl_fp8.fused_swiglu`).
 
     Args:
         model: any `nn.Module`, typically a transformers causal LM (possibly PEFT-wrapped).
@@ -327,6 +331,10 @@ def convert_to_fp8(
     if config.recipe == "blockwise":
         for _, mod in to_convert:
             (FP8Experts if is_experts_module(mod) else FP8Linear).convert_(mod, config)
+        if config.fuse_sibling_gemms:
+            group_fp8_siblings(model)
+        if config.fuse_swiglu:
+            fuse_swiglu(model)
     else:
         device = torch.device(device) if device is not None else next(model.parameters()).device
         _convert_with_torchao(model, config, {name for name, _ in to_convert}, device)

@@ -397,6 +397,8 @@ def save_fp8_checkpoint(
             if dtype is not None and t.is_floating_point() and not is_fp8_part:
                 t = t.to(dtype)
             t = t.to("cpu").contiguous()
+            if t.untyped_storage().nbytes() != t.numel() * t.element_size():
+                t = t.clone()  # a view of a larger buffer (stacked sibling weights): safetensors writes whole storages
             nbytes = t.numel() * t.element_size()
             if shard and shard_bytes + nbytes > max_shard_size:
                 flush(shard)

@@ -57,6 +57,8 @@ register_optimizer_step_post_hook(_count_optimizer_step)
 class FP8Weight:
     """One weight's FP8 values and scales as FProp uses them: `q` `[N, K]` row-major, `scale_inv` `[N/128, K/128]`."""
 
+    cached = False  # whether a layer cache holds it (so a backward may keep it at no cost)
+
     def __init__(self, weight: torch.Tensor, ops, power_of_two_scales: bool):
         self.ops, self.power_of_two_scales = ops, power_of_two_scales
         with torch.no_grad():
@@ -71,7 +73,7 @@ class FP8Weight:
 
     def __deepcopy__(self, memo):  # `ops` is a module, which cannot be copied: share it (a deep-copied model works)
         clone = object.__new__(FP8Weight)
-        clone.ops, clone.power_of_two_scales = self.ops, self.power_of_two_scales
+        clone.ops, clone.power_of_two_scales, clone.cached = self.ops, self.power_of_two_scales, self.cached
         clone.q, clone.scale_inv = copy.deepcopy(self.q, memo), copy.deepcopy(self.scale_inv, memo)
         return clone
 
@@ -123,41 +125,79 @@ def _quantize_input(x: torch.Tensor, x2d: torch.Tensor, ops, pow2: bool, cols: b
 
 
 class _BlockwiseFP8Matmul(torch.autograd.Function):
+    """`y = x @ W.T` with FProp, DGrad and WGrad in FP8. With `siblings`, `W` is the row-wise concatenation of
+    `weight` and the sibling weights (layers reading one input, `FP8LinearConfig.fuse_sibling_gemms`): one GEMM per
+    pass for all of them, each weight getting its rows of the one WGrad result."""
+
     @staticmethod
-    def forward(ctx, x, weight, fp8_weight: FP8Weight, grad_enabled: bool = True):
+    def forward(ctx, x, weight, fp8_weight: FP8Weight, grad_enabled: bool = True, *siblings):
         ops, pow2 = fp8_weight.ops, fp8_weight.power_of_two_scales
         k = x.shape[-1]
         x2d = x.reshape(-1, k)
         m = x2d.shape[0]
         # (grad mode is off inside forward, so the caller says whether a backward can follow)
-        wgrad = ctx.needs_input_grad[1] and grad_enabled
+        wgrad = grad_enabled and (ctx.needs_input_grad[1] or any(ctx.needs_input_grad[4:]))
         act = _quantize_input(x, x2d, ops, pow2, cols=wgrad)
         out = ops.gemm(act.q, act.scale_inv, fp8_weight.q, fp8_weight.scale_inv, True, x.dtype)[:m]
-        # `weight` is saved so DGrad can re-quantize it and so autograd rejects an in-place change before backward.
-        if wgrad:
-            ctx.save_for_backward(weight, act.qt, act.scale_inv_t)
-        else:
-            ctx.save_for_backward(weight)
+        # The weights are saved so DGrad can re-quantize them and so autograd rejects an in-place change before
+        # backward. A sibling group's DGrad multiplies by the forward's FP8 weight when the layer cache holds it anyway
+        # (so keeping it costs nothing), else re-quantizes the concatenated weights.
+        ctx.dgrad_weight = fp8_weight if siblings and fp8_weight.cached else None
+        ctx.save_for_backward(weight, *siblings, *((act.qt, act.scale_inv_t) if wgrad else ()))
+        ctx.num_weights = 1 + len(siblings)
         ctx.ops, ctx.pow2, ctx.x_shape, ctx.x_dtype = ops, pow2, x.shape, x.dtype
         return out.reshape(*x.shape[:-1], fp8_weight.q.shape[0])
 
     @staticmethod
     def backward(ctx, grad_out):
-        weight, *saved_x = ctx.saved_tensors
-        ops, pow2 = ctx.ops, ctx.pow2
-        n = weight.shape[0]
-        m = grad_out.numel() // n
-        need_dx, need_dw = ctx.needs_input_grad[:2]
-        grad_x = grad_w = None
-        dy = ops.quantize_act(grad_out.reshape(-1, n), rows=need_dx, cols=need_dw, power_of_two_scales=pow2)
-        if need_dx:
-            # W's 128x128 blocks are the same for W and W.T: DGrad multiplies by the forward's FP8 values.
-            w_q, w_s = ops.quantize_weight(weight.detach(), col_major=True, power_of_two_scales=pow2)
-            grad_x = ops.gemm(dy.q, dy.scale_inv, w_q.t(), w_s.t(), True, ctx.x_dtype)[:m].reshape(ctx.x_shape)
-        if need_dw:
-            xt_q, xt_s = saved_x
-            grad_w = ops.gemm(dy.qt, dy.scale_inv_t, xt_q, xt_s, False, weight.dtype)
-        return grad_x, grad_w, None, None
+        saved = ctx.saved_tensors
+        weights, saved_x = saved[: ctx.num_weights], saved[ctx.num_weights :]
+        need_w = (ctx.needs_input_grad[1], *ctx.needs_input_grad[4:])
+        grad_x, grad_ws = blockwise_backward(
+            grad_out,
+            weights,
+            saved_x,
+            ctx.ops,
+            ctx.pow2,
+            ctx.needs_input_grad[0],
+            need_w,
+            ctx.x_dtype,
+            ctx.dgrad_weight,
+        )
+        ctx.dgrad_weight = None
+        if grad_x is not None:
+            grad_x = grad_x.reshape(ctx.x_shape)
+        return grad_x, grad_ws[0], None, None, *grad_ws[1:]
+
+
+def blockwise_backward(
+    grad_out, weights, saved_x, ops, pow2: bool, need_dx: bool, need_w, dx_dtype: torch.dtype, dgrad_weight=None
+):
+    """DGrad and WGrad of `y = x @ W.T` (`W` the row-wise stack of `weights`) in FP8, from the output gradient and
+    the FP8 `x.T` the forward saved: `(dx [M, K] or None, [dW_i or None per weight])`. `dgrad_weight`: the
+    forward's FP8 `W` to multiply by, else `W` is re-quantized in DGrad's layout."""
+    n = grad_out.shape[-1]
+    m = grad_out.numel() // n
+    need_dw = any(need_w)
+    grad_x = None
+    grad_ws = [None] * len(weights)
+    dy = ops.quantize_act(grad_out.reshape(-1, n), rows=need_dx, cols=need_dw, power_of_two_scales=pow2)
+    if need_dx:
+        # W's 128x128 blocks are the same for W and W.T: DGrad multiplies by the forward's FP8 values.
+        if dgrad_weight is not None:
+            w_q, w_s = dgrad_weight.q.t(), dgrad_weight.scale_inv.t()  # the GEMM lays it out as it needs
+        else:
+            w = weights[0] if len(weights) == 1 else torch.cat(weights)
+            w_q, w_s = ops.quantize_weight(w.detach(), col_major=True, power_of_two_scales=pow2)
+            w_q, w_s = w_q.t(), w_s.t()
+        grad_x = ops.gemm(dy.q, dy.scale_inv, w_q, w_s, True, dx_dtype)[:m]
+    if need_dw:
+        xt_q, xt_s = saved_x
+        grad_w = ops.gemm(dy.qt, dy.scale_inv_t, xt_q, xt_s, False, weights[0].dtype)
+        # Row slices of one contiguous result: each weight's gradient is contiguous, with no copy.
+        parts = grad_w.split([w.shape[0] for w in weights]) if len(weights) > 1 else (grad_w,)
+        grad_ws = [g if need else None for g, need in zip(parts, need_w, strict=True)]
+    return grad_x, grad_ws
 
 
 class FP8Linear(nn.Linear):
@@ -179,6 +219,7 @@ class FP8Linear(nn.Linear):
         module.fp8_config = config
         module._fp8_weight_cache = None
         module._fp8_invalidations = 0
+        module._fp8_group = None  # (FP8SiblingGroup, index) when it runs as one GEMM with its siblings
         _watch_peft_merges()
         return module
 
@@ -222,7 +263,8 @@ class FP8Linear(nn.Linear):
         ):
             return cached[1]
         fp8_weight = self._quantize(w)
-        self._fp8_weight_cache = (key, fp8_weight) if cfg.cache_quantized_weight else None
+        fp8_weight.cached = cfg.cache_quantized_weight
+        self._fp8_weight_cache = (key, fp8_weight) if fp8_weight.cached else None
         return fp8_weight
 
     def invalidate(self) -> None:
@@ -240,7 +282,10 @@ class FP8Linear(nn.Linear):
         self.invalidate()  # whether it copied in place or assigned: do not rely on what the key happens to see
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = _BlockwiseFP8Matmul.apply(x, self.weight, self._fp8_weight(), torch.is_grad_enabled())
+        group = self._fp8_group
+        out = group[0].forward_member(group[1], x) if group is not None else None
+        if out is None:
+            out = _BlockwiseFP8Matmul.apply(x, self.weight, self._fp8_weight(), torch.is_grad_enabled())
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:

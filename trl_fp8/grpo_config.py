@@ -42,6 +42,12 @@ class FP8GRPOConfig(GRPOConfig):
         so micro-batches, scoring passes and the vLLM sync quantize once per step. `False` quantizes at every
         forward instead (one read of the weights per forward) and saves that memory. `None`: on, except under
         FSDP2, whose point is not to hold whole weights.
+    fp8_fuse_sibling_gemms (`bool`, *optional*, defaults to `False`):
+        Run q/k/v and gate/up, which read one input, as one FP8 GEMM per pass on their stacked weight blocks
+        (fewer, larger kernels; the same FP8 bytes synced and exported). Opt-in until measured on a GPU.
+    fp8_fuse_swiglu (`bool`, *optional*, defaults to `False`):
+        In gated SiLU MLPs, form `silu(gate) * up` and quantize it for `down_proj` in one kernel, never writing it in
+        BF16 nor keeping `silu(gate)` for backward (the unfused path's values). Opt-in until measured on a GPU.
 
     > Parameters that control vLLM rollouts (`use_vllm=True`)
 
@@ -120,6 +126,20 @@ class FP8GRPOConfig(GRPOConfig):
         metadata={
             "help": "Keep each layer's FP8 weight until the optimizer changes it (1 byte per parameter); False "
             "quantizes at every forward and saves that memory. Default: on, except under FSDP2.",
+        },
+    )
+    fp8_fuse_sibling_gemms: bool = field(
+        default=False,
+        metadata={
+            "help": "Run q/k/v and gate/up (layers reading one input) as one FP8 GEMM per pass on their stacked "
+            "weight blocks: fewer, larger kernels, the same FP8 bytes synced and exported.",
+        },
+    )
+    fp8_fuse_swiglu: bool = field(
+        default=False,
+        metadata={
+            "help": "In gated SiLU MLPs, form silu(gate) * up and quantize it for down_proj in one kernel, without "
+            "writing it in BF16 or keeping silu(gate) for backward.",
         },
     )
     rollout_precision: str | None = field(
@@ -246,12 +266,22 @@ class FP8GRPOConfig(GRPOConfig):
                         f"generates with its own model. Set use_vllm=True, or drop {name}."
                     )
         if self.fp8_recipe is None:
-            for name, default in (("fp8_backend", "auto"), ("fp8_cache_weights", None)):
+            for name, default in (
+                ("fp8_backend", "auto"),
+                ("fp8_cache_weights", None),
+                ("fp8_fuse_sibling_gemms", False),
+                ("fp8_fuse_swiglu", False),
+            ):
                 if getattr(self, name) != default:
                     raise ValueError(
                         f"{name}={getattr(self, name)!r} sets up FP8 training, but fp8_recipe=None trains in BF16. "
                         f"Drop {name}, or train in FP8 with fp8_recipe='blockwise'."
                     )
+        elif self.fp8_recipe != "blockwise" and (self.fp8_fuse_sibling_gemms or self.fp8_fuse_swiglu):
+            raise ValueError(
+                f"fp8_fuse_sibling_gemms and fp8_fuse_swiglu apply to the blockwise recipe; torchao's "
+                f"{self.fp8_recipe!r} recipe runs each layer on its own. Drop them, or use fp8_recipe='blockwise'."
+            )
         elif self.fp8_recipe != "blockwise" and self.fp8_backend in ("deepgemm", "scaled_mm"):
             raise ValueError(
                 f"fp8_backend={self.fp8_backend!r} picks the kernels of the blockwise recipe; torchao's "

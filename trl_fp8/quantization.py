@@ -33,6 +33,7 @@ __all__ = [
     "dequantize_groups",
     "QuantizedAct",
     "quantize_act_layouts",
+    "quantize_swiglu_layouts",
 ]
 
 
@@ -151,3 +152,11 @@ def quantize_act_layouts(
     if cols:
         qt, st = quantize_groups(x.t(), 128, power_of_two_scales=power_of_two_scales)
     return QuantizedAct(q, s, qt, st)
+
+
+def quantize_swiglu_layouts(
+    gate: torch.Tensor, up: torch.Tensor, *, rows: bool = True, cols: bool = False, power_of_two_scales: bool = False
+) -> QuantizedAct:
+    """Reference for `trl_fp8.kernels.quantize_swiglu`: the gated MLP's `silu(gate) * up`, computed as eager PyTorch
+    does (each op's result rounded to the input dtype), then quantized as :func:`quantize_act_layouts`."""
+    return quantize_act_layouts(F.silu(gate) * up, rows=rows, cols=cols, power_of_two_scales=power_of_two_scales)

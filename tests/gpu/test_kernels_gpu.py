@@ -162,3 +162,59 @@ def test_fp8_linear_compiles_on_the_gpu_backend():
     print(f"compiled FP8Linear: {breaks} graph breaks")
     for a, b in zip(*results, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("m", [8192, 300, 1])
+@pytest.mark.parametrize("pow2", [False, True])
+def test_swiglu_quantizer_on_hopper(scaled_mm, m, pow2):
+    """Compiled for Hopper: the product is eager's `silu(gate) * up` but for rare last-bit ties of the exponential
+    (<= 0.5% of elements, one BF16 step each), and the FP8 operands are its reference quantization bit for bit."""
+    import torch.nn.functional as F
+
+    from trl_fp8.quantization import quantize_act_layouts
+
+    gate_up = torch.randn(m, 2 * 1536, device="cuda", dtype=torch.bfloat16) * 3
+    gate, up = gate_up[:, :1536], gate_up[:, 1536:]
+    h = torch.empty(m, 1536, device="cuda", dtype=torch.bfloat16)
+    got = scaled_mm.quantize_swiglu(gate, up, rows=True, cols=True, power_of_two_scales=pow2, out=h)
+    eager = F.silu(gate) * up
+    differ = h != eager
+    print(f"swiglu m={m}: {differ.float().mean().item():.2e} of the product's elements differ from eager's")
+    assert differ.float().mean().item() <= 0.005
+    step = (eager.float().abs() * 2**-7).clamp(min=2**-133)
+    assert ((h.float() - eager.float()).abs()[differ] <= step[differ] * 1.001).all()
+    ref = quantize_act_layouts(h, rows=True, cols=True, power_of_two_scales=pow2)
+    assert torch.equal(_bits(got.q), _bits(ref.q)) and torch.equal(got.scale_inv, ref.scale_inv)
+    assert torch.equal(_bits(got.qt), _bits(ref.qt)) and torch.equal(got.scale_inv_t, ref.scale_inv_t)
+
+
+def test_fused_kernels_train_like_the_unfused_layers_on_hopper():
+    """`fuse_sibling_gemms` + `fuse_swiglu` on the real kernels: the same FP8 weights for vLLM, logits and gradients
+    within BF16 noise of the unfused FP8 model (summation order, rare exp ties), and a few steps train alike."""
+    import copy
+
+    from trl_fp8.demo.tiny_model import tiny_qwen3
+    from trl_fp8.vllm_sync import rollout_weight_tensors
+
+    base = tiny_qwen3(dtype=torch.bfloat16).cuda()
+    plain, fused = copy.deepcopy(base), copy.deepcopy(base)
+    convert_to_fp8(plain, config=FP8LinearConfig(backend="scaled_mm"))
+    convert_to_fp8(fused, config=FP8LinearConfig(backend="scaled_mm", fuse_sibling_gemms=True, fuse_swiglu=True))
+    ids = torch.randint(0, 256, (4, 128), device="cuda")
+    losses = {}
+    for label, model in (("plain", plain), ("fused", fused)):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses[label] = []
+        for _ in range(5):
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses[label].append(loss.item())
+    print("losses plain:", [round(v, 4) for v in losses["plain"]], "fused:", [round(v, 4) for v in losses["fused"]])
+    assert abs(losses["fused"][0] - losses["plain"][0]) < 1e-3 * abs(losses["plain"][0])
+    assert all(abs(a - b) < 0.02 * abs(a) for a, b in zip(losses["plain"], losses["fused"], strict=True))
+    plain.load_state_dict(fused.state_dict())  # the same masters: the pushed FP8 bytes must match exactly
+    pushed = dict(rollout_weight_tensors(plain, "fp8"))
+    for name, t in rollout_weight_tensors(fused, "fp8"):
+        assert t.dtype == pushed[name].dtype and torch.equal(_bits(t), _bits(pushed[name])), name

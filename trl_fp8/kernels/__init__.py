@@ -3,6 +3,8 @@ reference quantizers in `trl_fp8.quantization` (tests run them on the GPU, and o
 
 - `act_quant.quantize_act`: 1x128 groups of an activation or output gradient, in the layouts FProp/DGrad (groups
   along K) and WGrad (groups along tokens) need, both from one read of the tensor.
+- `swiglu_quant.quantize_swiglu`: the gated MLP's `silu(gate) * up`, quantized like `act_quant` for `down_proj`,
+  without writing the product.
 - `weight_quant.quantize_weight`: 128x128 blocks of a weight, row-major (FProp, vLLM sync, export) or
   column-major (DGrad's operand).
 
@@ -11,6 +13,7 @@ autotune, and a new token count costs no tuning run.
 """
 
 from .act_quant import quantize_act
+from .swiglu_quant import quantize_swiglu
 from .weight_quant import quantize_weight
 
-__all__ = ["quantize_act", "quantize_weight"]
+__all__ = ["quantize_act", "quantize_swiglu", "quantize_weight"]

@@ -1,10 +1,12 @@
 """Kernel layer: the operand quantizers and blockwise FP8 GEMMs behind `FP8Linear`, one backend per file.
 
-Both backends expose the same three functions, on logical (layout-free) tensors:
+Every backend exposes the same four functions, on logical (layout-free) tensors:
 
 - `quantize_act(x, rows=True, cols=False)`: `x [M, K]` -> `QuantizedAct`: 1x128 groups along K (`rows`: `q [M_pad, K]`,
   `scale_inv [M_pad, K/128]`) and along tokens (`cols`: `qt [K, M_pad]`, `scale_inv_t [K, M_pad/128]`), from one read
   of `x`; `M_pad` is M rounded up to 128 with zero tokens.
+- `quantize_swiglu(gate, up, rows=True, cols=False)`: `silu(gate) * up` quantized as `quantize_act` quantizes an
+  activation, without writing the product (the gated MLP's `down_proj` input).
 - `quantize_weight(w, col_major=False)`: `w [N, K]` -> `(q [N, K], scale_inv [N/128, K/128])`, 128x128 blocks,
   stored row-major (FProp, sync, export) or column-major (DGrad's `dy @ W` operand).
 - `gemm(a_q, a_s, b_q, b_s, b_blocks, out_dtype)`: `a @ b.T` with fp32 accumulation, where `a` holds 1x128

@@ -21,6 +21,7 @@ from . import scaled_mm
 
 quantize_act = scaled_mm.quantize_act
 quantize_weight = scaled_mm.quantize_weight
+quantize_swiglu = scaled_mm.quantize_swiglu
 
 
 def available() -> str | None:

@@ -8,11 +8,21 @@ from __future__ import annotations
 
 import torch
 
-from ..quantization import dequantize_blocks, dequantize_groups, quantize_act_layouts, quantize_blocks
+from ..quantization import (
+    dequantize_blocks,
+    dequantize_groups,
+    quantize_act_layouts,
+    quantize_blocks,
+    quantize_swiglu_layouts,
+)
 
 
 def quantize_act(x: torch.Tensor, *, rows: bool = True, cols: bool = False, power_of_two_scales: bool = False):
     return quantize_act_layouts(x, rows=rows, cols=cols, power_of_two_scales=power_of_two_scales)
+
+
+def quantize_swiglu(gate, up, *, rows: bool = True, cols: bool = False, power_of_two_scales: bool = False):
+    return quantize_swiglu_layouts(gate, up, rows=rows, cols=cols, power_of_two_scales=power_of_two_scales)
 
 
 def quantize_weight(w: torch.Tensor, *, col_major: bool = False, power_of_two_scales: bool = False):

@@ -20,11 +20,11 @@ def _on_tensor_device(fn):
     """Launch on the tensor's GPU: Triton kernels run on the current device, which a model spread over several
     GPUs (device_map="auto") does not keep in step with its layers."""
 
-    def wrapper(x, **kwargs):
+    def wrapper(x, *args, **kwargs):
         if x.device.index == torch.cuda.current_device():
-            return fn(x, **kwargs)
+            return fn(x, *args, **kwargs)
         with torch.cuda.device(x.device):
-            return fn(x, **kwargs)
+            return fn(x, *args, **kwargs)
 
     wrapper.__doc__ = fn.__doc__
     return wrapper
@@ -32,6 +32,7 @@ def _on_tensor_device(fn):
 
 quantize_act = _on_tensor_device(kernels.quantize_act)
 quantize_weight = _on_tensor_device(kernels.quantize_weight)
+quantize_swiglu = _on_tensor_device(kernels.quantize_swiglu)
 
 
 def _col_major(t: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,179 @@
+"""Sibling FP8 layers (q/k/v, gate/up) that read one input run as one FP8 GEMM per pass.
+
+transformers calls `q_proj(x)`, `k_proj(x)` and `v_proj(x)` one after another. Run as three FP8 layers, that is three
+FProp GEMMs, three DGrad and three WGrad GEMMs, three output-gradient quantizations and three DGrad weight layouts,
+each issued from Python: at the 8B shape the three layers were host-bound (3.6 ms of host issue for 1.5 ms of GPU
+work, `benchmarks/results/linear_NVIDIA_H200.json`), while the same GEMMs as one `qkv_proj` layer ran in 1.34 ms.
+Their weights' output dims are multiples of 128, so stacking them row-wise changes no 128x128 block and no 1x128
+gradient group: one GEMM on the stacked FP8 blocks is the three layers' math.
+
+So the first sibling called computes every sibling's output in one `_BlockwiseFP8Matmul` (FProp, DGrad, WGrad on the
+stacked weight, each weight getting its rows of the WGrad result), returns its own columns and leaves the others
+pending; each sibling then called with the very same input tensor takes its columns. Anything else (another input,
+a second call, `torch.compile`, FSDP2 shards) runs the layer alone, so the grouping never changes what a layer
+computes, only how many kernels compute it. Modules, parameters and `state_dict` keys stay as they are, and each
+layer's FP8 weight and scales (vLLM sync, export) are its rows of the stacked ones: the same bytes as without grouping.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import weakref
+
+import torch
+from torch import nn
+
+from .fp8_linear import FP8Linear, FP8Weight, _BlockwiseFP8Matmul, is_sharded
+
+__all__ = ["FUSED_GROUPS", "FP8SiblingGroup", "group_fp8_siblings", "sibling_group_problem"]
+
+# Layers transformers models call on one input, which vLLM fuses into one layer (qkv_proj, gate_up_proj).
+FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+class _Pending:
+    """Outputs computed for the siblings not called yet, for one input tensor (held by a weak reference: when the
+    input is freed, so are they)."""
+
+    __slots__ = ("ref", "key", "outputs")
+
+    def __init__(self, x: torch.Tensor, key: tuple, outputs: list):
+        self.key, self.outputs = key, outputs
+        self.ref = weakref.ref(x, self.drop)
+
+    def drop(self, _ref=None) -> None:
+        self.outputs = None
+
+    def waiting(self) -> bool:
+        """Whether some sibling has not taken its output yet."""
+        return self.outputs is not None and any(out is not None for out in self.outputs)
+
+    def take(self, x: torch.Tensor, key: tuple, index: int) -> torch.Tensor | None:
+        if self.outputs is None or self.ref() is not x or self.key != key:
+            return None
+        out, self.outputs[index] = self.outputs[index], None
+        return out
+
+
+def sibling_group_problem(members: list[nn.Module]) -> str | None:
+    """Why `members` cannot run as one FP8 GEMM, or None."""
+    if len(members) < 2:
+        return "fewer than two layers"
+    if not all(isinstance(m, FP8Linear) for m in members):
+        return "not every layer is a blockwise FP8Linear"
+    first = members[0]
+    for m in members[1:]:
+        if m.fp8_config != first.fp8_config:
+            return "the layers have different FP8 configurations"
+        if m.in_features != first.in_features:
+            return "the layers have different input dims"
+        if (m.weight.dtype, m.weight.device) != (first.weight.dtype, first.weight.device):
+            return "the weights differ in dtype or device"
+    if any(getattr(m, "_fp8_group", None) is not None for m in members):
+        return "a layer already belongs to a sibling group"
+    return None
+
+
+class FP8SiblingGroup:
+    """FP8 layers reading one input (`members`, in output order) computed by one GEMM per pass; see the module doc."""
+
+    def __init__(self, members: list[FP8Linear]):
+        if (problem := sibling_group_problem(members)) is not None:
+            raise ValueError(f"These layers cannot run as one FP8 GEMM: {problem}.")
+        self.members = list(members)
+        self._cache: tuple[tuple, FP8Weight] | None = None
+        self._local = threading.local()  # pending outputs per thread: concurrent forwards never see each other's
+        for index, member in enumerate(self.members):
+            member._fp8_group = (self, index)
+
+    def __deepcopy__(self, memo):  # a deep-copied model gets its own group over its own layers
+        clone = object.__new__(FP8SiblingGroup)
+        memo[id(self)] = clone
+        clone.members = [copy.deepcopy(m, memo) for m in self.members]
+        clone._cache, clone._local = None, threading.local()
+        return clone
+
+    def __getstate__(self):  # pickling (torch.save of a whole model): no thread-local state, no cache
+        return {"members": self.members}
+
+    def __setstate__(self, state):
+        self.members, self._cache, self._local = state["members"], None, threading.local()
+
+    def fp8_weight(self) -> FP8Weight:
+        """The members' FP8 weights stacked row-wise; each member's cache then holds views of its rows."""
+        members = self.members
+        cache_on = members[0].fp8_config.cache_quantized_weight
+        key = tuple(m._cache_key() for m in members)
+        cached = self._cache
+        if (
+            cached is not None
+            and cached[0] == key
+            and (torch.is_inference_mode_enabled() or not cached[1].q.is_inference())
+        ):
+            return cached[1]
+        self._cache = None  # let the old stack go before the new one is built
+        parts = [m._fp8_weight() for m in members]
+        first = parts[0]
+        stacked = FP8Weight.of(
+            torch.cat([p.q for p in parts]),
+            torch.cat([p.scale_inv for p in parts]),
+            first.ops,
+            first.power_of_two_scales,
+        )
+        if cache_on:
+            stacked.cached = True
+            rows = [m.out_features for m in members]
+            for member, member_key, q, s in zip(
+                members, key, stacked.q.split(rows), stacked.scale_inv.split([r // 128 for r in rows]), strict=True
+            ):
+                view = FP8Weight.of(q, s, first.ops, first.power_of_two_scales)
+                view.cached = True
+                member._fp8_weight_cache = (member_key, view)
+            self._cache = (key, stacked)
+        return stacked
+
+    def forward_member(self, index: int, x: torch.Tensor) -> torch.Tensor | None:
+        """Member `index`'s output for `x` (without bias), or None when the member must run alone."""
+        if torch.compiler.is_compiling() or any(is_sharded(m.weight) for m in self.members):
+            return None
+        # (inference tensors keep no version counter; nothing writes a layer's input between its siblings' calls)
+        key = (None if x.is_inference() else x._version, torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+        pending = getattr(self._local, "pending", None)
+        if pending is not None and (out := pending.take(x, key, index)) is not None:
+            return out
+        if pending is not None and pending.ref() is x and pending.key == key and pending.waiting():
+            return None  # called again on the same input while its siblings still wait for theirs: run alone
+        weights = [m.weight for m in self.members]
+        y = _BlockwiseFP8Matmul.apply(x, weights[0], self.fp8_weight(), torch.is_grad_enabled(), *weights[1:])
+        outputs = list(y.split([m.out_features for m in self.members], dim=-1))
+        own, outputs[index] = outputs[index], None
+        if pending is not None:
+            pending.drop()
+        self._local.pending = _Pending(x, key, outputs)
+        return own
+
+    def release(self) -> None:
+        """Drop the stacked weight and any pending outputs (the members' own caches stay valid)."""
+        self._cache = None
+        pending = getattr(self._local, "pending", None)
+        if pending is not None:
+            pending.drop()
+
+
+def group_fp8_siblings(model: nn.Module, sibling_sets=FUSED_GROUPS) -> list[FP8SiblingGroup]:
+    """Group, under every module, the FP8 layers named by one of `sibling_sets` (PEFT-wrapped layers included) so
+    they run as one GEMM per pass. Sets with a member missing, kept in high precision or otherwise unfit stay as they
+    are. Returns the groups made."""
+    from .adapters import hf_name
+
+    fp8 = {hf_name(name): mod for name, mod in model.named_modules() if isinstance(mod, FP8Linear)}
+    groups = []
+    parents = {name.rpartition(".")[0] for name in fp8}
+    for parent in sorted(parents):
+        prefix = f"{parent}." if parent else ""
+        for names in sibling_sets:
+            members = [fp8.get(prefix + leaf) for leaf in names]
+            if all(m is not None for m in members) and sibling_group_problem(members) is None:
+                groups.append(FP8SiblingGroup(members))
+    return groups
