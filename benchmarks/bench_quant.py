@@ -50,6 +50,20 @@ def weight_bytes(n: int, k: int) -> int:
     return 2 * n * k + n * k + 4 * -(-n // 128) * -(-k // 128)
 
 
+def timed_row(row: dict, fn, nbytes: int, reps: int, hbm: float | None) -> dict:
+    """`row` with fn's time, its bandwidth and its share of the HBM floor (or the error, and the sweep goes on)."""
+    try:
+        row["us"] = 1e3 * bench(fn, reps, True)
+        row["bytes"] = nbytes
+        row["tb_per_s"] = nbytes / row["us"] / 1e6
+        if hbm:
+            row["floor_us"] = nbytes / hbm * 1e6
+            row["of_floor"] = row["floor_us"] / row["us"]
+    except Exception:  # noqa: BLE001 - recorded, the sweep goes on
+        row["error"] = traceback.format_exc(-1)
+    return row
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=8192)
@@ -89,16 +103,7 @@ def main():
                 else:
                     fn = partial(quantize_weight, t, col_major=first, num_warps=warps)
                     nbytes = weight_bytes(a, b)
-                try:
-                    row["us"] = 1e3 * bench(fn, args.reps, True)
-                    row["bytes"] = nbytes
-                    row["tb_per_s"] = nbytes / row["us"] / 1e6
-                    if hbm:
-                        row["floor_us"] = nbytes / hbm * 1e6
-                        row["of_floor"] = row["floor_us"] / row["us"]
-                except Exception:  # noqa: BLE001 - recorded, the sweep goes on
-                    row["error"] = traceback.format_exc(-1)
-                rows.append(row)
+                rows.append(timed_row(row, fn, nbytes, args.reps, hbm))
         del t
     rows += swiglu_rows(m, hbm, args.reps)
     print(f"\nQuantization kernels, M={m}, {device}: microseconds, TB/s, share of the HBM floor")
@@ -145,17 +150,7 @@ def swiglu_rows(m: int, hbm: float | None, reps: int) -> list[dict]:
     for layout, (fn, fused) in variants.items():
         row = {"tensor": "silu(gate)*up of down_proj", "kind": "swiglu", "shape": [m, inter], "layout": layout,
                "num_warps": 4}  # fmt: skip
-        nbytes = swiglu_bytes(m, inter, fused)
-        try:
-            row["us"] = 1e3 * bench(fn, reps, True)
-            row["bytes"] = nbytes
-            row["tb_per_s"] = nbytes / row["us"] / 1e6
-            if hbm:
-                row["floor_us"] = nbytes / hbm * 1e6
-                row["of_floor"] = row["floor_us"] / row["us"]
-        except Exception:  # noqa: BLE001 - recorded, the sweep goes on
-            row["error"] = traceback.format_exc(-1)
-        rows.append(row)
+        rows.append(timed_row(row, fn, swiglu_bytes(m, inter, fused), reps, hbm))
     return rows
 
 

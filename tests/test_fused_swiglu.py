@@ -115,6 +115,8 @@ def test_which_mlps_fuse():
         FP8LinearConfig(recipe="rowwise", fuse_swiglu=True)
     with pytest.raises(ValueError, match="fp8_recipe=None trains in BF16"):
         FP8GRPOConfig(output_dir="unused", fp8_recipe=None, fp8_fuse_swiglu=True)
+    with pytest.raises(ValueError, match=r"liger_kernel_config=\{'swiglu': False\}"):
+        FP8GRPOConfig(output_dir="unused", fp8_fuse_swiglu=True, use_liger_kernel=True)
 
 
 def test_gradient_checkpointing_recomputes_the_fused_mlp():

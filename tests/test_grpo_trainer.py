@@ -1,6 +1,7 @@
 """FP8GRPOTrainer end to end on a tiny Qwen3 (CPU, exact FP8 emulation), with the config, TIS, LoRA and export."""
 
 import json
+import math
 import subprocess
 import sys
 import time
@@ -139,12 +140,44 @@ def test_bf16_baseline_has_no_fp8_layers(model_dir, tmp_path):
     assert not any(isinstance(m, FP8Linear) for m in trainer.model.modules())
 
 
-def test_reference_model_is_converted_too(model_dir, tmp_path):
-    trainer = make_trainer(model_dir, tmp_path, beta=0.04, max_steps=1)
+@pytest.mark.parametrize("fuse", [False, True], ids=["each_layer", "fused"])
+def test_reference_model_is_converted_too(model_dir, tmp_path, fuse):
+    trainer = make_trainer(
+        model_dir, tmp_path, beta=0.04, max_steps=1, fp8_fuse_sibling_gemms=fuse, fp8_fuse_swiglu=fuse
+    )
     assert isinstance(trainer.ref_model.model.layers[0].mlp.up_proj, FP8Linear)
+    assert ("forward" in trainer.ref_model.model.layers[0].mlp.__dict__) == fuse  # with the policy's fusions
     assert not any(p.requires_grad for p in trainer.ref_model.parameters())  # frozen: quantized once
     trainer.train()
     assert any("kl" in log for log in trainer.state.log_history)
+
+
+def test_fused_kernels_with_lora_a_reference_model_and_checkpointing(model_dir, tmp_path):
+    """Both opt-in fusions under what GRPO runs around them: LoRA adapters (the base layers grouped and fused
+    underneath), the KL term (with LoRA, TRL's reference is the base with the adapters off), gradient
+    checkpointing's recomputation. The adapters train, the saved checkpoint holds the FP8 of the merged weights."""
+    from peft import LoraConfig
+
+    trainer = make_trainer(
+        model_dir, tmp_path, beta=0.04, gradient_checkpointing=True, learning_rate=1e-2,
+        fp8_fuse_sibling_gemms=True, fp8_fuse_swiglu=True,
+        peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj"]),
+    )  # fmt: skip
+    layer = trainer.model.base_model.model.model.layers[0]
+    assert layer.self_attn.k_proj._fp8_group[0].members[0] is layer.self_attn.q_proj.base_layer
+    assert "forward" in layer.mlp.__dict__ and trainer.ref_model is None
+    lora_before = layer.self_attn.q_proj.lora_B["default"].weight.detach().clone()
+    trainer.train()
+    logs = trainer.state.log_history
+    assert any("kl" in log for log in logs) and all(math.isfinite(log["loss"]) for log in logs if "loss" in log)
+    assert not torch.equal(layer.self_attn.q_proj.lora_B["default"].weight, lora_before)
+    out = tmp_path / "fused_lora"
+    trainer.save_model(str(out))
+    with safe_open(out / "model.safetensors", "pt") as f:
+        q = f.get_tensor("model.layers.0.self_attn.q_proj.weight")
+        s = f.get_tensor("model.layers.0.self_attn.q_proj.weight_scale_inv")
+    q_proj = layer.self_attn.q_proj
+    assert_fp8_equal(q, s, q_proj.base_layer.weight + q_proj.get_delta_weight("default"))
 
 
 def test_synced_reference_model_serves_its_blended_weights(model_dir, tmp_path):

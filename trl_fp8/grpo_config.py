@@ -277,6 +277,12 @@ class FP8GRPOConfig(GRPOConfig):
                         f"{name}={getattr(self, name)!r} sets up FP8 training, but fp8_recipe=None trains in BF16. "
                         f"Drop {name}, or train in FP8 with fp8_recipe='blockwise'."
                     )
+        elif self.fp8_fuse_swiglu and self.use_liger_kernel and (self.liger_kernel_config or {}).get("swiglu", True):
+            raise ValueError(
+                "fp8_fuse_swiglu and use_liger_kernel=True both replace the gated MLP's forward, and Liger's, applied "
+                "later, would win: the fused FP8 path would never run. Keep Liger's other kernels with "
+                "liger_kernel_config={'swiglu': False}, or drop fp8_fuse_swiglu."
+            )
         elif self.fp8_recipe != "blockwise" and (self.fp8_fuse_sibling_gemms or self.fp8_fuse_swiglu):
             raise ValueError(
                 f"fp8_fuse_sibling_gemms and fp8_fuse_swiglu apply to the blockwise recipe; torchao's "

@@ -115,12 +115,9 @@ class FP8SiblingGroup:
         self._cache = None  # let the old stack go before the new one is built
         parts = [m._fp8_weight() for m in members]
         first = parts[0]
-        stacked = FP8Weight.of(
-            torch.cat([p.q for p in parts]),
-            torch.cat([p.scale_inv for p in parts]),
-            first.ops,
-            first.power_of_two_scales,
-        )
+        # (concatenated as bytes: the FP8 values move unchanged, whatever dtypes `cat` supports on the device)
+        q = torch.cat([p.q.view(torch.uint8) for p in parts]).view(first.q.dtype)
+        stacked = FP8Weight.of(q, torch.cat([p.scale_inv for p in parts]), first.ops, first.power_of_two_scales)
         if cache_on:
             stacked.cached = True
             rows = [m.out_features for m in members]
@@ -152,13 +149,6 @@ class FP8SiblingGroup:
             pending.drop()
         self._local.pending = _Pending(x, key, outputs)
         return own
-
-    def release(self) -> None:
-        """Drop the stacked weight and any pending outputs (the members' own caches stay valid)."""
-        self._cache = None
-        pending = getattr(self._local, "pending", None)
-        if pending is not None:
-            pending.drop()
 
 
 def group_fp8_siblings(model: nn.Module, sibling_sets=FUSED_GROUPS) -> list[FP8SiblingGroup]:

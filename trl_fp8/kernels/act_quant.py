@@ -20,9 +20,7 @@ import triton
 import triton.language as tl
 
 from ..quantization import QuantizedAct
-from ._common import fp8_scale, scale_and_saturate
-
-BLOCK = 128
+from ._common import BLOCK, empty_act_layouts, fp8_scale, scale_and_saturate, store_col_groups, store_row_groups
 
 
 @triton.jit
@@ -42,10 +40,7 @@ def _act_quant_kernel(
         x = tl.load(x_ptr + rm64[:, None] * stride_xm + rk64[None, :] * stride_xk, mask=rm[:, None] < M, other=0.0)
         x = x.to(tl.float32)
     if ROWS:
-        scale = fp8_scale(tl.max(tl.abs(x), axis=1), POW2)
-        q = scale_and_saturate(x, scale[:, None]).to(q_ptr.dtype.element_ty)
-        tl.store(q_ptr + rm64[:, None] * K + rk64[None, :], q)
-        tl.store(s_ptr + pid_k * M_pad + rm64, tl.div_rn(1.0, scale))  # column-major [M_pad, K/128]
+        store_row_groups(x, q_ptr, s_ptr, rm64, rk64, pid_k, M_pad, K, POW2)
     if COLS:
         if COLS_SECOND_READ:  # the tile read again as [K, M]: groups along tokens are then rows
             xt = tl.load(
@@ -55,11 +50,9 @@ def _act_quant_kernel(
             scale_t = fp8_scale(tl.max(tl.abs(xt), axis=1), POW2)
             qt = scale_and_saturate(xt, scale_t[:, None]).to(qt_ptr.dtype.element_ty)
             tl.store(qt_ptr + rk64[:, None] * M_pad + rm64[None, :], qt)
+            tl.store(st_ptr + pid_m * K + rk64, tl.div_rn(1.0, scale_t))  # column-major [K, M_pad/128]
         else:
-            scale_t = fp8_scale(tl.max(tl.abs(x), axis=0), POW2)
-            qt = scale_and_saturate(x, scale_t[None, :]).to(qt_ptr.dtype.element_ty)
-            tl.store(qt_ptr + rk64[:, None] * M_pad + rm64[None, :], tl.trans(qt))
-        tl.store(st_ptr + pid_m * K + rk64, tl.div_rn(1.0, scale_t))  # column-major [K, M_pad/128]
+            store_col_groups(x, qt_ptr, st_ptr, rm64, rk64, pid_m, M_pad, K, POW2)
 
 
 def quantize_act(
@@ -78,15 +71,9 @@ def quantize_act(
     if num_warps is None:
         num_warps = 4 if cols else 8
     m, k = x.shape
+    out = empty_act_layouts(m, k, rows, cols, x.device)
+    q, s, qt, st = out
     m_pad = triton.cdiv(m, BLOCK) * BLOCK
-    dev, fp8 = x.device, torch.float8_e4m3fn
-    q = s = qt = st = None
-    if rows:
-        q = torch.empty(m_pad, k, device=dev, dtype=fp8)
-        s = torch.empty(k // BLOCK, m_pad, device=dev, dtype=torch.float32).t()
-    if cols:
-        qt = torch.empty(k, m_pad, device=dev, dtype=fp8)
-        st = torch.empty(m_pad // BLOCK, k, device=dev, dtype=torch.float32).t()
     if m_pad:
         dummy = q if rows else qt  # unused pointer arguments of a disabled layout
         _act_quant_kernel[(m_pad // BLOCK, k // BLOCK)](
@@ -96,4 +83,4 @@ def quantize_act(
             ROWS=rows, COLS=cols, POW2=power_of_two_scales, BLOCK=BLOCK, COLS_SECOND_READ=cols_second_read,
             num_warps=num_warps, num_stages=1,
         )  # fmt: skip
-    return QuantizedAct(q, s, qt, st)
+    return out

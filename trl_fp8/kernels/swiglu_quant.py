@@ -19,9 +19,7 @@ import triton
 import triton.language as tl
 
 from ..quantization import QuantizedAct
-from ._common import fp8_scale, scale_and_saturate
-
-BLOCK = 128
+from ._common import BLOCK, empty_act_layouts, store_col_groups, store_row_groups
 
 
 @triton.jit
@@ -47,15 +45,9 @@ def _swiglu_quant_kernel(
         tl.store(h_ptr + rm64[:, None] * K + rk64[None, :], h, mask=mask)
     h = h.to(tl.float32)
     if ROWS:
-        scale = fp8_scale(tl.max(tl.abs(h), axis=1), POW2)
-        q = scale_and_saturate(h, scale[:, None]).to(q_ptr.dtype.element_ty)
-        tl.store(q_ptr + rm64[:, None] * K + rk64[None, :], q)
-        tl.store(s_ptr + pid_k * M_pad + rm64, tl.div_rn(1.0, scale))  # column-major [M_pad, K/128]
+        store_row_groups(h, q_ptr, s_ptr, rm64, rk64, pid_k, M_pad, K, POW2)
     if COLS:
-        scale_t = fp8_scale(tl.max(tl.abs(h), axis=0), POW2)
-        qt = scale_and_saturate(h, scale_t[None, :]).to(qt_ptr.dtype.element_ty)
-        tl.store(qt_ptr + rk64[:, None] * M_pad + rm64[None, :], tl.trans(qt))
-        tl.store(st_ptr + pid_m * K + rk64, tl.div_rn(1.0, scale_t))  # column-major [K, M_pad/128]
+        store_col_groups(h, qt_ptr, st_ptr, rm64, rk64, pid_m, M_pad, K, POW2)
 
 
 def quantize_swiglu(
@@ -79,15 +71,9 @@ def quantize_swiglu(
     m, k = gate.shape
     if out is not None and (out.shape != gate.shape or out.dtype != gate.dtype or not out.is_contiguous()):
         raise ValueError(f"out must be a contiguous {tuple(gate.shape)} {gate.dtype} tensor.")
+    result = empty_act_layouts(m, k, rows, cols, gate.device)
+    q, s, qt, st = result
     m_pad = triton.cdiv(m, BLOCK) * BLOCK
-    dev, fp8 = gate.device, torch.float8_e4m3fn
-    q = s = qt = st = None
-    if rows:
-        q = torch.empty(m_pad, k, device=dev, dtype=fp8)
-        s = torch.empty(k // BLOCK, m_pad, device=dev, dtype=torch.float32).t()
-    if cols:
-        qt = torch.empty(k, m_pad, device=dev, dtype=fp8)
-        st = torch.empty(m_pad // BLOCK, k, device=dev, dtype=torch.float32).t()
     if m_pad:
         dummy = q if rows else qt  # unused pointer arguments of a disabled layout
         _swiglu_quant_kernel[(m_pad // BLOCK, k // BLOCK)](
@@ -98,4 +84,4 @@ def quantize_swiglu(
             ROWS=rows, COLS=cols, POW2=power_of_two_scales, BLOCK=BLOCK, STORE_H=out is not None,
             num_warps=4 if cols else 8, num_stages=1,
         )  # fmt: skip
-    return QuantizedAct(q, s, qt, st)
+    return result
