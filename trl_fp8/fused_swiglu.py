@@ -40,7 +40,7 @@ class _SwiGLUFP8Down(torch.autograd.Function):
         act = ops.quantize_swiglu(gate2d, up2d, rows=True, cols=wgrad, power_of_two_scales=pow2)
         out = ops.gemm(act.q, act.scale_inv, fp8_weight.q, fp8_weight.scale_inv, True, gate.dtype)[:m]
         ctx.save_for_backward(gate, up, weight, *((act.qt, act.scale_inv_t) if wgrad else ()))
-        ctx.ops, ctx.pow2, ctx.h_shape = ops, pow2, gate2d.shape
+        ctx.ops, ctx.pow2 = ops, pow2
         return out.reshape(*gate.shape[:-1], fp8_weight.q.shape[0])
 
     @staticmethod
