@@ -18,9 +18,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import fp8_linear
 from .config import FP8LinearConfig
-from .fp8_linear import FP8Weight, _BlockwiseFP8Matmul
+from .fp8_linear import FP8Weight, _BlockwiseFP8Matmul, weight_cache_key
 from .ops import select_ops
 
 __all__ = ["FP8Experts", "expert_layout_problem", "is_experts_module"]
@@ -92,8 +91,7 @@ class FP8Experts(nn.Module):
         """`(q [E, N, K], scale_inv [E, N/128, K/128])` of `gate_up_proj` or `down_proj`: each expert's 128x128 blocks,
         exactly as the forward multiplies them (what the vLLM sync and the export send)."""
         weight = getattr(self, name)
-        steps = fp8_linear._optimizer_steps if weight.requires_grad else None
-        key = (weight.data_ptr(), weight._version, weight.device, weight.dtype, self._fp8_invalidations, steps)
+        key = weight_cache_key(weight, self._fp8_invalidations)
         cached = self._fp8_weight_cache.get(name)
         if cached is not None and cached[0] == key:
             return cached[1]

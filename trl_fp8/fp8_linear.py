@@ -54,6 +54,12 @@ def _count_optimizer_step(optimizer, args, kwargs) -> None:
 register_optimizer_step_post_hook(_count_optimizer_step)
 
 
+def weight_cache_key(weight: torch.Tensor, invalidations: int) -> tuple:
+    """What a cached FP8 copy of `weight` is valid for (see above); `invalidations` counts the layer's explicit ones."""
+    steps = _optimizer_steps if weight.requires_grad else None  # frozen weights do not change with optimizer steps
+    return (weight.data_ptr(), weight._version, weight.device, weight.dtype, invalidations, steps)
+
+
 class FP8Weight:
     """One weight's FP8 values and scales as FProp uses them: `q` `[N, K]` row-major, `scale_inv` `[N/128, K/128]`."""
 
@@ -78,25 +84,25 @@ class FP8Weight:
         return clone
 
 
-class _QuantizedInput:
-    """The FP8 operands of the last input a layer quantized, so the next layer reading the very same tensor (q/k/v
-    after one norm, gate/up) reuses them. Matched on the tensor object (a weak reference, so a freed tensor whose
-    memory is reused never matches) and its version counter (in-place changes). The operands are let go as soon as
-    that tensor is freed, from whichever thread frees it (autograd's, during backward)."""
+class InputEntry:
+    """A value computed from one input tensor, kept for the next layer that reads the very same tensor (the FP8
+    operands of q/k/v's or gate/up's shared input; the outputs of sibling layers not called yet). Matched on the
+    tensor object (a weak reference, so a freed tensor whose memory is reused never matches) and a key (its version
+    counter for in-place changes, and whatever else the value depends on). The value is let go as soon as that tensor
+    is freed, from whichever thread frees it (autograd's, during backward)."""
 
     __slots__ = ("ref", "key", "value")
 
-    def __init__(self, x: torch.Tensor, key: tuple, value: QuantizedAct):
+    def __init__(self, x: torch.Tensor, key: tuple, value):
         self.key, self.value = key, value
         self.ref = weakref.ref(x, self.drop)
 
     def drop(self, _ref=None) -> None:
         self.value = None
 
-    def matches(self, x: torch.Tensor, key: tuple, cols: bool) -> bool:
-        return (
-            self.value is not None and self.ref() is x and self.key == key and (self.value.qt is not None or not cols)
-        )
+    def holds(self, x: torch.Tensor, key: tuple) -> bool:
+        """Whether this entry still holds a value for `x` as it is now (`key`)."""
+        return self.value is not None and self.ref() is x and self.key == key
 
 
 _last_input = threading.local()  # one entry per thread: concurrent forwards never see each other's
@@ -115,12 +121,12 @@ def _quantize_input(x: torch.Tensor, x2d: torch.Tensor, ops, pow2: bool, cols: b
     if cacheable:
         key = (x._version, ops, pow2)
         entry = getattr(_last_input, "entry", None)
-        if entry is not None and entry.matches(x, key, cols):
+        if entry is not None and entry.holds(x, key) and (entry.value.qt is not None or not cols):
             return entry.value
         forget_quantized_input()  # release the previous operands now, not when the garbage collector runs
     act = ops.quantize_act(x2d, rows=True, cols=cols, power_of_two_scales=pow2)
     if cacheable:
-        _last_input.entry = _QuantizedInput(x, key, act)
+        _last_input.entry = InputEntry(x, key, act)
     return act
 
 
@@ -238,9 +244,7 @@ class FP8Linear(nn.Linear):
         return fp8_weight.q, fp8_weight.scale_inv
 
     def _cache_key(self) -> tuple:
-        w = self.weight
-        steps = _optimizer_steps if w.requires_grad else None  # frozen weights do not change with optimizer steps
-        return (w.data_ptr(), w._version, w.device, w.dtype, self._fp8_invalidations, steps)
+        return weight_cache_key(self.weight, self._fp8_invalidations)
 
     def _quantize(self, w: torch.Tensor, select=select_ops) -> FP8Weight:
         cfg = self.fp8_config

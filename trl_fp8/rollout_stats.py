@@ -83,8 +83,10 @@ def capacity_line(model: nn.Module, kv_tokens: int, *, fp8_weights: bool, fp8_kv
     from .capacity import ModelShape, kv_bytes_per_token, weight_bytes
 
     kind = ("FP8 weights" if fp8_weights else "BF16 weights") + (" + FP8 KV cache" if fp8_kv else "")
-    line = f"KV cache {kv_tokens:,} tokens ({kind}): room for {kv_tokens // seq_len:,} sequences of {seq_len:,} tokens"
-    line += " at once"
+    line = (
+        f"KV cache {kv_tokens:,} tokens ({kind}): room for {kv_tokens // seq_len:,} sequences of {seq_len:,} tokens "
+        "at once"
+    )
     if not (fp8_weights or fp8_kv):
         return line + "."
     try:

@@ -19,41 +19,16 @@ from __future__ import annotations
 
 import copy
 import threading
-import weakref
 
 import torch
 from torch import nn
 
-from .fp8_linear import FP8Linear, FP8Weight, _BlockwiseFP8Matmul, is_sharded
+from .fp8_linear import FP8Linear, FP8Weight, InputEntry, _BlockwiseFP8Matmul, is_sharded
 
 __all__ = ["FUSED_GROUPS", "FP8SiblingGroup", "group_fp8_siblings", "sibling_group_problem"]
 
 # Layers transformers models call on one input, which vLLM fuses into one layer (qkv_proj, gate_up_proj).
 FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-
-
-class _Pending:
-    """Outputs computed for the siblings not called yet, for one input tensor (held by a weak reference: when the
-    input is freed, so are they)."""
-
-    __slots__ = ("ref", "key", "outputs")
-
-    def __init__(self, x: torch.Tensor, key: tuple, outputs: list):
-        self.key, self.outputs = key, outputs
-        self.ref = weakref.ref(x, self.drop)
-
-    def drop(self, _ref=None) -> None:
-        self.outputs = None
-
-    def waiting(self) -> bool:
-        """Whether some sibling has not taken its output yet."""
-        return self.outputs is not None and any(out is not None for out in self.outputs)
-
-    def take(self, x: torch.Tensor, key: tuple, index: int) -> torch.Tensor | None:
-        if self.outputs is None or self.ref() is not x or self.key != key:
-            return None
-        out, self.outputs[index] = self.outputs[index], None
-        return out
 
 
 def sibling_group_problem(members: list[nn.Module]) -> str | None:
@@ -136,18 +111,20 @@ class FP8SiblingGroup:
             return None
         # (inference tensors keep no version counter; nothing writes a layer's input between its siblings' calls)
         key = (None if x.is_inference() else x._version, torch.is_grad_enabled(), torch.is_inference_mode_enabled())
-        pending = getattr(self._local, "pending", None)
-        if pending is not None and (out := pending.take(x, key, index)) is not None:
-            return out
-        if pending is not None and pending.ref() is x and pending.key == key and pending.waiting():
-            return None  # called again on the same input while its siblings still wait for theirs: run alone
+        pending = getattr(self._local, "pending", None)  # outputs computed for siblings not called yet
+        if pending is not None and pending.holds(x, key):
+            out, pending.value[index] = pending.value[index], None
+            if out is not None:
+                return out
+            if any(o is not None for o in pending.value):
+                return None  # called again on the same input while its siblings still wait for theirs: run alone
         weights = [m.weight for m in self.members]
         y = _BlockwiseFP8Matmul.apply(x, weights[0], self.fp8_weight(), torch.is_grad_enabled(), *weights[1:])
         outputs = list(y.split([m.out_features for m in self.members], dim=-1))
         own, outputs[index] = outputs[index], None
         if pending is not None:
             pending.drop()
-        self._local.pending = _Pending(x, key, outputs)
+        self._local.pending = InputEntry(x, key, outputs)
         return own
 
 
