@@ -56,10 +56,19 @@ RUNS = {  # run: (trainer, fp8_recipe, rollout_precision, fp8 KV cache, training
     "unified_deepgemm": ("trl_fp8", "blockwise", "fp8", False, "deepgemm", None),  # FProp/DGrad on DeepGEMM (opt-in)
     "unified_nocache": ("trl_fp8", "blockwise", "fp8", False, "auto", False),  # weights quantized at every forward
     "unified_fused": ("trl_fp8", "blockwise", "fp8", False, "auto", None),  # + RUN_OPTIONS below
+    "trl_bf16_liger": ("trl", None, "bf16", False, None, None),
+    "unified_liger": ("trl_fp8", "blockwise", "fp8", False, "auto", None),
+    "unified_fused_liger": ("trl_fp8", "blockwise", "fp8", False, "auto", None),
 }
-RUN_OPTIONS = {
-    "unified_fused": {"fp8_fuse_sibling_gemms": True, "fp8_fuse_swiglu": True}
-}  # further FP8GRPOConfig fields of a run
+LIGER = {
+    "use_liger_kernel": True
+}  # Liger's RMSNorm, SwiGLU and RoPE kernels (TRL already fuses the LM head's logprobs)
+RUN_OPTIONS = {  # further (FP8)GRPOConfig fields of a run
+    "unified_fused": {"fp8_fuse_sibling_gemms": True, "fp8_fuse_swiglu": True},
+    "trl_bf16_liger": LIGER,
+    "unified_liger": LIGER,
+    "unified_fused_liger": {"fp8_fuse_sibling_gemms": True, **LIGER},  # Liger's SwiGLU in place of ours
+}
 
 
 def vocab_tokenizer(vocab_size: int):
@@ -134,7 +143,7 @@ def run_one(args) -> None:
         model_init_kwargs={"dtype": "bfloat16"}, disable_tqdm=True, vllm_enable_sleep_mode=args.sleep_mode,
     )  # fmt: skip
     if trainer_kind == "trl":
-        trainer_cls, config = GRPOTrainer, GRPOConfig(**common)
+        trainer_cls, config = GRPOTrainer, GRPOConfig(**common, **RUN_OPTIONS.get(args.run, {}))
     else:
         trainer_cls = FP8GRPOTrainer
         config = FP8GRPOConfig(**common, fp8_recipe=recipe, rollout_precision=precision, fp8_kv_cache=fp8_kv,

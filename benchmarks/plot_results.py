@@ -23,8 +23,16 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
+REPORT_DEVICE = "NVIDIA_H200"  # the device of docs/benchmarks.md's report: its files are drawn where one is
+
+
+def _sorted(paths) -> list[Path]:
+    """By name, the report device's files first (other GPUs' results sit beside them, drawn only where alone)."""
+    return sorted(paths, key=lambda p: (REPORT_DEVICE not in p.name, p.name))
+
+
 def _load(paths) -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted(paths)]
+    return [json.loads(p.read_text()) for p in _sorted(paths)]
 
 
 def _smooth(values: list[float], window: int = 5) -> list[float]:
@@ -124,7 +132,7 @@ def rollout_points(result: dict) -> dict[str, dict[str, float]]:
 def rollout_result(results: Path) -> dict | None:
     """The rollout benchmark of the report (`rollout_<device>.json`): dated files are earlier runs, and
     `rollout_long_<device>.json` is the long regime's profile (`rollout_profile_table`)."""
-    paths = sorted(p for p in results.glob("rollout_*.json") if not p.name.startswith("rollout_long_"))
+    paths = _sorted(p for p in results.glob("rollout_*.json") if not p.name.startswith("rollout_long_"))
     return json.loads(paths[0].read_text()) if paths else None
 
 
@@ -211,7 +219,7 @@ def speed_results(results: Path) -> list[tuple[str, dict]]:
     """`(plot stem, bench_grpo result)` per set of runs that has a result: the 64 x 1k variants of unified FP8
     (`grpo_speed_<device>.json`; dated files are earlier runs), the report's four flows at 64 x 1k (`four` phase,
     `grpo_speed_four_<device>.json`) and in the long regime (`long` phase, `grpo_speed_long_<device>.json`)."""
-    paths = sorted(results.glob("grpo_speed_*.json"))  # "<device>.json" sorts before "<device>_<date>.json"
+    paths = _sorted(results.glob("grpo_speed_*.json"))  # "<device>.json" sorts before "<device>_<date>.json"
 
     def prefix(path: Path) -> str:  # the longest prefix that names the file
         return max((p for p in SPEED_FILES.values() if path.name.startswith(p)), key=len)

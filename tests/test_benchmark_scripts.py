@@ -410,3 +410,24 @@ def test_speed_regimes_and_long_task_runs_get_their_own_tables_and_plots(tmp_pat
     names = {p.name for p in plot_results(["--results", str(tmp_path), "--out", str(tmp_path / "plots")])}
     assert {"grpo_step_time.png", "grpo_step_time_four.png", "grpo_step_time_long.png",
             "convergence_chain_mismatch_by_position.png", "rollout_throughput.png"} <= names  # fmt: skip
+
+
+def test_training_phase_and_host_benchmarks_run_at_smoke_size(tmp_path):
+    """bench_train_step on CPU: BF16 and the FP8 flows train the same tiny model on the same batches (learning rate
+    0), so their losses agree to FP8 noise; a flow that cannot run here (Liger: GPU kernels, maybe not installed)
+    is recorded with its error and the others go on. bench_host times every piece that runs without CUDA."""
+    _run(ROOT / "benchmarks" / "bench_train_step.py", "--shape", "tiny", "--quick",
+         "--flows", "bf16", "fp8", "fp8_fused", "fp8_liger", "--profile", tmp_path / "prof", "--out", tmp_path / "ts.json")  # fmt: skip
+    rows = {r["flow"]: r for r in json.loads((tmp_path / "ts.json").read_text())["results"]}
+    assert "error" in rows["fp8_liger"] or rows["fp8_liger"]["step_s"] > 0
+    for flow in ("bf16", "fp8", "fp8_fused"):
+        assert rows[flow]["step_s"] > 0 and rows[flow]["profile"]["wall_ms"] > 0
+        assert abs(rows[flow]["loss"] - rows["bf16"]["loss"]) < 0.02 * rows["bf16"]["loss"]
+    assert rows["fp8"]["loss"] != rows["bf16"]["loss"]  # the FP8 flow did run in FP8
+    assert rows["fp8_fused"]["loss"] == rows["fp8"]["loss"]  # the fusions change no forward value
+    _run(ROOT / "benchmarks" / "bench_host.py", "--quick", "--out", tmp_path / "host.json")
+    host = {r["case"]: r["host_us"] for r in json.loads((tmp_path / "host.json").read_text())["results"]}
+    assert {"nn.Linear fwd+bwd", "FP8Linear fwd+bwd (cached W)", "3 x FP8Linear as one sibling GEMM fwd+bwd"} <= set(
+        host
+    )
+    assert all(us > 0 for us in host.values())

@@ -1,0 +1,163 @@
+"""Host cost of each piece of an FP8 linear layer: microseconds of CPU time to issue one call, at sizes so small
+that the GPU finishes every kernel before the host issues the next (the loop is host-bound by construction).
+
+A decoder layer's FP8 fwd+bwd issues quantizer launches, cuBLAS blockwise GEMMs and Python glue where BF16 issues
+three `mm`s; at 1.7B-8B training sizes this host time is what the GPU waits for (`bench_linear --profile`,
+`bench_train_step`). This splits it, so each fix can be weighed before it is written:
+
+    python benchmarks/bench_host.py                  # on the GPU host
+    python benchmarks/bench_host.py --quick          # CPU: only the rows that run without CUDA
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).parent))
+
+from common import versions  # noqa: E402
+
+from trl_fp8 import FP8Linear, FP8LinearConfig  # noqa: E402
+from trl_fp8.fp8_linear import forget_quantized_input  # noqa: E402
+from trl_fp8.sibling_gemms import FP8SiblingGroup  # noqa: E402
+
+
+def host_us(fn, calls: int, cuda: bool) -> float:
+    """Microseconds per call of `fn()` issued back to back (one sync at the end)."""
+    for _ in range(min(50, calls)):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+class _Identity(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def cases(m: int, k: int, n: int, device: str) -> dict:
+    """name -> a callable issuing that piece once."""
+    cuda = device == "cuda"
+    bf16 = torch.bfloat16
+    x = torch.randn(m, k, device=device, dtype=bf16)
+    w = torch.randn(n, k, device=device, dtype=bf16)
+    dy = torch.randn(m, n, device=device, dtype=bf16)
+    out = {
+        "torch.empty": lambda: torch.empty(m, k, device=device, dtype=bf16),
+        "bf16 mm": lambda: torch.mm(x, w.t()),
+        "autograd.Function identity fwd+bwd": lambda: _Identity.apply(x.detach().requires_grad_()).backward(x),
+    }
+
+    def layer_step(layer, inputs=None):
+        def step():
+            xg = x.detach().requires_grad_()
+            forget_quantized_input()
+            layer(xg).backward(dy)
+
+        return step
+
+    lin = nn.Linear(k, n, bias=False, device=device, dtype=bf16)
+    out["nn.Linear fwd+bwd"] = layer_step(lin)
+    fp8 = FP8Linear.convert_(nn.Linear(k, n, bias=False, device=device, dtype=bf16), FP8LinearConfig())
+    out["FP8Linear fwd+bwd (cached W)"] = layer_step(fp8)
+    nocache = FP8Linear.convert_(
+        nn.Linear(k, n, bias=False, device=device, dtype=bf16), FP8LinearConfig(cache_quantized_weight=False)
+    )
+    out["FP8Linear fwd+bwd (W quantized per call)"] = layer_step(nocache)
+
+    q, kk, v = (nn.Linear(k, n, bias=False, device=device, dtype=bf16) for _ in range(3))
+    bq, bk, bv = (nn.Linear(k, n, bias=False, device=device, dtype=bf16) for _ in range(3))
+
+    def three(layers):
+        def step():
+            xg = x.detach().requires_grad_()
+            forget_quantized_input()
+            sum(layer(xg).sum() for layer in layers).backward()
+
+        return step
+
+    out["3 x nn.Linear on one input fwd+bwd"] = three((bq, bk, bv))
+    members = [FP8Linear.convert_(layer, FP8LinearConfig()) for layer in (q, kk, v)]
+    out["3 x FP8Linear on one input fwd+bwd"] = three(members)
+    siblings = [FP8Linear.convert_(nn.Linear(k, n, bias=False, device=device, dtype=bf16), FP8LinearConfig())
+                for _ in range(3)]  # fmt: skip
+    FP8SiblingGroup(siblings)
+    out["3 x FP8Linear as one sibling GEMM fwd+bwd"] = three(siblings)
+    if cuda:
+        import triton
+        import triton.language as tl
+
+        from trl_fp8.ops import scaled_mm
+
+        @triton.jit
+        def _noop(ptr, BLOCK: tl.constexpr):
+            tl.store(ptr + tl.arange(0, BLOCK), tl.zeros([BLOCK], tl.float32))
+
+        flag = torch.empty(128, device=device)
+        act = scaled_mm.quantize_act(x)
+        w_q, w_s = scaled_mm.quantize_weight(w)
+        out.update({
+            "triton launch, no-op kernel": lambda: _noop[(1,)](flag, BLOCK=128),
+            "quantize_act rows (Triton)": lambda: scaled_mm.quantize_act(x),
+            "quantize_act rows+cols (Triton)": lambda: scaled_mm.quantize_act(x, cols=True),
+            "quantize_weight col-major (Triton)": lambda: scaled_mm.quantize_weight(w, col_major=True),
+            "F.scaled_mm blockwise (ops.scaled_mm.gemm)": lambda: scaled_mm.gemm(act.q, act.scale_inv, w_q, w_s, True, bf16),
+        })  # fmt: skip
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--m", type=int, default=128)
+    parser.add_argument("--k", type=int, default=256)
+    parser.add_argument("--n", type=int, default=256)
+    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--quick", action="store_true", help="few calls, for a CPU smoke run")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    calls = 20 if args.quick else args.calls
+    name = torch.cuda.get_device_name() if cuda else "cpu"
+    rows = []
+    print(f"host microseconds per call, m={args.m} k={args.k} n={args.n}, {name}")
+    for label, fn in cases(args.m, args.k, args.n, device).items():
+        us = host_us(fn, calls, cuda)
+        rows.append({"case": label, "host_us": us})
+        print(f"{label:<48} {us:9.1f}")
+    result = {
+        "benchmark": "host cost per call of an FP8 linear layer's pieces (host-bound loop)",
+        "device": name,
+        "date": datetime.date.today().isoformat(),
+        "versions": versions("torch", "triton") if cuda else versions("torch"),
+        "settings": {"m": args.m, "k": args.k, "n": args.n, "calls": calls},
+        "results": rows,
+    }
+    out = Path(args.out or ROOT / "benchmarks" / "results" / f"host_{name.replace(' ', '_')}.json")
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

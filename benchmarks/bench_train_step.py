@@ -1,0 +1,193 @@
+"""The training phase of a GRPO step alone, without vLLM: micro-batches of forward + backward (gradient checkpointing,
+as `bench_grpo` trains) and one optimizer step, BF16 against the FP8 flows. Minutes instead of `bench_grpo`'s
+engine start-ups, for comparing training-side options (the opt-in fusions, Liger's kernels) side by side.
+
+    python benchmarks/bench_train_step.py --shape 1.7b                 # the whole 1.7B shape
+    python benchmarks/bench_train_step.py --shape 8b --layers 12       # 12 decoder layers of the 8B shape
+    python benchmarks/bench_train_step.py --shape tiny --quick         # CPU smoke run
+
+The loss is the LM cross-entropy over every token (a BF16 `lm_head`, the same in every flow); the optimizer is SGD
+with a zero learning rate, so weights keep their values but FP8 flows requantize them once per step, as in training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).parent))
+
+from bench_rollout import SHAPES  # noqa: E402
+from common import device_kernel_events, kernel_breakdown, versions  # noqa: E402
+
+FLOWS = {  # flow: (FP8 conversion options or None for BF16, Liger's layer kernels)
+    "bf16": (None, False),
+    "fp8": ({}, False),
+    "fp8_fused": ({"fuse_sibling_gemms": True, "fuse_swiglu": True}, False),
+    "bf16_liger": (None, True),
+    "fp8_liger": ({}, True),
+    "fp8_siblings_liger": ({"fuse_sibling_gemms": True}, True),  # Liger's SwiGLU in place of ours
+}
+
+
+def build(shape: str, layers: int | None, flow: str, device: str):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from trl_fp8 import FP8LinearConfig, convert_to_fp8
+
+    options, liger = FLOWS[flow]
+    dims = dict(SHAPES[shape], **({"num_hidden_layers": layers} if layers else {}))
+    config = Qwen3Config(**dims, head_dim=128, tie_word_embeddings=False, max_position_embeddings=8192)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen3ForCausalLM._from_config(config, dtype=torch.bfloat16)
+    if options is not None:
+        convert_to_fp8(model, config=FP8LinearConfig(**options))
+    if liger:
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+        _apply_liger_kernel_to_instance(model=model, fused_linear_cross_entropy=False)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    model.train()
+    return model
+
+
+def train_step(model, optimizer, batches) -> float:
+    """One optimizer step over `batches`; returns the step's mean loss (a host sync, after the last backward)."""
+    total = 0.0
+    for ids in batches:
+        loss = model(input_ids=ids, labels=ids).loss / len(batches)
+        loss.backward()
+        total = total + loss.detach()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(total)
+
+
+def profile_step(model, optimizer, batches, out_dir: Path, flow: str) -> dict:
+    """One more step under the profiler: wall time, GPU kernel time by category and kernel launches (is the step
+    host-bound?), the op table (self CPU time first) to `out_dir`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = batches[0].is_cuda
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        train_step(model, optimizer, batches)
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"train_step_{flow}.txt").write_text(prof.key_averages().table(sort_by="self_cpu_time_total",
+                                                                              row_limit=40))  # fmt: skip
+    kernels = [e for e in device_kernel_events(prof) if e.self_device_time_total > 0]
+    return {
+        "wall_ms": wall * 1e3,  # profiled: the profiler's own overhead is in it
+        "kernel_ms": sum(e.self_device_time_total for e in kernels) / 1e3,
+        "launches": sum(e.count for e in kernels),
+        **(kernel_breakdown(prof, top=10) if cuda else {}),
+    }
+
+
+def run_flow(args, flow: str, device: str) -> dict:
+    model = build(args.shape, args.layers, flow, device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(2, model.config.vocab_size, (args.micro_batch, args.seq_len), generator=g).to(device)
+               for _ in range(args.micro_batches)]  # fmt: skip
+    cuda = device == "cuda"
+    times = []
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    for step in range(args.warmup + args.steps):
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        loss = train_step(model, optimizer, batches)
+        if cuda:
+            torch.cuda.synchronize()
+        if step == 0:
+            first_loss = loss  # the same weights and batches in every flow (learning rate 0): losses comparable
+        if step >= args.warmup:
+            times.append(time.perf_counter() - start)
+    if args.profile:
+        profiled = profile_step(model, optimizer, batches, Path(args.profile), flow)
+    row = {
+        "flow": flow,
+        "fp8_options": FLOWS[flow][0],
+        "liger": FLOWS[flow][1],
+        "loss": first_loss,
+        "step_s": statistics.median(times),
+        "per_step_s": times,
+        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+    }
+    if args.profile:
+        row["profile"] = profiled
+    del model, optimizer
+    if cuda:
+        torch.cuda.empty_cache()
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=list(SHAPES), default="1.7b")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's own)")
+    parser.add_argument("--flows", nargs="+", default=list(FLOWS), choices=list(FLOWS))
+    parser.add_argument("--micro_batch", type=int, default=8)
+    parser.add_argument(
+        "--seq_len", type=int, default=1152, help="prompt + completion tokens (bench_grpo: 128 + 1024)"
+    )
+    parser.add_argument("--micro_batches", type=int, default=2, help="micro-batches per optimizer step")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--profile", default=None, metavar="DIR", help="profile one more step per flow, tables to DIR")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, for a CPU smoke run")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if args.quick:
+        args.micro_batch, args.seq_len, args.micro_batches, args.steps, args.warmup = 1, 128, 1, 1, 0
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    result = {
+        "benchmark": "training phase alone: fwd+bwd (gradient checkpointing) + optimizer step",
+        "device": name,
+        "date": datetime.date.today().isoformat(),
+        "versions": versions("torch", "transformers", "trl", "torchao"),
+        "settings": {k: v for k, v in vars(args).items() if k not in ("flows", "out", "quick", "profile")},
+        "results": [],
+    }
+    for flow in args.flows:
+        try:
+            row = run_flow(args, flow, device)
+        except Exception as error:  # noqa: BLE001  (a flow that cannot run here is a result: record why, go on)
+            row = {"flow": flow, "error": f"{type(error).__name__}: {error}"[:500]}
+        result["results"].append(row)
+        print(json.dumps(row), flush=True)
+    base = next((r for r in result["results"] if r["flow"] == "bf16" and "step_s" in r), None)
+    print(f"\n{args.shape} x {args.layers or 'all'} layers, {args.micro_batches} x {args.micro_batch} x {args.seq_len}"
+          f" tokens a step, {name}")  # fmt: skip
+    for r in result["results"]:
+        if "step_s" not in r:
+            print(f"{r['flow']:<20} {r['error']}")
+            continue
+        speed = f"{base['step_s'] / r['step_s']:.2f}x" if base else "-"
+        peak = f"{r['peak_memory_gib']:.1f} GiB" if r["peak_memory_gib"] is not None else ""
+        print(f"{r['flow']:<20} {r['step_s']:8.3f} s  {speed:>6}  {peak}")
+    out = Path(args.out or ROOT / "benchmarks" / "results" / f"train_step_{args.shape}_{name.replace(' ', '_')}.json")
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
