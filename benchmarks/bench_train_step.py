@@ -33,6 +33,7 @@ FLOWS = {  # flow: (FP8 conversion options or None for BF16, Liger's layer kerne
     "bf16": (None, False),
     "fp8": ({}, False),
     "fp8_fused": ({"fuse_sibling_gemms": True, "fuse_swiglu": True}, False),
+    "fp8_nocache": ({"cache_quantized_weight": False}, False),  # weights quantized at every forward: less memory
     "bf16_liger": (None, True),
     "fp8_liger": ({}, True),
     "fp8_siblings_liger": ({"fuse_sibling_gemms": True}, True),  # Liger's SwiGLU in place of ours

@@ -14,6 +14,7 @@
 #   bash benchmarks/run_rollout_report.sh linear    # bench_linear (host vs kernel profile), bench_gemm (cuBLAS vs DeepGEMM)
 #   bash benchmarks/run_rollout_report.sh gemm      # bench_gemm alone
 #   bash benchmarks/run_rollout_report.sh quant     # bench_quant: our quantization kernels against the HBM floor
+#   bash benchmarks/run_rollout_report.sh train     # bench_host + bench_train_step: the training phase without vLLM
 #   bash benchmarks/run_rollout_report.sh grpo      # bench_grpo ($GRPO_RUNS), TRL BF16 vs unified FP8, profiled
 #   bash benchmarks/run_rollout_report.sh four      # bench_grpo: the four runs of `long` at 64 x 1024 on the 8B shape
 #   bash benchmarks/run_rollout_report.sh long      # bench_grpo's long regime ($LONG_RUNS): 128 x 4096 tokens, 1.7B
@@ -118,6 +119,12 @@ linear)
 gemm)
   timed gemm python benchmarks/bench_gemm.py --out "$work/gemm_$device.json"
   ;;
+train)  # the training phase alone (no vLLM, minutes): host cost per piece, then every flow at 1.7B and 12 layers of 8B
+  timed host python benchmarks/bench_host.py --out "$work/host_$device.json"
+  timed train_step_1.7b python benchmarks/bench_train_step.py --shape 1.7b --profile "$work/train_profile" \
+    --out "$work/train_step_1.7b_$device.json"
+  timed train_step_8b python benchmarks/bench_train_step.py --shape 8b --layers 12 --out "$work/train_step_8b_$device.json"
+  ;;
 quant)
   timed quant python benchmarks/bench_quant.py --num_warps 2 4 8 16 --out "$work/quant_$device.json"
   ;;
@@ -205,7 +212,7 @@ multi)  # a 4B shape with stock fused AdamW: one step fits one GPU beside its en
   done
   ;;
 *)
-  echo "usage: $0 PHASE... (kernels rollout capacity concurrency pack suite checks linear gemm quant grpo long kvprofile" \
+  echo "usage: $0 PHASE... (kernels rollout capacity concurrency pack suite checks linear gemm quant train grpo long kvprofile" \
     "chain chainbase multi)" >&2
   exit 2
   ;;
