@@ -1,5 +1,5 @@
 """The training phase of a GRPO step alone, without vLLM: micro-batches of forward + backward (gradient checkpointing,
-as `bench_grpo` trains) and one optimizer step, BF16 against the FP8 flows. Minutes instead of `bench_grpo`'s
+as `bench_grpo` trains, unless a flow says otherwise) and one optimizer step, BF16 against the FP8 flows. Minutes instead of `bench_grpo`'s
 engine start-ups, for comparing training-side options (the opt-in fusions, Liger's kernels) side by side.
 
     python benchmarks/bench_train_step.py --shape 1.7b                 # the whole 1.7B shape
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import statistics
 import sys
@@ -29,14 +30,21 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_rollout import SHAPES  # noqa: E402
 from common import device_kernel_events, kernel_breakdown, versions  # noqa: E402
 
-FLOWS = {  # flow: (FP8 conversion options or None for BF16, Liger's layer kernels)
-    "bf16": (None, False),
-    "fp8": ({}, False),
-    "fp8_fused": ({"fuse_sibling_gemms": True, "fuse_swiglu": True}, False),
-    "fp8_nocache": ({"cache_quantized_weight": False}, False),  # weights quantized at every forward: less memory
-    "bf16_liger": (None, True),
-    "fp8_liger": ({}, True),
-    "fp8_siblings_liger": ({"fuse_sibling_gemms": True}, True),  # Liger's SwiGLU in place of ours
+FLOWS = {  # flow: FP8 conversion options (None: BF16), Liger's layer kernels, checkpoint every n-th layer (0: none)
+    "bf16": (None, False, 1),
+    "fp8": ({}, False, 1),
+    "fp8_fused": ({"fuse_sibling_gemms": True, "fuse_swiglu": True}, False, 1),
+    "fp8_nocache": ({"cache_quantized_weight": False}, False, 1),  # weights quantized at every forward: less memory
+    "bf16_liger": (None, True, 1),
+    "fp8_liger": ({}, True, 1),
+    "fp8_siblings_liger": ({"fuse_sibling_gemms": True}, True, 1),  # Liger's SwiGLU in place of ours
+    # Memory into speed: transformers' `activation_checkpointing_kwargs={"every_n_layers": n}` (TrainingArguments)
+    "fp8_ckpt2": ({}, False, 2),
+    "fp8_nockpt": ({}, False, 0),
+    "bf16_liger_ckpt2": (None, True, 2),
+    "fp8_liger_ckpt2": ({}, True, 2),
+    "bf16_liger_nockpt": (None, True, 0),
+    "fp8_liger_nockpt": ({}, True, 0),
 }
 
 
@@ -45,7 +53,7 @@ def build(shape: str, layers: int | None, flow: str, device: str):
 
     from trl_fp8 import FP8LinearConfig, convert_to_fp8
 
-    options, liger = FLOWS[flow]
+    options, liger, every_n = FLOWS[flow]
     dims = dict(SHAPES[shape], **({"num_hidden_layers": layers} if layers else {}))
     config = Qwen3Config(**dims, head_dim=128, tie_word_embeddings=False, max_position_embeddings=8192)
     torch.manual_seed(0)
@@ -57,7 +65,10 @@ def build(shape: str, layers: int | None, flow: str, device: str):
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
         _apply_liger_kernel_to_instance(model=model, fused_linear_cross_entropy=False)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if every_n == 1:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif every_n > 1:  # transformers >= 5.2x: checkpoint every n-th decoder layer, the others keep their activations
+        model.activation_checkpointing_enable({"use_reentrant": False}, every_n_layers=every_n)
     model.config.use_cache = False
     model.train()
     return model
@@ -127,6 +138,7 @@ def run_flow(args, flow: str, device: str) -> dict:
         "flow": flow,
         "fp8_options": FLOWS[flow][0],
         "liger": FLOWS[flow][1],
+        "checkpoint_every_n_layers": FLOWS[flow][2],
         "loss": first_loss,
         "step_s": statistics.median(times),
         "per_step_s": times,
@@ -173,6 +185,9 @@ def main() -> None:
             row = run_flow(args, flow, device)
         except Exception as error:  # noqa: BLE001  (a flow that cannot run here is a result: record why, go on)
             row = {"flow": flow, "error": f"{type(error).__name__}: {error}"[:500]}
+            gc.collect()  # an out-of-memory flow leaves its model in the traceback's frames: free it for the next
+            if device == "cuda":
+                torch.cuda.empty_cache()
         result["results"].append(row)
         print(json.dumps(row), flush=True)
     base = next((r for r in result["results"] if r["flow"] == "bf16" and "step_s" in r), None)

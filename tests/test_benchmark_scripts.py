@@ -417,7 +417,7 @@ def test_training_phase_and_host_benchmarks_run_at_smoke_size(tmp_path):
     0), so their losses agree to FP8 noise; a flow that cannot run here (Liger: GPU kernels, maybe not installed)
     is recorded with its error and the others go on. bench_host times every piece that runs without CUDA."""
     _run(ROOT / "benchmarks" / "bench_train_step.py", "--shape", "tiny", "--quick",
-         "--flows", "bf16", "fp8", "fp8_fused", "fp8_liger", "--profile", tmp_path / "prof", "--out", tmp_path / "ts.json")  # fmt: skip
+         "--flows", "bf16", "fp8", "fp8_fused", "fp8_ckpt2", "fp8_nockpt", "fp8_liger", "--profile", tmp_path / "prof", "--out", tmp_path / "ts.json")  # fmt: skip
     rows = {r["flow"]: r for r in json.loads((tmp_path / "ts.json").read_text())["results"]}
     assert "error" in rows["fp8_liger"] or rows["fp8_liger"]["step_s"] > 0
     for flow in ("bf16", "fp8", "fp8_fused"):
@@ -425,6 +425,8 @@ def test_training_phase_and_host_benchmarks_run_at_smoke_size(tmp_path):
         assert abs(rows[flow]["loss"] - rows["bf16"]["loss"]) < 0.02 * rows["bf16"]["loss"]
     assert rows["fp8"]["loss"] != rows["bf16"]["loss"]  # the FP8 flow did run in FP8
     assert rows["fp8_fused"]["loss"] == rows["fp8"]["loss"]  # the fusions change no forward value
+    for flow in ("fp8_ckpt2", "fp8_nockpt"):  # nor does checkpointing fewer layers (or none)
+        assert "error" in rows[flow] or rows[flow]["loss"] == rows["fp8"]["loss"], rows[flow]
     _run(ROOT / "benchmarks" / "bench_host.py", "--quick", "--out", tmp_path / "host.json")
     host = {r["case"]: r["host_us"] for r in json.loads((tmp_path / "host.json").read_text())["results"]}
     assert {"nn.Linear fwd+bwd", "FP8Linear fwd+bwd (cached W)", "3 x FP8Linear as one sibling GEMM fwd+bwd"} <= set(
