@@ -433,3 +433,12 @@ def test_training_phase_and_host_benchmarks_run_at_smoke_size(tmp_path):
         host
     )
     assert all(us > 0 for us in host.values())
+
+
+def test_experts_benchmark_runs_at_smoke_size(tmp_path):
+    """bench_experts on CPU at a tiny MoE shape: BF16 and FP8 experts run forward + backward on the same routing, and
+    the FP8 output stays within FP8 noise of BF16's (two chained FP8 GEMMs: ~0.06, `test_fp8_experts.py`)."""
+    _run(ROOT / "benchmarks" / "bench_experts.py", "--quick", "--out", tmp_path / "experts.json")
+    (row,) = json.loads((tmp_path / "experts.json").read_text())["results"]
+    assert row["bf16_ms"] > 0 and row["fp8_ms"] > 0 and row["experts_with_tokens"] > 1
+    assert 0 < row["fp8_rel_err_vs_bf16"] < 0.15

@@ -8,8 +8,10 @@ activation and gradient groups, FProp, DGrad and WGrad in FP8) on the tokens rou
 spans two experts (their row counts are multiples of 128), so quantizing `[E, N, K]` as one `[E*N, K]` matrix gives
 each expert's own blocks, and the export splits them back into per-expert tensors.
 
-This loop over experts is the exact reference a grouped kernel must equal; experts that receive no token are
-skipped, uneven token counts are the normal case. The router stays in high precision (an FP8 router flips top-k
+All experts of a projection run in one autograd node (`_ExpertsFP8Matmul`): each expert's GEMMs are the dense
+layer's, bit for bit, without an autograd node per expert (the engine's time per Python node is most of a small
+expert's host cost). That loop over experts is the exact reference a grouped kernel must equal; experts that receive
+no token are skipped, uneven token counts are the normal case. The router stays in high precision (an FP8 router flips top-k
 choices), and so does anything of a layout this module does not handle (`expert_layout_problem` names why).
 """
 
@@ -19,7 +21,7 @@ import torch
 from torch import nn
 
 from .config import FP8LinearConfig
-from .fp8_linear import FP8Weight, _BlockwiseFP8Matmul, weight_cache_key
+from .fp8_linear import blockwise_backward, weight_cache_key
 from .ops import select_ops
 
 __all__ = ["FP8Experts", "expert_layout_problem", "is_experts_module"]
@@ -122,24 +124,60 @@ class FP8Experts(nn.Module):
         return unsorted.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(hidden_states.dtype)
 
     def _experts_linear(self, x: torch.Tensor, name: str, counts: list[int]) -> torch.Tensor:
-        """`x[rows of e] @ W[e].T` for every expert e with tokens, in blockwise FP8 (the dense layer's autograd
-        function on each expert's rows and its weight view, so the gradient lands in the 3-D parameter)."""
+        """`x[rows of e] @ W[e].T` for every expert e with tokens, in blockwise FP8; the gradient lands in the 3-D
+        parameter."""
         weight = getattr(self, name)
         q, s = self.quantized_expert_weight(name)
         ops = select_ops(self.fp8_config, weight.device)
-        pow2, grad = self.fp8_config.power_of_two_scales, torch.is_grad_enabled()
-        outs, start = [], 0
-        for e, n in enumerate(counts):
-            if n:
-                fp8_weight = FP8Weight.of(q[e], s[e], ops, pow2)
-                outs.append(_BlockwiseFP8Matmul.apply(x[start : start + n], weight[e], fp8_weight, grad))
-                start += n
-        if not outs:
-            return x.new_zeros((0, weight.shape[1]))
-        return torch.cat(outs)
+        pow2 = self.fp8_config.power_of_two_scales
+        return _ExpertsFP8Matmul.apply(x, weight, q, s, tuple(counts), ops, pow2, torch.is_grad_enabled())
 
     def extra_repr(self) -> str:
         return f"{self.num_experts} experts, fp8={self.fp8_config.recipe}"
+
+
+class _ExpertsFP8Matmul(torch.autograd.Function):
+    """`y[rows of e] = x[rows of e] @ W[e].T` for every expert e, the rows of `x` grouped by expert (`counts`), in
+    one autograd node. Per expert it runs exactly the dense layer's math (`fp8_linear._BlockwiseFP8Matmul` and
+    `blockwise_backward`): 1x128 groups of the expert's own rows, its 128x128 weight blocks `q[e]`, `s[e]`."""
+
+    @staticmethod
+    def forward(ctx, x, weight, q, s, counts, ops, pow2: bool, grad_enabled: bool):
+        # (grad mode is off inside forward, so the caller says whether a backward can follow)
+        wgrad = grad_enabled and ctx.needs_input_grad[1]
+        outs, saved, start = [], [], 0
+        for e, n in enumerate(counts):
+            if not n:
+                continue
+            act = ops.quantize_act(x[start : start + n], rows=True, cols=wgrad, power_of_two_scales=pow2)
+            outs.append(ops.gemm(act.q, act.scale_inv, q[e], s[e], True, x.dtype)[:n])
+            if wgrad:  # the FP8 x.T WGrad needs, not the BF16 rows
+                saved += [act.qt, act.scale_inv_t]
+            start += n
+        ctx.save_for_backward(weight, *saved)
+        ctx.counts, ctx.ops, ctx.pow2, ctx.x_dtype = counts, ops, pow2, x.dtype
+        return torch.cat(outs) if outs else x.new_zeros((0, weight.shape[1]))
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        weight, *saved = ctx.saved_tensors
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_xs = []
+        grad_w = torch.zeros_like(weight) if need_w else None  # experts without tokens get no gradient
+        start = 0
+        for e, n in enumerate(ctx.counts):
+            if not n:
+                continue
+            saved_x, saved = (saved[:2], saved[2:]) if need_w else ((), saved)
+            grad_x, (grad_we,) = blockwise_backward(grad_out[start : start + n], (weight[e],), saved_x, ctx.ops,
+                                                    ctx.pow2, need_x, (need_w,), ctx.x_dtype)  # fmt: skip
+            if need_x:
+                grad_xs.append(grad_x)
+            if need_w:
+                grad_w[e] = grad_we
+            start += n
+        grad_x = (torch.cat(grad_xs) if grad_xs else grad_out.new_zeros((0, weight.shape[2]))) if need_x else None
+        return grad_x, grad_w, None, None, None, None, None, None
 
 
 _FP8_CLASSES: dict[type, type] = {}

@@ -1,0 +1,141 @@
+"""One mixture-of-experts layer's experts, forward + backward: BF16 (transformers' `grouped_mm` experts, one grouped
+GEMM per projection) against our FP8 experts (`FP8Experts`), at Qwen3-30B-A3B's expert shape (hidden 2048,
+intermediate 768, 128 experts, top-8), for several routed-token counts.
+
+    python benchmarks/bench_experts.py                      # GPU host: 1k, 4k, 8k tokens (8k-64k routed)
+    python benchmarks/bench_experts.py --quick              # CPU smoke run at a tiny shape
+
+Each row also records the host time per call against the GPU kernels' (profiled): per-expert FP8 GEMMs are host-bound
+where a grouped kernel issues one launch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).parent))
+
+from common import device_kernel_events, versions  # noqa: E402
+
+QWEN3_30B_A3B = dict(hidden_size=2048, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8)
+TINY = dict(hidden_size=256, moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2)
+
+
+def make_experts(dims: dict, device: str, implementation: str):
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    config = Qwen3MoeConfig(**dims, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
+                            vocab_size=128)  # fmt: skip
+    config._experts_implementation = implementation
+    torch.manual_seed(0)
+    experts = Qwen3MoeExperts(config).to(device=device, dtype=torch.bfloat16)
+    with torch.no_grad():  # a trained model's scale, not the init's zeros
+        experts.gate_up_proj.normal_(0, 0.02)
+        experts.down_proj.normal_(0, 0.02)
+    return experts
+
+
+def routing(tokens: int, dims: dict, device: str, seed: int = 0):
+    """Top-k of random router logits: uneven counts per expert, as a router gives."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    logits = torch.randn(tokens, dims["num_experts"], generator=g)
+    weights, index = torch.topk(torch.softmax(logits, dim=-1), dims["num_experts_per_tok"], dim=-1)
+    return index.to(device), (weights / weights.sum(-1, keepdim=True)).to(device=device, dtype=torch.bfloat16)
+
+
+def time_ms(fn, cuda: bool, reps: int) -> float:
+    fn()
+    if cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / reps * 1e3
+
+
+def profiled(fn, cuda: bool) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    if not cuda:
+        return {}
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        fn()
+        host = time.perf_counter() - start
+        torch.cuda.synchronize()
+    kernels = [e for e in device_kernel_events(prof) if e.self_device_time_total > 0]
+    return {"host_issue_ms": host * 1e3, "gpu_kernels_ms": sum(e.self_device_time_total for e in kernels) / 1e3,
+            "launches": sum(e.count for e in kernels)}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 8192])
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="a tiny shape, for a CPU smoke run")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    from trl_fp8 import FP8LinearConfig
+    from trl_fp8.fp8_experts import FP8Experts
+
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    dims = TINY if args.quick else QWEN3_30B_A3B
+    tokens = [64] if args.quick else args.tokens
+    reps = 1 if args.quick else args.reps
+    bf16 = make_experts(dims, device, "grouped_mm" if cuda else "eager")
+    fp8 = FP8Experts.convert_(copy.deepcopy(bf16), FP8LinearConfig())
+    rows = []
+    for t in tokens:
+        index, weights = routing(t, dims, device)
+        x = torch.randn(t, dims["hidden_size"], device=device, dtype=torch.bfloat16)
+        dy = torch.randn_like(x)
+        outs = {}
+        row = {"tokens": t, "routed_tokens": t * dims["num_experts_per_tok"],
+               "experts_with_tokens": int(index.unique().numel())}  # fmt: skip
+        for name, module in (("bf16", bf16), ("fp8", fp8)):
+
+            def step(module=module, x=x, index=index, weights=weights, dy=dy):
+                xg = x.detach().requires_grad_()
+                out = module(xg, index, weights)
+                out.backward(dy)
+                return out
+
+            outs[name] = step().detach().float()
+            row[f"{name}_ms"] = time_ms(step, cuda, reps)
+            row[f"{name}_profile"] = profiled(step, cuda)
+        row["speedup"] = row["bf16_ms"] / row["fp8_ms"]
+        row["fp8_rel_err_vs_bf16"] = float((outs["fp8"] - outs["bf16"]).norm() / outs["bf16"].norm())
+        rows.append(row)
+        print(f"{t:>6} tokens ({row['routed_tokens']} routed): bf16 {row['bf16_ms']:.2f} ms, fp8 {row['fp8_ms']:.2f} ms "
+              f"({row['speedup']:.2f}x), fp8 vs bf16 output rel err {row['fp8_rel_err_vs_bf16']:.3f}")  # fmt: skip
+    name = torch.cuda.get_device_name() if cuda else "cpu"
+    result = {
+        "benchmark": "MoE experts fwd+bwd: BF16 grouped_mm vs FP8Experts",
+        "device": name,
+        "date": datetime.date.today().isoformat(),
+        "versions": versions("torch", "transformers"),
+        "shape": dims,
+        "results": rows,
+    }
+    out = Path(args.out or ROOT / "benchmarks" / "results" / f"experts_{name.replace(' ', '_')}.json")
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
