@@ -31,6 +31,7 @@ from bench_rollout import SHAPES  # noqa: E402
 from common import device_kernel_events, kernel_breakdown, versions  # noqa: E402
 
 FLOWS = {  # flow: FP8 conversion options (None: BF16), Liger's layer kernels, checkpoint every n-th layer (0: none)
+    # (a "_compiled" flow also compiles each decoder layer: torch.compile, the FP8 ops as custom ops)
     "bf16": (None, False, 1),
     "fp8": ({}, False, 1),
     "fp8_fused": ({"fuse_sibling_gemms": True, "fuse_swiglu": True}, False, 1),
@@ -39,6 +40,8 @@ FLOWS = {  # flow: FP8 conversion options (None: BF16), Liger's layer kernels, c
     "fp8_liger": ({}, True, 1),
     "fp8_siblings_liger": ({"fuse_sibling_gemms": True}, True, 1),  # Liger's SwiGLU in place of ours
     # Memory into speed: transformers' `activation_checkpointing_kwargs={"every_n_layers": n}` (TrainingArguments)
+    "bf16_compiled": (None, False, 1),
+    "fp8_compiled": ({}, False, 1),
     "fp8_ckpt2": ({}, False, 2),
     "fp8_nockpt": ({}, False, 0),
     "bf16_liger_ckpt2": (None, True, 2),
@@ -69,6 +72,9 @@ def build(shape: str, layers: int | None, flow: str, device: str):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     elif every_n > 1:  # transformers >= 5.2x: checkpoint every n-th decoder layer, the others keep their activations
         model.activation_checkpointing_enable({"use_reentrant": False}, every_n_layers=every_n)
+    if flow.endswith("_compiled"):
+        for layer in model.model.layers:  # regional compilation: one graph per decoder layer, compiled once
+            layer.compile()
     model.config.use_cache = False
     model.train()
     return model

@@ -425,8 +425,12 @@ def test_training_phase_and_host_benchmarks_run_at_smoke_size(tmp_path):
         assert abs(rows[flow]["loss"] - rows["bf16"]["loss"]) < 0.02 * rows["bf16"]["loss"]
     assert rows["fp8"]["loss"] != rows["bf16"]["loss"]  # the FP8 flow did run in FP8
     assert rows["fp8_fused"]["loss"] == rows["fp8"]["loss"]  # the fusions change no forward value
-    for flow in ("fp8_ckpt2", "fp8_nockpt"):  # nor does checkpointing fewer layers (or none)
-        assert "error" in rows[flow] or rows[flow]["loss"] == rows["fp8"]["loss"], rows[flow]
+    assert rows["fp8_nockpt"]["loss"] == rows["fp8"]["loss"]  # nor does checkpointing no layer, or every 2nd one
+    # (transformers before `every_n_layers` records that it lacks it)
+    assert (
+        "activation_checkpointing_enable" in rows["fp8_ckpt2"].get("error", "")
+        or rows["fp8_ckpt2"]["loss"] == rows["fp8"]["loss"]
+    )
     _run(ROOT / "benchmarks" / "bench_host.py", "--quick", "--out", tmp_path / "host.json")
     host = {r["case"]: r["host_us"] for r in json.loads((tmp_path / "host.json").read_text())["results"]}
     assert {"nn.Linear fwd+bwd", "FP8Linear fwd+bwd (cached W)", "3 x FP8Linear as one sibling GEMM fwd+bwd"} <= set(

@@ -33,6 +33,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .config import FP8LinearConfig
 from .ops import select_ops
+from .ops.library import traceable
 from .quantization import QuantizedAct
 
 __all__ = ["FP8Linear", "invalidate_fp8_weights"]
@@ -253,10 +254,11 @@ class FP8Linear(nn.Linear):
     def _fp8_weight(self) -> FP8Weight:
         w, cfg = self.weight, self.fp8_config
         if torch.compiler.is_compiling():
-            # Inside a compiled graph the weight is quantized in the graph (one pass, fused by the compiler with
-            # whatever it can); the cache's pointer and version checks would break the graph.
+            # Inside a compiled graph the weight is quantized in the graph (the cache's pointer and version checks
+            # would break it), and every op is the backend's custom op (`ops.library`): one opaque node each.
             # (`select_ops` uncached there: the compiler traces through it and keeps its answer as a guard)
-            return self._quantize(w, select_ops.__wrapped__)
+            ops = traceable(select_ops.__wrapped__(cfg, w.device))
+            return FP8Weight(w, ops, cfg.power_of_two_scales)
         key = self._cache_key()
         cached = self._fp8_weight_cache
         # Tensors made under inference_mode cannot be saved for backward: re-quantize outside it.

@@ -11,6 +11,9 @@ Every backend exposes the same four functions, on logical (layout-free) tensors:
   stored row-major (FProp, sync, export) or column-major (DGrad's `dy @ W` operand).
 - `gemm(a_q, a_s, b_q, b_s, b_blocks, out_dtype)`: `a @ b.T` with fp32 accumulation, where `a` holds 1x128
   groups and `b` holds 128x128 blocks (`b_blocks=True`) or 1x128 groups along the shared dim.
+
+`library.traceable(backend)` is the same interface over `torch.library` custom ops: what FP8 layers call inside
+`torch.compile`.
 """
 
 from __future__ import annotations
