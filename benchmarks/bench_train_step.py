@@ -153,6 +153,7 @@ def run_flow(args, flow: str, device: str) -> dict:
     if args.profile:
         row["profile"] = profiled
     del model, optimizer
+    gc.collect()  # whatever reference cycles a flow's model has, its memory must not count in the next flow's peak
     if cuda:
         torch.cuda.empty_cache()
     return row

@@ -225,3 +225,38 @@ def test_unfit_groups_are_refused_by_name():
         FP8LinearConfig(recipe="tensorwise", fuse_sibling_gemms=True)
     with pytest.raises(ValueError, match="fp8_recipe=None trains in BF16"):
         FP8GRPOConfig(output_dir="unused", fp8_recipe=None, fp8_fuse_sibling_gemms=True)
+
+
+def test_a_dropped_layer_stack_frees_without_the_garbage_collector():
+    """Members and group refer to each other; the group's references are weak, so dropping the layers frees them at
+    once (a reference cycle would hold a dropped model's GPU memory until the collector runs), and a pickled model
+    gets its groups back."""
+    import gc
+    import io
+    import weakref
+
+    from torch import nn
+
+    from trl_fp8 import FP8Linear
+
+    def stack():
+        attn = nn.Module()
+        for name in ("q_proj", "k_proj", "v_proj"):
+            setattr(attn, name, FP8Linear.convert_(nn.Linear(128, 128, bias=False), FP8LinearConfig()))
+        assert len(group_fp8_siblings(attn)) == 1
+        return attn
+
+    gc.disable()
+    try:
+        attn = stack()
+        layer = weakref.ref(attn.q_proj)
+        del attn
+        assert layer() is None
+    finally:
+        gc.enable()
+    attn = stack()
+    buffer = io.BytesIO()
+    torch.save(attn, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert loaded.k_proj._fp8_group[0].members == [loaded.q_proj, loaded.k_proj, loaded.v_proj]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import weakref
 
 import torch
 from torch import nn
@@ -56,16 +57,22 @@ class FP8SiblingGroup:
     def __init__(self, members: list[FP8Linear]):
         if (problem := sibling_group_problem(members)) is not None:
             raise ValueError(f"These layers cannot run as one FP8 GEMM: {problem}.")
-        self.members = list(members)
+        self._members = [weakref.ref(m) for m in members]
         self._cache: tuple[tuple, FP8Weight] | None = None
         self._local = threading.local()  # pending outputs per thread: concurrent forwards never see each other's
         for index, member in enumerate(self.members):
             member._fp8_group = (self, index)
 
+    @property
+    def members(self) -> list[FP8Linear]:
+        # Weak references: each member holds its group (`_fp8_group`), and references both ways would be a cycle that
+        # keeps a dropped model, and its GPU memory, alive until the garbage collector runs.
+        return [ref() for ref in self._members]
+
     def __deepcopy__(self, memo):  # a deep-copied model gets its own group over its own layers
         clone = object.__new__(FP8SiblingGroup)
         memo[id(self)] = clone
-        clone.members = [copy.deepcopy(m, memo) for m in self.members]
+        clone._members = [weakref.ref(copy.deepcopy(m, memo)) for m in self.members]  # (memo keeps them alive)
         clone._cache, clone._local = None, threading.local()
         return clone
 
@@ -73,7 +80,7 @@ class FP8SiblingGroup:
         return {"members": self.members}
 
     def __setstate__(self, state):
-        self.members, self._cache, self._local = state["members"], None, threading.local()
+        self._members, self._cache, self._local = [weakref.ref(m) for m in state["members"]], None, threading.local()
 
     def fp8_weight(self) -> FP8Weight:
         """The members' FP8 weights stacked row-wise; each member's cache then holds views of its rows."""
