@@ -114,7 +114,8 @@ class FP8SiblingGroup:
 
     def forward_member(self, index: int, x: torch.Tensor) -> torch.Tensor | None:
         """Member `index`'s output for `x` (without bias), or None when the member must run alone."""
-        if torch.compiler.is_compiling() or any(is_sharded(m.weight) for m in self.members):
+        members = self.members
+        if torch.compiler.is_compiling() or any(is_sharded(m.weight) for m in members):
             return None
         # (inference tensors keep no version counter; nothing writes a layer's input between its siblings' calls)
         key = (None if x.is_inference() else x._version, torch.is_grad_enabled(), torch.is_inference_mode_enabled())
@@ -125,9 +126,9 @@ class FP8SiblingGroup:
                 return out
             if any(o is not None for o in pending.value):
                 return None  # called again on the same input while its siblings still wait for theirs: run alone
-        weights = [m.weight for m in self.members]
+        weights = [m.weight for m in members]
         y = _BlockwiseFP8Matmul.apply(x, weights[0], self.fp8_weight(), torch.is_grad_enabled(), *weights[1:])
-        outputs = list(y.split([m.out_features for m in self.members], dim=-1))
+        outputs = list(y.split([m.out_features for m in members], dim=-1))
         own, outputs[index] = outputs[index], None
         if pending is not None:
             pending.drop()
