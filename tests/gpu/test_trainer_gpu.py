@@ -16,7 +16,8 @@ from conftest import rel_err
 pytestmark = pytest.mark.gpu
 
 
-def test_grpo_end_to_end_with_real_fp8_kernels(tmp_path):
+def letter_task_trainer(tmp_path, **config) -> FP8GRPOTrainer:
+    """The demo's task on a tiny Qwen3, 40 GRPO steps in BF16 with gradient checkpointing, plus `config`."""
     tokenizer = tiny_char_tokenizer()
     model_dir = tmp_path / "model"
     tiny_qwen3(vocab_size=128, eos_token_id=tokenizer.eos_token_id, pad_token_id=0).save_pretrained(model_dir)
@@ -24,18 +25,28 @@ def test_grpo_end_to_end_with_real_fp8_kernels(tmp_path):
     args = FP8GRPOConfig(
         **{**GRPO_SETTINGS, "gradient_checkpointing": True},
         output_dir=str(tmp_path / "out"), max_steps=40, logging_steps=1, bf16=True, disable_tqdm=True,
-        model_init_kwargs={"dtype": "bfloat16"},
+        model_init_kwargs={"dtype": "bfloat16"}, **config,
     )  # fmt: skip
-    trainer = FP8GRPOTrainer(str(model_dir), say_letter_reward, args, train_dataset=say_letter_dataset(2048))
+    return FP8GRPOTrainer(str(model_dir), say_letter_reward, args, train_dataset=say_letter_dataset(2048))
+
+
+def reward_gain(trainer, label: str) -> tuple[float, float]:
+    """Mean reward of the first 5 and the last 10 logged steps."""
+    rewards = [log["reward"] for log in trainer.state.log_history if "reward" in log]
+    early, late = sum(rewards[:5]) / 5, sum(rewards[-10:]) / 10
+    print(f"{label} reward: steps 1-5 {early:.3f}, steps 31-40 {late:.3f}")
+    return early, late
+
+
+def test_grpo_end_to_end_with_real_fp8_kernels(tmp_path):
+    trainer = letter_task_trainer(tmp_path)
     layer = trainer.model.model.layers[0].mlp.up_proj
     assert isinstance(layer, FP8Linear) and layer.weight.is_cuda and layer.weight.dtype == torch.bfloat16
     from trl_fp8.ops import scaled_mm  # imports Triton: GPU hosts only
 
     assert select_ops(layer.fp8_config, layer.weight.device) is scaled_mm  # the real kernels, not the emulation
     trainer.train()
-    rewards = [log["reward"] for log in trainer.state.log_history if "reward" in log]
-    early, late = sum(rewards[:5]) / 5, sum(rewards[-10:]) / 10
-    print(f"GPU FP8 GRPO reward: steps 1-5 {early:.3f}, steps 31-40 {late:.3f}")
+    early, late = reward_gain(trainer, "GPU FP8 GRPO")
     assert late > early + 0.08
 
     # The trained model under the real kernels vs the exact emulation of the same FP8 math.
@@ -92,21 +103,10 @@ def test_liger_kernels_with_fp8_layers():
 @pytest.mark.parametrize("fuse", [False, True])
 def test_grpo_learns_with_liger_kernels(tmp_path, fuse):
     pytest.importorskip("liger_kernel", reason="pip install liger-kernel (the `liger` extra)")
-    tokenizer = tiny_char_tokenizer()
-    model_dir = tmp_path / "model"
-    tiny_qwen3(vocab_size=128, eos_token_id=tokenizer.eos_token_id, pad_token_id=0).save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
-    args = FP8GRPOConfig(
-        **{**GRPO_SETTINGS, "gradient_checkpointing": True},
-        output_dir=str(tmp_path / "out"), max_steps=40, logging_steps=1, bf16=True, disable_tqdm=True,
-        model_init_kwargs={"dtype": "bfloat16"}, use_liger_kernel=True, fp8_fuse_sibling_gemms=fuse,
-    )  # fmt: skip
-    trainer = FP8GRPOTrainer(str(model_dir), say_letter_reward, args, train_dataset=say_letter_dataset(2048))
+    trainer = letter_task_trainer(tmp_path, use_liger_kernel=True, fp8_fuse_sibling_gemms=fuse)
     trainer.train()
     mlp = trainer.model.model.layers[0].mlp
     assert isinstance(mlp.up_proj, FP8Linear)
     assert "Liger" in mlp.forward.__qualname__ and "Liger" in trainer.model.model.norm.forward.__qualname__
-    rewards = [log["reward"] for log in trainer.state.log_history if "reward" in log]
-    early, late = sum(rewards[:5]) / 5, sum(rewards[-10:]) / 10
-    print(f"GPU FP8 GRPO + Liger (siblings fused: {fuse}) reward: steps 1-5 {early:.3f}, steps 31-40 {late:.3f}")
+    early, late = reward_gain(trainer, f"GPU FP8 GRPO + Liger (siblings fused: {fuse})")
     assert late > early + 0.08
