@@ -117,6 +117,9 @@ def cases(m: int, k: int, n: int, device: str) -> dict:
         flag = torch.empty(128, device=device)
         act = scaled_mm.quantize_act(x)
         w_q, w_s = scaled_mm.quantize_weight(w)
+        # The same layers compiled (the FP8 ops as custom ops, one compiled backward node): what compiling saves
+        out["nn.Linear fwd+bwd, torch.compile"] = layer_step(torch.compile(lin))
+        out["FP8Linear fwd+bwd (cached W), torch.compile"] = layer_step(torch.compile(fp8))
         out.update({
             "triton launch, no-op kernel": lambda: _noop[(1,)](flag, BLOCK=128),
             "quantize_act rows (Triton)": lambda: scaled_mm.quantize_act(x),
@@ -124,6 +127,11 @@ def cases(m: int, k: int, n: int, device: str) -> dict:
             "quantize_weight col-major (Triton)": lambda: scaled_mm.quantize_weight(w, col_major=True),
             "F.scaled_mm blockwise (ops.scaled_mm.gemm)": lambda: scaled_mm.gemm(act.q, act.scale_inv, w_q, w_s, True, bf16),
         })  # fmt: skip
+        from trl_fp8.ops import deep_gemm
+
+        if deep_gemm.available() is None:  # vLLM's DeepGEMM, where installed
+            out["DeepGEMM fp8_gemm_nt (ops.deep_gemm.gemm)"] = lambda: deep_gemm.gemm(act.q, act.scale_inv, w_q, w_s,
+                                                                                     True, bf16)  # fmt: skip
     return out
 
 
