@@ -61,6 +61,14 @@ def weight_cache_key(weight: torch.Tensor, invalidations: int) -> tuple:
     return (weight.data_ptr(), weight._version, weight.device, weight.dtype, invalidations, steps)
 
 
+def cache_hit(cached: tuple | None, key: tuple) -> FP8Weight | None:
+    """The FP8 weight of a `(key, FP8Weight)` cache entry if it is valid for `key` here, else None. Tensors made under
+    inference_mode cannot be saved for backward, so outside it such an entry is re-quantized."""
+    if cached is None or cached[0] != key:
+        return None
+    return cached[1] if torch.is_inference_mode_enabled() or not cached[1].q.is_inference() else None
+
+
 class FP8Weight:
     """One weight's FP8 values and scales as FProp uses them: `q` `[N, K]` row-major, `scale_inv` `[N/128, K/128]`."""
 
@@ -260,14 +268,8 @@ class FP8Linear(nn.Linear):
             ops = traceable(select_ops.__wrapped__(cfg, w.device))
             return FP8Weight(w, ops, cfg.power_of_two_scales)
         key = self._cache_key()
-        cached = self._fp8_weight_cache
-        # Tensors made under inference_mode cannot be saved for backward: re-quantize outside it.
-        if (
-            cached is not None
-            and cached[0] == key
-            and (torch.is_inference_mode_enabled() or not cached[1].q.is_inference())
-        ):
-            return cached[1]
+        if (hit := cache_hit(self._fp8_weight_cache, key)) is not None:
+            return hit
         fp8_weight = self._quantize(w)
         fp8_weight.cached = cfg.cache_quantized_weight
         self._fp8_weight_cache = (key, fp8_weight) if fp8_weight.cached else None

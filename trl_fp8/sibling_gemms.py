@@ -24,7 +24,7 @@ import weakref
 import torch
 from torch import nn
 
-from .fp8_linear import FP8Linear, FP8Weight, InputEntry, _BlockwiseFP8Matmul, is_sharded
+from .fp8_linear import FP8Linear, FP8Weight, InputEntry, _BlockwiseFP8Matmul, cache_hit, is_sharded
 
 __all__ = ["FUSED_GROUPS", "FP8SiblingGroup", "group_fp8_siblings", "sibling_group_problem"]
 
@@ -87,13 +87,8 @@ class FP8SiblingGroup:
         members = self.members
         cache_on = members[0].fp8_config.cache_quantized_weight
         key = tuple(m._cache_key() for m in members)
-        cached = self._cache
-        if (
-            cached is not None
-            and cached[0] == key
-            and (torch.is_inference_mode_enabled() or not cached[1].q.is_inference())
-        ):
-            return cached[1]
+        if (hit := cache_hit(self._cache, key)) is not None:
+            return hit
         self._cache = None  # let the old stack go before the new one is built
         parts = [m._fp8_weight() for m in members]
         first = parts[0]

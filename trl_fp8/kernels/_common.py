@@ -61,3 +61,11 @@ def empty_act_layouts(m: int, k: int, rows: bool, cols: bool, device: torch.devi
         qt = torch.empty(k, m_pad, device=device, dtype=fp8)
         st = torch.empty(m_pad // BLOCK, k, device=device, dtype=torch.float32).t()
     return QuantizedAct(q, s, qt, st)
+
+
+def layout_pointers(act: QuantizedAct, rows: bool, cols: bool) -> tuple:
+    """`(q, s, qt, st)` as a kernel's pointer arguments: a disabled layout's pointers are a live buffer of the other
+    layout, which its constexpr flag keeps the kernel from touching."""
+    q, s, qt, st = act
+    dummy = q if rows else qt
+    return (q if rows else dummy, s if rows else st, qt if cols else dummy, st if cols else s)

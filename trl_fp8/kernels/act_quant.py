@@ -20,7 +20,15 @@ import triton
 import triton.language as tl
 
 from ..quantization import QuantizedAct
-from ._common import BLOCK, empty_act_layouts, fp8_scale, scale_and_saturate, store_col_groups, store_row_groups
+from ._common import (
+    BLOCK,
+    empty_act_layouts,
+    fp8_scale,
+    layout_pointers,
+    scale_and_saturate,
+    store_col_groups,
+    store_row_groups,
+)
 
 
 @triton.jit
@@ -72,13 +80,11 @@ def quantize_act(
         num_warps = 4 if cols else 8
     m, k = x.shape
     out = empty_act_layouts(m, k, rows, cols, x.device)
-    q, s, qt, st = out
     m_pad = triton.cdiv(m, BLOCK) * BLOCK
     if m_pad:
-        dummy = q if rows else qt  # unused pointer arguments of a disabled layout
         _act_quant_kernel[(m_pad // BLOCK, k // BLOCK)](
             x, x.stride(0), x.stride(1),
-            q if rows else dummy, s if rows else st, qt if cols else dummy, st if cols else s,
+            *layout_pointers(out, rows, cols),
             m, m_pad, k,
             ROWS=rows, COLS=cols, POW2=power_of_two_scales, BLOCK=BLOCK, COLS_SECOND_READ=cols_second_read,
             num_warps=num_warps, num_stages=1,

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from ..quantization import QuantizedAct
-from ._common import BLOCK, empty_act_layouts, store_col_groups, store_row_groups
+from ._common import BLOCK, empty_act_layouts, layout_pointers, store_col_groups, store_row_groups
 
 
 @triton.jit
@@ -72,14 +72,13 @@ def quantize_swiglu(
     if out is not None and (out.shape != gate.shape or out.dtype != gate.dtype or not out.is_contiguous()):
         raise ValueError(f"out must be a contiguous {tuple(gate.shape)} {gate.dtype} tensor.")
     result = empty_act_layouts(m, k, rows, cols, gate.device)
-    q, s, qt, st = result
     m_pad = triton.cdiv(m, BLOCK) * BLOCK
     if m_pad:
-        dummy = q if rows else qt  # unused pointer arguments of a disabled layout
+        pointers = layout_pointers(result, rows, cols)
         _swiglu_quant_kernel[(m_pad // BLOCK, k // BLOCK)](
             gate, gate.stride(0), up, up.stride(0),
-            q if rows else dummy, s if rows else st, qt if cols else dummy, st if cols else s,
-            out if out is not None else dummy,
+            *pointers,
+            out if out is not None else pointers[0],  # (never written without STORE_H)
             m, m_pad, k,
             ROWS=rows, COLS=cols, POW2=power_of_two_scales, BLOCK=BLOCK, STORE_H=out is not None,
             num_warps=4 if cols else 8, num_stages=1,
