@@ -39,6 +39,15 @@ def _weight_quant_kernel(
         tl.store(s_ptr + pid_n * KB + pid_k, tl.div_rn(1.0, scale))
 
 
+def empty_weight_layout(n: int, k: int, col_major: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Buffers for the FP8 blocks of `w [n, k]` and their scales, stored row-major or column-major."""
+    nb, kb = triton.cdiv(n, BLOCK), triton.cdiv(k, BLOCK)
+    if col_major:
+        q = torch.empty(k, n, device=device, dtype=torch.float8_e4m3fn).t()
+        return q, torch.empty(kb, nb, device=device, dtype=torch.float32).t()
+    return torch.empty(n, k, device=device, dtype=torch.float8_e4m3fn), torch.empty(nb, kb, device=device)
+
+
 def quantize_weight(
     w: torch.Tensor, *, col_major: bool = False, power_of_two_scales: bool = False, num_warps: int = 8
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,12 +55,7 @@ def quantize_weight(
     only the launch, never the result."""
     n, k = w.shape
     nb, kb = triton.cdiv(n, BLOCK), triton.cdiv(k, BLOCK)
-    if col_major:
-        q = torch.empty(k, n, device=w.device, dtype=torch.float8_e4m3fn).t()
-        s = torch.empty(kb, nb, device=w.device, dtype=torch.float32).t()
-    else:
-        q = torch.empty(n, k, device=w.device, dtype=torch.float8_e4m3fn)
-        s = torch.empty(nb, kb, device=w.device, dtype=torch.float32)
+    q, s = empty_weight_layout(n, k, col_major, w.device)
     if n and k:
         _weight_quant_kernel[(nb, kb)](
             w, w.stride(0), w.stride(1), q, s, n, k, nb, kb,

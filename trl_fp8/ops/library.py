@@ -12,6 +12,7 @@ In eager mode the layers call the backend modules directly, since a custom op's 
 from __future__ import annotations
 
 import importlib
+from functools import partial
 from types import ModuleType
 
 import torch
@@ -36,18 +37,11 @@ def _unpack(out, rows: bool, cols: bool) -> QuantizedAct:
     return QuantizedAct(q if rows else None, s if rows else None, qt if cols else None, st if cols else None)
 
 
-def _act_layouts(backend: str, m: int, k: int, rows: bool, cols: bool, device) -> QuantizedAct:
-    """Empty tensors in the layouts `backend`'s quantizers write (the fake functions' answer)."""
-    if backend == "emulated":  # the reference returns contiguous rows and scales, and x.T as a transposed view
-        fp8, m_pad = torch.float8_e4m3fn, (m + 127) // 128 * 128
-        q = s = qt = st = None
-        if rows:
-            q = torch.empty(m_pad, k, dtype=fp8, device=device)
-            s = torch.empty(m_pad, k // 128, device=device)
-        if cols:
-            qt = torch.empty(m_pad, k, dtype=fp8, device=device).t()
-            st = torch.empty(k, m_pad // 128, device=device)
-        return QuantizedAct(q, s, qt, st)
+def _fake_act(backend: str, quantize, m: int, k: int, rows: bool, cols: bool, device) -> QuantizedAct:
+    """What `backend`'s quantizer returns, as fake tensors: the emulation runs as it is (plain torch ops, which fake
+    tensors carry through); the Triton quantizers' buffers come from the allocator they use."""
+    if backend == "emulated":
+        return quantize()
     from ..kernels._common import empty_act_layouts
 
     return empty_act_layouts(m, k, rows, cols, device)
@@ -62,7 +56,8 @@ def quantize_act_op(
 
 @quantize_act_op.register_fake
 def _(x, backend, rows, cols, pow2):
-    return _pack(_act_layouts(backend, x.shape[0], x.shape[1], rows, cols, x.device), x)
+    run = partial(_backend(backend).quantize_act, x, rows=rows, cols=cols, power_of_two_scales=pow2)
+    return _pack(_fake_act(backend, run, x.shape[0], x.shape[1], rows, cols, x.device), x)
 
 
 @torch.library.custom_op("trl_fp8::quantize_swiglu", mutates_args=())
@@ -74,7 +69,8 @@ def quantize_swiglu_op(
 
 @quantize_swiglu_op.register_fake
 def _(gate, up, backend, rows, cols, pow2):
-    return _pack(_act_layouts(backend, gate.shape[0], gate.shape[1], rows, cols, gate.device), gate)
+    run = partial(_backend(backend).quantize_swiglu, gate, up, rows=rows, cols=cols, power_of_two_scales=pow2)
+    return _pack(_fake_act(backend, run, gate.shape[0], gate.shape[1], rows, cols, gate.device), gate)
 
 
 @torch.library.custom_op("trl_fp8::quantize_weight", mutates_args=())
@@ -84,11 +80,11 @@ def quantize_weight_op(w: Tensor, backend: str, col_major: bool, pow2: bool) -> 
 
 @quantize_weight_op.register_fake
 def _(w, backend, col_major, pow2):
-    n, k = w.shape
-    fp8, nb, kb = torch.float8_e4m3fn, (n + 127) // 128, (k + 127) // 128
-    if col_major and backend != "emulated":  # the emulation ignores the layout: its values are all that matter
-        return torch.empty(k, n, dtype=fp8, device=w.device).t(), torch.empty(kb, nb, device=w.device).t()
-    return torch.empty(n, k, dtype=fp8, device=w.device), torch.empty(nb, kb, device=w.device)
+    if backend == "emulated":  # (see _fake_act)
+        return _backend(backend).quantize_weight(w, col_major=col_major, power_of_two_scales=pow2)
+    from ..kernels.weight_quant import empty_weight_layout
+
+    return empty_weight_layout(*w.shape, col_major, w.device)
 
 
 @torch.library.custom_op("trl_fp8::gemm", mutates_args=())
