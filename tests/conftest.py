@@ -35,6 +35,34 @@ def restore_environment():
     os.environ.update(saved)
 
 
+@pytest.fixture
+def exact_interpreter_casts(monkeypatch):
+    """Triton's CPU interpreter casts float32 to e4m3 and to bf16 by truncating the mantissa (no carry into the
+    exponent); the GPU's `cvt.rn.satfinite.e4m3x2.f32` and `cvt.rn.bf16.f32` round to nearest even, as torch's casts
+    do. Kernel tests running in the interpreter use torch's casts instead (nothing to do on a GPU)."""
+    if torch.cuda.is_available():
+        return
+    import numpy as np
+    import triton
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    original = getattr(interpreter, "_convert_float", None)
+    if original is None:
+        pytest.skip(f"Triton {triton.__version__}'s interpreter has no _convert_float to make its fp8 cast exact")
+
+    def convert(values, input_dtype, output_dtype, rounding_mode):
+        if output_dtype == tl.float8e4nv and input_dtype == tl.float32:
+            f32 = torch.from_numpy(np.ascontiguousarray(values).view(np.float32).copy())
+            return f32.to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+        if output_dtype == tl.bfloat16 and input_dtype == tl.float32:
+            f32 = torch.from_numpy(np.ascontiguousarray(values).view(np.float32).copy())
+            return f32.to(torch.bfloat16).view(torch.uint16).numpy()
+        return original(values, input_dtype, output_dtype, rounding_mode)
+
+    monkeypatch.setattr(interpreter, "_convert_float", convert)
+
+
 def clean_subprocess_env() -> dict[str, str]:
     """This process's environment without distributed-launch variables (the NVLink settings stay)."""
     launch = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")

@@ -19,27 +19,7 @@ tl = pytest.importorskip("triton.language")
 
 from trl_fp8 import kernels  # noqa: E402
 
-
-@pytest.fixture(autouse=True)
-def exact_fp8_cast_in_interpreter(monkeypatch):
-    if torch.cuda.is_available():
-        return
-    from triton.runtime import interpreter
-
-    original = getattr(interpreter, "_convert_float", None)
-    if original is None:
-        pytest.skip(f"Triton {triton.__version__}'s interpreter has no _convert_float to make its fp8 cast exact")
-
-    def convert(values, input_dtype, output_dtype, rounding_mode):
-        if output_dtype == tl.float8e4nv and input_dtype == tl.float32:
-            f32 = torch.from_numpy(np.ascontiguousarray(values).view(np.float32).copy())
-            return f32.to(torch.float8_e4m3fn).view(torch.uint8).numpy()
-        if output_dtype == tl.bfloat16 and input_dtype == tl.float32:  # truncated too; the GPU rounds to nearest even
-            f32 = torch.from_numpy(np.ascontiguousarray(values).view(np.float32).copy())
-            return f32.to(torch.bfloat16).view(torch.uint16).numpy()
-        return original(values, input_dtype, output_dtype, rounding_mode)
-
-    monkeypatch.setattr(interpreter, "_convert_float", convert)
+pytestmark = pytest.mark.usefixtures("exact_interpreter_casts")  # conftest: exact fp32 -> e4m3 / bf16 casts
 
 
 def _bits(t):

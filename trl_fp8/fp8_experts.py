@@ -8,15 +8,27 @@ activation and gradient groups, FProp, DGrad and WGrad in FP8) on the tokens rou
 spans two experts (their row counts are multiples of 128), so quantizing `[E, N, K]` as one `[E*N, K]` matrix gives
 each expert's own blocks, and the export splits them back into per-expert tensors.
 
-All experts of a projection run in one autograd node (`_ExpertsFP8Matmul`): each expert's GEMMs are the dense
-layer's, bit for bit, without an autograd node per expert (about 90 us of host time per Python node on an H100 host,
-more than one blockwise GEMM's launch). That loop over experts is the exact reference a grouped kernel must equal;
-experts that receive no token are skipped, uneven token counts are the normal case. The router stays in high
-precision (an FP8 router flips top-k choices), and so does anything of a layout this module does not handle
-(`expert_layout_problem` names why).
+On the GPU backends (`scaled_mm`, `deepgemm`) a projection runs on the grouped Triton kernels
+(`trl_fp8.kernels.grouped_gemm`, `_GroupedExpertsFP8Matmul`): the sorted rows are padded once so that each expert's
+segment is a multiple of 128 rows, quantized by one `quantize_act` launch in both layouts, and multiplied by one
+m-grouped FProp launch; the backward quantizes the output gradient once, re-quantizes the weights in DGrad's layout
+once, and runs one m-grouped DGrad and one k-grouped WGrad launch. Per projection that is 2 Triton launches forward
+and 4 backward, each beside 3 small torch ops (zero fill, scatter into the padded layout, gather out of it), whatever
+the number of experts; the layout itself (`GroupedRows`) is built once per layer call. The FP8 operands are the
+loop's bit for bit (a 128-row group never spans two experts), so only the fp32 summation order differs.
+
+Elsewhere (the emulation on CPU) all experts of a projection run as a loop in one autograd node
+(`_ExpertsFP8Matmul`): each expert's GEMMs are the dense layer's, bit for bit, without an autograd node per expert
+(about 90 us of host time per Python node on an H100 host, more than one blockwise GEMM's launch). That loop over
+experts is the exact reference the grouped kernels must equal (tests/test_grouped_gemm.py runs them in Triton's CPU
+interpreter against it); experts that receive no token are skipped, uneven token counts are the normal case. The
+router stays in high precision (an FP8 router flips top-k choices), and so does anything of a layout this module does
+not handle (`expert_layout_problem` names why).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch import nn
@@ -65,10 +77,18 @@ def expert_layout_problem(module: nn.Module, dim_multiple: int = 128) -> str | N
     return None
 
 
+def _runs_grouped(ops) -> bool:
+    """Whether a backend's experts run on the grouped Triton kernels: the real GPU backends do, the emulation loops."""
+    return getattr(ops, "__name__", "").rpartition(".")[2] in ("scaled_mm", "deep_gemm")
+
+
 class FP8Experts(nn.Module):
     """The FP8 forward of a transformers fused-experts module (mixed into its own class by `convert_`)."""
 
     fp8_config: FP8LinearConfig
+    # Whether projections run on the grouped kernels: None picks by backend (`_runs_grouped`); tests set True to run
+    # them on CPU in Triton's interpreter against the loop.
+    _grouped_kernels: bool | None = None
 
     @classmethod
     def convert_(cls, module: nn.Module, config: FP8LinearConfig) -> nn.Module:
@@ -115,22 +135,31 @@ class FP8Experts(nn.Module):
         order = torch.argsort(expert_ids, stable=True)  # token-expert pairs grouped by expert, token order kept
         counts = torch.bincount(expert_ids, minlength=self.num_experts).tolist()
         x = hidden_states[order // top_k]
-        gate_up = self._experts_linear(x, "gate_up_proj", counts)
+        rows = None
+        if self._grouped_kernels or (
+            self._grouped_kernels is None and _runs_grouped(select_ops(self.fp8_config, self.gate_up_proj.device))
+        ):
+            from .kernels.grouped_gemm import GroupedRows
+
+            rows = GroupedRows(counts, x.device)  # the padded layout both projections share
+        gate_up = self._experts_linear(x, "gate_up_proj", counts, rows)
         gate, up = gate_up.chunk(2, dim=-1)
         h = self.act_fn(gate) * up
-        out = self._experts_linear(h, "down_proj", counts)
+        out = self._experts_linear(h, "down_proj", counts, rows)
         out = out * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
         # Back to token order, then the sum over each token's k experts in fp32 (as transformers' grouped path does).
         unsorted = torch.empty_like(out).index_copy_(0, order, out)
         return unsorted.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(hidden_states.dtype)
 
-    def _experts_linear(self, x: torch.Tensor, name: str, counts: list[int]) -> torch.Tensor:
+    def _experts_linear(self, x: torch.Tensor, name: str, counts: list[int], rows=None) -> torch.Tensor:
         """`x[rows of e] @ W[e].T` for every expert e with tokens, in blockwise FP8; the gradient lands in the 3-D
-        parameter."""
+        parameter. With `rows` (a `GroupedRows` layout of `counts`) on the grouped kernels, else a loop."""
         weight = getattr(self, name)
         q, s = self.quantized_expert_weight(name)
-        ops = select_ops(self.fp8_config, weight.device)
         pow2 = self.fp8_config.power_of_two_scales
+        if rows is not None:
+            return _GroupedExpertsFP8Matmul.apply(x, weight, q, s, rows, pow2, torch.is_grad_enabled())
+        ops = select_ops(self.fp8_config, weight.device)
         return _ExpertsFP8Matmul.apply(x, weight, q, s, tuple(counts), ops, pow2, torch.is_grad_enabled())
 
     def extra_repr(self) -> str:
@@ -179,6 +208,53 @@ class _ExpertsFP8Matmul(torch.autograd.Function):
             start += n
         grad_x = (torch.cat(grad_xs) if grad_xs else grad_out.new_zeros((0, weight.shape[2]))) if need_x else None
         return grad_x, grad_w, None, None, None, None, None, None
+
+
+def _on_device(t: torch.Tensor):
+    """Triton launches on the current CUDA device: make it the tensor's (a model spread over several GPUs)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+class _GroupedExpertsFP8Matmul(torch.autograd.Function):
+    """`_ExpertsFP8Matmul` on the grouped kernels (`trl_fp8.kernels.grouped_gemm`): the same FP8 operands, bit for
+    bit, in one launch per GEMM for all experts. `x` holds the rows sorted by expert (`rows.counts`); they are padded
+    into `rows`' layout (each expert's segment a multiple of 128 rows, zeros between), which makes one quantization of
+    all rows equal each expert's own and lets WGrad's 1x128 groups along tokens stay within one expert."""
+
+    @staticmethod
+    def forward(ctx, x, weight, q, s, rows, pow2: bool, grad_enabled: bool):
+        from .kernels import quantize_act
+        from .kernels.grouped_gemm import m_grouped_gemm
+
+        wgrad = grad_enabled and ctx.needs_input_grad[1]
+        with _on_device(x):
+            act = quantize_act(rows.pad(x), rows=True, cols=wgrad, power_of_two_scales=pow2)
+            out = rows.unpad(m_grouped_gemm(act.q, act.scale_inv, q, s, rows, x.dtype))
+        ctx.save_for_backward(weight, *((act.qt, act.scale_inv_t) if wgrad else ()))  # FP8 x.T, not the BF16 rows
+        ctx.rows, ctx.pow2, ctx.x_dtype = rows, pow2, x.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        from .kernels import quantize_act, quantize_weight
+        from .kernels.grouped_gemm import k_grouped_gemm, m_grouped_gemm
+
+        weight, *saved_x = ctx.saved_tensors
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        rows, pow2 = ctx.rows, ctx.pow2
+        grad_x = grad_w = None
+        with _on_device(grad_out):
+            dy = quantize_act(rows.pad(grad_out), rows=need_x, cols=need_w, power_of_two_scales=pow2)
+            if need_x:
+                # W's 128x128 blocks re-quantized in DGrad's (column-major) layout, the forward's FP8 values bit for
+                # bit; as [E, K, N] views, K-major for the reduction over N, with the same blocks' scales.
+                e, n, k = weight.shape
+                w_q, w_s = quantize_weight(weight.detach().reshape(e * n, k), col_major=True, power_of_two_scales=pow2)
+                w_q, w_s = w_q.view(e, n, k).transpose(1, 2), w_s.view(e, n // 128, k // 128).transpose(1, 2)
+                grad_x = rows.unpad(m_grouped_gemm(dy.q, dy.scale_inv, w_q, w_s, rows, ctx.x_dtype))
+            if need_w:
+                grad_w = k_grouped_gemm(dy.qt, dy.scale_inv_t, *saved_x, rows, weight.dtype)
+        return grad_x, grad_w, None, None, None, None, None
 
 
 _FP8_CLASSES: dict[type, type] = {}

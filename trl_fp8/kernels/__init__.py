@@ -7,13 +7,17 @@ reference quantizers in `trl_fp8.quantization` (tests run them on the GPU, and o
   without writing the product.
 - `weight_quant.quantize_weight`: 128x128 blocks of a weight, row-major (FProp, vLLM sync, export) or
   column-major (DGrad's operand).
+- `grouped_gemm.m_grouped_gemm` / `k_grouped_gemm`: a mixture-of-experts projection's FProp and DGrad (rows grouped
+  by expert) and WGrad (tokens grouped by expert) for all experts in one launch each, on the layout `GroupedRows`
+  (each expert's rows padded to a multiple of 128). Equal to the emulation up to fp32 rounding, not bit for bit.
 
-Each has one fixed launch configuration: quantization is a single memory-bound pass, so there is nothing to
-autotune, and a new token count costs no tuning run.
+Each has one fixed launch configuration (quantization is a single memory-bound pass, so there is nothing to
+autotune; the grouped GEMMs pick their tile height from the padding), and a new token count costs no tuning run.
 """
 
 from .act_quant import quantize_act
+from .grouped_gemm import GroupedRows, k_grouped_gemm, m_grouped_gemm
 from .swiglu_quant import quantize_swiglu
 from .weight_quant import quantize_weight
 
-__all__ = ["quantize_act", "quantize_swiglu", "quantize_weight"]
+__all__ = ["GroupedRows", "k_grouped_gemm", "m_grouped_gemm", "quantize_act", "quantize_swiglu", "quantize_weight"]

@@ -1,0 +1,321 @@
+"""The grouped blockwise FP8 GEMMs (`trl_fp8.kernels.grouped_gemm`) and the FP8 experts that run on them.
+
+On CPU the kernels run in Triton's interpreter (conftest sets `TRITON_INTERPRET=1`), which executes the kernel code
+itself (every index, stride, tile-to-expert mapping and scale step) with NumPy. Its `tl.dot` widens e4m3 operands to
+fp16 (exact: every e4m3 value is an fp16 value, checked below) and multiplies in fp32, so the FP8 dot runs as written,
+with no dequantization added for the interpreter. Its float32 -> bf16 and -> e4m3 casts truncate; the
+`exact_interpreter_casts` fixture (conftest) swaps in round-to-nearest-even, as the GPU does.
+
+Bounds:
+- kernels against a float64 loop over experts on the same FP8 operands: element by element,
+  `|got - ref| <= K * 2**-23 * (|A| @ |B|.T)` (fp32 summation of K exact products, the per-block scaling and the block
+  sums: a few K * 2**-24 at most), plus one bf16 rounding (`2**-8 * |ref|`) for bf16 outputs; the same bound doubled
+  against the emulation (`trl_fp8.ops.emulated.gemm`, which rounds in fp32 too). On a GPU the tensor cores' reduced
+  precision inside each 128-deep block gives way to the GPU suite's 4e-3 relative bound.
+- one projection's autograd function, grouped against the loop on the emulation, from the same rows, weight and
+  output gradient: y, dx and dW are each one GEMM of identical FP8 operands, so the kernel bound holds element by
+  element (doubled, both sides rounding in fp32; plus one bf16 rounding for bf16).
+- a whole FP8 experts layer (two projections and the gate between them), grouped against the loop: relative error of
+  the output and of every gradient below 1e-4. Not element by element: the first GEMM's fp32 rounding differences
+  (~1e-7) now and then move a value of gate_up's output (or of down_proj's input gradient) across an e4m3 rounding
+  boundary when the next GEMM quantizes it, and that token's whole row then differs by an FP8 step in one element or
+  one group's scale. Measured here: 3e-7 to 2.2e-5 relative, from one or two such rows in 40 or 200 tokens.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from trl_fp8 import FP8LinearConfig
+from trl_fp8.ops import emulated
+from trl_fp8.quantization import dequantize_blocks, dequantize_groups, quantize_act_layouts
+
+from conftest import rel_err
+
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
+
+from trl_fp8 import kernels  # noqa: E402
+from trl_fp8.kernels.grouped_gemm import GroupedRows, k_grouped_gemm, m_grouped_gemm  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("exact_interpreter_casts")
+
+COUNTS = [0, 3, 130, 0, 128]  # uneven; experts without tokens, first and inside; one, two and exactly one group
+F64 = torch.float64
+CUDA = torch.cuda.is_available()
+
+
+def _device():
+    return "cuda" if CUDA else "cpu"
+
+
+def _bits(t):
+    return t.contiguous().view(torch.uint8)
+
+
+def _rows(counts=COUNTS):
+    return GroupedRows(counts, torch.device(_device()))
+
+
+def _segments(rows):
+    offsets = rows.offsets.tolist()
+    return [(offsets[e], offsets[e] + c) for e, c in enumerate(rows.counts)]  # each expert's real rows, padded layout
+
+
+def _check(got, ref, abs_product, k, factor=1.0, ref_in_bf16=False):
+    """`got` (fp32 or bf16) against `ref` (float64), element by element (see the module docstring): `factor` times
+    the fp32 summation bound, plus a bf16 rounding of `got` (half a bf16 step, at most 2**-8 relative) and, with
+    `ref_in_bf16`, one of `ref` too."""
+    if CUDA:
+        assert rel_err(got, ref) < 4e-3
+        return
+    bound = factor * k * 2**-23 * abs_product
+    if got.dtype == torch.bfloat16:
+        bound = bound + (2 if ref_in_bf16 else 1) * 2**-8 * ref.abs()
+    err = (got.double() - ref).abs()
+    assert (err <= bound).all(), (err - bound).max()
+
+
+@pytest.mark.skipif(CUDA, reason="the interpreter's premise; the GPU runs compiled kernels")
+def test_interpreter_dot_widens_every_e4m3_value_exactly():
+    from triton.runtime import interpreter
+
+    codes = np.arange(256, dtype=np.uint8)
+    widened = interpreter._convert_float(codes, tl.float8e4nv, tl.float16, None).view(np.float16)
+    exact = torch.from_numpy(codes.copy()).view(torch.float8_e4m3fn).to(torch.float16).numpy()
+    finite = ~np.isnan(exact)  # 0x7f and 0xff (NaN) never leave the quantizers, which saturate at 448
+    assert (widened[finite] == exact[finite]).all()
+
+
+def test_grouped_rows_pad_each_expert_to_128_rows_and_one_quantization_equals_each_experts_own():
+    rows = _rows()
+    assert rows.m_pad == 0 + 128 + 256 + 0 + 128 and rows.num_rows == sum(COUNTS)
+    assert rows.offsets.tolist() == [0, 0, 128, 384, 384, 512]
+    assert rows.group_expert.tolist() == [1, 2, 2, 4] and rows.group_rows.tolist() == [3, 128, 2, 128]
+    assert rows.block_m == 64 and GroupedRows([128, 0, 100], "cpu").block_m == 128  # 64-row tiles: much padding
+    x = torch.randn(sum(COUNTS), 256, device=_device())
+    padded = rows.pad(x)
+    assert torch.equal(rows.unpad(padded), x)
+    real = torch.zeros(rows.m_pad, dtype=torch.bool, device=x.device)
+    real[rows.dest] = True
+    assert not padded[~real].any()
+    act = kernels.quantize_act(padded, rows=True, cols=True)
+    start = 0
+    for (lo, hi), c in zip(_segments(rows), COUNTS, strict=True):
+        if not c:
+            continue
+        own = quantize_act_layouts(x[start : start + c], rows=True, cols=True)  # one expert, padded on its own
+        pad_hi = lo + own.q.shape[0]
+        assert torch.equal(_bits(act.q[lo:hi]), _bits(own.q[:c])) and torch.equal(
+            act.scale_inv[lo:hi], own.scale_inv[:c]
+        )
+        assert torch.equal(_bits(act.qt[:, lo:pad_hi]), _bits(own.qt))
+        assert torch.equal(act.scale_inv_t[:, lo // 128 : pad_hi // 128], own.scale_inv_t)
+        start += c
+
+
+def _operands(a_cols, n, k, seed=0):
+    """The layout, the padded rows `[num_rows, a_cols]` quantized in both layouts, and the weights `[E * n, k]`."""
+    g = torch.Generator().manual_seed(seed)
+    rows = _rows()
+    e = rows.num_experts
+    x = torch.randn(rows.num_rows, a_cols, generator=g)
+    x[:, :128] *= 1e-2  # groups of different magnitudes
+    w = torch.randn(e * n, k, generator=g) * 0.05
+    w[: 128 * e] *= 10  # blocks of different magnitudes
+    act = kernels.quantize_act(rows.pad(x.to(_device())), rows=True, cols=True)
+    return rows, act, w.to(_device())
+
+
+@pytest.mark.parametrize(
+    "orientation,out_dtype,block_m",
+    [("fprop", torch.float32, 128), ("fprop", torch.bfloat16, 64), ("dgrad_view", torch.float32, 64),
+     ("dgrad_col_major", torch.bfloat16, 128)],
+)  # fmt: skip
+def test_m_grouped_gemm_matches_a_loop_over_experts(orientation, out_dtype, block_m):
+    """FProp `x_e @ W_e.T` and DGrad `dy_e @ W_e`: DGrad's B is `W` transposed, either the FProp weight read
+    transposed (a strided view) or the column-major re-quantization (K-major), the same 128x128 blocks."""
+    n, k = 256, 384  # W_e [n, k]
+    e = len(COUNTS)
+    if orientation == "fprop":
+        rows, act, w = _operands(k, n, k)
+        q, s = kernels.quantize_weight(w)
+        b_q, b_s = q.view(e, n, k), s.view(e, n // 128, k // 128)
+    else:
+        rows, act, w = _operands(n, n, k)  # A: dy [rows, n]
+        q, s = kernels.quantize_weight(w, col_major=orientation == "dgrad_col_major")
+        b_q, b_s = q.view(e, n, k).transpose(1, 2), s.view(e, n // 128, k // 128).transpose(1, 2)
+        if orientation == "dgrad_col_major":
+            assert b_q.stride(2) == 1  # K-major: the reduction (over n) runs along memory
+    got = m_grouped_gemm(act.q, act.scale_inv, b_q, b_s, rows, out_dtype, block_m=block_m)
+    assert got.shape == (rows.m_pad, b_q.shape[1]) and got.dtype == out_dtype
+    a = dequantize_groups(act.q, act.scale_inv, dtype=F64)
+    for expert, (lo, hi) in enumerate(_segments(rows)):
+        if lo == hi:
+            continue
+        b = dequantize_blocks(b_q[expert], b_s[expert], dtype=F64)
+        ref = a[lo:hi] @ b.t()
+        red = b.shape[1]
+        _check(got[lo:hi], ref, a[lo:hi].abs() @ b.abs().t(), red)
+        emu = emulated.gemm(act.q[lo:hi], act.scale_inv[lo:hi], b_q[expert], b_s[expert], True, torch.float32)
+        _check(got[lo:hi], emu.double(), a[lo:hi].abs() @ b.abs().t(), red, factor=2.0)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_k_grouped_gemm_matches_a_loop_over_experts(out_dtype):
+    """WGrad `dy_e.T @ x_e` over each expert's 128-token groups; experts without tokens get zeros."""
+    n, k = 256, 384
+    rows, x, _ = _operands(k, n, k)
+    dy = kernels.quantize_act(rows.pad(torch.randn(rows.num_rows, n, device=_device())), rows=False, cols=True)
+    got = k_grouped_gemm(dy.qt, dy.scale_inv_t, x.qt, x.scale_inv_t, rows, out_dtype)
+    assert got.shape == (len(COUNTS), n, k) and got.dtype == out_dtype
+    a = dequantize_groups(dy.qt, dy.scale_inv_t, dtype=F64)
+    b = dequantize_groups(x.qt, x.scale_inv_t, dtype=F64)
+    offsets = rows.offsets.tolist()
+    for expert in range(len(COUNTS)):
+        lo, hi = offsets[expert], offsets[expert + 1]  # the padded segment: whole 128-token groups
+        if lo == hi:
+            assert not got[expert].any()
+            continue
+        ref = a[:, lo:hi] @ b[:, lo:hi].t()
+        _check(got[expert], ref, a[:, lo:hi].abs() @ b[:, lo:hi].abs().t(), hi - lo)
+        emu = emulated.gemm(dy.qt[:, lo:hi], dy.scale_inv_t[:, lo // 128 : hi // 128], x.qt[:, lo:hi],
+                            x.scale_inv_t[:, lo // 128 : hi // 128], False, torch.float32)  # fmt: skip
+        _check(got[expert], emu.double(), a[:, lo:hi].abs() @ b[:, lo:hi].abs().t(), hi - lo, factor=2.0)
+
+
+def test_grouped_autograd_function_with_no_rows_at_all():
+    from trl_fp8.fp8_experts import _GroupedExpertsFP8Matmul
+
+    weight = torch.randn(3, 128, 256, device=_device(), requires_grad=True)
+    q, s = kernels.quantize_weight(weight.detach().reshape(384, 256))
+    x = torch.zeros(0, 256, device=_device(), requires_grad=True)
+    rows = GroupedRows([0, 0, 0], torch.device(_device()))
+    y = _GroupedExpertsFP8Matmul.apply(x, weight, q.view(3, 128, 256), s.view(3, 1, 2), rows, False, True)
+    assert y.shape == (0, 128)
+    y.sum().backward()
+    assert x.grad.shape == (0, 256) and weight.grad.shape == weight.shape and not weight.grad.any()
+
+
+def test_grouped_gemms_refuse_operands_that_do_not_fit_the_layout():
+    rows, act, w = _operands(384, 256, 384)
+    q, s = kernels.quantize_weight(w)
+    q, s = q.view(5, 256, 384), s.view(5, 2, 3)
+    with pytest.raises(ValueError, match="do not fit"):
+        m_grouped_gemm(act.q[:128], act.scale_inv[:128], q, s, rows, torch.float32)
+    with pytest.raises(ValueError, match="do not fit"):
+        m_grouped_gemm(act.q, act.scale_inv, q, s, rows, torch.float32, block_m=256)
+    with pytest.raises(ValueError, match="do not fit"):
+        k_grouped_gemm(act.qt, act.scale_inv_t, act.qt[:, :128], act.scale_inv_t[:, :1], rows, torch.float32)
+
+
+@pytest.mark.parametrize("dtype,pow2", [(torch.float32, False), (torch.bfloat16, True)])
+def test_grouped_autograd_function_equals_the_loop_on_the_same_operands(dtype, pow2):
+    """One projection, `_GroupedExpertsFP8Matmul` against `_ExpertsFP8Matmul` (the loop on the emulation), from the
+    same rows, weight and output gradient: each of y, dx and dW is one GEMM of identical FP8 operands in both, so
+    they agree element by element to the kernels' bound (doubled: both round in fp32; plus a bf16 rounding)."""
+    from trl_fp8.fp8_experts import _ExpertsFP8Matmul, _GroupedExpertsFP8Matmul
+    from trl_fp8.quantization import quantize_blocks
+
+    g = torch.Generator().manual_seed(5)
+    e, n, k = len(COUNTS), 256, 384
+    weight = (torch.randn(e, n, k, generator=g) * 0.05).to(dtype)
+    x = torch.randn(sum(COUNTS), k, generator=g).to(dtype)
+    grad = torch.randn(sum(COUNTS), n, generator=g).to(dtype)
+    q, s = quantize_blocks(weight.reshape(e * n, k), power_of_two_scales=pow2)
+    q, s = q.view(e, n, k), s.view(e, n // 128, k // 128)
+    results = []
+    for grouped in (True, False):
+        dev = _device() if grouped else "cpu"
+        xg, wg = x.to(dev, copy=True).requires_grad_(), weight.to(dev, copy=True).requires_grad_()
+        args = (xg, wg, q.to(dev), s.to(dev))
+        if grouped:
+            y = _GroupedExpertsFP8Matmul.apply(*args, GroupedRows(COUNTS, torch.device(dev)), pow2, True)
+        else:
+            y = _ExpertsFP8Matmul.apply(*args, tuple(COUNTS), emulated, pow2, True)
+        y.backward(grad.to(dev))
+        results.append([t.detach().cpu() for t in (y, xg.grad, wg.grad)])
+    (y, dx, dw), (y_ref, dx_ref, dw_ref) = results
+    deq = lambda t: dequantize_groups(*quantize_act_layouts(t, power_of_two_scales=pow2)[:2], dtype=F64)[: t.shape[0]]
+    w_abs = dequantize_blocks(q.reshape(e * n, k), s.reshape(e * n // 128, k // 128), dtype=F64).abs().view(e, n, k)
+    start = 0
+    for expert, c in enumerate(COUNTS):
+        rows = slice(start, start + c)
+        x_abs, dy_abs = deq(x[rows]).abs(), deq(grad[rows]).abs()  # each expert's own 1x128 groups along features
+        bf16 = dtype == torch.bfloat16
+        _check(y[rows], y_ref[rows].double(), x_abs @ w_abs[expert].t(), k, factor=2.0, ref_in_bf16=bf16)
+        _check(dx[rows], dx_ref[rows].double(), dy_abs @ w_abs[expert], n, factor=2.0, ref_in_bf16=bf16)
+        if c:  # WGrad's groups run along tokens: the expert's rows padded to 128
+            xt = quantize_act_layouts(x[rows], rows=False, cols=True, power_of_two_scales=pow2)
+            dyt = quantize_act_layouts(grad[rows], rows=False, cols=True, power_of_two_scales=pow2)
+            xt_abs = dequantize_groups(xt.qt, xt.scale_inv_t, dtype=F64).abs()
+            dyt_abs = dequantize_groups(dyt.qt, dyt.scale_inv_t, dtype=F64).abs()
+            abs_product = dyt_abs @ xt_abs.t()
+            _check(dw[expert], dw_ref[expert].double(), abs_product, xt.qt.shape[1], factor=2.0, ref_in_bf16=bf16)
+        else:
+            assert not dw[expert].any() and not dw_ref[expert].any()
+        start += c
+
+
+def _experts_pair(**routing):
+    """The loop (exact reference) and the grouped kernels on the same experts, weights and routing."""
+    import copy
+
+    from test_fp8_experts import experts_and_routing
+
+    looped, _, x, index, weights = experts_and_routing(**routing)
+    grouped = copy.deepcopy(looped).to(_device())
+    grouped._grouped_kernels = True
+    return looped, grouped, x, index, weights
+
+
+def _fwd_bwd(experts, x, index, weights, grad):
+    xg = x.clone().requires_grad_()
+    out = experts(xg, index, weights)
+    out.backward(grad)
+    return out, xg.grad, experts.gate_up_proj.grad, experts.down_proj.grad
+
+
+def test_grouped_experts_equal_the_loop_over_experts(tokens=200):
+    """Forward and both gradients of a Qwen3-MoE experts layer (4 experts, top-2, one without tokens, uneven counts):
+    the grouped kernels in the interpreter against the per-expert loop on the emulation."""
+    looped, grouped, x, index, weights = _experts_pair(tokens=tokens)
+    grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(3))
+    ref = _fwd_bwd(looped, x, index, weights, grad)
+    got = _fwd_bwd(grouped, x.to(_device()), index.to(_device()), weights.to(_device()), grad.to(_device()))
+    for name, g, r in zip(("out", "dx", "d gate_up_proj", "d down_proj"), got, ref, strict=True):
+        assert g.shape == r.shape and g.dtype == r.dtype, name
+        assert rel_err(g.cpu(), r) < (4e-3 if CUDA else 1e-4), (name, rel_err(g.cpu(), r))
+    assert not grouped.gate_up_proj.grad[2].any()  # expert 2 received no token: zero gradient
+
+
+def test_grouped_experts_launch_a_fixed_number_of_kernels_whatever_the_expert_count(monkeypatch):
+    """fwd + bwd of both projections: per projection 2 Triton launches forward (quantize, FProp) and 4 backward
+    (quantize dy, re-quantize W, DGrad, WGrad), for 4 experts as for 8."""
+    if CUDA:
+        pytest.skip("counts interpreter launches")
+    from triton.runtime.interpreter import InterpretedFunction
+
+    launches = []
+    run = InterpretedFunction.run
+
+    def counting_run(self, *args, **kwargs):
+        launches.append(self.fn.__name__)
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", counting_run)
+    from test_fp8_experts import tiny_moe
+
+    counts = []
+    for num_experts in (4, 8):
+        experts = tiny_moe(num_experts=num_experts).model.layers[0].mlp.experts
+        from trl_fp8.fp8_experts import FP8Experts
+
+        FP8Experts.convert_(experts, FP8LinearConfig(backend="emulated"))
+        experts._grouped_kernels = True
+        x = torch.randn(64, 256)
+        index = torch.randint(0, num_experts, (64, 2))
+        launches.clear()
+        experts(x.requires_grad_(), index, torch.full((64, 2), 0.5)).sum().backward()
+        counts.append(sorted(launches))
+    assert counts[0] == counts[1] and len(counts[0]) == 12, counts

@@ -1,0 +1,277 @@
+"""Grouped blockwise FP8 GEMMs over rows grouped by expert: a mixture-of-experts projection's FProp, DGrad and WGrad
+for all experts in one launch each, whatever the number of experts.
+
+Layout (`GroupedRows`): the routed rows, sorted by expert, with each expert's segment zero-padded to a multiple of
+128 rows (the layout of DeepGEMM's m-grouped "contiguous" GEMMs). A 128-row group then never spans two experts, so
+one `quantize_act` over all padded rows gives, bit for bit, what quantizing each expert's rows on its own gives: the
+1x128 groups along features (`rows`) are per row anyway, and the 1x128 groups along tokens (`cols`, WGrad's operand)
+are 128 consecutive rows of one expert, its padding zeros (which change no amax and add nothing to a sum).
+
+- `m_grouped_gemm` (FProp `y_e = x_e @ W_e.T`, DGrad `dx_e = dy_e @ W_e`): `a [M_pad, K]` in 1x128 groups along K
+  (`quantize_act`'s `rows` layout), `b [E, N, K]` in 128x128 blocks, any strides (DGrad passes `W` transposed: a
+  128x128 block is the same block of `W.T`, so the same scales serve both). One program per `BLOCK_M x BLOCK_N` tile
+  of the output; the tile's expert comes from its 128-row group, and a tile holding only padding rows returns at once
+  (its output rows are left unwritten: callers read the real rows only).
+- `k_grouped_gemm` (WGrad `dW_e = dy_e.T @ x_e`): both operands in 1x128 groups along tokens (`quantize_act`'s `cols`
+  layout, `[N, M_pad]` and `[K, M_pad]`), each program summing one `BLOCK_N x BLOCK_K` tile of one expert over that
+  expert's 128-token groups. An expert without tokens gets zeros.
+
+Math: fp32 accumulation; each 128-deep product `tl.dot(a_q, b_q)` (exact e4m3 products, fp32 sums) is scaled by the
+product of A's group scale and B's block (or group) scale and added in fp32: the blockwise math of
+`trl_fp8.ops.emulated.gemm` (dequantize, multiply in fp32) but for the order of the fp32 roundings. On CPU (Triton's
+interpreter: e4m3 widened exactly, NumPy's fp32 matmul) the difference is fp32 rounding, which
+`tests/test_grouped_gemm.py` bounds element by element (`|got - ref| <= K * 2**-23 * (|A| @ |B|.T)` against a float64
+reference on the same FP8 operands). On Hopper, as in cuBLAS's and DeepGEMM's blockwise kernels, the tensor cores sum
+each 128-deep product with less than fp32 precision before it is promoted to the fp32 accumulator (DeepSeek-V3 reports
+about 14 bits), so there the bound is the GPU suite's 4e-3 relative (`tests/gpu/test_grouped_gemm_gpu.py`, not run yet).
+
+Floor at `benchmarks/bench_experts.py`'s shape (Qwen3-30B-A3B experts: hidden 2048, intermediate 768, so gate_up
+N=1536; 128 experts, top-8) at 8192 tokens = 65536 routed rows, on an H100 SXM (3.35 TB/s HBM3, 1979 TFLOP/s dense
+FP8, i.e. without 2:4 sparsity; 3958 is the sparse figure, 989 the dense BF16 one). Bytes: each FP8 operand read
+once (all 128 experts' weights included: 403 MB for gate_up, 201 MB for down), fp32 scales, BF16 outputs (WGrad
+writes all `E x N x K` gradients, 805 MB for gate_up):
+
+==================  =======  ======  ==========  ============  =====
+launch              GFLOP    MB      FLOPs (ms)  HBM (ms)      floor
+==================  =======  ======  ==========  ============  =====
+gate_up FProp       412.3    742     0.208       0.222         0.222
+gate_up DGrad       412.3    775     0.208       0.231         0.231
+gate_up WGrad       412.3    1048    0.208       0.313         0.313
+down FProp          206.2    522     0.104       0.156         0.156
+down DGrad          206.2    441     0.104       0.131         0.131
+down WGrad          206.2    593     0.104       0.177         0.177
+all six             1855     4120    0.938       1.230         1.230
+==================  =======  ======  ==========  ============  =====
+
+So at this shape the six launches are memory-bound by a small margin: 1.23 ms of GEMMs per fwd+bwd is the floor a
+measurement is a fraction of. Padding adds rows to the m-grouped launches (that routing's 65536 rows pad to 74112,
++13%; `BLOCK_M=64` skips the half-tiles of padding), and the layer adds memory-bound passes around them: the pad and
+unpad copies, the quantizations of x, h and both output gradients, and the DGrad weight re-quantization (1.2 GB read
+and written for gate_up's weights, 0.36 ms).
+
+Launch configurations are fixed and simple (no autotuning, so a new token count costs no tuning run): 128x128 output
+tiles and 128-deep steps (the scale granularity), 8 warps, 4 pipeline stages (32 KB of shared memory per stage);
+`BLOCK_M=64` with 4 warps when padding is a quarter or more of the rows. Not yet measured on a GPU. Compiled for sm_90
+on a CPU host (`triton.compile` with `GPUTarget("cuda", 90, 32)`, Triton 3.9, operands 16-byte aligned as the
+launches specialize them): both kernels lower to wgmma behind a 4-stage cp.async pipeline (128 KB of shared memory),
+with 193 registers (128-row tiles, 8 warps), 212 (64-row tiles, 4 warps) and 180 (WGrad, 8 warps), no spills (WGrad
+at 4 warps would spill). DGrad's B read as the FProp weight transposed (a strided view, N-major) lowers to wgmma too,
+but then only A's loads are asynchronous; so DGrad multiplies a column-major re-quantization of the weight (K-major,
+the same FP8 values), as the dense layer does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 128  # the scale granularity: 1x128 groups, 128x128 blocks; expert segments are padded to it
+
+__all__ = ["GroupedRows", "k_grouped_gemm", "m_grouped_gemm"]
+
+
+class GroupedRows:
+    """Where each expert's rows sit in the padded layout, for `counts[e]` rows of expert e sorted by expert.
+
+    Host side: `counts`, `num_experts`, `num_rows` (real rows), `m_pad` (padded rows) and `block_m` (the m-grouped
+    tile height chosen for this padding). Device side, from one host-to-device copy: `offsets [E + 1]` (segment
+    starts in the padded layout, multiples of 128), `group_expert` and `group_rows` `[m_pad / 128]` (the expert of
+    each 128-row group and how many of its rows are real), and `dest [num_rows]` (the padded row of each sorted row).
+    """
+
+    def __init__(self, counts: Sequence[int], device: torch.device):
+        self.counts = tuple(int(c) for c in counts)
+        self.num_experts = len(self.counts)
+        c = torch.tensor(self.counts, dtype=torch.int64)
+        groups = (c + BLOCK - 1) // BLOCK
+        offsets = torch.zeros(self.num_experts + 1, dtype=torch.int64)
+        offsets[1:] = torch.cumsum(groups * BLOCK, 0)
+        self.num_rows, self.m_pad = int(c.sum()), int(offsets[-1])
+        num_groups = self.m_pad // BLOCK
+        group_expert = torch.repeat_interleave(torch.arange(self.num_experts), groups, output_size=num_groups)
+        first = offsets[:-1] // BLOCK
+        group_rows = (c[group_expert] - BLOCK * (torch.arange(num_groups) - first[group_expert])).clamp(max=BLOCK)
+        shift = offsets[:-1] - (torch.cumsum(c, 0) - c)  # padded start - sorted start, per expert
+        meta = torch.cat([offsets, group_expert, group_rows, shift, c]).to(device=device, dtype=torch.int32)
+        e, g = self.num_experts, num_groups
+        self.offsets, self.group_expert, self.group_rows, shift, c = meta.split([e + 1, g, g, e, e])
+        self.dest = torch.arange(self.num_rows, device=device) + torch.repeat_interleave(
+            shift.long(), c.long(), output_size=self.num_rows
+        )
+        # Half-height tiles when padding is a large share of the rows (few rows per expert): the half-tiles of padding
+        # are then skipped instead of multiplied.
+        self.block_m = 64 if self.m_pad and self.num_rows < 0.75 * self.m_pad else 128
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """`x [num_rows, K]` (sorted by expert) in the padded layout `[m_pad, K]`, padding rows zero."""
+        return x.new_zeros(self.m_pad, x.shape[1]).index_copy_(0, self.dest, x)
+
+    def unpad(self, y: torch.Tensor) -> torch.Tensor:
+        """The real rows of a padded `y [m_pad, N]`, in sorted order."""
+        return y.index_select(0, self.dest)
+
+
+@triton.jit
+def _m_grouped_kernel(
+    a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, group_expert_ptr, group_rows_ptr,
+    M, N, K,
+    stride_am, stride_ak, stride_asm, stride_ask,
+    stride_be, stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk,
+    stride_cm, stride_cn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    # Grouped program order (GROUP_M row tiles share the column tiles they read), as in Triton's matmul tutorial.
+    pid = tl.program_id(0)
+    num_pid_m = M // BLOCK_M
+    num_pid_n = N // BLOCK_N
+    num_pid_in_group = GROUP_M * num_pid_n
+    first_pid_m = (pid // num_pid_in_group) * GROUP_M
+    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (pid % num_pid_in_group) % group_size_m
+    pid_n = (pid % num_pid_in_group) // group_size_m
+
+    row0 = pid_m * BLOCK_M
+    group = row0 // 128
+    if row0 % 128 >= tl.load(group_rows_ptr + group):
+        return  # padding rows only: no caller reads them
+    e = tl.load(group_expert_ptr + group).to(tl.int64)
+
+    rm = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
+    rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    rk = tl.arange(0, BLOCK_K).to(tl.int64)
+    a_ptrs = a_ptr + rm[:, None] * stride_am + rk[None, :] * stride_ak
+    b_ptrs = b_ptr + e * stride_be + rk[:, None] * stride_bk + rn[None, :] * stride_bn  # [BLOCK_K, BLOCK_N]
+    as_ptrs = as_ptr + rm * stride_asm
+    bs_ptrs = bs_ptr + e * stride_bse + (rn // 128) * stride_bsn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, K // BLOCK_K):
+        a = tl.load(a_ptrs)
+        b = tl.load(b_ptrs)
+        a_s = tl.load(as_ptrs + kb * stride_ask)
+        b_s = tl.load(bs_ptrs + kb * stride_bsk)
+        acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]  # one 128-deep block, scaled, added in fp32
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _k_grouped_kernel(
+    a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, offsets_ptr,
+    N, K,
+    stride_an, stride_at, stride_asn, stride_asg,
+    stride_bk, stride_bt, stride_bsk, stride_bsg,
+    stride_ce, stride_cn, stride_ck,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)  # the output tile within the expert: consecutive programs share the expert's tokens
+    e = tl.program_id(1)
+    num_pid_k = K // BLOCK_K
+    pid_n = pid // num_pid_k
+    pid_k = pid % num_pid_k
+    start = tl.multiple_of(tl.load(offsets_ptr + e), 128)  # (segments start at multiples of 128: aligned loads)
+    num_steps = (tl.load(offsets_ptr + e + 1) - start) // BLOCK_T
+
+    rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    rk = (pid_k * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
+    rt = (start + tl.arange(0, BLOCK_T)).to(tl.int64)
+    a_ptrs = a_ptr + rn[:, None] * stride_an + rt[None, :] * stride_at  # [BLOCK_N, BLOCK_T]
+    b_ptrs = b_ptr + rt[:, None] * stride_bt + rk[None, :] * stride_bk  # [BLOCK_T, BLOCK_K]
+    group0 = (start // BLOCK_T).to(tl.int64)
+    as_ptrs = as_ptr + rn * stride_asn + group0 * stride_asg
+    bs_ptrs = bs_ptr + rk * stride_bsk + group0 * stride_bsg
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for i in range(0, num_steps):
+        a = tl.load(a_ptrs)
+        b = tl.load(b_ptrs)
+        a_s = tl.load(as_ptrs + i * stride_asg)
+        b_s = tl.load(bs_ptrs + i * stride_bsg)
+        acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]  # one 128-token group, scaled, added in fp32
+        a_ptrs += BLOCK_T * stride_at
+        b_ptrs += BLOCK_T * stride_bt
+    c_ptrs = c_ptr + e.to(tl.int64) * stride_ce + rn[:, None] * stride_cn + rk[None, :] * stride_ck
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty))
+
+
+def m_grouped_gemm(
+    a_q: torch.Tensor,
+    a_s: torch.Tensor,
+    b_q: torch.Tensor,
+    b_s: torch.Tensor,
+    rows: GroupedRows,
+    out_dtype: torch.dtype,
+    *,
+    block_m: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int = 4,
+) -> torch.Tensor:
+    """`out[r] = a[r] @ b[e].T` for every real row r of expert e in the padded layout `rows`.
+
+    `a_q [m_pad, K]` float8_e4m3fn with `a_s [m_pad, K/128]` (1x128 groups along K), `b_q [E, N, K]` float8_e4m3fn
+    with `b_s [E, N/128, K/128]` (128x128 blocks); any strides (DGrad passes `W.transpose(1, 2)` and its scales
+    likewise). Returns `out [m_pad, N]` in `out_dtype`; rows of padding are left unwritten where a whole tile is
+    padding. `block_m` (64 or 128; default `rows.block_m`), `num_warps` and `num_stages` change only how it runs."""
+    m, k = a_q.shape
+    e, n, kb = b_q.shape
+    block_m = block_m or rows.block_m
+    if kb != k or m != rows.m_pad or e != rows.num_experts or n % BLOCK or k % BLOCK or BLOCK % block_m:
+        raise ValueError(
+            f"m_grouped_gemm: a {tuple(a_q.shape)} and b {tuple(b_q.shape)} do not fit a {rows.m_pad}-row layout of "
+            f"{rows.num_experts} experts (N and K multiples of 128, block_m dividing 128; got {block_m})."
+        )
+    out = torch.empty(m, n, device=a_q.device, dtype=out_dtype)
+    if m:
+        grid = ((m // block_m) * (n // BLOCK),)
+        _m_grouped_kernel[grid](
+            a_q, a_s, b_q, b_s, out, rows.group_expert, rows.group_rows,
+            m, n, k,
+            a_q.stride(0), a_q.stride(1), a_s.stride(0), a_s.stride(1),
+            b_q.stride(0), b_q.stride(1), b_q.stride(2), b_s.stride(0), b_s.stride(1), b_s.stride(2),
+            out.stride(0), out.stride(1),
+            BLOCK_M=block_m, BLOCK_N=BLOCK, BLOCK_K=BLOCK, GROUP_M=8,
+            num_warps=num_warps or (8 if block_m == 128 else 4), num_stages=num_stages,
+        )  # fmt: skip
+    return out
+
+
+def k_grouped_gemm(
+    a_qt: torch.Tensor,
+    a_st: torch.Tensor,
+    b_qt: torch.Tensor,
+    b_st: torch.Tensor,
+    rows: GroupedRows,
+    out_dtype: torch.dtype,
+    *,
+    num_warps: int = 8,
+    num_stages: int = 4,
+) -> torch.Tensor:
+    """`out[e] = a[:, tokens of e] @ b[:, tokens of e].T` for every expert e: WGrad `dW_e = dy_e.T @ x_e`.
+
+    `a_qt [N, m_pad]` and `b_qt [K, m_pad]` float8_e4m3fn with `a_st [N, m_pad/128]`, `b_st [K, m_pad/128]` (1x128
+    groups along tokens: `quantize_act`'s `cols` layout of the padded `dy` and `x`), any strides. Returns
+    `out [E, N, K]` in `out_dtype`, zeros for experts without tokens. `num_warps` and `num_stages` change only how
+    it runs."""
+    n, m = a_qt.shape
+    k, mb = b_qt.shape
+    if mb != m or m != rows.m_pad or n % BLOCK or k % BLOCK:
+        raise ValueError(
+            f"k_grouped_gemm: a {tuple(a_qt.shape)} and b {tuple(b_qt.shape)} do not fit a {rows.m_pad}-row layout "
+            "(N and K multiples of 128)."
+        )
+    if not m:  # no tokens at all (and no operand memory to point the kernel at)
+        return torch.zeros(rows.num_experts, n, k, device=a_qt.device, dtype=out_dtype)
+    out = torch.empty(rows.num_experts, n, k, device=a_qt.device, dtype=out_dtype)
+    if out.numel():
+        grid = ((n // BLOCK) * (k // BLOCK), rows.num_experts)
+        _k_grouped_kernel[grid](
+            a_qt, a_st, b_qt, b_st, out, rows.offsets,
+            n, k,
+            a_qt.stride(0), a_qt.stride(1), a_st.stride(0), a_st.stride(1),
+            b_qt.stride(0), b_qt.stride(1), b_st.stride(0), b_st.stride(1),
+            out.stride(0), out.stride(1), out.stride(2),
+            BLOCK_N=BLOCK, BLOCK_K=BLOCK, BLOCK_T=BLOCK, num_warps=num_warps, num_stages=num_stages,
+        )  # fmt: skip
+    return out
