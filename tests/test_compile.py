@@ -1,6 +1,12 @@
-"""FP8 layers under `torch.compile` (CPU, exact emulation): every quantizer and GEMM is one `torch.library` custom op
+"""FP8 layers under `torch.compile` (CPU, exact emulation): every quantizer and GEMM is one `torch.library` op
 (`trl_fp8.ops.library`) whose fake function gives the layout the backend really returns (opcheck), so Dynamo traces
-an FP8 layer's forward and backward without a graph break, to the same bits as eager."""
+an FP8 layer's forward and backward without a graph break, to the same bits as eager. The GPU backend's traceable
+form (`trl_fp8.ops.triton_ops`: Triton ops and the aten GEMM) is traced here on meta tensors."""
+
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -8,7 +14,7 @@ from torch import nn
 
 from trl_fp8 import FP8Linear, FP8LinearConfig, convert_to_fp8
 from trl_fp8.demo.tiny_model import tiny_qwen3
-from trl_fp8.ops import emulated, library
+from trl_fp8.ops import emulated
 
 from conftest import rel_err
 
@@ -16,13 +22,14 @@ from conftest import rel_err
 @pytest.mark.parametrize("rows,cols", [(True, False), (True, True), (False, True)])
 def test_quantizer_ops_fake_layouts_match_the_backend(rows, cols):
     x = torch.randn(200, 384, dtype=torch.bfloat16)
-    torch.library.opcheck(library.quantize_act_op, (x, "emulated", rows, cols, False))
-    torch.library.opcheck(library.quantize_swiglu_op, (x, x.flip(0), "emulated", rows, cols, False))
+    ops = torch.ops.trl_fp8
+    torch.library.opcheck(ops.quantize_act.default, (x, "emulated", rows, cols, False))
+    torch.library.opcheck(ops.quantize_swiglu.default, (x, x.flip(0), "emulated", rows, cols, False))
     w = torch.randn(256, 384, dtype=torch.bfloat16)
-    torch.library.opcheck(library.quantize_weight_op, (w, "emulated", cols, False))
+    torch.library.opcheck(ops.quantize_weight.default, (w, "emulated", cols, False))
     # (opcheck's schema test multiplies inputs, which float8 tensors do not support on CPU)
     act, (q, s) = emulated.quantize_act(x), emulated.quantize_weight(w)
-    torch.library.opcheck(library.gemm_op, (act.q, act.scale_inv, q, s, "emulated", True, torch.bfloat16),
+    torch.library.opcheck(ops.gemm.default, (act.q, act.scale_inv, q, s, "emulated", True, torch.bfloat16),
                           test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))  # fmt: skip
 
 
@@ -72,3 +79,52 @@ def test_compiled_fp8_model_is_as_accurate_as_eager():
     median = {c: e[len(e) // 2] for c, e in errors.items()}
     print(f"median gradient error against fp32: eager FP8 {median[False]:.3f}, compiled FP8 {median[True]:.3f}")
     assert median[True] < 1.5 * median[False] and max(errors[True]) < 1.5 * max(errors[False])
+
+
+_TRACE_GPU_BACKEND = """
+import torch
+from trl_fp8.fp8_linear import FP8Weight, _BlockwiseFP8Matmul
+from trl_fp8.ops import scaled_mm
+from trl_fp8.ops.library import traceable
+
+ops = traceable(scaled_mm)
+assert ops.__name__ == "trl_fp8.ops.triton_ops"
+x = torch.randn(300, 256, dtype=torch.bfloat16, device="meta", requires_grad=True)
+w = torch.randn(384, 256, dtype=torch.bfloat16, device="meta", requires_grad=True)
+
+def forward(x, w):
+    return _BlockwiseFP8Matmul.apply(x, w, FP8Weight(w, ops, False), True)
+
+explained = torch._dynamo.explain(forward)(x, w)
+assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+code = explained.graphs[0].print_readable(print_output=False)  # with the autograd function's bodies
+print(code)
+for name in ("triton_quantize_weight", "triton_quantize_act", "trl_fp8.gemm"):
+    assert name in code, name
+
+# Forward and backward as AOTAutograd traces them (fake tensors): every op's fake gives the real output layout.
+def joint(x, w):
+    out = forward(x, w)
+    return (out, *torch.autograd.grad(out.float().square().sum(), (x, w)))
+
+from torch.fx.experimental.proxy_tensor import make_fx
+graph = make_fx(joint, tracing_mode="fake")(x, w)
+calls = [str(n.target) for n in graph.graph.nodes if n.op == "call_function"]
+print(calls)
+assert calls.count("trl_fp8.triton_quantize_act.default") == 2  # x (both layouts), then dy (both layouts)
+assert calls.count("trl_fp8.triton_quantize_weight.default") == 2  # FProp's row-major W, DGrad's column-major W
+assert calls.count("trl_fp8.gemm.default") == 3  # FProp, DGrad, WGrad
+out, dx, dw = (n for n in graph.graph.output_node().args[0])
+assert out.meta["val"].shape == (300, 384) and dx.meta["val"].shape == (300, 256) and dw.meta["val"].shape == (384, 256)
+print("traced")
+"""
+
+
+def test_gpu_backend_traces_as_triton_ops():
+    """Under torch.compile the GPU backend is `triton_ops`: the quantizers as `triton_op`s (Inductor launches their
+    kernels from its generated code) and the blockwise GEMM as one op, with no graph break, forward and backward
+    (meta tensors; in a process without Triton's interpreter, whose kernels cannot be traced)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(_TRACE_GPU_BACKEND)], env=env, capture_output=True,
+                            text=True, timeout=600)  # fmt: skip
+    assert result.returncode == 0 and "traced" in result.stdout, result.stdout[-3000:] + result.stderr[-5000:]

@@ -263,7 +263,7 @@ class FP8Linear(nn.Linear):
         w, cfg = self.weight, self.fp8_config
         if torch.compiler.is_compiling():
             # Inside a compiled graph the weight is quantized in the graph (the cache's pointer and version checks
-            # would break it), and every op is the backend's custom op (`ops.library`): one opaque node each.
+            # would break it), and the ops are the backend's traceable form (`ops.library.traceable`).
             # (`select_ops` uncached there: the compiler traces through it and keeps its answer as a guard)
             ops = traceable(select_ops.__wrapped__(cfg, w.device))
             return FP8Weight(w, ops, cfg.power_of_two_scales)

@@ -143,25 +143,34 @@ def test_tiny_qwen3_trains_on_gpu():
 
 
 def test_fp8_linear_compiles_on_the_gpu_backend():
-    """torch.compile (inductor) of FP8Linear on the real kernels, every quantizer and GEMM one custom op
-    (`trl_fp8.ops.library`): no graph break, and the same bits as eager."""
+    """torch.compile (inductor) of FP8Linear on the real kernels (`trl_fp8.ops.triton_ops`): no graph break, the
+    quantizers' Triton kernels launched from Inductor's own code (not through an op's Python body), and the same
+    bits as eager."""
     import torch._dynamo
+    from torch._inductor.utils import run_and_get_code
 
     torch._dynamo.reset()
     torch.manual_seed(0)
     lin = torch.nn.Linear(1024, 768, bias=False, device="cuda", dtype=torch.bfloat16)
     FP8Linear.convert_(lin, FP8LinearConfig(backend="scaled_mm"))
     x = torch.randn(4, 300, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    results = []
-    for layer in (lin, torch.compile(lin)):
+
+    def step(layer):
         x.grad = lin.weight.grad = None
         out = layer(x)
         out.float().square().sum().backward()
-        results.append((out.detach(), x.grad.clone(), lin.weight.grad.clone()))
+        return out.detach(), x.grad.clone(), lin.weight.grad.clone()
+
+    eager = step(lin)
+    compiled, code = run_and_get_code(step, torch.compile(lin))
     breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
     print(f"compiled FP8Linear: {breaks} graph breaks")
     assert breaks == 0, dict(torch._dynamo.utils.counters["graph_break"])
-    for a, b in zip(*results, strict=True):
+    code = "\n".join(code)
+    for kernel in ("_act_quant_kernel", "_weight_quant_kernel"):
+        assert kernel in code, f"{kernel} not launched by Inductor's code"
+    assert "triton_quantize_act" not in code  # (the GEMM stays an op: Dynamo cannot trace torch._scaled_mm_v2)
+    for a, b in zip(eager, compiled, strict=True):
         assert torch.equal(a, b)
 
 

@@ -8,7 +8,12 @@ import torch
 
 from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, FP8Linear
 from trl_fp8.demo.tiny_model import tiny_char_tokenizer, tiny_qwen3
-from trl_fp8.demo.toy_task import GRPO_SETTINGS, say_letter_dataset, say_letter_reward
+from trl_fp8.demo.toy_task import (
+    GRPO_SETTINGS,
+    sampled_reward,
+    say_letter_dataset,
+    say_letter_reward,
+)
 from trl_fp8.ops import select_ops
 
 from conftest import rel_err
@@ -30,12 +35,16 @@ def letter_task_trainer(tmp_path, **config) -> FP8GRPOTrainer:
     return FP8GRPOTrainer(str(model_dir), say_letter_reward, args, train_dataset=say_letter_dataset(2048))
 
 
-def reward_gain(trainer, label: str) -> tuple[float, float]:
-    """Mean reward of the first 5 and the last 10 logged steps."""
+def assert_learned(trainer, before: float, label: str) -> None:
+    """The policy's expected reward (`sampled_reward`: 512 sampled answers, fixed seed) rose from `before` by more
+    than its sampling noise. The logged reward windows (32 completions a step) are too noisy to judge by: on one H100
+    the last 10 steps' mean was +0.05 to +0.12 above the first 5's in three runs of the same setting, and in one CPU
+    run +0.07, where this estimate went from 0.006 to 0.114 (three seeds after training: 0.110-0.116)."""
+    after = sampled_reward(trainer.model, trainer.processing_class)
     rewards = [log["reward"] for log in trainer.state.log_history if "reward" in log]
-    early, late = sum(rewards[:5]) / 5, sum(rewards[-10:]) / 10
-    print(f"{label} reward: steps 1-5 {early:.3f}, steps 31-40 {late:.3f}")
-    return early, late
+    print(f"{label}: expected reward {before:.3f} -> {after:.3f} (logged: steps 1-5 {sum(rewards[:5]) / 5:.3f}, "
+          f"last 10 {sum(rewards[-10:]) / 10:.3f})")  # fmt: skip
+    assert after > before + 0.04  # (seeds of the estimate differ by under 0.01)
 
 
 def test_grpo_end_to_end_with_real_fp8_kernels(tmp_path):
@@ -45,9 +54,9 @@ def test_grpo_end_to_end_with_real_fp8_kernels(tmp_path):
     from trl_fp8.ops import scaled_mm  # imports Triton: GPU hosts only
 
     assert select_ops(layer.fp8_config, layer.weight.device) is scaled_mm  # the real kernels, not the emulation
+    before = sampled_reward(trainer.model, trainer.processing_class)
     trainer.train()
-    early, late = reward_gain(trainer, "GPU FP8 GRPO")
-    assert late > early + 0.08
+    assert_learned(trainer, before, "GPU FP8 GRPO")
 
     # The trained model under the real kernels vs the exact emulation of the same FP8 math.
     ids = torch.randint(0, 84, (4, 64), device="cuda")
@@ -68,9 +77,10 @@ def test_grpo_end_to_end_with_real_fp8_kernels(tmp_path):
 
 def test_liger_kernels_with_fp8_layers():
     """TRL's `use_liger_kernel=True` (Liger's RMSNorm, RoPE and SwiGLU put on the model after the FP8 conversion):
-    the FP8 layers stay FP8 and compute what they compute without Liger (loss and every gradient within bf16 noise of
-    the FP8 model without Liger); with the sibling GEMMs, Liger's SwiGLU gets the gate/up columns of the one GEMM.
-    Then a short FP8GRPOTrainer run with it learns. Liger's kernels do not run in Triton's CPU interpreter."""
+    the FP8 layers stay FP8, and the model's gradients are as close to the high-precision model's as the FP8 model's
+    without Liger (Liger's fp32 norm and activation feed the FP8 quantizers values a bf16 step apart from eager's, so
+    roundings differ: not the same bits, the same accuracy). With the sibling GEMMs, Liger's SwiGLU gets the gate/up
+    columns of the one GEMM. Liger's kernels do not run in Triton's CPU interpreter."""
     pytest.importorskip("liger_kernel", reason="pip install liger-kernel (the `liger` extra)")
     import copy
 
@@ -80,7 +90,10 @@ def test_liger_kernels_with_fp8_layers():
 
     base = tiny_qwen3(dtype=torch.bfloat16, vocab_size=512).cuda()
     ids = torch.randint(0, 512, (4, 256), device="cuda")
-    runs = {}
+    reference = copy.deepcopy(base).float()  # the same weights, every op in fp32
+    reference(input_ids=ids, labels=ids).loss.backward()
+    ref_grads = {n: p.grad for n, p in reference.named_parameters()}
+    errors = {}
     for name, options, liger in [("fp8", {}, False), ("fp8_liger", {}, True),
                                  ("siblings_liger", {"fuse_sibling_gemms": True}, True)]:  # fmt: skip
         model = copy.deepcopy(base)
@@ -88,25 +101,22 @@ def test_liger_kernels_with_fp8_layers():
         if liger:
             _apply_liger_kernel_to_instance(model=model, fused_linear_cross_entropy=False)
         assert isinstance(model.model.layers[0].mlp.up_proj, FP8Linear)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        runs[name] = (loss.item(), {n: p.grad.float() for n, p in model.named_parameters()})
-    ref_loss, ref_grads = runs["fp8"]
+        model(input_ids=ids, labels=ids).loss.backward()
+        errors[name] = sorted(rel_err(p.grad.float(), ref_grads[n]) for n, p in model.named_parameters())
+    median = {name: e[len(e) // 2] for name, e in errors.items()}
+    print("gradient error against fp32, median / worst parameter: "
+          + ", ".join(f"{name} {median[name]:.3f} / {e[-1]:.3f}" for name, e in errors.items()))  # fmt: skip
     for name in ("fp8_liger", "siblings_liger"):
-        loss, grads = runs[name]
-        worst = max(rel_err(grads[n], ref_grads[n]) for n in ref_grads)
-        print(f"{name}: loss {loss:.5f} vs {ref_loss:.5f}, worst gradient rel diff {worst:.2e}")
-        assert abs(loss - ref_loss) < 1e-2 * abs(ref_loss)
-        assert worst < 5e-2  # Liger's fp32 norm/activation vs eager's bf16 steps, through FP8 re-quantization
+        assert median[name] < 1.5 * median["fp8"] and errors[name][-1] < 1.5 * errors["fp8"][-1]
 
 
 @pytest.mark.parametrize("fuse", [False, True])
 def test_grpo_learns_with_liger_kernels(tmp_path, fuse):
     pytest.importorskip("liger_kernel", reason="pip install liger-kernel (the `liger` extra)")
     trainer = letter_task_trainer(tmp_path, use_liger_kernel=True, fp8_fuse_sibling_gemms=fuse)
+    before = sampled_reward(trainer.model, trainer.processing_class)
     trainer.train()
     mlp = trainer.model.model.layers[0].mlp
     assert isinstance(mlp.up_proj, FP8Linear)
     assert "Liger" in mlp.forward.__qualname__ and "Liger" in trainer.model.model.norm.forward.__qualname__
-    early, late = reward_gain(trainer, f"GPU FP8 GRPO + Liger (siblings fused: {fuse})")
-    assert late > early + 0.08
+    assert_learned(trainer, before, f"GPU FP8 GRPO + Liger (siblings fused: {fuse})")

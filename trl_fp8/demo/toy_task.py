@@ -152,6 +152,25 @@ def greedy_answers(model, tokenizer, letters: str = LETTERS) -> dict[str, str]:
     return answers
 
 
+@torch.no_grad()
+def sampled_reward(model, tokenizer, samples: int = 64, seed: int = 0, letters: str = LETTERS) -> float:
+    """Mean `say_letter_reward` of `samples` answers sampled per letter as GRPO samples them (temperature 1, no top-k
+    or top-p), with a fixed seed: the expected reward on a fixed evaluation set, which a training log's few
+    completions a step estimate too noisily to compare two points of a short run."""
+    device = next(model.parameters()).device
+    rewards = []
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # the caller's RNGs untouched
+        torch.manual_seed(seed)
+        for letter in letters:
+            ids = torch.tensor([_prompt_ids(tokenizer, letter)] * samples, device=device)
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=ANSWER_LENGTH,
+                                 do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                                 pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+            completions = tokenizer.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True)
+            rewards += say_letter_reward(completions, [letter] * samples)
+    return sum(rewards) / len(rewards)
+
+
 def greedy_accuracy(model, tokenizer, letters: str = LETTERS) -> tuple[float, dict[str, str]]:
     """Fraction of letters whose greedy answer is exactly the letter `ANSWER_LENGTH` times, and the answers."""
     answers = greedy_answers(model, tokenizer, letters)

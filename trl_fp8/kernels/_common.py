@@ -63,9 +63,26 @@ def empty_act_layouts(m: int, k: int, rows: bool, cols: bool, device: torch.devi
     return QuantizedAct(q, s, qt, st)
 
 
-def layout_pointers(act: QuantizedAct, rows: bool, cols: bool) -> tuple:
+def layout_pointers(act: QuantizedAct, rows: bool, cols: bool, traced: bool = False) -> tuple:
     """`(q, s, qt, st)` as a kernel's pointer arguments: a disabled layout's pointers are a live buffer of the other
-    layout, which its constexpr flag keeps the kernel from touching."""
+    layout, which its constexpr flag keeps the kernel from touching. `traced` (a launch inside `torch.compile`, see
+    `launcher`): empty buffers instead, since the compiler tracks what each argument's kernel writes and an argument
+    must not alias another."""
     q, s, qt, st = act
+    if traced:
+        like = q if rows else qt
+        q, qt = (t if t is not None else like.new_empty(0) for t in (q, qt))
+        s, st = (t if t is not None else like.new_empty(0, dtype=torch.float32) for t in (s, st))
+        return q, s, qt, st
     dummy = q if rows else qt
     return (q if rows else dummy, s if rows else st, qt if cols else dummy, st if cols else s)
+
+
+def launcher(kernel, traced: bool):
+    """`kernel`, launched as is (eager: the least host time) or through `torch.library.wrap_triton` (inside a
+    `triton_op`, so that Inductor calls the kernel from its generated code)."""
+    if not traced:
+        return kernel
+    from torch.library import wrap_triton
+
+    return wrap_triton(kernel)

@@ -24,6 +24,7 @@ from ._common import (
     BLOCK,
     empty_act_layouts,
     fp8_scale,
+    launcher,
     layout_pointers,
     scale_and_saturate,
     store_col_groups,
@@ -71,20 +72,22 @@ def quantize_act(
     power_of_two_scales: bool = False,
     num_warps: int | None = None,
     cols_second_read: bool = False,
+    traced: bool = False,
 ) -> QuantizedAct:
     """Quantize a 2-D `x [M, K]` (any strides, K a multiple of 128) into the layouts asked for; bit for bit
     `trl_fp8.quantization.quantize_act_layouts`, with the scales column-major. `num_warps` (default: the measured
     best, 4 with the column layout, else 8) and `cols_second_read` change only how the kernel runs
-    (`benchmarks/bench_quant.py` sweeps both), never the result."""
+    (`benchmarks/bench_quant.py` sweeps both), never the result; `traced`: launched for `torch.compile`
+    (`trl_fp8.ops.triton_ops`)."""
     if num_warps is None:
         num_warps = 4 if cols else 8
     m, k = x.shape
     out = empty_act_layouts(m, k, rows, cols, x.device)
     m_pad = triton.cdiv(m, BLOCK) * BLOCK
     if m_pad:
-        _act_quant_kernel[(m_pad // BLOCK, k // BLOCK)](
+        launcher(_act_quant_kernel, traced)[(m_pad // BLOCK, k // BLOCK)](
             x, x.stride(0), x.stride(1),
-            *layout_pointers(out, rows, cols),
+            *layout_pointers(out, rows, cols, traced),
             m, m_pad, k,
             ROWS=rows, COLS=cols, POW2=power_of_two_scales, BLOCK=BLOCK, COLS_SECOND_READ=cols_second_read,
             num_warps=num_warps, num_stages=1,

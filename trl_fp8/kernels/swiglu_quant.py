@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from ..quantization import QuantizedAct
-from ._common import BLOCK, empty_act_layouts, layout_pointers, store_col_groups, store_row_groups
+from ._common import BLOCK, empty_act_layouts, launcher, layout_pointers, store_col_groups, store_row_groups
 
 
 @triton.jit
@@ -58,10 +58,11 @@ def quantize_swiglu(
     cols: bool = False,
     power_of_two_scales: bool = False,
     out: torch.Tensor | None = None,
+    traced: bool = False,
 ) -> QuantizedAct:
     """`silu(gate) * up` for 2-D `gate, up [M, I]` (unit stride along I, I a multiple of 128; column slices of one
     gate_up output are fine), quantized into the layouts asked for. The product itself is written only into `out`
-    (contiguous `[M, I]`, the inputs' dtype) when one is given."""
+    (contiguous `[M, I]`, the inputs' dtype) when one is given. `traced`: launched for `torch.compile`."""
     if gate.shape != up.shape or gate.dtype != up.dtype or gate.stride(1) != 1 or up.stride(1) != 1:
         raise ValueError(
             f"quantize_swiglu needs gate and up of one shape and dtype with unit stride along the last dim; got "
@@ -74,11 +75,11 @@ def quantize_swiglu(
     result = empty_act_layouts(m, k, rows, cols, gate.device)
     m_pad = triton.cdiv(m, BLOCK) * BLOCK
     if m_pad:
-        pointers = layout_pointers(result, rows, cols)
-        _swiglu_quant_kernel[(m_pad // BLOCK, k // BLOCK)](
+        pointers = layout_pointers(result, rows, cols, traced)
+        launcher(_swiglu_quant_kernel, traced)[(m_pad // BLOCK, k // BLOCK)](
             gate, gate.stride(0), up, up.stride(0),
             *pointers,
-            out if out is not None else pointers[0],  # (never written without STORE_H)
+            out if out is not None else (pointers[0].new_empty(0) if traced else pointers[0]),  # (unwritten without STORE_H)
             m, m_pad, k,
             ROWS=rows, COLS=cols, POW2=power_of_two_scales, BLOCK=BLOCK, STORE_H=out is not None,
             num_warps=4 if cols else 8, num_stages=1,

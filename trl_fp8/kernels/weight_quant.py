@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import fp8_scale, scale_and_saturate
+from ._common import fp8_scale, launcher, scale_and_saturate
 
 BLOCK = 128
 
@@ -49,15 +49,20 @@ def empty_weight_layout(n: int, k: int, col_major: bool, device) -> tuple[torch.
 
 
 def quantize_weight(
-    w: torch.Tensor, *, col_major: bool = False, power_of_two_scales: bool = False, num_warps: int = 8
+    w: torch.Tensor,
+    *,
+    col_major: bool = False,
+    power_of_two_scales: bool = False,
+    num_warps: int = 8,
+    traced: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(q [N, K], scale_inv [N/128, K/128])`; `col_major` picks the storage order of both. `num_warps` changes
-    only the launch, never the result."""
+    only the launch, never the result; `traced`: launched for `torch.compile`."""
     n, k = w.shape
     nb, kb = triton.cdiv(n, BLOCK), triton.cdiv(k, BLOCK)
     q, s = empty_weight_layout(n, k, col_major, w.device)
     if n and k:
-        _weight_quant_kernel[(nb, kb)](
+        launcher(_weight_quant_kernel, traced)[(nb, kb)](
             w, w.stride(0), w.stride(1), q, s, n, k, nb, kb,
             COL_MAJOR=col_major, POW2=power_of_two_scales, BLOCK=BLOCK, num_warps=num_warps, num_stages=1,
         )  # fmt: skip

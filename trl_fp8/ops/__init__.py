@@ -12,8 +12,8 @@ Every backend exposes the same four functions, on logical (layout-free) tensors:
 - `gemm(a_q, a_s, b_q, b_s, b_blocks, out_dtype)`: `a @ b.T` with fp32 accumulation, where `a` holds 1x128
   groups and `b` holds 128x128 blocks (`b_blocks=True`) or 1x128 groups along the shared dim.
 
-`library.traceable(backend)` is the same interface over `torch.library` custom ops: what FP8 layers call inside
-`torch.compile`.
+`library.traceable(backend)` is the same interface as `torch.compile` takes it (`torch.library` ops; Triton ops and the
+aten GEMM for the GPU backend, `triton_ops`): what FP8 layers call inside a compiled region.
 """
 
 from __future__ import annotations

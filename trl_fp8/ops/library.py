@@ -1,18 +1,20 @@
-"""The backends' four ops as `torch.library` custom ops, which is how FP8 layers run under `torch.compile`.
+"""The backends' four ops as `torch.library` ops, which is how FP8 layers run under `torch.compile`.
 
-Dynamo then sees each quantization and each GEMM as one opaque op with a known output layout (the fake functions
-below) instead of tracing into Triton launches, device guards and cuBLAS argument checks, and AOTAutograd compiles a
+Dynamo then sees each quantization and each GEMM as one op with a known output layout (the fake functions below)
+instead of tracing into Triton launches, device guards and cuBLAS argument checks, and AOTAutograd compiles a
 layer's forward and backward around them: no Python autograd node per layer, no Python glue between the launches.
-In eager mode the layers call the backend modules directly, since a custom op's dispatch costs host time of its own.
+In eager mode the layers call the backend modules directly, since an op's dispatch costs host time of its own.
 
 `traceable(ops)` gives the same interface as a backend module (`quantize_act`, `quantize_swiglu`, `quantize_weight`,
-`gemm`; see `trl_fp8.ops`), each call going through the op of that backend: same functions, same results.
+`gemm`; see `trl_fp8.ops`) for use inside `torch.compile`. The GPU backends' quantizers are `ops.triton_ops` (Triton
+kernels that Inductor launches from its generated code); everything else goes through the ops defined here, whose
+Python bodies run the backend's own functions: same functions, same results. They are defined with `Library.define`,
+not `torch.library.custom_op`, whose Python dispatch costs about four times the host time per call.
 """
 
 from __future__ import annotations
 
 import importlib
-from functools import partial
 from types import ModuleType
 
 import torch
@@ -23,103 +25,123 @@ from ..quantization import QuantizedAct
 __all__ = ["traceable"]
 
 
-def _backend(name: str) -> ModuleType:
-    return importlib.import_module(f"{__package__}.{name}")
-
-
-def _pack(act: QuantizedAct, like: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """A custom op returns tensors only: an absent layout becomes an empty placeholder (read back as None)."""
+def pack(act: QuantizedAct, like: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """An op returns tensors only: an absent layout becomes an empty placeholder (`unpack` reads it back as None)."""
     return tuple(t if t is not None else like.new_empty(0) for t in act)
 
 
-def _unpack(out, rows: bool, cols: bool) -> QuantizedAct:
+def unpack(out, rows: bool, cols: bool) -> QuantizedAct:
     q, s, qt, st = out
     return QuantizedAct(q if rows else None, s if rows else None, qt if cols else None, st if cols else None)
 
 
-def _fake_act(backend: str, quantize, m: int, k: int, rows: bool, cols: bool, device) -> QuantizedAct:
-    """What `backend`'s quantizer returns, as fake tensors: the emulation runs as it is (plain torch ops, which fake
-    tensors carry through); the Triton quantizers' buffers come from the allocator they use."""
-    if backend == "emulated":
-        return quantize()
-    from ..kernels._common import empty_act_layouts
-
-    return empty_act_layouts(m, k, rows, cols, device)
-
-
-@torch.library.custom_op("trl_fp8::quantize_act", mutates_args=())
-def quantize_act_op(
-    x: Tensor, backend: str, rows: bool, cols: bool, pow2: bool
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return _pack(_backend(backend).quantize_act(x, rows=rows, cols=cols, power_of_two_scales=pow2), x)
+_lib = torch.library.Library("trl_fp8", "FRAGMENT")
+_QUANTIZED = "(Tensor, Tensor, Tensor, Tensor)"
+_lib.define(f"quantize_act(Tensor x, str backend, bool rows, bool cols, bool pow2) -> {_QUANTIZED}")
+_lib.define(f"quantize_swiglu(Tensor gate, Tensor up, str backend, bool rows, bool cols, bool pow2) -> {_QUANTIZED}")
+_lib.define("quantize_weight(Tensor w, str backend, bool col_major, bool pow2) -> (Tensor, Tensor)")
+_lib.define(
+    "gemm(Tensor a_q, Tensor a_s, Tensor b_q, Tensor b_s, str backend, bool b_blocks, ScalarType out_dtype) -> Tensor"
+)
 
 
-@quantize_act_op.register_fake
-def _(x, backend, rows, cols, pow2):
-    run = partial(_backend(backend).quantize_act, x, rows=rows, cols=cols, power_of_two_scales=pow2)
-    return _pack(_fake_act(backend, run, x.shape[0], x.shape[1], rows, cols, x.device), x)
+def _backend(name: str) -> ModuleType:
+    return importlib.import_module(f"{__package__}.{name}")
 
 
-@torch.library.custom_op("trl_fp8::quantize_swiglu", mutates_args=())
-def quantize_swiglu_op(
-    gate: Tensor, up: Tensor, backend: str, rows: bool, cols: bool, pow2: bool
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return _pack(_backend(backend).quantize_swiglu(gate, up, rows=rows, cols=cols, power_of_two_scales=pow2), gate)
+def _quantize_act(x, backend, rows, cols, pow2):
+    return pack(_backend(backend).quantize_act(x, rows=rows, cols=cols, power_of_two_scales=pow2), x)
 
 
-@quantize_swiglu_op.register_fake
-def _(gate, up, backend, rows, cols, pow2):
-    run = partial(_backend(backend).quantize_swiglu, gate, up, rows=rows, cols=cols, power_of_two_scales=pow2)
-    return _pack(_fake_act(backend, run, gate.shape[0], gate.shape[1], rows, cols, gate.device), gate)
+def _quantize_swiglu(gate, up, backend, rows, cols, pow2):
+    return pack(_backend(backend).quantize_swiglu(gate, up, rows=rows, cols=cols, power_of_two_scales=pow2), gate)
 
 
-@torch.library.custom_op("trl_fp8::quantize_weight", mutates_args=())
-def quantize_weight_op(w: Tensor, backend: str, col_major: bool, pow2: bool) -> tuple[Tensor, Tensor]:
+def _quantize_weight(w, backend, col_major, pow2):
     return _backend(backend).quantize_weight(w, col_major=col_major, power_of_two_scales=pow2)
 
 
-@quantize_weight_op.register_fake
-def _(w, backend, col_major, pow2):
-    if backend == "emulated":  # (see _fake_act)
-        return _backend(backend).quantize_weight(w, col_major=col_major, power_of_two_scales=pow2)
-    from ..kernels.weight_quant import empty_weight_layout
-
-    return empty_weight_layout(*w.shape, col_major, w.device)
-
-
-@torch.library.custom_op("trl_fp8::gemm", mutates_args=())
-def gemm_op(
-    a_q: Tensor, a_s: Tensor, b_q: Tensor, b_s: Tensor, backend: str, b_blocks: bool, out_dtype: torch.dtype
-) -> Tensor:
+def _gemm(a_q, a_s, b_q, b_s, backend, b_blocks, out_dtype):
     out = _backend(backend).gemm(a_q, a_s, b_q, b_s, b_blocks, out_dtype)
     # (an output must not alias an input; cuBLAS and the emulation return fresh tensors, this keeps it so)
     return out if out._base is None else out.clone()
 
 
-@gemm_op.register_fake
-def _(a_q, a_s, b_q, b_s, backend, b_blocks, out_dtype):
+# Fakes: what the backend returns, as fake tensors. The emulation runs as it is (plain torch ops, which fake tensors
+# carry through); the Triton quantizers' buffers come from the allocators the kernels use.
+def _fake_quantize_act(x, backend, rows, cols, pow2):
+    if backend == "emulated":
+        return _quantize_act(x, backend, rows, cols, pow2)
+    from ..kernels._common import empty_act_layouts
+
+    return pack(empty_act_layouts(x.shape[0], x.shape[1], rows, cols, x.device), x)
+
+
+def _fake_quantize_swiglu(gate, up, backend, rows, cols, pow2):
+    if backend == "emulated":
+        return _quantize_swiglu(gate, up, backend, rows, cols, pow2)
+    return _fake_quantize_act(gate, backend, rows, cols, pow2)
+
+
+def _fake_quantize_weight(w, backend, col_major, pow2):
+    if backend == "emulated":
+        return _quantize_weight(w, backend, col_major, pow2)
+    from ..kernels.weight_quant import empty_weight_layout
+
+    return empty_weight_layout(*w.shape, col_major, w.device)
+
+
+def _fake_gemm(a_q, a_s, b_q, b_s, backend, b_blocks, out_dtype):
     return a_q.new_empty(a_q.shape[0], b_q.shape[0], dtype=out_dtype)
 
 
-class _TraceableOps:
-    """A backend module's interface over the custom ops above (see the module docstring)."""
+for _name, _impl, _fake in [
+    ("quantize_act", _quantize_act, _fake_quantize_act),
+    ("quantize_swiglu", _quantize_swiglu, _fake_quantize_swiglu),
+    ("quantize_weight", _quantize_weight, _fake_quantize_weight),
+    ("gemm", _gemm, _fake_gemm),
+]:
+    _lib.impl(_name, _impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"trl_fp8::{_name}", _fake, lib=_lib)
 
-    def __init__(self, backend: str):
-        self.backend = backend
+_ops = torch.ops.trl_fp8
+gemm_op = _ops.gemm.default
 
-    def quantize_act(self, x, *, rows=True, cols=False, power_of_two_scales=False) -> QuantizedAct:
-        return _unpack(quantize_act_op(x, self.backend, rows, cols, power_of_two_scales), rows, cols)
 
-    def quantize_swiglu(self, gate, up, *, rows=True, cols=False, power_of_two_scales=False) -> QuantizedAct:
-        return _unpack(quantize_swiglu_op(gate, up, self.backend, rows, cols, power_of_two_scales), rows, cols)
+class _OpInterface:
+    """A backend module's interface over the ops above; `quantizers`: a module whose quantizers to use instead."""
+
+    def __init__(self, backend: str, quantizers: ModuleType | None = None):
+        self.backend, self.quantizers = backend, quantizers
+
+    def quantize_act(self, x, *, rows=True, cols=False, power_of_two_scales=False):
+        if self.quantizers is not None:
+            return self.quantizers.quantize_act(x, rows=rows, cols=cols, power_of_two_scales=power_of_two_scales)
+        return unpack(_ops.quantize_act.default(x, self.backend, rows, cols, power_of_two_scales), rows, cols)
+
+    def quantize_swiglu(self, gate, up, *, rows=True, cols=False, power_of_two_scales=False):
+        if self.quantizers is not None:
+            return self.quantizers.quantize_swiglu(gate, up, rows=rows, cols=cols,
+                                                   power_of_two_scales=power_of_two_scales)  # fmt: skip
+        out = _ops.quantize_swiglu.default(gate, up, self.backend, rows, cols, power_of_two_scales)
+        return unpack(out, rows, cols)
 
     def quantize_weight(self, w, *, col_major=False, power_of_two_scales=False):
-        return quantize_weight_op(w, self.backend, col_major, power_of_two_scales)
+        if self.quantizers is not None:
+            return self.quantizers.quantize_weight(w, col_major=col_major, power_of_two_scales=power_of_two_scales)
+        return _ops.quantize_weight.default(w, self.backend, col_major, power_of_two_scales)
 
     def gemm(self, a_q, a_s, b_q, b_s, b_blocks: bool, out_dtype: torch.dtype):
-        return gemm_op(a_q, a_s, b_q, b_s, self.backend, b_blocks, out_dtype)
+        return _ops.gemm.default(a_q, a_s, b_q, b_s, self.backend, b_blocks, out_dtype)
 
 
-def traceable(ops: ModuleType) -> _TraceableOps:
-    """`ops` (a backend module of `trl_fp8.ops`) as custom ops: what FP8 layers use inside `torch.compile`."""
-    return _TraceableOps(ops.__name__.rpartition(".")[2])
+def traceable(ops: ModuleType):
+    """`ops` (a backend module of `trl_fp8.ops`) as FP8 layers use it inside `torch.compile`."""
+    backend = ops.__name__.rpartition(".")[2]
+    if backend == "emulated":
+        return _OpInterface(backend)
+    from . import triton_ops
+
+    if backend == "scaled_mm":
+        return triton_ops
+    return _OpInterface(backend, quantizers=triton_ops)  # DeepGEMM's GEMMs through the op, our Triton quantizers
