@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_notebook_executes(name, tmp_path):
     nb = nbformat.read(ROOT / "notebooks" / name, as_version=4)
     env_steps = os.environ.get("QUICKSTART_STEPS")
-    os.environ.setdefault("QUICKSTART_STEPS", "30")
+    os.environ.setdefault("QUICKSTART_STEPS", "12")  # executes end to end; learning is tested elsewhere
     try:
         NotebookClient(
             nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
