@@ -1,7 +1,7 @@
 """FP8 layers under `torch.compile` (CPU, exact emulation): every quantizer and GEMM is one `torch.library` op
 (`trl_fp8.ops.library`) whose fake function gives the layout the backend really returns (opcheck), so Dynamo traces
 an FP8 layer's forward and backward without a graph break, to the same bits as eager. The GPU backend's traceable
-form (`trl_fp8.ops.triton_ops`: Triton ops and the aten GEMM) is traced here on meta tensors."""
+form (its quantizers as Triton ops, `trl_fp8.ops.triton_ops`) is traced here on meta tensors."""
 
 import os
 import subprocess
@@ -88,7 +88,7 @@ from trl_fp8.ops import scaled_mm
 from trl_fp8.ops.library import traceable
 
 ops = traceable(scaled_mm)
-assert ops.__name__ == "trl_fp8.ops.triton_ops"
+assert ops.kernels.__name__ == "trl_fp8.ops.triton_ops" and ops.backend == "scaled_mm"
 x = torch.randn(300, 256, dtype=torch.bfloat16, device="meta", requires_grad=True)
 w = torch.randn(384, 256, dtype=torch.bfloat16, device="meta", requires_grad=True)
 
@@ -121,9 +121,9 @@ print("traced")
 
 
 def test_gpu_backend_traces_as_triton_ops():
-    """Under torch.compile the GPU backend is `triton_ops`: the quantizers as `triton_op`s (Inductor launches their
-    kernels from its generated code) and the blockwise GEMM as one op, with no graph break, forward and backward
-    (meta tensors; in a process without Triton's interpreter, whose kernels cannot be traced)."""
+    """Under torch.compile the GPU backend's quantizers are `triton_op`s (Inductor launches their kernels from its
+    generated code) and the blockwise GEMM is one op, with no graph break, forward and backward (meta tensors; in a
+    process without Triton's interpreter, whose kernels cannot be traced)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, "-c", textwrap.dedent(_TRACE_GPU_BACKEND)], env=env, capture_output=True,
                             text=True, timeout=600)  # fmt: skip

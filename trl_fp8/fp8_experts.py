@@ -35,7 +35,7 @@ from torch import nn
 
 from .config import FP8LinearConfig
 from .fp8_linear import blockwise_backward, weight_cache_key
-from .ops import select_ops
+from .ops import backend_name, select_ops
 
 __all__ = ["FP8Experts", "expert_layout_problem", "is_experts_module"]
 
@@ -79,7 +79,7 @@ def expert_layout_problem(module: nn.Module, dim_multiple: int = 128) -> str | N
 
 def _runs_grouped(ops) -> bool:
     """Whether a backend's experts run on the grouped Triton kernels: the real GPU backends do, the emulation loops."""
-    return getattr(ops, "__name__", "").rpartition(".")[2] in ("scaled_mm", "deep_gemm")
+    return backend_name(ops) in ("scaled_mm", "deep_gemm")
 
 
 class FP8Experts(nn.Module):

@@ -255,9 +255,9 @@ class FP8Linear(nn.Linear):
     def _cache_key(self) -> tuple:
         return weight_cache_key(self.weight, self._fp8_invalidations)
 
-    def _quantize(self, w: torch.Tensor, select=select_ops) -> FP8Weight:
+    def _quantize(self, w: torch.Tensor) -> FP8Weight:
         cfg = self.fp8_config
-        return FP8Weight(w, select(cfg, w.device), cfg.power_of_two_scales)
+        return FP8Weight(w, select_ops(cfg, w.device), cfg.power_of_two_scales)
 
     def _fp8_weight(self) -> FP8Weight:
         w, cfg = self.weight, self.fp8_config

@@ -12,8 +12,8 @@ Every backend exposes the same four functions, on logical (layout-free) tensors:
 - `gemm(a_q, a_s, b_q, b_s, b_blocks, out_dtype)`: `a @ b.T` with fp32 accumulation, where `a` holds 1x128
   groups and `b` holds 128x128 blocks (`b_blocks=True`) or 1x128 groups along the shared dim.
 
-`library.traceable(backend)` is the same interface as `torch.compile` takes it (`torch.library` ops; Triton ops and the
-aten GEMM for the GPU backend, `triton_ops`): what FP8 layers call inside a compiled region.
+`library.traceable(backend)` is the same interface as `torch.compile` takes it (`torch.library` ops; the GPU backends'
+quantizers as Triton ops, `triton_ops`): what FP8 layers call inside a compiled region.
 """
 
 from __future__ import annotations
@@ -26,6 +26,11 @@ import torch
 
 from ..config import FP8LinearConfig
 from . import emulated
+
+
+def backend_name(ops: ModuleType) -> str:
+    """`"emulated"`, `"scaled_mm"` or `"deep_gemm"`: which backend module `ops` (from `select_ops`) is."""
+    return ops.__name__.rpartition(".")[2]
 
 
 def blockwise_scaled_mm_supported(device: torch.device) -> bool:

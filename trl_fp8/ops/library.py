@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from ..quantization import QuantizedAct
+from . import backend_name
 
 __all__ = ["traceable"]
 
@@ -109,39 +110,45 @@ gemm_op = _ops.gemm.default
 
 
 class _OpInterface:
-    """A backend module's interface over the ops above; `quantizers`: a module whose quantizers to use instead."""
+    """A backend module's interface over the ops above."""
 
-    def __init__(self, backend: str, quantizers: ModuleType | None = None):
-        self.backend, self.quantizers = backend, quantizers
+    def __init__(self, backend: str):
+        self.backend = backend
 
     def quantize_act(self, x, *, rows=True, cols=False, power_of_two_scales=False):
-        if self.quantizers is not None:
-            return self.quantizers.quantize_act(x, rows=rows, cols=cols, power_of_two_scales=power_of_two_scales)
         return unpack(_ops.quantize_act.default(x, self.backend, rows, cols, power_of_two_scales), rows, cols)
 
     def quantize_swiglu(self, gate, up, *, rows=True, cols=False, power_of_two_scales=False):
-        if self.quantizers is not None:
-            return self.quantizers.quantize_swiglu(gate, up, rows=rows, cols=cols,
-                                                   power_of_two_scales=power_of_two_scales)  # fmt: skip
         out = _ops.quantize_swiglu.default(gate, up, self.backend, rows, cols, power_of_two_scales)
         return unpack(out, rows, cols)
 
     def quantize_weight(self, w, *, col_major=False, power_of_two_scales=False):
-        if self.quantizers is not None:
-            return self.quantizers.quantize_weight(w, col_major=col_major, power_of_two_scales=power_of_two_scales)
         return _ops.quantize_weight.default(w, self.backend, col_major, power_of_two_scales)
 
     def gemm(self, a_q, a_s, b_q, b_s, b_blocks: bool, out_dtype: torch.dtype):
-        return _ops.gemm.default(a_q, a_s, b_q, b_s, self.backend, b_blocks, out_dtype)
+        return gemm_op(a_q, a_s, b_q, b_s, self.backend, b_blocks, out_dtype)
 
 
-def traceable(ops: ModuleType):
+class _TritonInterface(_OpInterface):
+    """A GPU backend's: our Triton quantizers as `triton_op`s (`ops.triton_ops`), the backend's GEMM through the op."""
+
+    def __init__(self, backend: str):
+        from . import triton_ops  # (imports Triton: only where a GPU backend was selected)
+
+        super().__init__(backend)
+        self.kernels = triton_ops
+
+    def quantize_act(self, x, *, rows=True, cols=False, power_of_two_scales=False):
+        return self.kernels.quantize_act(x, rows=rows, cols=cols, power_of_two_scales=power_of_two_scales)
+
+    def quantize_swiglu(self, gate, up, *, rows=True, cols=False, power_of_two_scales=False):
+        return self.kernels.quantize_swiglu(gate, up, rows=rows, cols=cols, power_of_two_scales=power_of_two_scales)
+
+    def quantize_weight(self, w, *, col_major=False, power_of_two_scales=False):
+        return self.kernels.quantize_weight(w, col_major=col_major, power_of_two_scales=power_of_two_scales)
+
+
+def traceable(ops: ModuleType) -> _OpInterface:
     """`ops` (a backend module of `trl_fp8.ops`) as FP8 layers use it inside `torch.compile`."""
-    backend = ops.__name__.rpartition(".")[2]
-    if backend == "emulated":
-        return _OpInterface(backend)
-    from . import triton_ops
-
-    if backend == "scaled_mm":
-        return triton_ops
-    return _OpInterface(backend, quantizers=triton_ops)  # DeepGEMM's GEMMs through the op, our Triton quantizers
+    backend = backend_name(ops)
+    return _OpInterface(backend) if backend == "emulated" else _TritonInterface(backend)

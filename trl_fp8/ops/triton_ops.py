@@ -1,6 +1,6 @@
-"""The GPU backend (`scaled_mm`) as `torch.compile` takes it: what FP8 layers call inside a compiled region.
+"""The GPU backends' quantizers as `torch.compile` takes them: what FP8 layers call inside a compiled region.
 
-The quantizers are `torch.library.triton_op`s: Inductor sees their Triton kernels and launches them from its
+They are `torch.library.triton_op`s: Inductor sees their Triton kernels and launches them from its
 generated code, with neither a Python launcher nor a dispatcher round trip per call. The blockwise GEMM stays an op
 with a Python body (`ops.library`, defined with `Library.define`: about 10 us of dispatch on a fast host, a quarter
 of `torch.library.custom_op`'s), because Dynamo in torch 2.11 cannot trace `torch._scaled_mm_v2` (a graph break at
@@ -9,15 +9,14 @@ every FP8 layer, measured slower than eager on an H100 host). Same kernels, same
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 from torch.library import triton_op
 
 from .. import kernels
 from ..quantization import QuantizedAct
-from .library import gemm_op, pack, unpack
+from .library import pack, unpack
 
-__all__ = ["gemm", "quantize_act", "quantize_swiglu", "quantize_weight"]
+__all__ = ["quantize_act", "quantize_swiglu", "quantize_weight"]
 
 
 @triton_op("trl_fp8::triton_quantize_act", mutates_args=())
@@ -48,7 +47,3 @@ def quantize_swiglu(gate, up, *, rows=True, cols=False, power_of_two_scales=Fals
 
 def quantize_weight(w, *, col_major=False, power_of_two_scales=False):
     return _quantize_weight(w, col_major, power_of_two_scales)
-
-
-def gemm(a_q, a_s, b_q, b_s, b_blocks: bool, out_dtype: torch.dtype):
-    return gemm_op(a_q, a_s, b_q, b_s, "scaled_mm", b_blocks, out_dtype)
