@@ -114,6 +114,35 @@ def fp8_weight_cache_bytes(model) -> int:
     return total
 
 
+class DeviceMemorySampler:
+    """The GPU's used memory (total - free, as `nvidia-smi` counts it) sampled every `interval` s in a thread;
+    `take_peak()` returns the highest since the last call."""
+
+    def __init__(self, interval: float = 0.02):
+        import threading
+
+        self.interval, self.peak, self._stop = interval, 0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        import torch
+
+        while not self._stop.wait(self.interval):
+            free, total = torch.cuda.mem_get_info()
+            self.peak = max(self.peak, total - free)
+
+    def start(self):
+        self._thread.start()
+
+    def stop(self):
+        self._stop.set()
+        self._thread.join()
+
+    def take_peak(self) -> int:
+        peak, self.peak = self.peak, 0
+        return peak
+
+
 def model_dir(args) -> Path:
     """One random model per shape and context length under `--workdir`, shared by the runs (and by later calls)."""
     return Path(args.workdir) / f"model_{args.shape}_{model_positions(args.prompt_len, args.completion_len)}"
@@ -155,9 +184,16 @@ def run_one(args) -> None:
     # forward/backward, optimizer). The allocator's peak is read and reset at each phase boundary.
     peaks = {"rollout": 0, "training": 0}
 
+    # The allocator's figure counts what vLLM's sleep mode has unmapped (its pool's tensors stay allocated while their
+    # memory is released), so it can exceed the GPU. The device's own use (total - free, sampled every 20 ms: this
+    # process, vLLM's engine and CUDA contexts) is what must fit.
+    device_peaks = {"rollout": 0, "training": 0}
+    sampler = DeviceMemorySampler()
+
     def close_phase(phase: str) -> None:
         peaks[phase] = max(peaks[phase], torch.cuda.max_memory_allocated())
         torch.cuda.reset_peak_memory_stats()
+        device_peaks[phase] = max(device_peaks[phase], sampler.take_peak())
 
     class StepTimer(TrainerCallback):
         """Optimizer-step wall times: the time between consecutive step ends (step begin fires per micro-step)."""
@@ -185,6 +221,7 @@ def run_one(args) -> None:
         train_dataset=Dataset.from_dict({"prompt": prompts}), callbacks=[StepTimer()],
     )  # fmt: skip
     startup_s = time.perf_counter() - start  # model load and engine start (DeepGEMM's warm-up included)
+    sampler.start()
     generation = trainer.vllm_generation
     stats = getattr(generation, "rollout_stats", None) or RolloutStats.attach(generation.llm)
     rollout_stats = []
@@ -268,6 +305,7 @@ def run_one(args) -> None:
         return totals
 
     close_phase("training")
+    sampler.stop()
     per_step_s = {"step_s": timings["step"], "rollout_s": per_step("rollout"), "weight_sync_s": per_step("sync")}
     keep = median_steps(args.steps, args.warmup, args.profile_step)
     row = {
@@ -284,10 +322,15 @@ def run_one(args) -> None:
         "measured": measurement(args),
         "peak_memory_gib": max(peaks.values()) / 2**30,
         "peak_memory_by_phase_gib": {phase: b / 2**30 for phase, b in peaks.items()},
+        "peak_device_memory_by_phase_gib": {phase: b / 2**30 for phase, b in device_peaks.items()},
+        "gpu_memory_gib": torch.cuda.mem_get_info()[1] / 2**30,
         "fp8_weight_cache_gib": fp8_weight_cache_bytes(trainer.model) / 2**30,
         "startup_s": startup_s,
         "time_to_first_step_s": startup_s + per_step_s["step_s"][0],
         "kv_cache_tokens": engine_kv_cache_tokens(generation.llm),
+        "deepgemm_precompile": vars(generation.deepgemm_precompile)
+        if getattr(generation, "deepgemm_precompile", None)
+        else None,  # fmt: skip
         "rollout_stats": rollout_stats,  # per rollout: most sequences at once, preemptions, peak KV-cache use
     }
     if profile:
@@ -424,7 +467,7 @@ def main():
                      launcher(args.num_processes, args.launch_config, port))  # fmt: skip
     base = {r["name"]: r for r in result["results"]}.get("trl_bf16")
     print(f"{'run':<17}{'step s':>9}{'rollout s':>11}{'training s':>12}{'sync s':>9}{'speedup e2e/rollout/train':>28}"
-          f"{'compl/s':>9}{'first step s':>14}{'peak GiB roll/train':>21}")  # fmt: skip
+          f"{'compl/s':>9}{'start/1st step s':>18}{'peak GiB roll/train':>21}{'on GPU':>13}")  # fmt: skip
     for r in result["results"]:
         t = r["step_time"]
         speed = "-"
@@ -434,9 +477,12 @@ def main():
                      f"{b['training_s'] / t['training_s']:.2f}x")  # fmt: skip
         peak = r.get("peak_memory_by_phase_gib", {})
         peak = f"{peak['rollout']:.1f}/{peak['training']:.1f}" if peak else f"{r['peak_memory_gib']:.1f}"
+        used = r.get("peak_device_memory_by_phase_gib")
+        used = f"{used['rollout']:.1f}/{used['training']:.1f}" if used else "-"
+        first = f"{r.get('startup_s', float('nan')):.0f}/{r.get('time_to_first_step_s', float('nan')):.0f}"
         print(f"{r['name']:<17}{t['step_s']:>9.2f}{t['rollout_s']:>11.2f}{t['training_s']:>12.2f}"
               f"{t['weight_sync_s']:>9.2f}{speed:>28}{r.get('completions_per_s', float('nan')):>9.1f}"
-              f"{r['per_step']['step_s'][0]:>14.1f}{peak:>21}")  # fmt: skip
+              f"{first:>18}{peak:>21}{used:>13}")  # fmt: skip
     for r in result["results"]:
         if "training_profile" in r:
             cats = r["training_profile"]["kernel_ms_by_category"]

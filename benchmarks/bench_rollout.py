@@ -213,12 +213,15 @@ def run_engine(args):
         model, precision, Path(args.workdir), fp8_kv_cache=fp8_kv, backend=backend or "auto",
         gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=max_len,
         max_num_seqs=max_num_seqs, max_num_batched_tokens=4096,  # TRL's colocate setting
+        deepgemm_workers=args.deepgemm_workers,
         **ENGINE_LLM_KWARGS.get(args.engine, {}),
     )  # fmt: skip
     stats = RolloutStats.attach(llm)
     if args.engine in ENGINE_LLM_KWARGS:
         row["llm_kwargs"] = ENGINE_LLM_KWARGS[args.engine]
-    row["engine_start_s"] = time.perf_counter() - start
+    row["engine_start_s"] = time.perf_counter() - start  # the DeepGEMM pre-compilation included
+    if llm.trl_fp8_precompile is not None:
+        row["deepgemm_precompile"] = vars(llm.trl_fp8_precompile)
     row.update(engine_kernels(llm))
     # The planner's estimate beside vLLM's own figure (trl_fp8.capacity; its goal: within 10%).
     total = torch.cuda.mem_get_info()[1]
@@ -334,6 +337,12 @@ def main():
         type=int,
         default=None,
         help="vLLM's max_num_seqs for every engine (matched concurrency); default: each point's S",
+    )
+    parser.add_argument(
+        "--deepgemm_workers",
+        type=int,
+        default=None,
+        help="processes compiling DeepGEMM's kernels before the engine starts, as the trainer does (0: vLLM's warm-up)",
     )
     parser.add_argument("--workdir", default="/tmp/trl_fp8_rollout")
     parser.add_argument("--append", action="store_true", help="merge into an existing results file")

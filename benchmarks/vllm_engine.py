@@ -8,6 +8,7 @@ import os
 import time
 from pathlib import Path
 
+from trl_fp8.deepgemm_warmup import engine_gemm_shapes, precompile_deepgemm
 from trl_fp8.export import fp8_module_names
 from trl_fp8.vllm_kernels import rollout_kernel
 from trl_fp8.vllm_sync import (
@@ -22,22 +23,35 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engin
 
 
 def start_engine(
-    model, precision: str, workdir: Path, *, fp8_kv_cache: bool = False, backend: str = "auto", **llm_kwargs
+    model,
+    precision: str,
+    workdir: Path,
+    *,
+    fp8_kv_cache: bool = False,
+    backend: str = "auto",
+    deepgemm_workers: int | None = None,
+    **llm_kwargs,
 ):
     """An `LLM` for `model` at `precision` ("bf16", "fp8", "fp8_online"), weights not loaded yet (call `sync`);
-    FP8 layers on the `backend` kernel (`trl_fp8.vllm_kernels.rollout_kernel`)."""
+    FP8 layers on the `backend` kernel (`trl_fp8.vllm_kernels.rollout_kernel`), its DeepGEMM kernels compiled by
+    `deepgemm_workers` processes first (`trl_fp8.deepgemm_warmup`; 0: vLLM's warm-up alone)."""
     from vllm import LLM
 
     kernel = rollout_kernel(backend) if precision == "fp8" else None
     apply_engine_env(precision, kernel)  # the kernel that runs our FP8 values as they are
     fp8_modules = fp8_module_names(model) if precision == "fp8" else set()
     engine_dir = write_engine_config(model, None, workdir / f"engine_{precision}", fp8_modules)
+    precompiled = None
+    if kernel is not None and kernel.backend == "deepgemm" and deepgemm_workers != 0:  # as the trainer does
+        max_tokens = llm_kwargs.get("max_num_batched_tokens", 4096)
+        precompiled = precompile_deepgemm(engine_gemm_shapes(model, fp8_modules), max_tokens, workers=deepgemm_workers)
     kwargs = dict(
         **engine_overrides(engine_dir, precision, fp8_kv_cache, kernel), skip_tokenizer_init=True, dtype="bfloat16",
         seed=0, logprobs_mode="processed_logprobs", enable_prefix_caching=False,
     )  # fmt: skip
     llm = LLM(**{**kwargs, **llm_kwargs})
     llm.trl_fp8_modules = fp8_modules
+    llm.trl_fp8_precompile = precompiled
     return llm
 
 

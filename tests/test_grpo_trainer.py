@@ -483,6 +483,8 @@ def test_config_round_trips_through_trl_parser(tmp_path):
         ({"rollout_precision": "fp8"}, "rollout_precision='fp8' sets up vLLM rollouts, but use_vllm=False"),
         ({"vllm_fp8_backend": "cutlass"}, "vllm_fp8_backend='cutlass' sets up vLLM rollouts, but use_vllm=False"),
         ({"vllm_jit_cache_dir": "/tmp/dg"}, "vllm_jit_cache_dir='/tmp/dg' sets up vLLM rollouts"),
+        ({"vllm_deepgemm_workers": 4}, "vllm_deepgemm_workers=4 sets up vLLM rollouts"),
+        ({"vllm_deepgemm_workers": -1}, "vllm_deepgemm_workers=-1 must be >= 0"),
         ({"fp8_recipe": "rowwise", "fp8_backend": "deepgemm"}, "torchao's 'rowwise' recipe runs its own"),
         ({"fp8_recipe": None, "fp8_backend": "scaled_mm"}, "fp8_backend='scaled_mm' sets up FP8 training"),
         ({"fp8_recipe": None, "fp8_cache_weights": False}, "fp8_cache_weights=False sets up FP8 training"),

@@ -64,6 +64,11 @@ class FP8GRPOConfig(GRPOConfig):
     vllm_jit_cache_dir (`str` or `None`, *optional*, defaults to `None`):
         Where DeepGEMM keeps its compiled kernels across runs. `None`: `DG_JIT_CACHE_DIR`, else vLLM's
         `~/.cache/vllm/deep_gemm`.
+    vllm_deepgemm_workers (`int` or `None`, *optional*, defaults to `None`):
+        Processes that compile DeepGEMM's kernels side by side before the colocated engine starts, into
+        `vllm_jit_cache_dir` (vLLM's own warm-up compiles them one at a time: minutes for an 8B model on a cold
+        host). `None`: one per CPU core, at most 16; `0`: leave it all to vLLM's warm-up. A cache that already holds
+        them is not compiled again.
     fp8_kv_cache (`bool`, *optional*, defaults to `False`):
         vLLM `kv_cache_dtype="fp8"`, with the q/k/v scales measured on the trainer's forward and pushed at every
         sync.
@@ -160,6 +165,13 @@ class FP8GRPOConfig(GRPOConfig):
         default=None,
         metadata={"help": "DeepGEMM's compiled-kernel cache. Unset: DG_JIT_CACHE_DIR, else ~/.cache/vllm/deep_gemm."},
     )
+    vllm_deepgemm_workers: int | None = field(
+        default=None,
+        metadata={
+            "help": "Processes compiling DeepGEMM's kernels in parallel before the colocated engine starts (a cold "
+            "cache only). Unset: one per CPU core, at most 16; 0: vLLM's own one-at-a-time warm-up only.",
+        },
+    )
     fp8_kv_cache: bool = field(
         default=False,
         metadata={"help": "FP8 KV cache in vLLM, with q/k/v scales measured on the trainer's forward every step."},
@@ -225,6 +237,11 @@ class FP8GRPOConfig(GRPOConfig):
             )
         if self.vllm_fp8_backend not in VLLM_FP8_BACKENDS:
             raise ValueError(f"vllm_fp8_backend={self.vllm_fp8_backend!r} is unknown; use one of {VLLM_FP8_BACKENDS}.")
+        if self.vllm_deepgemm_workers is not None and self.vllm_deepgemm_workers < 0:
+            raise ValueError(
+                f"vllm_deepgemm_workers={self.vllm_deepgemm_workers} must be >= 0 (0: no parallel compilation; "
+                "unset: one process per CPU core)."
+            )
         self._refuse_settings_without_effect()
         if self.rollout_precision is None and self.use_vllm:
             self.rollout_precision = "fp8" if self.fp8_recipe == "blockwise" else "bf16"
@@ -259,7 +276,7 @@ class FP8GRPOConfig(GRPOConfig):
         """Raise for a setting that this combination would silently ignore, naming the fix (warn where harmless)."""
         if not self.use_vllm:
             for name, default in (("rollout_precision", None), ("vllm_fp8_backend", "auto"),
-                                  ("vllm_jit_cache_dir", None)):  # fmt: skip
+                                  ("vllm_jit_cache_dir", None), ("vllm_deepgemm_workers", None)):  # fmt: skip
                 if getattr(self, name) != default:
                     raise ValueError(
                         f"{name}={getattr(self, name)!r} sets up vLLM rollouts, but use_vllm=False: the trainer "

@@ -183,6 +183,7 @@ class FP8GRPOTrainer(GRPOTrainer):
             kv_observer=self._kv_observer,
             fp8_backend=args.vllm_fp8_backend,
             jit_cache_dir=args.vllm_jit_cache_dir,
+            deepgemm_workers=args.vllm_deepgemm_workers,
         )
         try:
             yield

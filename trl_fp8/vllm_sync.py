@@ -34,6 +34,7 @@ from torch import nn
 from trl.generation.vllm_generation import VLLMGeneration
 
 from .config import ROLLOUT_PRECISIONS, check_rollout_precision, check_vllm_version
+from .deepgemm_warmup import PrecompileResult, engine_gemm_shapes, precompile_deepgemm
 from .export import (
     check_fused_groups,
     checkpoint_config,
@@ -72,6 +73,9 @@ __all__ = [
     "rollout_weight_tensors",
     "write_engine_config",
 ]
+
+# TRL builds its colocated engine with max_num_batched_tokens=4096: the largest GEMM the engine runs has that many rows.
+TRL_MAX_NUM_BATCHED_TOKENS = 4096
 
 # vLLM's own online FP8 (per-tensor weights, dynamic per-token activations): `vllm serve --quantization fp8`.
 VLLM_ONLINE_FP8 = "fp8"
@@ -378,6 +382,8 @@ class FP8VLLMGeneration(VLLMGeneration):
         fp8_backend: vLLM's kernel for the FP8 linear layers ("auto", "deepgemm", "cutlass", "triton"; see
             `vllm_kernels.rollout_kernel`). In server mode it only names what the server is expected to run.
         jit_cache_dir: DeepGEMM's compiled-kernel cache (default `vllm_kernels.default_jit_cache_dir()`).
+        deepgemm_workers: processes compiling DeepGEMM's kernels before a colocated engine starts
+            (`deepgemm_warmup.precompile_deepgemm`; None: one per CPU core, 0: none).
     """
 
     def __init__(
@@ -389,11 +395,14 @@ class FP8VLLMGeneration(VLLMGeneration):
         kv_observer: AttentionScaleObserver | None = None,
         fp8_backend: str = "auto",
         jit_cache_dir: str | None = None,
+        deepgemm_workers: int | None = None,
         **kwargs,
     ):
         self.rollout_precision = check_rollout_precision(rollout_precision)
         self.fp8_backend = fp8_backend
         self.jit_cache_dir = jit_cache_dir
+        self.deepgemm_workers = deepgemm_workers
+        self.deepgemm_precompile: PrecompileResult | None = None  # what the parallel compilation did at start-up
         self.kernel: RolloutKernel | None = None  # resolved at colocated start-up
         self.engine_start_seconds: float | None = None
         self._fp8_modules = None if fp8_modules is None else set(fp8_modules)
@@ -442,19 +451,32 @@ class FP8VLLMGeneration(VLLMGeneration):
             self.engine_dir, self.rollout_precision, self.kv_observer is not None, self.kernel
         )
         apply_engine_env(self.rollout_precision, self.kernel)
-        trl_vllm.LLM = lambda *a, **kw: llm_class(*a, **{**kw, **overrides})
         start = time.perf_counter()
+        self._precompile_deepgemm()
+        trl_vllm.LLM = lambda *a, **kw: llm_class(*a, **{**kw, **overrides})
         try:
             super()._init_vllm()
         finally:
             trl_vllm.LLM = llm_class
-        # DeepGEMM's start-up includes compiling its kernels when the JIT cache is cold (minutes for an 8B model).
+        # DeepGEMM's kernels are compiled above or in vLLM's warm-up when the JIT cache is cold.
         self.engine_start_seconds = time.perf_counter() - start
         self.rollout_stats = RolloutStats.attach(self.llm)
         self.kv_cache_tokens = engine_kv_cache_tokens(self.llm)
         logger.info(
             "vLLM engine started in %.0f s, KV cache %s tokens", self.engine_start_seconds, self.kv_cache_tokens
         )
+
+    def _precompile_deepgemm(self) -> None:
+        """Compile the engine's DeepGEMM kernels in parallel processes (local main process; the others wait and
+        find them in the shared cache) before vLLM's warm-up, which would compile them one at a time."""
+        if self.kernel is None or self.kernel.backend != "deepgemm" or self.deepgemm_workers == 0:
+            return
+        if self.accelerator.is_local_main_process:
+            shapes = engine_gemm_shapes(self.model, self.fp8_modules)
+            self.deepgemm_precompile = precompile_deepgemm(
+                shapes, TRL_MAX_NUM_BATCHED_TOKENS, workers=self.deepgemm_workers, device=self.accelerator.device.index
+            )
+        self.accelerator.wait_for_everyone()
 
     def _check_server(self) -> None:
         import requests

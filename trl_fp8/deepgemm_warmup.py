@@ -1,0 +1,308 @@
+"""DeepGEMM's kernels for the rollout engine, compiled side by side in worker processes before vLLM starts.
+
+DeepGEMM compiles each GEMM kernel just in time with nvcc, one at a time, and vLLM's start-up warm-up runs every
+GEMM size the engine can meet so that no compile stalls a rollout: on a cold host, an 8B block-FP8 engine spent about
+4 minutes there (one CPU core busy, the GPU idle). A kernel depends only on the layer's (N, K), the tile
+configuration DeepGEMM picks for the token count and the GPU, and DeepGEMM keeps what it compiled in a persistent
+cache directory (`DG_JIT_CACHE_DIR`, written by an atomic rename). So worker processes, each running vLLM's own
+`fp8_gemm_nt` over a share of vLLM's own list of warm-up token counts, compile the kernels in parallel into that
+cache; vLLM's warm-up then finds each one on disk. Nothing here changes a value: a kernel a worker missed is compiled
+by vLLM's warm-up as before.
+
+    trl-fp8 warmup ./Qwen3-8B-FP8            # before `trl vllm-serve`: the kernels that server will use
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .adapters import unwrap_model
+from .sibling_gemms import FUSED_GROUPS
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["PrecompileResult", "default_workers", "engine_gemm_shapes", "precompile_deepgemm"]
+
+BLOCK = 128  # DeepGEMM's block-FP8 GEMMs take layers whose N and K are multiples of the 128x128 weight block
+MARKER = "trl_fp8_precompiled.json"  # in the cache directory: what was compiled there, so a warm start skips it
+
+
+@dataclass
+class PrecompileResult:
+    """What `precompile_deepgemm` did: seconds, workers, GEMM shapes, token counts run, kernels in the cache before
+    and after, and the workers that failed (their last lines of output)."""
+
+    seconds: float = 0.0
+    workers: int = 0
+    shapes: list[tuple[int, int]] = field(default_factory=list)
+    token_counts: int = 0
+    kernels_before: int = 0
+    kernels_after: int = 0
+    skipped: str | None = None
+    failures: list[str] = field(default_factory=list)
+
+
+def engine_gemm_shapes(model: nn.Module, fp8_modules: set[str]) -> list[tuple[int, int]]:
+    """The (N, K) of every block-FP8 GEMM the engine runs for `model`'s FP8 layers: vLLM fuses q/k/v and gate/up
+    (`sibling_gemms.FUSED_GROUPS`) into one layer each, so their N add up. Layers whose N or K is not a multiple of 128
+    are left out, as vLLM does not run them on DeepGEMM."""
+    modules = dict(unwrap_model(model).named_modules())
+    shapes, seen = set(), set()
+    for name in sorted(fp8_modules):
+        parent, _, leaf = name.rpartition(".")
+        group = next((g for g in FUSED_GROUPS if leaf in g), (leaf,))
+        members = tuple(n for n in (f"{parent}.{m}" if parent else m for m in group) if n in fp8_modules)
+        if members in seen or any(m not in modules for m in members):
+            continue
+        seen.add(members)
+        weights = [getattr(modules[m], "base_layer", modules[m]).weight for m in members]
+        n, k = sum(w.shape[0] for w in weights), weights[0].shape[1]
+        if n % BLOCK == 0 and k % BLOCK == 0:
+            shapes.add((int(n), int(k)))
+    return sorted(shapes)
+
+
+def default_workers() -> int:
+    """One nvcc per CPU core this process may use, at most 16 (each worker also holds a CUDA context, ~0.5 GiB)."""
+    return max(1, min(16, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+
+
+def warmup_token_counts(n: int, max_tokens: int, device: int, full: bool = False) -> list[int]:
+    """vLLM's own warm-up token counts for a layer of N outputs: with `VLLM_DEEP_GEMM_WARMUP=relax` (vLLM's
+    default), counts that reach every tile configuration DeepGEMM can pick; `full`: every count up to `max_tokens`."""
+    if full:
+        return list(range(1, max_tokens + 1))
+    from vllm.model_executor.warmup.deep_gemm_warmup import _generate_optimal_warmup_m_values
+
+    return _generate_optimal_warmup_m_values(max_tokens, n, torch.device("cuda", device))
+
+
+def split_tasks(shapes, counts: dict, workers: int) -> list[list[tuple[int, int, list[int]]]]:
+    """Each worker's (n, k, token counts): every shape's counts cut into `workers` contiguous runs (neighbouring counts
+    mostly share a kernel, so few kernels are compiled twice), worker w taking run w of every shape, shapes rotated
+    so that workers start on different layers. No more workers than the longest list has counts."""
+    workers = max(1, min(workers, max((len(ms) for ms in counts.values()), default=1)))
+    plans = []
+    for w in range(workers):
+        plan = []
+        for i in range(len(shapes)):
+            n, k = shapes[(i + w) % len(shapes)]
+            ms = counts[(n, k)]
+            lo, hi = len(ms) * w // workers, len(ms) * (w + 1) // workers
+            if hi > lo:
+                plan.append((n, k, ms[lo:hi]))
+        if plan:
+            plans.append(plan)
+    return plans
+
+
+def count_kernels(cache_dir: Path) -> int:
+    return sum(1 for _ in cache_dir.rglob("kernel.cubin")) if cache_dir.is_dir() else 0
+
+
+def _marker_keys(shapes, max_tokens: int, full: bool, device: int) -> list[str]:
+    import vllm
+
+    props = torch.cuda.get_device_properties(device)
+    gpu = f"{props.name}/{props.multi_processor_count}SM/vllm{vllm.__version__}/{'full' if full else 'relax'}"
+    return [f"{gpu}/{n}x{k}/{max_tokens}" for n, k in shapes]
+
+
+def precompile_deepgemm(
+    shapes: list[tuple[int, int]],
+    max_tokens: int,
+    *,
+    workers: int | None = None,
+    device: int | None = None,
+    full: bool = False,
+    force: bool = False,
+    progress: bool = True,
+) -> PrecompileResult:
+    """Compile the DeepGEMM kernels of `shapes` ((N, K) pairs, see `engine_gemm_shapes`) for token counts up to
+    `max_tokens` (the engine's `max_num_batched_tokens`) in `workers` processes, into `DG_JIT_CACHE_DIR`.
+
+    The DeepGEMM settings (`VLLM_USE_DEEP_GEMM=1`, `VLLM_USE_DEEP_GEMM_E8M0=0`, `DG_JIT_CACHE_DIR`) must be in
+    `os.environ` already (`vllm_sync.apply_engine_env`): the workers inherit them, so they compile the kernels the
+    engine will ask for. A cache that holds a completed run for the same shapes, GPU and vLLM is skipped unless
+    `force`. A failed worker is reported, not raised: vLLM's warm-up compiles whatever is missing, one by one.
+    """
+    if os.environ.get("VLLM_USE_DEEP_GEMM") != "1" or not os.environ.get("DG_JIT_CACHE_DIR"):
+        raise RuntimeError(
+            "precompile_deepgemm needs the engine's DeepGEMM settings in the environment (VLLM_USE_DEEP_GEMM=1 and "
+            "DG_JIT_CACHE_DIR; trl_fp8.vllm_sync.apply_engine_env assigns them)."
+        )
+    device = torch.cuda.current_device() if device is None else device
+    workers = workers or default_workers()
+    cache = Path(os.environ["DG_JIT_CACHE_DIR"])
+    result = PrecompileResult(workers=workers, shapes=list(shapes), kernels_before=count_kernels(cache))
+    keys = _marker_keys(shapes, max_tokens, full, device)
+    marker = cache / MARKER
+    done = set(json.loads(marker.read_text())) if marker.is_file() else set()
+    if not shapes or (not force and set(keys) <= done):
+        result.skipped = "no DeepGEMM layer" if not shapes else f"already compiled in {cache}"
+        result.kernels_after = result.kernels_before
+        return result
+
+    start = time.perf_counter()
+    counts = {(n, k): warmup_token_counts(n, max_tokens, device, full) for n, k in shapes}
+    plans = split_tasks(shapes, counts, workers)
+    result.workers = len(plans)
+    result.token_counts = sum(len(ms) for ms in counts.values())
+    logger.info(
+        "Compiling DeepGEMM kernels for %d GEMM shapes in %d processes into %s (once per machine).",
+        len(shapes), len(plans), cache,
+    )  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_package_root(), os.environ.get("PYTHONPATH")]))}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "trl_fp8.deepgemm_warmup", "--worker", json.dumps(plan), "--device", str(device)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
+        for plan in plans
+    ]
+    lines: queue.Queue = queue.Queue()
+    tails = [[] for _ in procs]
+
+    def read(i, proc):
+        for line in proc.stdout:
+            if line.startswith("ran "):
+                lines.put(i)
+            else:
+                tails[i] = (tails[i] + [line.rstrip()])[-20:]
+        lines.put(None)
+
+    for i, proc in enumerate(procs):
+        threading.Thread(target=read, args=(i, proc), daemon=True).start()
+    bar = _progress_bar(result.token_counts, progress)
+    finished = 0
+    while finished < len(procs):
+        item = lines.get()
+        if item is None:
+            finished += 1
+        elif bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    for i, proc in enumerate(procs):
+        if proc.wait() != 0:
+            result.failures.append(f"worker {i} exited with {proc.returncode}: " + " | ".join(tails[i][-5:]))
+    result.seconds = time.perf_counter() - start
+    result.kernels_after = count_kernels(cache)
+    if result.failures:
+        logger.warning(
+            "DeepGEMM pre-compilation: %d of %d workers failed; vLLM's warm-up compiles what they missed, one at a "
+            "time. %s", len(result.failures), len(procs), result.failures[0],
+        )  # fmt: skip
+    else:
+        marker.write_text(json.dumps(sorted(done | set(keys))))
+    logger.info(
+        "DeepGEMM pre-compilation: %d kernels in the cache (%d new) after %.0f s.",
+        result.kernels_after, result.kernels_after - result.kernels_before, result.seconds,
+    )  # fmt: skip
+    return result
+
+
+def _package_root() -> str:
+    return str(Path(__file__).resolve().parents[1])  # workers import this package as the parent does
+
+
+def _progress_bar(total: int, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="Compiling DeepGEMM kernels (cold cache, once per machine)", unit="GEMM")
+
+
+def _run_worker(plan: list, device: int) -> None:
+    """Run vLLM's `fp8_gemm_nt` the way its warm-up does (zero FP8 inputs, float32 block scales) for each
+    (n, k, token counts) of `plan`; DeepGEMM compiles each new kernel on the way."""
+    torch.cuda.set_device(device)
+    from vllm.utils.deep_gemm import fp8_gemm_nt
+
+    for n, k, ms in plan:
+        top = max(ms)
+        a = torch.zeros((top, k), device="cuda", dtype=torch.float8_e4m3fn)
+        a_scale = torch.ones((top, k // BLOCK), device="cuda", dtype=torch.float32)
+        w = torch.zeros((n, k), device="cuda", dtype=torch.float8_e4m3fn)
+        w_scale = torch.ones((n // BLOCK, k // BLOCK), device="cuda", dtype=torch.float32)
+        out = torch.empty((top, n), device="cuda", dtype=torch.bfloat16)
+        for m in ms:
+            fp8_gemm_nt((a[:m], a_scale[:m]), (w, w_scale), out[:m])
+            print(f"ran {n} {k} {m}", flush=True)
+        torch.cuda.synchronize()
+
+
+# --- `trl-fp8 warmup` ------------------------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", help="a model folder (its config.json): a BF16 model or an FP8 checkpoint")
+    parser.add_argument("--shapes", nargs="+", metavar="NxK", help="GEMM shapes instead of a model, e.g. 6144x4096")
+    parser.add_argument("--max_tokens", type=int, default=4096,
+                        help="the engine's max_num_batched_tokens (TRL's colocated engine: 4096; vLLM's server "
+                             "default: 8192 or more, see its log)")  # fmt: skip
+    parser.add_argument("--workers", type=int, default=None, help="processes (default: CPU cores, at most 16)")
+    parser.add_argument("--cache_dir", default=None, help="DeepGEMM's cache (default: DG_JIT_CACHE_DIR, else vLLM's)")
+    parser.add_argument("--full", action="store_true", help="every token count, as VLLM_DEEP_GEMM_WARMUP=full runs")
+    parser.add_argument("--force", action="store_true", help="run even where a completed run is recorded")
+
+
+def model_shapes(path: str) -> list[tuple[int, int]]:
+    """GEMM shapes of the model whose config.json is in `path` (built on the meta device, no weights read)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .conversion import plan_fp8_conversion
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"trl-fp8 warmup: cannot read a model config from {path!r}: {exc}") from exc
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    report, _ = plan_fp8_conversion(model, warn=False)
+    return engine_gemm_shapes(model, set(report.converted))
+
+
+def run(args: argparse.Namespace) -> int:
+    from .vllm_kernels import rollout_kernel
+
+    if bool(args.model) == bool(args.shapes):
+        raise SystemExit("trl-fp8 warmup: give a model folder or --shapes NxK ..., not both.")
+    shapes = model_shapes(args.model) if args.model else [tuple(int(d) for d in s.split("x")) for s in args.shapes]
+    os.environ.update(rollout_kernel("deepgemm", jit_cache_dir=args.cache_dir).env)  # raises naming the fix
+    result = precompile_deepgemm(shapes, args.max_tokens, workers=args.workers, full=args.full, force=args.force)
+    if result.skipped:
+        print(f"Nothing to do: {result.skipped} (--force runs it again).")
+    else:
+        print(
+            f"{len(shapes)} GEMM shapes, {result.token_counts} token counts, {result.workers} workers: "
+            f"{result.kernels_after} kernels in {os.environ['DG_JIT_CACHE_DIR']} "
+            f"({result.kernels_after - result.kernels_before} new) in {result.seconds:.0f} s"
+        )
+    print(json.dumps({**result.__dict__, "cache_dir": os.environ["DG_JIT_CACHE_DIR"]}))
+    return 1 if result.failures else 0
+
+
+if __name__ == "__main__":
+    worker = argparse.ArgumentParser()
+    worker.add_argument("--worker", required=True)
+    worker.add_argument("--device", type=int, required=True)
+    opts = worker.parse_args()
+    _run_worker(json.loads(opts.worker), opts.device)
