@@ -18,6 +18,8 @@ Runs (one child process each, vLLM colocated, same model, prompts, batch and 1k-
 - `unified_deepgemm`: `unified` with FProp and DGrad on DeepGEMM (`fp8_backend="deepgemm"`);
 - `unified_nocache`: `unified` quantizing each weight at every forward instead of caching its FP8 copy (the
   memory that copy costs, against the time it saves);
+- `bf16_compiled`, `unified_compiled`, `unified_fp8kv_compiled`: BF16 training (FP8GRPOTrainer without FP8 layers,
+  BF16 rollouts) and the unified flows with every decoder layer compiled (`compile_decoder_layers=True`);
 - `unified_fused`: `unified` with q/k/v and gate/up as one FP8 GEMM per pass and SiLU·mul fused into
   `down_proj`'s input quantization (`fp8_fuse_sibling_gemms=True, fp8_fuse_swiglu=True`).
 
@@ -59,6 +61,10 @@ RUNS = {  # run: (trainer, fp8_recipe, rollout_precision, fp8 KV cache, training
     "trl_bf16_liger": ("trl", None, "bf16", False, None, None),
     "unified_liger": ("trl_fp8", "blockwise", "fp8", False, "auto", None),
     "unified_fused_liger": ("trl_fp8", "blockwise", "fp8", False, "auto", None),
+    # compile_decoder_layers: each decoder layer compiled in place (regional compilation), BF16 and FP8 alike
+    "bf16_compiled": ("trl_fp8", "none", "bf16", False, "auto", None),
+    "unified_compiled": ("trl_fp8", "blockwise", "fp8", False, "auto", None),
+    "unified_fp8kv_compiled": ("trl_fp8", "blockwise", "fp8", True, "auto", None),
 }
 LIGER = {
     "use_liger_kernel": True
@@ -68,6 +74,9 @@ RUN_OPTIONS = {  # further (FP8)GRPOConfig fields of a run
     "trl_bf16_liger": LIGER,
     "unified_liger": LIGER,
     "unified_fused_liger": {"fp8_fuse_sibling_gemms": True, **LIGER},  # Liger's SwiGLU in place of ours
+    "bf16_compiled": {"compile_decoder_layers": True},
+    "unified_compiled": {"compile_decoder_layers": True},
+    "unified_fp8kv_compiled": {"compile_decoder_layers": True},
 }
 
 

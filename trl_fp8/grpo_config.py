@@ -48,6 +48,11 @@ class FP8GRPOConfig(GRPOConfig):
     fp8_fuse_swiglu (`bool`, *optional*, defaults to `False`):
         In gated SiLU MLPs, form `silu(gate) * up` and quantize it for `down_proj` in one kernel, never writing it in
         BF16 nor keeping `silu(gate)` for backward (the unfused path's values). Opt-in until measured on a GPU.
+    compile_decoder_layers (`bool`, *optional*, defaults to `False`):
+        Compile each decoder layer in place with `torch.compile` (regional compilation: one graph shared by the
+        layers; names, sync and export unchanged). The FP8 ops enter the graph whole, so the host no longer issues
+        each quantizer and GEMM: on one H100, 12 layers of the Qwen3-8B shape trained 1.52x faster than eager BF16
+        (eager FP8: 1.13x), a 1.7B model no faster. The first steps compile (about a minute per new shape regime).
 
     > Parameters that control vLLM rollouts (`use_vllm=True`)
 
@@ -145,6 +150,13 @@ class FP8GRPOConfig(GRPOConfig):
         metadata={
             "help": "In gated SiLU MLPs, form silu(gate) * up and quantize it for down_proj in one kernel, without "
             "writing it in BF16 or keeping silu(gate) for backward.",
+        },
+    )
+    compile_decoder_layers: bool = field(
+        default=False,
+        metadata={
+            "help": "Compile each decoder layer in place with torch.compile (one graph shared by the layers): the "
+            "FP8 ops run inside the graph instead of being issued one by one from Python.",
         },
     )
     rollout_precision: str | None = field(

@@ -38,6 +38,7 @@ from .fp8_linear import invalidate_fp8_weights
 from .grpo_config import FP8GRPOConfig
 from .importance_sampling import mismatch_stats, token_tis_ratio
 from .kv_scales import AttentionScaleObserver
+from .regional_compile import compile_decoder_layers
 from .rollout_stats import capacity_line
 
 logger = logging.getLogger(__name__)
@@ -96,6 +97,8 @@ class FP8GRPOTrainer(GRPOTrainer):
                 self.add_callback(_InvalidateSyncedReference(self.ref_model))
         # TRL weights the loss by the IS ratio only with vLLM; we extend token TIS to other rollouts with log-probs.
         self._tis_without_vllm = args.tis == "token" and not self.use_vllm
+        # After TRL's own wrapping (PEFT, Liger, gradient checkpointing): the graphs are traced at the first forward.
+        self.compiled_decoder_layers = compile_decoder_layers(self.model) if args.compile_decoder_layers else 0
 
     # --- model ----------------------------------------------------------------------------------------------------
 
