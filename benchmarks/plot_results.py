@@ -289,7 +289,7 @@ def _convergence_runs(results: Path, task: str = "addition") -> list[dict]:
     return sorted(runs, key=lambda r: (r["args"]["seed"], list(SETTING_ORDER).index(r["setting"]["name"])))
 
 
-SETTING_ORDER = ("bf16", "bf16_fp8rollout", "bf16_fp8rollout_tis", "fp8", "fp8_tis")
+SETTING_ORDER = ("bf16", "bf16_fp8rollout", "bf16_fp8rollout_tis", "fp8", "fp8_tis", "fp8_tis_fp8kv")
 LONG_TASKS = ("chain",)  # the long-completion tasks (`run_grpo.py --task`): their own tables and plots
 
 

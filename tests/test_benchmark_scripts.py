@@ -25,14 +25,15 @@ def test_pretrain_grpo_and_plots_run_at_smoke_size(tmp_path):
     pretrain = json.loads((tmp_path / "pretrain.json").read_text())
     assert [e["step"] for e in pretrain["log"]] == [2, 4] and (tmp_path / "base" / "config.json").exists()
 
-    results = tmp_path / "results"  # all five settings at once, through the parallel start-up barrier
+    results = tmp_path / "results"  # all six settings at once, through the parallel start-up barrier
     _run(conv / "run_grpo.py", "--model", tmp_path / "base", "--setting", "all", "--parallel", "--steps", "2",
          "--batch_size", "8", "--num_generations", "4", "--eval_every", "1", "--eval_problems", "8", "--no_vllm",
          "--results_dir", results / "convergence", "--workdir", tmp_path / "work")  # fmt: skip
     runs = {p.name: json.loads(p.read_text()) for p in (results / "convergence").glob("grpo_*.json")}
-    assert len(runs) == 5, sorted(runs)
-    (run,) = [r for name, r in runs.items() if name.startswith("grpo_fp8_tis_")]
-    assert run["setting"] == {"name": "fp8_tis", "fp8_recipe": "blockwise", "rollout_precision": "fp8", "tis": "token"}
+    assert len(runs) == 6, sorted(runs)
+    (run,) = [r for name, r in runs.items() if name.startswith("grpo_fp8_tis_") and "fp8kv" not in name]
+    assert run["setting"] == {"name": "fp8_tis", "fp8_recipe": "blockwise", "rollout_precision": "fp8", "tis": "token",
+                              "fp8_kv_cache": False}  # fmt: skip
     assert [s["step"] for s in run["steps"]] == [1, 2] and [e["step"] for e in run["held_out"]] == [0, 1, 2]
     assert run["args"]["parallel"] and "sync_dir" not in run["args"]
 

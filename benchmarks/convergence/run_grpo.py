@@ -13,6 +13,7 @@ Settings (all through `FP8GRPOTrainer`, vLLM colocated, so every run logs the sa
 | `bf16_fp8rollout_tis` | BF16 | vLLM online FP8 | token TIS (cap 2) |
 | `fp8` | blockwise FP8 | the trainer's own FP8 weights | none |
 | `fp8_tis` | blockwise FP8 | the trainer's own FP8 weights | token TIS (cap 2) |
+| `fp8_tis_fp8kv` | blockwise FP8 | the same, with an FP8 KV cache | token TIS (cap 2) |
 
 Per step: reward and mismatch (mean |delta logp|, KL k3); every `--eval_every` steps: held-out greedy accuracy.
 Writes `benchmarks/results/convergence[_<task>]/grpo_<setting>_<device>.json` after every logged step and evaluation
@@ -20,10 +21,10 @@ Writes `benchmarks/results/convergence[_<task>]/grpo_<setting>_<device>.json` af
 step the first one reached at the deadline (a run already past it, where it is), and evaluate; `--stop_at` (a
 wall-clock time: a lease's end) bounds it the same way whatever the start-ups took. `--no_vllm` runs without vLLM
 (CPU smoke).
-`--setting all --parallel` runs the five settings at once on one GPU (the model is small, a run alone leaves the GPU
+`--setting all --parallel` runs the six settings at once on one GPU (the model is small, a run alone leaves the GPU
 mostly idle): they build their trainers and vLLM engines one at a time, then train together. Results are the same
 kind; the logged step times are then not a speed measure. `--seeds 0 1` with it runs every setting for both seeds
-at once (ten runs); `--gpus 0 1` then puts each seed's five runs on a GPU of its own. Seed n > 0 writes to
+at once (twelve runs); `--gpus 0 1` then puts each seed's six runs on a GPU of its own. Seed n > 0 writes to
 `<results_dir>_seed<n>` whether or not seed 0 runs beside it.
 """
 
@@ -49,14 +50,16 @@ sys.path.insert(0, str(HERE))
 from common import versions  # noqa: E402
 from pretrain import TASKS, load_task, results_folder  # noqa: E402
 
-SETTINGS = {  # setting: (fp8_recipe, rollout_precision, tis)
-    "bf16": ("none", "bf16", "off"),
-    "bf16_fp8rollout": ("none", "fp8_online", "off"),
-    "bf16_fp8rollout_tis": ("none", "fp8_online", "token"),
-    "fp8": ("blockwise", "fp8", "off"),
-    "fp8_tis": ("blockwise", "fp8", "token"),
+SETTINGS = {  # setting: (fp8_recipe, rollout_precision, tis, fp8_kv_cache)
+    "bf16": ("none", "bf16", "off", False),
+    "bf16_fp8rollout": ("none", "fp8_online", "off", False),
+    "bf16_fp8rollout_tis": ("none", "fp8_online", "token", False),
+    "fp8": ("blockwise", "fp8", "off", False),
+    "fp8_tis": ("blockwise", "fp8", "token", False),
+    "fp8_tis_fp8kv": ("blockwise", "fp8", "token", True),  # the FP8 KV cache's cost, next to fp8_tis
 }
-METRICS = ("reward", "fp8/mismatch/abs_logp_diff_mean", "fp8/mismatch/kl_k3", "fp8/weight_sync_ms", "step_time")
+METRICS = ("reward", "fp8/mismatch/abs_logp_diff_mean", "fp8/mismatch/kl_k3", "fp8/mismatch/is_ratio_clipped_frac",
+           "fp8/weight_sync_ms", "step_time")  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -138,7 +141,7 @@ def grpo_config(args, setting: str, task, cuda: bool):
     """The `FP8GRPOConfig` of one setting: every setting runs the same GRPO, only precision and correction differ."""
     from trl_fp8 import FP8GRPOConfig
 
-    recipe, precision, tis = SETTINGS[setting]
+    recipe, precision, tis, fp8_kv = SETTINGS[setting]
     micro_batch = args.micro_batch or args.batch_size
     if args.batch_size % micro_batch:
         raise SystemExit(f"--batch_size {args.batch_size} must be a multiple of --micro_batch {micro_batch}")
@@ -154,6 +157,7 @@ def grpo_config(args, setting: str, task, cuda: bool):
         # without vLLM the rollout settings are refused (nothing would use them); the kernel choice is for our
         # block-FP8 rollouts only (BF16 and vLLM's online FP8 refuse it)
         rollout_precision=None if args.no_vllm else precision, save_fp8_checkpoint=False,
+        fp8_kv_cache=fp8_kv and not args.no_vllm,
         vllm_fp8_backend=args.vllm_fp8_backend if precision == "fp8" and not args.no_vllm else "auto",
     )  # fmt: skip
 
@@ -165,7 +169,7 @@ def run(args, setting: str) -> Path:
     from trl_fp8 import FP8GRPOTrainer
 
     launched = time.time()
-    recipe, precision, tis = SETTINGS[setting]
+    recipe, precision, tis, fp8_kv = SETTINGS[setting]
     task = load_task(args.task)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     held_out = task.problems(args.eval_problems, seed=20_000)
@@ -194,7 +198,13 @@ def run(args, setting: str) -> Path:
         ]
         result = {
             "run": f"GRPO on {args.task} ({task.__name__}), setting {setting}",
-            "setting": {"name": setting, "fp8_recipe": recipe, "rollout_precision": precision, "tis": tis},
+            "setting": {
+                "name": setting,
+                "fp8_recipe": recipe,
+                "rollout_precision": precision,
+                "tis": tis,
+                "fp8_kv_cache": fp8_kv,
+            },
             "device": device,
             "date": datetime.date.today().isoformat(),
             "versions": versions("torch", "transformers", "trl", "torchao"),
@@ -332,7 +342,7 @@ def strip_option(argv: list[str], option: str) -> list[str]:
 
 
 def gpu_of_seed(seeds: list[int], gpus: list[int] | None) -> dict[int, str | None]:
-    """Seed -> the CUDA_VISIBLE_DEVICES of its runs: the i-th seed on `gpus[i % n]`, all five settings of a seed on
+    """Seed -> the CUDA_VISIBLE_DEVICES of its runs: the i-th seed on `gpus[i % n]`, all six settings of a seed on
     one GPU (so a seed's settings compare on one device); None leaves the device as it is."""
     return {seed: None if not gpus else str(gpus[i % len(gpus)]) for i, seed in enumerate(seeds)}
 
