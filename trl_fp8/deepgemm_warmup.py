@@ -210,7 +210,10 @@ def precompile_deepgemm(
             "time. %s", len(result.failures), len(procs), result.failures[0],
         )  # fmt: skip
     else:
-        marker.write_text(json.dumps(sorted(done | set(keys))))
+        try:  # a read-only or shared cache still works; the next start just runs the workers again
+            marker.write_text(json.dumps(sorted(done | set(keys))))
+        except OSError as exc:
+            logger.info("DeepGEMM pre-compilation: could not record the run in %s (%s)", marker, exc)
     logger.info(
         "DeepGEMM pre-compilation: %d kernels in the cache (%d new) after %.0f s.",
         result.kernels_after, result.kernels_after - result.kernels_before, result.seconds,

@@ -51,8 +51,9 @@ class FP8GRPOConfig(GRPOConfig):
     compile_decoder_layers (`bool`, *optional*, defaults to `False`):
         Compile each decoder layer in place with `torch.compile` (regional compilation: one graph shared by the
         layers; names, sync and export unchanged). The FP8 ops enter the graph whole, so the host no longer issues
-        each quantizer and GEMM: on one H100, 12 layers of the Qwen3-8B shape trained 1.52x faster than eager BF16
-        (eager FP8: 1.13x), a 1.7B model no faster. The first steps compile (about a minute per new shape regime).
+        each quantizer and GEMM: on one H100 (`bench_train_step`, an earlier version of the ops), 12 layers of the
+        Qwen3-8B shape trained 1.52x faster than eager BF16 (eager FP8: 1.13x), a 1.7B model no faster. The first
+        steps trace and compile the layer: once for one sequence length, once more with the length dynamic.
 
     > Parameters that control vLLM rollouts (`use_vllm=True`)
 
