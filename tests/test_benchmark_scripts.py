@@ -271,7 +271,8 @@ def test_every_setting_builds_its_config_with_a_rollout_kernel_named(monkeypatch
     configs = {s: grpo_config(args, s, load_task("chain"), cuda=False) for s in SETTINGS}
     assert {s: c.vllm_fp8_backend for s, c in configs.items()} == {
         "bf16": "auto", "bf16_fp8rollout": "auto", "bf16_fp8rollout_tis": "auto", "fp8": "cutlass",
-        "fp8_tis": "cutlass"}  # fmt: skip
+        "fp8_tis": "cutlass", "fp8_tis_fp8kv": "cutlass"}  # fmt: skip
+    assert [s for s, c in configs.items() if c.fp8_kv_cache] == ["fp8_tis_fp8kv"]
     assert {c.gradient_accumulation_steps for c in configs.values()} == {8}
 
 
