@@ -8,7 +8,7 @@ import os
 import time
 from pathlib import Path
 
-from trl_fp8.deepgemm_warmup import engine_gemm_shapes, precompile_deepgemm
+from trl_fp8.deepgemm_warmup import precompile_engine_kernels
 from trl_fp8.export import fp8_module_names
 from trl_fp8.vllm_kernels import rollout_kernel
 from trl_fp8.vllm_sync import (
@@ -41,10 +41,8 @@ def start_engine(
     apply_engine_env(precision, kernel)  # the kernel that runs our FP8 values as they are
     fp8_modules = fp8_module_names(model) if precision == "fp8" else set()
     engine_dir = write_engine_config(model, None, workdir / f"engine_{precision}", fp8_modules)
-    precompiled = None
-    if kernel is not None and kernel.backend == "deepgemm" and deepgemm_workers != 0:  # as the trainer does
-        max_tokens = llm_kwargs.get("max_num_batched_tokens", 4096)
-        precompiled = precompile_deepgemm(engine_gemm_shapes(model, fp8_modules), max_tokens, workers=deepgemm_workers)
+    max_tokens = llm_kwargs.get("max_num_batched_tokens", 4096)
+    precompiled = precompile_engine_kernels(kernel, model, fp8_modules, max_tokens, workers=deepgemm_workers)
     kwargs = dict(
         **engine_overrides(engine_dir, precision, fp8_kv_cache, kernel), skip_tokenizer_init=True, dtype="bfloat16",
         seed=0, logprobs_mode="processed_logprobs", enable_prefix_caching=False,

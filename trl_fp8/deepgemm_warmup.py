@@ -34,7 +34,13 @@ from .sibling_gemms import FUSED_GROUPS
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PrecompileResult", "default_workers", "engine_gemm_shapes", "precompile_deepgemm"]
+__all__ = [
+    "PrecompileResult",
+    "default_workers",
+    "engine_gemm_shapes",
+    "precompile_deepgemm",
+    "precompile_engine_kernels",
+]
 
 BLOCK = 128  # DeepGEMM's block-FP8 GEMMs take layers whose N and K are multiples of the 128x128 weight block
 MARKER = "trl_fp8_precompiled.json"  # in the cache directory: what was compiled there, so a warm start skips it
@@ -173,35 +179,37 @@ def precompile_deepgemm(
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-        )  # fmt: skip
+        )
         for plan in plans
     ]
-    lines: queue.Queue = queue.Queue()
-    tails = [[] for _ in procs]
+    events: queue.Queue = queue.Queue()  # True: a worker ran one more GEMM; False: a worker's output ended
+    tails = [[] for _ in procs]  # each worker's last lines other than progress, for the failure report
 
     def read(i, proc):
         for line in proc.stdout:
             if line.startswith("ran "):
-                lines.put(i)
+                events.put(True)
             else:
-                tails[i] = (tails[i] + [line.rstrip()])[-20:]
-        lines.put(None)
+                tails[i] = (tails[i] + [line.rstrip()])[-5:]
+        events.put(False)
 
     for i, proc in enumerate(procs):
         threading.Thread(target=read, args=(i, proc), daemon=True).start()
-    bar = _progress_bar(result.token_counts, progress)
-    finished = 0
-    while finished < len(procs):
-        item = lines.get()
-        if item is None:
-            finished += 1
-        elif bar is not None:
-            bar.update(1)
-    if bar is not None:
-        bar.close()
+    from tqdm.auto import tqdm
+
+    with tqdm(
+        total=result.token_counts, desc="Compiling DeepGEMM kernels (cold cache, once per machine)", unit="GEMM",
+        disable=not progress,
+    ) as bar:  # fmt: skip
+        finished = 0
+        while finished < len(procs):
+            if events.get():
+                bar.update(1)
+            else:
+                finished += 1
     for i, proc in enumerate(procs):
         if proc.wait() != 0:
-            result.failures.append(f"worker {i} exited with {proc.returncode}: " + " | ".join(tails[i][-5:]))
+            result.failures.append(f"worker {i} exited with {proc.returncode}: " + " | ".join(tails[i]))
     result.seconds = time.perf_counter() - start
     result.kernels_after = count_kernels(cache)
     if result.failures:
@@ -221,16 +229,24 @@ def precompile_deepgemm(
     return result
 
 
+def precompile_engine_kernels(
+    kernel,
+    model: nn.Module,
+    fp8_modules: set[str],
+    max_tokens: int,
+    *,
+    workers: int | None = None,
+    device: int | None = None,
+) -> PrecompileResult | None:
+    """`precompile_deepgemm` for the engine of `model` whose FP8 layers are `fp8_modules`, when its rollout
+    `kernel` (`vllm_kernels.RolloutKernel`, None for a BF16 engine) is DeepGEMM and `workers` is not 0; else None."""
+    if kernel is None or kernel.backend != "deepgemm" or workers == 0:
+        return None
+    return precompile_deepgemm(engine_gemm_shapes(model, fp8_modules), max_tokens, workers=workers, device=device)
+
+
 def _package_root() -> str:
     return str(Path(__file__).resolve().parents[1])  # workers import this package as the parent does
-
-
-def _progress_bar(total: int, enabled: bool):
-    if not enabled:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc="Compiling DeepGEMM kernels (cold cache, once per machine)", unit="GEMM")
 
 
 def _run_worker(plan: list, device: int) -> None:

@@ -34,7 +34,7 @@ from torch import nn
 from trl.generation.vllm_generation import VLLMGeneration
 
 from .config import ROLLOUT_PRECISIONS, check_rollout_precision, check_vllm_version
-from .deepgemm_warmup import PrecompileResult, engine_gemm_shapes, precompile_deepgemm
+from .deepgemm_warmup import PrecompileResult, precompile_engine_kernels
 from .export import (
     check_fused_groups,
     checkpoint_config,
@@ -469,13 +469,11 @@ class FP8VLLMGeneration(VLLMGeneration):
     def _precompile_deepgemm(self) -> None:
         """Compile the engine's DeepGEMM kernels in parallel processes (local main process; the others wait and
         find them in the shared cache) before vLLM's warm-up, which would compile them one at a time."""
-        if self.kernel is None or self.kernel.backend != "deepgemm" or self.deepgemm_workers == 0:
-            return
         if self.accelerator.is_local_main_process:
-            shapes = engine_gemm_shapes(self.model, self.fp8_modules)
-            self.deepgemm_precompile = precompile_deepgemm(
-                shapes, TRL_MAX_NUM_BATCHED_TOKENS, workers=self.deepgemm_workers, device=self.accelerator.device.index
-            )
+            self.deepgemm_precompile = precompile_engine_kernels(
+                self.kernel, self.model, self.fp8_modules, TRL_MAX_NUM_BATCHED_TOKENS,
+                workers=self.deepgemm_workers, device=self.accelerator.device.index,
+            )  # fmt: skip
         self.accelerator.wait_for_everyone()
 
     def _check_server(self) -> None:
