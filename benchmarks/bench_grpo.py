@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_rollout import SHAPES  # noqa: E402
+from bench_rollout import SHAPES, floor_tokens_per_s, hardware, model_bytes  # noqa: E402
 from common import kernel_breakdown, previous_rows, run_all, versions  # noqa: E402
 
 RUNS = {  # run: (trainer, fp8_recipe, rollout_precision, fp8 KV cache, training GEMM backend, FP8 weight cache)
@@ -334,6 +334,8 @@ def run_one(args) -> None:
         "peak_device_memory_by_phase_gib": {phase: b / 2**30 for phase, b in device_peaks.items()},
         "gpu_memory_gib": torch.cuda.mem_get_info()[1] / 2**30,
         "fp8_weight_cache_gib": fp8_weight_cache_bytes(trainer.model) / 2**30,
+        # sleep mode: the FP8 weight copies let go while the last rollout generated (vllm_sync)
+        "fp8_cache_released_gib": getattr(generation, "released_cache_bytes", 0) / 2**30,
         "startup_s": startup_s,
         "time_to_first_step_s": startup_s + per_step_s["step_s"][0],
         "kv_cache_tokens": engine_kv_cache_tokens(generation.llm),
@@ -342,6 +344,9 @@ def run_one(args) -> None:
         else None,  # fmt: skip
         "rollout_stats": rollout_stats,  # per rollout: most sequences at once, preemptions, peak KV-cache use
     }
+    settings = {k: getattr(args, k) for k in REGIME}
+    row["rollout_floor"] = rollout_floor(row, settings, torch.cuda.get_device_name())
+    row["planner"] = planned_kv_tokens(row, settings)
     if profile:
         row["training_profile"] = profile
     world = trainer.accelerator.num_processes
@@ -350,6 +355,35 @@ def run_one(args) -> None:
     row["completions_per_s"] = row["completions_per_step"] / row["step_time"]["step_s"]
     if trainer.accelerator.is_main_process:
         print(json.dumps(row), flush=True)
+
+
+def rollout_floor(row: dict, settings: dict, device: str) -> dict | None:
+    """The rollout phase's floor (`bench_rollout.floor_tokens_per_s`: one engine's generation batch, every
+    completion at full length, the engine's KV cache) and the share of it the measured median reached."""
+    hw, kv_tokens = hardware(device), row.get("kv_cache_tokens")
+    if hw is None or not kv_tokens:
+        return None
+    fp8 = row["rollout_precision"] != "bf16"
+    sizes = model_bytes(SHAPES[settings["shape"]], fp8_linear=fp8, fp8_kv=row["fp8_kv_cache"])
+    floor = floor_tokens_per_s(sizes, hw, fp8, settings["generation_batch"], settings["prompt_len"],
+                               settings["completion_len"], kv_tokens)  # fmt: skip
+    seconds = settings["generation_batch"] * settings["completion_len"] / floor["floor_tokens_per_s"]
+    return {**floor, "floor_s": seconds, "of_floor": seconds / row["step_time"]["rollout_s"]}
+
+
+def planned_kv_tokens(row: dict, settings: dict) -> dict | None:
+    """`trl-fp8 plan`'s KV-token estimate for the run's engine (its goal: within 10% of vLLM's own figure)."""
+    from trl_fp8.capacity import ModelShape, rollout_capacity
+
+    if not row.get("kv_cache_tokens") or not row.get("gpu_memory_gib"):
+        return None
+    shape = ModelShape.from_config(dict(SHAPES[settings["shape"]], head_dim=128, tie_word_embeddings=False))
+    planned = rollout_capacity(
+        shape, int(row["gpu_memory_gib"] * 2**30), settings["vllm_memory"],
+        fp8_weights=row["rollout_precision"] != "bf16", fp8_kv=row["fp8_kv_cache"],
+        seq_len=settings["prompt_len"] + settings["completion_len"], max_num_seqs=settings["generation_batch"],
+    ).kv_tokens  # fmt: skip
+    return {"kv_tokens": planned, "error": planned / row["kv_cache_tokens"] - 1}
 
 
 def median_steps(steps: int, warmup: int, profile_step: int | None) -> list[int]:
@@ -388,14 +422,46 @@ def measurement(args) -> dict:
 
 def resummarize(path: Path, keep: list[int]) -> None:
     """Recompute a results file's medians from its per-step times over the steps `keep` (for a run whose
-    profiled step was not the last: its medians took in the steps the profiler disturbed)."""
+    profiled step was not the last: its medians took in the steps the profiler disturbed), and its rollout floors."""
     result = json.loads(path.read_text())
     for row in result["results"]:
         row["step_time"] = step_medians(row["per_step"], keep)
         row.setdefault("measured", {})["median_steps"] = keep
+        row["rollout_floor"] = rollout_floor(row, result["settings"], result["device"])
+        row["planner"] = planned_kv_tokens(row, result["settings"])
     result["settings"]["median_steps"] = keep
     path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"rewrote the medians of {path} over steps {keep}")
+    print_summary(result)
+    print(f"rewrote the medians and rollout floors of {path} over steps {keep}")
+
+
+def print_summary(result: dict) -> None:
+    """One line per run: phase times, speed-ups over `trl_bf16`, start-up, memory, the rollout's floor."""
+    base = {r["name"]: r for r in result["results"]}.get("trl_bf16")
+    print(f"{'run':<17}{'step s':>9}{'rollout s':>11}{'training s':>12}{'sync s':>9}{'speedup e2e/rollout/train':>28}"
+          f"{'compl/s':>9}{'start/1st step s':>18}{'peak GiB roll/train':>21}{'on GPU':>13}"
+          f"{'rollout of floor':>18}")  # fmt: skip
+    for r in result["results"]:
+        t = r["step_time"]
+        speed = "-"
+        if base:
+            b = base["step_time"]
+            speed = (f"{b['step_s'] / t['step_s']:.2f}x/{b['rollout_s'] / t['rollout_s']:.2f}x/"
+                     f"{b['training_s'] / t['training_s']:.2f}x")  # fmt: skip
+        peak = r.get("peak_memory_by_phase_gib", {})
+        peak = f"{peak['rollout']:.1f}/{peak['training']:.1f}" if peak else f"{r['peak_memory_gib']:.1f}"
+        used = r.get("peak_device_memory_by_phase_gib")
+        used = f"{used['rollout']:.1f}/{used['training']:.1f}" if used else "-"
+        first = f"{r.get('startup_s', float('nan')):.0f}/{r.get('time_to_first_step_s', float('nan')):.0f}"
+        floor = r.get("rollout_floor")
+        floor = f"{floor['of_floor']:.0%} of {floor['floor_s']:.1f} s" if floor else "-"
+        print(f"{r['name']:<17}{t['step_s']:>9.2f}{t['rollout_s']:>11.2f}{t['training_s']:>12.2f}"
+              f"{t['weight_sync_s']:>9.2f}{speed:>28}{r.get('completions_per_s', float('nan')):>9.1f}"
+              f"{first:>18}{peak:>21}{used:>13}{floor:>18}")  # fmt: skip
+    for r in result["results"]:
+        if "training_profile" in r:
+            cats = r["training_profile"]["kernel_ms_by_category"]
+            print(f"{r['name']} training-phase kernels (ms): " + ", ".join(f"{k} {v:.0f}" for k, v in cats.items()))
 
 
 def launcher(num_processes: int, config: str, port: int) -> list[str] | None:
@@ -474,28 +540,7 @@ def main():
     port = int(os.environ.get("MASTER_PORT", "29610"))
     failed = run_all(__file__, "--run", args.runs, sys.argv[1:], result, out, "name", list(RUNS),
                      launcher(args.num_processes, args.launch_config, port))  # fmt: skip
-    base = {r["name"]: r for r in result["results"]}.get("trl_bf16")
-    print(f"{'run':<17}{'step s':>9}{'rollout s':>11}{'training s':>12}{'sync s':>9}{'speedup e2e/rollout/train':>28}"
-          f"{'compl/s':>9}{'start/1st step s':>18}{'peak GiB roll/train':>21}{'on GPU':>13}")  # fmt: skip
-    for r in result["results"]:
-        t = r["step_time"]
-        speed = "-"
-        if base:
-            b = base["step_time"]
-            speed = (f"{b['step_s'] / t['step_s']:.2f}x/{b['rollout_s'] / t['rollout_s']:.2f}x/"
-                     f"{b['training_s'] / t['training_s']:.2f}x")  # fmt: skip
-        peak = r.get("peak_memory_by_phase_gib", {})
-        peak = f"{peak['rollout']:.1f}/{peak['training']:.1f}" if peak else f"{r['peak_memory_gib']:.1f}"
-        used = r.get("peak_device_memory_by_phase_gib")
-        used = f"{used['rollout']:.1f}/{used['training']:.1f}" if used else "-"
-        first = f"{r.get('startup_s', float('nan')):.0f}/{r.get('time_to_first_step_s', float('nan')):.0f}"
-        print(f"{r['name']:<17}{t['step_s']:>9.2f}{t['rollout_s']:>11.2f}{t['training_s']:>12.2f}"
-              f"{t['weight_sync_s']:>9.2f}{speed:>28}{r.get('completions_per_s', float('nan')):>9.1f}"
-              f"{first:>18}{peak:>21}{used:>13}")  # fmt: skip
-    for r in result["results"]:
-        if "training_profile" in r:
-            cats = r["training_profile"]["kernel_ms_by_category"]
-            print(f"{r['name']} training-phase kernels (ms): " + ", ".join(f"{k} {v:.0f}" for k, v in cats.items()))
+    print_summary(result)
     print(f"wrote {out}")
     if failed:
         raise SystemExit(f"failed runs: {failed}")

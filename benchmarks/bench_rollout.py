@@ -24,13 +24,19 @@ once and the preemptions (vLLM's scheduler statistics).
 
 Per engine: engine start-up (with DeepGEMM, whether its JIT cache was cold), the weight sync of one step
 (quantization included, median of 3), and for each `--points` entry `SxN` (S sequences of `--prompt_len` prompt
-tokens, N new tokens each, ignore_eos, temperature 1) the output tokens per second and the floor for that point:
+tokens, N new tokens each, ignore_eos, temperature 1) the output tokens per second and the floor for that point, a
+lower bound on its time whatever order vLLM schedules the sequences in:
 
-    floor time = prefill FLOPs / peak + waves x N x max(step bytes / HBM bandwidth, step FLOPs / peak)
-    step bytes = linear weights (1 byte FP8, 2 BF16) + lm_head (BF16) + c x (prompt + N/2) x KV bytes per token
+    floor time = prefill FLOPs / peak + max(memory time, compute time)
+    memory time = (decode steps x weight bytes + KV reads x KV bytes per token) / HBM bandwidth
+    KV reads = S x (N x prompt + N (N - 1) / 2)           (each new token reads its sequence's cache once)
+    decode steps = max(N, KV reads / KV-cache tokens, S x N / max_num_seqs)
 
-with c = min(S, sequences the engine's KV cache holds at full length) and waves = ceil(S / c); peaks are the data
-sheet's dense BF16 / FP8 tensor-core rates. Writes `benchmarks/results/rollout_<device>.json`.
+A decode step reads the linear weights (1 byte FP8, 2 BF16) and lm_head (BF16) once, and at most the whole KV cache:
+so a rollout that does not fit needs at least KV reads / KV-cache tokens steps. Preemptions (recomputed prefills)
+are not charged; peaks are the data sheet's dense BF16 / FP8 tensor-core rates. Until 2026-11-25 the floor assumed
+waves of full-length sequences, which vLLM beat by running short sequences together; `--refloor FILE` recomputes a
+results file's floors (the committed ones were). Writes `benchmarks/results/rollout_<device>.json`.
 """
 
 from __future__ import annotations
@@ -81,6 +87,7 @@ FUSED_QUANT = {
 }
 ENGINE_LLM_KWARGS = {"fp8_deepgemm_fused": FUSED_QUANT, "fp8_deepgemm_kv_fused": FUSED_QUANT}
 DEFAULT_POINTS = ["64x1024", "256x1024", "1024x1024", "64x4096", "256x4096", "16x16384"]
+HEAD_DIM = 128  # every SHAPES entry
 # Data-sheet peaks (SXM): HBM bytes/s, dense BF16 and FP8 tensor-core FLOP/s.
 HARDWARE = {
     "H200": {"hbm": 4.8e12, "bf16": 989e12, "fp8": 1979e12},
@@ -92,40 +99,62 @@ def hardware(device: str) -> dict | None:
     return next((v for k, v in HARDWARE.items() if k in device), None)
 
 
-def model_bytes(model, fp8_linear: bool, fp8_kv: bool) -> dict:
-    """Bytes a decode step reads once (linear weights, lm_head) and per cached token (KV), and FLOPs per token."""
-    import torch
-
-    cfg = model.config
-    linear = sum(
-        m.weight.numel() for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "lm_head" not in n
-    )
-    lm_head = model.lm_head.weight.numel()
-    kv = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * (1 if fp8_kv else 2)
+def model_bytes(shape: dict, fp8_linear: bool, fp8_kv: bool) -> dict:
+    """Bytes a decode step reads once (linear weights, lm_head) and per cached token (KV), and FLOPs per token, of a
+    `SHAPES` entry (Qwen3, head_dim 128, untied lm_head)."""
+    h, layers = shape["hidden_size"], shape["num_hidden_layers"]
+    q, kv = shape["num_attention_heads"] * HEAD_DIM, shape["num_key_value_heads"] * HEAD_DIM
+    linear = layers * (h * q + 2 * h * kv + q * h + 3 * h * shape["intermediate_size"])  # q, k, v, o; gate, up, down
+    lm_head = shape["vocab_size"] * h
     return {
         "weights": linear * (1 if fp8_linear else 2) + lm_head * 2,
-        "kv_per_token": kv,
+        "kv_per_token": layers * 2 * kv * (1 if fp8_kv else 2),
         "flops_per_token": 2 * (linear + lm_head),
-        "attention_flops_per_token_per_ctx": 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim,
+        "attention_flops_per_token_per_ctx": 4 * layers * q,
     }
 
 
-def floor_tokens_per_s(sizes: dict, hw: dict, fp8: bool, seqs: int, prompt: int, new: int, kv_tokens: int) -> dict:
-    """The roofline floor of one point (see the module docstring)."""
+def floor_tokens_per_s(
+    sizes: dict, hw: dict, fp8: bool, seqs: int, prompt: int, new: int, kv_tokens: int | None,
+    max_num_seqs: int | None = None,
+) -> dict:  # fmt: skip
+    """The floor of one point: a lower bound on its time, whatever vLLM's scheduling (see the module docstring)."""
     peak = hw["fp8" if fp8 else "bf16"]
-    conc = max(1, min(seqs, kv_tokens // (prompt + new))) if kv_tokens else seqs
-    waves = -(-seqs // conc)
-    ctx = prompt + new / 2
-    step_bytes = sizes["weights"] + conc * ctx * sizes["kv_per_token"]
-    step_flops = conc * (sizes["flops_per_token"] + ctx * sizes["attention_flops_per_token_per_ctx"])
-    memory_s, compute_s = step_bytes / hw["hbm"], step_flops / peak
+    kv_reads = seqs * (new * prompt + new * (new - 1) / 2)
+    steps = max(new, kv_reads / kv_tokens if kv_tokens else 0, seqs * new / max_num_seqs if max_num_seqs else 0)
+    memory_s = (steps * sizes["weights"] + kv_reads * sizes["kv_per_token"]) / hw["hbm"]
+    compute_s = (seqs * new * sizes["flops_per_token"] + kv_reads * sizes["attention_flops_per_token_per_ctx"]) / peak
     prefill_s = seqs * prompt * sizes["flops_per_token"] / peak
-    seconds = prefill_s + waves * new * max(memory_s, compute_s)
     return {
-        "floor_tokens_per_s": seqs * new / seconds,
-        "concurrency": conc,
+        "floor_tokens_per_s": seqs * new / (prefill_s + max(memory_s, compute_s)),
+        "floor_decode_steps": round(steps),
+        "floor_mean_concurrency": seqs * new / steps,  # sequences per decode step at the floor
         "bound": "memory" if memory_s >= compute_s else "compute",
     }
+
+
+def point_floor(result: dict, row: dict, point: dict) -> dict:
+    """`floor_tokens_per_s` of a recorded point, from what its results file records."""
+    hw = result.get("hardware_peaks") or hardware(result["device"])
+    shape = {k: v for k, v in result["shape"].items() if k != "name"}
+    sizes = model_bytes(shape, fp8_linear=row["rollout_precision"] != "bf16", fp8_kv=row["fp8_kv_cache"])
+    floor = floor_tokens_per_s(
+        sizes, hw, row["rollout_precision"] != "bf16", point["seqs"], result["prompt_len"], point["new_tokens"],
+        row.get("kv_cache_tokens"), row.get("max_num_seqs"),
+    )  # fmt: skip
+    return {**floor, "of_floor": point["tokens_per_s"] / floor["floor_tokens_per_s"]}
+
+
+def refloor(path: Path) -> None:
+    """Recompute the floors of a results file in place (the measurements are not touched)."""
+    result = json.loads(path.read_text())
+    for row in result["results"]:
+        for point in row.get("points", []):
+            for key in ("floor_tokens_per_s", "concurrency", "bound", "of_floor"):
+                point.pop(key, None)
+            point.update(point_floor(result, row, point))
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(summary(result["results"]))
 
 
 def cache_files(path: str | None) -> int:
@@ -259,7 +288,7 @@ def run_engine(args):
     def prompts(n):
         return [torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(n)]
 
-    sizes = model_bytes(model, fp8_linear=precision != "bf16", fp8_kv=fp8_kv)
+    sizes = model_bytes(SHAPES[args.shape], fp8_linear=precision != "bf16", fp8_kv=fp8_kv)
     hw = hardware(torch.cuda.get_device_name())
     timed_generate(llm, prompts(8), 16)  # warm-up
     row["points"] = []
@@ -272,7 +301,7 @@ def run_engine(args):
             point.update(running_peak=int(took["running_peak"]), preemptions=int(took["preemptions"]))
         if hw:
             floor = floor_tokens_per_s(
-                sizes, hw, precision != "bf16", seqs, args.prompt_len, new, row["kv_cache_tokens"]
+                sizes, hw, precision != "bf16", seqs, args.prompt_len, new, row["kv_cache_tokens"], max_num_seqs
             )
             point.update(floor, of_floor=point["tokens_per_s"] / floor["floor_tokens_per_s"])
         row["points"].append(point)
@@ -347,7 +376,10 @@ def main():
     parser.add_argument("--workdir", default="/tmp/trl_fp8_rollout")
     parser.add_argument("--append", action="store_true", help="merge into an existing results file")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--refloor", default=None, help="a results file: recompute its floors in place, then exit")
     args = parser.parse_args()
+    if args.refloor:
+        return refloor(Path(args.refloor))
     if args.engine:
         return run_engine(args)
 

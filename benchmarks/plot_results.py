@@ -7,7 +7,10 @@
   setting, one line style per seed);
 - `rollout_throughput.png`: `results/rollout_<device>.json`, tokens/s per engine (the long regime's profiled
   rollouts, `rollout_long_<device>.json`, get a table);
-- `grpo_step_time.png`: `results/grpo_speed_*.json`, step time split into rollout / training / weight sync;
+- `rollout_capacity.png`: `results/rollout_capacity_mem<share>_<device>.json`, tokens/s of each engine against the
+  share of the GPU vLLM was given (matched memory), with each point's floor;
+- `grpo_step_time.png`: `results/grpo_speed_*.json`, step time split into rollout / training / weight sync (the same
+  for the report's other regimes, and `grpo_colocate_step_time.png` for TRL's colocate defaults);
 - `linear_speedup.png`: `results/linear_*.json`, each variant's forward+backward speed-up over BF16 per layer shape.
 
 A plot whose results are missing is skipped (and said so); nothing is invented. The same run also prints the
@@ -132,7 +135,7 @@ def rollout_points(result: dict) -> dict[str, dict[str, float]]:
 def rollout_result(results: Path) -> dict | None:
     """The rollout benchmark of the report (`rollout_<device>.json`): dated files are earlier runs, and
     `rollout_long_<device>.json` is the long regime's profile (`rollout_profile_table`)."""
-    paths = _sorted(p for p in results.glob("rollout_*.json") if not p.name.startswith("rollout_long_"))
+    paths = _sorted(p for p in results.glob("rollout_*.json") if not p.name.startswith(("rollout_long_", CAPACITY)))
     return json.loads(paths[0].read_text()) if paths else None
 
 
@@ -196,6 +199,54 @@ def plot_rollout(result: dict, out: Path, plt) -> Path:
     return out / "rollout_throughput.png"
 
 
+CAPACITY = "rollout_capacity_mem"  # matched-memory files: one per share of the GPU (`run_rollout_report.sh capacity`)
+ENGINE_LABELS = {"bf16": "BF16", "fp8_deepgemm": "FP8 weights", "fp8_deepgemm_kv": "FP8 weights + FP8 KV"}
+
+
+def capacity_series(results: Path) -> dict[str, dict[str, dict[str, list[tuple[float, float, float]]]]]:
+    """`{device: {point: {engine: [(share, tokens/s, floor tokens/s), ...]}}}` from the matched-memory files (rows
+    capped with `--max_num_seqs` are the matched-concurrency regime, not drawn here), shares in increasing order."""
+    series: dict = {}
+    for path in results.glob(f"{CAPACITY}*.json"):
+        result = json.loads(path.read_text())
+        if result.get("max_num_seqs"):
+            continue
+        for row in result["results"]:
+            for p in row.get("points", []):
+                point = series.setdefault(result["device"], {}).setdefault(f"{p['seqs']}x{p['new_tokens']}", {})
+                point.setdefault(row["engine"], []).append(
+                    (result["gpu_memory_utilization"], p["tokens_per_s"], p.get("floor_tokens_per_s", float("nan")))
+                )
+    for points in series.values():
+        for engines in points.values():
+            for values in engines.values():
+                values.sort()
+    return series
+
+
+def plot_capacity(device: str, points: dict, out: Path, plt, name: str = "rollout_capacity.png") -> Path:
+    fig, axes = plt.subplots(1, len(points), figsize=(5.2 * len(points), 4), squeeze=False)
+    for ax, (label, engines) in zip(axes[0], sorted(points.items()), strict=True):
+        for i, (engine, values) in enumerate(engines.items()):
+            shares, tps, floors = zip(*values, strict=True)
+            color = f"C{i}"
+            ax.plot(shares, tps, "o-", color=color, label=ENGINE_LABELS.get(engine, engine))
+            ax.plot(shares, floors, "o--", color=color, mfc="none", alpha=0.6)
+        shares = sorted({share for values in engines.values() for share, _, _ in values})
+        ax.set_xticks(shares)
+        ax.set_xlim(shares[0] - 0.1, shares[-1] + 0.1)
+        ax.set_title(f"{label} (sequences x new tokens)", fontsize=10)
+        ax.set_xlabel("vLLM's share of the GPU (gpu_memory_utilization)")
+        ax.set_ylabel("output tokens / s (dashed, hollow: floor)")
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"Rollouts at matched memory ({device})", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(out / name, dpi=120)
+    plt.close(fig)
+    return out / name
+
+
 RUN_ORDER = (
     "trl_bf16",
     "fp8_rollout",
@@ -212,14 +263,17 @@ def _speed_rows(result: dict) -> list[dict]:
 
 # plot stem -> the prefix of bench_grpo's result files it draws
 SPEED_FILES = {"grpo_step_time": "grpo_speed_", "grpo_step_time_four": "grpo_speed_four_",
-               "grpo_step_time_long": "grpo_speed_long_"}  # fmt: skip
+               "grpo_step_time_long": "grpo_speed_long_", "grpo_colocate_step_time": "grpo_colocate_8b_"}  # fmt: skip
 
 
 def speed_results(results: Path) -> list[tuple[str, dict]]:
     """`(plot stem, bench_grpo result)` per set of runs that has a result: the 64 x 1k variants of unified FP8
     (`grpo_speed_<device>.json`; dated files are earlier runs), the report's four flows at 64 x 1k (`four` phase,
-    `grpo_speed_four_<device>.json`) and in the long regime (`long` phase, `grpo_speed_long_<device>.json`)."""
-    paths = _sorted(results.glob("grpo_speed_*.json"))  # "<device>.json" sorts before "<device>_<date>.json"
+    `grpo_speed_four_<device>.json`), in the long regime (`long` phase, `grpo_speed_long_<device>.json`) and at TRL's
+    colocate defaults (`grpo_colocate_8b_<device>.json`)."""
+    paths = [  # "<device>.json" sorts before "<device>_<date>.json"
+        p for p in _sorted(results.glob("grpo_*.json")) if p.name.startswith(tuple(SPEED_FILES.values()))
+    ]
 
     def prefix(path: Path) -> str:  # the longest prefix that names the file
         return max((p for p in SPEED_FILES.values() if path.name.startswith(p)), key=len)
@@ -230,7 +284,8 @@ def speed_results(results: Path) -> list[tuple[str, dict]]:
 
 def _regime(result: dict) -> str:
     s = result["settings"]
-    return f"{s['shape']} shape, {s['generation_batch']} x {s['completion_len']} tokens"
+    sleep = f", vLLM {s['vllm_memory']}, sleep mode" if s.get("sleep_mode") else ""
+    return f"{s['shape']} shape, {s['generation_batch']} x {s['completion_len']} tokens{sleep}"
 
 
 def plot_step_time(result: dict, out: Path, plt, stem: str = "grpo_step_time") -> Path:
@@ -247,8 +302,9 @@ def plot_step_time(result: dict, out: Path, plt, stem: str = "grpo_step_time") -
         for i, total in enumerate(bottom):
             ax.text(i, total, f"{base / total:.2f}x", ha="center", va="bottom")
     ax.set_ylabel("seconds per GRPO step (median)")
-    ax.set_title(f"GRPO step time, {_regime(result)} ({result['device']}, {result['date']})", fontsize=10)
-    ax.legend(loc="lower right")
+    title = f"GRPO step time, {_regime(result)} ({result['device']}, {result['date']})"
+    ax.set_title(title.replace(" (", "\n(", 1) if len(title) > 80 else title, fontsize=10)
+    ax.legend(loc="lower right" if len(rows) > 3 else "upper right")
     fig.tight_layout()
     fig.savefig(out / f"{stem}.png", dpi=120)
     plt.close(fig)
@@ -397,6 +453,8 @@ def main(argv=None) -> list[Path]:
     rollout = rollout_result(results)
     if rollout:
         written.append(plot_rollout(rollout, out, plt))
+    for device, points in sorted(capacity_series(results).items())[:1]:  # one device's shares: the report's H100
+        written.append(plot_capacity(device, points, out, plt))
     for stem, result in speed_results(results):
         written.append(plot_step_time(result, out, plt, stem))
     for result in _load(results.glob("linear_*.json"))[:1]:

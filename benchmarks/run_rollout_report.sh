@@ -8,6 +8,10 @@
 #   bash benchmarks/run_rollout_report.sh capacity  # bench_rollout at matched memory: bf16 / FP8 / FP8 + FP8 KV at
 #                                                   # $CAPACITY_SHARES (default 0.3) of the GPU, 256x2048 and 128x4096
 #   bash benchmarks/run_rollout_report.sh concurrency # the same engines capped at $CAPACITY_SEQS sequences at once
+#   bash benchmarks/run_rollout_report.sh colocate  # bench_grpo at TRL's colocate defaults (8B, 0.3, sleep mode, 8-bit
+#                                                   # AdamW, 128 x 2048): $COLOCATE_RUNS, one call each, one file
+#   bash benchmarks/run_rollout_report.sh bestfit   # the same, each of $BESTFIT_RUNS at growing $BESTFIT_SHARES until
+#                                                   # one fails (out of memory): the largest share each flow runs at
 #   bash benchmarks/run_rollout_report.sh pack      # DeepGEMM's JIT cache into $WORK/dg_cache.tgz.part*
 #   bash benchmarks/run_rollout_report.sh suite     # the GPU test suite, one command
 #   bash benchmarks/run_rollout_report.sh checks    # GPU test suite, identity per kernel, the 16k-token point
@@ -97,6 +101,23 @@ concurrency)  # matched concurrency: the same share, and every engine capped at 
     --engines ${CAPACITY_ENGINES:-bf16 fp8_deepgemm fp8_deepgemm_kv} --points 256x2048 128x4096 --prompt_len 256 \
     --gpu_memory_utilization "$share" --max_num_seqs "${CAPACITY_SEQS:-22}" --append \
     --out "$work/rollout_capacity_mem${share}_seqs${CAPACITY_SEQS:-22}_$device.json"
+  ;;
+colocate)  # TRL's colocate defaults on one GPU; each run in a child of its own, rows appended to one file
+  for run in ${COLOCATE_RUNS:-trl_bf16 unified_fp8kv unified}; do
+    MASTER_PORT=29650 timed "colocate_$run" python benchmarks/bench_grpo.py --shape 8b --optim adamw_bnb_8bit \
+      --sleep_mode --vllm_memory "${COLOCATE_SHARE:-0.3}" --completion_len 2048 --generation_batch 128 --steps 3 \
+      --warmup 1 --runs "$run" --append --out "$work/grpo_colocate_8b_$device.json"
+  done
+  ;;
+bestfit)  # per run, shares in increasing order until one fails: a careful user's tuning (2 steps: one timed)
+  for run in ${BESTFIT_RUNS:-trl_bf16 unified_fp8kv}; do
+    for share in ${BESTFIT_SHARES:-0.35 0.4 0.45 0.5}; do
+      MASTER_PORT=29660 timed "bestfit_${run}_$share" python benchmarks/bench_grpo.py --shape 8b \
+        --optim adamw_bnb_8bit --sleep_mode --vllm_memory "$share" --completion_len 2048 --generation_batch 128 \
+        --steps 2 --warmup 1 --runs "$run" --out "$work/grpo_bestfit_${run}_mem${share}_$device.json"
+      grep -q "bestfit_${run}_$share rc=0" "$work/status.txt" || break
+    done
+  done
   ;;
 pack)
   tar -C "$(dirname "$DG_JIT_CACHE_DIR")" -czf - "$(basename "$DG_JIT_CACHE_DIR")" | split -b 15M - "$work/dg_cache.tgz.part"
@@ -212,7 +233,8 @@ multi)  # a 4B shape with stock fused AdamW: one step fits one GPU beside its en
   done
   ;;
 *)
-  echo "usage: $0 PHASE... (kernels rollout capacity concurrency pack suite checks linear gemm quant train grpo long kvprofile" \
+  echo "usage: $0 PHASE... (kernels rollout capacity concurrency colocate bestfit pack suite checks linear gemm quant" \
+    "train grpo long kvprofile" \
     "chain chainbase multi)" >&2
   exit 2
   ;;

@@ -448,3 +448,43 @@ def test_experts_benchmark_runs_at_smoke_size(tmp_path):
     (row,) = json.loads((tmp_path / "experts.json").read_text())["results"]
     assert row["bf16_ms"] > 0 and row["fp8_ms"] > 0 and row["experts_with_tokens"] > 1
     assert 0 < row["fp8_rel_err_vs_bf16"] < 0.15
+
+
+def test_capacity_and_colocate_results_get_their_plots(tmp_path):
+    """`rollout_capacity_mem<share>_<device>.json` (one file per share; a matched-concurrency file is left out) gives
+    each engine's tokens/s and floor against the share, one panel per point; `grpo_colocate_8b_<device>.json` gets
+    the step-time bars and a table of its own."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from plot_results import capacity_series, speed_results, tables
+    from plot_results import main as plot_results
+
+    def capacity(share, scale, max_num_seqs=None):
+        rows = [{"engine": engine, "points": [{"seqs": 256, "new_tokens": 2048, "tokens_per_s": scale * tps,
+                                                "floor_tokens_per_s": 2 * scale * tps}]}
+                for engine, tps in (("bf16", 100.0), ("fp8_deepgemm_kv", 250.0))]  # fmt: skip
+        return json.dumps({"device": "GPU X", "gpu_memory_utilization": share, "max_num_seqs": max_num_seqs,
+                           "results": rows})  # fmt: skip
+
+    (tmp_path / "rollout_capacity_mem0.5_GPU_X.json").write_text(capacity(0.5, 2.0))
+    (tmp_path / "rollout_capacity_mem0.3_GPU_X.json").write_text(capacity(0.3, 1.0))
+    (tmp_path / "rollout_capacity_mem0.3_seqs22_GPU_X.json").write_text(capacity(0.3, 9.0, max_num_seqs=22))
+    series = capacity_series(tmp_path)
+    assert series == {"GPU X": {"256x2048": {"bf16": [(0.3, 100.0, 200.0), (0.5, 200.0, 400.0)],
+                                            "fp8_deepgemm_kv": [(0.3, 250.0, 500.0), (0.5, 500.0, 1000.0)]}}}  # fmt: skip
+
+    step = {"step_s": 100.0, "rollout_s": 60.0, "training_s": 40.0, "weight_sync_s": 0.1}
+    rows = [{"name": "unified_fp8kv", "step_time": {k: v / 2 for k, v in step.items()}},
+            {"name": "trl_bf16", "step_time": step}]  # fmt: skip
+    settings = {"shape": "8b", "generation_batch": 128, "completion_len": 2048, "vllm_memory": 0.3, "sleep_mode": True}
+    colocate = {"settings": settings, "results": rows, "device": "GPU X", "date": "today"}
+    (tmp_path / "grpo_colocate_8b_GPU_X.json").write_text(json.dumps(colocate))
+    (tmp_path / "grpo_colocate_fp8_GPU_X.json").write_text("{}")  # another benchmark's file: not a step-time result
+    assert [stem for stem, _ in speed_results(tmp_path)] == ["grpo_colocate_step_time"]
+    text = tables(tmp_path)
+    assert "8b shape, 128 x 2048 tokens, vLLM 0.3, sleep mode" in text
+    assert "| unified_fp8kv | 50.00 | 30.00 | 20.00 | 0.05 | 2.00x / 2.00x / 2.00x |" in text
+    names = {p.name for p in plot_results(["--results", str(tmp_path), "--out", str(tmp_path / "plots")])}
+    assert {"rollout_capacity.png", "grpo_colocate_step_time.png"} <= names
