@@ -238,3 +238,20 @@ def test_lora_on_the_attention_of_a_moe_model_merges_and_exports(tmp_path):
         saved[f"{q_proj}.weight"], saved[f"{q_proj}.weight_scale_inv"], merged.get_submodule(q_proj).weight
     )
     assert "model.layers.0.mlp.experts.3.down_proj.weight_scale_inv" in saved and not any("lora" in k for k in saved)
+
+
+def test_releasing_the_expert_weight_cache_counts_its_bytes_and_requantizes_the_same_bits():
+    """`release_fp8_weight_caches` (colocated sleep-mode rollouts) lets go of the cached FP8 experts; the next use
+    quantizes the unchanged weights to the same bits."""
+    from trl_fp8.fp8_linear import release_fp8_weight_caches
+
+    experts, _reference, x, index, weights = experts_and_routing()
+    with torch.no_grad():
+        experts(x, index, weights)
+    before = {name: experts.quantized_expert_weight(name) for name in ("gate_up_proj", "down_proj")}
+    numel = experts.gate_up_proj.numel() + experts.down_proj.numel()
+    assert release_fp8_weight_caches(nn.Sequential(experts)) == numel + 4 * numel // 128**2
+    assert experts._fp8_weight_cache == {} and release_fp8_weight_caches(experts) == 0
+    for name, (q, s) in before.items():
+        q2, s2 = experts.quantized_expert_weight(name)
+        assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8)) and torch.equal(s2, s)

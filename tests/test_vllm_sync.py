@@ -338,6 +338,12 @@ class FakeLLM:
     def reset_prefix_cache(self):
         pass
 
+    def sleep(self, level):
+        self.asleep = True
+
+    def wake_up(self, tags=None):
+        self.asleep = False
+
 
 @pytest.fixture
 def fake_vllm(monkeypatch):
@@ -440,6 +446,31 @@ def _tiny_trainer(tmp_path, model=None, **kwargs):
                          vllm_mode="colocate")  # fmt: skip
     return FP8GRPOTrainer(model, say_letter_reward, args, train_dataset=say_letter_dataset(64),
                           processing_class=tokenizer, peft_config=peft_config)  # fmt: skip
+
+
+@pytest.mark.parametrize("sleep_mode", [True, False])
+def test_sleep_mode_rollouts_let_go_of_the_fp8_weight_copies_and_training_requantizes_the_same_bits(
+    fake_vllm, tmp_path, sleep_mode
+):
+    """In sleep mode vLLM's KV cache wakes after the sync: the trainer lets go of its cached FP8 weights (their bytes
+    go to the cache), and the next forward quantizes the unchanged weights to the very bits the engine holds."""
+    trainer = _tiny_trainer(tmp_path, vllm_enable_sleep_mode=sleep_mode)
+    generation, model = trainer.vllm_generation, trainer.model
+    layers = [m for m in model.modules() if isinstance(m, FP8Linear)]
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3]]))
+    assert all(m._fp8_weight_cache is not None for m in layers)
+    generation.sync_weights()
+    pushed = dict(fake_vllm.instances[0].pushed)
+    cached = [m._fp8_weight_cache is not None for m in layers]
+    expected = sum(m.weight.numel() + 4 * m.weight.numel() // 128**2 for m in layers)
+    assert generation.released_cache_bytes == (expected if sleep_mode else 0)
+    assert not any(cached) if sleep_mode else all(cached)
+    for name, module in model.named_modules():
+        if isinstance(module, FP8Linear):
+            q, scale_inv = module.quantized_weight()
+            assert torch.equal(q.view(torch.uint8), pushed[f"{name}.weight"].view(torch.uint8))
+            assert torch.equal(scale_inv, pushed[f"{name}.weight_scale_inv"])
 
 
 def test_lora_fp8_rollouts_push_every_engine_fp8_layer_in_fp8(fake_vllm, tmp_path):

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from .config import FP8LinearConfig
-from .fp8_linear import blockwise_backward, weight_cache_key
+from .fp8_linear import blockwise_backward, tensor_bytes, weight_cache_key
 from .ops import backend_name, select_ops
 
 __all__ = ["FP8Experts", "expert_layout_problem", "is_experts_module"]
@@ -105,6 +105,11 @@ class FP8Experts(nn.Module):
         """Forget the cached FP8 expert weights (after writing them behind autograd's back)."""
         self._fp8_weight_cache = {}
         self._fp8_invalidations += 1
+
+    def release_cache(self) -> int:
+        """Let go of the cached FP8 expert weights without invalidating them (`FP8Linear.release_cache`)."""
+        cached, self._fp8_weight_cache = self._fp8_weight_cache, {}
+        return sum(tensor_bytes(*value) for _key, value in cached.values())
 
     def _load_from_state_dict(self, *args, **kwargs):
         super()._load_from_state_dict(*args, **kwargs)

@@ -36,7 +36,7 @@ from .ops import select_ops
 from .ops.library import traceable
 from .quantization import QuantizedAct
 
-__all__ = ["FP8Linear", "invalidate_fp8_weights"]
+__all__ = ["FP8Linear", "invalidate_fp8_weights", "release_fp8_weight_caches"]
 
 # When a cached FP8 weight is stale. Fused optimizers (AdamW(fused=True), the transformers default) update parameters
 # without bumping their autograd version counter, and writes through `.data` (PEFT's merge, TRL's reference-model
@@ -285,6 +285,12 @@ class FP8Linear(nn.Linear):
         self._fp8_weight_cache = None
         self._fp8_invalidations += 1
 
+    def release_cache(self) -> int:
+        """Let go of the cached FP8 weight without invalidating it: the next forward quantizes the unchanged weight
+        to the same bits. Returns the bytes let go."""
+        cached, self._fp8_weight_cache = self._fp8_weight_cache, None
+        return 0 if cached is None else tensor_bytes(cached[1].q, cached[1].scale_inv)
+
     def _load_from_state_dict(self, *args, **kwargs):
         super()._load_from_state_dict(*args, **kwargs)
         self.invalidate()  # whether it copied in place or assigned: do not rely on what the key happens to see
@@ -307,6 +313,18 @@ def is_sharded(t: torch.Tensor) -> bool:
     from torch.distributed.tensor import DTensor
 
     return isinstance(t, DTensor)
+
+
+def tensor_bytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def release_fp8_weight_caches(model: nn.Module) -> int:
+    """Let go of the cached FP8 weights of every FP8 layer in `model` (`FP8Linear.release_cache`); returns the bytes.
+
+    Colocated rollouts in sleep mode do it once the engine holds its copy of the weights: vLLM's KV cache wakes into
+    that memory, and the first forward after the rollout quantizes each weight again (one read of the weights)."""
+    return sum(m.release_cache() for m in model.modules() if hasattr(m, "fp8_config") and hasattr(m, "release_cache"))
 
 
 def invalidate_fp8_weights(model: nn.Module) -> int:

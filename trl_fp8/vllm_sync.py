@@ -44,6 +44,7 @@ from .export import (
     linear_module_names,
     unwrap_model,
 )
+from .fp8_linear import release_fp8_weight_caches
 from .kv_scales import AttentionScaleObserver
 from .rollout_stats import RolloutStats, engine_kv_cache_tokens
 from .vllm_kernels import (
@@ -409,6 +410,7 @@ class FP8VLLMGeneration(VLLMGeneration):
         self.power_of_two_scales = power_of_two_scales
         self.kv_observer = kv_observer
         self.last_sync_seconds: float | None = None
+        self.released_cache_bytes = 0  # FP8 weight copies let go for the last rollout (sleep mode)
         self.engine_dir: Path | None = None
         self.rollout_stats: RolloutStats | None = None  # colocate: what the engine did in each rollout
         self.kv_cache_tokens: int | None = None
@@ -528,6 +530,9 @@ class FP8VLLMGeneration(VLLMGeneration):
                 self.llm.wake_up(tags=["weights"])
                 self._llm_weights_sleeping = False
             push_to_engine(self.llm, self._iter_named_params())
+            if self.enable_sleep_mode:  # the KV cache wakes next: give it the trainer's FP8 copies while it generates
+                self.released_cache_bytes = release_fp8_weight_caches(self.model)
+                torch.cuda.empty_cache()
         else:
             super().sync_weights()  # streams _iter_named_params through TRL's client
         if torch.cuda.is_available():
