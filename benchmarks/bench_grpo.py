@@ -427,7 +427,7 @@ def resummarize(path: Path, keep: list[int]) -> None:
     for row in result["results"]:
         row["step_time"] = step_medians(row["per_step"], keep)
         row.setdefault("measured", {})["median_steps"] = keep
-        row["rollout_floor"] = rollout_floor(row, result["settings"], result["device"])
+        row["rollout_floor"] = rollout_floor(row, result["settings"], result.get("device", ""))
         row["planner"] = planned_kv_tokens(row, result["settings"])
     result["settings"]["median_steps"] = keep
     path.write_text(json.dumps(result, indent=2) + "\n")
@@ -449,7 +449,11 @@ def print_summary(result: dict) -> None:
             speed = (f"{b['step_s'] / t['step_s']:.2f}x/{b['rollout_s'] / t['rollout_s']:.2f}x/"
                      f"{b['training_s'] / t['training_s']:.2f}x")  # fmt: skip
         peak = r.get("peak_memory_by_phase_gib", {})
-        peak = f"{peak['rollout']:.1f}/{peak['training']:.1f}" if peak else f"{r['peak_memory_gib']:.1f}"
+        peak = (
+            f"{peak['rollout']:.1f}/{peak['training']:.1f}"
+            if peak
+            else f"{r.get('peak_memory_gib', float('nan')):.1f}"
+        )
         used = r.get("peak_device_memory_by_phase_gib")
         used = f"{used['rollout']:.1f}/{used['training']:.1f}" if used else "-"
         first = f"{r.get('startup_s', float('nan')):.0f}/{r.get('time_to_first_step_s', float('nan')):.0f}"

@@ -8,9 +8,11 @@
 - `rollout_throughput.png`: `results/rollout_<device>.json`, tokens/s per engine (the long regime's profiled
   rollouts, `rollout_long_<device>.json`, get a table);
 - `rollout_capacity.png`: `results/rollout_capacity_mem<share>_<device>.json`, tokens/s of each engine against the
-  share of the GPU vLLM was given (matched memory), with each point's floor;
-- `grpo_step_time.png`: `results/grpo_speed_*.json`, step time split into rollout / training / weight sync (the same
-  for the report's other regimes, and `grpo_colocate_step_time.png` for TRL's colocate defaults);
+  share of the GPU vLLM was given (matched memory; one panel per sequences x new tokens point, the files of one
+  device), with each point's floor hollow and dashed;
+- `grpo_step_time.png`: `results/grpo_speed_*.json`, step time split into rollout / training / weight sync, each bar
+  annotated with its step time and its speed-up over TRL BF16 (the same for the report's other regimes, and
+  `grpo_colocate_step_time.png`, with readable run names, for TRL's colocate defaults, `grpo_colocate_8b_*.json`);
 - `linear_speedup.png`: `results/linear_*.json`, each variant's forward+backward speed-up over BF16 per layer shape.
 
 A plot whose results are missing is skipped (and said so); nothing is invented. The same run also prints the
@@ -205,13 +207,14 @@ ENGINE_LABELS = {"bf16": "BF16", "fp8_deepgemm": "FP8 weights", "fp8_deepgemm_kv
 
 def capacity_series(results: Path) -> dict[str, dict[str, dict[str, list[tuple[float, float, float]]]]]:
     """`{device: {point: {engine: [(share, tokens/s, floor tokens/s), ...]}}}` from the matched-memory files (rows
-    capped with `--max_num_seqs` are the matched-concurrency regime, not drawn here), shares in increasing order."""
+    capped with `--max_num_seqs` are the matched-concurrency regime, not drawn here; a file without rows is skipped),
+    shares in increasing order; a point without a floor has NaN there."""
     series: dict = {}
     for path in results.glob(f"{CAPACITY}*.json"):
         result = json.loads(path.read_text())
         if result.get("max_num_seqs"):
             continue
-        for row in result["results"]:
+        for row in result.get("results") or []:
             for p in row.get("points", []):
                 point = series.setdefault(result["device"], {}).setdefault(f"{p['seqs']}x{p['new_tokens']}", {})
                 point.setdefault(row["engine"], []).append(
@@ -231,7 +234,8 @@ def plot_capacity(device: str, points: dict, out: Path, plt, name: str = "rollou
             shares, tps, floors = zip(*values, strict=True)
             color = f"C{i}"
             ax.plot(shares, tps, "o-", color=color, label=ENGINE_LABELS.get(engine, engine))
-            ax.plot(shares, floors, "o--", color=color, mfc="none", alpha=0.6)
+            ax.plot(shares, floors, "o--", color=color, mfc="none", alpha=0.6)  # NaN where a point has no floor
+        ax.plot([], [], "o--", color="grey", mfc="none", label="floor (same colour)")
         shares = sorted({share for values in engines.values() for share, _, _ in values})
         ax.set_xticks(shares)
         ax.set_xlim(shares[0] - 0.1, shares[-1] + 0.1)
@@ -240,7 +244,7 @@ def plot_capacity(device: str, points: dict, out: Path, plt, name: str = "rollou
         ax.set_ylabel("output tokens / s (dashed, hollow: floor)")
         ax.set_ylim(bottom=0)
         ax.legend(fontsize=8)
-    fig.suptitle(f"Rollouts at matched memory ({device})", fontsize=11)
+    fig.suptitle(f"vLLM rollout tokens/s against vLLM's share of the GPU, matched memory ({device})", fontsize=11)
     fig.tight_layout()
     fig.savefig(out / name, dpi=120)
     plt.close(fig)
@@ -255,6 +259,10 @@ RUN_ORDER = (
     "unified_deepgemm",
     "unified_nocache",
 )  # bench_grpo.RUNS, baseline first
+
+
+RUN_LABELS = {"trl_bf16": "TRL BF16", "unified": "unified FP8", "unified_fp8kv": "unified FP8\n+ FP8 KV"}
+LABELED_STEMS = ("grpo_colocate_step_time",)  # plots read beside prose (docs/when-fp8-pays.md): readable run names
 
 
 def _speed_rows(result: dict) -> list[dict]:
@@ -289,18 +297,23 @@ def _regime(result: dict) -> str:
 
 
 def plot_step_time(result: dict, out: Path, plt, stem: str = "grpo_step_time") -> Path:
+    """Stacked rollout / training / weight sync per run, each bar annotated with its step time (median) and, where
+    `trl_bf16` ran, its speed-up over it."""
     rows = _speed_rows(result)
     base = next((r["step_time"]["step_s"] for r in rows if r["name"] == "trl_bf16"), None)
     parts = ("rollout_s", "training_s", "weight_sync_s")
+    names = [RUN_LABELS.get(r["name"], r["name"]) if stem in LABELED_STEMS else r["name"] for r in rows]
     fig, ax = plt.subplots(figsize=(6.4, 4))
     bottom = [0.0] * len(rows)
     for part in parts:
         values = [r["step_time"][part] for r in rows]
-        ax.bar([r["name"] for r in rows], values, bottom=bottom, label=part.removesuffix("_s"))
+        ax.bar(names, values, bottom=bottom, label=part.removesuffix("_s"))
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
-    if base:
-        for i, total in enumerate(bottom):
-            ax.text(i, total, f"{base / total:.2f}x", ha="center", va="bottom")
+    for i, (r, total) in enumerate(zip(rows, bottom, strict=True)):
+        step = r["step_time"]["step_s"]
+        ax.text(i, total, f"{step:.1f} s" + (f", {base / step:.2f}x" if base else ""), ha="center", va="bottom",
+                fontsize=8 if len(rows) > 3 else 10)  # fmt: skip
+    ax.set_ylim(top=max(bottom) * 1.08)
     ax.set_ylabel("seconds per GRPO step (median)")
     title = f"GRPO step time, {_regime(result)} ({result['device']}, {result['date']})"
     ax.set_title(title.replace(" (", "\n(", 1) if len(title) > 80 else title, fontsize=10)

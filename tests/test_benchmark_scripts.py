@@ -471,7 +471,8 @@ def test_capacity_and_colocate_results_get_their_plots(tmp_path):
     (tmp_path / "rollout_capacity_mem0.5_GPU_X.json").write_text(capacity(0.5, 2.0))
     (tmp_path / "rollout_capacity_mem0.3_GPU_X.json").write_text(capacity(0.3, 1.0))
     (tmp_path / "rollout_capacity_mem0.3_seqs22_GPU_X.json").write_text(capacity(0.3, 9.0, max_num_seqs=22))
-    series = capacity_series(tmp_path)
+    (tmp_path / "rollout_capacity_mem0.7_GPU_X.json").write_text(json.dumps({"device": "GPU X", "results": []}))
+    series = capacity_series(tmp_path)  # the file without rows adds nothing
     assert series == {"GPU X": {"256x2048": {"bf16": [(0.3, 100.0, 200.0), (0.5, 200.0, 400.0)],
                                             "fp8_deepgemm_kv": [(0.3, 250.0, 500.0), (0.5, 500.0, 1000.0)]}}}  # fmt: skip
 
@@ -488,3 +489,56 @@ def test_capacity_and_colocate_results_get_their_plots(tmp_path):
     assert "| unified_fp8kv | 50.00 | 30.00 | 20.00 | 0.05 | 2.00x / 2.00x / 2.00x |" in text
     names = {p.name for p in plot_results(["--results", str(tmp_path), "--out", str(tmp_path / "plots")])}
     assert {"rollout_capacity.png", "grpo_colocate_step_time.png"} <= names
+
+
+def test_capacity_and_colocate_plots_draw_the_series_and_annotate_each_run(tmp_path):
+    """The capacity plot draws one line per engine over the shares, its floor dashed beside it (a point without a
+    floor is NaN, not dropped); the colocate step-time plot names the runs readably and annotates each bar with its
+    step time and its speed-up over TRL BF16."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as real_plt
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from plot_results import capacity_series, plot_capacity, plot_step_time
+
+    figures = []
+
+    class Plt:  # matplotlib.pyplot, keeping the figures open to read them back
+        subplots = staticmethod(real_plt.subplots)
+
+        @staticmethod
+        def close(fig):
+            figures.append(fig)
+
+    for share, tps in ((0.5, 300.0), (0.3, 100.0)):
+        rows = [{"engine": "fp8_deepgemm", "points": [{"seqs": 128, "new_tokens": 4096, "tokens_per_s": tps}]}]
+        (tmp_path / f"rollout_capacity_mem{share}_GPU_Y.json").write_text(
+            json.dumps({"device": "GPU Y", "gpu_memory_utilization": share, "results": rows})
+        )
+    (series,) = capacity_series(tmp_path).values()
+    ((share_lo, tps_lo, floor_lo), (share_hi, tps_hi, _)) = series["128x4096"]["fp8_deepgemm"]
+    assert (share_lo, tps_lo, share_hi, tps_hi) == (0.3, 100.0, 0.5, 300.0) and floor_lo != floor_lo  # NaN
+    assert plot_capacity("GPU Y", series, tmp_path, Plt).name == "rollout_capacity.png"
+    (ax,) = figures[-1].axes
+    assert [list(line.get_ydata()) for line in ax.lines[:1]] == [[100.0, 300.0]]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["FP8 weights", "floor (same colour)"]
+    assert "share of the GPU" in figures[-1]._suptitle.get_text() and "GPU Y" in figures[-1]._suptitle.get_text()
+
+    step = {"step_s": 120.0, "rollout_s": 70.0, "training_s": 50.0, "weight_sync_s": 0.1}
+    rows = [{"name": "unified_fp8kv", "step_time": {k: v / 2 for k, v in step.items()}},
+            {"name": "unified", "step_time": {k: v / 1.5 for k, v in step.items()}},
+            {"name": "trl_bf16", "step_time": step}]  # fmt: skip
+    settings = {"shape": "8b", "generation_batch": 128, "completion_len": 2048, "vllm_memory": 0.3, "sleep_mode": True}
+    result = {"settings": settings, "results": rows, "device": "GPU Y", "date": "today"}
+    assert plot_step_time(result, tmp_path, Plt, "grpo_colocate_step_time").exists()
+    (ax,) = figures[-1].axes
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["TRL BF16", "unified FP8", "unified FP8\n+ FP8 KV"]
+    assert [t.get_text() for t in ax.texts] == ["120.0 s, 1.00x", "80.0 s, 1.50x", "60.0 s, 2.00x"]
+    plot_step_time({**result, "results": rows[:2]}, tmp_path, Plt, "grpo_step_time")  # no BF16 row: no speed-up
+    (ax,) = figures[-1].axes
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["unified", "unified_fp8kv"]  # the bench names elsewhere
+    assert [t.get_text() for t in ax.texts] == ["80.0 s", "60.0 s"]
+    for fig in figures:
+        real_plt.close(fig)
