@@ -136,8 +136,7 @@ def floor_tokens_per_s(
 def point_floor(result: dict, row: dict, point: dict) -> dict:
     """`floor_tokens_per_s` of a recorded point, from what its results file records."""
     hw = result.get("hardware_peaks") or hardware(result["device"])
-    shape = {k: v for k, v in result["shape"].items() if k != "name"}
-    sizes = model_bytes(shape, fp8_linear=row["rollout_precision"] != "bf16", fp8_kv=row["fp8_kv_cache"])
+    sizes = model_bytes(result["shape"], fp8_linear=row["rollout_precision"] != "bf16", fp8_kv=row["fp8_kv_cache"])
     floor = floor_tokens_per_s(
         sizes, hw, row["rollout_precision"] != "bf16", point["seqs"], result["prompt_len"], point["new_tokens"],
         row.get("kv_cache_tokens"), row.get("max_num_seqs"),
@@ -201,6 +200,7 @@ def run_engine(args):
     from trl_fp8.kv_scales import AttentionScaleObserver
     from trl_fp8.rollout_stats import RolloutStats
     from trl_fp8.vllm_kernels import rollout_kernel
+    from trl_fp8.vllm_sync import TRL_MAX_NUM_BATCHED_TOKENS
 
     train_fp8, precision, fp8_kv, backend = ENGINES[args.engine]
     model = build_trainer_model(args.shape)
@@ -241,7 +241,7 @@ def run_engine(args):
     llm = start_engine(
         model, precision, Path(args.workdir), fp8_kv_cache=fp8_kv, backend=backend or "auto",
         gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=max_len,
-        max_num_seqs=max_num_seqs, max_num_batched_tokens=4096,  # TRL's colocate setting
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=TRL_MAX_NUM_BATCHED_TOKENS,  # TRL's colocate setting
         deepgemm_workers=args.deepgemm_workers,
         **ENGINE_LLM_KWARGS.get(args.engine, {}),
     )  # fmt: skip
@@ -290,6 +290,7 @@ def run_engine(args):
 
     sizes = model_bytes(SHAPES[args.shape], fp8_linear=precision != "bf16", fp8_kv=fp8_kv)
     hw = hardware(torch.cuda.get_device_name())
+    measured = {"device": torch.cuda.get_device_name(), "shape": SHAPES[args.shape], "prompt_len": args.prompt_len}
     timed_generate(llm, prompts(8), 16)  # warm-up
     row["points"] = []
     for seqs, new in points:
@@ -300,10 +301,7 @@ def run_engine(args):
             took = stats.read()
             point.update(running_peak=int(took["running_peak"]), preemptions=int(took["preemptions"]))
         if hw:
-            floor = floor_tokens_per_s(
-                sizes, hw, precision != "bf16", seqs, args.prompt_len, new, row["kv_cache_tokens"], max_num_seqs
-            )
-            point.update(floor, of_floor=point["tokens_per_s"] / floor["floor_tokens_per_s"])
+            point.update(point_floor(measured, row, point))
         row["points"].append(point)
         print(f"# {args.engine} {seqs}x{new}: {point['tokens_per_s']:.0f} tok/s", file=sys.stderr, flush=True)
     if args.profile_point:  # where a decode step's time goes: attention against the GEMMs and the rest

@@ -12,6 +12,7 @@ from trl_fp8.deepgemm_warmup import precompile_engine_kernels
 from trl_fp8.export import fp8_module_names
 from trl_fp8.vllm_kernels import rollout_kernel
 from trl_fp8.vllm_sync import (
+    TRL_MAX_NUM_BATCHED_TOKENS,
     apply_engine_env,
     engine_overrides,
     push_to_engine,
@@ -41,7 +42,7 @@ def start_engine(
     apply_engine_env(precision, kernel)  # the kernel that runs our FP8 values as they are
     fp8_modules = fp8_module_names(model) if precision == "fp8" else set()
     engine_dir = write_engine_config(model, None, workdir / f"engine_{precision}", fp8_modules)
-    max_tokens = llm_kwargs.get("max_num_batched_tokens", 4096)
+    max_tokens = llm_kwargs.get("max_num_batched_tokens", TRL_MAX_NUM_BATCHED_TOKENS)
     precompiled = precompile_engine_kernels(kernel, model, fp8_modules, max_tokens, workers=deepgemm_workers)
     kwargs = dict(
         **engine_overrides(engine_dir, precision, fp8_kv_cache, kernel), skip_tokenizer_init=True, dtype="bfloat16",

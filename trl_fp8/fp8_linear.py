@@ -319,18 +319,23 @@ def tensor_bytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def cached_fp8_layers(model: nn.Module) -> list[nn.Module]:
+    """The layers of `model` that cache FP8 weights (`FP8Linear`, `FP8Experts`)."""
+    return [m for m in model.modules() if hasattr(m, "fp8_config") and callable(getattr(m, "invalidate", None))]
+
+
 def release_fp8_weight_caches(model: nn.Module) -> int:
     """Let go of the cached FP8 weights of every FP8 layer in `model` (`FP8Linear.release_cache`); returns the bytes.
 
     Colocated rollouts in sleep mode do it once the engine holds its copy of the weights: vLLM's KV cache wakes into
     that memory, and the first forward after the rollout quantizes each weight again (one read of the weights)."""
-    return sum(m.release_cache() for m in model.modules() if hasattr(m, "fp8_config") and hasattr(m, "release_cache"))
+    return sum(layer.release_cache() for layer in cached_fp8_layers(model))
 
 
 def invalidate_fp8_weights(model: nn.Module) -> int:
     """Invalidate the cached FP8 weights of every FP8 layer (`FP8Linear`, `FP8Experts`) in `model`; returns how many
     there were."""
-    layers = [m for m in model.modules() if hasattr(m, "fp8_config") and callable(getattr(m, "invalidate", None))]
+    layers = cached_fp8_layers(model)
     for layer in layers:
         layer.invalidate()
     return len(layers)
