@@ -4,7 +4,8 @@
 
 - `convergence_reward.png`, `convergence_accuracy.png`, `convergence_mismatch.png`: per-step reward, held-out
   accuracy and trainer-vs-rollout mismatch of every `results/convergence*/grpo_*.json` setting (one colour per
-  setting, one line style per seed);
+  setting, one line style per seed); the studies of their own (`SEPARATE_STUDIES`: `convergence_fp8kv/`, the FP8 KV
+  cache's cost) get the same three plots under their folder's name, and a table;
 - `rollout_throughput.png`: `results/rollout_<device>.json`, tokens/s per engine (the long regime's profiled
   rollouts, `rollout_long_<device>.json`, get a table);
 - `rollout_capacity.png`: `results/rollout_capacity_mem<share>_<device>.json`, tokens/s of each engine against the
@@ -12,7 +13,8 @@
   device), with each point's floor hollow and dashed;
 - `grpo_step_time.png`: `results/grpo_speed_*.json`, step time split into rollout / training / weight sync, each bar
   annotated with its step time and its speed-up over TRL BF16 (the same for the report's other regimes, and
-  `grpo_colocate_step_time.png`, with readable run names, for TRL's colocate defaults, `grpo_colocate_8b_*.json`);
+  `grpo_colocate_step_time_<device>.png`, with readable run names, for TRL's colocate defaults, one per GPU,
+  `grpo_colocate_8b_<device>.json`);
 - `linear_speedup.png`: `results/linear_*.json`, each variant's forward+backward speed-up over BF16 per layer shape.
 
 A plot whose results are missing is skipped (and said so); nothing is invented. The same run also prints the
@@ -287,7 +289,19 @@ def speed_results(results: Path) -> list[tuple[str, dict]]:
         return max((p for p in SPEED_FILES.values() if path.name.startswith(p)), key=len)
 
     found = {stem: [p for p in paths if prefix(p) == pre] for stem, pre in SPEED_FILES.items()}
-    return [(stem, json.loads(files[0].read_text())) for stem, files in found.items() if files]
+    out = []
+    for stem, files in found.items():
+        if stem not in PER_DEVICE_STEMS:
+            out += [(stem, json.loads(files[0].read_text()))] if files else []
+            continue
+        by_device: dict[str, dict] = {}  # the first file per GPU ("<device>.json" before dated ones)
+        for result in map(json.loads, (p.read_text() for p in files)):
+            by_device.setdefault(result["device"], result)
+        out += [(f"{stem}_{device.replace(' ', '_')}", result) for device, result in by_device.items()]
+    return out
+
+
+PER_DEVICE_STEMS = ("grpo_colocate_step_time",)  # regimes measured on several GPUs: one plot per GPU
 
 
 def _regime(result: dict) -> str:
@@ -302,7 +316,7 @@ def plot_step_time(result: dict, out: Path, plt, stem: str = "grpo_step_time") -
     rows = _speed_rows(result)
     base = next((r["step_time"]["step_s"] for r in rows if r["name"] == "trl_bf16"), None)
     parts = ("rollout_s", "training_s", "weight_sync_s")
-    names = [RUN_LABELS.get(r["name"], r["name"]) if stem in LABELED_STEMS else r["name"] for r in rows]
+    names = [RUN_LABELS.get(r["name"], r["name"]) if stem.startswith(LABELED_STEMS) else r["name"] for r in rows]
     fig, ax = plt.subplots(figsize=(6.4, 4))
     bottom = [0.0] * len(rows)
     for part in parts:
@@ -313,11 +327,11 @@ def plot_step_time(result: dict, out: Path, plt, stem: str = "grpo_step_time") -
         step = r["step_time"]["step_s"]
         ax.text(i, total, f"{step:.1f} s" + (f", {base / step:.2f}x" if base else ""), ha="center", va="bottom",
                 fontsize=8 if len(rows) > 3 else 10)  # fmt: skip
-    ax.set_ylim(top=max(bottom) * 1.08)
+    ax.set_ylim(top=max(bottom) * 1.22)  # room above the bars for the legend, clear of the annotations
     ax.set_ylabel("seconds per GRPO step (median)")
     title = f"GRPO step time, {_regime(result)} ({result['device']}, {result['date']})"
     ax.set_title(title.replace(" (", "\n(", 1) if len(title) > 80 else title, fontsize=10)
-    ax.legend(loc="lower right" if len(rows) > 3 else "upper right")
+    ax.legend(loc="upper center", ncol=len(parts), fontsize=8)
     fig.tight_layout()
     fig.savefig(out / f"{stem}.png", dpi=120)
     plt.close(fig)
@@ -353,9 +367,18 @@ def plot_linear(result: dict, out: Path, plt, goal: float = 1.45) -> Path:
     return out / "linear_speedup.png"
 
 
-def _convergence_runs(results: Path, task: str = "addition") -> list[dict]:
-    runs = [r for r in _load(results.glob("convergence*/grpo_*.json")) if r["args"].get("task", "addition") == task]
+def _convergence_runs(results: Path, task: str = "addition", folder: str | None = None) -> list[dict]:
+    """The runs of `task` in the report's `convergence*/` folders (the studies of their own left out), or in `folder`."""
+    paths = (
+        results.glob(f"{folder}/grpo_*.json")
+        if folder
+        else [p for p in results.glob("convergence*/grpo_*.json") if p.parent.name not in SEPARATE_STUDIES]
+    )
+    runs = [r for r in _load(paths) if r["args"].get("task", "addition") == task]
     return sorted(runs, key=lambda r: (r["args"]["seed"], list(SETTING_ORDER).index(r["setting"]["name"])))
+
+
+SEPARATE_STUDIES = ("convergence_fp8kv",)  # one question each, settings side by side on one host: own table, plots
 
 
 SETTING_ORDER = ("bf16", "bf16_fp8rollout", "bf16_fp8rollout_tis", "fp8", "fp8_tis", "fp8_tis_fp8kv")
@@ -396,11 +419,41 @@ def tables(results: Path) -> str:
                 f"{acc[last]:.2f} | {mean('reward', steps[-20:]):.3f} | {mean('fp8/mismatch/abs_logp_diff_mean'):.4f} | "
                 f"{mean('fp8/mismatch/kl_k3'):.1e} |"
             )  # fmt: skip
+    lines += fp8kv_table(_convergence_runs(results, folder="convergence_fp8kv"))
     for task in LONG_TASKS:
         lines += long_task_table(_convergence_runs(results, task), task)
     for result in _load(results.glob("rollout_long_*.json"))[:1]:
         lines += rollout_profile_table(result)
     return "\n".join(lines)
+
+
+def fp8kv_table(runs: list[dict]) -> list[str]:
+    """The FP8 KV cache's cost (`run_rollout_report.sh fp8kv`): per setting, held-out accuracy with one standard error
+    at the last evaluation, and the trainer-vs-rollout mismatch over all steps (KL k3 mean and median, the share of
+    tokens whose TIS ratio was clipped, mean abs dlogp)."""
+    if not runs:
+        return []
+    n = runs[0]["args"]["eval_problems"]
+    lines = [f"The FP8 KV cache's cost ({runs[0]['device']}, {runs[0]['date']}): held-out greedy accuracy (%, {n} "
+             "problems, +- one standard error) and trainer-vs-rollout mismatch (all steps)", "",
+             "| setting | seed | step 0 | last step | accuracy there | KL k3 mean | KL k3 median | TIS clipped tokens | "
+             "mean abs dlogp |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in runs:
+        first, last = r["held_out"][0], r["held_out"][-1]
+        acc = last["held_out_accuracy"]
+        kl = sorted(s["fp8/mismatch/kl_k3"] for s in r["steps"] if "fp8/mismatch/kl_k3" in s)
+        clipped = [
+            s["fp8/mismatch/is_ratio_clipped_frac"] for s in r["steps"] if "fp8/mismatch/is_ratio_clipped_frac" in s
+        ]
+        dlogp = [s["fp8/mismatch/abs_logp_diff_mean"] for s in r["steps"] if "fp8/mismatch/abs_logp_diff_mean" in s]
+        lines.append(
+            f"| {r['setting']['name']} | {r['args']['seed']} | {100 * first['held_out_accuracy']:.2f} | {last['step']} | "
+            f"{100 * acc:.2f} +- {100 * (acc * (1 - acc) / n) ** 0.5:.2f} | {sum(kl) / len(kl):.1e} | "
+            f"{kl[len(kl) // 2]:.1e} | "
+            + (f"{100 * sum(clipped) / len(clipped):.3f}%" if clipped else "- (no TIS)")
+            + f" | {sum(dlogp) / len(dlogp):.4f} |"
+        )  # fmt: skip
+    return [*lines, ""]
 
 
 def long_task_table(runs: list[dict], task: str) -> list[str]:
@@ -458,6 +511,9 @@ def main(argv=None) -> list[Path]:
         written += plot_convergence(runs, out, plt)
     else:
         print("no results/convergence*/grpo_*.json: convergence plots skipped")
+    for folder in SEPARATE_STUDIES:
+        study = _convergence_runs(results, folder=folder)
+        written += plot_convergence(study, out, plt, prefix=folder) if study else []
     for task in LONG_TASKS:  # their own curves, and the mismatch along a completion
         long_runs = _convergence_runs(results, task)
         if long_runs:

@@ -23,6 +23,8 @@
 #   bash benchmarks/run_rollout_report.sh four      # bench_grpo: the four runs of `long` at 64 x 1024 on the 8B shape
 #   bash benchmarks/run_rollout_report.sh long      # bench_grpo's long regime ($LONG_RUNS): 128 x 4096 tokens, 1.7B
 #   bash benchmarks/run_rollout_report.sh kvprofile # the long regime's rollout (1.7B, 128 x 4096), kernel time profiled
+#   bash benchmarks/run_rollout_report.sh fp8kv     # the FP8 KV cache's cost in training: pre-train the addition model,
+#                                                   # then GRPO bf16 / fp8_tis / fp8_tis_fp8kv side by side (one seed)
 #   bash benchmarks/run_rollout_report.sh chain     # pre-train the long-completion model, GRPO x 5 settings x 2 seeds
 #                                                   (one GPU or two: a seed per GPU)
 #   bash benchmarks/run_rollout_report.sh chainbase # pre-train it alone; a BF16 copy in 15 MB parts, $WORK/chain_base.part.*
@@ -183,6 +185,16 @@ kvprofile)  # the long regime's rollouts alone: BF16 and FP8 weights, BF16 and F
     --points 128x4096 --prompt_len 128 --profile_point 128x1024 --gpu_memory_utilization 0.55 \
     --workdir "$work/rollout" --out "$work/rollout_long_$device.json"
   ;;
+fp8kv)  # the FP8 KV cache's cost on the addition task, the settings side by side on one GPU (as `run_report.sh`'s
+  # accuracy study, one seed): held-out accuracy, trainer-vs-rollout KL and the TIS clipping rate, FP8 weights with
+  # the BF16 KV cache against the same with the FP8 one (the trainer's KV scales), BF16 beside them. Cutlass rollouts
+  # (no cold DeepGEMM compile for the small model's shapes); training bounded by FP8KV_MINUTES.
+  timed fp8kv_pretrain python benchmarks/convergence/pretrain.py --out "$work/arith-base" \
+    --results "$work/convergence_fp8kv/pretrain_$device.json"
+  timed fp8kv_grpo python benchmarks/convergence/run_grpo.py --model "$work/arith-base" \
+    --setting bf16 fp8_tis fp8_tis_fp8kv --parallel --vllm_fp8_backend cutlass --max_minutes "${FP8KV_MINUTES:-6}" \
+    --workdir "$work/fp8kv_runs" --results_dir "$work/convergence_fp8kv"
+  ;;
 chain)  # the long-completion study: pre-train the 101M addition-chain model, then GRPO in the five settings x 2 seeds
   # at once, each part bounded in time so the whole fits one lease (25 min); results are written after every
   # logged step and evaluation. Batch 64: 128 rows of ~1k words ran out of the H200's memory. Cutlass rollouts:
@@ -234,7 +246,7 @@ multi)  # a 4B shape with stock fused AdamW: one step fits one GPU beside its en
   ;;
 *)
   echo "usage: $0 PHASE... (kernels rollout capacity concurrency colocate bestfit pack suite checks linear gemm quant" \
-    "train grpo long kvprofile" \
+    "train grpo four long kvprofile fp8kv" \
     "chain chainbase multi)" >&2
   exit 2
   ;;

@@ -64,6 +64,33 @@ def test_long_completion_task_pretrains_and_runs_grpo_at_smoke_size(tmp_path):
     assert _convergence_runs(tmp_path / "results") == [] and len(_convergence_runs(tmp_path / "results", "chain")) == 1
 
 
+def test_the_fp8kv_study_gets_its_own_table_and_stays_out_of_the_reports_seeds(tmp_path):
+    """`convergence_fp8kv/` (`run_rollout_report.sh fp8kv`) is one question on one host: its runs are not more seeds of
+    the report's `convergence/` runs; its table gives the accuracy's standard error, the KL and the TIS clipping."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from plot_results import _convergence_runs, tables
+
+    def run(folder, setting, kl, clipped=None):
+        steps = [{"step": i, "reward": 0.5, "fp8/mismatch/kl_k3": kl * i, "fp8/mismatch/abs_logp_diff_mean": 0.01,
+                  **({"fp8/mismatch/is_ratio_clipped_frac": clipped} if clipped is not None else {})}
+                 for i in (1, 2, 3)]  # fmt: skip
+        held_out = [{"step": 0, "held_out_accuracy": 0.5}, {"step": 3, "held_out_accuracy": 0.9}]
+        path = tmp_path / folder / f"grpo_{setting}_GPU.json"
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(json.dumps({"setting": {"name": setting}, "args": {"seed": 0, "eval_problems": 100},
+                                    "steps": steps, "held_out": held_out, "device": "GPU", "date": "today"}))  # fmt: skip
+
+    run("convergence", "fp8_tis", 1e-5, 0.0)
+    run("convergence_fp8kv", "bf16", 1e-5)
+    run("convergence_fp8kv", "fp8_tis_fp8kv", 1e-4, 0.002)
+    assert [r["setting"]["name"] for r in _convergence_runs(tmp_path)] == ["fp8_tis"]
+    assert len(_convergence_runs(tmp_path, folder="convergence_fp8kv")) == 2
+    text = tables(tmp_path)
+    # accuracy 90% of 100 problems: standard error 3%; KL of steps 1-3 = 1e-4, 2e-4, 3e-4: mean and median 2e-4
+    assert "| fp8_tis_fp8kv | 0 | 50.00 | 3 | 90.00 +- 3.00 | 2.0e-04 | 2.0e-04 | 0.200% | 0.0100 |" in text
+    assert "| bf16 | 0 | 50.00 | 3 | 90.00 +- 3.00 | 2.0e-05 | 2.0e-05 | - (no TIS) | 0.0100 |" in text
+
+
 def test_rollout_plot_reads_both_result_formats(tmp_path):
     """bench_rollout rows with `points` (sequences x new tokens per point) and the first format's `gen_<tokens>`."""
     import matplotlib
@@ -247,7 +274,10 @@ def test_parallel_runs_get_their_own_seed_and_results_folder():
     argv = ["--task", "trace", "--seeds", "0", "1", "--results_dir", "/r", "--seed", "3", "--steps", "5"]
     assert strip_option(strip_option(strip_option(argv, "--seeds"), "--seed"), "--results_dir") == [
         "--task", "trace", "--steps", "5"]  # fmt: skip
-    from run_grpo import seed_results_dir
+    from run_grpo import chosen_settings, seed_results_dir
+
+    assert chosen_settings(["fp8_tis", "fp8_tis_fp8kv", "fp8_tis"]) == ["fp8_tis", "fp8_tis_fp8kv"]
+    assert len(chosen_settings(["all"])) == 6 and chosen_settings(["bf16"]) == ["bf16"]
 
     # a seed's folder does not depend on which seeds ran beside it (seed 1 alone, in a later lease, still gets _seed1)
     assert [seed_results_dir("/r/c", s) for s in (0, 1, 2)] == ["/r/c", "/r/c_seed1", "/r/c_seed2"]
@@ -483,12 +513,16 @@ def test_capacity_and_colocate_results_get_their_plots(tmp_path):
     colocate = {"settings": settings, "results": rows, "device": "GPU X", "date": "today"}
     (tmp_path / "grpo_colocate_8b_GPU_X.json").write_text(json.dumps(colocate))
     (tmp_path / "grpo_colocate_fp8_GPU_X.json").write_text("{}")  # another benchmark's file: not a step-time result
-    assert [stem for stem, _ in speed_results(tmp_path)] == ["grpo_colocate_step_time"]
+    (tmp_path / "grpo_colocate_8b_GPU_Y.json").write_text(json.dumps({**colocate, "device": "GPU Y"}))
+    (tmp_path / "grpo_colocate_8b_GPU_Y_2026-01-01.json").write_text(json.dumps({**colocate, "device": "GPU Y"}))
+    # one plot per GPU (an earlier, dated run of a GPU is not drawn)
+    assert [stem for stem, _ in speed_results(tmp_path)] == ["grpo_colocate_step_time_GPU_X",
+                                                             "grpo_colocate_step_time_GPU_Y"]  # fmt: skip
     text = tables(tmp_path)
     assert "8b shape, 128 x 2048 tokens, vLLM 0.3, sleep mode" in text
     assert "| unified_fp8kv | 50.00 | 30.00 | 20.00 | 0.05 | 2.00x / 2.00x / 2.00x |" in text
     names = {p.name for p in plot_results(["--results", str(tmp_path), "--out", str(tmp_path / "plots")])}
-    assert {"rollout_capacity.png", "grpo_colocate_step_time.png"} <= names
+    assert {"rollout_capacity.png", "grpo_colocate_step_time_GPU_X.png", "grpo_colocate_step_time_GPU_Y.png"} <= names
 
 
 def test_capacity_and_colocate_plots_draw_the_series_and_annotate_each_run(tmp_path):

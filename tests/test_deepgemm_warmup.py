@@ -28,6 +28,19 @@ def test_engine_shapes_keep_a_lone_sibling_and_drop_unaligned_layers():
     assert engine_gemm_shapes(odd, {"lm_head"}) == []  # N = 200 is not a multiple of 128: not a DeepGEMM layer
 
 
+def test_engine_shapes_of_a_moe_model_are_its_dense_layers_only():
+    """FP8 experts (stacked 3-D weights) run vLLM's fused-MoE kernels: only the attention and the dense MLP of the
+    `mlp_only_layers` are DeepGEMM's (2026-11-26, H200: the MoE colocate test failed on the experts' missing `weight`)."""
+    from test_fp8_experts import tiny_moe
+
+    model = tiny_moe()
+    convert_to_fp8(model)
+    names = fp8_module_names(model)
+    assert "model.layers.0.mlp.experts" in names
+    # qkv 512 x 256, o_proj 256 x 256; layer 1's dense MLP: gate_up 1024 x 256, down 256 x 512
+    assert engine_gemm_shapes(model, names) == [(256, 256), (256, 512), (512, 256), (1024, 256)]
+
+
 def test_split_covers_every_token_count_once_in_contiguous_runs():
     shapes = [(512, 256), (1024, 256)]
     counts = {(512, 256): list(range(1, 12)), (1024, 256): [1, 2, 64, 128]}

@@ -46,7 +46,7 @@ def test_results_notebook_redraws_the_committed_results(tmp_path):
     # The step-time and accuracy tables carry the numbers of the committed JSON, every run and seed.
     results = ROOT / "benchmarks" / "results"
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from plot_results import LONG_TASKS, _convergence_runs, capacity_series, speed_results
+    from plot_results import LONG_TASKS, SEPARATE_STUDIES, _convergence_runs, capacity_series, speed_results
 
     for _, speed in speed_results(results):  # each regime: 64 x 1k, and the long one once it has run
         for row in speed["results"]:
@@ -60,8 +60,11 @@ def test_results_notebook_redraws_the_committed_results(tmp_path):
         assert f"| {run['setting']['name']} | {run['args']['seed']} |" in outputs and f"{final:.2f}" in outputs
     images = [o for cell in nb.cells for o in cell.get("outputs", []) if "image/png" in o.get("data", {})]
     long_tasks = [task for task in LONG_TASKS if _convergence_runs(results, task)]
+    studies = [folder for folder in SEPARATE_STUDIES if _convergence_runs(results, folder=folder)]
     expected = 3 + 1 + bool(capacity_series(results)) + len(speed_results(results)) + 1 + 4 * len(long_tasks)
+    expected += 3 * len(studies)
     assert len(images) == expected, (
         "expected the three convergence plots, rollout throughput, rollouts at matched memory, GRPO step time per "
-        "regime, linear speed-up, and per long-completion task its three curves and the mismatch along the completion"
+        "regime, linear speed-up, per long-completion task its three curves and the mismatch along the completion, "
+        "and per study of its own (the FP8 KV cache's cost) its three curves"
     )

@@ -652,3 +652,23 @@ def test_the_bf16_equivalent_moves_the_saved_weight_bytes_into_bf16_kv_cache():
     line = capacity_line(model, tokens, fp8_weights=True, fp8_kv=True, seq_len=100)
     assert line.endswith(f"would have room for {expected:,}.") and "1,000 sequences of 100 tokens" in line
     assert capacity_line(model, tokens, fp8_weights=False, fp8_kv=False, seq_len=100).endswith("at once.")
+
+
+def test_a_kv_bound_rollout_without_fp8_kv_cache_is_told_what_fp8_kv_would_hold():
+    from trl_fp8.capacity import ModelShape, kv_bytes_per_token
+    from trl_fp8.rollout_stats import capacity_line
+
+    model = tiny_qwen3()
+    shape = ModelShape.from_config(model.config)
+    tokens = 100_000  # FP8 weights, BF16 KV: the same memory in FP8 KV holds twice the tokens
+    fp8_kv_room = tokens * kv_bytes_per_token(shape, False) // kv_bytes_per_token(shape, True) // 100
+    bound = capacity_line(model, tokens, fp8_weights=True, fp8_kv=False, seq_len=100, rollout_seqs=1_500)
+    assert bound.endswith(f"an FP8 KV cache (fp8_kv_cache=True) would have room for {fp8_kv_room:,}, for a larger "
+                          "trainer-vs-rollout mismatch (docs/when-fp8-pays.md).")  # fmt: skip
+    assert "The KV cache binds (1,500 sequences per rollout)" in bound and fp8_kv_room == 2_000
+    fits = capacity_line(model, tokens, fp8_weights=True, fp8_kv=False, seq_len=100, rollout_seqs=1_000)
+    assert "binds" not in fits and "FP8 KV" not in fits  # every sequence fits: nothing to suggest
+    already = capacity_line(model, tokens, fp8_weights=True, fp8_kv=True, seq_len=100, rollout_seqs=1_500)
+    assert "binds" not in already  # an FP8 KV cache already: nothing to suggest
+    bf16 = capacity_line(model, tokens, fp8_weights=False, fp8_kv=False, seq_len=100, rollout_seqs=1_500)
+    assert "BF16 engine in the same memory" not in bf16 and "would have room for 2,000" in bf16

@@ -64,7 +64,7 @@ class PrecompileResult:
 def engine_gemm_shapes(model: nn.Module, fp8_modules: set[str]) -> list[tuple[int, int]]:
     """The (N, K) of every block-FP8 GEMM the engine runs for `model`'s FP8 layers: vLLM fuses q/k/v and gate/up
     (`sibling_gemms.FUSED_GROUPS`) into one layer each, so their N add up. Layers whose N or K is not a multiple of 128
-    are left out, as vLLM does not run them on DeepGEMM."""
+    are left out, as vLLM does not run them on DeepGEMM, and so are experts (vLLM's fused-MoE kernels)."""
     modules = dict(unwrap_model(model).named_modules())
     shapes, seen = set(), set()
     for name in sorted(fp8_modules):
@@ -74,7 +74,10 @@ def engine_gemm_shapes(model: nn.Module, fp8_modules: set[str]) -> list[tuple[in
         if members in seen or any(m not in modules for m in members):
             continue
         seen.add(members)
-        weights = [getattr(modules[m], "base_layer", modules[m]).weight for m in members]
+        layers = [getattr(modules[m], "base_layer", modules[m]) for m in members]
+        if any(getattr(layer, "weight", None) is None or layer.weight.dim() != 2 for layer in layers):
+            continue  # experts (stacked 3-D weights) run vLLM's fused-MoE kernels, not the dense GEMMs compiled here
+        weights = [layer.weight for layer in layers]
         n, k = sum(w.shape[0] for w in weights), weights[0].shape[1]
         if n % BLOCK == 0 and k % BLOCK == 0:
             shapes.add((int(n), int(k)))

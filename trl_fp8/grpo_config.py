@@ -77,7 +77,8 @@ class FP8GRPOConfig(GRPOConfig):
         them is not compiled again.
     fp8_kv_cache (`bool`, *optional*, defaults to `False`):
         vLLM `kv_cache_dtype="fp8"`, with the q/k/v scales measured on the trainer's forward and pushed at every
-        sync.
+        sync. Off by default: it pays when the rollouts do not fit the BF16 KV cache (the first rollout's log line
+        says so), for a trainer-vs-rollout KL about 9x larger (docs/when-fp8-pays.md).
     log_rollout_mismatch (`bool`, *optional*, defaults to `True`):
         With vLLM, always score the rollouts with the trainer (one extra forward when no importance sampling needs
         it) and log the trainer-vs-rollout mismatch (`fp8/mismatch/*`).

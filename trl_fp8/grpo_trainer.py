@@ -260,7 +260,8 @@ class FP8GRPOTrainer(GRPOTrainer):
             seq_len = int(output["prompt_mask"].sum(1).max()) + self.max_completion_length
             fp8_weights = generation.rollout_precision != "bf16"
             line = capacity_line(unwrap_model(self.model), kv_tokens, fp8_weights=fp8_weights,
-                                 fp8_kv=self._kv_observer is not None, seq_len=seq_len)  # fmt: skip
+                                 fp8_kv=self._kv_observer is not None, seq_len=seq_len,
+                                 rollout_seqs=len(output["prompt_ids"]))  # fmt: skip
             self.accelerator.print(f"[trl-fp8] vLLM engine: {line} This process's rollouts have "
                                    f"{len(output['prompt_ids'])} sequences.")  # fmt: skip
 

@@ -76,23 +76,32 @@ def engine_kv_cache_tokens(llm) -> int | None:
         return None
 
 
-def capacity_line(model: nn.Module, kv_tokens: int, *, fp8_weights: bool, fp8_kv: bool, seq_len: int) -> str:
+def capacity_line(
+    model: nn.Module, kv_tokens: int, *, fp8_weights: bool, fp8_kv: bool, seq_len: int, rollout_seqs: int = 0
+) -> str:
     """`KV cache 197,984 tokens (FP8 weights + FP8 KV cache): room for 85 sequences of 2,304 tokens at once; a BF16
     engine in the same memory would have room for 22.` The BF16 figure moves the weight bytes FP8 saves back into
-    BF16 KV cache (`capacity.ModelShape`), and is left out for a model the capacity arithmetic cannot size."""
+    BF16 KV cache (`capacity.ModelShape`), and is left out for a model the capacity arithmetic cannot size. Without
+    an FP8 KV cache, when a rollout's `rollout_seqs` sequences do not all fit, the line adds what an FP8 KV cache
+    would hold in the same memory: the case where it pays (docs/when-fp8-pays.md)."""
     from .capacity import ModelShape, kv_bytes_per_token, weight_bytes
 
     kind = ("FP8 weights" if fp8_weights else "BF16 weights") + (" + FP8 KV cache" if fp8_kv else "")
-    line = (
-        f"KV cache {kv_tokens:,} tokens ({kind}): room for {kv_tokens // seq_len:,} sequences of {seq_len:,} tokens "
-        "at once"
-    )
-    if not (fp8_weights or fp8_kv):
-        return line + "."
+    room = kv_tokens // seq_len
+    line = f"KV cache {kv_tokens:,} tokens ({kind}): room for {room:,} sequences of {seq_len:,} tokens at once"
     try:
         shape = ModelShape.from_config(model.config)
     except (ValueError, AttributeError):
         return line + "."
     memory = kv_tokens * kv_bytes_per_token(shape, fp8_kv) + weight_bytes(shape, fp8_weights)
-    bf16_tokens = max(0, memory - weight_bytes(shape, False)) // kv_bytes_per_token(shape, False)
-    return f"{line}; a BF16 engine in the same memory would have room for {bf16_tokens // seq_len:,}."
+    if fp8_weights or fp8_kv:
+        bf16_tokens = max(0, memory - weight_bytes(shape, False)) // kv_bytes_per_token(shape, False)
+        line += f"; a BF16 engine in the same memory would have room for {bf16_tokens // seq_len:,}"
+    if not fp8_kv and rollout_seqs > room:
+        fp8_kv_tokens = max(0, memory - weight_bytes(shape, fp8_weights)) // kv_bytes_per_token(shape, True)
+        line += (
+            f". The KV cache binds ({rollout_seqs:,} sequences per rollout): an FP8 KV cache (fp8_kv_cache=True) "
+            f"would have room for {fp8_kv_tokens // seq_len:,}, for a larger trainer-vs-rollout mismatch "
+            "(docs/when-fp8-pays.md)"
+        )
+    return line + "."

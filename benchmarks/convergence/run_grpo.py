@@ -25,7 +25,8 @@ wall-clock time: a lease's end) bounds it the same way whatever the start-ups to
 mostly idle): they build their trainers and vLLM engines one at a time, then train together. Results are the same
 kind; the logged step times are then not a speed measure. `--seeds 0 1` with it runs every setting for both seeds
 at once (twelve runs); `--gpus 0 1` then puts each seed's six runs on a GPU of its own. Seed n > 0 writes to
-`<results_dir>_seed<n>` whether or not seed 0 runs beside it.
+`<results_dir>_seed<n>` whether or not seed 0 runs beside it. Several settings named (`--setting bf16 fp8_tis
+fp8_tis_fp8kv --parallel`) run as `all` does, those alone.
 """
 
 from __future__ import annotations
@@ -257,7 +258,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="the pre-trained model folder (pretrain.py --out)")
     parser.add_argument("--task", choices=list(TASKS), default="addition", help="the task the model was trained on")
-    parser.add_argument("--setting", choices=[*SETTINGS, "all"], default="all")
+    parser.add_argument("--setting", choices=[*SETTINGS, "all"], nargs="+", default=["all"],
+                        help="one setting, several (run as `all` runs them), or all six")  # fmt: skip
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch_size", type=int, default=128, help="completions per optimizer step")
     parser.add_argument("--micro_batch", type=int, default=None, help="completions per forward/backward (long tasks)")
@@ -284,7 +286,7 @@ def main():
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--seeds", type=int, nargs="+", default=None,
-                        help="with --setting all --parallel: every setting for each of these seeds, all at once; "
+                        help="with --parallel: every chosen setting for each of these seeds, all at once; "
                         "the first writes to --results_dir, each later seed N to <results_dir>_seedN")  # fmt: skip
     parser.add_argument("--no_vllm", action="store_true")
     parser.add_argument("--vllm_memory", type=float, default=None, help="vLLM's GPU share (0.3; 0.12 with --parallel)")
@@ -292,7 +294,7 @@ def main():
                         help="the block-FP8 rollout kernel (`cutlass` spares a fresh host DeepGEMM's minutes of JIT "
                         "compilation for a new model shape; same values)")  # fmt: skip
     parser.add_argument(
-        "--parallel", action="store_true", help="with --setting all: all settings at once (one GPU, or --gpus)"
+        "--parallel", action="store_true", help="with several settings: all at once (one GPU, or --gpus)"
     )
     parser.add_argument(
         "--gpus",
@@ -311,20 +313,27 @@ def main():
         args.results_dir = str(results_folder(args.task))
     if args.vllm_memory is None:
         args.vllm_memory = 0.12 if args.parallel else 0.3
-    if args.setting != "all":
-        print(f"wrote {run(args, args.setting)}")
+    settings = chosen_settings(args.setting)
+    if len(settings) == 1:
+        print(f"wrote {run(args, settings[0])}")
         return
     # One process per setting: a colocated vLLM engine does not give its GPU memory back within a process.
-    argv = [a for a in sys.argv[1:] if a != "--parallel"] + ["--vllm_memory", str(args.vllm_memory)]
+    argv = strip_option([a for a in sys.argv[1:] if a != "--parallel"], "--setting")
+    argv += ["--vllm_memory", str(args.vllm_memory)]
     if args.seeds and not args.parallel:
         raise SystemExit("--seeds runs the seeds at once: add --parallel (or run one --seed at a time)")
     if not args.parallel:
-        failed = [s for s in SETTINGS if subprocess.run([sys.executable, __file__, *argv, "--setting", s]).returncode]
+        failed = [s for s in settings if subprocess.run([sys.executable, __file__, *argv, "--setting", s]).returncode]
     else:
         failed = run_parallel(strip_option(strip_option(argv, "--seeds"), "--gpus"), Path(args.workdir),
-                              args.seeds or [args.seed], args.results_dir, args.gpus)  # fmt: skip
+                              args.seeds or [args.seed], args.results_dir, args.gpus, settings)  # fmt: skip
     if failed:
         raise SystemExit(f"failed settings: {failed}")
+
+
+def chosen_settings(names: list[str]) -> list[str]:
+    """`--setting`'s values -> the settings to run, in the order named, each once (`all`: the six)."""
+    return list(SETTINGS) if "all" in names else list(dict.fromkeys(names))
 
 
 def strip_option(argv: list[str], option: str) -> list[str]:
@@ -362,14 +371,19 @@ def run_env(index: int, gpu: str | None) -> dict[str, str]:
 
 
 def run_parallel(
-    argv: list[str], workdir: Path, seeds: list[int], results_dir: str, gpus: list[int] | None = None
+    argv: list[str],
+    workdir: Path,
+    seeds: list[int],
+    results_dir: str,
+    gpus: list[int] | None = None,
+    settings: list[str] | None = None,
 ) -> list[str]:
     """Every setting for every seed at once, each logging to `<workdir>/<setting>_seed<n>.log`; returns the runs that
     failed. They start one at a time per GPU (`start_turn`) and train together (`wait_for_all`)."""
     sync_dir = workdir / "parallel_sync"
     shutil.rmtree(sync_dir, ignore_errors=True)
     sync_dir.mkdir(parents=True)
-    runs = [(setting, seed) for seed in seeds for setting in SETTINGS]
+    runs = [(setting, seed) for seed in seeds for setting in settings or SETTINGS]
     gpu = gpu_of_seed(seeds, gpus)
     procs = {}
     for setting, seed in runs:
