@@ -123,6 +123,26 @@ def fp8_weight_cache_bytes(model) -> int:
     return total
 
 
+def trainer_memory_account(model, optimizer) -> dict[str, int]:
+    """Bytes of what the trainer holds: parameters, live gradients, optimizer state tensors, the FP8 weight cache.
+    Taken as vLLM starts generating, beside the allocator's and the device's own figures, it says what stays on the
+    GPU beside the engine's share (which bounds the share a run can give vLLM)."""
+    import torch
+
+    params = list(model.parameters())
+    state = getattr(optimizer, "state", None) or {}
+
+    def nbytes(t) -> int:
+        return t.numel() * t.element_size()
+
+    return {
+        "parameters": sum(nbytes(p) for p in params),
+        "gradients": sum(nbytes(p.grad) for p in params if p.grad is not None),
+        "optimizer_states": sum(nbytes(t) for s in state.values() for t in s.values() if isinstance(t, torch.Tensor)),
+        "fp8_weight_cache": fp8_weight_cache_bytes(model),
+    }
+
+
 class DeviceMemorySampler:
     """The GPU's used memory (total - free, as `nvidia-smi` counts it) sampled every `interval` s in a thread;
     `take_peak()` returns the highest since the last call."""
@@ -264,6 +284,19 @@ def run_one(args) -> None:
 
         return wrapper
 
+    memory_at_generation = []  # the first two rollouts (warm-up and first measured), as vLLM starts generating
+    llm_generate = generation.llm.generate
+
+    def accounted(*a, **k):
+        if len(memory_at_generation) < 2:
+            free, total = torch.cuda.mem_get_info()
+            account = trainer_memory_account(trainer.model, trainer.optimizer)
+            account.update(allocated=torch.cuda.memory_allocated(), reserved=torch.cuda.memory_reserved(),
+                           device_used=total - free)  # fmt: skip
+            memory_at_generation.append({key: b / 2**30 for key, b in account.items()})
+        return llm_generate(*a, **k)
+
+    generation.llm.generate = accounted
     generation.generate = timed(generation.generate, "rollout")
     generation.sync_weights = timed(generation.sync_weights, "sync")
     profile, state = {}, {}
@@ -336,6 +369,7 @@ def run_one(args) -> None:
         "fp8_weight_cache_gib": fp8_weight_cache_bytes(trainer.model) / 2**30,
         # sleep mode: the FP8 weight copies let go while the last rollout generated (vllm_sync)
         "fp8_cache_released_gib": getattr(generation, "released_cache_bytes", 0) / 2**30,
+        "memory_at_generation_gib": memory_at_generation,  # trainer tensors, allocator and device as vLLM generates
         "startup_s": startup_s,
         "time_to_first_step_s": startup_s + per_step_s["step_s"][0],
         "kv_cache_tokens": engine_kv_cache_tokens(generation.llm),
