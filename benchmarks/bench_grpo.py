@@ -111,34 +111,22 @@ def length_reward(completions, **kwargs) -> list[float]:
     return [(hash(c) % 1000) / 1000 for c in completions]
 
 
-def fp8_weight_cache_bytes(model) -> int:
-    """Bytes of the FP8 weights (values and scales) that `FP8Linear` layers keep cached between calls."""
-    from trl_fp8.fp8_linear import FP8Linear
-
-    total = 0
-    for module in model.modules():
-        cached = getattr(module, "_fp8_weight_cache", None) if isinstance(module, FP8Linear) else None
-        if cached is not None:
-            total += sum(t.numel() * t.element_size() for t in (cached[1].q, cached[1].scale_inv))
-    return total
-
-
 def trainer_memory_account(model, optimizer) -> dict[str, int]:
     """Bytes of what the trainer holds: parameters, live gradients, optimizer state tensors, the FP8 weight cache.
     Taken as vLLM starts generating, beside the allocator's and the device's own figures, it says what stays on the
     GPU beside the engine's share (which bounds the share a run can give vLLM)."""
     import torch
 
+    from trl_fp8.fp8_linear import fp8_weight_cache_bytes, tensor_bytes
+
     params = list(model.parameters())
     state = getattr(optimizer, "state", None) or {}
-
-    def nbytes(t) -> int:
-        return t.numel() * t.element_size()
-
     return {
-        "parameters": sum(nbytes(p) for p in params),
-        "gradients": sum(nbytes(p.grad) for p in params if p.grad is not None),
-        "optimizer_states": sum(nbytes(t) for s in state.values() for t in s.values() if isinstance(t, torch.Tensor)),
+        "parameters": tensor_bytes(*params),
+        "gradients": tensor_bytes(*(p.grad for p in params if p.grad is not None)),
+        "optimizer_states": tensor_bytes(
+            *(t for s in state.values() for t in s.values() if isinstance(t, torch.Tensor))
+        ),
         "fp8_weight_cache": fp8_weight_cache_bytes(model),
     }
 
@@ -184,6 +172,7 @@ def run_one(args) -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer
+    from trl_fp8.fp8_linear import fp8_weight_cache_bytes
 
     trainer_kind, recipe, precision, fp8_kv, gemm_backend, cache_weights = RUNS[args.run]
     g = torch.Generator().manual_seed(0)

@@ -106,10 +106,15 @@ class FP8Experts(nn.Module):
         self._fp8_weight_cache = {}
         self._fp8_invalidations += 1
 
+    def cache_bytes(self) -> int:
+        """Bytes of the cached FP8 expert weights (values and scales)."""
+        return sum(tensor_bytes(*value) for _key, value in self._fp8_weight_cache.values())
+
     def release_cache(self) -> int:
         """Let go of the cached FP8 expert weights without invalidating them (`FP8Linear.release_cache`)."""
-        cached, self._fp8_weight_cache = self._fp8_weight_cache, {}
-        return sum(tensor_bytes(*value) for _key, value in cached.values())
+        released = self.cache_bytes()
+        self._fp8_weight_cache = {}
+        return released
 
     def _load_from_state_dict(self, *args, **kwargs):
         super()._load_from_state_dict(*args, **kwargs)

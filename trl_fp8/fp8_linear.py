@@ -36,7 +36,7 @@ from .ops import select_ops
 from .ops.library import traceable
 from .quantization import QuantizedAct
 
-__all__ = ["FP8Linear", "invalidate_fp8_weights", "release_fp8_weight_caches"]
+__all__ = ["FP8Linear", "fp8_weight_cache_bytes", "invalidate_fp8_weights", "release_fp8_weight_caches"]
 
 # When a cached FP8 weight is stale. Fused optimizers (AdamW(fused=True), the transformers default) update parameters
 # without bumping their autograd version counter, and writes through `.data` (PEFT's merge, TRL's reference-model
@@ -285,11 +285,17 @@ class FP8Linear(nn.Linear):
         self._fp8_weight_cache = None
         self._fp8_invalidations += 1
 
+    def cache_bytes(self) -> int:
+        """Bytes of the cached FP8 weight (values and scales); 0 when none is cached."""
+        cached = self._fp8_weight_cache
+        return 0 if cached is None else tensor_bytes(cached[1].q, cached[1].scale_inv)
+
     def release_cache(self) -> int:
         """Let go of the cached FP8 weight without invalidating it: the next forward quantizes the unchanged weight
         to the same bits. Returns the bytes let go."""
-        cached, self._fp8_weight_cache = self._fp8_weight_cache, None
-        return 0 if cached is None else tensor_bytes(cached[1].q, cached[1].scale_inv)
+        released = self.cache_bytes()
+        self._fp8_weight_cache = None
+        return released
 
     def _load_from_state_dict(self, *args, **kwargs):
         super()._load_from_state_dict(*args, **kwargs)
@@ -322,6 +328,11 @@ def tensor_bytes(*tensors: torch.Tensor) -> int:
 def cached_fp8_layers(model: nn.Module) -> list[nn.Module]:
     """The layers of `model` that cache FP8 weights (`FP8Linear`, `FP8Experts`)."""
     return [m for m in model.modules() if hasattr(m, "fp8_config") and callable(getattr(m, "invalidate", None))]
+
+
+def fp8_weight_cache_bytes(model: nn.Module) -> int:
+    """Bytes of the FP8 weights (values and scales) that the FP8 layers of `model` keep cached between calls."""
+    return sum(layer.cache_bytes() for layer in cached_fp8_layers(model))
 
 
 def release_fp8_weight_caches(model: nn.Module) -> int:

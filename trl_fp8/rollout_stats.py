@@ -94,14 +94,16 @@ def capacity_line(
     except (ValueError, AttributeError):
         return line + "."
     memory = kv_tokens * kv_bytes_per_token(shape, fp8_kv) + weight_bytes(shape, fp8_weights)
+
+    def room_in_memory(weights_fp8: bool, kv_fp8: bool) -> int:  # sequences another engine would hold there
+        return max(0, memory - weight_bytes(shape, weights_fp8)) // kv_bytes_per_token(shape, kv_fp8) // seq_len
+
     if fp8_weights or fp8_kv:
-        bf16_tokens = max(0, memory - weight_bytes(shape, False)) // kv_bytes_per_token(shape, False)
-        line += f"; a BF16 engine in the same memory would have room for {bf16_tokens // seq_len:,}"
+        line += f"; a BF16 engine in the same memory would have room for {room_in_memory(False, False):,}"
     if not fp8_kv and rollout_seqs > room:
-        fp8_kv_tokens = max(0, memory - weight_bytes(shape, fp8_weights)) // kv_bytes_per_token(shape, True)
         line += (
             f". The KV cache binds ({rollout_seqs:,} sequences per rollout): an FP8 KV cache (fp8_kv_cache=True) "
-            f"would have room for {fp8_kv_tokens // seq_len:,}, for a larger trainer-vs-rollout mismatch "
+            f"would have room for {room_in_memory(fp8_weights, True):,}, for a larger trainer-vs-rollout mismatch "
             "(docs/when-fp8-pays.md)"
         )
     return line + "."
