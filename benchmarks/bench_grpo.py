@@ -131,6 +131,21 @@ def trainer_memory_account(model, optimizer) -> dict[str, int]:
     }
 
 
+def allocator_segments(snapshot: list[dict]) -> dict[str, int]:
+    """What PyTorch's caching allocator holds, split by where its free bytes sit (from `torch.cuda.memory_snapshot()`):
+    free bytes in segments with no live block (`empty_cache` returns them), free bytes pinned in segments that still
+    hold a live block (fragmentation: `empty_cache` cannot return them), and the bytes of private pools (vLLM's
+    sleep-mode pool is one); says why reserved minus allocated stays high beside vLLM."""
+    account = dict.fromkeys(("segments", "free_releasable", "free_pinned", "private_pool_reserved"), 0)
+    for seg in snapshot:
+        free = seg["total_size"] - seg["allocated_size"]
+        account["segments"] += 1
+        account["free_pinned" if seg["allocated_size"] else "free_releasable"] += free
+        if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0):
+            account["private_pool_reserved"] += seg["total_size"]
+    return account
+
+
 class DeviceMemorySampler:
     """The GPU's used memory (total - free, as `nvidia-smi` counts it) sampled every `interval` s in a thread;
     `take_peak()` returns the highest since the last call."""
@@ -282,7 +297,10 @@ def run_one(args) -> None:
             account = trainer_memory_account(trainer.model, trainer.optimizer)
             account.update(allocated=torch.cuda.memory_allocated(), reserved=torch.cuda.memory_reserved(),
                            device_used=total - free)  # fmt: skip
+            segments = allocator_segments(torch.cuda.memory_snapshot())
+            account.update((key, b) for key, b in segments.items() if key != "segments")
             memory_at_generation.append({key: b / 2**30 for key, b in account.items()})
+            memory_at_generation[-1]["segments"] = segments["segments"]
         return llm_generate(*a, **k)
 
     generation.llm.generate = accounted
@@ -440,7 +458,8 @@ def measurement(args) -> dict:
     """... and how a row was measured, kept per row: rows appended by separate calls may have timed other steps."""
     return {"steps": args.steps, "warmup": args.warmup, "profile_step": args.profile_step,
             "median_steps": median_steps(args.steps, args.warmup, args.profile_step),
-            "deep_gemm_warmup": os.environ.get("VLLM_DEEP_GEMM_WARMUP", "full")}  # fmt: skip
+            "deep_gemm_warmup": os.environ.get("VLLM_DEEP_GEMM_WARMUP", "full"),
+            "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}  # fmt: skip
 
 
 def resummarize(path: Path, keep: list[int]) -> None:

@@ -15,6 +15,8 @@
   annotated with its step time and its speed-up over TRL BF16 (the same for the report's other regimes, and
   `grpo_colocate_step_time_<device>.png`, with readable run names, for TRL's colocate defaults, one per GPU,
   `grpo_colocate_8b_<device>.json`);
+- `grpo_bestfit_step_time_<device>.png`: `results/grpo_bestfit_8b_<device>.json`, the GRPO step at each vLLM share
+  tried for a best fit, the shares that ran out of memory marked;
 - `linear_speedup.png`: `results/linear_*.json`, each variant's forward+backward speed-up over BF16 per layer shape.
 
 A plot whose results are missing is skipped (and said so); nothing is invented. The same run also prints the
@@ -338,6 +340,38 @@ def plot_step_time(result: dict, out: Path, plt, stem: str = "grpo_step_time") -
     return out / f"{stem}.png"
 
 
+def plot_bestfit(result: dict, out: Path, plt) -> Path:
+    """`grpo_bestfit_8b_<device>.json` (`collect_bestfit.py`): one bar per flow and vLLM share, stacked as in
+    `plot_step_time`; a share that ran out of memory gets a labelled empty slot, not a bar."""
+    outcomes = result["results"]
+    names = [f"{RUN_LABELS.get(o['name'], o['name'])}\n{o['vllm_memory']:g}"
+             f"{', expandable' if 'expandable_segments:True' in o['cuda_alloc_conf'] else ''}" for o in outcomes]  # fmt: skip
+    fig, ax = plt.subplots(figsize=(1.6 * len(outcomes) + 1.5, 4.2))
+    bottom = [0.0] * len(outcomes)
+    for part in ("rollout_s", "training_s", "weight_sync_s"):
+        values = [o["row"]["step_time"][part] if o["ran"] else 0.0 for o in outcomes]
+        ax.bar(names, values, bottom=bottom, label=part.removesuffix("_s"))
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    top = max(bottom)
+    for i, o in enumerate(outcomes):
+        text = f"{o['row']['step_time']['step_s']:.1f} s" if o["ran"] else "out of\nmemory"
+        ax.text(i, bottom[i] if o["ran"] else top * 0.05, text, ha="center", va="bottom", fontsize=9,
+                color="black" if o["ran"] else "C3")  # fmt: skip
+    ax.set_ylim(top=top * 1.22)
+    ax.set_ylabel("seconds per GRPO step")
+    ax.set_xlabel("flow, vLLM's share of the GPU, PyTorch allocator")
+    ax.tick_params(axis="x", labelsize=8)
+    s = result["settings"]
+    ax.set_title(f"GRPO step at each vLLM share tried, {s['shape']} shape, {s['generation_batch']} x "
+                 f"{s['completion_len']} tokens, sleep mode\n({result['device']}, {result['date']})", fontsize=9)  # fmt: skip
+    ax.legend(loc="upper center", ncol=3, fontsize=8)
+    fig.tight_layout()
+    name = f"grpo_bestfit_step_time_{result['device'].replace(' ', '_')}.png"
+    fig.savefig(out / name, dpi=120)
+    plt.close(fig)
+    return out / name
+
+
 def linear_speedups(result: dict) -> dict[str, dict[str, float]]:
     """variant -> shape -> speed-up over BF16, for the variants that ran (a failed variant has no time)."""
     table: dict[str, dict[str, float]] = {}
@@ -526,6 +560,8 @@ def main(argv=None) -> list[Path]:
         written.append(plot_capacity(device, points, out, plt))
     for stem, result in speed_results(results):
         written.append(plot_step_time(result, out, plt, stem))
+    for result in _load(results.glob("grpo_bestfit_*.json")):
+        written.append(plot_bestfit(result, out, plt))
     for result in _load(results.glob("linear_*.json"))[:1]:
         written.append(plot_linear(result, out, plt))
     for path in written:

@@ -92,7 +92,7 @@ capacity)  # matched memory: every engine gets the same share of the GPU ($CAPAC
   for share in ${CAPACITY_SHARES:-0.3}; do
     # shellcheck disable=SC2086
     timed "capacity_mem$share" python benchmarks/bench_rollout.py --engines ${CAPACITY_ENGINES:-bf16 fp8_deepgemm fp8_deepgemm_kv} \
-      --points 256x2048 128x4096 --prompt_len 256 --gpu_memory_utilization "$share" --append \
+      --points ${CAPACITY_POINTS:-256x2048 128x4096} --prompt_len 256 --gpu_memory_utilization "$share" --append \
       --out "$work/rollout_capacity_mem${share}_$device.json"
   done
   ;;
@@ -120,6 +120,7 @@ bestfit)  # per run, shares in increasing order until one fails: a careful user'
       grep -q "bestfit_${run}_$share rc=0" "$work/status.txt" || break
     done
   done
+  python benchmarks/collect_bestfit.py "$work" --out "$work/grpo_bestfit_8b_$device.json"  # failures included
   ;;
 pack)
   tar -C "$(dirname "$DG_JIT_CACHE_DIR")" -czf - "$(basename "$DG_JIT_CACHE_DIR")" | split -b 15M - "$work/dg_cache.tgz.part"

@@ -23,6 +23,10 @@ from pathlib import Path
 if "--model_name_or_path" not in " ".join(sys.argv):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the demo builds everything locally
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if "vllm_enable_sleep_mode" in " ".join(sys.argv):
+    # Before CUDA starts: PyTorch then hands the training step's freed memory back before the sleeping vLLM wakes
+    # into its share (vLLM >= 0.26 turns the setting off around its own pool), so a larger share fits.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import torch  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402

@@ -196,6 +196,53 @@ def test_the_trainer_memory_account_counts_live_gradients_and_optimizer_states()
     assert trainer_memory_account(model, optimizer)["gradients"] == 0
 
 
+def test_allocator_segments_split_free_bytes_by_whether_empty_cache_can_return_them():
+    """A segment with a live block pins its free bytes; a segment with none is returned by `empty_cache`; a private
+    pool's (vLLM's sleep-mode pool) bytes are counted apart."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_grpo import allocator_segments
+
+    snapshot = [
+        {"total_size": 20 << 20, "allocated_size": 2 << 20, "segment_pool_id": (0, 0)},
+        {"total_size": 8 << 20, "allocated_size": 0, "segment_pool_id": (0, 0)},
+        {"total_size": 4 << 20, "allocated_size": 4 << 20, "segment_pool_id": (1, 0)},
+    ]
+    assert allocator_segments(snapshot) == {
+        "segments": 3,
+        "free_releasable": 8 << 20,
+        "free_pinned": 18 << 20,
+        "private_pool_reserved": 4 << 20,
+    }
+
+
+def test_collect_bestfit_keeps_the_runs_that_ran_out_of_memory(tmp_path):
+    """A run that failed wrote no row: its outcome comes from the status file and its log's error line."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from collect_bestfit import main as collect
+
+    header = {"device": "GPU", "date": "2026-11-26", "versions": {}, "settings": {"vllm_memory": 0.4, "shape": "8b",
+              "cuda_alloc_conf": "expandable_segments:True"}}  # fmt: skip
+    row = {"name": "trl_bf16", "step_time": {"step_s": 97.5}}
+    (tmp_path / "grpo_bestfit_trl_bf16_mem0.4_GPU.json").write_text(json.dumps(header | {"results": [row]}))
+    (tmp_path / "bestfit_trl_bf16_0.45.log").write_text("step\n[rank0]: RuntimeError: CUDA Error: out of memory\n")
+    (tmp_path / "status.txt").write_text("START bestfit\nbestfit_trl_bf16_0.4 rc=0 seconds=359\n"
+                                         "bestfit_trl_bf16_0.45 rc=1 seconds=167\ncapacity_mem0.5 rc=0\n")  # fmt: skip
+    out = tmp_path / "bestfit.json"
+    collect([str(tmp_path), "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert result["settings"] == {"shape": "8b"} and result["device"] == "GPU"
+    ran, failed = result["results"]
+    assert (ran["vllm_memory"], ran["ran"], ran["row"], ran["cuda_alloc_conf"]) == (
+        0.4,
+        True,
+        row,
+        "expandable_segments:True",
+    )
+    assert (failed["vllm_memory"], failed["ran"], failed["row"]) == (0.45, False, None)
+    assert failed["cuda_alloc_conf"] == "expandable_segments:True"  # the folder's setting, from the row that ran
+    assert failed["error"] == "RuntimeError: CUDA Error: out of memory"
+
+
 def test_grpo_medians_leave_out_the_profiled_step_and_after(tmp_path):
     """bench_grpo times the steps after the warm-up and before the profiled one (reading a profile takes tens of
     seconds and lands in the next step); `--resummarize` recomputes a results file's medians from its per-step

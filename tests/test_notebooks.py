@@ -62,9 +62,9 @@ def test_results_notebook_redraws_the_committed_results(tmp_path):
     long_tasks = [task for task in LONG_TASKS if _convergence_runs(results, task)]
     studies = [folder for folder in SEPARATE_STUDIES if _convergence_runs(results, folder=folder)]
     expected = 3 + 1 + bool(capacity_series(results)) + len(speed_results(results)) + 1 + 4 * len(long_tasks)
-    expected += 3 * len(studies)
+    expected += 3 * len(studies) + len(list(results.glob("grpo_bestfit_*.json")))
     assert len(images) == expected, (
         "expected the three convergence plots, rollout throughput, rollouts at matched memory, GRPO step time per "
         "regime, linear speed-up, per long-completion task its three curves and the mismatch along the completion, "
-        "and per study of its own (the FP8 KV cache's cost) its three curves"
+        "per study of its own (the FP8 KV cache's cost) its three curves, and per best-fit file its step times"
     )

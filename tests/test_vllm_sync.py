@@ -3,6 +3,7 @@ engine start-up folder, the server checks, and the trainer wiring, on CPU withou
 TRL's code hands it)."""
 
 import json
+import logging
 import os
 import sys
 import types
@@ -471,6 +472,24 @@ def test_sleep_mode_rollouts_let_go_of_the_fp8_weight_copies_and_training_requan
             q, scale_inv = module.quantized_weight()
             assert torch.equal(q.view(torch.uint8), pushed[f"{name}.weight"].view(torch.uint8))
             assert torch.equal(scale_inv, pushed[f"{name}.weight_scale_inv"])
+
+
+def test_sleep_mode_without_expandable_segments_is_told_to_set_them(fake_vllm, tmp_path, caplog, monkeypatch):
+    """PyTorch's allocator otherwise keeps freed training memory pinned while vLLM wakes into its share: the trainer
+    names the setting once; with it set (any spelling PyTorch accepts), or without sleep mode, it says nothing."""
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    with caplog.at_level(logging.WARNING):
+        _tiny_trainer(tmp_path / "a", vllm_enable_sleep_mode=True)
+    advice = [r.getMessage() for r in caplog.records if "expandable_segments" in r.getMessage()]
+    assert len(advice) == 1 and "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in advice[0]
+    caplog.clear()
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512, expandable_segments:True")
+    with caplog.at_level(logging.WARNING):
+        _tiny_trainer(tmp_path / "b", vllm_enable_sleep_mode=True)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    with caplog.at_level(logging.WARNING):
+        _tiny_trainer(tmp_path / "c", vllm_enable_sleep_mode=False)
+    assert not [r for r in caplog.records if "expandable_segments" in r.getMessage()]
 
 
 def test_lora_fp8_rollouts_push_every_engine_fp8_layer_in_fp8(fake_vllm, tmp_path):

@@ -86,6 +86,11 @@ class FP8GRPOTrainer(GRPOTrainer):
         self._saving_training_checkpoint = False
         self._capacity_reported = False
         self._kv_observer = AttentionScaleObserver(model) if args.use_vllm and args.fp8_kv_cache else None
+        if args.use_vllm:
+            from .vllm_sync import sleep_mode_allocator_advice
+
+            if advice := sleep_mode_allocator_advice(args):
+                logger.warning(advice)
         with self._fp8_vllm_generation(args):
             super().__init__(model, reward_funcs, args, *trainer_args, **trainer_kwargs)
         if self.ref_model is not None and args.fp8_recipe is not None:
