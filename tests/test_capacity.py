@@ -140,9 +140,14 @@ def test_plan_with_sleep_mode_checks_the_wake_up_as_measured(tmp_path, capsys):
         fits[share] = [line.split()[-1] for line in out.splitlines()[2:5]]
     assert fits == {"0.45": ["yes"] * 3, "0.6": ["no"] * 3}
     assert "expandable_segments:True" in out
+    best = out.split("Best fit, the largest vLLM share that fits (steps of 0.05): ")[1].splitlines()[0]
+    assert best.startswith("BF16 0.50 (") and "; FP8 0.50 (" in best and "; FP8 + FP8 KV 0.50 (" in best
     # the trainer column beside the training-phase device peaks measured there (BF16 61.3 GiB, FP8 69.5 GiB)
     trainer = [float(line.split()[-2].removesuffix("Gi")) for line in out.splitlines()[2:5]]
     assert trainer[0] == pytest.approx(61.3, rel=0.1) and trainer[1] == pytest.approx(69.5, rel=0.1)
+    # Awake beside training (no sleep mode), no share both holds a sequence and leaves the 8B trainer room
+    assert cli(["plan", str(path), "--gpu", "H100", "--optim", "adamw_bnb_8bit", "--prompt_len", "128"]) == 0
+    assert "BF16: none (no share holds one sequence beside the trainer)" in capsys.readouterr().out
 
 
 def test_plan_errors_name_the_problem(tmp_path, capsys):

@@ -5,7 +5,8 @@
 
 MODEL is a model folder or a Hub id (its config.json only). The estimates are `trl_fp8.capacity`'s: KV-cache tokens
 as vLLM 0.26 sizes them (within a few percent of what it reported in our benchmarks), sequences of
-prompt + completion tokens that decode at once, and a rough account of the trainer's memory beside the engine.
+prompt + completion tokens that decode at once, a rough account of the trainer's memory beside the engine, and the
+largest share at which each flow fits (its best fit).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
           f"{args.prompt_len} + {args.completion_len} tokens")  # fmt: skip
     print(f"{'':<14}{'vLLM weights':>13}{'KV B/token':>11}{'KV tokens':>11}{'seqs at once':>13}{'waves':>6}"
           f"{'trainer':>9}{'fits':>6}")  # fmt: skip
+    best = []
     for name, fp8_weights, fp8_kv in FLOWS:
         try:
             cap = rollout_capacity(shape, total, share, fp8_weights=fp8_weights, fp8_kv=fp8_kv, seq_len=seq_len,
@@ -73,10 +75,14 @@ def run(args: argparse.Namespace) -> int:
         waves = cap.waves(args.generation_batch) if cap.sequences else "-"
         print(f"{name:<14}{cap.weight_bytes / GiB:>11.1f}Gi{cap.kv_bytes_per_token:>11,}{cap.kv_tokens:>11,}"
               f"{cap.sequences:>13}{waves:>6}{trainer / GiB:>7.1f}Gi{fits:>6}")  # fmt: skip
+        best.append((name, best_fit_share(parts, shape, total, args, fp8_weights=fp8_weights, fp8_kv=fp8_kv)))
     print(
         "KV tokens: vLLM 0.26's sizing, estimated; trainer: BF16 masters, gradients, optimizer, FP8 weight cache, one "
         "micro-batch's activations and logits (rough); fits: trainer + vLLM's share within 97% of the GPU."
     )
+    best_fits = [f"{name} {fit[0]:.2f} ({fit[1].kv_tokens:,} KV tokens, {fit[1].sequences} sequences at once)" if fit
+                 else f"{name}: none (no share holds one sequence beside the trainer)" for name, fit in best]  # fmt: skip
+    print("Best fit, the largest vLLM share that fits (steps of 0.05): " + "; ".join(best_fits) + ".")
     if args.sleep_mode:
         print(
             "Sleep mode: fits also checks the wake-up (weights + optimizer states + vLLM's whole share), assuming "
@@ -94,6 +100,19 @@ def peak_bytes(parts: dict[str, int], shape, share_bytes: float, args) -> float:
         return sum(parts.values()) + share_bytes
     training = sum(parts.values()) + vllm_overhead_bytes(shape, args.generation_batch)
     return max(training, parts["weights"] + parts["optimizer"] + share_bytes)
+
+
+def best_fit_share(parts: dict[str, int], shape, total: int, args, *, fp8_weights: bool, fp8_kv: bool):
+    """`(share, capacity there)` for the largest share, in steps of 0.05, at which the run fits and vLLM has room for
+    one whole sequence: what a careful user tunes `vllm_gpu_memory_utilization` to. None if no share does."""
+    for step in range(19, 0, -1):
+        share = step / 20
+        if peak_bytes(parts, shape, share * total, args) > 0.97 * total:
+            continue
+        cap = rollout_capacity(shape, total, share, fp8_weights=fp8_weights, fp8_kv=fp8_kv,
+                               seq_len=args.prompt_len + args.completion_len, max_num_seqs=args.generation_batch)  # fmt: skip
+        return (share, cap) if cap.sequences else None
+    return None
 
 
 def _gpu_memory(args) -> int:
