@@ -35,13 +35,14 @@ def collect(folder: Path, cuda_alloc_conf: str | None = None) -> tuple[list[dict
             continue
         run, share, rc = m["run"], float(m["share"]), int(m["rc"])
         files = list(folder.glob(f"grpo_bestfit_{run}_mem{m['share']}_*.json"))
-        rows = json.loads(files[0].read_text())["results"] if files and rc == 0 else []
+        result = json.loads(files[0].read_text()) if files and rc == 0 else {}
+        rows = result.get("results") or []
         if rows:
-            header = json.loads(files[0].read_text())
+            header = result
         outcomes.append({
             "name": run,
             "vllm_memory": share,
-            "ran": rc == 0 and bool(rows),
+            "ran": bool(rows),
             "error": None if rows else error_line(folder / f"bestfit_{run}_{m['share']}.log"),
             "row": rows[0] if rows else None,
         })  # fmt: skip

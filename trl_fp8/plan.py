@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         waves = cap.waves(args.generation_batch) if cap.sequences else "-"
         print(f"{name:<14}{cap.weight_bytes / GiB:>11.1f}Gi{cap.kv_bytes_per_token:>11,}{cap.kv_tokens:>11,}"
               f"{cap.sequences:>13}{waves:>6}{trainer / GiB:>7.1f}Gi{fits:>6}")  # fmt: skip
-        best.append((name, best_fit_share(parts, shape, total, args, fp8_weights=fp8_weights, fp8_kv=fp8_kv)))
+        best.append((name, best_fit_share(parts, shape, total, seq_len, args, fp8_weights=fp8_weights, fp8_kv=fp8_kv)))
     print(
         "KV tokens: vLLM 0.26's sizing, estimated; trainer: BF16 masters, gradients, optimizer, FP8 weight cache, one "
         "micro-batch's activations and logits (rough); fits: trainer + vLLM's share within 97% of the GPU."
@@ -102,7 +102,7 @@ def peak_bytes(parts: dict[str, int], shape, share_bytes: float, args) -> float:
     return max(training, parts["weights"] + parts["optimizer"] + share_bytes)
 
 
-def best_fit_share(parts: dict[str, int], shape, total: int, args, *, fp8_weights: bool, fp8_kv: bool):
+def best_fit_share(parts: dict[str, int], shape, total: int, seq_len: int, args, *, fp8_weights: bool, fp8_kv: bool):
     """`(share, capacity there)` for the largest share, in steps of 0.05, at which the run fits and vLLM has room for
     one whole sequence: what a careful user tunes `vllm_gpu_memory_utilization` to. None if no share does."""
     for step in range(19, 0, -1):
@@ -110,7 +110,7 @@ def best_fit_share(parts: dict[str, int], shape, total: int, args, *, fp8_weight
         if peak_bytes(parts, shape, share * total, args) > 0.97 * total:
             continue
         cap = rollout_capacity(shape, total, share, fp8_weights=fp8_weights, fp8_kv=fp8_kv,
-                               seq_len=args.prompt_len + args.completion_len, max_num_seqs=args.generation_batch)  # fmt: skip
+                               seq_len=seq_len, max_num_seqs=args.generation_batch)  # fmt: skip
         return (share, cap) if cap.sequences else None
     return None
 
