@@ -12,6 +12,17 @@ BLOCK = 128
 
 
 @triton.jit
+def tile_offsets(BLOCK: tl.constexpr):
+    """This program's tile of a `[M, K]` activation (grid: token blocks x feature blocks): the two program ids, the
+    tile's token rows and feature columns, and the same in int64 for addresses past 2**31 elements."""
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rm = pid_m * BLOCK + tl.arange(0, BLOCK)
+    rk = pid_k * BLOCK + tl.arange(0, BLOCK)
+    return pid_m, pid_k, rm, rk, rm.to(tl.int64), rk.to(tl.int64)
+
+
+@triton.jit
 def fp8_scale(amax, POW2: tl.constexpr):
     """float32 multiplier 448 / amax (amax in float32, clamped at 1e-12, divided in float64), optionally rounded
     down to a power of two by clearing the mantissa bits (exact, unlike a log2 on the GPU)."""

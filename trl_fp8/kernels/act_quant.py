@@ -29,6 +29,7 @@ from ._common import (
     scale_and_saturate,
     store_col_groups,
     store_row_groups,
+    tile_offsets,
 )
 
 
@@ -39,12 +40,7 @@ def _act_quant_kernel(
     M, M_pad, K,
     ROWS: tl.constexpr, COLS: tl.constexpr, POW2: tl.constexpr, BLOCK: tl.constexpr, COLS_SECOND_READ: tl.constexpr,
 ):  # fmt: skip
-    pid_m = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    rm = pid_m * BLOCK + tl.arange(0, BLOCK)
-    rk = pid_k * BLOCK + tl.arange(0, BLOCK)
-    rm64 = rm.to(tl.int64)
-    rk64 = rk.to(tl.int64)
+    pid_m, pid_k, rm, rk, rm64, rk64 = tile_offsets(BLOCK)
     if ROWS or not COLS_SECOND_READ:
         x = tl.load(x_ptr + rm64[:, None] * stride_xm + rk64[None, :] * stride_xk, mask=rm[:, None] < M, other=0.0)
         x = x.to(tl.float32)

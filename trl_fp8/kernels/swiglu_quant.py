@@ -19,7 +19,15 @@ import triton
 import triton.language as tl
 
 from ..quantization import QuantizedAct
-from ._common import BLOCK, empty_act_layouts, launcher, layout_pointers, store_col_groups, store_row_groups
+from ._common import (
+    BLOCK,
+    empty_act_layouts,
+    launcher,
+    layout_pointers,
+    store_col_groups,
+    store_row_groups,
+    tile_offsets,
+)
 
 
 @triton.jit
@@ -29,12 +37,7 @@ def _swiglu_quant_kernel(
     M, M_pad, K,
     ROWS: tl.constexpr, COLS: tl.constexpr, POW2: tl.constexpr, BLOCK: tl.constexpr, STORE_H: tl.constexpr,
 ):  # fmt: skip
-    pid_m = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    rm = pid_m * BLOCK + tl.arange(0, BLOCK)
-    rk = pid_k * BLOCK + tl.arange(0, BLOCK)
-    rm64 = rm.to(tl.int64)
-    rk64 = rk.to(tl.int64)
+    pid_m, pid_k, rm, rk, rm64, rk64 = tile_offsets(BLOCK)
     mask = rm[:, None] < M
     g = tl.load(g_ptr + rm64[:, None] * stride_gm + rk64[None, :], mask=mask, other=0.0)
     u = tl.load(u_ptr + rm64[:, None] * stride_um + rk64[None, :], mask=mask, other=0.0)
