@@ -64,7 +64,16 @@ SHAPES = {  # Qwen3 configs: hidden, intermediate, layers, heads, kv heads, voca
                  num_key_value_heads=8, vocab_size=151936),
     "tiny": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=2,
                  num_key_value_heads=1, vocab_size=4096),
+    # Mixture of experts (Qwen3-MoE; every layer sparse): too large to hold a trainer-side copy beside the engine,
+    # so these engines keep vLLM's random ("dummy") weights and nothing is pushed (`MOE_SHAPES`).
+    "30b-a3b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32,
+                    num_key_value_heads=4, vocab_size=151936, moe_intermediate_size=768, num_experts=128,
+                    num_experts_per_tok=8),
+    "tiny-moe": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=2,
+                     num_key_value_heads=1, vocab_size=4096, moe_intermediate_size=128, num_experts=8,
+                     num_experts_per_tok=2),
 }  # fmt: skip
+MOE_SHAPES = {name for name, shape in SHAPES.items() if "num_experts" in shape}
 ENGINES = {  # engine: (trainer in FP8, rollout precision, FP8 KV cache, vLLM block-FP8 kernel)
     "bf16": (False, "bf16", False, None),
     "vllm_fp8": (False, "fp8_online", False, None),
@@ -104,12 +113,17 @@ def model_bytes(shape: dict, fp8_linear: bool, fp8_kv: bool) -> dict:
     `SHAPES` entry (Qwen3, head_dim 128, untied lm_head)."""
     h, layers = shape["hidden_size"], shape["num_hidden_layers"]
     q, kv = shape["num_attention_heads"] * HEAD_DIM, shape["num_key_value_heads"] * HEAD_DIM
-    linear = layers * (h * q + 2 * h * kv + q * h + 3 * h * shape["intermediate_size"])  # q, k, v, o; gate, up, down
+    attention = layers * (h * q + 2 * h * kv + q * h)  # q, k, v, o
+    if "num_experts" in shape:  # a decode step of many sequences reads every expert; a token runs its top-k
+        mlp_read = layers * 3 * h * shape["moe_intermediate_size"] * shape["num_experts"]
+        mlp_run = layers * 3 * h * shape["moe_intermediate_size"] * shape["num_experts_per_tok"]
+    else:
+        mlp_read = mlp_run = layers * 3 * h * shape["intermediate_size"]  # gate, up, down
     lm_head = shape["vocab_size"] * h
     return {
-        "weights": linear * (1 if fp8_linear else 2) + lm_head * 2,
+        "weights": (attention + mlp_read) * (1 if fp8_linear else 2) + lm_head * 2,
         "kv_per_token": layers * 2 * kv * (1 if fp8_kv else 2),
-        "flops_per_token": 2 * (linear + lm_head),
+        "flops_per_token": 2 * (attention + mlp_run + lm_head),
         "attention_flops_per_token_per_ctx": 4 * layers * q,
     }
 
@@ -161,13 +175,17 @@ def cache_files(path: str | None) -> int:
 
 
 def build_trainer_model(shape: str):
+    """The trainer-side model of a `SHAPES` entry: on the GPU in BF16, or for a mixture of experts on the meta
+    device (its config and module names build the engine; vLLM's dummy weights stay)."""
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    config = Qwen3Config(**SHAPES[shape], head_dim=128, max_position_embeddings=40960, tie_word_embeddings=False)
+    moe = shape in MOE_SHAPES
+    config_cls, model_cls = (Qwen3MoeConfig, Qwen3MoeForCausalLM) if moe else (Qwen3Config, Qwen3ForCausalLM)
+    config = config_cls(**SHAPES[shape], head_dim=128, max_position_embeddings=40960, tie_word_embeddings=False)
     torch.manual_seed(0)
-    with torch.device("cuda"):  # built in BF16 on the GPU: no FP32 copy for the allocator to keep cached
-        model = Qwen3ForCausalLM._from_config(config, dtype=torch.bfloat16)
+    with torch.device("meta" if moe else "cuda"):  # BF16 on the GPU: no FP32 copy for the allocator to keep cached
+        model = model_cls._from_config(config, dtype=torch.bfloat16)
     return model.eval()
 
 
@@ -209,7 +227,9 @@ def run_engine(args):
     row = {"engine": args.engine, "rollout_precision": precision, "fp8_kv_cache": fp8_kv, "backend": backend}
 
     scales = None
-    if fp8_kv:
+    pushed = args.shape not in MOE_SHAPES  # MoE shapes keep vLLM's dummy weights (see SHAPES)
+    row["weights"] = "trainer's, pushed" if pushed else "vLLM's dummy weights (random), nothing pushed"
+    if fp8_kv and pushed:
         ids = torch.randint(0, model.config.vocab_size, (4, 2048), device="cuda")
 
         def forward_ms(reps=5):
@@ -266,7 +286,7 @@ def run_engine(args):
         row["deep_gemm_warmup"] = os.environ.get("VLLM_DEEP_GEMM_WARMUP")
 
     syncs, quantize = [], []
-    for _ in range(3):
+    for _ in range(3 if pushed else 0):
         invalidate_fp8_weights(model)  # a new optimizer step: the FP8 weights must be quantized again
         if train_fp8:
             torch.cuda.synchronize()
@@ -278,7 +298,8 @@ def run_engine(args):
             quantize.append(time.perf_counter() - t0)
             invalidate_fp8_weights(model)  # the sync below quantizes again: its time includes quantization
         syncs.append(sync(llm, model, precision, scales))
-    row["weight_sync_ms"] = 1e3 * statistics.median(syncs)
+    if syncs:
+        row["weight_sync_ms"] = 1e3 * statistics.median(syncs)
     if quantize:
         row["quantize_ms"] = 1e3 * statistics.median(quantize)
 
@@ -331,7 +352,7 @@ def summary(rows: list[dict]) -> str:
             ratio = f"{p['tokens_per_s'] / ref['tokens_per_s']:.2f}x" if ref else "-"
             floor = f"{p['of_floor']:.0%}" if "of_floor" in p else "-"
             lines.append(
-                f"{r['engine']:<17}{r['linear_kernel'][:33]:<34}{r['engine_start_s']:>8.0f}{r['weight_sync_ms']:>8.0f}"
+                f"{r['engine']:<17}{r['linear_kernel'][:33]:<34}{r['engine_start_s']:>8.0f}{r.get('weight_sync_ms', 0):>8.0f}"
                 f"{r.get('kv_cache_tokens', 0):>10}{str(p['seqs']) + 'x' + str(p['new_tokens']):>11}"
                 f"{p.get('running_peak', '-'):>8}{p.get('preemptions', '-'):>8}{p['tokens_per_s']:>9.0f}{ratio:>9}"
                 f"{floor:>9}"
@@ -402,7 +423,10 @@ def main():
         same = ("shape", "prompt_len", "gpu_memory_utilization", "max_num_seqs")
         result["results"] = previous_rows(out, result, same, "engine", args.engines)
     failed = run_all(__file__, "--engine", args.engines, sys.argv[1:], result, out, "engine", list(ENGINES))
-    print(summary(result["results"]))
+    if failed:  # kept as rows: at a small memory share an engine that cannot start is a result (its log says why)
+        result["results"] += [{"engine": name, "started": False} for name in failed]
+        out.write_text(json.dumps(result, indent=2) + "\n")
+    print(summary([row for row in result["results"] if row.get("started", True)]))
     print(f"wrote {out}")
     if failed:
         raise SystemExit(f"failed engines: {failed}")

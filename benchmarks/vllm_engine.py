@@ -67,10 +67,21 @@ def engine_kernels(llm) -> dict:
 
     model = read(lambda: llm.llm_engine.model_executor.driver_worker.worker.model_runner.model, None)
     layer = read(lambda: model.model.layers[0], None)
-    method = read(lambda: layer.mlp.gate_up_proj.quant_method, None)
+    method = read(lambda: layer.mlp.gate_up_proj.quant_method, None) or read(
+        lambda: layer.self_attn.qkv_proj.quant_method, None
+    )  # a mixture of experts has no dense MLP
+    experts = next((m for n, m in read(lambda: layer.named_modules(), []) if hasattr(m, "w13_weight")), None)
     cache = read(lambda: llm.llm_engine.vllm_config.cache_config, None)
     return {
         "linear_kernel": type(getattr(method, "fp8_linear", method)).__name__,
+        **(
+            {
+                "experts_method": f"{type(read(lambda: experts.quant_method, None)).__name__} "
+                f"({read(lambda: experts.quant_method.fp8_backend.value)})"
+            }
+            if experts is not None
+            else {}
+        ),
         "attention_backend": read(lambda: type(layer.self_attn.attn.impl).__name__),
         "kv_cache_dtype": read(lambda: str(cache.cache_dtype)),
         "kv_cache_tokens": read(lambda: int(cache.num_gpu_blocks * cache.block_size), 0),

@@ -553,6 +553,43 @@ def test_experts_benchmark_runs_at_smoke_size(tmp_path):
     assert 0 < row["fp8_rel_err_vs_bf16"] < 0.15
 
 
+def test_grouped_gemm_benchmark_runs_at_smoke_size(tmp_path):
+    """bench_grouped_gemm on CPU (Triton's interpreter) at a tiny MoE shape: each projection's FP8 fwd+bwd and every
+    kernel of it timed, the padded rows covering the routed ones."""
+    pytest.importorskip("triton")
+    _run(ROOT / "benchmarks" / "bench_grouped_gemm.py", "--quick", "--out", tmp_path / "gg.json")
+    (row,) = json.loads((tmp_path / "gg.json").read_text())["results"]
+    assert [p["projection"] for p in row["projections"]] == ["gate_up", "down"]
+    assert all(p["fp8_triton_ms"] > 0 for p in row["projections"])
+    kernels = {k["kernel"] for k in row["kernels"]["down"]}
+    assert {"triton m_grouped FProp", "triton m_grouped DGrad", "k_grouped WGrad"} <= kernels
+
+
+def test_moe_rollout_shape_builds_its_engine_config_without_weights():
+    """bench_rollout's MoE shapes: the trainer-side model lives on the meta device (no 61 GB copy), converts to FP8
+    with its routers named unconverted, and the decode floor reads every expert while a token runs its top-k."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_rollout
+
+    from trl_fp8 import convert_to_fp8
+    from trl_fp8.export import fp8_module_names
+    from trl_fp8.vllm_sync import write_engine_config
+
+    model = bench_rollout.build_trainer_model("tiny-moe")
+    assert next(model.parameters()).device.type == "meta"
+    convert_to_fp8(model)
+    names = fp8_module_names(model)
+    assert "model.layers.0.mlp.experts" in names
+    import tempfile
+
+    config = json.loads((write_engine_config(model, None, tempfile.mkdtemp(), names) / "config.json").read_text())
+    assert "model.layers.0.mlp.gate" in config["quantization_config"]["modules_to_not_convert"]
+    shape = bench_rollout.SHAPES["30b-a3b"]
+    fp8, bf16 = (bench_rollout.model_bytes(shape, fp8_linear=f, fp8_kv=False) for f in (True, False))
+    assert 30e9 < fp8["weights"] < 32e9 and 60e9 < bf16["weights"] < 62e9  # every expert's weights, + BF16 lm_head
+    assert 2 * 3e9 < fp8["flops_per_token"] < 2 * 4e9  # about 3.3B active parameters per token
+
+
 def test_capacity_and_colocate_results_get_their_plots(tmp_path):
     """`rollout_capacity_mem<share>_<device>.json` (one file per share; a matched-concurrency file is left out) gives
     each engine's tokens/s and floor against the share, one panel per point; `grpo_colocate_8b_<device>.json` gets

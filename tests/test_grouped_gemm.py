@@ -114,6 +114,91 @@ def test_grouped_rows_pad_each_expert_to_128_rows_and_one_quantization_equals_ea
         start += c
 
 
+def test_quantizing_the_sorted_rows_through_the_source_map_equals_quantizing_the_padded_copy():
+    """`quantize_act(x, source_rows=rows.source)` reads the sorted rows straight into the padded layout: bit for bit
+    the quantization of `rows.pad(x)`, in both layouts; `expert_of_row` names each padded row's expert (-1:
+    padding), as DeepGEMM's grouped kernel reads it."""
+    rows = _rows()
+    x = torch.randn(rows.num_rows, 256, device=_device())
+    x[:, 128:] *= 1e-3
+    padded = kernels.quantize_act(rows.pad(x), rows=True, cols=True)
+    gathered = kernels.quantize_act(x, source_rows=rows.source, rows=True, cols=True)
+    for a, b in zip(padded, gathered, strict=True):
+        assert a.shape == b.shape and torch.equal(_bits(a) if a.dtype != torch.float32 else a, _bits(b) if
+                                                  b.dtype != torch.float32 else b)  # fmt: skip
+    expected = torch.full((rows.m_pad,), -1, dtype=torch.int32)
+    for e, (lo, hi) in enumerate(_segments(rows)):
+        expected[lo:hi] = e
+    assert torch.equal(rows.expert_of_row.cpu(), expected)
+    with pytest.raises(ValueError, match="cols_second_read"):
+        kernels.quantize_act(x, source_rows=rows.source, cols=True, cols_second_read=True)
+
+
+def test_layout_from_counts_on_the_device_bounds_the_padding_and_places_every_row_alike():
+    """From a tensor of counts (no host sync) `m_pad` is an upper bound; the rows land where host counts put them,
+    the extra groups hold no rows (zero `group_rows`, -1 in `source` and `expert_of_row`), and one projection's
+    grouped forward and backward on that layout equal the exact layout's."""
+    from trl_fp8.fp8_experts import _GroupedExpertsFP8Matmul
+
+    exact = _rows()
+    rows = GroupedRows(torch.tensor(COUNTS, device=_device()), _device(), num_rows=sum(COUNTS))
+    assert rows.m_pad >= exact.m_pad and rows.m_pad % 128 == 0 and rows.counts == tuple(COUNTS)
+    assert torch.equal(rows.offsets, exact.offsets) and torch.equal(rows.dest, exact.dest)
+    groups = exact.m_pad // 128
+    assert torch.equal(rows.group_rows[:groups], exact.group_rows) and not rows.group_rows[groups:].any()
+    assert torch.equal(rows.group_expert[:groups], exact.group_expert)
+    assert torch.equal(rows.source[: exact.m_pad], exact.source) and (rows.source[exact.m_pad :] == -1).all()
+    assert (rows.expert_of_row[exact.m_pad :] == -1).all()
+    with pytest.raises(ValueError, match="num_rows"):
+        GroupedRows(torch.tensor(COUNTS), "cpu")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(sum(COUNTS), 256, generator=g).to(_device())
+    w = (torch.randn(5, 128, 256, generator=g) * 0.05).to(_device())
+    dy = torch.randn(sum(COUNTS), 128, generator=g).to(_device())
+    q, s = kernels.quantize_weight(w.reshape(5 * 128, 256))
+    q, s = q.view(5, 128, 256), s.view(5, 1, 2)
+    results = []
+    for layout in (exact, rows):
+        xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = _GroupedExpertsFP8Matmul.apply(xg, wg, q, s, layout, "triton", False, True)
+        y.backward(dy)
+        results.append((y, xg.grad, wg.grad))
+    for got, ref in zip(*results, strict=True):
+        assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("num_experts,num_rows", [(128, 2048), (3, 300), (2, 0)])
+def test_layout_kernel_matches_the_layout_written_out_by_hand(num_experts, num_rows):
+    """The one-launch layout against the definition: each expert's segment starts at the previous one's end rounded
+    up to 128 rows; sorted row j of expert e sits at its segment start plus j's rank within e."""
+    g = torch.Generator().manual_seed(num_experts)
+    counts = torch.bincount(torch.randint(0, num_experts, (num_rows,), generator=g), minlength=num_experts).tolist()
+    offsets, dest = [0], []
+    for c in counts:
+        dest += range(offsets[-1], offsets[-1] + c)
+        offsets.append(offsets[-1] + -(-c // 128) * 128)
+    for rows in (GroupedRows(counts, _device()), GroupedRows(torch.tensor(counts), _device(), num_rows=num_rows)):
+        assert rows.offsets.tolist() == offsets and rows.dest.tolist() == dest
+        source = torch.full((rows.m_pad,), -1)
+        source[dest] = torch.arange(num_rows)
+        assert torch.equal(rows.source.long().cpu(), source)
+
+
+def test_expert_weights_transposed_per_expert_are_the_row_major_blocks_bit_for_bit():
+    from trl_fp8.kernels.weight_quant import quantize_expert_weights_t
+
+    e, n, k = 3, 256, 384
+    w = torch.randn(e, n, k, device=_device())
+    w[1] *= 100  # experts of different magnitudes
+    q, s = kernels.quantize_weight(w.reshape(e * n, k))
+    q_t, s_t = quantize_expert_weights_t(w)
+    assert q_t.shape == (e, k, n) and s_t.shape == (e, k // 128, n // 128) and q_t.is_contiguous()
+    assert torch.equal(_bits(q_t), _bits(q.view(e, n, k).transpose(1, 2)))
+    assert torch.equal(s_t, s.view(e, n // 128, k // 128).transpose(1, 2))
+    with pytest.raises(ValueError, match="multiples of 128"):
+        quantize_expert_weights_t(w[:, :200])
+
+
 def _operands(a_cols, n, k, seed=0):
     """The layout, the padded rows `[num_rows, a_cols]` quantized in both layouts, and the weights `[E * n, k]`."""
     g = torch.Generator().manual_seed(seed)
@@ -191,7 +276,7 @@ def test_grouped_autograd_function_with_no_rows_at_all():
     q, s = kernels.quantize_weight(weight.detach().reshape(384, 256))
     x = torch.zeros(0, 256, device=_device(), requires_grad=True)
     rows = GroupedRows([0, 0, 0], torch.device(_device()))
-    y = _GroupedExpertsFP8Matmul.apply(x, weight, q.view(3, 128, 256), s.view(3, 1, 2), rows, False, True)
+    y = _GroupedExpertsFP8Matmul.apply(x, weight, q.view(3, 128, 256), s.view(3, 1, 2), rows, "triton", False, True)
     assert y.shape == (0, 128)
     y.sum().backward()
     assert x.grad.shape == (0, 256) and weight.grad.shape == weight.shape and not weight.grad.any()
@@ -230,7 +315,7 @@ def test_grouped_autograd_function_equals_the_loop_on_the_same_operands(dtype, p
         xg, wg = x.to(dev, copy=True).requires_grad_(), weight.to(dev, copy=True).requires_grad_()
         args = (xg, wg, q.to(dev), s.to(dev))
         if grouped:
-            y = _GroupedExpertsFP8Matmul.apply(*args, GroupedRows(COUNTS, torch.device(dev)), pow2, True)
+            y = _GroupedExpertsFP8Matmul.apply(*args, GroupedRows(COUNTS, torch.device(dev)), "triton", pow2, True)
         else:
             y = _ExpertsFP8Matmul.apply(*args, tuple(COUNTS), emulated, pow2, True)
         y.backward(grad.to(dev))
@@ -290,8 +375,8 @@ def test_grouped_experts_equal_the_loop_over_experts(tokens=200):
 
 
 def test_grouped_experts_launch_a_fixed_number_of_kernels_whatever_the_expert_count(monkeypatch):
-    """fwd + bwd of both projections: per projection 2 Triton launches forward (quantize, FProp) and 4 backward
-    (quantize dy, re-quantize W, DGrad, WGrad), for 4 experts as for 8."""
+    """fwd + bwd of both projections: one launch for the layout they share, and per projection 2 Triton launches
+    forward (quantize, FProp) and 4 backward (quantize dy, re-quantize W, DGrad, WGrad), for 4 experts as for 8."""
     if CUDA:
         pytest.skip("counts interpreter launches")
     from triton.runtime.interpreter import InterpretedFunction
@@ -318,4 +403,4 @@ def test_grouped_experts_launch_a_fixed_number_of_kernels_whatever_the_expert_co
         launches.clear()
         experts(x.requires_grad_(), index, torch.full((64, 2), 0.5)).sum().backward()
         counts.append(sorted(launches))
-    assert counts[0] == counts[1] and len(counts[0]) == 12, counts
+    assert counts[0] == counts[1] and len(counts[0]) == 13 and counts[0].count("_layout_kernel") == 1, counts

@@ -10,6 +10,8 @@ BACKENDS = ("auto", "scaled_mm", "deepgemm", "emulated")
 ROLLOUT_PRECISIONS = ("fp8", "bf16", "fp8_online")
 # vLLM kernels for the rollout engine's block-FP8 linear layers ("auto": DeepGEMM on Hopper when it can run).
 VLLM_FP8_BACKENDS = ("auto", "deepgemm", "cutlass", "triton")
+# Kernels of the mixture-of-experts FProp and DGrad ("auto": DeepGEMM's grouped GEMM on Hopper when it can run).
+EXPERTS_GEMMS = ("auto", "deepgemm", "triton")
 
 
 # vLLM whose workers can reload weights layer by layer into a running FP8 engine.
@@ -77,6 +79,9 @@ class FP8LinearConfig:
         fuse_swiglu: in gated MLPs with SiLU (`down_proj(silu(gate_proj(x)) * up_proj(x))`), form the product and
             quantize it for `down_proj` in one kernel, never writing it in BF16, and recompute `silu(gate)` in
             backward instead of keeping it (`trl_fp8.fused_swiglu`): the unfused FP8 path's values.
+        experts_gemm: the grouped kernel of mixture-of-experts FProp and DGrad on the GPU: `"deepgemm"` (vLLM's
+            bundled DeepGEMM m-grouped GEMM, SM90), `"triton"` (ours, `trl_fp8.kernels.grouped_gemm`), or `"auto"`
+            (DeepGEMM where it can run, else Triton). Same FP8 operands either way; WGrad is always ours.
     """
 
     recipe: str = "blockwise"
@@ -86,12 +91,15 @@ class FP8LinearConfig:
     cache_quantized_weight: bool = True
     fuse_sibling_gemms: bool = False
     fuse_swiglu: bool = False
+    experts_gemm: str = "auto"
 
     def __post_init__(self):
         if self.recipe not in RECIPES:
             raise ValueError(f"Unknown FP8 recipe {self.recipe!r}; choose one of {RECIPES}.")
         if self.backend not in BACKENDS:
             raise ValueError(f"Unknown FP8 backend {self.backend!r}; choose one of {BACKENDS}.")
+        if self.experts_gemm not in EXPERTS_GEMMS:
+            raise ValueError(f"Unknown experts_gemm {self.experts_gemm!r}; choose one of {EXPERTS_GEMMS}.")
         if self.recipe == "blockwise" and self.block_size != 128:
             raise ValueError(
                 f"block_size={self.block_size} is not supported: cuBLAS blockwise FP8 GEMMs and vLLM block-FP8 "

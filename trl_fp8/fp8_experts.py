@@ -8,14 +8,15 @@ activation and gradient groups, FProp, DGrad and WGrad in FP8) on the tokens rou
 spans two experts (their row counts are multiples of 128), so quantizing `[E, N, K]` as one `[E*N, K]` matrix gives
 each expert's own blocks, and the export splits them back into per-expert tensors.
 
-On the GPU backends (`scaled_mm`, `deepgemm`) a projection runs on the grouped Triton kernels
-(`trl_fp8.kernels.grouped_gemm`, `_GroupedExpertsFP8Matmul`): the sorted rows are padded once so that each expert's
-segment is a multiple of 128 rows, quantized by one `quantize_act` launch in both layouts, and multiplied by one
-m-grouped FProp launch; the backward quantizes the output gradient once, re-quantizes the weights in DGrad's layout
-once, and runs one m-grouped DGrad and one k-grouped WGrad launch. Per projection that is 2 Triton launches forward
-and 4 backward, each beside 3 small torch ops (zero fill, scatter into the padded layout, gather out of it), whatever
-the number of experts; the layout itself (`GroupedRows`) is built once per layer call. The FP8 operands are the
-loop's bit for bit (a 128-row group never spans two experts), so only the fp32 summation order differs.
+On the GPU backends (`scaled_mm`, `deepgemm`) a projection runs on grouped kernels (`_GroupedExpertsFP8Matmul`):
+one layout (`kernels.grouped_gemm.GroupedRows`, each expert's segment padded to a multiple of 128 rows) is built per
+layer call by one kernel from the routing counts, which never leave the GPU (no host sync in a MoE layer); the
+quantizer reads the sorted rows straight into that layout, in both layouts; FProp and DGrad run on DeepGEMM's
+m-grouped GEMM (or `kernels.grouped_gemm.m_grouped_gemm`: `FP8LinearConfig.experts_gemm`), WGrad on
+`kernels.grouped_gemm.k_grouped_gemm`; DGrad's weights are re-quantized per expert in the transposed layout. Per
+projection that is 2 launches forward and 4 backward, plus a gather of the real rows out of each padded output,
+whatever the number of experts. The FP8 operands are the loop's bit for bit (a 128-row group never spans two
+experts), so only the fp32 summation order differs. Speed against BF16: docs/moe.md.
 
 Elsewhere (the emulation on CPU) all experts of a projection run as a loop in one autograd node
 (`_ExpertsFP8Matmul`): each expert's GEMMs are the dense layer's, bit for bit, without an autograd node per expert
@@ -29,6 +30,7 @@ not handle (`expert_layout_problem` names why).
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from torch import nn
@@ -143,7 +145,7 @@ class FP8Experts(nn.Module):
         top_k = top_k_index.shape[-1]
         expert_ids = top_k_index.reshape(-1)
         order = torch.argsort(expert_ids, stable=True)  # token-expert pairs grouped by expert, token order kept
-        counts = torch.bincount(expert_ids, minlength=self.num_experts).tolist()
+        counts = torch.bincount(expert_ids, minlength=self.num_experts)
         x = hidden_states[order // top_k]
         rows = None
         if self._grouped_kernels or (
@@ -151,7 +153,10 @@ class FP8Experts(nn.Module):
         ):
             from .kernels.grouped_gemm import GroupedRows
 
-            rows = GroupedRows(counts, x.device)  # the padded layout both projections share
+            # The padded layout both projections share, built on the device: the host never waits for the GPU here.
+            rows = GroupedRows(counts, x.device, num_rows=expert_ids.numel())
+        else:
+            counts = counts.tolist()  # the per-expert loop slices on the host
         gate_up = self._experts_linear(x, "gate_up_proj", counts, rows)
         gate, up = gate_up.chunk(2, dim=-1)
         h = self.act_fn(gate) * up
@@ -168,7 +173,8 @@ class FP8Experts(nn.Module):
         q, s = self.quantized_expert_weight(name)
         pow2 = self.fp8_config.power_of_two_scales
         if rows is not None:
-            return _GroupedExpertsFP8Matmul.apply(x, weight, q, s, rows, pow2, torch.is_grad_enabled())
+            kernel = grouped_gemm_kernel(self.fp8_config.experts_gemm, x)
+            return _GroupedExpertsFP8Matmul.apply(x, weight, q, s, rows, kernel, pow2, torch.is_grad_enabled())
         ops = select_ops(self.fp8_config, weight.device)
         return _ExpertsFP8Matmul.apply(x, weight, q, s, tuple(counts), ops, pow2, torch.is_grad_enabled())
 
@@ -225,46 +231,87 @@ def _on_device(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
+@functools.cache
+def _deepgemm_runs_here(device_index: int) -> bool:
+    from .ops import deep_gemm
+
+    return torch.cuda.get_device_capability(device_index) == (9, 0) and deep_gemm.available() is None
+
+
+def grouped_gemm_kernel(choice: str, x: torch.Tensor) -> str:
+    """The grouped FProp/DGrad kernel for `x`: "deepgemm" (DeepGEMM's m-grouped GEMM, BF16 output, SM90) or
+    "triton" (`kernels.grouped_gemm.m_grouped_gemm`). `choice` "auto" takes DeepGEMM where it can run: on one
+    H200 (2026-11-26, `benchmarks/bench_grouped_gemm.py`) it ran the Qwen3-30B-A3B expert GEMMs 1.6-2.0x faster
+    than the Triton kernel on the same operands."""
+    if choice == "triton" or not x.is_cuda:
+        return "triton"
+    runs = x.dtype == torch.bfloat16 and _deepgemm_runs_here(x.device.index or 0)
+    if choice == "deepgemm" and not runs:
+        from .ops import deep_gemm
+
+        raise RuntimeError(
+            "experts_gemm='deepgemm' needs BF16 activations on an SM90 GPU and vLLM's bundled DeepGEMM "
+            f"({deep_gemm.available() or 'dtype ' + str(x.dtype)}); use experts_gemm='triton' or 'auto'."
+        )
+    return "deepgemm" if runs else "triton"
+
+
+def _m_grouped(a, b_q, b_s, rows, kernel: str, out_dtype: torch.dtype) -> torch.Tensor:
+    """`a`'s rows (quantized, 1x128 groups) times their experts' weight blocks, in `rows`' padded layout."""
+    from .kernels.grouped_gemm import m_grouped_gemm
+
+    if kernel == "deepgemm" and rows.m_pad:
+        from .ops import deep_gemm
+
+        return deep_gemm.m_grouped_gemm(a.q, a.scale_inv, b_q, b_s, rows.expert_of_row)
+    return m_grouped_gemm(a.q, a.scale_inv, b_q, b_s, rows, out_dtype)
+
+
 class _GroupedExpertsFP8Matmul(torch.autograd.Function):
-    """`_ExpertsFP8Matmul` on the grouped kernels (`trl_fp8.kernels.grouped_gemm`): the same FP8 operands, bit for
-    bit, in one launch per GEMM for all experts. `x` holds the rows sorted by expert (`rows.counts`); they are padded
-    into `rows`' layout (each expert's segment a multiple of 128 rows, zeros between), which makes one quantization of
-    all rows equal each expert's own and lets WGrad's 1x128 groups along tokens stay within one expert."""
+    """`_ExpertsFP8Matmul` on grouped kernels: the same FP8 operands, bit for bit, in one launch per GEMM for all
+    experts. `x` holds the rows sorted by expert (`rows.counts`); the quantizer reads them straight into `rows`'
+    padded layout (each expert's segment a multiple of 128 rows, zero rows between), which makes one quantization of
+    all rows equal each expert's own and lets WGrad's 1x128 groups along tokens stay within one expert. FProp and
+    DGrad run on `kernel` (`grouped_gemm_kernel`), WGrad on `kernels.grouped_gemm.k_grouped_gemm`."""
 
     @staticmethod
-    def forward(ctx, x, weight, q, s, rows, pow2: bool, grad_enabled: bool):
+    def forward(ctx, x, weight, q, s, rows, kernel: str, pow2: bool, grad_enabled: bool):
         from .kernels import quantize_act
-        from .kernels.grouped_gemm import m_grouped_gemm
 
         wgrad = grad_enabled and ctx.needs_input_grad[1]
         with _on_device(x):
-            act = quantize_act(rows.pad(x), rows=True, cols=wgrad, power_of_two_scales=pow2)
-            out = rows.unpad(m_grouped_gemm(act.q, act.scale_inv, q, s, rows, x.dtype))
+            act = quantize_act(x, source_rows=rows.source, rows=True, cols=wgrad, power_of_two_scales=pow2)
+            out = rows.unpad(_m_grouped(act, q, s, rows, kernel, x.dtype))
         ctx.save_for_backward(weight, *((act.qt, act.scale_inv_t) if wgrad else ()))  # FP8 x.T, not the BF16 rows
-        ctx.rows, ctx.pow2, ctx.x_dtype = rows, pow2, x.dtype
+        ctx.rows, ctx.kernel, ctx.pow2, ctx.x_dtype = rows, kernel, pow2, x.dtype
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        from .kernels import quantize_act, quantize_weight
-        from .kernels.grouped_gemm import k_grouped_gemm, m_grouped_gemm
+        from .kernels import quantize_act
+        from .kernels.grouped_gemm import k_grouped_gemm
+        from .kernels.weight_quant import quantize_expert_weights_t
 
         weight, *saved_x = ctx.saved_tensors
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         rows, pow2 = ctx.rows, ctx.pow2
         grad_x = grad_w = None
         with _on_device(grad_out):
-            dy = quantize_act(rows.pad(grad_out), rows=need_x, cols=need_w, power_of_two_scales=pow2)
+            dy = quantize_act(grad_out, source_rows=rows.source, rows=need_x, cols=need_w, power_of_two_scales=pow2)
             if need_x:
-                # W's 128x128 blocks re-quantized in DGrad's (column-major) layout, the forward's FP8 values bit for
-                # bit; as [E, K, N] views, K-major for the reduction over N, with the same blocks' scales.
-                e, n, k = weight.shape
-                w_q, w_s = quantize_weight(weight.detach().reshape(e * n, k), col_major=True, power_of_two_scales=pow2)
-                w_q, w_s = w_q.view(e, n, k).transpose(1, 2), w_s.view(e, n // 128, k // 128).transpose(1, 2)
-                grad_x = rows.unpad(m_grouped_gemm(dy.q, dy.scale_inv, w_q, w_s, rows, ctx.x_dtype))
+                # Each expert's 128x128 blocks, the forward's FP8 values bit for bit, stored transposed ([E, K, N]):
+                # K-major for the reduction over N.
+                w_q, w_s = quantize_expert_weights_t(weight.detach(), power_of_two_scales=pow2)
+                grad_x = rows.unpad(_m_grouped(dy, w_q, w_s, rows, ctx.kernel, ctx.x_dtype))
             if need_w:
-                grad_w = k_grouped_gemm(dy.qt, dy.scale_inv_t, *saved_x, rows, weight.dtype)
-        return grad_x, grad_w, None, None, None, None, None
+                grad_w = k_grouped_gemm(dy.qt, dy.scale_inv_t, *saved_x, rows, weight.dtype, **WGRAD_LAUNCH)
+        return grad_x, grad_w, None, None, None, None, None, None
+
+
+# k_grouped_gemm's launch for WGrad: 64-row output tiles, 4 warps, 3 stages ran 6-10% faster than the kernel's
+# defaults (128 rows, 8 warps, 4 stages) at Qwen3-30B-A3B's expert shapes on one H200 (8k-64k routed rows,
+# `benchmarks/bench_grouped_gemm.py --sweep`, 2026-11-26): smaller tiles leave room for two programs per SM.
+WGRAD_LAUNCH: dict = dict(block_n=64, num_warps=4, num_stages=3)
 
 
 _FP8_CLASSES: dict[type, type] = {}

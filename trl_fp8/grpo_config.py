@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, fields
 from trl import GRPOConfig
 
 from . import config as fp8_config
-from .config import BACKENDS, RECIPES, VLLM_FP8_BACKENDS, check_rollout_precision
+from .config import BACKENDS, EXPERTS_GEMMS, RECIPES, VLLM_FP8_BACKENDS, check_rollout_precision
 
 TIS_MODES = ("token", "off")
 
@@ -48,6 +48,9 @@ class FP8GRPOConfig(GRPOConfig):
     fp8_fuse_swiglu (`bool`, *optional*, defaults to `False`):
         In gated SiLU MLPs, form `silu(gate) * up` and quantize it for `down_proj` in one kernel, never writing it in
         BF16 nor keeping `silu(gate)` for backward (the unfused path's values). Opt-in until measured on a GPU.
+    fp8_experts_gemm (`str`, *optional*, defaults to `"auto"`):
+        Grouped kernel of the mixture-of-experts FProp and DGrad: `"deepgemm"` (vLLM's bundled DeepGEMM, Hopper),
+        `"triton"` (ours) or `"auto"` (DeepGEMM where it can run). Same FP8 operands either way.
     compile_decoder_layers (`bool`, *optional*, defaults to `False`):
         Compile each decoder layer in place with `torch.compile` (regional compilation: one graph shared by the
         layers; names, sync and export unchanged). The FP8 ops enter the graph whole, so the host no longer issues
@@ -154,6 +157,13 @@ class FP8GRPOConfig(GRPOConfig):
             "writing it in BF16 or keeping silu(gate) for backward.",
         },
     )
+    fp8_experts_gemm: str = field(
+        default="auto",
+        metadata={
+            "help": "Grouped kernel of mixture-of-experts FProp and DGrad: 'deepgemm' (vLLM's DeepGEMM, Hopper), "
+            "'triton' (ours) or 'auto' (DeepGEMM where it can run).",
+        },
+    )
     compile_decoder_layers: bool = field(
         default=False,
         metadata={
@@ -223,6 +233,8 @@ class FP8GRPOConfig(GRPOConfig):
             raise ValueError(f"fp8_recipe={self.fp8_recipe!r} is unknown; use one of {RECIPES} or None for BF16.")
         if self.fp8_backend not in BACKENDS:
             raise ValueError(f"fp8_backend={self.fp8_backend!r} is unknown; use one of {BACKENDS}.")
+        if self.fp8_experts_gemm not in EXPERTS_GEMMS:
+            raise ValueError(f"fp8_experts_gemm={self.fp8_experts_gemm!r} is unknown; use one of {EXPERTS_GEMMS}.")
         for name in ("num_first_layers_in_bf16", "num_last_layers_in_bf16"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}.")

@@ -127,6 +127,7 @@ class FP8GRPOTrainer(GRPOTrainer):
             backend=args.fp8_backend,
             fuse_sibling_gemms=args.fp8_fuse_sibling_gemms,
             fuse_swiglu=args.fp8_fuse_swiglu,
+            experts_gemm=args.fp8_experts_gemm,
             # FSDP2 shards the weights to save memory; a whole FP8 copy of every layer kept between steps would undo
             # much of it, and quantizing a weight costs one pass over it per forward.
             cache_quantized_weight=(

@@ -35,13 +35,18 @@ from ._common import (
 
 @triton.jit
 def _act_quant_kernel(
-    x_ptr, stride_xm, stride_xk,
+    x_ptr, stride_xm, stride_xk, src_ptr,
     q_ptr, s_ptr, qt_ptr, st_ptr,
     M, M_pad, K,
     ROWS: tl.constexpr, COLS: tl.constexpr, POW2: tl.constexpr, BLOCK: tl.constexpr, COLS_SECOND_READ: tl.constexpr,
+    GATHER: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_k, rm, rk, rm64, rk64 = tile_offsets(BLOCK)
-    if ROWS or not COLS_SECOND_READ:
+    if GATHER:  # output row r is x's row src[r], or zeros where src[r] < 0
+        src = tl.load(src_ptr + rm, mask=rm < M, other=-1)
+        x = tl.load(x_ptr + src.to(tl.int64)[:, None] * stride_xm + rk64[None, :] * stride_xk,
+                    mask=src[:, None] >= 0, other=0.0).to(tl.float32)  # fmt: skip
+    elif ROWS or not COLS_SECOND_READ:
         x = tl.load(x_ptr + rm64[:, None] * stride_xm + rk64[None, :] * stride_xk, mask=rm[:, None] < M, other=0.0)
         x = x.to(tl.float32)
     if ROWS:
@@ -69,23 +74,32 @@ def quantize_act(
     num_warps: int | None = None,
     cols_second_read: bool = False,
     traced: bool = False,
+    source_rows: torch.Tensor | None = None,
 ) -> QuantizedAct:
     """Quantize a 2-D `x [M, K]` (any strides, K a multiple of 128) into the layouts asked for; bit for bit
     `trl_fp8.quantization.quantize_act_layouts`, with the scales column-major. `num_warps` (default: the measured
     best, 4 with the column layout, else 8) and `cols_second_read` change only how the kernel runs
     (`benchmarks/bench_quant.py` sweeps both), never the result; `traced`: launched for `torch.compile`
-    (`trl_fp8.ops.triton_ops`)."""
+    (`trl_fp8.ops.triton_ops`).
+
+    `source_rows` (int32 `[M']`): quantize the rows `x[source_rows]` instead, a negative entry standing for a row of
+    zeros; the same result as quantizing that gathered tensor, without writing it (the mixture-of-experts layout,
+    `grouped_gemm.GroupedRows.source`)."""
     if num_warps is None:
         num_warps = 4 if cols else 8
-    m, k = x.shape
+    gather = source_rows is not None
+    if gather and cols_second_read:
+        raise ValueError("quantize_act: source_rows and cols_second_read do not go together")
+    m, k = (source_rows.shape[0], x.shape[1]) if gather else x.shape
     out = empty_act_layouts(m, k, rows, cols, x.device)
     m_pad = triton.cdiv(m, BLOCK) * BLOCK
     if m_pad:
         launcher(_act_quant_kernel, traced)[(m_pad // BLOCK, k // BLOCK)](
-            x, x.stride(0), x.stride(1),
+            x, x.stride(0), x.stride(1), source_rows if gather else x,
             *layout_pointers(out, rows, cols, traced),
             m, m_pad, k,
             ROWS=rows, COLS=cols, POW2=power_of_two_scales, BLOCK=BLOCK, COLS_SECOND_READ=cols_second_read,
+            GATHER=gather,
             num_warps=num_warps, num_stages=1,
         )  # fmt: skip
     return out

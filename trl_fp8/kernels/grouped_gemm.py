@@ -5,7 +5,11 @@ Layout (`GroupedRows`): the routed rows, sorted by expert, with each expert's se
 128 rows (the layout of DeepGEMM's m-grouped "contiguous" GEMMs). A 128-row group then never spans two experts, so
 one `quantize_act` over all padded rows gives, bit for bit, what quantizing each expert's rows on its own gives: the
 1x128 groups along features (`rows`) are per row anyway, and the 1x128 groups along tokens (`cols`, WGrad's operand)
-are 128 consecutive rows of one expert, its padding zeros (which change no amax and add nothing to a sum).
+are 128 consecutive rows of one expert, its padding zeros (which change no amax and add nothing to a sum). The
+quantizer reads the sorted rows through `GroupedRows.source`, so the padded BF16 copy is never written, and the
+layout itself is one launch (`_layout_kernel`) from counts that stay on the device. FProp and DGrad run on DeepGEMM's
+m-grouped GEMM where it can (`fp8_experts.grouped_gemm_kernel`: same operands, 1.6-2.0x faster than
+`m_grouped_gemm` at Qwen3-30B-A3B's shapes); `m_grouped_gemm` is the fallback and the CPU-tested reference.
 
 - `m_grouped_gemm` (FProp `y_e = x_e @ W_e.T`, DGrad `dx_e = dy_e @ W_e`): `a [M_pad, K]` in 1x128 groups along K
   (`quantize_act`'s `rows` layout), `b [E, N, K]` in 128x128 blocks, any strides (DGrad passes `W` transposed: a
@@ -51,13 +55,16 @@ and written for gate_up's weights, 0.36 ms).
 
 Launch configurations are fixed and simple (no autotuning, so a new token count costs no tuning run): 128x128 output
 tiles and 128-deep steps (the scale granularity), 8 warps, 4 pipeline stages (32 KB of shared memory per stage);
-`BLOCK_M=64` with 4 warps when padding is a quarter or more of the rows. Not yet measured on a GPU. Compiled for sm_90
+`BLOCK_M=64` with 4 warps when padding is a quarter or more of the rows; WGrad's caller launches 64-row tiles with 4
+warps and 3 stages (measured 6-10% faster, `fp8_experts.WGRAD_LAUNCH`). Measured (one H100 and one H200,
+2026-11-26, `benchmarks/bench_grouped_gemm.py`): `m_grouped_gemm` at 30-58% of its floor, `k_grouped_gemm` at 20-43%
+(latency-bound: each program sums only a few 128-token groups, then writes its tile). Compiled for sm_90
 on a CPU host (`triton.compile` with `GPUTarget("cuda", 90, 32)`, Triton 3.9, operands 16-byte aligned as the
 launches specialize them): both kernels lower to wgmma behind a 4-stage cp.async pipeline (128 KB of shared memory),
 with 193 registers (128-row tiles, 8 warps), 212 (64-row tiles, 4 warps) and 180 (WGrad, 8 warps), no spills (WGrad
 at 4 warps would spill). DGrad's B read as the FProp weight transposed (a strided view, N-major) lowers to wgmma too,
-but then only A's loads are asynchronous; so DGrad multiplies a column-major re-quantization of the weight (K-major,
-the same FP8 values), as the dense layer does.
+but then only A's loads are asynchronous; so DGrad multiplies each expert's weight re-quantized transposed
+(`weight_quant.quantize_expert_weights_t`: `[E, K, N]`, K-major, the same FP8 values and scales).
 """
 
 from __future__ import annotations
@@ -73,37 +80,94 @@ BLOCK = 128  # the scale granularity: 1x128 groups, 128x128 blocks; expert segme
 __all__ = ["GroupedRows", "k_grouped_gemm", "m_grouped_gemm"]
 
 
+@triton.jit
+def _layout_kernel(
+    counts_ptr, offsets_ptr, group_expert_ptr, group_rows_ptr, dest_ptr, source_ptr, expert_of_row_ptr,
+    E, G, BLOCK_E: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """`GroupedRows`' device arrays from the counts: program `gid` fills 128-row group `gid` (`offsets` too, for
+    program 0). Each program prefix-sums the counts itself (E <= a few hundred), so one launch needs no other."""
+    gid = tl.program_id(0)
+    idx = tl.arange(0, BLOCK_E)
+    c = tl.load(counts_ptr + idx, mask=idx < E, other=0).to(tl.int32)
+    groups = (c + BLOCK - 1) // BLOCK
+    ends = tl.cumsum(groups, 0)  # groups up to and including each expert
+    starts = ends - groups
+    sorted_starts = tl.cumsum(c, 0) - c
+    if gid == 0:
+        tl.store(offsets_ptr + idx + 1, ends * BLOCK, mask=idx < E)
+        tl.store(offsets_ptr, 0)
+    if gid < G:
+        e = tl.sum((ends <= gid).to(tl.int32), 0)  # the expert whose groups hold this one (E: past the last)
+        real_group = e < E
+        mine = idx == e
+        count = tl.sum(tl.where(mine, c, 0), 0)
+        first = tl.sum(tl.where(mine, starts, 0), 0)
+        sorted_start = tl.sum(tl.where(mine, sorted_starts, 0), 0)
+        n_real = tl.where(real_group, tl.minimum(tl.maximum(count - BLOCK * (gid - first), 0), BLOCK), 0)
+        tl.store(group_expert_ptr + gid, tl.minimum(e, E - 1))
+        tl.store(group_rows_ptr + gid, n_real)
+        i = tl.arange(0, BLOCK)
+        row = gid.to(tl.int64) * BLOCK + i
+        real = i < n_real
+        src = sorted_start + BLOCK * (gid - first) + i
+        tl.store(source_ptr + row, tl.where(real, src, -1))
+        tl.store(expert_of_row_ptr + row, tl.where(real, e, -1))
+        tl.store(dest_ptr + src.to(tl.int64), row, mask=real)
+
+
 class GroupedRows:
     """Where each expert's rows sit in the padded layout, for `counts[e]` rows of expert e sorted by expert.
 
-    Host side: `counts`, `num_experts`, `num_rows` (real rows), `m_pad` (padded rows) and `block_m` (the m-grouped
-    tile height chosen for this padding). Device side, from one host-to-device copy: `offsets [E + 1]` (segment
-    starts in the padded layout, multiples of 128), `group_expert` and `group_rows` `[m_pad / 128]` (the expert of
-    each 128-row group and how many of its rows are real), and `dest [num_rows]` (the padded row of each sorted row).
+    `counts`: host integers, or an integer tensor on the device (with `num_rows`, their sum): then the layout is built
+    without the host waiting for the GPU (a MoE layer in the middle of a forward), and `m_pad` is an upper bound on
+    the padded rows (`(num_rows + 127 E) / 128` groups, at most `num_rows`); the groups past the last expert's hold
+    no rows, which every kernel skips. Host side: `num_experts`, `num_rows` (real rows), `m_pad` and `block_m` (the
+    Triton m-grouped tile height chosen for the expected padding). Device side: `offsets [E + 1]` (segment starts in
+    the padded layout, multiples of 128), `group_expert` and `group_rows` `[m_pad / 128]` (the expert of each 128-row
+    group and how many of its rows are real), `dest [num_rows]` (the padded row of each sorted row) and `source
+    [m_pad]` (the sorted row of each padded row, -1 for padding).
     """
 
-    def __init__(self, counts: Sequence[int], device: torch.device):
-        self.counts = tuple(int(c) for c in counts)
-        self.num_experts = len(self.counts)
-        c = torch.tensor(self.counts, dtype=torch.int64)
-        groups = (c + BLOCK - 1) // BLOCK
-        offsets = torch.zeros(self.num_experts + 1, dtype=torch.int64)
-        offsets[1:] = torch.cumsum(groups * BLOCK, 0)
-        self.num_rows, self.m_pad = int(c.sum()), int(offsets[-1])
-        num_groups = self.m_pad // BLOCK
-        group_expert = torch.repeat_interleave(torch.arange(self.num_experts), groups, output_size=num_groups)
-        first = offsets[:-1] // BLOCK
-        group_rows = (c[group_expert] - BLOCK * (torch.arange(num_groups) - first[group_expert])).clamp(max=BLOCK)
-        shift = offsets[:-1] - (torch.cumsum(c, 0) - c)  # padded start - sorted start, per expert
-        meta = torch.cat([offsets, group_expert, group_rows, shift, c]).to(device=device, dtype=torch.int32)
-        e, g = self.num_experts, num_groups
-        self.offsets, self.group_expert, self.group_rows, shift, c = meta.split([e + 1, g, g, e, e])
-        self.dest = torch.arange(self.num_rows, device=device) + torch.repeat_interleave(
-            shift.long(), c.long(), output_size=self.num_rows
-        )
-        # Half-height tiles when padding is a large share of the rows (few rows per expert): the half-tiles of padding
-        # are then skipped instead of multiplied.
-        self.block_m = 64 if self.m_pad and self.num_rows < 0.75 * self.m_pad else 128
+    def __init__(self, counts: Sequence[int] | torch.Tensor, device: torch.device, *, num_rows: int | None = None):
+        device = torch.device(device)
+        if isinstance(counts, torch.Tensor):
+            if num_rows is None:
+                raise ValueError("GroupedRows: a tensor of counts needs num_rows (their sum, known on the host)")
+            c = counts.to(device=device, dtype=torch.int64)
+            self._counts = None
+            self.num_experts, self.num_rows = c.numel(), int(num_rows)
+            self.m_pad = BLOCK * min((self.num_rows + (BLOCK - 1) * self.num_experts) // BLOCK, self.num_rows)
+            # Half-height tiles when padding is expected to be a quarter or more of the rows (few rows per expert).
+            self.block_m = 64 if self.num_rows < 192 * self.num_experts else 128
+        else:
+            self._counts = tuple(int(n) for n in counts)
+            c = torch.tensor(self._counts, dtype=torch.int64, device=device)
+            self.num_experts, self.num_rows = len(self._counts), sum(self._counts)
+            self.m_pad = BLOCK * sum((n + BLOCK - 1) // BLOCK for n in self._counts)
+            self.block_m = 64 if self.m_pad and self.num_rows < 0.75 * self.m_pad else 128
+        self._c = c
+        e, g = self.num_experts, self.m_pad // BLOCK
+        self.offsets = torch.empty(e + 1, device=device, dtype=torch.int32)
+        self.group_expert = torch.empty(g, device=device, dtype=torch.int32)
+        self.group_rows = torch.empty(g, device=device, dtype=torch.int32)
+        self.dest = torch.empty(self.num_rows, device=device, dtype=torch.int64)
+        # The sorted row behind each padded row (-1: padding): what `quantize_act(source_rows=...)` reads, so that
+        # the padded copy of the rows is never written; and each padded row's expert (-1: padding).
+        self.source = torch.empty(self.m_pad, device=device, dtype=torch.int32)
+        self.expert_of_row = torch.empty(self.m_pad, device=device, dtype=torch.int32)
+        # One launch (a program per 128-row group, each summing the counts itself): a layer's host time matters.
+        _layout_kernel[(max(g, 1),)](
+            c, self.offsets, self.group_expert, self.group_rows, self.dest, self.source, self.expert_of_row, e, g,
+            BLOCK_E=triton.next_power_of_2(max(e, 1)), BLOCK=BLOCK,
+        )  # fmt: skip
+
+    @property
+    def counts(self) -> tuple[int, ...]:
+        """Rows per expert, on the host (from a tensor of counts, this waits for the GPU)."""
+        if self._counts is None:
+            self._counts = tuple(self._c.tolist())
+        return self._counts
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         """`x [num_rows, K]` (sorted by expert) in the padded layout `[m_pad, K]`, padding rows zero."""
@@ -245,6 +309,7 @@ def k_grouped_gemm(
     rows: GroupedRows,
     out_dtype: torch.dtype,
     *,
+    block_n: int = BLOCK,
     num_warps: int = 8,
     num_stages: int = 4,
 ) -> torch.Tensor:
@@ -253,7 +318,7 @@ def k_grouped_gemm(
     `a_qt [N, m_pad]` and `b_qt [K, m_pad]` float8_e4m3fn with `a_st [N, m_pad/128]`, `b_st [K, m_pad/128]` (1x128
     groups along tokens: `quantize_act`'s `cols` layout of the padded `dy` and `x`), any strides. Returns
     `out [E, N, K]` in `out_dtype`, zeros for experts without tokens. `num_warps` and `num_stages` change only how
-    it runs."""
+    it runs, as does `block_n` (the output tile's height: 128, or 64 for less register pressure)."""
     n, m = a_qt.shape
     k, mb = b_qt.shape
     if mb != m or m != rows.m_pad or n % BLOCK or k % BLOCK:
@@ -265,13 +330,13 @@ def k_grouped_gemm(
         return torch.zeros(rows.num_experts, n, k, device=a_qt.device, dtype=out_dtype)
     out = torch.empty(rows.num_experts, n, k, device=a_qt.device, dtype=out_dtype)
     if out.numel():
-        grid = ((n // BLOCK) * (k // BLOCK), rows.num_experts)
+        grid = ((n // block_n) * (k // BLOCK), rows.num_experts)
         _k_grouped_kernel[grid](
             a_qt, a_st, b_qt, b_st, out, rows.offsets,
             n, k,
             a_qt.stride(0), a_qt.stride(1), a_st.stride(0), a_st.stride(1),
             b_qt.stride(0), b_qt.stride(1), b_st.stride(0), b_st.stride(1),
             out.stride(0), out.stride(1), out.stride(2),
-            BLOCK_N=BLOCK, BLOCK_K=BLOCK, BLOCK_T=BLOCK, num_warps=num_warps, num_stages=num_stages,
+            BLOCK_N=block_n, BLOCK_K=BLOCK, BLOCK_T=BLOCK, num_warps=num_warps, num_stages=num_stages,
         )  # fmt: skip
     return out

@@ -20,7 +20,7 @@ BLOCK = 128
 
 @triton.jit
 def _weight_quant_kernel(
-    w_ptr, stride_wn, stride_wk, q_ptr, s_ptr, N, K, NB, KB,
+    w_ptr, stride_wn, stride_wk, q_ptr, s_ptr, N, K, NB, KB, GROUP_N, LD,
     COL_MAJOR: tl.constexpr, POW2: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
@@ -31,9 +31,13 @@ def _weight_quant_kernel(
     w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :] * stride_wk, mask=mask, other=0.0).to(tl.float32)
     scale = fp8_scale(tl.max(tl.max(tl.abs(w), axis=1), axis=0), POW2)
     q = scale_and_saturate(w, scale).to(q_ptr.dtype.element_ty)
-    if COL_MAJOR:
-        tl.store(q_ptr + rk[:, None] * N + rn[None, :], tl.trans(q), mask=tl.trans(mask))
-        tl.store(s_ptr + pid_k * NB + pid_n, tl.div_rn(1.0, scale))
+    if COL_MAJOR:  # each group of GROUP_N rows (an expert; all rows for one weight) stored as its own [K, LD]
+        g = (pid_n * BLOCK) // GROUP_N
+        nbg = GROUP_N // BLOCK
+        rn_g = rn - g * GROUP_N
+        q_g = q_ptr + g.to(tl.int64) * GROUP_N * K
+        tl.store(q_g + rk[:, None] * LD + rn_g[None, :], tl.trans(q), mask=tl.trans(mask))
+        tl.store(s_ptr + g * KB * nbg + pid_k * nbg + (pid_n - g * nbg), tl.div_rn(1.0, scale))
     else:
         tl.store(q_ptr + rn[:, None] * K + rk[None, :], q, mask=mask)
         tl.store(s_ptr + pid_n * KB + pid_k, tl.div_rn(1.0, scale))
@@ -63,7 +67,28 @@ def quantize_weight(
     q, s = empty_weight_layout(n, k, col_major, w.device)
     if n and k:
         launcher(_weight_quant_kernel, traced)[(nb, kb)](
-            w, w.stride(0), w.stride(1), q, s, n, k, nb, kb,
+            w, w.stride(0), w.stride(1), q, s, n, k, nb, kb, nb * BLOCK, n,
             COL_MAJOR=col_major, POW2=power_of_two_scales, BLOCK=BLOCK, num_warps=num_warps, num_stages=1,
+        )  # fmt: skip
+    return q, s
+
+
+def quantize_expert_weights_t(
+    w: torch.Tensor, *, power_of_two_scales: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Experts' weights `w [E, N, K]` (N and K multiples of 128) in 128x128 blocks, each expert's stored
+    transposed: `(q [E, K, N], scale_inv [E, K/128, N/128])`, both contiguous. The same FP8 values and scales as
+    `quantize_weight(w.reshape(E * N, K))`, transposed per expert: the operand of a grouped DGrad `dy_e @ W_e`,
+    K-major for the tensor cores (DeepGEMM's grouped kernel wants each expert's matrix contiguous)."""
+    e, n, k = w.shape
+    if n % BLOCK or k % BLOCK:
+        raise ValueError(f"quantize_expert_weights_t: N={n} and K={k} must be multiples of {BLOCK}")
+    q = torch.empty(e, k, n, device=w.device, dtype=torch.float8_e4m3fn)
+    s = torch.empty(e, k // BLOCK, n // BLOCK, device=w.device, dtype=torch.float32)
+    if q.numel():
+        w2 = w.reshape(e * n, k)
+        _weight_quant_kernel[(e * n // BLOCK, k // BLOCK)](
+            w2, w2.stride(0), w2.stride(1), q, s, e * n, k, e * n // BLOCK, k // BLOCK, n, n,
+            COL_MAJOR=True, POW2=power_of_two_scales, BLOCK=BLOCK, num_warps=8, num_stages=1,
         )  # fmt: skip
     return q, s

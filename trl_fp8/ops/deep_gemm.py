@@ -49,3 +49,24 @@ def gemm(a_q, a_s, b_q, b_s, b_blocks: bool, out_dtype: torch.dtype) -> torch.Te
         (a_q.contiguous(), get_col_major_tma_aligned_tensor(a_s)), (b_q, b_s), out, is_deep_gemm_e8m0_used=False
     )
     return out
+
+
+def m_grouped_gemm(a_q, a_s, b_q, b_s, expert_of_row: torch.Tensor) -> torch.Tensor:
+    """DeepGEMM's m-grouped "contiguous" GEMM (what vLLM runs block-FP8 experts on): `out[r] = a[r] @ b[e].T` in
+    BF16 for every row r of expert `e = expert_of_row[r]`, rows of -1 (padding) skipped and left unwritten.
+
+    `a_q [M, K]` with 1x128 scales `a_s [M, K/128]`; `b_q [E, N, K]` contiguous (K-major) with 128x128 block scales
+    `b_s [E, N/128, K/128]`; each expert's rows a contiguous run starting at a multiple of 128
+    (`kernels.grouped_gemm.GroupedRows`). Scales stay float32 as given (never rounded to powers of two)."""
+    import vllm.utils.deep_gemm as vdg
+
+    vdg._lazy_init()
+    # vLLM's public wrapper decides the E8M0 cast from its engine settings; ours are float32 scales, never cast.
+    grouped = vdg._grouped_impl
+    if grouped is None:
+        raise RuntimeError("this vLLM's DeepGEMM has no m_grouped_fp8_gemm_nt_contiguous; use experts_gemm='triton'")
+    out = torch.empty(a_q.shape[0], b_q.shape[1], device=a_q.device, dtype=torch.bfloat16)
+    with vdg.mk_alignment_scope(128):  # the tile height may not exceed the 128-row alignment of expert segments
+        grouped((a_q, vdg.get_col_major_tma_aligned_tensor(a_s)), (b_q.contiguous(), b_s.contiguous()), out,
+                expert_of_row, disable_ue8m0_cast=True)  # fmt: skip
+    return out

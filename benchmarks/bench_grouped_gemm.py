@@ -1,0 +1,290 @@
+"""The grouped GEMMs of one mixture-of-experts projection, forward + backward (FProp, DGrad, WGrad over the routed
+rows): BF16 `torch._grouped_mm` (what transformers' `grouped_mm` experts run) against our blockwise FP8
+(`fp8_experts._GroupedExpertsFP8Matmul`: the padded layout, the 1x128 quantizations, the grouped kernels), at
+Qwen3-30B-A3B's expert shapes (hidden 2048, intermediate 768, 128 experts, top-8) for 8k-64k routed rows.
+
+    python benchmarks/bench_grouped_gemm.py                   # GPU host: 1k-8k tokens (8k-64k routed rows)
+    python benchmarks/bench_grouped_gemm.py --sweep           # + launch configurations of the Triton kernels
+    python benchmarks/bench_grouped_gemm.py --quick           # CPU smoke run (Triton's interpreter, tiny shape)
+
+Each row holds both projections (`gate_up`: N 1536, K 2048; `down`: N 2048, K 768) and their sum, the FP8 time
+with the expert weights already quantized (the weight cache holds them across a step's micro-batches) and with the
+weight quantization counted, the GPU kernels by name (profiled), and the floor: every GEMM's operands read once and
+its output written once over HBM bandwidth, or its FLOPs over the dense tensor-core peak, whichever is larger. The
+FP8 kernels are also timed one by one (`kernels`), each against its own floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).parent))
+
+from common import kernel_breakdown, versions  # noqa: E402
+
+SHAPE = dict(hidden_size=2048, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8)
+TINY = dict(hidden_size=256, moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2)
+
+# Dense peaks (no 2:4 sparsity) and HBM bandwidth, by device name.
+PEAKS = {
+    "H200": dict(fp8_tflops=1979.0, bf16_tflops=989.0, hbm_tbps=4.8),
+    "H100": dict(fp8_tflops=1979.0, bf16_tflops=989.0, hbm_tbps=3.35),
+}
+
+
+def peaks(name: str) -> dict | None:
+    return next((v for k, v in PEAKS.items() if k in name), None)
+
+
+def routing_counts(tokens: int, dims: dict, seed: int = 0) -> list[int]:
+    """Rows per expert of a top-k over random router logits (uneven, as a router gives)."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(tokens, dims["num_experts"], generator=g)
+    index = torch.topk(logits, dims["num_experts_per_tok"], dim=-1).indices
+    return torch.bincount(index.reshape(-1), minlength=dims["num_experts"]).tolist()
+
+
+def time_ms(fn, cuda: bool, reps: int) -> float:
+    """Mean milliseconds per call (CUDA events), after one warm-up call."""
+    fn()
+    if not cuda:
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - start) / reps * 1e3
+    torch.cuda.synchronize()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return begin.elapsed_time(end) / reps
+
+
+def profile_kernels(fn, top: int = 12) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return kernel_breakdown(prof, top=top)
+
+
+def gemm_floor_ms(m: int, n: int, k: int, read_bytes: float, write_bytes: float, tflops: float, tbps: float) -> float:
+    return max(2 * m * n * k / (tflops * 1e9), (read_bytes + write_bytes) / (tbps * 1e9))
+
+
+def projection_floors(rows: int, e: int, n: int, k: int, p: dict) -> dict:
+    """fwd+bwd floors of one projection over `rows` routed rows: BF16 (2-byte operands) and FP8 (1-byte operands,
+    fp32 scales ignored: under 1%), outputs in BF16 (WGrad writes every expert's `[N, K]` gradient)."""
+
+    def three(opnd: int, tflops: float) -> float:
+        fprop = gemm_floor_ms(rows, n, k, opnd * (rows * k + e * n * k), 2 * rows * n, tflops, p["hbm_tbps"])
+        dgrad = gemm_floor_ms(rows, k, n, opnd * (rows * n + e * n * k), 2 * rows * k, tflops, p["hbm_tbps"])
+        wgrad = gemm_floor_ms(n, k, rows, opnd * (rows * n + rows * k), 2 * e * n * k, tflops, p["hbm_tbps"])
+        return fprop + dgrad + wgrad
+
+    return {"bf16_floor_ms": three(2, p["bf16_tflops"]), "fp8_floor_ms": three(1, p["fp8_tflops"])}
+
+
+def make_weight(e: int, n: int, k: int, device: str) -> torch.nn.Parameter:
+    return torch.nn.Parameter(torch.randn(e, n, k, device=device, dtype=torch.bfloat16) * 0.02)
+
+
+def bench_projection(name: str, counts: list[int], n: int, k: int, device: str, reps: int, p: dict | None) -> dict:
+    from trl_fp8.fp8_experts import _GroupedExpertsFP8Matmul, grouped_gemm_kernel
+    from trl_fp8.kernels import GroupedRows, quantize_weight
+
+    cuda = device == "cuda"
+    e, m = len(counts), sum(counts)
+    torch.manual_seed(0)
+    weight = make_weight(e, n, k, device)
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+    dy = torch.randn(m, n, device=device, dtype=torch.bfloat16)
+    offs = torch.tensor(counts, device=device).cumsum(0).to(torch.int32)
+    counts_dev = torch.tensor(counts, device=device)  # as `FP8Experts` has them: on the device
+
+    def bf16_step():
+        xg = x.detach().requires_grad_()
+        torch._grouped_mm(xg, weight.transpose(-2, -1), offs=offs).backward(dy)
+        weight.grad = None
+
+    def quantized_weight():
+        q, s = quantize_weight(weight.detach().reshape(e * n, k))
+        return q.view(e, n, k), s.view(e, n // 128, k // 128)
+
+    q, s = quantized_weight()
+    kernels = ["triton"] + (["deepgemm"] if grouped_gemm_kernel("auto", x) == "deepgemm" else [])
+
+    def fp8_step(kernel: str, with_weight_quant: bool = False, grad: bool = True):
+        rows = GroupedRows(counts_dev, x.device, num_rows=m)  # per layer call, as in `FP8Experts.forward`
+        wq, ws = quantized_weight() if with_weight_quant else (q, s)
+        xg = x.detach().requires_grad_(grad)
+        out = _GroupedExpertsFP8Matmul.apply(xg, weight, wq, ws, rows, kernel, False, grad)
+        if grad:
+            out.backward(dy)
+            weight.grad = None
+        return out
+
+    row = {"projection": name, "n": n, "k": k, "fp8_kernels": kernels}
+    if cuda:  # outputs against BF16, on the forward alone
+        with torch.no_grad():
+            ref = torch._grouped_mm(x, weight.transpose(-2, -1), offs=offs).float()
+            for kernel in kernels:
+                got = fp8_step(kernel, grad=False).float()
+                row[f"fp8_{kernel}_rel_err_vs_bf16"] = float((got - ref).norm() / ref.norm())
+        row["bf16_ms"] = time_ms(bf16_step, cuda, reps)
+    for kernel in kernels:
+        row[f"fp8_{kernel}_ms"] = time_ms(lambda kernel=kernel: fp8_step(kernel), cuda, reps)
+        row[f"fp8_{kernel}_with_weight_quant_ms"] = time_ms(lambda kernel=kernel: fp8_step(kernel, True), cuda, reps)
+        if cuda:
+            row[f"fp8_{kernel}_profile"] = profile_kernels(lambda kernel=kernel: fp8_step(kernel))
+    best = kernels[-1]  # what "auto" picks
+    row["fp8_ms"], row["fp8_with_weight_quant_ms"] = row[f"fp8_{best}_ms"], row[f"fp8_{best}_with_weight_quant_ms"]
+    if cuda:
+        row["speedup"] = row["bf16_ms"] / row["fp8_ms"]
+        row["bf16_profile"] = profile_kernels(bf16_step)
+    if p:
+        row.update(projection_floors(m, e, n, k, p))
+        row["bf16_fraction_of_floor"] = row["bf16_floor_ms"] / row["bf16_ms"]
+        row["fp8_fraction_of_floor"] = row["fp8_floor_ms"] / row["fp8_ms"]
+    return row
+
+
+def bench_kernels(counts: list[int], n: int, k: int, device: str, reps: int, p: dict | None, sweep: bool) -> list:
+    """The FP8 projection's kernels one by one, each against its floor (and, with `sweep`, WGrad's launch
+    configurations)."""
+    from trl_fp8.fp8_experts import _m_grouped, grouped_gemm_kernel
+    from trl_fp8.kernels import GroupedRows, k_grouped_gemm, quantize_act, quantize_weight
+    from trl_fp8.kernels.weight_quant import quantize_expert_weights_t
+
+    cuda = device == "cuda"
+    e, m = len(counts), sum(counts)
+    torch.manual_seed(0)
+    weight = make_weight(e, n, k, device).detach()
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+    dy = torch.randn(m, n, device=device, dtype=torch.bfloat16)
+    counts_dev = torch.tensor(counts, device=device)
+    rows = GroupedRows(counts_dev, device, num_rows=m)
+    q, s = quantize_weight(weight.reshape(e * n, k))
+    q, s = q.view(e, n, k), s.view(e, n // 128, k // 128)
+    xa = quantize_act(x, source_rows=rows.source, rows=True, cols=True)
+    da = quantize_act(dy, source_rows=rows.source, rows=True, cols=True)
+    wq_t, ws_t = quantize_expert_weights_t(weight)
+    mp = rows.m_pad
+    hbm = (p or {}).get("hbm_tbps")
+    peak = (p or {}).get("fp8_tflops")
+    out = []
+
+    def add(label, fn, read, write, flops=0.0, **config):
+        ms = time_ms(fn, cuda, reps)
+        row = {"kernel": label, "ms": ms, **config}
+        if hbm:
+            row["floor_ms"] = max((read + write) / (hbm * 1e9), flops / (peak * 1e9))
+            row["fraction_of_floor"] = row["floor_ms"] / ms
+        out.append(row)
+        return row
+
+    add("GroupedRows (layout, on the device)", lambda: GroupedRows(counts_dev, device, num_rows=m), 0, 0)
+    add("quantize_act x rows+cols (gathered)", lambda: quantize_act(x, source_rows=rows.source, rows=True, cols=True),
+        2 * m * k, 2 * mp * k)  # fmt: skip
+    add("quantize_act dy rows+cols (gathered)",
+        lambda: quantize_act(dy, source_rows=rows.source, rows=True, cols=True), 2 * m * n, 2 * mp * n)  # fmt: skip
+    add("quantize_weight row-major", lambda: quantize_weight(weight.reshape(e * n, k)), 2 * e * n * k, e * n * k)
+    add("quantize_expert_weights_t (DGrad)", lambda: quantize_expert_weights_t(weight), 2 * e * n * k, e * n * k)
+    add("unpad (gather real rows)", lambda: rows.unpad(torch.empty(mp, n, device=device, dtype=torch.bfloat16)),
+        2 * m * n, 2 * m * n)  # fmt: skip
+    flops = 2.0 * rows.num_rows * n * k
+    kernels = ["triton"] + (["deepgemm"] if cuda and grouped_gemm_kernel("auto", x) == "deepgemm" else [])
+    results = {}
+    for kernel in kernels:
+        add(f"{kernel} m_grouped FProp", lambda kernel=kernel: _m_grouped(xa, q, s, rows, kernel, torch.bfloat16),
+            mp * k + e * n * k, 2 * mp * n, flops)  # fmt: skip
+        results[("fprop", kernel)] = _m_grouped(xa, q, s, rows, kernel, torch.bfloat16)[rows.dest].float()
+        add(f"{kernel} m_grouped DGrad",
+            lambda kernel=kernel: _m_grouped(da, wq_t, ws_t, rows, kernel, torch.bfloat16),
+            mp * n + e * n * k, 2 * mp * k, flops)  # fmt: skip
+        results[("dgrad", kernel)] = _m_grouped(da, wq_t, ws_t, rows, kernel, torch.bfloat16)[rows.dest].float()
+    if len(kernels) > 1:
+        for gemm in ("fprop", "dgrad"):
+            ref, got = results[(gemm, "triton")], results[(gemm, "deepgemm")]
+            out.append({"kernel": f"deepgemm vs triton {gemm}", "max_rel_diff": float((got - ref).abs().max() /
+                        ref.abs().max())})  # fmt: skip
+    wconfigs = [dict()]
+    if sweep:
+        wconfigs += [dict(block_n=bn, num_warps=w, num_stages=st) for bn in (64, 128) for w in (4, 8)
+                     for st in (2, 3, 4) if not (bn == 128 and w == 4)]  # fmt: skip
+    for cfg in wconfigs:
+        add("k_grouped WGrad", lambda cfg=cfg: k_grouped_gemm(da.qt, da.scale_inv_t, xa.qt, xa.scale_inv_t, rows,
+            torch.bfloat16, **cfg), mp * (n + k), 2 * e * n * k, flops, **cfg)  # fmt: skip
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 8192])
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--sweep", action="store_true", help="also time the grouped kernels' launch configurations")
+    parser.add_argument("--quick", action="store_true", help="a tiny shape on CPU (Triton's interpreter)")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    dims = TINY if args.quick else SHAPE
+    tokens = [64] if args.quick else args.tokens
+    reps = 1 if args.quick else args.reps
+    name = torch.cuda.get_device_name() if cuda else "cpu"
+    p = peaks(name)
+    h, i = dims["hidden_size"], dims["moe_intermediate_size"]
+    results = []
+    for t in tokens:
+        counts = routing_counts(t, dims)
+        row = {"tokens": t, "routed_rows": sum(counts), "experts_with_rows": sum(c > 0 for c in counts)}
+        projections = [("gate_up", 2 * i, h), ("down", h, i)]
+        row["projections"] = [bench_projection(pn, counts, n, k, device, reps, p) for pn, n, k in projections]
+        row["kernels"] = {pn: bench_kernels(counts, n, k, device, reps, p, args.sweep) for pn, n, k in projections}
+        if cuda:
+            keys = ("bf16_ms", "fp8_ms", "fp8_with_weight_quant_ms", *(("bf16_floor_ms", "fp8_floor_ms") if p else ()))
+            keys += tuple(key for key in row["projections"][0] if key.startswith("fp8_") and key.endswith("_ms"))
+            for key in dict.fromkeys(keys):
+                row[key] = sum(pr[key] for pr in row["projections"])
+            row["speedup"] = row["bf16_ms"] / row["fp8_ms"]
+            row["speedup_with_weight_quant"] = row["bf16_ms"] / row["fp8_with_weight_quant_ms"]
+            print(f"{t:>6} tokens ({row['routed_rows']} routed rows): bf16 {row['bf16_ms']:.3f} ms, fp8 "
+                  f"{row['fp8_ms']:.3f} ms ({row['speedup']:.2f}x; with weight quantization "
+                  f"{row['speedup_with_weight_quant']:.2f}x)", flush=True)  # fmt: skip
+            for pn, ks in row["kernels"].items():
+                for kr in ks:
+                    extra = {a: b for a, b in kr.items() if a not in ("kernel", "ms", "floor_ms")}
+                    print(f"    {pn:8s} {kr['kernel']:42s} {kr.get('ms', 0):.3f} ms {json.dumps(extra)}", flush=True)
+        results.append(row)
+    result = {
+        "benchmark": "MoE projection grouped GEMMs fwd+bwd: BF16 torch._grouped_mm vs blockwise FP8",
+        "device": name,
+        "date": datetime.date.today().isoformat(),
+        "versions": versions("torch", "triton"),
+        "shape": dims,
+        "peaks": p,
+        "results": results,
+    }
+    out = Path(args.out or ROOT / "benchmarks" / "results" / f"grouped_gemm_{name.replace(' ', '_')}.json")
+    if args.quick and not args.out:
+        print(json.dumps(result)[:2000])
+        return
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
