@@ -29,20 +29,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).parent))
 
+from bench_rollout import hardware  # noqa: E402  (the data sheet's dense peaks and HBM bandwidth)
 from common import kernel_breakdown, versions  # noqa: E402
 
 SHAPE = dict(hidden_size=2048, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8)
 TINY = dict(hidden_size=256, moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2)
-
-# Dense peaks (no 2:4 sparsity) and HBM bandwidth, by device name.
-PEAKS = {
-    "H200": dict(fp8_tflops=1979.0, bf16_tflops=989.0, hbm_tbps=4.8),
-    "H100": dict(fp8_tflops=1979.0, bf16_tflops=989.0, hbm_tbps=3.35),
-}
-
-
-def peaks(name: str) -> dict | None:
-    return next((v for k, v in PEAKS.items() if k in name), None)
 
 
 def routing_counts(tokens: int, dims: dict, seed: int = 0) -> list[int]:
@@ -81,21 +72,22 @@ def profile_kernels(fn, top: int = 12) -> dict:
     return kernel_breakdown(prof, top=top)
 
 
-def gemm_floor_ms(m: int, n: int, k: int, read_bytes: float, write_bytes: float, tflops: float, tbps: float) -> float:
-    return max(2 * m * n * k / (tflops * 1e9), (read_bytes + write_bytes) / (tbps * 1e9))
+def gemm_floor_ms(m: int, n: int, k: int, read_bytes: float, write_bytes: float, flops: float, hbm: float) -> float:
+    """Milliseconds: the GEMM's FLOPs at the `flops` peak or its bytes at `hbm` bytes/s, whichever is longer."""
+    return 1e3 * max(2 * m * n * k / flops, (read_bytes + write_bytes) / hbm)
 
 
 def projection_floors(rows: int, e: int, n: int, k: int, p: dict) -> dict:
     """fwd+bwd floors of one projection over `rows` routed rows: BF16 (2-byte operands) and FP8 (1-byte operands,
     fp32 scales ignored: under 1%), outputs in BF16 (WGrad writes every expert's `[N, K]` gradient)."""
 
-    def three(opnd: int, tflops: float) -> float:
-        fprop = gemm_floor_ms(rows, n, k, opnd * (rows * k + e * n * k), 2 * rows * n, tflops, p["hbm_tbps"])
-        dgrad = gemm_floor_ms(rows, k, n, opnd * (rows * n + e * n * k), 2 * rows * k, tflops, p["hbm_tbps"])
-        wgrad = gemm_floor_ms(n, k, rows, opnd * (rows * n + rows * k), 2 * e * n * k, tflops, p["hbm_tbps"])
+    def three(opnd: int, flops: float) -> float:
+        fprop = gemm_floor_ms(rows, n, k, opnd * (rows * k + e * n * k), 2 * rows * n, flops, p["hbm"])
+        dgrad = gemm_floor_ms(rows, k, n, opnd * (rows * n + e * n * k), 2 * rows * k, flops, p["hbm"])
+        wgrad = gemm_floor_ms(n, k, rows, opnd * (rows * n + rows * k), 2 * e * n * k, flops, p["hbm"])
         return fprop + dgrad + wgrad
 
-    return {"bf16_floor_ms": three(2, p["bf16_tflops"]), "fp8_floor_ms": three(1, p["fp8_tflops"])}
+    return {"bf16_floor_ms": three(2, p["bf16"]), "fp8_floor_ms": three(1, p["fp8"])}
 
 
 def make_weight(e: int, n: int, k: int, device: str) -> torch.nn.Parameter:
@@ -183,15 +175,15 @@ def bench_kernels(counts: list[int], n: int, k: int, device: str, reps: int, p: 
     da = quantize_act(dy, source_rows=rows.source, rows=True, cols=True)
     wq_t, ws_t = quantize_expert_weights_t(weight)
     mp = rows.m_pad
-    hbm = (p or {}).get("hbm_tbps")
-    peak = (p or {}).get("fp8_tflops")
+    hbm = (p or {}).get("hbm")
+    peak = (p or {}).get("fp8")
     out = []
 
     def add(label, fn, read, write, flops=0.0, **config):
         ms = time_ms(fn, cuda, reps)
         row = {"kernel": label, "ms": ms, **config}
         if hbm:
-            row["floor_ms"] = max((read + write) / (hbm * 1e9), flops / (peak * 1e9))
+            row["floor_ms"] = 1e3 * max((read + write) / hbm, flops / peak)
             row["fraction_of_floor"] = row["floor_ms"] / ms
         out.append(row)
         return row
@@ -245,7 +237,7 @@ def main() -> None:
     tokens = [64] if args.quick else args.tokens
     reps = 1 if args.quick else args.reps
     name = torch.cuda.get_device_name() if cuda else "cpu"
-    p = peaks(name)
+    p = hardware(name)
     h, i = dims["hidden_size"], dims["moe_intermediate_size"]
     results = []
     for t in tokens:

@@ -69,6 +69,10 @@ SHAPES = {  # Qwen3 configs: hidden, intermediate, layers, heads, kv heads, voca
     "30b-a3b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32,
                     num_key_value_heads=4, vocab_size=151936, moe_intermediate_size=768, num_experts=128,
                     num_experts_per_tok=8),
+    # 12 of its 48 layers: ~8B parameters, an FP8 or BF16 GRPO step beside its engine on one H200 (`bench_grpo.py`).
+    "30b-a3b-12l": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=12, num_attention_heads=32,
+                        num_key_value_heads=4, vocab_size=151936, moe_intermediate_size=768, num_experts=128,
+                        num_experts_per_tok=8),
     "tiny-moe": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=2,
                      num_key_value_heads=1, vocab_size=4096, moe_intermediate_size=128, num_experts=8,
                      num_experts_per_tok=2),
