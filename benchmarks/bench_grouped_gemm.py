@@ -72,56 +72,65 @@ def profile_kernels(fn, top: int = 12) -> dict:
     return kernel_breakdown(prof, top=top)
 
 
-def gemm_floor_ms(m: int, n: int, k: int, read_bytes: float, write_bytes: float, flops: float, hbm: float) -> float:
-    """Milliseconds: the GEMM's FLOPs at the `flops` peak or its bytes at `hbm` bytes/s, whichever is longer."""
-    return 1e3 * max(2 * m * n * k / flops, (read_bytes + write_bytes) / hbm)
+def floor_ms(flops: float, nbytes: float, peak: float, hbm: float) -> float:
+    """Milliseconds: `flops` at the `peak` FLOP/s or `nbytes` at `hbm` bytes/s, whichever is longer."""
+    return 1e3 * max(flops / peak, nbytes / hbm)
 
 
 def projection_floors(rows: int, e: int, n: int, k: int, p: dict) -> dict:
     """fwd+bwd floors of one projection over `rows` routed rows: BF16 (2-byte operands) and FP8 (1-byte operands,
     fp32 scales ignored: under 1%), outputs in BF16 (WGrad writes every expert's `[N, K]` gradient)."""
 
-    def three(opnd: int, flops: float) -> float:
-        fprop = gemm_floor_ms(rows, n, k, opnd * (rows * k + e * n * k), 2 * rows * n, flops, p["hbm"])
-        dgrad = gemm_floor_ms(rows, k, n, opnd * (rows * n + e * n * k), 2 * rows * k, flops, p["hbm"])
-        wgrad = gemm_floor_ms(n, k, rows, opnd * (rows * n + rows * k), 2 * e * n * k, flops, p["hbm"])
+    def three(opnd: int, peak: float) -> float:
+        flops = 2.0 * rows * n * k  # each of the three GEMMs
+        fprop = floor_ms(flops, opnd * (rows * k + e * n * k) + 2 * rows * n, peak, p["hbm"])
+        dgrad = floor_ms(flops, opnd * (rows * n + e * n * k) + 2 * rows * k, peak, p["hbm"])
+        wgrad = floor_ms(flops, opnd * (rows * n + rows * k) + 2 * e * n * k, peak, p["hbm"])
         return fprop + dgrad + wgrad
 
     return {"bf16_floor_ms": three(2, p["bf16"]), "fp8_floor_ms": three(1, p["fp8"])}
 
 
-def make_weight(e: int, n: int, k: int, device: str) -> torch.nn.Parameter:
-    return torch.nn.Parameter(torch.randn(e, n, k, device=device, dtype=torch.bfloat16) * 0.02)
+def operands(counts: list[int], n: int, k: int, device: str):
+    """One projection's BF16 operands (weight `[E, N, K]` as a parameter, rows `x [M, K]`, output gradient
+    `dy [M, N]`) and the routing counts on the device, as `FP8Experts` has them."""
+    torch.manual_seed(0)
+    m = sum(counts)
+    weight = torch.nn.Parameter(torch.randn(len(counts), n, k, device=device, dtype=torch.bfloat16) * 0.02)
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+    dy = torch.randn(m, n, device=device, dtype=torch.bfloat16)
+    return weight, x, dy, torch.tensor(counts, device=device)
+
+
+def quantize_experts(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(q [E, N, K], scale_inv [E, N/128, K/128])`: each expert's 128x128 blocks, as the weight cache holds them."""
+    from trl_fp8.kernels import quantize_weight
+
+    e, n, k = weight.shape
+    q, s = quantize_weight(weight.detach().reshape(e * n, k))
+    return q.view(e, n, k), s.view(e, n // 128, k // 128)
 
 
 def bench_projection(name: str, counts: list[int], n: int, k: int, device: str, reps: int, p: dict | None) -> dict:
     from trl_fp8.fp8_experts import _GroupedExpertsFP8Matmul, grouped_gemm_kernel
-    from trl_fp8.kernels import GroupedRows, quantize_weight
+    from trl_fp8.kernels import GroupedRows
 
     cuda = device == "cuda"
     e, m = len(counts), sum(counts)
-    torch.manual_seed(0)
-    weight = make_weight(e, n, k, device)
-    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-    dy = torch.randn(m, n, device=device, dtype=torch.bfloat16)
-    offs = torch.tensor(counts, device=device).cumsum(0).to(torch.int32)
-    counts_dev = torch.tensor(counts, device=device)  # as `FP8Experts` has them: on the device
+    weight, x, dy, counts_dev = operands(counts, n, k, device)
+    offs = counts_dev.cumsum(0).to(torch.int32)
 
     def bf16_step():
         xg = x.detach().requires_grad_()
         torch._grouped_mm(xg, weight.transpose(-2, -1), offs=offs).backward(dy)
         weight.grad = None
 
-    def quantized_weight():
-        q, s = quantize_weight(weight.detach().reshape(e * n, k))
-        return q.view(e, n, k), s.view(e, n // 128, k // 128)
-
-    q, s = quantized_weight()
+    q, s = quantize_experts(weight)
     kernels = ["triton"] + (["deepgemm"] if grouped_gemm_kernel("auto", x) == "deepgemm" else [])
 
     def fp8_step(kernel: str, with_weight_quant: bool = False, grad: bool = True):
         rows = GroupedRows(counts_dev, x.device, num_rows=m)  # per layer call, as in `FP8Experts.forward`
-        wq, ws = quantized_weight() if with_weight_quant else (q, s)
+        wq, ws = quantize_experts(weight) if with_weight_quant else (q, s)
         xg = x.detach().requires_grad_(grad)
         out = _GroupedExpertsFP8Matmul.apply(xg, weight, wq, ws, rows, kernel, False, grad)
         if grad:
@@ -163,14 +172,10 @@ def bench_kernels(counts: list[int], n: int, k: int, device: str, reps: int, p: 
 
     cuda = device == "cuda"
     e, m = len(counts), sum(counts)
-    torch.manual_seed(0)
-    weight = make_weight(e, n, k, device).detach()
-    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-    dy = torch.randn(m, n, device=device, dtype=torch.bfloat16)
-    counts_dev = torch.tensor(counts, device=device)
+    weight, x, dy, counts_dev = operands(counts, n, k, device)
+    weight = weight.detach()
     rows = GroupedRows(counts_dev, device, num_rows=m)
-    q, s = quantize_weight(weight.reshape(e * n, k))
-    q, s = q.view(e, n, k), s.view(e, n // 128, k // 128)
+    q, s = quantize_experts(weight)
     xa = quantize_act(x, source_rows=rows.source, rows=True, cols=True)
     da = quantize_act(dy, source_rows=rows.source, rows=True, cols=True)
     wq_t, ws_t = quantize_expert_weights_t(weight)
@@ -183,7 +188,7 @@ def bench_kernels(counts: list[int], n: int, k: int, device: str, reps: int, p: 
         ms = time_ms(fn, cuda, reps)
         row = {"kernel": label, "ms": ms, **config}
         if hbm:
-            row["floor_ms"] = 1e3 * max((read + write) / hbm, flops / peak)
+            row["floor_ms"] = floor_ms(flops, read + write, peak, hbm)
             row["fraction_of_floor"] = row["floor_ms"] / ms
         out.append(row)
         return row

@@ -166,9 +166,10 @@ class FP8Experts(nn.Module):
         unsorted = torch.empty_like(out).index_copy_(0, order, out)
         return unsorted.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(hidden_states.dtype)
 
-    def _experts_linear(self, x: torch.Tensor, name: str, counts: list[int], rows=None) -> torch.Tensor:
+    def _experts_linear(self, x: torch.Tensor, name: str, counts, rows=None) -> torch.Tensor:
         """`x[rows of e] @ W[e].T` for every expert e with tokens, in blockwise FP8; the gradient lands in the 3-D
-        parameter. With `rows` (a `GroupedRows` layout of `counts`) on the grouped kernels, else a loop."""
+        parameter. With `rows` (a `GroupedRows` layout of the counts) on the grouped kernels, else a loop over
+        `counts` (host integers; with `rows` they are not read)."""
         weight = getattr(self, name)
         q, s = self.quantized_expert_weight(name)
         pow2 = self.fp8_config.power_of_two_scales
