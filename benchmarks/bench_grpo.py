@@ -387,6 +387,7 @@ def run_one(args) -> None:
         if getattr(generation, "deepgemm_precompile", None)
         else None,  # fmt: skip
         "rollout_stats": rollout_stats,  # per rollout: most sequences at once, preemptions, peak KV-cache use
+        "mismatch": mismatch_medians(trainer.state.log_history, keep),  # trainer vs rollout, TIS clipping
     }
     settings = {k: getattr(args, k) for k in REGIME}
     row["rollout_floor"] = rollout_floor(row, settings, torch.cuda.get_device_name())
@@ -452,6 +453,20 @@ def step_medians(per_step: dict[str, list[float]], keep: list[int]) -> dict[str,
     }
 
 
+def mismatch_medians(log_history: list[dict], keep: list[int]) -> dict[str, float]:
+    """Medians over the steps `keep` of the trainer-vs-rollout metrics the run logged: TRL's `sampling/*` (every
+    trainer that corrects vLLM rollouts) and `FP8GRPOTrainer`'s `fp8/mismatch/*` (k3 KL, |dlogp|, the share of tokens
+    TIS clipped). A log entry's `step` counts optimizer steps from 1; `keep` counts them from 0."""
+    values: dict[str, list[float]] = {}
+    for entry in log_history:
+        if entry.get("step", 0) - 1 not in keep:
+            continue
+        for key, value in entry.items():
+            if key.startswith(("sampling/", "fp8/mismatch/")) and isinstance(value, (int, float)):
+                values.setdefault(key, []).append(float(value))
+    return {key: statistics.median(v) for key, v in sorted(values.items())}
+
+
 # What a run measures, shared by the rows of one results file (`--append` refuses a file of another regime) ...
 REGIME = ("shape", "optim", "generation_batch", "micro_batch", "num_generations", "prompt_len", "completion_len",
           "vllm_memory", "sleep_mode", "num_processes", "launch_config")  # fmt: skip
@@ -511,6 +526,14 @@ def print_summary(result: dict) -> None:
         if "training_profile" in r:
             cats = r["training_profile"]["kernel_ms_by_category"]
             print(f"{r['name']} training-phase kernels (ms): " + ", ".join(f"{k} {v:.0f}" for k, v in cats.items()))
+    for r in result["results"]:
+        m = r.get("mismatch") or {}
+        if "fp8/mismatch/kl_k3" in m:
+            print(f"{r['name']} trainer vs rollout: k3 KL {m['fp8/mismatch/kl_k3']:.2e}, mean |dlogp| "
+                  f"{m['fp8/mismatch/abs_logp_diff_mean']:.4f}, TIS clipped "
+                  f"{m.get('fp8/mismatch/is_ratio_clipped_frac', float('nan')):.3%} of tokens")  # fmt: skip
+        elif "sampling/sampling_logp_difference/mean" in m:
+            print(f"{r['name']} trainer vs rollout: mean |dlogp| {m['sampling/sampling_logp_difference/mean']:.4f}")
 
 
 def launcher(num_processes: int, config: str, port: int) -> list[str] | None:

@@ -249,7 +249,7 @@ def test_grpo_medians_leave_out_the_profiled_step_and_after(tmp_path):
     times; the kernel categories do not file `gpu_kernel_impl_nocast` elementwise kernels under casts, and file
     vLLM's block-FP8 GEMM and activation quantizers as FP8."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from bench_grpo import median_steps, model_positions, step_medians
+    from bench_grpo import median_steps, mismatch_medians, model_positions, step_medians
     from common import kernel_category as category
 
     assert model_positions(128, 1024) == 4096 and model_positions(128, 4096) == 8192  # the long regime's context
@@ -263,6 +263,14 @@ def test_grpo_medians_leave_out_the_profiled_step_and_after(tmp_path):
                 "weight_sync_s": [1.0, 0.5, 0.5, 0.5, 0.5]}  # fmt: skip
     medians = step_medians(per_step, [1, 2, 3])
     assert medians == {"step_s": 11.0, "rollout_s": 4.0, "weight_sync_s": 0.5, "training_s": 6.5}
+    # the mismatch metrics of the same steps (log entries count steps from 1), other keys and steps left out
+    history = [
+        {"step": s, "fp8/mismatch/kl_k3": kl, "sampling/sampling_logp_difference/mean": d, "loss": 1.0}
+        for s, kl, d in [(1, 9.0, 9.0), (2, 1.0, 0.1), (3, 3.0, 0.3), (4, 2.0, 0.2), (5, 7.0, 7.0)]
+    ]
+    history.append({"train_runtime": 1.0, "step": 5})
+    assert mismatch_medians(history, [1, 2, 3]) == {"fp8/mismatch/kl_k3": 2.0,
+                                                   "sampling/sampling_logp_difference/mean": 0.2}  # fmt: skip
 
     path = tmp_path / "grpo.json"
     row = {"name": "trl_bf16", "step_time": {}, "per_step": per_step}
