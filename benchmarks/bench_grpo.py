@@ -65,6 +65,10 @@ RUNS = {  # run: (trainer, fp8_recipe, rollout_precision, fp8 KV cache, training
     "bf16_compiled": ("trl_fp8", "none", "bf16", False, "auto", None),
     "unified_compiled": ("trl_fp8", "blockwise", "fp8", False, "auto", None),
     "unified_fp8kv_compiled": ("trl_fp8", "blockwise", "fp8", True, "auto", None),
+    # partial checkpointing (transformers' every_n_layers; TRL 1.16's own trainer fails with it, ours keeps it)
+    "bf16_ckpt2": ("trl_fp8", "none", "bf16", False, "auto", None),
+    "unified_fp8kv_ckpt2": ("trl_fp8", "blockwise", "fp8", True, "auto", None),
+    "unified_fp8kv_ckpt4": ("trl_fp8", "blockwise", "fp8", True, "auto", None),
 }
 LIGER = {
     "use_liger_kernel": True
@@ -77,6 +81,9 @@ RUN_OPTIONS = {  # further (FP8)GRPOConfig fields of a run
     "bf16_compiled": {"compile_decoder_layers": True},
     "unified_compiled": {"compile_decoder_layers": True},
     "unified_fp8kv_compiled": {"compile_decoder_layers": True},
+    "bf16_ckpt2": {"gradient_checkpointing_kwargs": {"every_n_layers": 2}},
+    "unified_fp8kv_ckpt2": {"gradient_checkpointing_kwargs": {"every_n_layers": 2}},
+    "unified_fp8kv_ckpt4": {"gradient_checkpointing_kwargs": {"every_n_layers": 4}},
 }
 
 

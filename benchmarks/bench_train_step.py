@@ -39,7 +39,7 @@ FLOWS = {  # flow: FP8 conversion options (None: BF16), Liger's layer kernels, c
     "bf16_liger": (None, True, 1),
     "fp8_liger": ({}, True, 1),
     "fp8_siblings_liger": ({"fuse_sibling_gemms": True}, True, 1),  # Liger's SwiGLU in place of ours
-    # Memory into speed: transformers' `activation_checkpointing_kwargs={"every_n_layers": n}` (TrainingArguments)
+    # Memory into speed: transformers' `gradient_checkpointing_kwargs={"every_n_layers": n}` (TrainingArguments)
     "bf16_compiled": (None, False, 1),
     "fp8_compiled": ({}, False, 1),
     "fp8_ckpt2": ({}, False, 2),
@@ -70,8 +70,10 @@ def build(shape: str, layers: int | None, flow: str, device: str):
         _apply_liger_kernel_to_instance(model=model, fused_linear_cross_entropy=False)
     if every_n == 1:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    elif every_n > 1:  # transformers >= 5.2x: checkpoint every n-th decoder layer, the others keep their activations
-        model.activation_checkpointing_enable({"use_reentrant": False}, every_n_layers=every_n)
+    elif every_n > 1:  # checkpoint every n-th decoder layer, the others keep their activations (transformers >= 5.17;
+        # later versions name the method activation_checkpointing_enable, the older name still works there)
+        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        enable({"use_reentrant": False}, every_n_layers=every_n)
     if flow.endswith("_compiled"):
         for layer in model.model.layers:  # regional compilation: one graph per decoder layer, compiled once
             layer.compile()

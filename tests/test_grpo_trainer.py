@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from safetensors import safe_open
+from transformers import TrainerCallback
 
 from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, FP8Linear, dequantize_blocks, quantize_blocks
 from trl_fp8.demo.tiny_model import tiny_char_tokenizer, tiny_qwen3
@@ -178,6 +179,30 @@ def test_fused_kernels_with_lora_a_reference_model_and_checkpointing(model_dir, 
         s = f.get_tensor("model.layers.0.self_attn.q_proj.weight_scale_inv")
     q_proj = layer.self_attn.q_proj
     assert_fp8_equal(q, s, q_proj.base_layer.weight + q_proj.get_delta_weight("default"))
+
+
+def test_partial_checkpointing_survives_grpo_scoring(model_dir, tmp_path):
+    """transformers' `every_n_layers` under GRPO: TRL turns checkpointing off around its no-grad scoring and back on
+    with the raw kwargs, which `torch.utils.checkpoint` refuses ("Unexpected keyword arguments: every_n_layers", TRL
+    1.16); the trainer keeps transformers' selection instead, and the user's config is left as given."""
+    from trl_fp8.checkpointing import split_checkpointing_kwargs
+
+    assert split_checkpointing_kwargs({"every_n_layers": 2, "use_reentrant": False, "offload": True}) == (
+        {"use_reentrant": False}, {"every_n_layers": 2, "offload": True})  # fmt: skip
+    assert split_checkpointing_kwargs(None) == (None, {})
+    kwargs = {"every_n_layers": 2}
+    trainer = make_trainer(model_dir, tmp_path, gradient_checkpointing=True, gradient_checkpointing_kwargs=kwargs)
+    seen = []  # which layers checkpoint at each step's end: as its training forward saw them (after the scoring)
+
+    class Record(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            seen.append([layer.gradient_checkpointing for layer in trainer.model.model.layers])
+
+    trainer.add_callback(Record())
+    trainer.train()
+    assert seen == [[True, False, True, False]] * 2
+    assert all(math.isfinite(log["loss"]) for log in trainer.state.log_history if "loss" in log)
+    assert trainer.args.gradient_checkpointing_kwargs == {"every_n_layers": 2}
 
 
 def test_synced_reference_model_serves_its_blended_weights(model_dir, tmp_path):

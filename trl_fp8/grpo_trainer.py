@@ -5,6 +5,7 @@ Thin on purpose: the model is converted before TRL wraps it, TRL's vLLM generati
 
 - `_generate_and_score_completions`: logs trainer-vs-rollout mismatch and weight-sync time and, where TRL has no
   importance sampling of its own (rollouts with log-probs but without vLLM), adds the token TIS ratio to the batch;
+  keeps transformers' partial gradient checkpointing (`every_n_layers`) across TRL's no-grad scoring;
 - `_compute_loss`: lets TRL apply that ratio with its own code (and not apply it when TIS is off);
 - `_generate_single_turn`: measures the FP8 KV-cache scales once before the very first rollout;
 - `save_model` / `_save_checkpoint`: final saves are block-FP8 checkpoints, swapped into the output folder atomically
@@ -31,6 +32,7 @@ from trl import GRPOTrainer
 from trl.trainer.utils import create_model_from_path, pad
 
 from .checkpoint_folder import drop_checkpoint_entries, is_checkpoint_entry
+from .checkpointing import keep_layer_options
 from .config import FP8LinearConfig
 from .conversion import ConversionReport, convert_to_fp8, plan_fp8_conversion
 from .export import save_fp8_checkpoint, unwrap_model
@@ -219,7 +221,8 @@ class FP8GRPOTrainer(GRPOTrainer):
             decoder(input_ids=ids.to(device), attention_mask=mask.to(device))
 
     def _generate_and_score_completions(self, inputs):
-        output = super()._generate_and_score_completions(inputs)
+        with keep_layer_options(self.model, self.args):  # TRL's no-grad scoring would drop `every_n_layers`
+            output = super()._generate_and_score_completions(inputs)
         mode = "train" if self.model.training else "eval"
         self._metrics[mode]["fp8/num_fp8_layers"].append(float(self.fp8_report.num_fp8_layers))
         sync_seconds = getattr(getattr(self, "vllm_generation", None), "last_sync_seconds", None)
