@@ -335,6 +335,8 @@ class FakeLLM:
         assert is_checkpoint_format
         self.pushed = [(n, t.clone()) for n, t in weights_iterator]
         self.reloads += 1
+        if getattr(self, "on_reload", None):
+            self.on_reload(self.pushed)
 
     def reset_prefix_cache(self):
         pass
@@ -472,6 +474,92 @@ def test_sleep_mode_rollouts_let_go_of_the_fp8_weight_copies_and_training_requan
             q, scale_inv = module.quantized_weight()
             assert torch.equal(q.view(torch.uint8), pushed[f"{name}.weight"].view(torch.uint8))
             assert torch.equal(scale_inv, pushed[f"{name}.weight_scale_inv"])
+
+
+class FakeMoEEngine:
+    """A colocated engine's MoE layers as vLLM's block-FP8 `Fp8MoEMethod` holds them (w13 = gate rows then up rows),
+    under the transformers names, filled from the pushed per-expert checkpoint tensors as vLLM's loader fills them."""
+
+    def __init__(self, experts_layers: dict[str, torch.nn.Module]):
+        self.model, self.layers = torch.nn.Module(), {}
+        for name, ours in experts_layers.items():
+            e, two_i, h = ours.gate_up_proj.shape
+            layer = torch.nn.Module()
+            layer.quant_method = types.SimpleNamespace(fp8_backend="TRITON", weight_scale_name="weight_scale_inv")
+            for key, shape, dtype in [("w13_weight", (e, two_i, h), torch.float8_e4m3fn),
+                                      ("w13_weight_scale_inv", (e, two_i // 128, h // 128), torch.float32),
+                                      ("w2_weight", (e, h, two_i // 2), torch.float8_e4m3fn),
+                                      ("w2_weight_scale_inv", (e, h // 128, two_i // 256), torch.float32)]:  # fmt: skip
+                layer.register_parameter(key, torch.nn.Parameter(torch.zeros(shape, dtype=dtype), requires_grad=False))
+            parent = self.model
+            for part in name.split(".")[:-1]:
+                if not hasattr(parent, part):
+                    parent.add_module(part, torch.nn.Module())
+                parent = getattr(parent, part)
+            parent.add_module(name.rsplit(".", 1)[1], layer)
+            self.layers[name] = layer
+
+    def load(self, pushed):
+        for name, tensor in pushed:
+            prefix, sep, rest = name.partition(".experts.")
+            layer = self.layers.get(prefix + ".experts")
+            if layer is None or not sep:
+                continue
+            expert, proj, leaf = rest.split(".", 2)
+            target = getattr(layer, ("w2" if proj == "down_proj" else "w13") + "_" + leaf)
+            half = target.shape[1] // 2
+            rows = {"gate_proj": slice(0, half), "up_proj": slice(half, 2 * half)}.get(proj, slice(None))
+            target.data[int(expert), rows].copy_(tensor)
+
+
+def test_fp8_experts_are_written_in_place_once_proven_bit_for_bit(fake_vllm, tmp_path, monkeypatch, caplog):
+    """MoE syncs: the first pushes every expert tensor through the reload, then checks that vLLM's own kernel-format
+    conversion of the stacked FP8 experts gives the engine's tensors bit for bit; later syncs leave the experts out of
+    the reload and write them in place (the engine then holds the updated experts' FP8 bits). A conversion that
+    gives other bits keeps every sync on the reload path, with a warning saying why."""
+    from test_fp8_experts import tiny_moe
+
+    import trl_fp8.vllm_experts as vllm_experts
+    from trl_fp8.fp8_experts import FP8Experts
+    from trl_fp8.fp8_linear import invalidate_fp8_weights
+
+    def identity(fp8_backend, layer, w13, w2, w13_scale, w2_scale, w13_input_scale, w2_input_scale):
+        return w13, w2, w13_scale, w2_scale  # vLLM's conversion for the Triton MoE backend keeps the layout
+
+    def other_scales(**kwargs):
+        w13, w2, w13_scale, w2_scale = identity(**kwargs)
+        return w13, w2, w13_scale, w2_scale * 2
+
+    for convert, fast in ((identity, True), (other_scales, False)):
+        monkeypatch.setattr(vllm_experts, "_vllm_converter", lambda convert=convert: convert)
+        trainer = _tiny_trainer(tmp_path / str(fast), model=tiny_moe())
+        generation, model = trainer.vllm_generation, trainer.model
+        ours = {n: m for n, m in model.named_modules() if isinstance(m, FP8Experts)}
+        assert list(ours) == ["model.layers.0.mlp.experts"]
+        llm = fake_vllm.instances[-1]
+        engine = FakeMoEEngine(ours)
+        llm.llm_engine.model_executor.driver_worker.worker.model_runner = engine
+        llm.on_reload = engine.load
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="trl_fp8.vllm_sync"):
+            generation.sync_weights()
+        assert any(".experts.3.down_proj.weight_scale_inv" in n for n, _ in llm.pushed)
+        assert bool(generation.engine_experts) is fast
+        warned = [r for r in caplog.records if r.levelno == logging.WARNING and "FP8 experts sync" in r.message]
+        assert len(warned) == (0 if fast else 1)
+        experts = ours["model.layers.0.mlp.experts"]
+        with torch.no_grad():  # a training step's worth of change
+            experts.gate_up_proj.add_(torch.randn_like(experts.gate_up_proj) * 0.05)
+            experts.down_proj.mul_(1.5)
+        invalidate_fp8_weights(model)
+        generation.sync_weights()
+        assert any(".experts." in n for n, _ in llm.pushed) is not fast
+        assert "model.layers.0.mlp.gate.weight" in dict(llm.pushed)  # the router always goes through the reload
+        layer = engine.layers["model.layers.0.mlp.experts"]
+        for ours_name, key in (("gate_up_proj", "w13"), ("down_proj", "w2")):
+            q, s = experts.quantized_expert_weight(ours_name)
+            assert torch.equal(getattr(layer, f"{key}_weight").view(torch.uint8), q.view(torch.uint8)), key
+            assert torch.equal(getattr(layer, f"{key}_weight_scale_inv"), s.float()), key
 
 
 def test_sleep_mode_without_expandable_segments_is_told_to_set_them(fake_vllm, tmp_path, caplog, monkeypatch):

@@ -77,6 +77,7 @@ def fp8_checkpoint_tensors(
     power_of_two_scales: bool = False,
     check_finite: bool = True,
     dtype: torch.dtype | None = None,
+    skip_experts: frozenset[str] | set[str] = frozenset(),
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(name, tensor)` pairs of the block-FP8 checkpoint of `model`, in transformers names, on its device.
 
@@ -86,7 +87,8 @@ def fp8_checkpoint_tensors(
     quantizer; high-precision layers planned for FP8 are quantized here too. Adapter tensors themselves are never
     yielded; adapters that cannot be merged (prompt tuning, ...) raise naming their type.
     `fp8_modules=set()` gives the plain high-precision checkpoint (adapters still merged). `dtype` casts the
-    high-precision tensors (the FP8 weights and their float32 scales are never cast).
+    high-precision tensors (the FP8 weights and their float32 scales are never cast). `skip_experts`: experts layers
+    (transformers names) whose weights are left out (a sync that writes them another way, `vllm_experts`).
     """
     check_adapters_mergeable(model)
     hf_model = unwrap_model(model)
@@ -111,6 +113,8 @@ def fp8_checkpoint_tensors(
             continue  # the tied lm_head: vLLM and transformers re-tie it from the embedding
         seen_storage.add(storage)
         if leaf in EXPERT_WEIGHTS and is_experts_module(modules[prefix]):
+            if hf_name(prefix) in skip_experts:
+                continue
             fp8 = hf_name(prefix) in fp8_modules
             yield from _expert_tensors(modules[prefix], name, leaf, fp8, names, power_of_two_scales, check_finite,
                                        dtype)  # fmt: skip

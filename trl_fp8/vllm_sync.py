@@ -47,6 +47,7 @@ from .export import (
 from .fp8_linear import release_fp8_weight_caches
 from .kv_scales import AttentionScaleObserver
 from .rollout_stats import RolloutStats, engine_kv_cache_tokens
+from .vllm_experts import NO_FP8_EXPERTS, EngineExperts, quiet_skipped_layers
 from .vllm_kernels import (
     FP8_KV_ATTENTION_BACKEND,
     VLLM_LINEAR_BACKEND,
@@ -89,6 +90,7 @@ def rollout_weight_tensors(
     fp8_modules: set[str] | None = None,
     power_of_two_scales: bool = False,
     attention_scales: dict[str, torch.Tensor] | None = None,
+    skip_experts: frozenset[str] | set[str] = frozenset(),
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """`(name, tensor)` pairs pushed to vLLM at each sync, in transformers names, on the model's device.
 
@@ -97,7 +99,7 @@ def rollout_weight_tensors(
     merged in by PEFT's own merge; a tied lm_head is left to vLLM's tying. `power_of_two_scales` rounds the scales of
     layers quantized here (a BF16-trained model's; FP8 layers keep their own setting), as the exporter does.
     `attention_scales` (FP8 KV cache) come last, after every layer's weights, because vLLM processes attention scales
-    after the linear layers.
+    after the linear layers. `skip_experts`: experts layers written into the engine another way (`vllm_experts`).
     """
     check_rollout_precision(rollout_precision)
     yield from fp8_checkpoint_tensors(
@@ -106,6 +108,7 @@ def rollout_weight_tensors(
         power_of_two_scales=power_of_two_scales,
         check_finite=False,
         dtype=torch.bfloat16,
+        skip_experts=skip_experts,
     )
     for name, scale in (attention_scales or {}).items():
         yield name, scale.reshape(()).float()
@@ -432,6 +435,8 @@ class FP8VLLMGeneration(VLLMGeneration):
         self.engine_dir: Path | None = None
         self.rollout_stats: RolloutStats | None = None  # colocate: what the engine did in each rollout
         self.kv_cache_tokens: int | None = None
+        # colocate: writes FP8 experts in place (None until the first sync decides; False: the reload for all)
+        self.engine_experts: EngineExperts | None | bool = None
         super().__init__(*args, **kwargs)
 
     @property
@@ -529,7 +534,7 @@ class FP8VLLMGeneration(VLLMGeneration):
             scales = dict(zip(scales, stacked.unbind(), strict=True))
         return scales
 
-    def _iter_named_params(self):
+    def _iter_named_params(self, skip_experts: frozenset[str] | set[str] = frozenset()):
         # DDP / ZeRO-1/2: every rank holds the whole model. FSDP2: each tensor is gathered as it is produced, and TRL
         # walks this on every rank in the same order (in server mode the others discard it). vLLM shards for TP.
         yield from rollout_weight_tensors(
@@ -538,7 +543,25 @@ class FP8VLLMGeneration(VLLMGeneration):
             fp8_modules=self.fp8_modules,
             power_of_two_scales=self.power_of_two_scales,
             attention_scales=self._attention_scales(),
+            skip_experts=skip_experts,
         )
+
+    def _push_colocated(self) -> None:
+        """Everything through vLLM's layerwise reload, except FP8 experts once writing them in place is proven to
+        give the engine the same bits (`vllm_experts`: the reload's per-expert path dominated MoE syncs)."""
+        if self.engine_experts:
+            with quiet_skipped_layers():
+                push_to_engine(self.llm, self._iter_named_params(skip_experts=self.engine_experts.names))
+            self.engine_experts.write()  # (no request ran since the reload reset the prefix cache)
+            return
+        push_to_engine(self.llm, self._iter_named_params())
+        if self.engine_experts is None and self.rollout_precision == "fp8":
+            experts, why = EngineExperts.verified(self.model, self.llm, self.fp8_modules)
+            self.engine_experts = experts or False
+            if experts is not None:
+                logger.info("FP8 experts sync: %s", why)
+            elif why != NO_FP8_EXPERTS:
+                logger.warning("FP8 experts sync: one tensor per expert through vLLM's reload (slower): %s", why)
 
     def sync_weights(self):
         start = time.perf_counter()
@@ -547,7 +570,7 @@ class FP8VLLMGeneration(VLLMGeneration):
                 torch.cuda.empty_cache()
                 self.llm.wake_up(tags=["weights"])
                 self._llm_weights_sleeping = False
-            push_to_engine(self.llm, self._iter_named_params())
+            self._push_colocated()
             if self.enable_sleep_mode:  # the KV cache wakes next: give it the trainer's FP8 copies while it generates
                 self.released_cache_bytes = release_fp8_weight_caches(self.model)
                 torch.cuda.empty_cache()

@@ -2,7 +2,8 @@
 
 Trains a 2-layer Qwen3-MoE (layer 0: 4 experts of 128, top-2; layer 1: dense) with FP8GRPOTrainer and vLLM colocated
 for 3 steps, then checks that the engine's FusedMoE holds the trainer's FP8 expert blocks and scales bit for bit, in
-the layout of the MoE kernel vLLM chose (vLLM's own conversion for that backend, applied to the trainer's tensors).
+the layout of the MoE kernel vLLM chose (vLLM's own conversion for that backend, applied to the trainer's tensors),
+and that the in-place expert sync (`trl_fp8.vllm_experts`) writes what vLLM's reload of the same weights gives.
 """
 
 import sys
@@ -52,11 +53,26 @@ def main(root: Path) -> None:
     assert len(logs) == 3 and all(0 <= m < 0.5 for m in mismatch)
 
     generation = trainer.vllm_generation
-    generation.sync_weights()
     vmodel = generation.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
     routed = [m for n, m in vmodel.named_modules() if "layers.0." in n and hasattr(m, "w13_weight")]
     assert len(routed) == 1, [type(m).__name__ for m in routed]
     vexperts = routed[0]
+    # After the first sync proved it, the later ones wrote the experts in place (`vllm_experts`): what that writes
+    # must be what vLLM's own reload of the same weights gives.
+    generation.sync_weights()
+    assert generation.engine_experts, "FP8 experts went through the reload (see the 'FP8 experts sync' warning)"
+    names = ("w13_weight", "w2_weight", "w13_weight_scale_inv", "w2_weight_scale_inv")
+    in_place = {name: getattr(vexperts, name).clone() for name in names}
+    generation.engine_experts = None  # the next sync takes the reload path again (and proves the in-place one anew)
+    generation.sync_weights()
+    for name in names:
+        reloaded = getattr(vexperts, name)
+        assert torch.equal(in_place[name].contiguous().view(torch.uint8), reloaded.contiguous().view(torch.uint8)), (
+            name
+        )
+    assert generation.engine_experts
+    print(f"[moe] experts sync: in place, {len(generation.engine_experts.pairs)} MoE layer(s), the reload's bits",
+          flush=True)  # fmt: skip
     method = vexperts.quant_method
     backend = method.fp8_backend
     print(f"[moe] vLLM: {type(method).__name__}, MoE backend {backend.value}", flush=True)
