@@ -67,8 +67,8 @@ RUNS = {  # run: (trainer, fp8_recipe, rollout_precision, fp8 KV cache, training
     "unified_fp8kv_compiled": ("trl_fp8", "blockwise", "fp8", True, "auto", None),
     # partial checkpointing (transformers' every_n_layers; TRL 1.16's own trainer fails with it, ours keeps it)
     "bf16_ckpt2": ("trl_fp8", "none", "bf16", False, "auto", None),
-    "unified_fp8kv_ckpt2": ("trl_fp8", "blockwise", "fp8", True, "auto", None),
-    "unified_fp8kv_ckpt4": ("trl_fp8", "blockwise", "fp8", True, "auto", None),
+    "unified_ckpt2": ("trl_fp8", "blockwise", "fp8", False, "auto", None),
+    "unified_ckpt4": ("trl_fp8", "blockwise", "fp8", False, "auto", None),
 }
 LIGER = {
     "use_liger_kernel": True
@@ -82,8 +82,8 @@ RUN_OPTIONS = {  # further (FP8)GRPOConfig fields of a run
     "unified_compiled": {"compile_decoder_layers": True},
     "unified_fp8kv_compiled": {"compile_decoder_layers": True},
     "bf16_ckpt2": {"gradient_checkpointing_kwargs": {"every_n_layers": 2}},
-    "unified_fp8kv_ckpt2": {"gradient_checkpointing_kwargs": {"every_n_layers": 2}},
-    "unified_fp8kv_ckpt4": {"gradient_checkpointing_kwargs": {"every_n_layers": 4}},
+    "unified_ckpt2": {"gradient_checkpointing_kwargs": {"every_n_layers": 2}},
+    "unified_ckpt4": {"gradient_checkpointing_kwargs": {"every_n_layers": 4}},
 }
 
 
