@@ -516,7 +516,8 @@ def test_fp8_experts_are_written_in_place_once_proven_bit_for_bit(fake_vllm, tmp
     """MoE syncs: the first pushes every expert tensor through the reload, then checks that vLLM's own kernel-format
     conversion of the stacked FP8 experts gives the engine's tensors bit for bit; later syncs leave the experts out of
     the reload and write them in place (the engine then holds the updated experts' FP8 bits). A conversion that
-    gives other bits keeps every sync on the reload path, with a warning saying why."""
+    gives other bits, or sleep mode (level 2 discards the engine's layers), keeps every sync on the reload path, with
+    a warning saying why."""
     from test_fp8_experts import tiny_moe
 
     import trl_fp8.vllm_experts as vllm_experts
@@ -530,9 +531,9 @@ def test_fp8_experts_are_written_in_place_once_proven_bit_for_bit(fake_vllm, tmp
         w13, w2, w13_scale, w2_scale = identity(**kwargs)
         return w13, w2, w13_scale, w2_scale * 2
 
-    for convert, fast in ((identity, True), (other_scales, False)):
+    for convert, sleep_mode, fast in ((identity, False, True), (other_scales, False, False), (identity, True, False)):
         monkeypatch.setattr(vllm_experts, "_vllm_converter", lambda convert=convert: convert)
-        trainer = _tiny_trainer(tmp_path / str(fast), model=tiny_moe())
+        trainer = _tiny_trainer(tmp_path / f"{fast}{sleep_mode}", model=tiny_moe(), vllm_enable_sleep_mode=sleep_mode)
         generation, model = trainer.vllm_generation, trainer.model
         ours = {n: m for n, m in model.named_modules() if isinstance(m, FP8Experts)}
         assert list(ours) == ["model.layers.0.mlp.experts"]

@@ -10,7 +10,7 @@ dispatch mode), after which the whole MoE layer is rebuilt and processed. At 12 
 copies the result into the engine's tensors in place (the storage its CUDA graphs captured). It is used only once
 proven: the first sync takes the reload path, then `EngineExperts.verified` checks that this path gives every engine
 tensor bit for bit (dtype, shape and bits; a tensor-parallel shard or another layout fails the check) and otherwise
-says why and leaves every later sync on the reload path.
+says why and leaves every later sync on the reload path. Not in sleep mode (see `EngineExperts.verified`).
 """
 
 from __future__ import annotations
@@ -51,10 +51,12 @@ class EngineExperts:
 
     @classmethod
     def verified(
-        cls, model: nn.Module, llm, fp8_modules: set[str], convert: Callable | None = None
+        cls, model: nn.Module, llm, fp8_modules: set[str], *, sleep_mode: bool = False, convert: Callable | None = None
     ) -> tuple[EngineExperts | None, str]:
         """`(EngineExperts, what it writes)` if writing in place gives the colocated engine's current expert tensors
-        bit for bit, else `(None, why not)`. Call it right after a reload pushed the same weights."""
+        bit for bit, else `(None, why not)`. Call it right after a reload pushed the same weights. Not with
+        `sleep_mode`: TRL sleeps at level 2, which discards the engine's weights, and only the reload runs the MoE
+        method's post-load processing again (whatever it derives besides the four tensors written here)."""
         hf_model = unwrap_model(model)
         ours = [(hf_name(n), m) for n, m in hf_model.named_modules() if isinstance(m, FP8Experts)]
         ours = [(n, m) for n, m in ours if n in fp8_modules]
@@ -62,6 +64,8 @@ class EngineExperts:
             return None, NO_FP8_EXPERTS
         if any(is_sharded(getattr(m, p)) for _, m in ours for p in EXPERT_WEIGHTS):
             return None, "the experts are sharded (FSDP2)"
+        if sleep_mode:
+            return None, "sleep mode discards the engine's MoE layers, which only the reload rebuilds"
         try:
             engine = engine_model(llm)
             theirs = {

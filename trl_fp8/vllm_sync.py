@@ -556,7 +556,9 @@ class FP8VLLMGeneration(VLLMGeneration):
             return
         push_to_engine(self.llm, self._iter_named_params())
         if self.engine_experts is None and self.rollout_precision == "fp8":
-            experts, why = EngineExperts.verified(self.model, self.llm, self.fp8_modules)
+            experts, why = EngineExperts.verified(
+                self.model, self.llm, self.fp8_modules, sleep_mode=bool(self.enable_sleep_mode)
+            )
             self.engine_experts = experts or False
             if experts is not None:
                 logger.info("FP8 experts sync: %s", why)
