@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_rollout import MOE_SHAPES, SHAPES, floor_tokens_per_s, hardware, model_bytes  # noqa: E402
+from bench_rollout import SHAPES, floor_tokens_per_s, hardware, model_bytes, shape_model  # noqa: E402
 from common import kernel_breakdown, previous_rows, run_all, versions  # noqa: E402
 
 RUNS = {  # run: (trainer, fp8_recipe, rollout_precision, fp8 KV cache, training GEMM backend, FP8 weight cache)
@@ -102,18 +102,9 @@ def model_positions(prompt_len: int, completion_len: int) -> int:
 
 def make_model_dir(path: Path, shape: str, positions: int) -> None:
     """A random model of `shape` saved with a tokenizer: Qwen3, or Qwen3-MoE for the shapes with experts."""
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    moe = shape in MOE_SHAPES
-    config_cls, model_cls = (Qwen3MoeConfig, Qwen3MoeForCausalLM) if moe else (Qwen3Config, Qwen3ForCausalLM)
-    config = config_cls(**SHAPES[shape], head_dim=128, max_position_embeddings=positions, tie_word_embeddings=False,
-                        eos_token_id=1, pad_token_id=0)  # fmt: skip
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = model_cls._from_config(config, dtype=torch.bfloat16)
+    model = shape_model(shape, "cuda", positions, eos_token_id=1, pad_token_id=0)
     model.save_pretrained(path)
-    vocab_tokenizer(config.vocab_size).save_pretrained(path)
+    vocab_tokenizer(model.config.vocab_size).save_pretrained(path)
 
 
 def length_reward(completions, **kwargs) -> list[float]:

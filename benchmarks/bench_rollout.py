@@ -178,19 +178,25 @@ def cache_files(path: str | None) -> int:
     return sum(1 for p in Path(path).rglob("*") if p.is_file()) if path and Path(path).is_dir() else 0
 
 
-def build_trainer_model(shape: str):
-    """The trainer-side model of a `SHAPES` entry: on the GPU in BF16, or for a mixture of experts on the meta
-    device (its config and module names build the engine; vLLM's dummy weights stay)."""
+def shape_model(shape: str, device: str, max_position_embeddings: int, **config_kwargs):
+    """A random BF16 model of a `SHAPES` entry, built on `device` (no FP32 copy for the allocator to keep cached):
+    Qwen3, or Qwen3-MoE for the shapes with experts. Seeded, so every run of a shape gets the same weights."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     moe = shape in MOE_SHAPES
     config_cls, model_cls = (Qwen3MoeConfig, Qwen3MoeForCausalLM) if moe else (Qwen3Config, Qwen3ForCausalLM)
-    config = config_cls(**SHAPES[shape], head_dim=128, max_position_embeddings=40960, tie_word_embeddings=False)
+    config = config_cls(**SHAPES[shape], head_dim=128, max_position_embeddings=max_position_embeddings,
+                        tie_word_embeddings=False, **config_kwargs)  # fmt: skip
     torch.manual_seed(0)
-    with torch.device("meta" if moe else "cuda"):  # BF16 on the GPU: no FP32 copy for the allocator to keep cached
-        model = model_cls._from_config(config, dtype=torch.bfloat16)
-    return model.eval()
+    with torch.device(device):
+        return model_cls._from_config(config, dtype=torch.bfloat16)
+
+
+def build_trainer_model(shape: str):
+    """The trainer-side model of a `SHAPES` entry: on the GPU, or for a mixture of experts on the meta device (its
+    config and module names build the engine; vLLM's dummy weights stay)."""
+    return shape_model(shape, "meta" if shape in MOE_SHAPES else "cuda", 40960).eval()
 
 
 def timed_generate(llm, prompts, max_tokens):

@@ -234,9 +234,10 @@ def _on_device(t: torch.Tensor):
 
 @functools.cache
 def _deepgemm_runs_here(device_index: int) -> bool:
-    from .ops import deep_gemm
+    # What `select_ops` requires of backend="deepgemm": an SM90 GPU and vLLM's bundled DeepGEMM.
+    from .ops import blockwise_scaled_mm_supported, deep_gemm
 
-    return torch.cuda.get_device_capability(device_index) == (9, 0) and deep_gemm.available() is None
+    return blockwise_scaled_mm_supported(torch.device("cuda", device_index)) and deep_gemm.available() is None
 
 
 def grouped_gemm_kernel(choice: str, x: torch.Tensor) -> str:
