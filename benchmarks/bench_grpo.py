@@ -69,7 +69,11 @@ RUNS = {  # run: (trainer, fp8_recipe, rollout_precision, fp8 KV cache, training
     "bf16_ckpt2": ("trl_fp8", "none", "bf16", False, "auto", None),
     "unified_ckpt2": ("trl_fp8", "blockwise", "fp8", False, "auto", None),
     "unified_ckpt4": ("trl_fp8", "blockwise", "fp8", False, "auto", None),
+    "unified_liger_nocache": ("trl_fp8", "blockwise", "fp8", False, "auto", False),  # Liger, BF16's peak memory
+    # MoE: every sync takes vLLM's layerwise reload for the experts too (the in-place expert write off), to compare
+    "unified_experts_reload": ("trl_fp8", "blockwise", "fp8", False, "auto", None),
 }
+EXPERTS_BY_RELOAD = {"unified_experts_reload"}
 LIGER = {
     "use_liger_kernel": True
 }  # Liger's RMSNorm, SwiGLU and RoPE kernels (TRL already fuses the LM head's logprobs)
@@ -84,6 +88,7 @@ RUN_OPTIONS = {  # further (FP8)GRPOConfig fields of a run
     "bf16_ckpt2": {"gradient_checkpointing_kwargs": {"every_n_layers": 2}},
     "unified_ckpt2": {"gradient_checkpointing_kwargs": {"every_n_layers": 2}},
     "unified_ckpt4": {"gradient_checkpointing_kwargs": {"every_n_layers": 4}},
+    "unified_liger_nocache": LIGER,
 }
 
 
@@ -257,6 +262,8 @@ def run_one(args) -> None:
     startup_s = time.perf_counter() - start  # model load and engine start (DeepGEMM's warm-up included)
     sampler.start()
     generation = trainer.vllm_generation
+    if args.run in EXPERTS_BY_RELOAD:
+        generation.engine_experts = False  # FP8VLLMGeneration: False = never write experts in place
     stats = getattr(generation, "rollout_stats", None) or RolloutStats.attach(generation.llm)
     rollout_stats = []
 
@@ -386,6 +393,7 @@ def run_one(args) -> None:
         else None,  # fmt: skip
         "rollout_stats": rollout_stats,  # per rollout: most sequences at once, preemptions, peak KV-cache use
         "mismatch": mismatch_medians(trainer.state.log_history, keep),  # trainer vs rollout, TIS clipping
+        **engine_experts_state(generation),
     }
     settings = {k: getattr(args, k) for k in REGIME}
     row["rollout_floor"] = rollout_floor(row, settings, torch.cuda.get_device_name())
@@ -398,6 +406,21 @@ def run_one(args) -> None:
     row["completions_per_s"] = row["completions_per_step"] / row["step_time"]["step_s"]
     if trainer.accelerator.is_main_process:
         print(json.dumps(row), flush=True)
+
+
+def engine_experts_state(generation) -> dict:
+    """MoE models: the vLLM MoE layers' FP8 backend, and how the last sync reached the experts."""
+    from trl_fp8.vllm_experts import engine_model
+
+    try:
+        layers = [m for m in engine_model(generation.llm).modules() if hasattr(m, "w13_weight")]
+    except Exception as exc:  # a record, not a reason to lose the run's row
+        return {"vllm_moe_backends": f"unknown ({type(exc).__name__}: {exc})"}
+    if not layers:
+        return {}
+    backends = sorted({str(getattr(getattr(m, "quant_method", None), "fp8_backend", None)) for m in layers})
+    written = getattr(generation, "engine_experts", None)
+    return {"vllm_moe_backends": backends, "experts_sync": "in place" if written else "reload"}
 
 
 def rollout_floor(row: dict, settings: dict, device: str) -> dict | None:
