@@ -275,12 +275,16 @@ def _speed_rows(result: dict) -> list[dict]:
 
 # plot stem -> the prefix of bench_grpo's result files it draws
 SPEED_FILES = {"grpo_step_time": "grpo_speed_", "grpo_step_time_four": "grpo_speed_four_",
-               "grpo_step_time_long": "grpo_speed_long_", "grpo_colocate_step_time": "grpo_colocate_8b_"}  # fmt: skip
+               "grpo_step_time_long": "grpo_speed_long_", "grpo_colocate_step_time": "grpo_colocate_8b_",
+               # issue 33: fused / Liger / compiled runs at 64 x 1k, and Liger on both sides at 8B and 1.7B
+               "grpo_step_time_train": "grpo_train_8b_", "grpo_step_time_liger": "grpo_liger_8b_",
+               "grpo_step_time_liger_1.7b": "grpo_liger_1.7b_"}  # fmt: skip
 
 
 def speed_results(results: Path) -> list[tuple[str, dict]]:
     """`(plot stem, bench_grpo result)` per set of runs that has a result: the 64 x 1k variants of unified FP8
-    (`grpo_speed_<device>.json`; dated files are earlier runs), the report's four flows at 64 x 1k (`four` phase,
+    (`grpo_speed_<device>.json`; dated files are earlier runs; `grpo_train_8b_`, `grpo_liger_8b_`, `grpo_liger_1.7b_`:
+    issue 33's), the report's four flows at 64 x 1k (`four` phase,
     `grpo_speed_four_<device>.json`), in the long regime (`long` phase, `grpo_speed_long_<device>.json`) and at TRL's
     colocate defaults (`grpo_colocate_8b_<device>.json`)."""
     paths = [  # "<device>.json" sorts before "<device>_<date>.json"
