@@ -8,7 +8,9 @@
                                                                  # on the trainer's FP8 weights (colocated)
     accelerate launch examples/grpo_fp8.py --use_vllm --fp8_kv_cache    # the demo with vLLM and an FP8 KV cache
 
-Every `FP8GRPOConfig` (hence `GRPOConfig`), `ModelConfig` and TRL GRPO script flag works, and `--config run.yaml`.
+Every `FP8GRPOConfig` (hence `GRPOConfig`), `ModelConfig` and TRL GRPO script flag works, and `--config run.yaml`;
+`--reward_funcs` takes TRL's reward names (`accuracy_reward` needs `pip install 'trl-fp8[math]'`) or dotted import paths
+`package.module.function`, `--reward_model_name_or_path` a reward model. bitsandbytes 4/8-bit loading is refused.
 With no `--model_name_or_path`, the demo builds a Qwen3-architecture model (dims multiples of 128) and a character
 tokenizer locally, gives it a brief supervised warm start on "say <letter>" (so that it is right for some letters,
 see `trl_fp8/demo/toy_task.py`), trains it with GRPO, saves the checkpoint, and prints the greedy accuracy over every
@@ -28,13 +30,16 @@ if "vllm_enable_sleep_mode" in " ".join(sys.argv):
     # into its share (vLLM >= 0.26 turns the setting off around its own pool), so a larger share fits.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
+import trl_fp8  # noqa: E402, F401 - first: it drops the import-time log lines no user can act on
+
 import torch  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
-from trl import ModelConfig, TrlParser, get_peft_config  # noqa: E402
+from trl import DatasetMixtureConfig, ModelConfig, TrlParser, get_dataset, get_peft_config  # noqa: E402
 from trl.scripts.grpo import GRPOScriptArguments  # noqa: E402
 
 from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer  # noqa: E402
 from trl_fp8.demo.toy_task import DEMO_GRPO_SETTINGS, DEMO_MAX_STEPS  # noqa: E402
+from trl_fp8.rewards import resolve_reward_funcs  # noqa: E402
 
 DEMO_DEFAULTS = dict(DEMO_GRPO_SETTINGS, output_dir="out/grpo_fp8_demo", max_steps=DEMO_MAX_STEPS, logging_steps=5)
 BF16_DEMO_OUTPUT_DIR = "out/grpo_bf16_demo"  # the baseline never overwrites the FP8 checkpoint
@@ -65,7 +70,8 @@ def demo_model_and_data(training_args):
     from trl_fp8.demo.toy_task import greedy_accuracy, say_letter_dataset, say_letter_reward, warm_start
 
     tokenizer = tiny_char_tokenizer()
-    path = os.path.join(training_args.output_dir, "initial_model")
+    # Beside the output folder, not in it: the exported checkpoint holds the trained model only.
+    path = training_args.output_dir.rstrip("/\\") + "_initial_model"
     # One process writes the initial model; the others wait, then read it.
     with training_args.main_process_first(desc="demo initial model", local=False):
         if training_args.process_index == 0:
@@ -87,39 +93,55 @@ def report_accuracy(label: str, accuracy: float, answers: dict[str, str]) -> Non
 
 
 def main():
-    parser = TrlParser((GRPOScriptArguments, FP8GRPOConfig, ModelConfig))
+    parser = TrlParser((GRPOScriptArguments, FP8GRPOConfig, ModelConfig, DatasetMixtureConfig))
     demo = "--model_name_or_path" not in " ".join(sys.argv) and "--config" not in sys.argv
     if demo:
         parser.set_defaults(**DEMO_DEFAULTS, bf16=torch.cuda.is_available(), use_cpu=not torch.cuda.is_available())
-    script_args, training_args, model_args = parser.parse_args_and_config()
+    script_args, training_args, model_args, dataset_args = parser.parse_args_and_config()
     if demo and training_args.fp8_recipe is None and "--output_dir" not in sys.argv:
         training_args.output_dir = BF16_DEMO_OUTPUT_DIR
+    if model_args.load_in_4bit or model_args.load_in_8bit:
+        parser.error("--load_in_4bit/--load_in_8bit load bitsandbytes layers, which FP8 training cannot convert: "
+                     "drop them (FP8 already halves the weights' memory).")  # fmt: skip
 
-    before = None
+    before, eval_dataset = None, None
     if model_args.model_name_or_path is None:
         model, tokenizer, train_dataset, reward_funcs, before = demo_model_and_data(training_args)
     else:
-        from datasets import load_dataset
-        from trl.rewards import accuracy_reward, think_format_reward
-
-        registry = {"accuracy_reward": accuracy_reward, "think_format_reward": think_format_reward}
-        names = script_args.reward_funcs or ["accuracy_reward"]
-        reward_funcs = [registry[n] if n in registry else n for n in names]
-        if script_args.reward_model_name_or_path:
-            reward_funcs.append(script_args.reward_model_name_or_path)
+        # As TRL's own GRPO script: its reward names, dotted import paths, a reward model; its dataset options.
+        try:
+            reward_funcs = resolve_reward_funcs(
+                script_args.reward_funcs or ([] if script_args.reward_model_name_or_path else ["accuracy_reward"]),
+                script_args.reward_model_name_or_path,
+            )
+        except ValueError as exc:
+            parser.error(str(exc))
         model, tokenizer = model_args.model_name_or_path, None
         training_args.model_init_kwargs = {
+            "revision": model_args.model_revision,
+            "trust_remote_code": training_args.trust_remote_code,
+            "attn_implementation": model_args.attn_implementation,
             "dtype": model_args.dtype or "bfloat16",
             **(training_args.model_init_kwargs or {}),
         }
-        dataset = load_dataset(script_args.dataset_name, name=script_args.dataset_config)
+        if dataset_args.datasets:
+            dataset = get_dataset(dataset_args)
+        elif script_args.dataset_name:
+            from datasets import load_dataset
+
+            dataset = load_dataset(script_args.dataset_name, name=script_args.dataset_config)
+        else:
+            parser.error("give --dataset_name (or --datasets) with --model_name_or_path.")
         train_dataset = dataset[script_args.dataset_train_split]
+        if training_args.eval_strategy != "no":
+            eval_dataset = dataset[script_args.dataset_test_split]
 
     trainer = FP8GRPOTrainer(
         model=model,
         reward_funcs=reward_funcs,
         args=training_args,
         train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
         processing_class=tokenizer,
         peft_config=get_peft_config(model_args),
         callbacks=[RewardTrend()],

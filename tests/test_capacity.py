@@ -19,6 +19,8 @@ from trl_fp8.capacity import (
 )
 from trl_fp8.cli import main as cli
 
+from conftest import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 
@@ -152,7 +154,7 @@ def test_plan_with_sleep_mode_checks_the_wake_up_as_measured(tmp_path, capsys):
 
 def test_plan_errors_name_the_problem(tmp_path, capsys):
     assert cli(["plan", str(tmp_path / "missing"), "--gpu", "H100"]) == 2
-    assert "cannot read a model config" in capsys.readouterr().err
+    assert f"no model folder at {tmp_path / 'missing'}" in capsys.readouterr().err
     mla = tmp_path / "mla"
     mla.mkdir()
     (mla / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", "kv_lora_rank": 512}))
@@ -163,3 +165,74 @@ def test_plan_errors_name_the_problem(tmp_path, capsys):
         tiny_configs()["dense"].save_pretrained(dense)
         assert cli(["plan", str(dense)]) == 2
         assert "no GPU here: pass --gpu" in capsys.readouterr().err
+
+
+QWEN3_8B_CONFIG = {"model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+                   "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936}  # fmt: skip
+
+
+def test_plan_takes_a_hub_id_from_the_cache_and_fails_at_once_offline_uncached(tmp_path, monkeypatch, capsys):
+    """The README's `trl-fp8 plan Qwen/Qwen3-8B ...`: a Hub id is read from the Hugging Face cache first (no request);
+    uncached and offline, one line names HF_HUB_OFFLINE and the folder alternative, well within 5 s."""
+    import time
+
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--Qwen--Qwen3-8B" / "snapshots" / "0123456789abcdef"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(json.dumps(QWEN3_8B_CONFIG))
+    (cache / "models--Qwen--Qwen3-8B" / "refs").mkdir()
+    (cache / "models--Qwen--Qwen3-8B" / "refs" / "main").write_text("0123456789abcdef")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    assert cli(["plan", "Qwen/Qwen3-8B", "--gpu", "H100", "--optim", "adamw_bnb_8bit", "--sleep_mode"]) == 0
+    assert capsys.readouterr().out.startswith("Qwen/Qwen3-8B: 8.19B parameters")
+    start = time.perf_counter()
+    assert cli(["plan", "Qwen/Qwen3-4B", "--gpu", "H100"]) == 2
+    assert time.perf_counter() - start < 5
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert "not in the Hugging Face cache" in captured.err and "HF_HUB_OFFLINE" in captured.err
+    assert "local model folder" in captured.err
+    # Not offline, but no Hub to reach (a closed local port): one request, no retries, the same one line.
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{free_port()}")
+    start = time.perf_counter()
+    assert cli(["plan", "Qwen/Qwen3-4B", "--gpu", "H100"]) == 2
+    assert time.perf_counter() - start < 5
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot be reached" in err and "set HF_HUB_OFFLINE=1" in err
+    assert cli(["plan", "Qwen3-8B", "--gpu", "H100"]) == 2  # neither a folder nor org/name: no Hub request at all
+    assert "not a Hub id 'org/name' (e.g. Qwen/Qwen3-8B)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "option, value, message",
+    [
+        ("--completion_len", "-5", "-5 is not a positive integer"),
+        ("--prompt_len", "-1", "-1 is negative"),
+        ("--generation_batch", "0", "0 is not a positive integer"),
+        ("--micro_batch", "two", "'two' is not a whole number"),
+        ("--vllm_gpu_memory_utilization", "1.5", "1.5 is not a share of GPU memory in (0, 1]"),
+        ("--vllm_gpu_memory_utilization", "0", "0.0 is not a share of GPU memory"),
+        ("--gpu_memory_gib", "-80", "-80.0 is not a positive number"),
+    ],
+)
+def test_plan_refuses_bad_numbers_before_printing_anything(tmp_path, capsys, option, value, message):
+    path = tmp_path / "tiny"
+    tiny_configs()["dense"].save_pretrained(path)
+    with pytest.raises(SystemExit) as exit_info:
+        cli(["plan", str(path), "--gpu", "H100", option, value])
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and message in captured.err
+
+
+def test_plan_help_shows_the_defaults(capsys):
+    with pytest.raises(SystemExit):
+        cli(["plan", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for default in ("(default: 0.3)", "(default: 256)", "(default: 2048)", "(default: 128)", "(default: adamw_torch)"):
+        assert default in out
+    assert "(default: None)" not in out

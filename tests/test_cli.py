@@ -142,3 +142,40 @@ def test_custom_code_models_export_their_code(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True, env=env,
                           timeout=300, cwd=tmp_path)  # fmt: skip
     assert proc.returncode != 0
+
+
+def test_version_names_the_stack(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli(["--version"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("trl-fp8 ") and "torch " in out and "trl " in out and "transformers " in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without a GPU")
+def test_warmup_without_a_gpu_says_so_in_one_line(model_dir, capsys):
+    assert cli(["warmup", str(model_dir)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: DeepGEMM cannot run here (no CUDA GPU)")
+
+
+def test_quantize_refuses_a_folder_inside_the_models(model_dir, capsys):
+    before = files(model_dir)
+    assert cli(["quantize", str(model_dir), str(model_dir / "fp8")]) == 2
+    assert "inside the input model's folder" in capsys.readouterr().err
+    assert files(model_dir) == before and not (model_dir / "fp8").exists()
+
+
+def test_importing_the_stack_prints_nothing_a_user_cannot_act_on():
+    """torchao's CUDA extensions that cannot load into this torch, and its enum registrations that torch calls
+    deprecated, are one log line each at import: dropped where they are logged, everything else kept."""
+    code = (
+        "import logging, trl_fp8, trl, torchao, torchao.prototype.mx_formats.config\n"
+        "from trl_fp8 import FP8GRPOConfig\n"
+        "FP8GRPOConfig(output_dir='x', use_cpu=True, bf16=False)\n"
+        "logging.getLogger('torchao').warning('a torchao warning that stays')\n"
+    )
+    proc = subprocess.run([sys.executable, "-W", "default", "-c", code], capture_output=True, text=True,
+                          env={**clean_subprocess_env(), "PYTHONPATH": str(ROOT)}, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.strip() == "a torchao warning that stays", proc.stderr

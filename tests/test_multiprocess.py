@@ -82,11 +82,13 @@ def test_rank0_export_equals_a_one_process_export_of_the_same_weights(two_rank_r
 
 def test_the_demo_runs_under_torchrun_with_two_processes(tmp_path):
     """The documented multi-process launch of the demo (docs/rollouts.md): rank 0 writes the warm-started model while the other waits
-    (no half-written `initial_model` is read), both train, one FP8 checkpoint is saved and reloaded."""
+    (no half-written initial model is read; it lives beside the output folder, not in it), both train, one FP8 checkpoint is saved and reloaded."""
     proc = torchrun_two("examples/grpo_fp8.py", "--max_steps", "2", "--output_dir", tmp_path / "demo")
     assert proc.stdout.count("Saved the FP8 checkpoint") == 1
     assert "after GRPO (FP8 checkpoint reloaded" in proc.stdout
     assert (tmp_path / "demo" / "model.safetensors").exists()
+    assert not (tmp_path / "demo" / "initial_model").exists()  # the exported checkpoint holds the trained model only
+    assert (tmp_path / "demo_initial_model" / "model.safetensors").exists()
 
 
 def test_fp8_layers_train_sync_and_export_under_fsdp2(tmp_path):

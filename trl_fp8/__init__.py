@@ -4,17 +4,9 @@ Public API: the blockwise quantizers, the FP8 linear and expert layers, the mode
 its configuration, the exporter, and the rollout-capacity arithmetic behind `trl-fp8 plan`.
 """
 
-import os as _os
+from ._quiet import drop_import_noise as _drop_import_noise
 
-# torchao's prebuilt CUDA extensions cannot load on CPU-only torch; they are not used by FP8 training, so skip them
-# there instead of printing load errors on every import.
-try:
-    import torch as _torch
-
-    if not _torch.cuda.is_available():
-        _os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
-except ImportError:  # pragma: no cover
-    pass
+_drop_import_noise()  # before torchao is imported, wherever this package is imported first
 
 from .capacity import ModelShape, rollout_capacity
 from .config import FP8LinearConfig

@@ -43,6 +43,7 @@ __all__ = [
     "drop_checkpoint_entries",
     "holds_a_model",
     "is_checkpoint_entry",
+    "output_overwrites_model",
     "remove_leftovers",
     "replace_checkpoint",
 ]
@@ -109,6 +110,23 @@ def holds_a_model(folder: str | os.PathLike) -> bool:
         return False
     codes = _code_files(folder)
     return any(is_checkpoint_entry(p.name, codes) and p.name not in ("training_args.bin",) for p in folder.iterdir())
+
+
+def output_overwrites_model(model_dir: str | os.PathLike | None, output_dir: str | os.PathLike) -> str | None:
+    """Why saving to `output_dir` would write into the model folder `model_dir` it was loaded from, or None.
+
+    Paths are compared resolved (symbolic links, `..`), so another spelling of the same folder is caught, and so is
+    a folder inside the model's: a checkpoint or a run's files written there change the model folder the user has.
+    """
+    if model_dir is None or not Path(model_dir).expanduser().is_dir():
+        return None  # a Hub id or a model built in memory: no folder of the user's to protect
+    source = Path(os.path.realpath(Path(model_dir).expanduser()))
+    out = Path(os.path.realpath(Path(output_dir).expanduser()))
+    if out == source:
+        return f"{output_dir} is the input model's own folder ({source}): saving there would replace its weights."
+    if source in out.parents:
+        return f"{output_dir} is inside the input model's folder ({source}): saving there would change that folder."
+    return None
 
 
 @contextlib.contextmanager

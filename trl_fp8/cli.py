@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import deepgemm_warmup, plan, quantize
+from . import __version__, deepgemm_warmup, plan, quantize
 
 # name: (module with add_arguments(parser) and run(args) -> exit code, one-line help)
 SUBCOMMANDS = {
@@ -25,14 +25,38 @@ SUBCOMMANDS = {
 }
 
 
+class _DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, except the unset (None) and off (False) ones, whose help says what they mean."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trl-fp8", description="FP8 reinforcement learning on Hugging Face TRL.")
+    parser.add_argument("--version", action="version", version=version_line())
     subparsers = parser.add_subparsers(dest="command", required=True)
     for name, (module, help_text) in SUBCOMMANDS.items():
-        sub = subparsers.add_parser(name, help=help_text, description=module.__doc__.split("\n\n")[0])
+        sub = subparsers.add_parser(name, help=help_text, description=module.__doc__.split("\n\n")[0],
+                                    formatter_class=_DefaultsHelpFormatter)  # fmt: skip
         module.add_arguments(sub)
         sub.set_defaults(run=module.run)
     return parser
+
+
+def version_line() -> str:
+    """`trl-fp8 X (torch ..., transformers ..., ...)`: the versions a bug report needs."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    stack = []
+    for package in ("torch", "transformers", "trl", "torchao", "vllm"):
+        try:
+            stack.append(f"{package} {version(package)}")
+        except PackageNotFoundError:
+            stack.append(f"{package} not installed")
+    return f"trl-fp8 {__version__} ({', '.join(stack)})"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -91,7 +91,7 @@ def dequantize_blocks(
     block_size: tuple[int, int] = (128, 128),
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Inverse of :func:`quantize_blocks`: `q * scale_inv` broadcast over each tile, in `dtype`."""
+    """Inverse of `quantize_blocks`: `q * scale_inv` broadcast over each tile, in `dtype`."""
     bn, bk = block_size
     n, k = q.shape
     expected = (math.ceil(n / bn), math.ceil(k / bk))
@@ -107,7 +107,7 @@ def quantize_groups(
     """Quantize along the last (reduction) dim in 1 x `group_size` groups, one scale per token and group.
 
     Used for activations and output gradients. Returns `(q, scale_inv)` with `q` float8_e4m3fn of `x`'s shape and
-    `scale_inv` float32 of shape `[..., K / group_size]`, same convention as :func:`quantize_blocks`.
+    `scale_inv` float32 of shape `[..., K / group_size]`, same convention as `quantize_blocks`.
     """
     k = x.shape[-1]
     if k % group_size:
@@ -121,7 +121,7 @@ def quantize_groups(
 def dequantize_groups(
     q: torch.Tensor, scale_inv: torch.Tensor, group_size: int = 128, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
-    """Inverse of :func:`quantize_groups`."""
+    """Inverse of `quantize_groups`."""
     groups = q.reshape(*q.shape[:-1], q.shape[-1] // group_size, group_size).to(torch.float32)
     return (groups * scale_inv[..., None]).reshape(q.shape).to(dtype)
 
@@ -158,5 +158,5 @@ def quantize_swiglu_layouts(
     gate: torch.Tensor, up: torch.Tensor, *, rows: bool = True, cols: bool = False, power_of_two_scales: bool = False
 ) -> QuantizedAct:
     """Reference for `trl_fp8.kernels.quantize_swiglu`: the gated MLP's `silu(gate) * up`, computed as eager PyTorch
-    does (each op's result rounded to the input dtype), then quantized as :func:`quantize_act_layouts`."""
+    does (each op's result rounded to the input dtype), then quantized as `quantize_act_layouts`."""
     return quantize_act_layouts(F.silu(gate) * up, rows=rows, cols=cols, power_of_two_scales=power_of_two_scales)

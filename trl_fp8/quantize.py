@@ -3,19 +3,21 @@
     trl-fp8 quantize MODEL OUT [--num_first_layers_in_bf16 N] [--num_last_layers_in_bf16 N] [--keep_in_bf16 REGEX]
     trl-fp8-quantize MODEL OUT ...        (the same command under its first name)
 
-MODEL is a local folder or a Hub id (with network access). The FP8 values come from the same quantizer the FP8
+MODEL is a local folder or a Hub id (the Hub cache first, then the Hub). The FP8 values come from the same quantizer the FP8
 training forward uses, so a policy trained with `FP8GRPOTrainer` and a model quantized here agree bit for bit, and
 the layers kept in BF16 are chosen by the same rules (pass the trainer's own layer choices for a server it syncs).
-OUT must not be MODEL's folder or hold another model unless `--overwrite` is given; the checkpoint is swapped in whole.
+OUT must not be MODEL's folder (or inside it) or hold another model unless `--overwrite` is given; the checkpoint is swapped in whole.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import sys
 from pathlib import Path
+
+from .argtypes import non_negative_int
+from .hub import load_model_config, missing_local_model
 
 DTYPES = ("bfloat16", "float16", "float32", "auto")
 
@@ -24,10 +26,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="model folder or Hub id (BF16/FP32 weights)")
     parser.add_argument("output_dir", help="where to write the FP8 checkpoint")
     parser.add_argument(
-        "--num_first_layers_in_bf16", type=int, default=0, help="decoder layers kept BF16 at the input"
+        "--num_first_layers_in_bf16", type=non_negative_int, default=0, help="decoder layers kept BF16 at the input"
     )
     parser.add_argument(
-        "--num_last_layers_in_bf16", type=int, default=0, help="decoder layers kept BF16 at the output"
+        "--num_last_layers_in_bf16", type=non_negative_int, default=0, help="decoder layers kept BF16 at the output"
     )
     parser.add_argument(
         "--keep_in_bf16", action="append", default=[], metavar="REGEX",
@@ -45,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    problem = _missing_local_model(args.model) or _output_problem(args.model, args.output_dir, args.overwrite)
+    problem = missing_local_model(args.model) or _output_problem(args.model, args.output_dir, args.overwrite)
     if problem is None:
         try:
             patterns = [re.compile(p) for p in args.keep_in_bf16]
@@ -56,16 +58,15 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .conversion import plan_fp8_conversion
     from .export import save_fp8_checkpoint
 
     try:
-        config = AutoConfig.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
-    except (OSError, ValueError) as exc:
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        print(f"error: cannot load a model config from {args.model!r}: {first_line}", file=sys.stderr)
+        config = load_model_config(args.model, args.trust_remote_code)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     if getattr(config, "quantization_config", None):
         method = dict(config.quantization_config).get("quant_method")
@@ -110,37 +111,17 @@ def main(argv: list[str] | None = None) -> int:
     return run(parser.parse_args(argv))
 
 
-def _missing_local_model(name: str) -> str | None:
-    """Why `name` is neither a local model folder nor something the Hub could serve, or None.
-
-    Anything that reads as a path (absolute, `./`, `~`, more than one `/`, or a bare word without an organisation)
-    must exist here: asking the Hub for it would only wait for a network timeout before failing.
-    """
-    path = Path(name).expanduser()
-    if path.is_dir():
-        return None if (path / "config.json").is_file() else f"{name} is a folder without config.json."
-    # `org/name` reads as a Hub id unless `org` is a folder here (then it is a local path that does not exist).
-    hub_like = re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", name) is not None and not Path(name).parent.is_dir()
-    if not hub_like:
-        return f"no model folder at {name} (and it is not a Hub id 'org/name'). Pass a folder with config.json."
-    return None  # a Hub id: from the local cache, or downloaded where the Hub is reachable
-
-
 def _output_problem(model: str, output_dir: str, overwrite: bool) -> str | None:
     """Why writing to `output_dir` would destroy a model the user has (unless `overwrite`), or None."""
-    from .checkpoint_folder import holds_a_model
+    from .checkpoint_folder import holds_a_model, output_overwrites_model
 
     out = Path(output_dir).expanduser()
     if out.exists() and not out.is_dir():
         return f"{output_dir} is a file; pass a folder for the FP8 checkpoint."
-    source = Path(model).expanduser()
     if overwrite:
         return None
-    if source.is_dir() and out.is_dir() and os.path.samefile(source, out):
-        return (
-            f"{output_dir} is the input model's own folder: the FP8 checkpoint would replace your {model} weights. "
-            "Write it to another folder (or pass --overwrite to replace them on purpose)."
-        )
+    if problem := output_overwrites_model(model, output_dir):
+        return f"{problem} Write the FP8 checkpoint to another folder (or pass --overwrite to do this on purpose)."
     if holds_a_model(out):
         return (
             f"{output_dir} already holds a model, which the FP8 checkpoint would replace. Pick an empty or new "

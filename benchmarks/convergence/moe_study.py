@@ -4,7 +4,7 @@
 
 A tiny Qwen3-MoE (8 experts, top-2, every layer sparse; dims multiples of 128) gets the demo's supervised warm start
 on "say <letter>", then GRPO in BF16 and in FP8 (blockwise, experts included) from the same start, per seed. Each run
-records the reward per step and the held-out greedy accuracy over every letter of the saved checkpoint, reloaded;
+records the reward per step and the greedy accuracy over every letter (the prompts it trains on) of the saved checkpoint, reloaded;
 the FP8 run also records how often the router's top-k choice differs between the FP8 model and a BF16 model with the
 same master weights (every layer, every token of a fixed batch of prompts and completions), at the start and end.
 CPU only: the FP8 GEMMs are the exact emulation, so this measures the precision flow, not speed.
