@@ -60,8 +60,9 @@ def test_fp8_linear_compiles_without_graph_breaks_to_the_same_bits():
 def test_compiled_fp8_model_is_as_accurate_as_eager():
     """Inductor fuses the BF16 ops around the FP8 layers (norms, RoPE, SwiGLU) in fp32, so the FP8 layers see inputs a
     bf16 step apart and their roundings differ: the compiled model's gradients are not eager's bits, but they are as
-    close to the high-precision model's as eager's are (median over the layers' parameters, measured on a CPU:
-    0.137 eager, 0.138 compiled; two layers here, to keep the compile short)."""
+    close to the high-precision model's as eager's are: both are FP8 roundings of the same math, so each error, a norm
+    over many roundings, is within a small fraction of the other (median and worst over the layers' parameters; two
+    layers here, to keep the compile short)."""
     torch._dynamo.reset()
     ids = torch.randint(0, 200, (2, 128), generator=torch.Generator().manual_seed(0))
     reference = tiny_qwen3(dtype=torch.float32, num_hidden_layers=2)

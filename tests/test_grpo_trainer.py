@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -86,7 +87,7 @@ def test_trains_with_fp8_layers(model_dir, tmp_path, fuse):
             assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
 
 
-def test_grpo_learns_the_task_held_out_greedy_accuracy_of_the_saved_checkpoint_rises(tmp_path):
+def test_grpo_learns_the_task_greedy_accuracy_of_the_saved_checkpoint_rises(tmp_path):
     """The demo's recipe and seed: warm start, FP8 GRPO, save, reload the FP8 checkpoint and ask every letter greedily.
 
     Measured with 2 and 8 threads on one CPU: 25% -> 100%, mean reward 0.60 -> 0.99 (`DEMO_MEASURED`). Another CPU may
@@ -716,3 +717,100 @@ def test_demo_without_vllm_stops_before_writing_anything(tmp_path):
     )  # fmt: skip
     assert proc.returncode != 0 and "use_vllm=True needs vLLM: pip install 'trl-fp8[vllm]'" in proc.stderr
     assert not out.exists()
+
+
+def _file_bytes(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_output_dir_that_is_the_models_folder_is_refused_before_anything_loads(tmp_path, monkeypatch):
+    """The model's own folder, spelt otherwise, through a symbolic link, or a folder inside it: refused with the fix
+    before the model loads, and every file of the model folder stays byte-identical."""
+    import trl_fp8.grpo_trainer as grpo_trainer
+
+    model = tmp_path / "my-model"
+    tiny_qwen3(vocab_size=128).save_pretrained(model)
+    tiny_char_tokenizer().save_pretrained(model)
+    (tmp_path / "link").symlink_to(model)
+    before = _file_bytes(model)
+    monkeypatch.setattr(grpo_trainer, "create_model_from_path", lambda *a, **k: pytest.fail("loaded the model"))
+    for output_dir in (model, f"{model}/", tmp_path / "link", model / "run", tmp_path / "link" / "sub" / ".."):
+        with pytest.raises(ValueError, match=r"input model's folder|input model's own folder") as err:
+            FP8GRPOTrainer(str(model), say_letter_reward, make_args(tmp_path, output_dir=str(output_dir)),
+                           train_dataset=say_letter_dataset(16))  # fmt: skip
+        assert "FP8GRPOConfig(output_dir=...)" in str(err.value)
+    assert _file_bytes(model) == before
+
+
+def test_save_model_into_the_models_folder_is_refused_and_writes_nothing(model_dir, tmp_path):
+    """A model passed as an object: its `name_or_path` folder is protected at start-up and at every save."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    before = _file_bytes(Path(model_dir))
+    with pytest.raises(ValueError, match="input model's own folder"):
+        make_trainer(model_dir, tmp_path, model=model, output_dir=model_dir)
+    trainer = make_trainer(model_dir, tmp_path, model=model, max_steps=1)
+    with pytest.raises(ValueError, match="input model's own folder"):
+        trainer.save_model(model_dir)
+    assert _file_bytes(Path(model_dir)) == before
+
+
+def test_start_up_refuses_what_cannot_work_before_loading(tmp_path, monkeypatch):
+    """TIS with nothing to correct, TRL's math rewards without math-verify, Liger's kernels without liger-kernel:
+    each refused with the fix, before a model loads (a missing model folder would fail later)."""
+    import importlib
+
+    import transformers.utils
+    from trl.rewards import accuracy_reward
+
+    missing = str(tmp_path / "not-loaded")
+    with pytest.raises(ValueError, match="tis='token' corrects rollouts sampled by another engine.*use_vllm=True"):
+        FP8GRPOTrainer(missing, say_letter_reward, make_args(tmp_path, tis="token"))
+    monkeypatch.setattr(importlib.import_module("trl.import_utils"), "is_math_verify_available", lambda: False)
+    with pytest.raises(ImportError, match=r"accuracy_reward .*math-verify.*trl-fp8\[math\]"):
+        FP8GRPOTrainer(missing, [say_letter_reward, accuracy_reward], make_args(tmp_path))
+    monkeypatch.setattr(transformers.utils, "is_liger_kernel_available", lambda: False)
+    with pytest.raises(ImportError, match=r"liger-kernel is not installed: pip install 'trl-fp8\[liger\]'"):
+        make_args(tmp_path, use_liger_kernel=True)
+
+
+def test_the_config_itself_warns_nothing_the_user_cannot_fix(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        make_args(tmp_path)
+
+
+def test_example_resolves_reward_funcs_as_trl_and_runs_a_step(model_dir, tmp_path):
+    """`--reward_funcs pkg.module.fn` (TRL's dotted-path convention) and a local model and dataset folder: one step,
+    the checkpoint saved, the demo's initial model nowhere."""
+    pkg = tmp_path / "work" / "my_rewards"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "letters.py").write_text(
+        "def says_a(completions, **kwargs):\n    return [float(c.strip().startswith('a')) for c in completions]\n"
+    )
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.jsonl").write_text("".join(json.dumps({"prompt": f"say {c}:"}) + "\n" for c in "abcdefgh" * 4))
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "grpo_fp8.py"), "--model_name_or_path", model_dir,
+         "--dataset_name", str(data), "--reward_funcs", "my_rewards.letters.says_a", "--output_dir", str(out),
+         "--max_steps", "1", "--per_device_train_batch_size", "8", "--num_generations", "4",
+         "--max_completion_length", "4", "--use_cpu", "true", "--bf16", "false", "--report_to", "none",
+         "--disable_tqdm", "true"],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path / "work",
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rewards/says_a/mean" in proc.stdout + proc.stderr
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"] == "fp8"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "grpo_fp8.py"), "--model_name_or_path", model_dir,
+         "--dataset_name", str(data), "--reward_funcs", "no_such_reward", "--output_dir", str(tmp_path / "x"),
+         "--use_cpu", "true", "--bf16", "false"],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 2 and "neither one of TRL's rewards" in proc.stderr
+    assert not (tmp_path / "x").exists()

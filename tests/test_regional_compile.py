@@ -1,6 +1,7 @@
 """Regional compilation (`compile_decoder_layers`): decoder layers compiled in place keep their names and, with
 AOTAutograd alone (no Inductor fusion), eager's bits; the layers share their graphs; the trainer option reaches it."""
 
+import collections
 import functools
 
 import pytest
@@ -47,13 +48,33 @@ def test_a_model_without_repeated_layers_is_refused():
         compile_decoder_layers(nn.Sequential(nn.Linear(128, 128), nn.ReLU()))
 
 
-def test_the_trainer_compiles_its_policy_layers(monkeypatch, tmp_path):
+def counting_backend(runs: collections.Counter):
+    """AOTAutograd without Inductor, counting each run of a compiled graph by grad mode (training forwards run with
+    grad enabled; generation and scoring without)."""
+    from torch._dynamo.backends.debugging import aot_eager
+
+    def backend(graph, example_inputs):
+        compiled = aot_eager(graph, example_inputs)
+
+        def run(*args):
+            runs["grad" if torch.is_grad_enabled() else "no_grad"] += 1
+            return compiled(*args)
+
+        return run
+
+    return backend
+
+
+def test_the_trainer_compiles_its_policy_layers_and_trains_with_them(monkeypatch, tmp_path):
+    """Every training forward runs each decoder layer's compiled graph. Generation runs them eagerly: compiled, its
+    token-by-token shapes would recompile the layers up to Dynamo's limit, after which training ran eagerly too."""
     from test_grpo_trainer import make_trainer
 
     from trl_fp8.demo.tiny_model import tiny_char_tokenizer
 
+    runs, forwards = collections.Counter(), collections.Counter()
     monkeypatch.setattr(grpo_trainer, "compile_decoder_layers",
-                        functools.partial(compile_decoder_layers, backend="aot_eager"))  # fmt: skip
+                        functools.partial(compile_decoder_layers, backend=counting_backend(runs)))  # fmt: skip
     torch._dynamo.reset()
     path = tmp_path / "model"
     tokenizer = tiny_char_tokenizer()
@@ -61,5 +82,10 @@ def test_the_trainer_compiles_its_policy_layers(monkeypatch, tmp_path):
     tokenizer.save_pretrained(path)
     trainer = make_trainer(str(path), tmp_path, max_steps=2, compile_decoder_layers=True)
     assert trainer.compiled_decoder_layers == 4
+    trainer.model.register_forward_pre_hook(
+        lambda module, args: forwards.update(["grad" if torch.is_grad_enabled() else "no_grad"])
+    )
     trainer.train()
+    assert forwards["grad"] == 2 and forwards["no_grad"] > 0  # one training forward per step; generation's
+    assert runs == {"grad": 4 * forwards["grad"]}  # every layer of every training forward, compiled; nothing else
     assert all(torch.isfinite(torch.tensor(log["loss"])) for log in trainer.state.log_history if "loss" in log)

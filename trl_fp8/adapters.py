@@ -19,6 +19,7 @@ __all__ = [
     "check_adapters_mergeable",
     "hf_name",
     "is_adapter_module",
+    "is_tuner_layer",
     "merged_base_parameters",
     "tuner_layer_names",
     "unwrap_model",
@@ -45,7 +46,8 @@ def hf_name(name: str) -> str:
     return _PEFT_MARKERS.sub("", name)
 
 
-def _is_tuner_layer(module: nn.Module) -> bool:
+def is_tuner_layer(module: nn.Module) -> bool:
+    """Whether `module` is a PEFT tuner layer (a `base_layer` with adapters beside it)."""
     try:
         from peft.tuners.tuners_utils import BaseTunerLayer
     except ImportError:
@@ -55,7 +57,7 @@ def _is_tuner_layer(module: nn.Module) -> bool:
 
 def tuner_layer_names(model: nn.Module) -> list[str]:
     """Names (in `model`) of the PEFT tuner layers: modules wrapping a `base_layer` with adapters beside it."""
-    return [name for name, module in model.named_modules() if _is_tuner_layer(module)]
+    return [name for name, module in model.named_modules() if is_tuner_layer(module)]
 
 
 def is_adapter_module(name: str, tuner_names: list[str] | set[str]) -> bool:
@@ -93,8 +95,10 @@ def check_adapters_mergeable(model: nn.Module) -> None:
 
 
 def merged_base_parameters(tuner: nn.Module) -> dict[str, torch.Tensor]:
-    """The base layer's parameters (`weight`, and `bias` if any) with the tuner's active adapters merged in by PEFT's
-    own `merge`, exactly as `merge_and_unload()` computes them; nothing of `tuner` changes.
+    """The base layer's parameters (`weight`, and `bias` if any; an experts layer's 3-D `gate_up_proj` / `down_proj`)
+    with the active adapters of `tuner` and of the tuners nested in it (LoRA's `target_parameters` wraps one per
+    parameter) merged in by PEFT's own `merge`, exactly as `merge_and_unload()` computes them; nothing of `tuner`
+    changes.
 
     Raises `AdapterMergeError` naming the tuner type when PEFT cannot merge it.
     """
@@ -111,15 +115,19 @@ def merged_base_parameters(tuner: nn.Module) -> dict[str, torch.Tensor]:
             )
         work_base._parameters[name] = nn.Parameter(param.detach().clone(), requires_grad=False)
     # Re-point the copy's (possibly nested) chain of base layers at the cloned one.
-    parent = work
-    while isinstance(parent._modules.get("base_layer"), nn.Module) and parent._modules["base_layer"] is not base:
-        inner = _detached_copy(parent._modules["base_layer"])
-        parent._modules["base_layer"] = inner
-        parent = inner
-    parent._modules["base_layer"] = work_base
+    chain = [work]
+    while isinstance(chain[-1]._modules.get("base_layer"), nn.Module) and chain[-1]._modules["base_layer"] is not base:
+        inner = _detached_copy(chain[-1]._modules["base_layer"])
+        chain[-1]._modules["base_layer"] = inner
+        chain.append(inner)
+    chain[-1]._modules["base_layer"] = work_base
     try:
         with torch.no_grad():
-            work.merge(safe_merge=False)
+            # Nested tuners (PEFT's `ParamWrapper`s, one per targeted parameter, e.g. an experts layer's gate_up_proj
+            # and down_proj) each merge their own parameter: outer to inner, as `merge_and_unload()` does.
+            for layer in chain:
+                if is_tuner_layer(layer):
+                    layer.merge(safe_merge=False)
     except Exception as exc:  # PEFT raises NotImplementedError, TypeError, ... for layers it cannot merge
         raise AdapterMergeError(
             f"PEFT cannot merge the {type(tuner).__name__} adapter of this layer into its weights ({exc}); trl-fp8 "

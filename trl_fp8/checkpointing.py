@@ -6,7 +6,8 @@ make room for). The Trainer takes those two keys out before the rest reaches `to
 GRPO turns checkpointing off around its no-grad scoring forward and back on with the raw dict
 (`trl.models.utils.disable_gradient_checkpointing`), so the next training forward fails with "Unexpected keyword
 arguments: every_n_layers" (TRL 1.16). `keep_layer_options` hands TRL the dict without them and restores
-transformers' own selection afterwards.
+transformers' own selection afterwards. Each of these re-enables also leaves transformers' input-grad hook of the
+previous one on the embeddings; `drop_stale_input_grad_hooks` removes those: one hook, however many steps run.
 """
 
 from __future__ import annotations
@@ -15,10 +16,12 @@ import contextlib
 
 from torch import nn
 
-__all__ = ["LAYER_OPTIONS", "keep_layer_options", "split_checkpointing_kwargs"]
+__all__ = ["LAYER_OPTIONS", "drop_stale_input_grad_hooks", "keep_layer_options", "split_checkpointing_kwargs"]
 
 # Arguments of transformers' `gradient_checkpointing_enable`, not of `torch.utils.checkpoint.checkpoint`.
 LAYER_OPTIONS = ("every_n_layers", "offload")
+# The name of the forward hook transformers' `enable_input_require_grads` puts on the input embeddings.
+INPUT_GRAD_HOOK = "make_inputs_require_grads"
 
 
 def split_checkpointing_kwargs(kwargs: dict | None) -> tuple[dict | None, dict]:
@@ -31,16 +34,34 @@ def split_checkpointing_kwargs(kwargs: dict | None) -> tuple[dict | None, dict]:
 @contextlib.contextmanager
 def keep_layer_options(model: nn.Module, args):
     """Within the block `args.gradient_checkpointing_kwargs` holds only what `torch.utils.checkpoint` takes; on the
-    way out, if checkpointing is on, transformers re-applies the layer options (which layers, offload)."""
+    way out, if checkpointing is on, transformers re-applies the layer options (which layers, offload), and the input
+    embeddings keep one input-grad hook (`drop_stale_input_grad_hooks`)."""
     checkpoint_kwargs, options = split_checkpointing_kwargs(args.gradient_checkpointing_kwargs)
-    if not options:
-        yield
-        return
     original = args.gradient_checkpointing_kwargs
-    args.gradient_checkpointing_kwargs = checkpoint_kwargs
+    if options:
+        args.gradient_checkpointing_kwargs = checkpoint_kwargs
     try:
         yield
     finally:
         args.gradient_checkpointing_kwargs = original
-        if getattr(model, "is_gradient_checkpointing", False):
+        if options and getattr(model, "is_gradient_checkpointing", False):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs, **options)
+        drop_stale_input_grad_hooks(model)
+
+
+def drop_stale_input_grad_hooks(model: nn.Module) -> int:
+    """Remove the input-grad hooks that transformers' `enable_input_require_grads` no longer tracks; returns how many.
+
+    Each enabling of checkpointing (TRL's after every no-grad pass, ours above) registers a new hook on the input
+    embeddings and forgets the previous one without removing it (transformers 5.x), so without this the hooks would
+    pile up, one more per re-enable, every step."""
+    tracked = {handle.id for m in model.modules() for handle in getattr(m, "_require_grads_hooks", None) or ()}
+    dropped = 0
+    for module in model.modules():
+        for key, hook in list(module._forward_hooks.items()):
+            if getattr(hook, "__name__", None) == INPUT_GRAD_HOOK and key not in tracked:
+                for hooks in (module._forward_hooks, module._forward_hooks_with_kwargs,
+                              module._forward_hooks_always_called):  # fmt: skip
+                    hooks.pop(key, None)
+                dropped += 1
+    return dropped

@@ -116,10 +116,31 @@ class FP8LinearConfig:
                     f"{fusion} applies to the blockwise recipe only; torchao's {self.recipe!r} recipe runs each layer "
                     f"on its own. Use recipe='blockwise' or drop {fusion}."
                 )
+        self._refuse_blockwise_options_without_effect()
         if self.recipe != "blockwise" and self.power_of_two_scales:
             raise ValueError(
                 "power_of_two_scales applies to the blockwise recipe only; torchao's rowwise recipe already "
                 "rounds its scales to powers of two. Use recipe='blockwise' or drop power_of_two_scales."
+            )
+
+    def _refuse_blockwise_options_without_effect(self) -> None:
+        """Raise for an option of our blockwise layers that this configuration would ignore, naming the fix."""
+        if self.recipe != "blockwise" and self.experts_gemm != "auto":
+            raise ValueError(
+                f"experts_gemm={self.experts_gemm!r} picks the kernel of the blockwise recipe's FP8 experts; "
+                f"torchao's {self.recipe!r} recipe has none (mixture-of-experts layers stay in BF16). Drop "
+                "experts_gemm, or use recipe='blockwise'."
+            )
+        if self.recipe != "blockwise" and not self.cache_quantized_weight:
+            raise ValueError(
+                f"cache_quantized_weight=False turns off the blockwise layers' FP8 weight cache; torchao's "
+                f"{self.recipe!r} layers keep no such cache. Drop cache_quantized_weight, or use recipe='blockwise'."
+            )
+        if self.backend == "emulated" and self.experts_gemm != "auto":
+            raise ValueError(
+                f"experts_gemm={self.experts_gemm!r} picks a GPU kernel of the FP8 experts, but backend='emulated' "
+                "runs them one expert at a time in the emulation. Drop experts_gemm, or use backend='auto' or "
+                "'scaled_mm'."
             )
 
     @property

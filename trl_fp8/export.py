@@ -28,6 +28,7 @@ from .adapters import (
     check_adapters_mergeable,
     hf_name,
     is_adapter_module,
+    is_tuner_layer,
     merged_base_parameters,
     tuner_layer_names,
     unwrap_model,
@@ -36,7 +37,7 @@ from .checkpoint_folder import replace_checkpoint
 from .conversion import FUSED_GROUPS, is_fp8_linear, plan_fp8_conversion, router_module_names
 from .fp8_experts import EXPERT_WEIGHTS, FP8Experts, is_experts_module
 from .fp8_linear import FP8Linear, is_sharded
-from .quantization import quantize_blocks
+from .quantization import FP8_DTYPE, quantize_blocks
 
 __all__ = [
     "QUANTIZATION_CONFIG",
@@ -83,9 +84,10 @@ def fp8_checkpoint_tensors(
 
     FP8 layers yield `name.weight` and `name.weight_scale_inv`. An `FP8Linear` without an adapter yields its cached
     quantized weight (bit for bit what its forward uses); a layer with a PEFT adapter yields its weight merged by
-    PEFT's own `merge` (`adapters.merged_base_parameters`: LoRA, DoRA, LoHa, IA3, ...) and quantized by the same
-    quantizer; high-precision layers planned for FP8 are quantized here too. Adapter tensors themselves are never
-    yielded; adapters that cannot be merged (prompt tuning, ...) raise naming their type.
+    PEFT's own `merge` (`adapters.merged_base_parameters`: LoRA, DoRA, LoHa, IA3, ...; LoRA on experts through
+    `target_parameters`) and quantized by the same quantizer; high-precision layers planned for FP8 are quantized here
+    too. Experts layers yield one tensor per expert and projection (`_expert_tensors`). Adapter tensors themselves
+    are never yielded; adapters that cannot be merged (prompt tuning, ...) raise naming their type.
     `fp8_modules=set()` gives the plain high-precision checkpoint (adapters still merged). `dtype` casts the
     high-precision tensors (the FP8 weights and their float32 scales are never cast). `skip_experts`: experts layers
     (transformers names) whose weights are left out (a sync that writes them another way, `vllm_experts`).
@@ -112,12 +114,8 @@ def fp8_checkpoint_tensors(
         if tie and storage in seen_storage:
             continue  # the tied lm_head: vLLM and transformers re-tie it from the embedding
         seen_storage.add(storage)
-        if leaf in EXPERT_WEIGHTS and is_experts_module(modules[prefix]):
-            if hf_name(prefix) in skip_experts:
-                continue
-            fp8 = hf_name(prefix) in fp8_modules
-            yield from _expert_tensors(modules[prefix], name, leaf, fp8, names, power_of_two_scales, check_finite,
-                                       dtype)  # fmt: skip
+        experts = leaf in EXPERT_WEIGHTS and is_experts_module(modules[prefix])
+        if experts and hf_name(prefix) in skip_experts:
             continue
         tuner = _BASE_LAYER_SUFFIX.sub("", prefix) if _BASE_LAYER_SUFFIX.search(prefix) else None
         merged_tensor = None
@@ -125,6 +123,12 @@ def fp8_checkpoint_tensors(
             if merged is None or merged[0] != tuner:
                 merged = (tuner, merged_base_parameters(modules[tuner]))
             merged_tensor = merged[1].get(leaf)
+        if experts:  # LoRA's `target_parameters` on the experts: the merged weight, as for a linear layer
+            weight = getattr(modules[prefix], leaf) if merged_tensor is None else merged_tensor
+            fp8 = hf_name(prefix) in fp8_modules
+            yield from _expert_tensors(modules[prefix], name, leaf, weight, fp8, names, power_of_two_scales,
+                                       check_finite, dtype)  # fmt: skip
+            continue
         if leaf != "weight" or hf_name(prefix) not in fp8_modules:
             if merged_tensor is not None:
                 tensor = merged_tensor
@@ -182,7 +186,7 @@ class CheckpointNames:
     def __init__(self, hf_model: nn.Module, keys: list[str]):
         from transformers.core_model_loading import revert_weight_conversion
 
-        modules = dict(hf_model.named_modules())
+        modules = _modules_by_hf_name(hf_model)
         dummy, owner = {}, {}  # code -> (key, expert, part)
         for key in keys:
             prefix, _, leaf = key.rpartition(".")
@@ -217,19 +221,23 @@ class CheckpointNames:
         return self._experts.get((key, expert, part), default)
 
 
+def _modules_by_hf_name(hf_model: nn.Module) -> dict[str, nn.Module]:
+    """Transformers name -> the module there; under PEFT tuners, the base layer they wrap (the innermost)."""
+    tuners = tuner_layer_names(hf_model)
+    return {hf_name(n): m for n, m in hf_model.named_modules() if not is_adapter_module(n, tuners)}
+
+
 # transformers 5 fuses each MoE layer's experts in memory; checkpoints (Hub releases, vLLM's loader) keep them apart.
 EXPERT_CHECKPOINT_PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 
 
-def _expert_tensors(module, key, leaf, fp8, names, power_of_two_scales, check_finite, dtype):
-    """`gate_up_proj [E, 2I, H]` or `down_proj [E, H, I]` of an expert layer as per-expert checkpoint tensors (gate
-    and up `[I, H]`, or down), named as the family's checkpoints name them (`names`), each with its
-    `weight_scale_inv` when FP8 (an `FP8Experts` layer's own quantized blocks, what its forward multiplies)."""
+def _expert_tensors(module, key, leaf, weight, fp8, names, power_of_two_scales, check_finite, dtype):
+    """`weight`, the `gate_up_proj [E, 2I, H]` or `down_proj [E, H, I]` of experts layer `module` (or it with adapters
+    merged), as per-expert checkpoint tensors (gate and up `[I, H]`, or down), named as the family's checkpoints name
+    them (`names`), each with its `weight_scale_inv` when FP8 (`quantized_experts`)."""
     name = key.rpartition(".")[0]
-    weight = getattr(module, leaf)
     if is_sharded(weight):
         raise NotImplementedError(f"{name}.{leaf}: exporting FSDP2-sharded expert weights is not supported yet.")
-    weight = weight.detach()
     if check_finite and not torch.isfinite(weight).all():
         raise ValueError(
             f"{name}.{leaf} holds NaN or Inf values; refusing to write a corrupt checkpoint. The training run "
@@ -237,12 +245,8 @@ def _expert_tensors(module, key, leaf, fp8, names, power_of_two_scales, check_fi
         )
     parts = EXPERT_CHECKPOINT_PARTS[leaf]
     if fp8:
-        if isinstance(module, FP8Experts):
-            q, scale = module.quantized_expert_weight(leaf)
-        else:  # planned for FP8 by a BF16 run: the same blocks the trainer's quantizer would make
-            e, n, k = weight.shape
-            q, scale = quantize_blocks(weight.reshape(e * n, k), power_of_two_scales=power_of_two_scales)
-            q, scale = q.reshape(e, n, k), scale.reshape(e, n // BLOCK, k // BLOCK)
+        q, scale = quantized_experts(module, leaf, weight, power_of_two_scales)
+    weight = weight.detach()
     for e in range(weight.shape[0]):
         for i in range(len(parts)):
             rows = slice(i * weight.shape[1] // len(parts), (i + 1) * weight.shape[1] // len(parts))
@@ -252,6 +256,48 @@ def _expert_tensors(module, key, leaf, fp8, names, power_of_two_scales, check_fi
                 yield disk + "_scale_inv", scale[e, rows.start // BLOCK : rows.stop // BLOCK]
             else:
                 yield disk, weight[e, rows].to(dtype) if dtype is not None else weight[e, rows]
+
+
+def quantized_experts(
+    module: nn.Module, leaf: str, weight: torch.Tensor, power_of_two_scales: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(q [E, N, K], scale_inv [E, N/128, K/128])` of `weight`, experts layer `module`'s `leaf` or that weight with
+    adapters merged. Its own parameter of an `FP8Experts` layer: the layer's own blocks, what its forward multiplies.
+    Otherwise (a merged weight, or a BF16 run's experts planned for FP8) the same quantizer's blocks, expert by expert
+    (no block spans two experts, so the bits are those of the whole stack; the temporaries are one expert's), with
+    an `FP8Experts` layer's own scale rounding."""
+    if isinstance(module, FP8Experts):
+        if weight is getattr(module, leaf):
+            return module.quantized_expert_weight(leaf)
+        power_of_two_scales = module.fp8_config.power_of_two_scales
+    e, n, k = weight.shape
+    q = torch.empty(weight.shape, dtype=FP8_DTYPE, device=weight.device)
+    scale = torch.empty((e, n // BLOCK, k // BLOCK), dtype=torch.float32, device=weight.device)
+    with torch.no_grad():
+        for i in range(e):
+            q[i], scale[i] = quantize_blocks(weight[i].detach(), power_of_two_scales=power_of_two_scales)
+    return q, scale
+
+
+def fp8_experts_layers(hf_model: nn.Module) -> dict[str, nn.Module]:
+    """Transformers name -> the module `merged_fp8_experts` takes for each `FP8Experts` layer: the layer, or the PEFT
+    tuners wrapping it (LoRA's `target_parameters`: `experts.base_layer.base_layer`)."""
+    modules, tuners = dict(hf_model.named_modules()), tuner_layer_names(hf_model)
+    return {
+        hf_name(name): modules[_BASE_LAYER_SUFFIX.sub("", name)]
+        for name, module in modules.items()
+        if isinstance(module, FP8Experts) and not is_adapter_module(name, tuners)
+    }
+
+
+def merged_fp8_experts(layer: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """`{"gate_up_proj": (q, scale_inv), "down_proj": ...}` of the FP8 experts layer at a transformers name: an
+    `FP8Experts` layer, or the PEFT tuners wrapping one (LoRA's `target_parameters`), whose adapters are then merged
+    by PEFT's own merge before quantization, as `fp8_checkpoint_tensors` does."""
+    if not is_tuner_layer(layer):
+        return {leaf: quantized_experts(layer, leaf, getattr(layer, leaf)) for leaf in EXPERT_WEIGHTS}
+    base, merged = layer.get_base_layer(), merged_base_parameters(layer)
+    return {leaf: quantized_experts(base, leaf, merged[leaf]) for leaf in EXPERT_WEIGHTS}
 
 
 def check_fused_groups(fp8_modules: set[str], linear_names: set[str]) -> None:
@@ -307,7 +353,8 @@ def checkpoint_config(
 def _disk_module_names(hf_model: nn.Module, modules: set[str]) -> set[str]:
     """The checkpoint's names of `modules` where they differ from the in-memory ones."""
     names, found = checkpoint_names(hf_model), set()
-    params = dict(hf_model.named_parameters())
+    tuners = tuner_layer_names(hf_model)
+    params = {hf_name(n) for n, _ in hf_model.named_parameters() if not is_adapter_module(n, tuners)}
     for module in modules:
         for leaf in ("weight", *EXPERT_WEIGHTS):
             if f"{module}.{leaf}" in params:

@@ -92,6 +92,14 @@ class FP8Weight:
         clone.q, clone.scale_inv = copy.deepcopy(self.q, memo), copy.deepcopy(self.scale_inv, memo)
         return clone
 
+    def __getstate__(self):  # pickling (torch.save of a whole model): `ops`, a module, goes by its name
+        return {**vars(self), "ops": self.ops.__name__}
+
+    def __setstate__(self, state):
+        import importlib
+
+        self.__dict__.update(state, ops=importlib.import_module(state["ops"]))
+
 
 class InputEntry:
     """A value computed from one input tensor, kept for the next layer that reads the very same tensor (the FP8
@@ -218,7 +226,7 @@ def blockwise_backward(
 class FP8Linear(nn.Linear):
     """`nn.Linear` computing its forward and backward GEMMs in blockwise FP8.
 
-    Created in place from an `nn.Linear` by :func:`trl_fp8.convert_to_fp8` (the class is swapped, the module object
+    Created in place from an `nn.Linear` by `trl_fp8.convert_to_fp8` (the class is swapped, the module object
     is kept), so parameters, hooks, `state_dict` keys and PEFT wrappers see the very same module. The master weight
     stays in its own dtype (BF16 or FP32) and is what the optimizer updates.
     """
@@ -270,6 +278,11 @@ class FP8Linear(nn.Linear):
         key = self._cache_key()
         if (hit := cache_hit(self._fp8_weight_cache, key)) is not None:
             return hit
+        if self._fp8_group is not None and cfg.cache_quantized_weight:
+            # One cached copy per group: its stack, of which this layer's cache holds a view (a copy of its own
+            # beside the stack would hold these bytes twice).
+            self._fp8_group[0].fp8_weight()
+            return self._fp8_weight_cache[1]
         fp8_weight = self._quantize(w)
         fp8_weight.cached = cfg.cache_quantized_weight
         self._fp8_weight_cache = (key, fp8_weight) if fp8_weight.cached else None
@@ -278,21 +291,25 @@ class FP8Linear(nn.Linear):
     def invalidate(self) -> None:
         """Forget the cached FP8 weight: the next forward quantizes the weight as it is now.
 
-        Call it (or :func:`invalidate_fp8_weights` on the model) after writing a weight in place behind autograd's
+        Call it (or `invalidate_fp8_weights` on the model) after writing a weight in place behind autograd's
         back, e.g. `layer.weight.data.add_(...)` or a custom kernel. Optimizer steps, `load_state_dict`, PEFT
         merge/unmerge and assigning a new tensor to the parameter invalidate on their own.
         """
-        self._fp8_weight_cache = None
+        self.release_cache()
         self._fp8_invalidations += 1
 
     def cache_bytes(self) -> int:
-        """Bytes of the cached FP8 weight (values and scales); 0 when none is cached."""
+        """Bytes of the cached FP8 weight (values and scales); 0 when none is cached. In a sibling group, this
+        layer's rows of the group's stacked copy."""
         cached = self._fp8_weight_cache
         return 0 if cached is None else tensor_bytes(cached[1].q, cached[1].scale_inv)
 
     def release_cache(self) -> int:
         """Let go of the cached FP8 weight without invalidating it: the next forward quantizes the unchanged weight
-        to the same bits. Returns the bytes let go."""
+        to the same bits. Returns the bytes let go: in a sibling group, the whole stacked copy (every sibling's
+        cache views it, so it is freed only with all of them)."""
+        if self._fp8_group is not None:
+            return self._fp8_group[0].release_cache()
         released = self.cache_bytes()
         self._fp8_weight_cache = None
         return released
@@ -377,8 +394,10 @@ def _watch_peft_merges() -> None:
             try:
                 return method(self, *args, **kwargs)
             finally:
+                from .fp8_experts import FP8Experts  # (imports this module)
+
                 base = self.get_base_layer()
-                if isinstance(base, FP8Linear):
+                if isinstance(base, FP8Linear | FP8Experts):  # LoRA's `target_parameters` merges into FP8 experts
                     base.invalidate()
 
         return merge_or_unmerge

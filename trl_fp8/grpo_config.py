@@ -15,94 +15,85 @@ TIS_MODES = ("token", "off")
 
 @dataclass
 class FP8GRPOConfig(GRPOConfig):
-    r"""
-    Configuration for [`FP8GRPOTrainer`]: every [`~trl.GRPOConfig`] field, plus the ones below.
+    r"""Configuration for `FP8GRPOTrainer`: every field of TRL's `GRPOConfig`, plus the ones below.
 
-    > Parameters that control the FP8 precision flow
+    **The FP8 precision flow.** Which layers train in FP8, with which recipe and kernels.
 
-    fp8_recipe (`str` or `None`, *optional*, defaults to `"blockwise"`):
-        `"blockwise"` (128x128 weights, 1x128 activations and gradients, all three GEMMs in FP8: the Jet-RL unified
-        flow that rollouts share), torchao's `"tensorwise"` or `"rowwise"`, or `None` to train in BF16 (the same
-        script then runs the BF16 baseline).
-    num_first_layers_in_bf16 (`int`, *optional*, defaults to `0`):
-        Decoder layers at the input end kept in BF16.
-    num_last_layers_in_bf16 (`int`, *optional*, defaults to `0`):
-        Decoder layers at the output end kept in BF16.
-    fp8_keep_experts_in_bf16 (`bool`, *optional*, defaults to `False`):
-        Mixture-of-experts models: keep the expert layers in BF16 (attention stays FP8). Needed for an expert layout
-        trl-fp8 cannot run in FP8, which otherwise raises naming it.
-    fp8_power_of_two_scales (`bool`, *optional*, defaults to `False`):
-        Round blockwise scales down to powers of two (DeepSeek / NeMo RL style).
-    fp8_backend (`str`, *optional*, defaults to `"auto"`):
-        `"scaled_mm"` (real FP8 kernels, SM90), `"emulated"` (exact emulation, any device) or `"auto"`;
-        `"deepgemm"` (SM90 with vLLM's DeepGEMM: FProp and DGrad on DeepGEMM) is opt-in: in an 8B GRPO run on
-        H200 its training phase was 3% faster, for 12 s of just-in-time compiles in the first step.
-    fp8_cache_weights (`bool` or `None`, *optional*, defaults to `None`):
-        Keep each layer's FP8 weight between forwards until the optimizer changes it (one byte per parameter),
-        so micro-batches, scoring passes and the vLLM sync quantize once per step. `False` quantizes at every
-        forward instead (one read of the weights per forward) and saves that memory. `None`: on, except under
-        FSDP2, whose point is not to hold whole weights.
-    fp8_fuse_sibling_gemms (`bool`, *optional*, defaults to `False`):
-        Run q/k/v and gate/up, which read one input, as one FP8 GEMM per pass on their stacked weight blocks
-        (fewer, larger kernels; the same FP8 bytes synced and exported). Opt-in until measured on a GPU.
-    fp8_fuse_swiglu (`bool`, *optional*, defaults to `False`):
-        In gated SiLU MLPs, form `silu(gate) * up` and quantize it for `down_proj` in one kernel, never writing it in
-        BF16 nor keeping `silu(gate)` for backward (the unfused path's values). Opt-in until measured on a GPU.
-    fp8_experts_gemm (`str`, *optional*, defaults to `"auto"`):
-        Grouped kernel of the mixture-of-experts FProp and DGrad: `"deepgemm"` (vLLM's bundled DeepGEMM, Hopper),
-        `"triton"` (ours) or `"auto"` (DeepGEMM where it can run). Same FP8 operands either way.
-    compile_decoder_layers (`bool`, *optional*, defaults to `False`):
-        Compile each decoder layer in place with `torch.compile` (regional compilation: one graph shared by the
-        layers; names, sync and export unchanged). The FP8 ops enter the graph whole, so the host no longer issues
-        each quantizer and GEMM: on one H100 (`bench_train_step`, an earlier version of the ops), 12 layers of the
-        Qwen3-8B shape trained 1.52x faster than eager BF16 (eager FP8: 1.13x), a 1.7B model no faster. The first
-        steps trace and compile the layer: once for one sequence length, once more with the length dynamic.
+    Args:
+        fp8_recipe (str | None): `"blockwise"` (128x128 weights, 1x128 activations and gradients, all three GEMMs in
+            FP8: the Jet-RL unified flow that rollouts share), torchao's `"tensorwise"` or `"rowwise"`, or `None` to
+            train in BF16 (the same script then runs the BF16 baseline).
+        num_first_layers_in_bf16 (int): Decoder layers at the input end kept in BF16.
+        num_last_layers_in_bf16 (int): Decoder layers at the output end kept in BF16.
+        fp8_keep_experts_in_bf16 (bool): Mixture-of-experts models: keep the expert layers in BF16 (attention stays
+            FP8). Needed for an expert layout trl-fp8 cannot run in FP8, which otherwise raises naming it.
+        fp8_power_of_two_scales (bool): Round blockwise scales down to powers of two (DeepSeek / NeMo RL style).
+        fp8_backend (str): `"scaled_mm"` (real FP8 kernels, SM90), `"emulated"` (exact emulation, any device) or
+            `"auto"` (`scaled_mm` on SM90, emulated elsewhere). `"deepgemm"` (SM90 with vLLM's DeepGEMM: FProp and
+            DGrad on DeepGEMM) is opt-in: a slightly faster training phase, for just-in-time compiles of the
+            training GEMMs' shapes in the first step.
+        fp8_cache_weights (bool | None): Keep each layer's FP8 weight between forwards until the optimizer changes
+            it (one byte per parameter), so micro-batches, scoring passes and the vLLM sync quantize once per step.
+            `False` quantizes at every forward instead (one read of the weights per forward) and saves that memory,
+            for a peak no higher than BF16's. `None`: on, except under FSDP2, whose point is not to hold whole
+            weights.
+        fp8_fuse_sibling_gemms (bool): Run q/k/v and gate/up, which read one input, as one FP8 GEMM per pass on their
+            stacked weight blocks (fewer, larger kernels; the same FP8 bytes synced and exported). Off by default:
+            it pays where separate small layers are host-bound, not yet in a whole training step.
+        fp8_fuse_swiglu (bool): In gated SiLU MLPs, form `silu(gate) * up` and quantize it for `down_proj` in one
+            kernel, never writing it in BF16 nor keeping `silu(gate)` for backward (the unfused path's values).
+            Off by default, like `fp8_fuse_sibling_gemms`; it cannot be combined with Liger's SwiGLU.
+        fp8_experts_gemm (str): Grouped kernel of the mixture-of-experts FProp and DGrad: `"deepgemm"` (vLLM's
+            bundled DeepGEMM, Hopper), `"triton"` (ours) or `"auto"` (DeepGEMM where it can run). Same FP8 operands
+            either way.
+        compile_decoder_layers (bool): Compile each decoder layer in place with `torch.compile` (regional
+            compilation: one graph shared by the layers; names, sync and export unchanged). The FP8 ops enter the
+            graph whole, so the host no longer issues each quantizer and GEMM: use it where the training phase is
+            host-bound. The first steps trace and compile the layer: once for one sequence length, once more with
+            the length dynamic.
 
-    > Parameters that control vLLM rollouts (`use_vllm=True`)
+    **vLLM rollouts** (with `use_vllm=True`).
 
-    rollout_precision (`str` or `None`, *optional*, defaults to `None`):
-        `"fp8"`: vLLM runs the trainer's own block-FP8 weights and scales, pushed at every sync (the unified flow;
-        the default with the blockwise recipe). `"bf16"`: BF16 weights (the default otherwise). `"fp8_online"`: BF16
-        weights pushed and quantized by vLLM itself (`--quantization fp8`), the BF16-train / FP8-rollout baseline.
-    vllm_fp8_backend (`str`, *optional*, defaults to `"auto"`):
-        vLLM kernel for the FP8 linear layers of `rollout_precision="fp8"` rollouts: `"deepgemm"` (fastest on Hopper;
-        compiles its kernels with nvcc, once per machine thanks to `vllm_jit_cache_dir`), `"cutlass"` or `"triton"`.
-        `"auto"`: DeepGEMM on an SM90 GPU with nvcc, else Cutlass, with the reason logged. All keep the trainer's
-        weights and scales bit for bit (vLLM's E8M0 rounding is switched off). In server mode, start the server with
-        the same kernel (the trainer checks it and prints the command).
-    vllm_jit_cache_dir (`str` or `None`, *optional*, defaults to `None`):
-        Where DeepGEMM keeps its compiled kernels across runs. `None`: `DG_JIT_CACHE_DIR`, else vLLM's
-        `~/.cache/vllm/deep_gemm`.
-    vllm_deepgemm_workers (`int` or `None`, *optional*, defaults to `None`):
-        Processes that compile DeepGEMM's kernels side by side before the colocated engine starts, into
-        `vllm_jit_cache_dir` (vLLM's own warm-up compiles them one at a time: minutes for an 8B model on a cold
-        host). `None`: one per CPU core, at most 16; `0`: leave it all to vLLM's warm-up. A cache that already holds
-        them is not compiled again.
-    fp8_kv_cache (`bool`, *optional*, defaults to `False`):
-        vLLM `kv_cache_dtype="fp8"`, with the q/k/v scales measured on the trainer's forward and pushed at every
-        sync. Off by default: it pays when the rollouts do not fit the BF16 KV cache (the first rollout's log line
-        says so), for a trainer-vs-rollout KL about 9x larger (docs/when-fp8-pays.md).
-    log_rollout_mismatch (`bool`, *optional*, defaults to `True`):
-        With vLLM, always score the rollouts with the trainer (one extra forward when no importance sampling needs
-        it) and log the trainer-vs-rollout mismatch (`fp8/mismatch/*`).
+    Args:
+        rollout_precision (str | None): `"fp8"`: vLLM runs the trainer's own block-FP8 weights and scales, pushed at
+            every sync (the unified flow; the default with the blockwise recipe). `"bf16"`: BF16 weights (the
+            default otherwise). `"fp8_online"`: BF16 weights pushed and quantized by vLLM itself
+            (`--quantization fp8`), the BF16-train / FP8-rollout baseline.
+        vllm_fp8_backend (str): vLLM kernel for the FP8 linear layers of `rollout_precision="fp8"` rollouts:
+            `"deepgemm"` (fastest on Hopper; compiles its kernels with nvcc, once per machine thanks to
+            `vllm_jit_cache_dir`), `"cutlass"` or `"triton"`. `"auto"`: DeepGEMM on an SM90 GPU with nvcc, else
+            Cutlass, with the reason logged. All keep the trainer's weights and scales bit for bit (vLLM's E8M0
+            rounding is switched off). In server mode, start the server with the same kernel (the trainer checks it
+            and prints the command).
+        vllm_jit_cache_dir (str | None): Where DeepGEMM keeps its compiled kernels across runs. `None`:
+            `DG_JIT_CACHE_DIR`, else vLLM's `~/.cache/vllm/deep_gemm`.
+        vllm_deepgemm_workers (int | None): Processes that compile DeepGEMM's kernels side by side before the
+            colocated engine starts, into `vllm_jit_cache_dir` (vLLM's own warm-up compiles them one at a time:
+            minutes for an 8B model on a cold cache). `None`: one per CPU core, at most 16; `0`: leave it all to
+            vLLM's warm-up. A cache that already holds them is not compiled again.
+        fp8_kv_cache (bool): vLLM `kv_cache_dtype="fp8"`, with the q/k/v scales measured on the trainer's forward and
+            pushed at every sync (Hopper only). Off by default: it pays when the rollouts do not fit the BF16 KV
+            cache (the first rollout's log line says so), for a larger trainer-vs-rollout mismatch, which TIS
+            corrects (the documentation's "When FP8 pays" page).
+        log_rollout_mismatch (bool): With vLLM, always score the rollouts with the trainer (one extra forward when no
+            importance sampling needs it) and log the trainer-vs-rollout mismatch (`fp8/mismatch/*`).
 
-    > Parameters that control truncated importance sampling
+    **Truncated importance sampling.**
 
-    tis (`str` or `None`, *optional*, defaults to `None`):
-        `"token"`: token-level TIS, `min(pi_train / pi_rollout, tis_cap)` per token (TRL's `token_truncate` mode
-        with vLLM; applied by this trainer to any other rollout that returns its own log-probs). `"off"`: no
-        correction. `None`: leave TRL's `vllm_importance_sampling_*` fields as they are.
-    tis_cap (`float`, *optional*, defaults to `2.0`):
-        Upper clip of the token ratio (veRL and NeMo RL use 2.0 for FP8 rollouts).
+    Args:
+        tis (str | None): `"token"`: token-level TIS, `min(pi_train / pi_rollout, tis_cap)` per token (TRL's
+            `token_truncate` mode with vLLM; applied by this trainer to any other rollout that returns its own
+            log-probs). `"off"`: no correction. `None`: leave TRL's `vllm_importance_sampling_*` fields as they are.
+        tis_cap (float): Upper clip of the token ratio (veRL and NeMo RL use 2.0 for FP8 rollouts).
 
-    > Parameters that control saving
+    **Saving.**
 
-    save_fp8_checkpoint (`bool` or `None`, *optional*, defaults to `None`):
-        `save_model()` (and so `push_to_hub()`) writes a block-FP8 checkpoint that vLLM and transformers load.
-        Intermediate training checkpoints keep the BF16 master weights so training can resume from them. `None`:
-        `True` when training in FP8, `False` for the BF16 baseline (`fp8_recipe=None`), which then saves as TRL does.
-    save_bf16_master_weights (`bool`, *optional*, defaults to `False`):
-        Also write the high-precision master weights to `<output_dir>/bf16_master`.
+    Args:
+        save_fp8_checkpoint (bool | None): `save_model()` (and so `push_to_hub()`) writes a block-FP8 checkpoint that
+            vLLM and transformers load. Intermediate training checkpoints keep the BF16 master weights so training can
+            resume from them. `None`: `True` when training in FP8, `False` for the BF16 baseline (`fp8_recipe=None`),
+            which then saves as TRL does.
+        save_bf16_master_weights (bool): Also write the high-precision master weights to `<output_dir>/bf16_master`.
     """
 
     fp8_recipe: str | None = field(
@@ -290,8 +281,12 @@ class FP8GRPOConfig(GRPOConfig):
             self.vllm_importance_sampling_clip_max = self.tis_cap
         elif self.tis == "off":
             self.vllm_importance_sampling_correction = False
-        super().__post_init__()
+        with warnings.catch_warnings():  # TRL's default sets transformers' old name; not the user's to fix
+            warnings.filterwarnings("ignore", "`gradient_checkpointing` is deprecated", FutureWarning)
+            super().__post_init__()
         check_optimizer_installed(self.optim)
+        if self.use_liger_kernel:
+            check_liger_installed()
 
     @property
     def fp8_outside_training(self) -> bool:
@@ -314,6 +309,7 @@ class FP8GRPOConfig(GRPOConfig):
                 ("fp8_cache_weights", None),
                 ("fp8_fuse_sibling_gemms", False),
                 ("fp8_fuse_swiglu", False),
+                ("fp8_experts_gemm", "auto"),
             ):
                 if getattr(self, name) != default:
                     raise ValueError(
@@ -337,6 +333,7 @@ class FP8GRPOConfig(GRPOConfig):
                 f"{self.fp8_recipe!r} recipe runs its own. Use fp8_backend='auto' (or 'emulated'), or "
                 "fp8_recipe='blockwise'."
             )
+        self._refuse_fp8_options_without_effect()
         if self.tis == "token":
             trl_defaults = {f.name: f.default for f in fields(GRPOConfig)}
             if self.vllm_importance_sampling_correction is False:
@@ -365,6 +362,31 @@ class FP8GRPOConfig(GRPOConfig):
                 stacklevel=3,
             )
 
+    def _refuse_fp8_options_without_effect(self) -> None:
+        """Raise for an option of the blockwise FP8 layers that the recipe, backend or compilation would ignore."""
+        if self.fp8_recipe not in ("blockwise", None):
+            for name, default, what in (("fp8_experts_gemm", "auto", "kernel of FP8 experts"),
+                                        ("fp8_cache_weights", None, "cache of FP8 weights")):  # fmt: skip
+                if getattr(self, name) != default:
+                    raise ValueError(
+                        f"{name}={getattr(self, name)!r} sets the blockwise recipe's {what}; torchao's "
+                        f"{self.fp8_recipe!r} recipe has none. Drop {name}, or use fp8_recipe='blockwise'."
+                    )
+        if self.fp8_experts_gemm != "auto" and (self.fp8_keep_experts_in_bf16 or self.fp8_backend == "emulated"):
+            why = ("fp8_keep_experts_in_bf16=True keeps the experts in BF16" if self.fp8_keep_experts_in_bf16
+                   else "fp8_backend='emulated' runs them one expert at a time in the emulation")  # fmt: skip
+            raise ValueError(
+                f"fp8_experts_gemm={self.fp8_experts_gemm!r} picks the GPU kernel of FP8 experts, but {why}. "
+                "Drop fp8_experts_gemm."
+            )
+        fusions = [name for name in ("fp8_fuse_sibling_gemms", "fp8_fuse_swiglu") if getattr(self, name)]
+        if self.compile_decoder_layers and fusions:
+            raise ValueError(
+                f"{' and '.join(fusions)} fuse eager FP8 layers, but compile_decoder_layers=True traces each decoder "
+                "layer into one graph, where its FP8 layers run unfused: the fusion would never run. Drop "
+                f"{' and '.join(fusions)}, or set compile_decoder_layers=False."
+            )
+
     def _refuse_layer_choices_without_effect(self) -> None:
         if self.save_bf16_master_weights and not self.save_fp8_checkpoint:
             warnings.warn(
@@ -391,6 +413,17 @@ class FP8GRPOConfig(GRPOConfig):
                 "'fp8'. Drop it, or set save_fp8_checkpoint=True / rollout_precision='fp8' (BF16 training, FP8 "
                 "export or rollouts)."
             )
+
+
+def check_liger_installed() -> None:
+    """Refuse `use_liger_kernel=True` without liger-kernel now, not when training starts (after the model loads)."""
+    from transformers.utils import is_liger_kernel_available
+
+    if not is_liger_kernel_available():
+        raise ImportError(
+            "use_liger_kernel=True puts Liger's kernels on the model, and liger-kernel is not installed: "
+            "pip install 'trl-fp8[liger]' (a CUDA GPU is needed to run them), or drop use_liger_kernel."
+        )
 
 
 def check_optimizer_installed(optim) -> None:

@@ -21,6 +21,7 @@ import contextlib
 import functools
 import logging
 import os
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,7 +32,7 @@ from transformers.trainer import TRAINING_ARGS_NAME
 from trl import GRPOTrainer
 from trl.trainer.utils import create_model_from_path, pad
 
-from .checkpoint_folder import drop_checkpoint_entries, is_checkpoint_entry
+from .checkpoint_folder import drop_checkpoint_entries, is_checkpoint_entry, output_overwrites_model
 from .checkpointing import keep_layer_options
 from .config import FP8LinearConfig
 from .conversion import ConversionReport, convert_to_fp8, plan_fp8_conversion
@@ -40,19 +41,19 @@ from .fp8_linear import invalidate_fp8_weights
 from .grpo_config import FP8GRPOConfig
 from .importance_sampling import mismatch_stats, token_tis_ratio
 from .kv_scales import AttentionScaleObserver
-from .regional_compile import compile_decoder_layers
+from .regional_compile import compile_decoder_layers, eager_generation
 from .rollout_stats import capacity_line
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FP8GRPOTrainer", "check_no_weight_sharding"]
+__all__ = ["FP8GRPOTrainer", "check_no_weight_sharding", "check_output_dir"]
 
 
 class FP8GRPOTrainer(GRPOTrainer):
-    """[`~trl.GRPOTrainer`] whose policy (and reference model) run their linear layers in FP8.
+    """TRL's `GRPOTrainer` whose policy (and reference model) run their linear and expert layers in FP8.
 
     Takes every argument of `GRPOTrainer` (model name or instance, reward functions, `peft_config`, ...) with an
-    [`FP8GRPOConfig`] as `args`, plus:
+    `FP8GRPOConfig` as `args`, plus:
 
     Args:
         fp8_module_filter_fn: `fn(module, fqn) -> bool`; return False to keep a linear layer in BF16 (in training, and
@@ -60,6 +61,11 @@ class FP8GRPOTrainer(GRPOTrainer):
 
     With `peft_config`, the frozen base layers are FP8 and the adapters stay BF16; rollouts and the exported
     checkpoint get the weights merged by PEFT's own merge.
+
+    Raises:
+        ValueError: before any model is loaded, for settings that cannot work: an `output_dir` that is the model's
+            own folder or inside it (the FP8 checkpoint would replace its weights), `tis="token"` with nothing to
+            correct, a sharding FP8 cannot follow. ImportError: a reward or kernel whose package is missing.
     """
 
     def __init__(
@@ -80,6 +86,14 @@ class FP8GRPOTrainer(GRPOTrainer):
                 "trl_fp8.FP8GRPOConfig(...): it takes every GRPOConfig field."
             )
         check_no_weight_sharding(args)  # before loading a model that could not train
+        check_output_dir(model, args.output_dir)
+        check_reward_dependencies(reward_funcs)
+        if args.tis == "token" and not args.use_vllm and trainer_kwargs.get("rollout_func") is None:
+            raise ValueError(
+                "tis='token' corrects rollouts sampled by another engine (vLLM, or a rollout_func returning its "
+                "log-probs); with use_vllm=False and no rollout_func the policy samples its own rollouts and there is "
+                "nothing to correct. Set use_vllm=True, or drop tis."
+            )
         if isinstance(model, str):
             model = self._load_model(model, args, trainer_kwargs.get("quantization_config"))
         self._fp8_filter = fp8_module_filter_fn
@@ -132,7 +146,8 @@ class FP8GRPOTrainer(GRPOTrainer):
             experts_gemm=args.fp8_experts_gemm,
             # FSDP2 shards the weights to save memory; a whole FP8 copy of every layer kept between steps would undo
             # much of it, and quantizing a weight costs one pass over it per forward.
-            cache_quantized_weight=(
+            # (torchao's recipes keep no cache: they take the default)
+            cache_quantized_weight=args.fp8_recipe != "blockwise" or (
                 weight_sharding(args) != "FSDP2" if args.fp8_cache_weights is None else args.fp8_cache_weights
             ),
         )
@@ -206,7 +221,8 @@ class FP8GRPOTrainer(GRPOTrainer):
     def _generate_single_turn(self, prompt_ids, *args, **kwargs):
         if self._kv_observer is not None and not self._kv_observer.has_observations:
             self._calibrate_kv_scales(prompt_ids)  # the first sync needs KV scales before any training forward
-        return super()._generate_single_turn(prompt_ids, *args, **kwargs)
+        with eager_generation(getattr(self, "compiled_decoder_layers", 0)):  # keeps the graphs for training
+            return super()._generate_single_turn(prompt_ids, *args, **kwargs)
 
     @torch.no_grad()
     def _calibrate_kv_scales(self, prompt_ids: list[list[int]]) -> None:
@@ -221,7 +237,9 @@ class FP8GRPOTrainer(GRPOTrainer):
             decoder(input_ids=ids.to(device), attention_mask=mask.to(device))
 
     def _generate_and_score_completions(self, inputs):
-        with keep_layer_options(self.model, self.args):  # TRL's no-grad scoring would drop `every_n_layers`
+        with keep_layer_options(self.model, self.args), warnings.catch_warnings():  # keep_layer_options: TRL's
+            # no-grad scoring would drop `every_n_layers`. The warning: TRL reads transformers' old property name.
+            warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
             output = super()._generate_and_score_completions(inputs)
         mode = "train" if self.model.training else "eval"
         self._metrics[mode]["fp8/num_fp8_layers"].append(float(self.fp8_report.num_fp8_layers))
@@ -307,9 +325,10 @@ class FP8GRPOTrainer(GRPOTrainer):
 
         With `save_fp8_checkpoint=False`, or for intermediate training checkpoints, this is `Trainer.save_model`.
         """
+        output_dir = output_dir or self.args.output_dir
+        check_output_dir(self.accelerator.unwrap_model(self.model), output_dir)
         if not self.args.save_fp8_checkpoint or self._saving_training_checkpoint:
             return super().save_model(output_dir, _internal_call)
-        output_dir = output_dir or self.args.output_dir
         model = self.accelerator.unwrap_model(self.model)
         fsdp2 = self.accelerator.is_fsdp2  # what accelerate applied (on CPU it falls back to DDP)
         state_dict = None
@@ -356,6 +375,32 @@ class FP8GRPOTrainer(GRPOTrainer):
         path = os.path.join(self.args.output_dir, "README.md")
         with open(path, "a") as f:
             f.write("\n" + fp8_model_card_section(self.fp8_report, self.args, self.fp8_export_report))
+
+
+def check_output_dir(model, output_dir: str) -> None:
+    """Refuse, before anything is loaded or written, to save into the folder the model was loaded from (or into a
+    folder inside it): a block-FP8 checkpoint there would replace the user's weights."""
+    source = model if isinstance(model, str) else getattr(model, "name_or_path", None)
+    if problem := output_overwrites_model(source, output_dir):
+        raise ValueError(
+            f"{problem} Give the trainer another output_dir (FP8GRPOConfig(output_dir=...)), e.g. "
+            f"{Path(str(source).rstrip('/')).name}-fp8-grpo."
+        )
+
+
+def check_reward_dependencies(reward_funcs) -> None:
+    """TRL's math rewards need math-verify, and only import it at the first reward call: after the model has
+    loaded, the engine has started and the first rollout ran. Refuse now instead."""
+    from trl.import_utils import is_math_verify_available
+    from trl.rewards import accuracy_reward, reasoning_accuracy_reward
+
+    funcs = reward_funcs if isinstance(reward_funcs, list | tuple) else [reward_funcs]
+    needs = [f.__name__ for f in funcs if f in (accuracy_reward, reasoning_accuracy_reward)]
+    if needs and not is_math_verify_available():
+        raise ImportError(
+            f"{needs[0]} (trl.rewards) checks answers with math-verify, which is not installed: "
+            "pip install 'trl-fp8[math]'."
+        )
 
 
 def weight_sharding(args) -> str | None:

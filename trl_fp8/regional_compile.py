@@ -11,23 +11,37 @@ same model; the decoder layers share one graph (Dynamo lifts module parameters t
 compiles about as fast as one layer. This is accelerate's in-place regional compilation
 (`accelerate.utils.compile_regions_deepspeed`) restricted to the repeated blocks: the embedding and `lm_head` stay
 eager.
+
+Generation runs the layers eagerly (`eager_generation`): `model.generate` calls them with a new query and KV-cache
+length at every token, which would recompile them until Dynamo's `recompile_limit`, after which every call, the
+training forwards included, runs eagerly.
 """
 
 from __future__ import annotations
 
+import contextlib
+
+import torch
 from torch import nn
 
 from .adapters import unwrap_model
+from .config import FP8LinearConfig
 
-__all__ = ["compile_decoder_layers"]
+__all__ = ["compile_decoder_layers", "eager_generation"]
 
 
 def compile_decoder_layers(model: nn.Module, **compile_kwargs) -> int:
     """Compile in place each block of every `nn.ModuleList` of identical blocks (accelerate's
     `is_repeated_blocks`: a model's decoder layers), outermost lists only. Returns how many blocks were compiled;
-    raises naming the fix for a model without such a list."""
+    raises naming the fix for a model without such a list, or with FP8 fusions, which compiled layers would skip."""
     from accelerate.utils.other import is_repeated_blocks
 
+    root = unwrap_model(model)
+    if fusions := eager_only_fusions(root):
+        raise ValueError(
+            f"The model's FP8 layers were converted with {' and '.join(fusions)}, which run in eager mode only: in a "
+            "compiled decoder layer they would run unfused. Convert without them, or leave the layers uncompiled."
+        )
     compiled = 0
 
     def visit(module: nn.Module) -> None:
@@ -40,7 +54,6 @@ def compile_decoder_layers(model: nn.Module, **compile_kwargs) -> int:
         for child in module.children():
             visit(child)
 
-    root = unwrap_model(model)
     visit(root)
     if compiled == 0:
         raise ValueError(
@@ -48,3 +61,21 @@ def compile_decoder_layers(model: nn.Module, **compile_kwargs) -> int:
             "Set compile_decoder_layers=False (or compile the model yourself with torch.compile)."
         )
     return compiled
+
+
+def eager_only_fusions(model: nn.Module) -> list[str]:
+    """The fusions (`FP8LinearConfig` fields) that some FP8 layer of `model` was converted with: they step aside
+    inside a compiled region (`sibling_gemms`, `fused_swiglu`), so compiling the layers would switch them off."""
+    configs = {m.fp8_config for m in model.modules() if isinstance(getattr(m, "fp8_config", None), FP8LinearConfig)}
+    return [name for name in ("fuse_sibling_gemms", "fuse_swiglu") if any(getattr(c, name) for c in configs)]
+
+
+@contextlib.contextmanager
+def eager_generation(compiled_layers: int):
+    """Within the block, compiled layers run their eager forward (and never compile) when `compiled_layers` > 0: wrap
+    token-by-token generation in it, so the compiled graphs stay those of the training and scoring forwards."""
+    if not compiled_layers:
+        yield
+        return
+    with torch.compiler.set_stance("force_eager"):
+        yield

@@ -24,7 +24,7 @@ import weakref
 import torch
 from torch import nn
 
-from .fp8_linear import FP8Linear, FP8Weight, InputEntry, _BlockwiseFP8Matmul, cache_hit, is_sharded
+from .fp8_linear import FP8Linear, FP8Weight, InputEntry, _BlockwiseFP8Matmul, cache_hit, is_sharded, tensor_bytes
 
 __all__ = ["FUSED_GROUPS", "FP8SiblingGroup", "group_fp8_siblings", "sibling_group_problem"]
 
@@ -85,27 +85,55 @@ class FP8SiblingGroup:
     def fp8_weight(self) -> FP8Weight:
         """The members' FP8 weights stacked row-wise; each member's cache then holds views of its rows."""
         members = self.members
-        cache_on = members[0].fp8_config.cache_quantized_weight
         key = tuple(m._cache_key() for m in members)
         if (hit := cache_hit(self._cache, key)) is not None:
             return hit
-        self._cache = None  # let the old stack go before the new one is built
-        parts = [m._fp8_weight() for m in members]
-        first = parts[0]
-        # (concatenated as bytes: the FP8 values move unchanged, whatever dtypes `cat` supports on the device)
-        q = torch.cat([p.q.view(torch.uint8) for p in parts]).view(first.q.dtype)
-        stacked = FP8Weight.of(q, torch.cat([p.scale_inv for p in parts]), first.ops, first.power_of_two_scales)
-        if cache_on:
+        self.release_cache()  # the old stack (and the members' views of it) go before the new one is built
+        stacked = self._quantize_stacked(members)
+        if members[0].fp8_config.cache_quantized_weight:
             stacked.cached = True
             rows = [m.out_features for m in members]
             for member, member_key, q, s in zip(
                 members, key, stacked.q.split(rows), stacked.scale_inv.split([r // 128 for r in rows]), strict=True
             ):
-                view = FP8Weight.of(q, s, first.ops, first.power_of_two_scales)
+                view = FP8Weight.of(q, s, stacked.ops, stacked.power_of_two_scales)
                 view.cached = True
                 member._fp8_weight_cache = (member_key, view)
             self._cache = (key, stacked)
         return stacked
+
+    @staticmethod
+    def _quantize_stacked(members: list[FP8Linear]) -> FP8Weight:
+        """Each member quantized alone, written into its rows of one stack (at most one member's copy beside it)."""
+        total = sum(m.out_features for m in members)
+        q = scale_inv = first = None
+        row = 0
+        for m in members:
+            part = m._quantize(m.weight)
+            if first is None:
+                first = part
+                q = part.q.new_empty((total, part.q.shape[1]))
+                scale_inv = part.scale_inv.new_empty((total // 128, part.scale_inv.shape[1]))
+            rows = slice(row, row + m.out_features)
+            # (copied as bytes: the FP8 values move unchanged, whatever dtypes `copy_` supports on the device)
+            q[rows].view(torch.uint8).copy_(part.q.view(torch.uint8))
+            scale_inv[row // 128 : rows.stop // 128].copy_(part.scale_inv)
+            row = rows.stop
+        return FP8Weight.of(q, scale_inv, first.ops, first.power_of_two_scales)
+
+    def cache_bytes(self) -> int:
+        """Bytes of the cached stack (values and scales); 0 when none is cached."""
+        return 0 if self._cache is None else tensor_bytes(self._cache[1].q, self._cache[1].scale_inv)
+
+    def release_cache(self) -> int:
+        """Let go of the stack and of every member's view of it (a view alone would keep the whole stack alive);
+        returns the bytes let go."""
+        released = self.cache_bytes()
+        self._cache = None
+        for member in self.members:
+            if member is not None:
+                member._fp8_weight_cache = None
+        return released
 
     def forward_member(self, index: int, x: torch.Tensor) -> torch.Tensor | None:
         """Member `index`'s output for `x` (without bias), or None when the member must run alone."""

@@ -22,8 +22,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from .adapters import hf_name, unwrap_model
-from .fp8_experts import EXPERT_WEIGHTS, FP8Experts
+from .adapters import hf_name, is_tuner_layer, unwrap_model
+from .export import fp8_experts_layers, merged_fp8_experts
+from .fp8_experts import EXPERT_WEIGHTS
 from .fp8_linear import is_sharded
 
 __all__ = ["NO_FP8_EXPERTS", "EngineExperts", "engine_model", "quiet_skipped_layers"]
@@ -43,9 +44,11 @@ def _vllm_converter() -> Callable:
 
 
 class EngineExperts:
-    """Pairs of (our `FP8Experts` layer, the engine's MoE layer) and the kernel-format tensors between them."""
+    """Pairs of (our experts layer, the engine's MoE layer) and the kernel-format tensors between them. Ours is the
+    module at the transformers name: an `FP8Experts` layer, or the PEFT tuners wrapping one (LoRA's
+    `target_parameters`), whose adapters are merged before quantization as in the reload's tensors."""
 
-    def __init__(self, pairs: list[tuple[str, FP8Experts, nn.Module]], convert: Callable):
+    def __init__(self, pairs: list[tuple[str, nn.Module, nn.Module]], convert: Callable):
         self.pairs, self.convert = pairs, convert
         self.names = {name for name, _, _ in pairs}  # transformers names of the experts written here
 
@@ -58,11 +61,12 @@ class EngineExperts:
         `sleep_mode`: TRL sleeps at level 2, which discards the engine's weights, and only the reload runs the MoE
         method's post-load processing again (whatever it derives besides the four tensors written here)."""
         hf_model = unwrap_model(model)
-        ours = [(hf_name(n), m) for n, m in hf_model.named_modules() if isinstance(m, FP8Experts)]
-        ours = [(n, m) for n, m in ours if n in fp8_modules]
+        fp8_modules = {hf_name(n) for n in fp8_modules}  # PEFT names or plain ones
+        ours = [(n, m) for n, m in fp8_experts_layers(hf_model).items() if n in fp8_modules]
         if not ours:
             return None, NO_FP8_EXPERTS
-        if any(is_sharded(getattr(m, p)) for _, m in ours for p in EXPERT_WEIGHTS):
+        bases = [m.get_base_layer() if is_tuner_layer(m) else m for _, m in ours]
+        if any(is_sharded(getattr(m, p)) for m in bases for p in EXPERT_WEIGHTS):
             return None, "the experts are sharded (FSDP2)"
         if sleep_mode:
             return None, "sleep mode discards the engine's MoE layers, which only the reload rebuilds"
@@ -90,9 +94,11 @@ class EngineExperts:
             return None, f"{type(exc).__name__}: {exc}"
         return writer, f"{len(pairs)} MoE layers written in place"
 
-    def kernel_tensors(self, module: FP8Experts, layer: nn.Module) -> dict[str, torch.Tensor]:
-        """The engine's tensor name -> its value from our FP8 experts, in the engine backend's kernel format."""
-        (w13, s13), (w2, s2) = map(module.quantized_expert_weight, EXPERT_WEIGHTS)
+    def kernel_tensors(self, module: nn.Module, layer: nn.Module) -> dict[str, torch.Tensor]:
+        """The engine's tensor name -> its value from our FP8 experts (adapters merged), in the engine backend's
+        kernel format."""
+        fp8 = merged_fp8_experts(module)
+        (w13, s13), (w2, s2) = (fp8[leaf] for leaf in EXPERT_WEIGHTS)
         scale = getattr(layer.quant_method, "weight_scale_name", "weight_scale_inv")  # block FP8: weight_scale_inv
         # Clones: a conversion may work in place, and these are the trainer's cached FP8 weights.
         w13, w2, s13, s2 = self.convert(
