@@ -132,3 +132,152 @@ def test_torchao_recipes(recipe):
     loss.backward()
     assert torch.isfinite(loss) and model.model.layers[0].mlp.up_proj.weight.grad is not None
     assert convert_to_fp8(model, recipe=recipe).num_fp8_layers == 14  # idempotent here too
+
+
+def tiny_experts(**config):
+    """A transformers fused-experts module alone (Qwen3-MoE's: gate_up_proj [4, 256, 256], down_proj [4, 256, 128])."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    torch.manual_seed(0)
+    experts = Qwen3MoeExperts(Qwen3MoeConfig(hidden_size=256, moe_intermediate_size=128, num_experts=4, **config))
+    nn.init.normal_(experts.gate_up_proj, std=0.02)
+    nn.init.normal_(experts.down_proj, std=0.02)
+    return experts
+
+
+class StackedLinear(nn.Module):
+    """A 3-D weight that is not experts: one linear map per codebook (as Moshi's `FlexibleLinear`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(2, 256, 256))
+
+
+def test_convolutions_and_other_3d_weights_are_not_experts():
+    """Mamba's, LFM2's and the gated delta net's Conv1d, or any 3-D weight not laid out as experts, stay in high
+    precision, named in the report; the model's real experts still convert, and keep_experts_in_bf16 keeps only
+    those."""
+    from trl_fp8.fp8_experts import is_experts_module
+
+    def model():
+        return nn.ModuleDict({"conv1d": nn.Conv1d(256, 256, 4, groups=256), "codebooks": StackedLinear(),
+                              "experts": tiny_experts(), "proj": nn.Linear(256, 256, bias=False)})  # fmt: skip
+
+    converted = model()
+    report = convert_to_fp8(converted)
+    assert report.experts == ["experts"] and report.converted == ["proj", "experts"]
+    assert report.high_precision_params == {"conv1d.weight": "convolution", "conv1d.bias": "convolution",
+                                            "codebooks.weight": "not a linear or expert weight"}  # fmt: skip
+    summary = report.summary()
+    assert "(convolution): conv1d.weight, conv1d.bias" in summary and "codebooks.weight" in summary
+    assert type(converted["conv1d"]) is nn.Conv1d and type(converted["codebooks"]) is StackedLinear
+    kept = convert_to_fp8(model(), keep_experts_in_bf16=True)
+    assert kept.converted == ["proj"] and kept.kept == {"experts": "keep_experts_in_bf16"}
+    assert not is_experts_module(nn.Conv1d(256, 256, 4)) and not is_experts_module(StackedLinear())
+
+
+def test_experts_are_recognised_by_their_layout():
+    """Stacked per-expert weights count as experts by their names or by a `num_experts` the leading dim matches; a
+    layout FP8 experts cannot run is refused naming the class and the opt-out."""
+    from trl_fp8.fp8_experts import is_experts_module
+
+    class ParallelExperts(nn.Module):  # JetMoE's layout: one `weight [E, N, K]` per projection
+        def __init__(self):
+            super().__init__()
+            self.num_experts = 4
+            self.weight = nn.Parameter(torch.randn(4, 256, 256))
+
+    assert is_experts_module(tiny_experts()) and is_experts_module(ParallelExperts())
+    with pytest.raises(ValueError, match=r"ParallelExperts holds \['weight'\].*keep_experts_in_bf16=True"):
+        convert_to_fp8(nn.ModuleDict({"experts": ParallelExperts(), "proj": nn.Linear(256, 256)}))
+
+
+def test_bf16_model_with_convolutions_exports_in_fp8(tmp_path):
+    """The exporter plans a BF16 model's FP8 layers with the same rules: a Conv1d is stored as is, in BF16."""
+    from safetensors.torch import load_file
+
+    from trl_fp8 import save_fp8_checkpoint
+
+    model = tiny_qwen3(num_hidden_layers=1)
+    model.model.layers[0].conv1d = nn.Conv1d(256, 256, 4, groups=256)  # the shape of a Mamba / LFM2 conv
+    out = save_fp8_checkpoint(model, tmp_path / "ckpt", progress=False)
+    tensors = {k: v for f in out.glob("*.safetensors") for k, v in load_file(f).items()}
+    assert tensors["model.layers.0.conv1d.weight"].dtype == torch.bfloat16
+    assert tensors["model.layers.0.mlp.down_proj.weight"].dtype == torch.float8_e4m3fn
+
+
+def test_linear_subclasses_with_their_own_forward_are_kept():
+    """An `nn.Linear` subclass computing something else (DeepSeek-V4's grouped output projection) would run plain
+    `nn.Linear` math as an FP8Linear: it is kept, with its class named; one without a forward of its own converts."""
+
+    class GroupedLinear(nn.Linear):
+        def forward(self, x):  # two groups of 128 inputs, each through half the output rows
+            a, b = x.chunk(2, dim=-1)
+            w1, w2 = self.weight.chunk(2, dim=0)
+            return torch.cat([a @ w1[:, :128].T, b @ w2[:, 128:].T], dim=-1)
+
+    class RenamedLinear(nn.Linear):
+        pass
+
+    model = nn.Sequential(GroupedLinear(256, 256, bias=False), RenamedLinear(256, 256), nn.Linear(256, 256))
+    x = torch.randn(4, 256)
+    expected = model[0](x)
+    report = convert_to_fp8(model)
+    assert report.kept == {"0": "GroupedLinear has its own forward, not nn.Linear's"}
+    assert report.converted == ["1", "2"] and torch.equal(model[0](x), expected)
+
+
+def gpt_neox():
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    torch.manual_seed(0)
+    config = GPTNeoXConfig(vocab_size=128, hidden_size=256, num_hidden_layers=2, num_attention_heads=2,
+                           intermediate_size=512, max_position_embeddings=64)  # fmt: skip
+    return GPTNeoXForCausalLM(config)
+
+
+def test_the_report_says_what_each_requested_fusion_did():
+    """Fused blocks are listed; blocks a fusion skipped are listed with why; one warning names a requested fusion
+    that applied nowhere, and none is given when it applied somewhere."""
+    both = FP8LinearConfig(fuse_swiglu=True, fuse_sibling_gemms=True)
+    model = tiny_qwen3(num_hidden_layers=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        report = convert_to_fp8(model, num_first_layers_in_bf16=1, config=both)
+        again = convert_to_fp8(model, num_first_layers_in_bf16=1, config=both)  # a no-op, the same report
+    assert (again.fused, again.not_fused) == (report.fused, report.not_fused)
+    assert report.fused == {"fuse_sibling_gemms": ["model.layers.1.self_attn.q_proj+k_proj+v_proj",
+                                                   "model.layers.1.mlp.gate_proj+up_proj"],
+                            "fuse_swiglu": ["model.layers.1.mlp"]}  # fmt: skip
+    kept = "first/last layers in bf16"
+    assert report.not_fused == {
+        "fuse_sibling_gemms": {
+            "model.layers.0.self_attn.q_proj+k_proj+v_proj": f"kept in high precision: q_proj ({kept}), k_proj "
+            f"({kept}), v_proj ({kept})",
+            "model.layers.0.mlp.gate_proj+up_proj": f"kept in high precision: gate_proj ({kept}), up_proj ({kept})",
+        },
+        "fuse_swiglu": {"model.layers.0.mlp": "Qwen3MLP's down_proj is not a blockwise FP8Linear"},
+    }
+    summary = report.summary()
+    assert "fuse_swiglu: 1 fused (model.layers.1.mlp)" in summary
+    assert "fuse_swiglu not applied (Qwen3MLP's down_proj is not a blockwise FP8Linear): model.layers.0.mlp" in summary
+
+    with pytest.warns(
+        UserWarning, match="fuse_swiglu fused nothing in Qwen3ForCausalLM .*GELUActivation, not SiLU"
+    ) as w:
+        gelu = convert_to_fp8(tiny_qwen3(num_hidden_layers=2, hidden_act="gelu"), config=both)
+    assert len([x for x in w if "fused nothing" in str(x.message)]) == 1
+    assert gelu.fused["fuse_swiglu"] == [] and len(gelu.fused["fuse_sibling_gemms"]) == 4
+    assert set(gelu.not_fused["fuse_swiglu"].values()) == {"Qwen3MLP's activation is GELUActivation, not SiLU"}
+
+    with pytest.warns(
+        UserWarning, match="fuse_sibling_gemms and fuse_swiglu fused nothing in GPTNeoXForCausalLM"
+    ) as w:
+        neox = convert_to_fp8(gpt_neox(), config=both)
+    assert len([x for x in w if "fused nothing" in str(x.message)]) == 1
+    assert neox.not_fused["fuse_sibling_gemms"]["gpt_neox.layers.0.attention"] == (
+        "GPTNeoXAttention has no separate q_proj, k_proj, v_proj (it has query_key_value, dense)")  # fmt: skip
+    mlp_reason = neox.not_fused["fuse_swiglu"]["gpt_neox.layers.1.mlp"]
+    assert mlp_reason.startswith("GPTNeoXMLP is not a gated MLP") and mlp_reason.endswith("dense_4h_to_h)")
+    assert "fuse_sibling_gemms: 0 fused" in neox.summary()
