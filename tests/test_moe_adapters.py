@@ -224,3 +224,32 @@ def test_grpo_syncs_lora_experts_in_place_and_saves_them_merged(fake_vllm, tmp_p
     assert_engine_holds(engine, merged)
     trainer.save_model(str(tmp_path / "fp8"))
     assert_experts_are(load_file(tmp_path / "fp8" / "model.safetensors"), checkpoint_experts(merged))
+
+
+def test_no_grad_forwards_follow_the_experts_adapter_written_in_place():
+    """LoRA on the experts hands each forward a new `W + BA` tensor; a new adapter state may get the last one's
+    address, and under no_grad no step count tells them apart either. Forwards with the adapter written in place
+    between them (as loading other adapter weights does) must each multiply the adapter as it is then: the FP8
+    forward of the adapter merged into a copy, within the FP8 error against the unquantized model."""
+    model = lora_on_fp8_experts()
+    reference = get_peft_model(tiny_moe(), LoraConfig(r=4, lora_alpha=8, **EXPERT_LORA))
+    ids = torch.randint(0, 128, (2, 16))
+    generator = torch.Generator().manual_seed(2)
+    previous = None
+    for _ in range(10):
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if p.requires_grad:
+                    if "lora_B" in name:
+                        p.normal_(0, 0.05, generator=generator)
+                    reference.get_parameter(name).copy_(p)
+            logits = model(ids).logits
+            merged = copy.deepcopy(model).merge_and_unload()(ids).logits
+            exact = reference(ids).logits
+        fp8_error = rel_err(merged, exact)
+        assert rel_err(logits, merged) <= fp8_error
+        if previous is not None:
+            assert rel_err(exact, previous) > fp8_error  # each write moves the logits by more than the FP8 error
+        previous = exact
+    experts = base_experts(model)  # nothing cached from a `W + BA`: the cache is of the module's own parameters
+    assert all(key[0] == getattr(experts, name).data_ptr() for name, (key, _) in experts._fp8_weight_cache.items())

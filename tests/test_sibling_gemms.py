@@ -369,3 +369,84 @@ def test_sleep_mode_frees_every_fp8_copy_of_a_grouped_model(fake_vllm, tmp_path)
     freed = sum(size for ref, size in copies.items() if ref.expired())
     assert generation.released_cache_bytes == freed == sum(copies.values()) > 0
     assert fp8_copies(model) == {}
+
+
+def lora_on_parameters(model, targets):
+    """LoRA through PEFT's `target_parameters` on the attention layers `targets`: each forward, PEFT parametrizes
+    such a layer's weight as `W + BA`, only for the time of that layer's own call."""
+    from peft import LoraConfig, get_peft_model
+
+    params = [f"self_attn.{name}.weight" for name in targets]
+    torch.manual_seed(1)  # the same adapter on every model
+    return get_peft_model(model, LoraConfig(r=4, target_modules=[], target_parameters=params, init_lora_weights=False))
+
+
+@pytest.mark.parametrize("targets", [("k_proj", "v_proj"), ("v_proj",)])
+def test_lora_on_target_parameters_of_grouped_layers(targets):
+    """The first sibling's call stacks the plain weights, before the adapted layers' calls make theirs `W + BA`: the
+    grouped model must still multiply the adapter, as the layers alone do (handing them the pending outputs dropped
+    it). Three SGD steps with gradient checkpointing: the adapted layers leave their group after the first step, not
+    within it (the first backward recomputes its forward, which must see the group it saw), their siblings stay."""
+    models = []
+    for model in (*pair(), high_precision()):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        models.append(lora_on_parameters(model, targets))
+    alone, fused, reference = models
+    ids = torch.randint(0, 200, (2, 24))
+    with torch.no_grad():
+        with fused.disable_adapter():
+            without = fused(input_ids=ids).logits
+        logits_a, logits_f, logits_r = (model(input_ids=ids).logits for model in models)
+    # The adapter moves the logits by more than the FP8 error the comparison below allows: dropping it would show.
+    assert rel(logits_f, without) > rel(logits_a, logits_r)
+    assert_within_fp8_error(logits_f, logits_a, logits_r, "logits")
+
+    attn = fused.get_base_model().model.layers[0].self_attn
+    layers = {name: getattr(attn, name) for name in ("q_proj", "k_proj", "v_proj")}
+    layers = {name: layer.get_base_layer() if name in targets else layer for name, layer in layers.items()}
+    optimizers = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.5) for m in models]
+    for step in range(3):
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+        assert_same_training_math(alone, fused, reference, ids)
+        if step == 0:
+            assert layers["q_proj"]._fp8_group[0].members == list(layers.values())
+        for optimizer in optimizers:
+            optimizer.step()
+    assert all(layers[name]._fp8_group is None for name in targets)
+    kept = [layer for name, layer in layers.items() if name not in targets]
+    assert (kept[0]._fp8_group[0].members if kept[0]._fp8_group else [kept[0]]) == kept
+    mlp = fused.get_base_model().model.layers[0].mlp
+    assert mlp.gate_proj._fp8_group[0].members == [mlp.gate_proj, mlp.up_proj]
+    assert any("lora_B" in n and p.grad is not None for n, p in fused.named_parameters())
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_no_grad_forwards_follow_an_adapter_written_in_place(fuse):
+    """Under LoRA on `target_parameters`, each forward hands the layer a new `W + BA` tensor; a new adapter state may
+    get the last one's address, and under no_grad no step count tells them apart either. Forwards with the adapter
+    written in place between them (as loading other adapter weights does) must each multiply the adapter as it is
+    then: the FP8 forward of the adapter merged into a copy, within the FP8 error against the unquantized model."""
+    model = lora_on_parameters(pair()[int(fuse)], ("k_proj", "v_proj"))
+    reference = lora_on_parameters(high_precision(), ("k_proj", "v_proj"))
+    ids = torch.randint(0, 200, (2, 24))
+    generator = torch.Generator().manual_seed(2)
+    previous = None
+    for _ in range(10):
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.3, generator=generator)
+                    reference.get_parameter(name).copy_(p)
+            logits = model(input_ids=ids).logits
+            merged = copy.deepcopy(model).merge_and_unload()(input_ids=ids).logits
+            exact = reference(input_ids=ids).logits
+        fp8_error = rel(merged, exact)
+        assert rel(logits, merged) <= fp8_error
+        if previous is not None:
+            assert rel(exact, previous) > fp8_error  # each write moves the logits by more than the FP8 error
+        previous = exact
+    for module in model.modules():  # nothing cached from a `W + BA`: a layer's cache is its own parameter's
+        if isinstance(getattr(module, "_fp8_weight_cache", None), tuple):
+            assert module._fp8_weight_cache[0][0] == module.weight.data_ptr()

@@ -36,17 +36,30 @@ import torch
 from torch import nn
 
 from .config import FP8LinearConfig
-from .fp8_linear import blockwise_backward, tensor_bytes, weight_cache_key
+from .fp8_linear import blockwise_backward, is_own_parameter, tensor_bytes, weight_cache_key
 from .ops import backend_name, select_ops
 
 __all__ = ["FP8Experts", "expert_layout_problem", "is_experts_module"]
 
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
+# Names transformers gives per-expert weights stacked as `[E, N, K]` (the fused layout and its relatives, e.g.
+# Nemotron-H's ungated `up_proj` / `down_proj`).
+EXPERT_PARAMETER_NAMES = frozenset({*EXPERT_WEIGHTS, "gate_proj", "up_proj"})
 
 
 def is_experts_module(module: nn.Module) -> bool:
-    """A module holding expert weights as 3-D parameters (transformers 5's fused experts), converted or not."""
-    return any(p.ndim == 3 for p in module.parameters(recurse=False))
+    """A mixture-of-experts experts module, converted or not: its own 3-D parameters are per-expert weights stacked
+    along a leading expert dim, named as transformers names them (`gate_up_proj`, `down_proj`, ...) or sized by its
+    `num_experts`. Having a 3-D parameter is not enough: convolutions (Mamba's, LFM2's, the gated delta net's
+    `conv1d`) and other 3-D weights are not experts, and stay in high precision as modules that are not linear."""
+    if isinstance(module, FP8Experts):
+        return True
+    if isinstance(module, nn.modules.conv._ConvNd):
+        return False
+    stacked = {name: p for name, p in module.named_parameters(recurse=False) if p.ndim == 3}
+    num_experts = getattr(module, "num_experts", None)
+    by_count = isinstance(num_experts, int) and any(p.shape[0] == num_experts for p in stacked.values())
+    return by_count or any(name in EXPERT_PARAMETER_NAMES for name in stacked)
 
 
 def expert_layout_problem(module: nn.Module, dim_multiple: int = 128) -> str | None:
@@ -126,8 +139,11 @@ class FP8Experts(nn.Module):
         """`(q [E, N, K], scale_inv [E, N/128, K/128])` of `gate_up_proj` or `down_proj`: each expert's 128x128 blocks,
         exactly as the forward multiplies them (what the vLLM sync and the export send)."""
         weight = getattr(self, name)
+        # Only the module's own parameter is cached: LoRA's `target_parameters` hands each forward a new `W + BA`
+        # tensor, which a new adapter state may get at the address of the last one (`fp8_linear.is_own_parameter`).
+        cache = self.fp8_config.cache_quantized_weight and is_own_parameter(self, name, weight)
         key = weight_cache_key(weight, self._fp8_invalidations)
-        cached = self._fp8_weight_cache.get(name)
+        cached = self._fp8_weight_cache.get(name) if cache else None
         if cached is not None and cached[0] == key:
             return cached[1]
         e, n, k = weight.shape
@@ -136,7 +152,7 @@ class FP8Experts(nn.Module):
             q, s = ops.quantize_weight(weight.detach().reshape(e * n, k),
                                        power_of_two_scales=self.fp8_config.power_of_two_scales)  # fmt: skip
         value = (q.reshape(e, n, k), s.reshape(e, n // 128, k // 128))
-        if self.fp8_config.cache_quantized_weight:
+        if cache:
             self._fp8_weight_cache[name] = (key, value)
         return value
 

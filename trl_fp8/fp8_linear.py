@@ -43,7 +43,9 @@ __all__ = ["FP8Linear", "fp8_weight_cache_bytes", "invalidate_fp8_weights", "rel
 # sync) bypass it too, so `_version` alone cannot tell. A trainable weight's key therefore includes the process-wide
 # count of optimizer steps (it is requantized once per step); a frozen weight (a LoRA base, the reference model) is
 # quantized once and only an explicit invalidation (`FP8Linear.invalidate`, `invalidate_fp8_weights`, done for you on
-# `load_state_dict` and on PEFT merge/unmerge) or a new tensor behind the parameter makes it quantize again.
+# `load_state_dict` and on PEFT merge/unmerge) or a new tensor behind the parameter makes it quantize again. A weight
+# that is not the module's own parameter (PEFT's LoRA on `target_parameters` parametrizes it as a new `W + BA` at every
+# forward) is never cached: a new tensor may land at the address of the last one (`is_own_parameter`).
 _optimizer_steps = 0
 
 
@@ -275,6 +277,11 @@ class FP8Linear(nn.Linear):
             # (`select_ops` uncached there: the compiler traces through it and keeps its answer as a guard)
             ops = traceable(select_ops.__wrapped__(cfg, w.device))
             return FP8Weight(w, ops, cfg.power_of_two_scales)
+        if not is_own_parameter(self, "weight", w):
+            # A weight computed at each call (PEFT's `target_parameters` parametrizes it as a new `W + BA` tensor per
+            # forward): its address, version and the step count cannot tell one adapter state from the next (a new
+            # tensor at a reused address, an adapter written in place), so it is quantized fresh and never cached.
+            return self._quantize(w)
         key = self._cache_key()
         if (hit := cache_hit(self._fp8_weight_cache, key)) is not None:
             return hit
@@ -327,6 +334,14 @@ class FP8Linear(nn.Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, fp8={self.fp8_config.recipe}"
+
+
+def is_own_parameter(module: nn.Module, name: str, weight: torch.Tensor) -> bool:
+    """Whether `weight` (what `getattr(module, name)` gave) is the module's own parameter `name`, and not a tensor
+    computed from it (a parametrization: PEFT's LoRA on `target_parameters` makes `W + BA` anew at every forward).
+    Only a module's own parameter may have its FP8 copy cached: `weight_cache_key` tells states of one tensor apart,
+    not two tensors that happen to share an address."""
+    return weight is module._parameters.get(name)
 
 
 def is_sharded(t: torch.Tensor) -> bool:

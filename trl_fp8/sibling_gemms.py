@@ -10,9 +10,11 @@ gradient group: one GEMM on the stacked FP8 blocks is the three layers' math.
 So the first sibling called computes every sibling's output in one `_BlockwiseFP8Matmul` (FProp, DGrad, WGrad on the
 stacked weight, each weight getting its rows of the WGrad result), returns its own columns and leaves the others
 pending; each sibling then called with the very same input tensor takes its columns. Anything else (another input,
-a second call, `torch.compile`, FSDP2 shards) runs the layer alone, so the grouping never changes what a layer
-computes, only how many kernels compute it. Modules, parameters and `state_dict` keys stay as they are, and each
-layer's FP8 weight and scales (vLLM sync, export) are its rows of the stacked ones: the same bytes as without grouping.
+a second call, `torch.compile`, FSDP2 shards, a weight computed at the layer's call such as PEFT's LoRA on
+`target_parameters`) runs the layer alone, so the grouping never changes what a layer computes, only how many kernels
+compute it (layers found with such a weight leave their group at the next optimizer step). Modules, parameters and
+`state_dict` keys stay as they are, and each layer's FP8 weight and scales (vLLM sync, export) are its rows of the
+stacked ones: the same bytes as without grouping.
 """
 
 from __future__ import annotations
@@ -24,7 +26,17 @@ import weakref
 import torch
 from torch import nn
 
-from .fp8_linear import FP8Linear, FP8Weight, InputEntry, _BlockwiseFP8Matmul, cache_hit, is_sharded, tensor_bytes
+from . import fp8_linear
+from .fp8_linear import (
+    FP8Linear,
+    FP8Weight,
+    InputEntry,
+    _BlockwiseFP8Matmul,
+    cache_hit,
+    is_own_parameter,
+    is_sharded,
+    tensor_bytes,
+)
 
 __all__ = ["FUSED_GROUPS", "FP8SiblingGroup", "group_fp8_siblings", "sibling_group_problem"]
 
@@ -38,6 +50,8 @@ def sibling_group_problem(members: list[nn.Module]) -> str | None:
         return "fewer than two layers"
     if not all(isinstance(m, FP8Linear) for m in members):
         return "not every layer is a blockwise FP8Linear"
+    if any("weight" not in m._parameters for m in members):
+        return "a layer's weight is parametrized (computed at each call)"
     first = members[0]
     for m in members[1:]:
         if m.fp8_config != first.fp8_config:
@@ -60,6 +74,7 @@ class FP8SiblingGroup:
         self._members = [weakref.ref(m) for m in members]
         self._cache: tuple[tuple, FP8Weight] | None = None
         self._local = threading.local()  # pending outputs per thread: concurrent forwards never see each other's
+        self._parametrized: tuple[frozenset[int], int] | None = None  # see `forward_member`
         for index, member in enumerate(self.members):
             member._fp8_group = (self, index)
 
@@ -73,23 +88,29 @@ class FP8SiblingGroup:
         clone = object.__new__(FP8SiblingGroup)
         memo[id(self)] = clone
         clone._members = [weakref.ref(copy.deepcopy(m, memo)) for m in self.members]  # (memo keeps them alive)
-        clone._cache, clone._local = None, threading.local()
+        clone._cache, clone._local, clone._parametrized = None, threading.local(), self._parametrized
         return clone
 
     def __getstate__(self):  # pickling (torch.save of a whole model): no thread-local state, no cache
-        return {"members": self.members}
+        return {"members": self.members, "parametrized": self._parametrized}
 
     def __setstate__(self, state):
         self._members, self._cache, self._local = [weakref.ref(m) for m in state["members"]], None, threading.local()
+        self._parametrized = state.get("parametrized")
 
     def fp8_weight(self) -> FP8Weight:
         """The members' FP8 weights stacked row-wise; each member's cache then holds views of its rows."""
         members = self.members
+        weights = [m.weight for m in members]
+        if not all(is_own_parameter(m, "weight", w) for m, w in zip(members, weights, strict=True)):
+            # A weight computed at each call is never cached (`FP8Linear._fp8_weight`). (`forward_member` stacks no
+            # such weight; this is for any other caller.)
+            return self._quantize_stacked(members, weights)
         key = tuple(m._cache_key() for m in members)
         if (hit := cache_hit(self._cache, key)) is not None:
             return hit
         self.release_cache()  # the old stack (and the members' views of it) go before the new one is built
-        stacked = self._quantize_stacked(members)
+        stacked = self._quantize_stacked(members, weights)
         if members[0].fp8_config.cache_quantized_weight:
             stacked.cached = True
             rows = [m.out_features for m in members]
@@ -103,13 +124,14 @@ class FP8SiblingGroup:
         return stacked
 
     @staticmethod
-    def _quantize_stacked(members: list[FP8Linear]) -> FP8Weight:
-        """Each member quantized alone, written into its rows of one stack (at most one member's copy beside it)."""
+    def _quantize_stacked(members: list[FP8Linear], weights: list[torch.Tensor]) -> FP8Weight:
+        """Each member's weight quantized alone, written into its rows of one stack (at most one member's copy beside
+        it)."""
         total = sum(m.out_features for m in members)
         q = scale_inv = first = None
         row = 0
-        for m in members:
-            part = m._quantize(m.weight)
+        for m, w in zip(members, weights, strict=True):
+            part = m._quantize(w)
             if first is None:
                 first = part
                 q = part.q.new_empty((total, part.q.shape[1]))
@@ -135,27 +157,58 @@ class FP8SiblingGroup:
                 member._fp8_weight_cache = None
         return released
 
+    def leave(self, indices) -> None:
+        """Take the members at `indices` out of the group for good: they run alone from now on, and the others form
+        a group of their own if two or more remain. The stack and any outputs pending are let go."""
+        members = self.members
+        self.release_cache()
+        if (pending := getattr(self._local, "pending", None)) is not None:
+            pending.drop()
+        for member in members:
+            if member is not None:
+                member._fp8_group = None
+        rest = [m for i, m in enumerate(members) if i not in indices and m is not None]
+        if sibling_group_problem(rest) is None:
+            FP8SiblingGroup(rest)
+
     def forward_member(self, index: int, x: torch.Tensor) -> torch.Tensor | None:
         """Member `index`'s output for `x` (without bias), or None when the member must run alone."""
         members = self.members
-        if torch.compiler.is_compiling() or any(is_sharded(m.weight) for m in members):
+        if torch.compiler.is_compiling():
+            return None
+        # A layer whose weight is computed at each call, not its parameter, runs alone on the weight it has then.
+        # PEFT's LoRA on `target_parameters` parametrizes a layer's weight as `W + BA` only while that layer's own
+        # call runs, after the first sibling's call stacked the plain `W`: that layer's pending output is dropped
+        # (taking it dropped the adapter). Such layers leave the group, but only after the next optimizer step:
+        # gradient checkpointing recomputes a forward in its backward, and must see the layers grouped as they were.
+        weights = [m._parameters.get("weight") for m in members]
+        if (seen := self._parametrized) is not None and seen[1] != fp8_linear._optimizer_steps:
+            self.leave(seen[0])
+            group = members[index]._fp8_group
+            return group[0].forward_member(group[1], x) if group is not None else None
+        if any(w is None for w in weights):
+            seen = frozenset(i for i, w in enumerate(weights) if w is None) | (seen[0] if seen else frozenset())
+            self._parametrized = (seen, fp8_linear._optimizer_steps)
+            return None
+        if any(is_sharded(w) for w in weights):
             return None
         # (inference tensors keep no version counter; nothing writes a layer's input between its siblings' calls)
         key = (None if x.is_inference() else x._version, torch.is_grad_enabled(), torch.is_inference_mode_enabled())
         pending = getattr(self._local, "pending", None)  # outputs computed for siblings not called yet
         if pending is not None and pending.holds(x, key):
-            out, pending.value[index] = pending.value[index], None
+            outputs, used = pending.value
+            out, outputs[index] = outputs[index], None
             if out is not None:
-                return out
-            if any(o is not None for o in pending.value):
+                # (computed from the weight the layer has now, unless the parameter was replaced since: then alone)
+                return out if used[index] is weights[index] else None
+            if any(o is not None for o in outputs):
                 return None  # called again on the same input while its siblings still wait for theirs: run alone
-        weights = [m.weight for m in members]
         y = _BlockwiseFP8Matmul.apply(x, weights[0], self.fp8_weight(), torch.is_grad_enabled(), *weights[1:])
         outputs = list(y.split([m.out_features for m in members], dim=-1))
         own, outputs[index] = outputs[index], None
         if pending is not None:
             pending.drop()
-        self._local.pending = InputEntry(x, key, outputs)
+        self._local.pending = InputEntry(x, key, (outputs, weights))
         return own
 
 
