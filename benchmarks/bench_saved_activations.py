@@ -88,14 +88,13 @@ def saved_bytes(layer, rotary, cfg, tokens: int) -> dict[str, int]:
         totals[category(stack[-1])] += new
         return t
 
-    # Global module hooks: a hook on `down_proj` itself would (rightly) send the fused MLP down its eager path.
-    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
-
-    names = {module: name for name, module in layer.named_modules() if name}
-    handles = [
-        register_module_forward_pre_hook(lambda m, a: stack.append(names[m]) if m in names else None),
-        register_module_forward_hook(lambda m, a, o: stack.pop() and None if m in names else None),
-    ]
+    # No hook on `down_proj` (its own or a global one): either would (rightly) send the fused MLP down its eager
+    # path, so what `down_proj` saves counts as the MLP's in every setting.
+    handles = []
+    for name, module in layer.named_modules():
+        if name and not name.endswith("down_proj"):
+            handles.append(module.register_forward_pre_hook(lambda m, a, name=name: stack.append(name)))
+            handles.append(module.register_forward_hook(lambda m, a, o: stack.pop() and None))
     x = torch.randn(1, tokens, cfg.hidden_size, dtype=torch.bfloat16, requires_grad=True)
     position_ids = torch.arange(tokens)[None]
     cos_sin = rotary(x, position_ids)

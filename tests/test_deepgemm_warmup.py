@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from trl_fp8 import convert_to_fp8
 from trl_fp8.cli import main
@@ -63,9 +64,10 @@ def test_precompile_refuses_without_the_engine_settings(monkeypatch):
 def test_cli_reads_shapes_from_a_config_folder(tmp_path, capsys):
     tiny_qwen3_config().save_pretrained(tmp_path)
     assert model_shapes(str(tmp_path)) == [(256, 256), (256, 512), (512, 256), (1024, 256)]
-    with pytest.raises(SystemExit, match="cannot read a model config"):
-        main(["warmup", str(tmp_path / "missing")])
-    with pytest.raises(SystemExit, match="not both"):
-        main(["warmup", str(tmp_path), "--shapes", "512x256"])
-    with pytest.raises(ValueError, match="cutlass"):  # no GPU here: DeepGEMM cannot run, the error names the fix
-        main(["warmup", str(tmp_path)])
+    with pytest.raises(ValueError, match="no model folder at"):
+        model_shapes(str(tmp_path / "missing"))
+    assert main(["warmup", str(tmp_path), "--shapes", "512x256"]) == 2
+    assert "not both" in capsys.readouterr().err
+    if not torch.cuda.is_available():  # DeepGEMM cannot run: one line naming where to run it
+        assert main(["warmup", str(tmp_path)]) == 2
+        assert "DeepGEMM cannot run here (no CUDA GPU)" in capsys.readouterr().err

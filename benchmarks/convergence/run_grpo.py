@@ -153,7 +153,8 @@ def grpo_config(args, setting: str, task, cuda: bool):
         max_completion_length=task.max_completion_length(), temperature=1.0, beta=0.0, logging_steps=1,
         save_strategy="no", report_to="none", seed=args.seed, bf16=cuda, use_cpu=not cuda,
         gradient_checkpointing=args.gradient_checkpointing, disable_tqdm=True,
-        model_init_kwargs={"dtype": "bfloat16" if cuda else "float32"}, fp8_recipe=recipe, tis=tis,
+        model_init_kwargs={"dtype": "bfloat16" if cuda else "float32"}, fp8_recipe=recipe,
+        tis=None if args.no_vllm else tis,  # without vLLM the policy samples its own rollouts: nothing to correct
         use_vllm=not args.no_vllm, vllm_mode="colocate", vllm_gpu_memory_utilization=args.vllm_memory,
         # without vLLM the rollout settings are refused (nothing would use them); the kernel choice is for our
         # block-FP8 rollouts only (BF16 and vLLM's online FP8 refuse it)
