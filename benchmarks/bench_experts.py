@@ -94,7 +94,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     from trl_fp8 import FP8LinearConfig
-    from trl_fp8.fp8_experts import FP8Experts
+    from trl_fp8.nn.experts import FP8Experts
 
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"

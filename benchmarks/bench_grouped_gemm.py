@@ -112,8 +112,8 @@ def quantize_experts(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def bench_projection(name: str, counts: list[int], n: int, k: int, device: str, reps: int, p: dict | None) -> dict:
-    from trl_fp8.fp8_experts import _GroupedExpertsFP8Matmul, grouped_gemm_kernel
     from trl_fp8.kernels import GroupedRows
+    from trl_fp8.nn.experts import _GroupedExpertsFP8Matmul, grouped_gemm_kernel
 
     cuda = device == "cuda"
     e, m = len(counts), sum(counts)
@@ -166,9 +166,9 @@ def bench_projection(name: str, counts: list[int], n: int, k: int, device: str, 
 def bench_kernels(counts: list[int], n: int, k: int, device: str, reps: int, p: dict | None, sweep: bool) -> list:
     """The FP8 projection's kernels one by one, each against its floor (and, with `sweep`, WGrad's launch
     configurations)."""
-    from trl_fp8.fp8_experts import _m_grouped, grouped_gemm_kernel
     from trl_fp8.kernels import GroupedRows, k_grouped_gemm, quantize_act, quantize_weight
     from trl_fp8.kernels.weight_quant import quantize_expert_weights_t
+    from trl_fp8.nn.experts import _m_grouped, grouped_gemm_kernel
 
     cuda = device == "cuda"
     e, m = len(counts), sum(counts)

@@ -123,7 +123,7 @@ def trainer_memory_account(model, optimizer) -> dict[str, int]:
     GPU beside the engine's share (which bounds the share a run can give vLLM)."""
     import torch
 
-    from trl_fp8.fp8_linear import fp8_weight_cache_bytes, tensor_bytes
+    from trl_fp8.nn.linear import fp8_weight_cache_bytes, tensor_bytes
 
     params = list(model.parameters())
     state = getattr(optimizer, "state", None) or {}
@@ -193,7 +193,7 @@ def run_one(args) -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer
-    from trl_fp8.fp8_linear import fp8_weight_cache_bytes
+    from trl_fp8.nn.linear import fp8_weight_cache_bytes
 
     trainer_kind, recipe, precision, fp8_kv, gemm_backend, cache_weights = RUNS[args.run]
     g = torch.Generator().manual_seed(0)
@@ -250,7 +250,7 @@ def run_one(args) -> None:
 
     import trl.generation.vllm_generation as trl_vllm
 
-    from trl_fp8.rollout_stats import RolloutStats, engine_kv_cache_tokens
+    from trl_fp8.rollout.stats import RolloutStats, engine_kv_cache_tokens
 
     llm_class = trl_vllm.LLM  # every engine collects vLLM's scheduler statistics (TRL's own builds it without)
     trl_vllm.LLM = lambda *a, **kw: llm_class(*a, **{"disable_log_stats": False, **kw})
@@ -410,7 +410,7 @@ def run_one(args) -> None:
 
 def engine_experts_state(generation) -> dict:
     """MoE models: the vLLM MoE layers' FP8 backend, and how the last sync reached the experts."""
-    from trl_fp8.vllm_experts import engine_model
+    from trl_fp8.rollout.vllm.experts import engine_model
 
     try:
         layers = [m for m in engine_model(generation.llm).modules() if hasattr(m, "w13_weight")]
@@ -439,7 +439,7 @@ def rollout_floor(row: dict, settings: dict, device: str) -> dict | None:
 
 def planned_kv_tokens(row: dict, settings: dict) -> dict | None:
     """`trl-fp8 plan`'s KV-token estimate for the run's engine (its goal: within 10% of vLLM's own figure)."""
-    from trl_fp8.capacity import ModelShape, rollout_capacity
+    from trl_fp8.rollout.capacity import ModelShape, rollout_capacity
 
     if not row.get("kv_cache_tokens") or not row.get("gpu_memory_gib"):
         return None
@@ -609,7 +609,7 @@ def main():
 
     import torch
 
-    from trl_fp8.grpo_config import check_optimizer_installed
+    from trl_fp8.trainer.config import check_optimizer_installed
 
     check_optimizer_installed(args.optim)  # every run's child would load the model and start vLLM first
     model = model_dir(args)

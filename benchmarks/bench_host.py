@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import versions  # noqa: E402
 
 from trl_fp8 import FP8Linear, FP8LinearConfig  # noqa: E402
-from trl_fp8.fp8_linear import forget_quantized_input  # noqa: E402
-from trl_fp8.sibling_gemms import FP8SiblingGroup  # noqa: E402
+from trl_fp8.nn.linear import forget_quantized_input  # noqa: E402
+from trl_fp8.nn.sibling_gemms import FP8SiblingGroup  # noqa: E402
 
 
 def host_us(fn, calls: int, cuda: bool) -> float:

@@ -101,7 +101,7 @@ def run_engine(args):
     from vllm_engine import engine_kernels, start_engine, sync
 
     from trl_fp8 import FP8LinearConfig, convert_to_fp8
-    from trl_fp8.kv_scales import AttentionScaleObserver
+    from trl_fp8.rollout.kv_scales import AttentionScaleObserver
 
     setting, _, backend = args.engine.partition(":")
     train_fp8, precision, fp8_kv = SETTINGS[setting]

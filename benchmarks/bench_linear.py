@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import device_kernel_events  # noqa: E402
 
 from trl_fp8 import FP8Linear, FP8LinearConfig  # noqa: E402
-from trl_fp8.fp8_linear import forget_quantized_input  # noqa: E402
-from trl_fp8.sibling_gemms import FP8SiblingGroup  # noqa: E402
+from trl_fp8.nn.linear import forget_quantized_input  # noqa: E402
+from trl_fp8.nn.sibling_gemms import FP8SiblingGroup  # noqa: E402
 
 QWEN3_8B = [
     (4096, 6144, "qkv_proj"),

@@ -16,7 +16,7 @@ load, CUDA graphs on), next to a trainer-side model of the same shape on the sam
 
 `--gpu_memory_utilization` gives every engine the same share of the GPU (matched memory: FP8 engines hold more KV
 cache); `--max_num_seqs` caps every engine at the same number of sequences at once (matched concurrency). Each row
-records vLLM's KV-cache tokens next to `trl_fp8.capacity`'s estimate, and each point the most sequences that ran at
+records vLLM's KV-cache tokens next to `trl_fp8.rollout.capacity`'s estimate, and each point the most sequences that ran at
 once and the preemptions (vLLM's scheduler statistics).
 
 `--profile_point SxN` runs one more rollout under the torch profiler and records its GPU kernel time by category
@@ -223,12 +223,12 @@ def run_engine(args):
     from vllm_engine import engine_kernels, start_engine, sync
 
     from trl_fp8 import convert_to_fp8
-    from trl_fp8.capacity import ModelShape, rollout_capacity
-    from trl_fp8.fp8_linear import FP8Linear, invalidate_fp8_weights
-    from trl_fp8.kv_scales import AttentionScaleObserver
-    from trl_fp8.rollout_stats import RolloutStats
-    from trl_fp8.vllm_kernels import rollout_kernel
-    from trl_fp8.vllm_sync import TRL_MAX_NUM_BATCHED_TOKENS
+    from trl_fp8.nn.linear import FP8Linear, invalidate_fp8_weights
+    from trl_fp8.rollout.capacity import ModelShape, rollout_capacity
+    from trl_fp8.rollout.kv_scales import AttentionScaleObserver
+    from trl_fp8.rollout.stats import RolloutStats
+    from trl_fp8.rollout.vllm.generation import TRL_MAX_NUM_BATCHED_TOKENS
+    from trl_fp8.rollout.vllm.kernels import rollout_kernel
 
     train_fp8, precision, fp8_kv, backend = ENGINES[args.engine]
     model = build_trainer_model(args.shape)
@@ -282,7 +282,7 @@ def run_engine(args):
     if llm.trl_fp8_precompile is not None:
         row["deepgemm_precompile"] = vars(llm.trl_fp8_precompile)
     row.update(engine_kernels(llm))
-    # The planner's estimate beside vLLM's own figure (trl_fp8.capacity; its goal: within 10%).
+    # The planner's estimate beside vLLM's own figure (trl_fp8.rollout.capacity; its goal: within 10%).
     total = torch.cuda.mem_get_info()[1]
     shape = ModelShape.from_config(model.config)
     planned = rollout_capacity(shape, total, args.gpu_memory_utilization, fp8_weights=precision != "bf16",

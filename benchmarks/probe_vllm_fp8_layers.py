@@ -32,8 +32,8 @@ def main():
     from vllm import LLM, SamplingParams
 
     from trl_fp8 import convert_to_fp8, quantize_groups
+    from trl_fp8.checkpoint.save import save_fp8_checkpoint
     from trl_fp8.demo.tiny_model import tiny_qwen3
-    from trl_fp8.export import save_fp8_checkpoint
 
     torch.manual_seed(0)
     model = tiny_qwen3(

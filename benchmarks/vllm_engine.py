@@ -8,10 +8,9 @@ import os
 import time
 from pathlib import Path
 
-from trl_fp8.deepgemm_warmup import precompile_engine_kernels
-from trl_fp8.export import fp8_module_names
-from trl_fp8.vllm_kernels import rollout_kernel
-from trl_fp8.vllm_sync import (
+from trl_fp8.checkpoint.save import fp8_module_names
+from trl_fp8.rollout.vllm.deepgemm_warmup import precompile_engine_kernels
+from trl_fp8.rollout.vllm.generation import (
     TRL_MAX_NUM_BATCHED_TOKENS,
     apply_engine_env,
     engine_overrides,
@@ -19,6 +18,7 @@ from trl_fp8.vllm_sync import (
     rollout_weight_tensors,
     write_engine_config,
 )
+from trl_fp8.rollout.vllm.kernels import rollout_kernel
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: its worker is reachable
 
@@ -34,8 +34,8 @@ def start_engine(
     **llm_kwargs,
 ):
     """An `LLM` for `model` at `precision` ("bf16", "fp8", "fp8_online"), weights not loaded yet (call `sync`);
-    FP8 layers on the `backend` kernel (`trl_fp8.vllm_kernels.rollout_kernel`), its DeepGEMM kernels compiled by
-    `deepgemm_workers` processes first (`trl_fp8.deepgemm_warmup`; 0: vLLM's warm-up alone)."""
+    FP8 layers on the `backend` kernel (`trl_fp8.rollout.vllm.kernels.rollout_kernel`), its DeepGEMM kernels compiled by
+    `deepgemm_workers` processes first (`trl_fp8.rollout.vllm.deepgemm_warmup`; 0: vLLM's warm-up alone)."""
     from vllm import LLM
 
     kernel = rollout_kernel(backend) if precision == "fp8" else None

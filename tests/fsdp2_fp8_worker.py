@@ -30,7 +30,7 @@ def main():
 
     from trl_fp8 import FP8LinearConfig, convert_to_fp8, save_fp8_checkpoint
     from trl_fp8.demo.tiny_model import tiny_qwen3
-    from trl_fp8.vllm_sync import rollout_weight_tensors
+    from trl_fp8.rollout.vllm.generation import rollout_weight_tensors
 
     out = Path(sys.argv[1])
     dist.init_process_group("gloo")

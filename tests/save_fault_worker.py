@@ -18,7 +18,7 @@ def die():
 def main(out: str, seed: int, point: str) -> None:
     import safetensors.torch
 
-    import trl_fp8.checkpoint_folder as folder
+    import trl_fp8.checkpoint.folder as folder
     from trl_fp8 import convert_to_fp8, save_fp8_checkpoint
     from trl_fp8.demo.tiny_model import tiny_qwen3
 

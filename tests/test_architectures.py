@@ -41,9 +41,9 @@ import torch
 from torch import nn
 
 from trl_fp8 import ConversionReport, FP8LinearConfig, convert_to_fp8, dequantize_blocks, quantize_blocks
-from trl_fp8.conversion import plan_fp8_conversion
-from trl_fp8.export import save_fp8_checkpoint
-from trl_fp8.fp8_experts import is_experts_module
+from trl_fp8.checkpoint.save import save_fp8_checkpoint
+from trl_fp8.nn.conversion import plan_fp8_conversion
+from trl_fp8.nn.experts import is_experts_module
 
 # Hidden 256, two 128-wide heads (one KV head), MLP 512, experts 4 x 128 (top 2): the common projections have whole
 # 128x128 blocks.

@@ -179,7 +179,7 @@ def test_the_trainer_memory_account_counts_live_gradients_and_optimizer_states()
     from bench_grpo import trainer_memory_account
 
     from trl_fp8 import FP8LinearConfig
-    from trl_fp8.fp8_linear import FP8Linear
+    from trl_fp8.nn.linear import FP8Linear
 
     model = torch.nn.Sequential(torch.nn.Linear(256, 128, bias=False))
     FP8Linear.convert_(model[0], FP8LinearConfig(backend="emulated"))
@@ -580,8 +580,8 @@ def test_moe_rollout_shape_builds_its_engine_config_without_weights():
     import bench_rollout
 
     from trl_fp8 import convert_to_fp8
-    from trl_fp8.export import fp8_module_names
-    from trl_fp8.vllm_sync import write_engine_config
+    from trl_fp8.checkpoint.save import fp8_module_names
+    from trl_fp8.rollout.vllm.generation import write_engine_config
 
     model = bench_rollout.build_trainer_model("tiny-moe")
     assert next(model.parameters()).device.type == "meta"

@@ -1,4 +1,4 @@
-"""The rollout-capacity arithmetic (`trl_fp8.capacity`) and `trl-fp8 plan`: parameter counts against real models, KV
+"""The rollout-capacity arithmetic (`trl_fp8.rollout.capacity`) and `trl-fp8 plan`: parameter counts against real models, KV
 tokens against what vLLM reported in the committed benchmark rows, and the command's output and errors."""
 
 import json
@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from trl_fp8.capacity import (
+from trl_fp8.cli.main import main as cli
+from trl_fp8.rollout.capacity import (
     GPU_MEMORY_BYTES,
     GiB,
     ModelShape,
@@ -17,7 +18,6 @@ from trl_fp8.capacity import (
     trainer_memory_bytes,
     weight_bytes,
 )
-from trl_fp8.cli import main as cli
 
 from conftest import free_port
 

@@ -1,6 +1,6 @@
 """Saving never loses or mixes a model: the new checkpoint is written beside the output folder and swapped in whole,
 what the folder holds beside its checkpoint is kept, and saves killed at any point leave the old checkpoint or the
-new one (`trl_fp8.checkpoint_folder`)."""
+new one (`trl_fp8.checkpoint.folder`)."""
 
 import hashlib
 import json
@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import trl_fp8.checkpoint_folder as checkpoint_folder
+import trl_fp8.checkpoint.folder as checkpoint_folder
 from trl_fp8 import convert_to_fp8, save_fp8_checkpoint
-from trl_fp8.checkpoint_folder import drop_checkpoint_entries, holds_a_model, remove_leftovers, replace_checkpoint
+from trl_fp8.checkpoint.folder import drop_checkpoint_entries, holds_a_model, remove_leftovers, replace_checkpoint
 from trl_fp8.demo.tiny_model import tiny_qwen3
 
 from conftest import clean_subprocess_env

@@ -5,8 +5,8 @@ import torch
 from test_grpo_trainer import make_trainer, model_dir  # noqa: F401 (a fixture)
 from transformers import TrainerCallback
 
-from trl_fp8.checkpointing import drop_stale_input_grad_hooks
 from trl_fp8.demo.tiny_model import tiny_qwen3
+from trl_fp8.trainer.layer_checkpointing import drop_stale_input_grad_hooks
 
 
 def embedding_hooks(model) -> int:

@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from trl_fp8.cli import main as cli
+from trl_fp8.cli.main import main as cli
+from trl_fp8.cli.quantize import main as quantize_alias
 from trl_fp8.demo.tiny_model import tiny_char_tokenizer, tiny_qwen3
-from trl_fp8.quantize import main as quantize_alias
 
 from conftest import clean_subprocess_env
 

@@ -84,7 +84,7 @@ def test_compiled_fp8_model_is_as_accurate_as_eager():
 
 _TRACE_GPU_BACKEND = """
 import torch
-from trl_fp8.fp8_linear import FP8Weight, _BlockwiseFP8Matmul
+from trl_fp8.nn.linear import FP8Weight, _BlockwiseFP8Matmul
 from trl_fp8.ops import scaled_mm
 from trl_fp8.ops.library import traceable
 

@@ -158,7 +158,7 @@ def test_convolutions_and_other_3d_weights_are_not_experts():
     """Mamba's, LFM2's and the gated delta net's Conv1d, or any 3-D weight not laid out as experts, stay in high
     precision, named in the report; the model's real experts still convert, and keep_experts_in_bf16 keeps only
     those."""
-    from trl_fp8.fp8_experts import is_experts_module
+    from trl_fp8.nn.experts import is_experts_module
 
     def model():
         return nn.ModuleDict({"conv1d": nn.Conv1d(256, 256, 4, groups=256), "codebooks": StackedLinear(),
@@ -180,7 +180,7 @@ def test_convolutions_and_other_3d_weights_are_not_experts():
 def test_experts_are_recognised_by_their_layout():
     """Stacked per-expert weights count as experts by their names or by a `num_experts` the leading dim matches; a
     layout FP8 experts cannot run is refused naming the class and the opt-out."""
-    from trl_fp8.fp8_experts import is_experts_module
+    from trl_fp8.nn.experts import is_experts_module
 
     class ParallelExperts(nn.Module):  # JetMoE's layout: one `weight [E, N, K]` per projection
         def __init__(self):

@@ -1,4 +1,4 @@
-"""Mixture-of-experts layers in FP8 (`trl_fp8.fp8_experts`), on tiny transformers MoE models, CPU emulation.
+"""Mixture-of-experts layers in FP8 (`trl_fp8.nn.experts`), on tiny transformers MoE models, CPU emulation.
 
 Two references, as for the dense layer (`test_fp8_linear.py`):
 - the exact one: every expert's tokens through the dense FP8 layer (`FP8Linear`, the same quantizers and emulated
@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from trl_fp8 import FP8Linear, FP8LinearConfig, convert_to_fp8, dequantize_blocks, save_fp8_checkpoint
-from trl_fp8.fp8_experts import FP8Experts
+from trl_fp8.nn.experts import FP8Experts
 
 from conftest import assert_fp8_equal, rel_err
 
@@ -201,7 +201,7 @@ def test_grpo_trains_a_moe_model_in_fp8_and_syncs_and_saves_its_experts(tmp_path
     from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer
     from trl_fp8.demo.tiny_model import tiny_char_tokenizer
     from trl_fp8.demo.toy_task import GRPO_SETTINGS, say_letter_dataset, say_letter_reward
-    from trl_fp8.vllm_sync import rollout_weight_tensors
+    from trl_fp8.rollout.vllm.generation import rollout_weight_tensors
 
     tokenizer = tiny_char_tokenizer()
     model = tiny_moe(eos_token_id=tokenizer.eos_token_id, pad_token_id=0)
@@ -243,7 +243,7 @@ def test_lora_on_the_attention_of_a_moe_model_merges_and_exports(tmp_path):
 def test_releasing_the_expert_weight_cache_counts_its_bytes_and_requantizes_the_same_bits():
     """`release_fp8_weight_caches` (colocated sleep-mode rollouts) lets go of the cached FP8 experts; the next use
     quantizes the unchanged weights to the same bits."""
-    from trl_fp8.fp8_linear import release_fp8_weight_caches
+    from trl_fp8.nn.linear import release_fp8_weight_caches
 
     experts, _reference, x, index, weights = experts_and_routing()
     with torch.no_grad():

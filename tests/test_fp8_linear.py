@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from trl_fp8 import FP8Linear, FP8LinearConfig, quantize_blocks
-from trl_fp8.fp8_linear import FP8Weight, _BlockwiseFP8Matmul, invalidate_fp8_weights
+from trl_fp8.nn.linear import FP8Weight, _BlockwiseFP8Matmul, invalidate_fp8_weights
 
 from conftest import assert_fp8_equal, rel_err
 

@@ -8,7 +8,7 @@ import torch
 
 from trl_fp8 import FP8GRPOConfig, FP8LinearConfig, convert_to_fp8
 from trl_fp8.demo.tiny_model import tiny_qwen3
-from trl_fp8.regional_compile import compile_decoder_layers
+from trl_fp8.trainer.regional_compile import compile_decoder_layers
 
 
 def grpo_config(**settings) -> FP8GRPOConfig:

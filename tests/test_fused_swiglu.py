@@ -11,7 +11,7 @@ from torch import nn
 
 from trl_fp8 import FP8GRPOConfig, FP8LinearConfig, convert_to_fp8
 from trl_fp8.demo.tiny_model import tiny_qwen3
-from trl_fp8.fused_swiglu import fuse_swiglu, is_fused_swiglu, swiglu_problem
+from trl_fp8.nn.fused_swiglu import fuse_swiglu, is_fused_swiglu, swiglu_problem
 from trl_fp8.ops import emulated
 
 

@@ -138,7 +138,7 @@ def test_layout_from_counts_on_the_device_bounds_the_padding_and_places_every_ro
     """From a tensor of counts (no host sync) `m_pad` is an upper bound; the rows land where host counts put them,
     the extra groups hold no rows (zero `group_rows`, -1 in `source` and `expert_of_row`), and one projection's
     grouped forward and backward on that layout equal the exact layout's."""
-    from trl_fp8.fp8_experts import _GroupedExpertsFP8Matmul
+    from trl_fp8.nn.experts import _GroupedExpertsFP8Matmul
 
     exact = _rows()
     rows = GroupedRows(torch.tensor(COUNTS, device=_device()), _device(), num_rows=sum(COUNTS))
@@ -270,7 +270,7 @@ def test_k_grouped_gemm_matches_a_loop_over_experts(out_dtype):
 
 
 def test_grouped_autograd_function_with_no_rows_at_all():
-    from trl_fp8.fp8_experts import _GroupedExpertsFP8Matmul
+    from trl_fp8.nn.experts import _GroupedExpertsFP8Matmul
 
     weight = torch.randn(3, 128, 256, device=_device(), requires_grad=True)
     q, s = kernels.quantize_weight(weight.detach().reshape(384, 256))
@@ -299,7 +299,7 @@ def test_grouped_autograd_function_equals_the_loop_on_the_same_operands(dtype, p
     """One projection, `_GroupedExpertsFP8Matmul` against `_ExpertsFP8Matmul` (the loop on the emulation), from the
     same rows, weight and output gradient: each of y, dx and dW is one GEMM of identical FP8 operands in both, so
     they agree element by element to the kernels' bound (doubled: both round in fp32; plus a bf16 rounding)."""
-    from trl_fp8.fp8_experts import _ExpertsFP8Matmul, _GroupedExpertsFP8Matmul
+    from trl_fp8.nn.experts import _ExpertsFP8Matmul, _GroupedExpertsFP8Matmul
     from trl_fp8.quantization import quantize_blocks
 
     g = torch.Generator().manual_seed(5)
@@ -394,7 +394,7 @@ def test_grouped_experts_launch_a_fixed_number_of_kernels_whatever_the_expert_co
     counts = []
     for num_experts in (4, 8):
         experts = tiny_moe(num_experts=num_experts).model.layers[0].mlp.experts
-        from trl_fp8.fp8_experts import FP8Experts
+        from trl_fp8.nn.experts import FP8Experts
 
         FP8Experts.convert_(experts, FP8LinearConfig(backend="emulated"))
         experts._grouped_kernels = True

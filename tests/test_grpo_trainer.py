@@ -18,7 +18,7 @@ from transformers import TrainerCallback
 from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, FP8Linear, dequantize_blocks, quantize_blocks
 from trl_fp8.demo.tiny_model import tiny_char_tokenizer, tiny_qwen3
 from trl_fp8.demo.toy_task import GRPO_SETTINGS, say_letter_dataset, say_letter_reward
-from trl_fp8.grpo_trainer import fp8_model_card_section
+from trl_fp8.trainer.grpo import fp8_model_card_section
 
 from conftest import assert_fp8_equal, layer_names, rel_err
 
@@ -186,7 +186,7 @@ def test_partial_checkpointing_survives_grpo_scoring(model_dir, tmp_path):
     """transformers' `every_n_layers` under GRPO: TRL turns checkpointing off around its no-grad scoring and back on
     with the raw kwargs, which `torch.utils.checkpoint` refuses ("Unexpected keyword arguments: every_n_layers", TRL
     1.16); the trainer keeps transformers' selection instead, and the user's config is left as given."""
-    from trl_fp8.checkpointing import split_checkpointing_kwargs
+    from trl_fp8.trainer.layer_checkpointing import split_checkpointing_kwargs
 
     assert split_checkpointing_kwargs({"every_n_layers": 2, "use_reentrant": False, "offload": True}) == (
         {"use_reentrant": False}, {"every_n_layers": 2, "offload": True})  # fmt: skip
@@ -323,7 +323,7 @@ def test_export_streams_shards_that_transformers_reloads(tmp_path):
 
 
 def test_a_save_waits_for_an_upload_in_flight_before_swapping(model_dir, tmp_path, monkeypatch):
-    import trl_fp8.checkpoint_folder as checkpoint_folder
+    import trl_fp8.checkpoint.folder as checkpoint_folder
 
     trainer = make_trainer(model_dir, tmp_path)
     events = []
@@ -556,7 +556,7 @@ def test_plain_grpo_config_is_refused_with_the_fix(model_dir, tmp_path):
 
 def test_quantize_cli_matches_the_training_quantizer(model_dir, tmp_path):
     from trl_fp8 import convert_to_fp8
-    from trl_fp8.quantize import main
+    from trl_fp8.cli.quantize import main
 
     out = tmp_path / "q"
     assert main([model_dir, str(out), "--num_first_layers_in_bf16", "1", "--dtype", "float32"]) == 0
@@ -588,7 +588,7 @@ def test_quantize_cli_matches_the_training_quantizer(model_dir, tmp_path):
     ],
 )
 def test_sharded_launches_are_refused_before_loading_the_model(tmp_path, monkeypatch, env, name):
-    from trl_fp8.grpo_trainer import check_no_weight_sharding
+    from trl_fp8.trainer.grpo import check_no_weight_sharding
 
     args, bf16_args = make_args(tmp_path), make_args(tmp_path, fp8_recipe=None)
     for key, value in env.items():
@@ -604,7 +604,7 @@ def test_sharded_launches_are_refused_before_loading_the_model(tmp_path, monkeyp
 def test_fsdp2_launches_are_accepted_and_keep_no_fp8_weight_cache(tmp_path, monkeypatch):
     """FSDP2 hands each layer the whole weight inside forward/backward, and the sync/export gather per tensor
     (tests/test_multiprocess.py runs them sharded); a cached FP8 copy of every layer would undo the sharding."""
-    from trl_fp8.grpo_trainer import check_no_weight_sharding, weight_sharding
+    from trl_fp8.trainer.grpo import check_no_weight_sharding, weight_sharding
 
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     monkeypatch.setenv("FSDP_VERSION", "2")
@@ -612,7 +612,7 @@ def test_fsdp2_launches_are_accepted_and_keep_no_fp8_weight_cache(tmp_path, monk
     assert weight_sharding(args) == "FSDP2"
     check_no_weight_sharding(args)
     converted = []
-    monkeypatch.setattr("trl_fp8.grpo_trainer.convert_to_fp8", lambda model, **kw: converted.append(kw["config"]))
+    monkeypatch.setattr("trl_fp8.trainer.grpo.convert_to_fp8", lambda model, **kw: converted.append(kw["config"]))
     FP8GRPOTrainer._convert(SimpleNamespace(_fp8_filter=None), object(), args)
     FP8GRPOTrainer._convert(SimpleNamespace(_fp8_filter=None), object(), make_args(tmp_path, fp8_cache_weights=True))
     assert [c.cache_quantized_weight for c in converted] == [False, True]  # the default under FSDP2; asked for
@@ -694,7 +694,7 @@ def test_torchao_recipes_decide_emulation_from_the_training_device():
 
 
 def test_quantize_cli_refuses_missing_paths_in_one_line(tmp_path, capsys):
-    from trl_fp8.quantize import main
+    from trl_fp8.cli.quantize import main
 
     for missing in ("/no/such/dir", "not_a_folder", str(tmp_path / "gone")):
         start = time.perf_counter()
@@ -726,7 +726,7 @@ def _file_bytes(folder: Path) -> dict[str, bytes]:
 def test_output_dir_that_is_the_models_folder_is_refused_before_anything_loads(tmp_path, monkeypatch):
     """The model's own folder, spelt otherwise, through a symbolic link, or a folder inside it: refused with the fix
     before the model loads, and every file of the model folder stays byte-identical."""
-    import trl_fp8.grpo_trainer as grpo_trainer
+    import trl_fp8.trainer.grpo as grpo_trainer
 
     model = tmp_path / "my-model"
     tiny_qwen3(vocab_size=128).save_pretrained(model)

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from trl_fp8.importance_sampling import mismatch_stats, token_tis_ratio
+from trl_fp8.trainer.importance_sampling import mismatch_stats, token_tis_ratio
 
 # Two scored tokens and one padding token. delta = train - rollout = [+0.5, -1.0]; the padding token differs too,
 # so a mask that is not applied shows up.

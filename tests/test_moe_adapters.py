@@ -14,10 +14,10 @@ from test_fp8_experts import INTER, E, tiny_moe
 from test_vllm_sync import FakeMoEEngine, _tiny_trainer, fake_vllm  # noqa: F401 (fake_vllm: a fixture)
 
 from trl_fp8 import convert_to_fp8, dequantize_blocks, save_fp8_checkpoint
-from trl_fp8.export import fp8_module_names
-from trl_fp8.fp8_experts import FP8Experts
-from trl_fp8.vllm_experts import EngineExperts
-from trl_fp8.vllm_sync import rollout_weight_tensors
+from trl_fp8.checkpoint.save import fp8_module_names
+from trl_fp8.nn.experts import FP8Experts
+from trl_fp8.rollout.vllm.experts import EngineExperts
+from trl_fp8.rollout.vllm.generation import rollout_weight_tensors
 
 from conftest import assert_fp8_equal, rel_err
 
@@ -201,7 +201,7 @@ def test_lora_on_mixtral_experts_exports_under_mixtrals_checkpoint_names(tmp_pat
 
 
 def test_grpo_syncs_lora_experts_in_place_and_saves_them_merged(fake_vllm, tmp_path, monkeypatch):  # noqa: F811
-    import trl_fp8.vllm_experts as vllm_experts
+    import trl_fp8.rollout.vllm.experts as vllm_experts
 
     monkeypatch.setattr(vllm_experts, "_vllm_converter", lambda: keep_layout)
     trainer = _tiny_trainer(tmp_path, model=tiny_moe(), peft_config=LoraConfig(r=4, lora_alpha=8, **EXPERT_LORA))

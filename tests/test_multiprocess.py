@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from trl_fp8 import convert_to_fp8, save_fp8_checkpoint
 from trl_fp8.demo.tiny_model import tiny_char_tokenizer, tiny_qwen3
-from trl_fp8.vllm_sync import rollout_weight_tensors
+from trl_fp8.rollout.vllm.generation import rollout_weight_tensors
 
 from conftest import clean_subprocess_env, free_port
 

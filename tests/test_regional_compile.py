@@ -9,10 +9,10 @@ import torch
 from torch import nn
 from torch._dynamo.utils import counters
 
-import trl_fp8.grpo_trainer as grpo_trainer
+import trl_fp8.trainer.grpo as grpo_trainer
 from trl_fp8 import FP8LinearConfig, convert_to_fp8
 from trl_fp8.demo.tiny_model import tiny_qwen3
-from trl_fp8.regional_compile import compile_decoder_layers
+from trl_fp8.trainer.regional_compile import compile_decoder_layers
 
 
 def _loss_and_grads(model, length):

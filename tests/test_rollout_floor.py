@@ -100,7 +100,7 @@ def test_grpo_rows_carry_the_planners_kv_estimate_for_their_engine():
     """What `trl-fp8 plan` prints for the run's settings, beside vLLM's figure (the planner's goal: within 10%)."""
     from bench_grpo import planned_kv_tokens
 
-    from trl_fp8.capacity import ModelShape, rollout_capacity
+    from trl_fp8.rollout.capacity import ModelShape, rollout_capacity
 
     settings = {"shape": "8b", "generation_batch": 128, "prompt_len": 128, "completion_len": 2048, "vllm_memory": 0.3}
     row = {"rollout_precision": "bf16", "fp8_kv_cache": False, "kv_cache_tokens": 51_440, "gpu_memory_gib": 79.1787}

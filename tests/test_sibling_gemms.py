@@ -17,9 +17,9 @@ from test_vllm_sync import _tiny_trainer, fake_vllm  # noqa: F401 (a fixture)
 
 from trl_fp8 import FP8GRPOConfig, FP8LinearConfig, convert_to_fp8, save_fp8_checkpoint
 from trl_fp8.demo.tiny_model import tiny_qwen3
+from trl_fp8.nn.sibling_gemms import FP8SiblingGroup, group_fp8_siblings, sibling_group_problem
 from trl_fp8.ops import emulated
-from trl_fp8.sibling_gemms import FP8SiblingGroup, group_fp8_siblings, sibling_group_problem
-from trl_fp8.vllm_sync import rollout_weight_tensors
+from trl_fp8.rollout.vllm.generation import rollout_weight_tensors
 
 
 def pair(dtype=torch.float32, layers=2):
@@ -301,7 +301,7 @@ def fp8_copies(model) -> dict:
     model's modules reach through their attributes (layer caches, sibling groups), found by walking them."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
-    from trl_fp8.fp8_linear import FP8Weight
+    from trl_fp8.nn.linear import FP8Weight
 
     found, seen = {}, set()
 
@@ -339,7 +339,7 @@ def test_a_grouped_model_holds_one_fp8_copy_at_the_push_and_releases_all_of_it()
     """After an optimizer step the sync quantizes each weight once: the grouped model holds one FP8 copy, as the
     ungrouped one does (members quantizing alone beside the old stack held both). Releasing the caches (sleep mode)
     frees every copy, and reports the bytes freed: the stack that the members' caches view included."""
-    from trl_fp8.fp8_linear import fp8_weight_cache_bytes, release_fp8_weight_caches
+    from trl_fp8.nn.linear import fp8_weight_cache_bytes, release_fp8_weight_caches
 
     alone, fused = pair()
     ids = torch.randint(0, 200, (2, 24))

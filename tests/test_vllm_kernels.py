@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-import trl_fp8.vllm_kernels as vk
+import trl_fp8.rollout.vllm.kernels as vk
 from trl_fp8 import FP8GRPOConfig
-from trl_fp8.vllm_kernels import check_fp8_kv_attention, rollout_kernel, server_command, server_kernel
+from trl_fp8.rollout.vllm.kernels import check_fp8_kv_attention, rollout_kernel, server_command, server_kernel
 
 
 @pytest.fixture
@@ -131,7 +131,7 @@ def test_engine_settings_reach_decisions_vllm_cached_earlier(monkeypatch):
     import sys
     import types
 
-    from trl_fp8.vllm_sync import apply_engine_env
+    from trl_fp8.rollout.vllm.generation import apply_engine_env
 
     fake = types.ModuleType("vllm.utils.deep_gemm")
     fake.is_deep_gemm_supported = functools.cache(lambda: os.environ.get("VLLM_USE_DEEP_GEMM") == "1")

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, FP8Linear, convert_to_fp8
+from trl_fp8.checkpoint.save import checkpoint_config, fp8_module_names, linear_module_names
 from trl_fp8.demo.tiny_model import tiny_char_tokenizer, tiny_qwen3
 from trl_fp8.demo.toy_task import GRPO_SETTINGS, say_letter_dataset, say_letter_reward
-from trl_fp8.export import checkpoint_config, fp8_module_names, linear_module_names
-from trl_fp8.kv_scales import AttentionScaleObserver
-from trl_fp8.vllm_sync import (
+from trl_fp8.rollout.kv_scales import AttentionScaleObserver
+from trl_fp8.rollout.vllm.generation import (
     FP8VLLMGeneration,
     check_server_config,
     check_server_kernel,
@@ -274,7 +274,7 @@ def test_server_quantization_must_be_the_trainers_block_fp8_layout(tmp_path, cap
         raise OSError("no network")
 
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
-    with caplog.at_level("WARNING", logger="trl_fp8.vllm_sync"):
+    with caplog.at_level("WARNING", logger="trl_fp8.rollout.vllm.generation"):
         check_server_config(remote, model, "fp8", fp8_kv_cache=False)
     assert "cannot be checked" in caplog.text
 
@@ -285,11 +285,11 @@ def test_server_kernel_check_reports_the_served_kernel_and_warns_on_another(capl
     assert check_server_kernel(config, deepgemm) == "deepgemm"
     assert check_server_kernel(config, {**deepgemm, "VLLM_USE_DEEP_GEMM": False}) == "auto"  # vLLM's own pick
     triton = {"kernel_config": {"linear_backend": "triton"}}
-    with caplog.at_level("WARNING", logger="trl_fp8.vllm_sync"):
+    with caplog.at_level("WARNING", logger="trl_fp8.rollout.vllm.generation"):
         assert check_server_kernel(triton, deepgemm, "deepgemm") == "triton"
     assert "runs 'triton'" in caplog.text and "--linear-backend deep_gemm" in caplog.text
     caplog.clear()
-    with caplog.at_level("WARNING", logger="trl_fp8.vllm_sync"):
+    with caplog.at_level("WARNING", logger="trl_fp8.rollout.vllm.generation"):
         assert check_server_kernel(config, None) is None  # an older server that does not report its settings
     assert "cannot be checked" in caplog.text
 
@@ -353,7 +353,7 @@ def fake_vllm(monkeypatch):
     import trl.generation.vllm_generation as trl_vllm
 
     import trl_fp8.config
-    import trl_fp8.vllm_sync as sync
+    import trl_fp8.rollout.vllm.generation as sync
 
     FakeLLM.instances.clear()
     # TRL's colocate set-up exports these for vLLM; undo that, or later subprocesses would think they are ranks.
@@ -520,9 +520,9 @@ def test_fp8_experts_are_written_in_place_once_proven_bit_for_bit(fake_vllm, tmp
     a warning saying why."""
     from test_fp8_experts import tiny_moe
 
-    import trl_fp8.vllm_experts as vllm_experts
-    from trl_fp8.fp8_experts import FP8Experts
-    from trl_fp8.fp8_linear import invalidate_fp8_weights
+    import trl_fp8.rollout.vllm.experts as vllm_experts
+    from trl_fp8.nn.experts import FP8Experts
+    from trl_fp8.nn.linear import invalidate_fp8_weights
 
     def identity(fp8_backend, layer, w13, w2, w13_scale, w2_scale, w13_input_scale, w2_input_scale):
         return w13, w2, w13_scale, w2_scale  # vLLM's conversion for the Triton MoE backend keeps the layout
@@ -542,7 +542,7 @@ def test_fp8_experts_are_written_in_place_once_proven_bit_for_bit(fake_vllm, tmp
         llm.llm_engine.model_executor.driver_worker.worker.model_runner = engine
         llm.on_reload = engine.load
         caplog.clear()
-        with caplog.at_level(logging.INFO, logger="trl_fp8.vllm_sync"):
+        with caplog.at_level(logging.INFO, logger="trl_fp8.rollout.vllm.generation"):
             generation.sync_weights()
         assert any(".experts.3.down_proj.weight_scale_inv" in n for n, _ in llm.pushed)
         assert bool(generation.engine_experts) is fast
@@ -718,7 +718,7 @@ def test_unreachable_server_says_how_to_start_one(monkeypatch):
 def test_rollout_statistics_and_the_capacity_line_reach_the_logs(fake_vllm, tmp_path, capsys):
     """What vLLM's scheduler reports after each engine step (its stat-logger interface) becomes per-rollout metrics;
     after the first rollout one line says how many sequences the KV cache holds, and what BF16 would."""
-    from trl_fp8.rollout_stats import RolloutStats
+    from trl_fp8.rollout.stats import RolloutStats
 
     engine = types.SimpleNamespace(llm_engine=types.SimpleNamespace(logger_manager=types.SimpleNamespace(
         stat_loggers=["vLLM's logging and Prometheus loggers"])))  # fmt: skip
@@ -749,8 +749,8 @@ def test_rollout_statistics_and_the_capacity_line_reach_the_logs(fake_vllm, tmp_
 
 
 def test_the_bf16_equivalent_moves_the_saved_weight_bytes_into_bf16_kv_cache():
-    from trl_fp8.capacity import ModelShape, kv_bytes_per_token, weight_bytes
-    from trl_fp8.rollout_stats import capacity_line
+    from trl_fp8.rollout.capacity import ModelShape, kv_bytes_per_token, weight_bytes
+    from trl_fp8.rollout.stats import capacity_line
 
     model = tiny_qwen3()
     shape = ModelShape.from_config(model.config)
@@ -763,8 +763,8 @@ def test_the_bf16_equivalent_moves_the_saved_weight_bytes_into_bf16_kv_cache():
 
 
 def test_a_kv_bound_rollout_without_fp8_kv_cache_is_told_what_fp8_kv_would_hold():
-    from trl_fp8.capacity import ModelShape, kv_bytes_per_token
-    from trl_fp8.rollout_stats import capacity_line
+    from trl_fp8.rollout.capacity import ModelShape, kv_bytes_per_token
+    from trl_fp8.rollout.stats import capacity_line
 
     model = tiny_qwen3()
     shape = ModelShape.from_config(model.config)

@@ -4,23 +4,33 @@ Public API: the blockwise quantizers, the FP8 linear and expert layers, the mode
 its configuration, the exporter, and the rollout-capacity arithmetic behind `trl-fp8 plan`.
 """
 
-from ._quiet import drop_import_noise as _drop_import_noise
+from trl_fp8._quiet import drop_import_noise as _drop_import_noise
 
 _drop_import_noise()  # before torchao is imported, wherever this package is imported first
+# ruff: noqa: E402 (the filters above must come first)
 
-from .capacity import ModelShape, rollout_capacity
-from .config import FP8LinearConfig
-from .conversion import ConversionReport, convert_to_fp8, fp8_recipe_of, is_fp8_linear
-from .fp8_experts import FP8Experts
-from .fp8_linear import FP8Linear
-from .quantization import FP8_DTYPE, FP8_MAX, dequantize_blocks, dequantize_groups, quantize_blocks, quantize_groups
+from trl_fp8.config import FP8LinearConfig
+from trl_fp8.nn.conversion import ConversionReport, convert_to_fp8, fp8_recipe_of, is_fp8_linear
+from trl_fp8.nn.experts import FP8Experts
+from trl_fp8.nn.linear import FP8Linear
+from trl_fp8.quantization import (
+    FP8_DTYPE,
+    FP8_MAX,
+    dequantize_blocks,
+    dequantize_groups,
+    quantize_blocks,
+    quantize_groups,
+)
+from trl_fp8.rollout.capacity import ModelShape, rollout_capacity
 
 __version__ = "0.1.0"
 
 _LAZY = {  # these import trl (heavy); load them on first use
-    "FP8GRPOConfig": ".grpo_config",
-    "FP8GRPOTrainer": ".grpo_trainer",
-    "save_fp8_checkpoint": ".export",
+    "FP8GRPOConfig": "trl_fp8.trainer.config",
+    "FP8GRPOTrainer": "trl_fp8.trainer.grpo",
+    "FP8RLOOConfig": "trl_fp8.trainer.config",
+    "FP8RLOOTrainer": "trl_fp8.trainer.rloo",
+    "save_fp8_checkpoint": "trl_fp8.checkpoint.save",
 }
 
 
@@ -28,7 +38,7 @@ def __getattr__(name):
     if name in _LAZY:
         import importlib
 
-        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -38,6 +48,8 @@ __all__ = [
     "ConversionReport",
     "FP8GRPOConfig",
     "FP8GRPOTrainer",
+    "FP8RLOOConfig",
+    "FP8RLOOTrainer",
     "FP8Experts",
     "FP8Linear",
     "FP8LinearConfig",

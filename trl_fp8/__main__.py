@@ -2,6 +2,6 @@
 
 import sys
 
-from .cli import main
+from trl_fp8.cli.main import main
 
 sys.exit(main())

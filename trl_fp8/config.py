@@ -74,11 +74,11 @@ class FP8LinearConfig:
             (optimizer step), so micro-batches, log-prob passes and the vLLM weight sync quantize once per step.
             Costs one byte per parameter.
         fuse_sibling_gemms: run layers that read one input and that vLLM fuses (q/k/v, gate/up) as one FP8 GEMM
-            per pass on their stacked weight blocks (`trl_fp8.sibling_gemms`): a third of the kernel launches for
+            per pass on their stacked weight blocks (`trl_fp8.nn.sibling_gemms`): a third of the kernel launches for
             q/k/v, the same values per layer up to fp32 summation order, the same FP8 bytes synced and exported.
         fuse_swiglu: in gated MLPs with SiLU (`down_proj(silu(gate_proj(x)) * up_proj(x))`), form the product and
             quantize it for `down_proj` in one kernel, never writing it in BF16, and recompute `silu(gate)` in
-            backward instead of keeping it (`trl_fp8.fused_swiglu`): the unfused FP8 path's values.
+            backward instead of keeping it (`trl_fp8.nn.fused_swiglu`): the unfused FP8 path's values.
         experts_gemm: the grouped kernel of mixture-of-experts FProp and DGrad on the GPU: `"deepgemm"` (vLLM's
             bundled DeepGEMM m-grouped GEMM, SM90), `"triton"` (ours, `trl_fp8.kernels.grouped_gemm`), or `"auto"`
             (DeepGEMM where it can run, else Triton). Same FP8 operands either way; WGrad is always ours.

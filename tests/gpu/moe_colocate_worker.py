@@ -3,7 +3,7 @@
 Trains a 2-layer Qwen3-MoE (layer 0: 4 experts of 128, top-2; layer 1: dense) with FP8GRPOTrainer and vLLM colocated
 for 3 steps, then checks that the engine's FusedMoE holds the trainer's FP8 expert blocks and scales bit for bit, in
 the layout of the MoE kernel vLLM chose (vLLM's own conversion for that backend, applied to the trainer's tensors),
-and that the in-place expert sync (`trl_fp8.vllm_experts`) writes what vLLM's reload of the same weights gives.
+and that the in-place expert sync (`trl_fp8.rollout.vllm.experts`) writes what vLLM's reload of the same weights gives.
 """
 
 import sys

@@ -26,7 +26,7 @@ def main():
 
     from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer
     from trl_fp8.demo.toy_task import GRPO_SETTINGS, say_letter_dataset, say_letter_reward
-    from trl_fp8.vllm_sync import rollout_weight_tensors
+    from trl_fp8.rollout.vllm.generation import rollout_weight_tensors
 
     model_dir, out = sys.argv[1], Path(sys.argv[2])
     vllm_tp = int(sys.argv[3]) if len(sys.argv) > 3 else 1

@@ -9,8 +9,8 @@ pytestmark = pytest.mark.gpu
 
 
 def test_parallel_workers_compile_every_kernel_the_full_warmup_needs(tmp_path):
-    from trl_fp8.deepgemm_warmup import precompile_deepgemm
-    from trl_fp8.vllm_kernels import deepgemm_unavailable_reason, rollout_kernel
+    from trl_fp8.rollout.vllm.deepgemm_warmup import precompile_deepgemm
+    from trl_fp8.rollout.vllm.kernels import deepgemm_unavailable_reason, rollout_kernel
 
     if deepgemm_unavailable_reason() is not None:
         pytest.skip(deepgemm_unavailable_reason())

@@ -29,7 +29,7 @@ def _routing(tokens, seed=0):
 
 
 def _kernels():
-    from trl_fp8.fp8_experts import grouped_gemm_kernel
+    from trl_fp8.nn.experts import grouped_gemm_kernel
 
     auto = grouped_gemm_kernel("auto", torch.zeros(1, device="cuda", dtype=torch.bfloat16))
     return ["triton"] + (["deepgemm"] if auto == "deepgemm" else [])
@@ -38,9 +38,9 @@ def _kernels():
 @pytest.mark.parametrize("kernel", ["triton", "deepgemm"])
 @pytest.mark.parametrize("tokens", [1024, 8192])
 def test_grouped_kernels_match_the_emulation_per_expert(tokens, kernel):
-    from trl_fp8.fp8_experts import _m_grouped
     from trl_fp8.kernels import GroupedRows, k_grouped_gemm, quantize_act, quantize_weight
     from trl_fp8.kernels.weight_quant import quantize_expert_weights_t
+    from trl_fp8.nn.experts import _m_grouped
 
     if kernel not in _kernels():
         pytest.skip("no DeepGEMM here (vLLM's bundled copy on an SM90 GPU)")
@@ -78,7 +78,7 @@ def test_grouped_experts_match_the_per_expert_loop_on_the_gpu(kernel):
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-    from trl_fp8.fp8_experts import FP8Experts
+    from trl_fp8.nn.experts import FP8Experts
 
     if kernel not in _kernels():
         pytest.skip("no DeepGEMM here (vLLM's bundled copy on an SM90 GPU)")

@@ -62,7 +62,7 @@ def fp8_server(tmp_path_factory):
         model=str(root / "fp8"), port=PORT, gpu_memory_utilization=0.3 if two_gpus else 0.1, enforce_eager=True
     )
     # The documented command (`vllm_kernels.server_command()`): DeepGEMM with E8M0 off.
-    from trl_fp8.vllm_kernels import default_jit_cache_dir, server_kernel
+    from trl_fp8.rollout.vllm.kernels import default_jit_cache_dir, server_kernel
 
     kernel = server_kernel("deepgemm" if two_gpus else "cutlass")
     cmd = build_command(

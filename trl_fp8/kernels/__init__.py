@@ -15,9 +15,9 @@ Each has one fixed launch configuration (quantization is a single memory-bound p
 autotune; the grouped GEMMs pick their tile height from the padding), and a new token count costs no tuning run.
 """
 
-from .act_quant import quantize_act
-from .grouped_gemm import GroupedRows, k_grouped_gemm, m_grouped_gemm
-from .swiglu_quant import quantize_swiglu
-from .weight_quant import quantize_weight
+from trl_fp8.kernels.act_quant import quantize_act
+from trl_fp8.kernels.grouped_gemm import GroupedRows, k_grouped_gemm, m_grouped_gemm
+from trl_fp8.kernels.swiglu_quant import quantize_swiglu
+from trl_fp8.kernels.weight_quant import quantize_weight
 
 __all__ = ["GroupedRows", "k_grouped_gemm", "m_grouped_gemm", "quantize_act", "quantize_swiglu", "quantize_weight"]

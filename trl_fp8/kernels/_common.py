@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..quantization import QuantizedAct
+from trl_fp8.quantization import QuantizedAct
 
 BLOCK = 128
 

@@ -19,8 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..quantization import QuantizedAct
-from ._common import (
+from trl_fp8.kernels._common import (
     BLOCK,
     empty_act_layouts,
     fp8_scale,
@@ -31,6 +30,7 @@ from ._common import (
     store_row_groups,
     tile_offsets,
 )
+from trl_fp8.quantization import QuantizedAct
 
 
 @triton.jit

@@ -24,8 +24,8 @@ from types import ModuleType
 
 import torch
 
-from ..config import FP8LinearConfig
-from . import emulated
+from trl_fp8.config import FP8LinearConfig
+from trl_fp8.ops import emulated
 
 
 def backend_name(ops: ModuleType) -> str:
@@ -71,11 +71,11 @@ def select_ops(config: FP8LinearConfig, device: torch.device) -> ModuleType:
             f"are on {device}. Use backend='auto' (emulates elsewhere) or move the model to an SM90 GPU."
         )
     if config.backend == "deepgemm":
-        from . import deep_gemm
+        from trl_fp8.ops import deep_gemm
 
         if (why_not := deep_gemm.available()) is not None:
             raise RuntimeError(f"FP8LinearConfig(backend='deepgemm') cannot run: {why_not}.")
         return deep_gemm
-    from . import scaled_mm  # imports the Triton kernels, so only where CUDA is there
+    from trl_fp8.ops import scaled_mm  # imports the Triton kernels, so only where CUDA is there
 
     return scaled_mm

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from . import scaled_mm
+from trl_fp8.ops import scaled_mm
 
 quantize_act = scaled_mm.quantize_act
 quantize_weight = scaled_mm.quantize_weight

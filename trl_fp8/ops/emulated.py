@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..quantization import (
+from trl_fp8.quantization import (
     dequantize_blocks,
     dequantize_groups,
     quantize_act_layouts,

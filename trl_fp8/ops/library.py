@@ -20,8 +20,8 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
-from ..quantization import QuantizedAct
-from . import backend_name
+from trl_fp8.ops import backend_name
+from trl_fp8.quantization import QuantizedAct
 
 __all__ = ["traceable"]
 
@@ -73,7 +73,7 @@ def _gemm(a_q, a_s, b_q, b_s, backend, b_blocks, out_dtype):
 def _fake_quantize_act(x, backend, rows, cols, pow2):
     if backend == "emulated":
         return _quantize_act(x, backend, rows, cols, pow2)
-    from ..kernels._common import empty_act_layouts
+    from trl_fp8.kernels._common import empty_act_layouts
 
     return pack(empty_act_layouts(x.shape[0], x.shape[1], rows, cols, x.device), x)
 
@@ -87,7 +87,7 @@ def _fake_quantize_swiglu(gate, up, backend, rows, cols, pow2):
 def _fake_quantize_weight(w, backend, col_major, pow2):
     if backend == "emulated":
         return _quantize_weight(w, backend, col_major, pow2)
-    from ..kernels.weight_quant import empty_weight_layout
+    from trl_fp8.kernels.weight_quant import empty_weight_layout
 
     return empty_weight_layout(*w.shape, col_major, w.device)
 
@@ -133,7 +133,7 @@ class _TritonInterface(_OpInterface):
     """A GPU backend's: our Triton quantizers as `triton_op`s (`ops.triton_ops`), the backend's GEMM through the op."""
 
     def __init__(self, backend: str):
-        from . import triton_ops  # (imports Triton: only where a GPU backend was selected)
+        from trl_fp8.ops import triton_ops  # (imports Triton: only where a GPU backend was selected)
 
         super().__init__(backend)
         self.kernels = triton_ops

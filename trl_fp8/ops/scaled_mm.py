@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .. import kernels
+from trl_fp8 import kernels
 
 _ST = F.ScalingType
 

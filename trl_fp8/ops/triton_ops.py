@@ -12,9 +12,9 @@ from __future__ import annotations
 from torch import Tensor
 from torch.library import triton_op
 
-from .. import kernels
-from ..quantization import QuantizedAct
-from .library import pack, unpack
+from trl_fp8 import kernels
+from trl_fp8.ops.library import pack, unpack
+from trl_fp8.quantization import QuantizedAct
 
 __all__ = ["quantize_act", "quantize_swiglu", "quantize_weight"]
 

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field, fields
 
 from trl import GRPOConfig
 
-from . import config as fp8_config
-from .config import BACKENDS, EXPERTS_GEMMS, RECIPES, VLLM_FP8_BACKENDS, check_rollout_precision
+from trl_fp8 import config as fp8_config
+from trl_fp8.config import BACKENDS, EXPERTS_GEMMS, RECIPES, VLLM_FP8_BACKENDS, check_rollout_precision
 
 TIS_MODES = ("token", "off")
 

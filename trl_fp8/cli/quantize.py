@@ -16,8 +16,8 @@ import re
 import sys
 from pathlib import Path
 
-from .argtypes import non_negative_int
-from .hub import load_model_config, missing_local_model
+from trl_fp8.cli.argtypes import non_negative_int
+from trl_fp8.cli.hub import load_model_config, missing_local_model
 
 DTYPES = ("bfloat16", "float16", "float32", "auto")
 
@@ -60,8 +60,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .conversion import plan_fp8_conversion
-    from .export import save_fp8_checkpoint
+    from trl_fp8.checkpoint.save import save_fp8_checkpoint
+    from trl_fp8.nn.conversion import plan_fp8_conversion
 
     try:
         config = load_model_config(args.model, args.trust_remote_code)
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _output_problem(model: str, output_dir: str, overwrite: bool) -> str | None:
     """Why writing to `output_dir` would destroy a model the user has (unless `overwrite`), or None."""
-    from .checkpoint_folder import holds_a_model, output_overwrites_model
+    from trl_fp8.checkpoint.folder import holds_a_model, output_overwrites_model
 
     out = Path(output_dir).expanduser()
     if out.exists() and not out.is_dir():

@@ -26,8 +26,8 @@ import weakref
 import torch
 from torch import nn
 
-from . import fp8_linear
-from .fp8_linear import (
+from trl_fp8.nn import linear as fp8_linear
+from trl_fp8.nn.linear import (
     FP8Linear,
     FP8Weight,
     InputEntry,
@@ -216,7 +216,7 @@ def group_fp8_siblings(model: nn.Module, sibling_sets=FUSED_GROUPS) -> list[FP8S
     """Group, under every module, the FP8 layers named by one of `sibling_sets` (PEFT-wrapped layers included) so
     they run as one GEMM per pass. Sets with a member missing, kept in high precision or otherwise unfit stay as they
     are. Returns the groups made."""
-    from .adapters import hf_name
+    from trl_fp8.nn.adapters import hf_name
 
     fp8 = {hf_name(name): mod for name, mod in model.named_modules() if isinstance(mod, FP8Linear)}
     groups = []

@@ -31,10 +31,10 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from .config import FP8LinearConfig
-from .ops import select_ops
-from .ops.library import traceable
-from .quantization import QuantizedAct
+from trl_fp8.config import FP8LinearConfig
+from trl_fp8.ops import select_ops
+from trl_fp8.ops.library import traceable
+from trl_fp8.quantization import QuantizedAct
 
 __all__ = ["FP8Linear", "fp8_weight_cache_bytes", "invalidate_fp8_weights", "release_fp8_weight_caches"]
 
@@ -409,7 +409,7 @@ def _watch_peft_merges() -> None:
             try:
                 return method(self, *args, **kwargs)
             finally:
-                from .fp8_experts import FP8Experts  # (imports this module)
+                from trl_fp8.nn.experts import FP8Experts  # (imports this module)
 
                 base = self.get_base_layer()
                 if isinstance(base, FP8Linear | FP8Experts):  # LoRA's `target_parameters` merges into FP8 experts

@@ -24,7 +24,8 @@ from torch import nn
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase, ProcessorMixin
 
-from .adapters import (
+from trl_fp8.checkpoint.folder import replace_checkpoint
+from trl_fp8.nn.adapters import (
     check_adapters_mergeable,
     hf_name,
     is_adapter_module,
@@ -33,11 +34,10 @@ from .adapters import (
     tuner_layer_names,
     unwrap_model,
 )
-from .checkpoint_folder import replace_checkpoint
-from .conversion import FUSED_GROUPS, is_fp8_linear, plan_fp8_conversion, router_module_names
-from .fp8_experts import EXPERT_WEIGHTS, FP8Experts, is_experts_module
-from .fp8_linear import FP8Linear, is_sharded
-from .quantization import FP8_DTYPE, quantize_blocks
+from trl_fp8.nn.conversion import FUSED_GROUPS, is_fp8_linear, plan_fp8_conversion, router_module_names
+from trl_fp8.nn.experts import EXPERT_WEIGHTS, FP8Experts, is_experts_module
+from trl_fp8.nn.linear import FP8Linear, is_sharded
+from trl_fp8.quantization import FP8_DTYPE, quantize_blocks
 
 __all__ = [
     "QUANTIZATION_CONFIG",

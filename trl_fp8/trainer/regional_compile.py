@@ -24,8 +24,8 @@ import contextlib
 import torch
 from torch import nn
 
-from .adapters import unwrap_model
-from .config import FP8LinearConfig
+from trl_fp8.config import FP8LinearConfig
+from trl_fp8.nn.adapters import unwrap_model
 
 __all__ = ["compile_decoder_layers", "eager_generation"]
 

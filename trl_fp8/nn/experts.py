@@ -35,9 +35,9 @@ import functools
 import torch
 from torch import nn
 
-from .config import FP8LinearConfig
-from .fp8_linear import blockwise_backward, is_own_parameter, tensor_bytes, weight_cache_key
-from .ops import backend_name, select_ops
+from trl_fp8.config import FP8LinearConfig
+from trl_fp8.nn.linear import blockwise_backward, is_own_parameter, tensor_bytes, weight_cache_key
+from trl_fp8.ops import backend_name, select_ops
 
 __all__ = ["FP8Experts", "expert_layout_problem", "is_experts_module"]
 
@@ -167,7 +167,7 @@ class FP8Experts(nn.Module):
         if self._grouped_kernels or (
             self._grouped_kernels is None and _runs_grouped(select_ops(self.fp8_config, self.gate_up_proj.device))
         ):
-            from .kernels.grouped_gemm import GroupedRows
+            from trl_fp8.kernels.grouped_gemm import GroupedRows
 
             # The padded layout both projections share, built on the device: the host never waits for the GPU here.
             rows = GroupedRows(counts, x.device, num_rows=expert_ids.numel())
@@ -251,7 +251,7 @@ def _on_device(t: torch.Tensor):
 @functools.cache
 def _deepgemm_runs_here(device_index: int) -> bool:
     # What `select_ops` requires of backend="deepgemm": an SM90 GPU and vLLM's bundled DeepGEMM.
-    from .ops import blockwise_scaled_mm_supported, deep_gemm
+    from trl_fp8.ops import blockwise_scaled_mm_supported, deep_gemm
 
     return blockwise_scaled_mm_supported(torch.device("cuda", device_index)) and deep_gemm.available() is None
 
@@ -265,7 +265,7 @@ def grouped_gemm_kernel(choice: str, x: torch.Tensor) -> str:
         return "triton"
     runs = x.dtype == torch.bfloat16 and _deepgemm_runs_here(x.device.index or 0)
     if choice == "deepgemm" and not runs:
-        from .ops import deep_gemm
+        from trl_fp8.ops import deep_gemm
 
         raise RuntimeError(
             "experts_gemm='deepgemm' needs BF16 activations on an SM90 GPU and vLLM's bundled DeepGEMM "
@@ -276,10 +276,10 @@ def grouped_gemm_kernel(choice: str, x: torch.Tensor) -> str:
 
 def _m_grouped(a, b_q, b_s, rows, kernel: str, out_dtype: torch.dtype) -> torch.Tensor:
     """`a`'s rows (quantized, 1x128 groups) times their experts' weight blocks, in `rows`' padded layout."""
-    from .kernels.grouped_gemm import m_grouped_gemm
+    from trl_fp8.kernels.grouped_gemm import m_grouped_gemm
 
     if kernel == "deepgemm" and rows.m_pad:
-        from .ops import deep_gemm
+        from trl_fp8.ops import deep_gemm
 
         return deep_gemm.m_grouped_gemm(a.q, a.scale_inv, b_q, b_s, rows.expert_of_row)
     return m_grouped_gemm(a.q, a.scale_inv, b_q, b_s, rows, out_dtype)
@@ -294,7 +294,7 @@ class _GroupedExpertsFP8Matmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, q, s, rows, kernel: str, pow2: bool, grad_enabled: bool):
-        from .kernels import quantize_act
+        from trl_fp8.kernels import quantize_act
 
         wgrad = grad_enabled and ctx.needs_input_grad[1]
         with _on_device(x):
@@ -306,9 +306,9 @@ class _GroupedExpertsFP8Matmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        from .kernels import quantize_act
-        from .kernels.grouped_gemm import k_grouped_gemm
-        from .kernels.weight_quant import quantize_expert_weights_t
+        from trl_fp8.kernels import quantize_act
+        from trl_fp8.kernels.grouped_gemm import k_grouped_gemm
+        from trl_fp8.kernels.weight_quant import quantize_expert_weights_t
 
         weight, *saved_x = ctx.saved_tensors
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]

@@ -4,7 +4,7 @@
                  [--prompt_len 256] [--completion_len 2048] [--generation_batch 128] [--optim adamw_bnb_8bit] ...
 
 MODEL is a model folder or a Hub id such as Qwen/Qwen3-8B (its config.json only: the Hub cache first; offline and
-uncached it stops at once, naming the fix). The estimates are `trl_fp8.capacity`'s: KV-cache tokens
+uncached it stops at once, naming the fix). The estimates are `trl_fp8.rollout.capacity`'s: KV-cache tokens
 as vLLM 0.26 sizes them (within a few percent of what it reported in our benchmarks), sequences of
 prompt + completion tokens that decode at once, a rough account of the trainer's memory beside the engine, and the
 largest share at which each flow fits (its best fit).
@@ -15,8 +15,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .argtypes import memory_share, non_negative_int, positive_float, positive_int
-from .capacity import (
+from trl_fp8.cli.argtypes import memory_share, non_negative_int, positive_float, positive_int
+from trl_fp8.cli.hub import load_model_config
+from trl_fp8.rollout.capacity import (
     GPU_MEMORY_BYTES,
     OPTIMIZER_STATE_BYTES,
     GiB,
@@ -25,7 +26,6 @@ from .capacity import (
     trainer_memory_bytes,
     vllm_overhead_bytes,
 )
-from .hub import load_model_config
 
 FLOWS = (("BF16", False, False), ("FP8", True, False), ("FP8 + FP8 KV", True, True))
 
@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
           f"{args.prompt_len} + {args.completion_len} tokens")  # fmt: skip
     print(f"{'':<14}{'vLLM weights':>13}{'KV B/token':>11}{'KV tokens':>11}{'seqs at once':>13}{'waves':>6}"
           f"{'trainer':>9}{'fits':>6}")  # fmt: skip
-    for (name, _, _), (cap, parts, fits, _) in zip(FLOWS, rows):
+    for (name, _, _), (cap, parts, fits, _) in zip(FLOWS, rows, strict=True):
         waves = cap.waves(args.generation_batch) if cap.sequences else "-"
         print(f"{name:<14}{cap.weight_bytes / GiB:>11.1f}Gi{cap.kv_bytes_per_token:>11,}{cap.kv_tokens:>11,}"
               f"{cap.sequences:>13}{waves:>6}{sum(parts.values()) / GiB:>7.1f}Gi{'yes' if fits else 'no':>6}")  # fmt: skip
@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     )
     best_fits = [f"{name} {fit[0]:.2f} ({fit[1].kv_tokens:,} KV tokens, {fit[1].sequences} sequences at once)" if fit
                  else f"{name}: none (no share holds one sequence beside the trainer)"
-                 for (name, _, _), (_, _, _, fit) in zip(FLOWS, rows)]  # fmt: skip
+                 for (name, _, _), (_, _, _, fit) in zip(FLOWS, rows, strict=True)]  # fmt: skip
     print("Best fit, the largest vLLM share that fits (steps of 0.05): " + "; ".join(best_fits) + ".")
     if args.sleep_mode:
         print(

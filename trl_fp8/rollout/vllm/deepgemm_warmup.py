@@ -29,9 +29,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .adapters import unwrap_model
-from .argtypes import positive_int
-from .sibling_gemms import FUSED_GROUPS
+from trl_fp8.cli.argtypes import positive_int
+from trl_fp8.nn.adapters import unwrap_model
+from trl_fp8.nn.sibling_gemms import FUSED_GROUPS
 
 logger = logging.getLogger(__name__)
 
@@ -152,7 +152,7 @@ def precompile_deepgemm(
     if os.environ.get("VLLM_USE_DEEP_GEMM") != "1" or not os.environ.get("DG_JIT_CACHE_DIR"):
         raise RuntimeError(
             "precompile_deepgemm needs the engine's DeepGEMM settings in the environment (VLLM_USE_DEEP_GEMM=1 and "
-            "DG_JIT_CACHE_DIR; trl_fp8.vllm_sync.apply_engine_env assigns them)."
+            "DG_JIT_CACHE_DIR; trl_fp8.rollout.vllm.generation.apply_engine_env assigns them)."
         )
     device = torch.cuda.current_device() if device is None else device
     workers = workers or default_workers()
@@ -178,7 +178,7 @@ def precompile_deepgemm(
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_package_root(), os.environ.get("PYTHONPATH")]))}
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "trl_fp8.deepgemm_warmup", "--worker", json.dumps(plan), "--device", str(device)],
+            [sys.executable, "-m", "trl_fp8.rollout.vllm.deepgemm_warmup", "--worker", json.dumps(plan), "--device", str(device)],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -302,8 +302,8 @@ def model_shapes(path: str) -> list[tuple[int, int]]:
     """GEMM shapes of the model whose config.json is in `path` (built on the meta device, no weights read)."""
     from transformers import AutoModelForCausalLM
 
-    from .conversion import plan_fp8_conversion
-    from .hub import load_model_config
+    from trl_fp8.cli.hub import load_model_config
+    from trl_fp8.nn.conversion import plan_fp8_conversion
 
     config = load_model_config(path)  # raises ValueError naming the fix
     with torch.device("meta"):
@@ -313,7 +313,7 @@ def model_shapes(path: str) -> list[tuple[int, int]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .vllm_kernels import deepgemm_unavailable_reason, rollout_kernel
+    from trl_fp8.rollout.vllm.kernels import deepgemm_unavailable_reason, rollout_kernel
 
     if bool(args.model) == bool(args.shapes):
         print("error: give a model folder or --shapes NxK ..., not both.", file=sys.stderr)

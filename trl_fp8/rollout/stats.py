@@ -84,7 +84,7 @@ def capacity_line(
     BF16 KV cache (`capacity.ModelShape`), and is left out for a model the capacity arithmetic cannot size. Without
     an FP8 KV cache, when a rollout's `rollout_seqs` sequences do not all fit, the line adds what an FP8 KV cache
     would hold in the same memory: the case where it pays (docs/when-fp8-pays.md)."""
-    from .capacity import ModelShape, kv_bytes_per_token, weight_bytes
+    from trl_fp8.rollout.capacity import ModelShape, kv_bytes_per_token, weight_bytes
 
     kind = ("FP8 weights" if fp8_weights else "BF16 weights") + (" + FP8 KV cache" if fp8_kv else "")
     room = kv_tokens // seq_len

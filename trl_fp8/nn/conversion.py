@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .adapters import hf_name, is_adapter_module, tuner_layer_names
-from .config import FP8LinearConfig
-from .fp8_experts import FP8Experts, expert_layout_problem, is_experts_module
-from .fp8_linear import FP8Linear
-from .fused_swiglu import GATED_MLP_LAYERS, fuse_swiglu, is_fused_swiglu, swiglu_problem
-from .sibling_gemms import FUSED_GROUPS, group_fp8_siblings, sibling_group_problem
+from trl_fp8.config import FP8LinearConfig
+from trl_fp8.nn.adapters import hf_name, is_adapter_module, tuner_layer_names
+from trl_fp8.nn.experts import FP8Experts, expert_layout_problem, is_experts_module
+from trl_fp8.nn.fused_swiglu import GATED_MLP_LAYERS, fuse_swiglu, is_fused_swiglu, swiglu_problem
+from trl_fp8.nn.linear import FP8Linear
+from trl_fp8.nn.sibling_gemms import FUSED_GROUPS, group_fp8_siblings, sibling_group_problem
 
 logger = logging.getLogger(__name__)
 
@@ -308,8 +308,8 @@ def convert_to_fp8(
     that vLLM fuses with them (q/k/v, gate/up: one fused layer is all FP8 or all high precision). Parameter names
     and `state_dict` keys do not change. Converting an already converted model is a no-op; converting it to another
     recipe raises. With `config.fuse_sibling_gemms`, q/k/v and gate/up then run as one FP8 GEMM per pass
-    (`trl_fp8.sibling_gemms`); with `config.fuse_swiglu`, gated MLPs fuse their activation into `down_proj`'s input
-    quantization (`trl_fp8.fused_swiglu`). The report lists what each fusion fused and every block it left unfused
+    (`trl_fp8.nn.sibling_gemms`); with `config.fuse_swiglu`, gated MLPs fuse their activation into `down_proj`'s input
+    quantization (`trl_fp8.nn.fused_swiglu`). The report lists what each fusion fused and every block it left unfused
     with the reason; a requested fusion that applies nowhere warns once. Convolutions and other weights that are
     neither linear nor experts stay as they are, listed in `high_precision_params`.
 

@@ -10,7 +10,12 @@ from collections.abc import Callable
 
 def trl_reward_registry() -> dict[str, Callable]:
     """The names `trl grpo --reward_funcs` takes, bound to the same functions and settings as TRL's script."""
-    from trl.rewards import accuracy_reward, get_soft_overlong_punishment, reasoning_accuracy_reward, think_format_reward
+    from trl.rewards import (
+        accuracy_reward,
+        get_soft_overlong_punishment,
+        reasoning_accuracy_reward,
+        think_format_reward,
+    )
 
     return {
         "accuracy_reward": accuracy_reward,

@@ -1,6 +1,6 @@
 """`trl-fp8`: the command line, one subcommand per task.
 
-    trl-fp8 quantize MODEL OUT [...]    write a block-FP8 checkpoint of a BF16 model (see `trl_fp8.quantize`)
+    trl-fp8 quantize MODEL OUT [...]    write a block-FP8 checkpoint of a BF16 model (see `trl_fp8.cli.quantize`)
     trl-fp8 plan MODEL [...]            rollout capacity in BF16 / FP8 / FP8 + FP8 KV, and the trainer's memory
     trl-fp8 warmup MODEL [...]          compile the engine's DeepGEMM kernels in parallel (see `deepgemm_warmup`)
 
@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import __version__, deepgemm_warmup, plan, quantize
+from trl_fp8 import __version__
+from trl_fp8.cli import plan, quantize
+from trl_fp8.rollout.vllm import deepgemm_warmup
 
 # name: (module with add_arguments(parser) and run(args) -> exit code, one-line help)
 SUBCOMMANDS = {

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from .config import VLLM_FP8_BACKENDS
+from trl_fp8.config import VLLM_FP8_BACKENDS
 
 logger = logging.getLogger(__name__)
 

@@ -32,17 +32,17 @@ from transformers.trainer import TRAINING_ARGS_NAME
 from trl import GRPOTrainer
 from trl.trainer.utils import create_model_from_path, pad
 
-from .checkpoint_folder import drop_checkpoint_entries, is_checkpoint_entry, output_overwrites_model
-from .checkpointing import keep_layer_options
-from .config import FP8LinearConfig
-from .conversion import ConversionReport, convert_to_fp8, plan_fp8_conversion
-from .export import save_fp8_checkpoint, unwrap_model
-from .fp8_linear import invalidate_fp8_weights
-from .grpo_config import FP8GRPOConfig
-from .importance_sampling import mismatch_stats, token_tis_ratio
-from .kv_scales import AttentionScaleObserver
-from .regional_compile import compile_decoder_layers, eager_generation
-from .rollout_stats import capacity_line
+from trl_fp8.checkpoint.folder import drop_checkpoint_entries, is_checkpoint_entry, output_overwrites_model
+from trl_fp8.checkpoint.save import save_fp8_checkpoint, unwrap_model
+from trl_fp8.config import FP8LinearConfig
+from trl_fp8.nn.conversion import ConversionReport, convert_to_fp8, plan_fp8_conversion
+from trl_fp8.nn.linear import invalidate_fp8_weights
+from trl_fp8.rollout.kv_scales import AttentionScaleObserver
+from trl_fp8.rollout.stats import capacity_line
+from trl_fp8.trainer.config import FP8GRPOConfig
+from trl_fp8.trainer.importance_sampling import mismatch_stats, token_tis_ratio
+from trl_fp8.trainer.layer_checkpointing import keep_layer_options
+from trl_fp8.trainer.regional_compile import compile_decoder_layers, eager_generation
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ class FP8GRPOTrainer(GRPOTrainer):
         self._capacity_reported = False
         self._kv_observer = AttentionScaleObserver(model) if args.use_vllm and args.fp8_kv_cache else None
         if args.use_vllm:
-            from .vllm_sync import sleep_mode_allocator_advice
+            from trl_fp8.rollout.vllm.generation import sleep_mode_allocator_advice
 
             if advice := sleep_mode_allocator_advice(args):
                 logger.warning(advice)
@@ -197,7 +197,7 @@ class FP8GRPOTrainer(GRPOTrainer):
             return
         import trl.trainer.grpo_trainer as trl_grpo
 
-        from .vllm_sync import FP8VLLMGeneration
+        from trl_fp8.rollout.vllm.generation import FP8VLLMGeneration
 
         original = trl_grpo.VLLMGeneration
         # The FP8 layer names are read from the model at every sync, after TRL applied PEFT (no names fixed here).

@@ -33,9 +33,7 @@ import torch
 from torch import nn
 from trl.generation.vllm_generation import VLLMGeneration
 
-from .config import ROLLOUT_PRECISIONS, check_rollout_precision, check_vllm_version
-from .deepgemm_warmup import PrecompileResult, precompile_engine_kernels
-from .export import (
+from trl_fp8.checkpoint.save import (
     check_fused_groups,
     checkpoint_config,
     fp8_checkpoint_tensors,
@@ -44,11 +42,13 @@ from .export import (
     linear_module_names,
     unwrap_model,
 )
-from .fp8_linear import release_fp8_weight_caches
-from .kv_scales import AttentionScaleObserver
-from .rollout_stats import RolloutStats, engine_kv_cache_tokens
-from .vllm_experts import NO_FP8_EXPERTS, EngineExperts, quiet_skipped_layers
-from .vllm_kernels import (
+from trl_fp8.config import ROLLOUT_PRECISIONS, check_rollout_precision, check_vllm_version
+from trl_fp8.nn.linear import release_fp8_weight_caches
+from trl_fp8.rollout.kv_scales import AttentionScaleObserver
+from trl_fp8.rollout.stats import RolloutStats, engine_kv_cache_tokens
+from trl_fp8.rollout.vllm.deepgemm_warmup import PrecompileResult, precompile_engine_kernels
+from trl_fp8.rollout.vllm.experts import NO_FP8_EXPERTS, EngineExperts, quiet_skipped_layers
+from trl_fp8.rollout.vllm.kernels import (
     FP8_KV_ATTENTION_BACKEND,
     VLLM_LINEAR_BACKEND,
     RolloutKernel,

@@ -1,0 +1,1 @@
+"""Block-FP8 checkpoints: the tensors, the atomic save, the folder rules."""

@@ -1,0 +1,1 @@
+"""`trl-fp8`: the command line, one module per subcommand."""

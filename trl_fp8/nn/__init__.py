@@ -1,0 +1,1 @@
+"""FP8 modules and the conversion of a model to them."""

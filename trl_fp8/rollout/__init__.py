@@ -1,0 +1,1 @@
+"""Rollouts: what the engine holds and did (capacity, KV scales, statistics); vLLM under `vllm/`."""
