@@ -588,7 +588,7 @@ def test_quantize_cli_matches_the_training_quantizer(model_dir, tmp_path):
     ],
 )
 def test_sharded_launches_are_refused_before_loading_the_model(tmp_path, monkeypatch, env, name):
-    from trl_fp8.trainer.grpo import check_no_weight_sharding
+    from trl_fp8.distributed import check_no_weight_sharding
 
     args, bf16_args = make_args(tmp_path), make_args(tmp_path, fp8_recipe=None)
     for key, value in env.items():
@@ -604,7 +604,7 @@ def test_sharded_launches_are_refused_before_loading_the_model(tmp_path, monkeyp
 def test_fsdp2_launches_are_accepted_and_keep_no_fp8_weight_cache(tmp_path, monkeypatch):
     """FSDP2 hands each layer the whole weight inside forward/backward, and the sync/export gather per tensor
     (tests/test_multiprocess.py runs them sharded); a cached FP8 copy of every layer would undo the sharding."""
-    from trl_fp8.trainer.grpo import check_no_weight_sharding, weight_sharding
+    from trl_fp8.distributed import check_no_weight_sharding, weight_sharding
 
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     monkeypatch.setenv("FSDP_VERSION", "2")

@@ -137,6 +137,16 @@ class QuantizedAct(NamedTuple):
     qt: torch.Tensor | None  # [K, M_pad]: x.T in groups along tokens (WGrad's operands)
     scale_inv_t: torch.Tensor | None  # [K, M_pad / 128]
 
+    def as_op_outputs(self, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """A `torch.library` op returns tensors only: an absent layout becomes an empty placeholder."""
+        return tuple(t if t is not None else like.new_empty(0) for t in self)
+
+    @classmethod
+    def from_op_outputs(cls, out, rows: bool, cols: bool) -> QuantizedAct:
+        """The inverse of `as_op_outputs`, knowing which layouts were asked for."""
+        q, s, qt, st = out
+        return cls(q if rows else None, s if rows else None, qt if cols else None, st if cols else None)
+
 
 def quantize_act_layouts(
     x: torch.Tensor, *, rows: bool = True, cols: bool = False, power_of_two_scales: bool = False

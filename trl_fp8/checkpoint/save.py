@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase, ProcessorMixin
 
 from trl_fp8.checkpoint.folder import replace_checkpoint
+from trl_fp8.distributed import is_sharded
 from trl_fp8.nn.adapters import (
     check_adapters_mergeable,
     hf_name,
@@ -36,7 +37,7 @@ from trl_fp8.nn.adapters import (
 )
 from trl_fp8.nn.conversion import FUSED_GROUPS, is_fp8_linear, plan_fp8_conversion, router_module_names
 from trl_fp8.nn.experts import EXPERT_WEIGHTS, FP8Experts, is_experts_module
-from trl_fp8.nn.linear import FP8Linear, is_sharded
+from trl_fp8.nn.linear import FP8Linear
 from trl_fp8.quantization import FP8_DTYPE, quantize_blocks
 
 __all__ = [

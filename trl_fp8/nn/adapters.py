@@ -14,6 +14,8 @@ import re
 import torch
 from torch import nn
 
+from trl_fp8.distributed import is_sharded
+
 __all__ = [
     "AdapterMergeError",
     "check_adapters_mergeable",
@@ -108,7 +110,7 @@ def merged_base_parameters(tuner: nn.Module) -> dict[str, torch.Tensor]:
     work = _detached_copy(tuner)
     work_base = _detached_copy(base)
     for name, param in base.named_parameters(recurse=False):
-        if _is_sharded(param):
+        if is_sharded(param):
             raise NotImplementedError(
                 f"Merging {type(tuner).__name__} adapters into an FSDP2-sharded layer is not supported: merge the "
                 "adapters (model.merge_and_unload()) or train without FSDP2."
@@ -145,11 +147,3 @@ def _detached_copy(module: nn.Module) -> nn.Module:
         if isinstance(value, dict | list | set):
             clone.__dict__[key] = copy.copy(value)
     return clone
-
-
-def _is_sharded(t: torch.Tensor) -> bool:
-    if not torch.distributed.is_available():
-        return False
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)

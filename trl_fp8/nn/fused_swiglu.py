@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trl_fp8.nn.linear import FP8Linear, FP8Weight, blockwise_backward, is_sharded
+from trl_fp8.distributed import is_sharded
+from trl_fp8.nn.linear import FP8Linear, FP8Weight, blockwise_backward
 
 __all__ = ["fuse_swiglu", "is_fused_swiglu", "swiglu_problem"]
 

@@ -32,6 +32,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from trl_fp8.config import FP8LinearConfig
+from trl_fp8.distributed import is_sharded
 from trl_fp8.ops import select_ops
 from trl_fp8.ops.library import traceable
 from trl_fp8.quantization import QuantizedAct
@@ -342,15 +343,6 @@ def is_own_parameter(module: nn.Module, name: str, weight: torch.Tensor) -> bool
     Only a module's own parameter may have its FP8 copy cached: `weight_cache_key` tells states of one tensor apart,
     not two tensors that happen to share an address."""
     return weight is module._parameters.get(name)
-
-
-def is_sharded(t: torch.Tensor) -> bool:
-    """A DTensor shard (FSDP2 outside its forward/backward); inside them FSDP2 hands the layer the whole weight."""
-    if not torch.distributed.is_available():
-        return False
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
 
 
 def tensor_bytes(*tensors: torch.Tensor) -> int:

@@ -26,6 +26,7 @@ import weakref
 import torch
 from torch import nn
 
+from trl_fp8.distributed import is_sharded
 from trl_fp8.nn import linear as fp8_linear
 from trl_fp8.nn.linear import (
     FP8Linear,
@@ -34,7 +35,6 @@ from trl_fp8.nn.linear import (
     _BlockwiseFP8Matmul,
     cache_hit,
     is_own_parameter,
-    is_sharded,
     tensor_bytes,
 )
 

@@ -18,22 +18,11 @@ import importlib
 from types import ModuleType
 
 import torch
-from torch import Tensor
 
 from trl_fp8.ops import backend_name
 from trl_fp8.quantization import QuantizedAct
 
 __all__ = ["traceable"]
-
-
-def pack(act: QuantizedAct, like: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """An op returns tensors only: an absent layout becomes an empty placeholder (`unpack` reads it back as None)."""
-    return tuple(t if t is not None else like.new_empty(0) for t in act)
-
-
-def unpack(out, rows: bool, cols: bool) -> QuantizedAct:
-    q, s, qt, st = out
-    return QuantizedAct(q if rows else None, s if rows else None, qt if cols else None, st if cols else None)
 
 
 _lib = torch.library.Library("trl_fp8", "FRAGMENT")
@@ -51,11 +40,12 @@ def _backend(name: str) -> ModuleType:
 
 
 def _quantize_act(x, backend, rows, cols, pow2):
-    return pack(_backend(backend).quantize_act(x, rows=rows, cols=cols, power_of_two_scales=pow2), x)
+    return _backend(backend).quantize_act(x, rows=rows, cols=cols, power_of_two_scales=pow2).as_op_outputs(x)
 
 
 def _quantize_swiglu(gate, up, backend, rows, cols, pow2):
-    return pack(_backend(backend).quantize_swiglu(gate, up, rows=rows, cols=cols, power_of_two_scales=pow2), gate)
+    act = _backend(backend).quantize_swiglu(gate, up, rows=rows, cols=cols, power_of_two_scales=pow2)
+    return act.as_op_outputs(gate)
 
 
 def _quantize_weight(w, backend, col_major, pow2):
@@ -75,7 +65,7 @@ def _fake_quantize_act(x, backend, rows, cols, pow2):
         return _quantize_act(x, backend, rows, cols, pow2)
     from trl_fp8.kernels._common import empty_act_layouts
 
-    return pack(empty_act_layouts(x.shape[0], x.shape[1], rows, cols, x.device), x)
+    return empty_act_layouts(x.shape[0], x.shape[1], rows, cols, x.device).as_op_outputs(x)
 
 
 def _fake_quantize_swiglu(gate, up, backend, rows, cols, pow2):
@@ -116,11 +106,12 @@ class _OpInterface:
         self.backend = backend
 
     def quantize_act(self, x, *, rows=True, cols=False, power_of_two_scales=False):
-        return unpack(_ops.quantize_act.default(x, self.backend, rows, cols, power_of_two_scales), rows, cols)
+        out = _ops.quantize_act.default(x, self.backend, rows, cols, power_of_two_scales)
+        return QuantizedAct.from_op_outputs(out, rows, cols)
 
     def quantize_swiglu(self, gate, up, *, rows=True, cols=False, power_of_two_scales=False):
         out = _ops.quantize_swiglu.default(gate, up, self.backend, rows, cols, power_of_two_scales)
-        return unpack(out, rows, cols)
+        return QuantizedAct.from_op_outputs(out, rows, cols)
 
     def quantize_weight(self, w, *, col_major=False, power_of_two_scales=False):
         return _ops.quantize_weight.default(w, self.backend, col_major, power_of_two_scales)

@@ -13,7 +13,6 @@ from torch import Tensor
 from torch.library import triton_op
 
 from trl_fp8 import kernels
-from trl_fp8.ops.library import pack, unpack
 from trl_fp8.quantization import QuantizedAct
 
 __all__ = ["quantize_act", "quantize_swiglu", "quantize_weight"]
@@ -21,7 +20,7 @@ __all__ = ["quantize_act", "quantize_swiglu", "quantize_weight"]
 
 @triton_op("trl_fp8::triton_quantize_act", mutates_args=())
 def _quantize_act(x: Tensor, rows: bool, cols: bool, pow2: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return pack(kernels.quantize_act(x, rows=rows, cols=cols, power_of_two_scales=pow2, traced=True), x)
+    return kernels.quantize_act(x, rows=rows, cols=cols, power_of_two_scales=pow2, traced=True).as_op_outputs(x)
 
 
 @triton_op("trl_fp8::triton_quantize_swiglu", mutates_args=())
@@ -29,7 +28,7 @@ def _quantize_swiglu(
     gate: Tensor, up: Tensor, rows: bool, cols: bool, pow2: bool
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     act = kernels.quantize_swiglu(gate, up, rows=rows, cols=cols, power_of_two_scales=pow2, traced=True)
-    return pack(act, gate)
+    return act.as_op_outputs(gate)
 
 
 @triton_op("trl_fp8::triton_quantize_weight", mutates_args=())
@@ -38,11 +37,11 @@ def _quantize_weight(w: Tensor, col_major: bool, pow2: bool) -> tuple[Tensor, Te
 
 
 def quantize_act(x, *, rows=True, cols=False, power_of_two_scales=False) -> QuantizedAct:
-    return unpack(_quantize_act(x, rows, cols, power_of_two_scales), rows, cols)
+    return QuantizedAct.from_op_outputs(_quantize_act(x, rows, cols, power_of_two_scales), rows, cols)
 
 
 def quantize_swiglu(gate, up, *, rows=True, cols=False, power_of_two_scales=False) -> QuantizedAct:
-    return unpack(_quantize_swiglu(gate, up, rows, cols, power_of_two_scales), rows, cols)
+    return QuantizedAct.from_op_outputs(_quantize_swiglu(gate, up, rows, cols, power_of_two_scales), rows, cols)
 
 
 def quantize_weight(w, *, col_major=False, power_of_two_scales=False):

@@ -35,6 +35,7 @@ from trl.trainer.utils import create_model_from_path, pad
 from trl_fp8.checkpoint.folder import drop_checkpoint_entries, is_checkpoint_entry, output_overwrites_model
 from trl_fp8.checkpoint.save import save_fp8_checkpoint, unwrap_model
 from trl_fp8.config import FP8LinearConfig
+from trl_fp8.distributed import check_no_weight_sharding, weight_sharding
 from trl_fp8.nn.conversion import ConversionReport, convert_to_fp8, plan_fp8_conversion
 from trl_fp8.nn.linear import invalidate_fp8_weights
 from trl_fp8.rollout.kv_scales import AttentionScaleObserver
@@ -46,7 +47,7 @@ from trl_fp8.trainer.regional_compile import compile_decoder_layers, eager_gener
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FP8GRPOTrainer", "check_no_weight_sharding", "check_output_dir"]
+__all__ = ["FP8GRPOTrainer", "check_output_dir"]
 
 
 class FP8GRPOTrainer(GRPOTrainer):
@@ -400,45 +401,6 @@ def check_reward_dependencies(reward_funcs) -> None:
         raise ImportError(
             f"{needs[0]} (trl.rewards) checks answers with math-verify, which is not installed: "
             "pip install 'trl-fp8[math]'."
-        )
-
-
-def weight_sharding(args) -> str | None:
-    """The weight sharding of the launch: "FSDP2", "FSDP1", "DeepSpeed ZeRO-3", or None (whole weights on every rank).
-
-    FSDP comes from the training arguments (`fsdp=...`, `fsdp_config={"version": 2}`, transformers' default 2) or
-    from `accelerate launch --config_file fsdp*.yaml` (its `FSDP_VERSION`, accelerate's default 1).
-    """
-    env = os.environ
-    if args.fsdp:
-        return f"FSDP{int((args.fsdp_config or {}).get('version', 2))}"
-    if env.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true"):
-        return f"FSDP{int(env.get('FSDP_VERSION', '1'))}"
-    ds_config = getattr(args, "hf_deepspeed_config", None)
-    if ds_config is not None and ds_config.is_zero3():
-        return "DeepSpeed ZeRO-3"
-    if env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() in ("1", "true") and (
-        env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3"
-    ):
-        return "DeepSpeed ZeRO-3"
-    return None
-
-
-def check_no_weight_sharding(args: FP8GRPOConfig) -> None:
-    """Refuse, at start-up rather than after training, the sharding FP8 cannot follow.
-
-    FSDP2 works: its forward and backward hand each layer the whole weight, and the sync and the export gather one
-    tensor at a time (`FP8Linear.quantized_weight`). FSDP1 flattens parameters and ZeRO-3 partitions them outside
-    the module, so neither gives a layer, the sync or the exporter whole 128x128 blocks.
-    """
-    sharding = weight_sharding(args)
-    needs_whole_weights = args.fp8_recipe is not None or args.use_vllm or args.save_fp8_checkpoint
-    if sharding not in (None, "FSDP2") and needs_whole_weights:
-        raise NotImplementedError(
-            f"FP8GRPOTrainer does not support {sharding}: its layers, the vLLM sync and the FP8 export need whole "
-            "weights, which it does not give them. Shard with FSDP2 (TRL's accelerate_configs/fsdp2.yaml, or "
-            "fsdp_config={'version': 2}), or replicate with DDP (multi_gpu.yaml) or DeepSpeed ZeRO-1/2 "
-            "(zero2.yaml); or, for plain BF16 GRPO, set fp8_recipe=None, use_vllm=False and save_fp8_checkpoint=False."
         )
 
 

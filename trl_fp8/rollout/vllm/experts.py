@@ -23,9 +23,9 @@ import torch
 from torch import nn
 
 from trl_fp8.checkpoint.save import fp8_experts_layers, merged_fp8_experts
+from trl_fp8.distributed import is_sharded
 from trl_fp8.nn.adapters import hf_name, is_tuner_layer, unwrap_model
 from trl_fp8.nn.experts import EXPERT_WEIGHTS
-from trl_fp8.nn.linear import is_sharded
 
 __all__ = ["NO_FP8_EXPERTS", "EngineExperts", "engine_model", "quiet_skipped_layers"]
 
