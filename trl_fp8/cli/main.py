@@ -2,7 +2,7 @@
 
     trl-fp8 quantize MODEL OUT [...]    write a block-FP8 checkpoint of a BF16 model (see `trl_fp8.cli.quantize`)
     trl-fp8 plan MODEL [...]            rollout capacity in BF16 / FP8 / FP8 + FP8 KV, and the trainer's memory
-    trl-fp8 warmup MODEL [...]          compile the engine's DeepGEMM kernels in parallel (see `deepgemm_warmup`)
+    trl-fp8 warmup MODEL [...]          compile the engine's DeepGEMM kernels in parallel (see `trl_fp8.cli.warmup`)
 
 `python -m trl_fp8` runs the same command.
 """
@@ -13,15 +13,14 @@ import argparse
 import sys
 
 from trl_fp8 import __version__
-from trl_fp8.cli import plan, quantize
-from trl_fp8.rollout.vllm import deepgemm_warmup
+from trl_fp8.cli import plan, quantize, warmup
 
 # name: (module with add_arguments(parser) and run(args) -> exit code, one-line help)
 SUBCOMMANDS = {
     "quantize": (quantize, "write a block-FP8 checkpoint of a high-precision model (for vLLM and transformers)"),
     "plan": (plan, "how many sequences vLLM decodes at once in BF16 / FP8 / FP8 + FP8 KV, and whether training fits"),
     "warmup": (
-        deepgemm_warmup,
+        warmup,
         "compile the DeepGEMM kernels of a model's FP8 engine in parallel, before vLLM starts",
     ),
 }

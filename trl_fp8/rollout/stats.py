@@ -58,7 +58,9 @@ class RolloutStats:
     def attach(cls, llm) -> RolloutStats | None:
         """Replace the stat loggers of `llm` (an in-process `vllm.LLM` built with `disable_log_stats=False`) by a
         new `RolloutStats`; None, with a warning, when the engine collects no statistics."""
-        manager = getattr(getattr(llm, "llm_engine", None), "logger_manager", None)
+        from trl_fp8.rollout.vllm._compat import engine_stat_logger_manager
+
+        manager = engine_stat_logger_manager(llm)
         if manager is None or not hasattr(manager, "stat_loggers"):
             logger.warning("This vLLM engine collects no statistics: rollout metrics (vllm/*) are not logged.")
             return None
@@ -70,7 +72,9 @@ class RolloutStats:
 def engine_kv_cache_tokens(llm) -> int | None:
     """The KV-cache size vLLM settled on, in tokens (its "GPU KV cache size"), or None if it does not say."""
     try:
-        cache = llm.llm_engine.vllm_config.cache_config
+        from trl_fp8.rollout.vllm._compat import engine_cache_config
+
+        cache = engine_cache_config(llm)
         return int(cache.num_gpu_blocks * cache.block_size)
     except (AttributeError, TypeError):
         return None

@@ -104,7 +104,7 @@ class FP8GRPOTrainer(GRPOTrainer):
         self._capacity_reported = False
         self._kv_observer = AttentionScaleObserver(model) if args.use_vllm and args.fp8_kv_cache else None
         if args.use_vllm:
-            from trl_fp8.rollout.vllm.generation import sleep_mode_allocator_advice
+            from trl_fp8.rollout.vllm.engine import sleep_mode_allocator_advice
 
             if advice := sleep_mode_allocator_advice(args):
                 logger.warning(advice)

@@ -26,21 +26,15 @@ from trl_fp8.checkpoint.save import fp8_experts_layers, merged_fp8_experts
 from trl_fp8.distributed import is_sharded
 from trl_fp8.nn.adapters import hf_name, is_tuner_layer, unwrap_model
 from trl_fp8.nn.experts import EXPERT_WEIGHTS
+from trl_fp8.rollout.vllm._compat import LAYERWISE_RELOAD_LOGGER, engine_model, moe_kernel_format_converter
 
 __all__ = ["NO_FP8_EXPERTS", "EngineExperts", "engine_model", "quiet_skipped_layers"]
 
 NO_FP8_EXPERTS = "no FP8 experts layer"
 
 
-def engine_model(llm) -> nn.Module:
-    """The model inside a colocated `vllm.LLM` (one worker, in this process)."""
-    return llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
-
-
 def _vllm_converter() -> Callable:
-    from vllm.model_executor.layers.fused_moe.oracle.fp8 import convert_to_fp8_moe_kernel_format
-
-    return convert_to_fp8_moe_kernel_format
+    return moe_kernel_format_converter()
 
 
 class EngineExperts:
@@ -128,7 +122,7 @@ class _SkippedLayerFilter(logging.Filter):
 def quiet_skipped_layers():
     """vLLM's layerwise reload warns "Failed to load weights" for each layer that got no tensor and keeps its
     tensors as they are; the MoE layers written in place get none on purpose."""
-    log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    log = logging.getLogger(LAYERWISE_RELOAD_LOGGER)
     quiet = _SkippedLayerFilter()
     log.addFilter(quiet)
     try:

@@ -18,374 +18,45 @@ Rollout precisions: "fp8" (our quantizer makes weights and scales: the unified f
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import re
 import shutil
 import tempfile
 import time
 import weakref
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from torch import nn
 from trl.generation.vllm_generation import VLLMGeneration
 
 from trl_fp8.checkpoint.save import (
-    check_fused_groups,
-    checkpoint_config,
-    fp8_checkpoint_tensors,
     fp8_module_names,
-    hf_name,
-    linear_module_names,
-    unwrap_model,
 )
-from trl_fp8.config import ROLLOUT_PRECISIONS, check_rollout_precision, check_vllm_version
+from trl_fp8.config import check_rollout_precision, check_vllm_version
 from trl_fp8.nn.linear import release_fp8_weight_caches
 from trl_fp8.rollout.kv_scales import AttentionScaleObserver
 from trl_fp8.rollout.stats import RolloutStats, engine_kv_cache_tokens
 from trl_fp8.rollout.vllm.deepgemm_warmup import PrecompileResult, precompile_engine_kernels
+from trl_fp8.rollout.vllm.engine import (
+    TRL_MAX_NUM_BATCHED_TOKENS,
+    apply_engine_env,
+    engine_overrides,
+    push_to_engine,
+    rollout_weight_tensors,
+    write_engine_config,
+)
 from trl_fp8.rollout.vllm.experts import NO_FP8_EXPERTS, EngineExperts, quiet_skipped_layers
 from trl_fp8.rollout.vllm.kernels import (
-    FP8_KV_ATTENTION_BACKEND,
-    VLLM_LINEAR_BACKEND,
     RolloutKernel,
     check_fp8_kv_attention,
-    forget_cached_deepgemm_decisions,
     rollout_kernel,
     server_command,
     server_kernel,
 )
+from trl_fp8.rollout.vllm.server import check_server_config
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "ROLLOUT_PRECISIONS",
-    "FP8VLLMGeneration",
-    "apply_engine_env",
-    "check_served_quantization",
-    "check_server_config",
-    "check_server_kernel",
-    "check_vllm_version",
-    "engine_env",
-    "engine_overrides",
-    "push_to_engine",
-    "rollout_weight_tensors",
-    "write_engine_config",
-]
-
-# TRL builds its colocated engine with max_num_batched_tokens=4096: the largest GEMM the engine runs has that many rows.
-TRL_MAX_NUM_BATCHED_TOKENS = 4096
-
-# vLLM's own online FP8 (per-tensor weights, dynamic per-token activations): `vllm serve --quantization fp8`.
-VLLM_ONLINE_FP8 = "fp8"
-
-
-def rollout_weight_tensors(
-    model: nn.Module,
-    rollout_precision: str,
-    *,
-    fp8_modules: set[str] | None = None,
-    power_of_two_scales: bool = False,
-    attention_scales: dict[str, torch.Tensor] | None = None,
-    skip_experts: frozenset[str] | set[str] = frozenset(),
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """`(name, tensor)` pairs pushed to vLLM at each sync, in transformers names, on the model's device.
-
-    "fp8": the block-FP8 checkpoint tensors (FP8 layers as float8_e4m3fn weight + float32 `weight_scale_inv`, the
-    trainer's own quantized weights; the rest in BF16). "bf16" and "fp8_online": BF16 tensors only. PEFT adapters are
-    merged in by PEFT's own merge; a tied lm_head is left to vLLM's tying. `power_of_two_scales` rounds the scales of
-    layers quantized here (a BF16-trained model's; FP8 layers keep their own setting), as the exporter does.
-    `attention_scales` (FP8 KV cache) come last, after every layer's weights, because vLLM processes attention scales
-    after the linear layers. `skip_experts`: experts layers written into the engine another way (`vllm_experts`).
-    """
-    check_rollout_precision(rollout_precision)
-    yield from fp8_checkpoint_tensors(
-        model,
-        fp8_modules=fp8_modules if rollout_precision == "fp8" else set(),
-        power_of_two_scales=power_of_two_scales,
-        check_finite=False,
-        dtype=torch.bfloat16,
-        skip_experts=skip_experts,
-    )
-    for name, scale in (attention_scales or {}).items():
-        yield name, scale.reshape(()).float()
-
-
-def write_engine_config(model: nn.Module, tokenizer, path: str | Path, fp8_modules: set[str]) -> Path:
-    """Write the files vLLM builds an engine from, without weights: `config.json` (with the block-FP8
-    `quantization_config` when `fp8_modules` is non-empty), `generation_config.json` and the tokenizer."""
-    hf_model = unwrap_model(model)
-    linear_names = linear_module_names(hf_model)
-    clean = {hf_name(n) for n in fp8_modules}
-    check_fused_groups(clean, linear_names)
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    config = checkpoint_config(hf_model, clean, linear_names, torch.bfloat16)
-    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-    if getattr(hf_model, "generation_config", None) is not None:
-        hf_model.generation_config.save_pretrained(path)
-    if tokenizer is not None:
-        getattr(tokenizer, "tokenizer", tokenizer).save_pretrained(path)
-    return path
-
-
-def engine_overrides(
-    engine_dir: str | Path, rollout_precision: str, fp8_kv_cache: bool, kernel: RolloutKernel | None = None
-) -> dict:
-    """`LLM(...)` arguments that build a colocated engine from `write_engine_config`'s folder with dummy weights;
-    for "fp8" rollouts, `kernel`'s linear backend; with an FP8 KV cache, the attention backend that takes new q/k/v
-    scales at every sync (`vllm_kernels.FP8_KV_ATTENTION_BACKEND`)."""
-    # disable_log_stats=False: vLLM computes per-step scheduler statistics, which `RolloutStats` collects.
-    overrides = {"model": str(engine_dir), "load_format": "dummy", "disable_log_stats": False}
-    if rollout_precision == "fp8_online":
-        overrides["quantization"] = VLLM_ONLINE_FP8
-    if rollout_precision == "fp8" and kernel is not None:
-        overrides.update(kernel.llm_kwargs)
-    if fp8_kv_cache:
-        overrides.update(kv_cache_dtype="fp8", attention_backend=FP8_KV_ATTENTION_BACKEND)
-    return overrides
-
-
-def engine_env(rollout_precision: str, kernel: RolloutKernel | None = None) -> dict[str, str]:
-    """Environment variables a vLLM engine needs so that it runs `rollout_precision` on the pushed values as they are
-    (for "fp8": `kernel`'s, resolved with `rollout_kernel("auto")` when None).
-
-    Assign them (not `setdefault`: a site default such as `VLLM_USE_DEEP_GEMM_E8M0=1` must not win) before the engine
-    is built; vLLM reads them when it creates its layers.
-    """
-    if check_rollout_precision(rollout_precision) != "fp8":
-        return {}
-    return dict((kernel or rollout_kernel("auto")).env)
-
-
-def apply_engine_env(rollout_precision: str, kernel: RolloutKernel | None = None) -> None:
-    """Assign `engine_env` to this process's environment, and make vLLM forget what it decided from the old one."""
-    os.environ.update(engine_env(rollout_precision, kernel))
-    forget_cached_deepgemm_decisions()
-
-
-def sleep_mode_allocator_advice(args, environ=os.environ) -> str | None:
-    """What to set before a colocated run in sleep mode, or None. PyTorch's caching allocator keeps the training
-    step's freed blocks in segments that a live tensor pins (optimizer states are born among them), `empty_cache`
-    cannot return those, and vLLM then wakes its whole share beside them: 10.0 GiB with BF16 training, about 14 with
-    FP8, at the 8B shape; with expandable segments 0.8-1.1 GiB (benchmarks/README.md). vLLM >= 0.26 turns
-    expandable segments off around its own sleep-mode pool, so the setting is safe there."""
-    if not (args.use_vllm and args.vllm_mode == "colocate" and args.vllm_enable_sleep_mode):
-        return None
-    if "expandable_segments:true" in environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower():
-        return None
-    return (
-        "vllm_enable_sleep_mode=True: set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before the run starts "
-        "(examples/grpo_fp8.py does). Without it PyTorch keeps freed training memory pinned while vLLM wakes into "
-        "its share (10-14 GiB at an 8B model), so a run out of memory at wake-up needs a lower "
-        "vllm_gpu_memory_utilization; with it, 0.45 ran on an 80 GB H100 where 0.4 failed for FP8 training."
-    )
-
-
-def push_to_engine(llm, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
-    """Load checkpoint-format `weights` into an in-process engine through vLLM's layerwise reload."""
-    worker = llm.llm_engine.model_executor.driver_worker.worker
-    worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
-    llm.reset_prefix_cache()
-
-
-def _served_model_config(server_config: dict) -> dict | None:
-    """The served model's `config.json`: read from its folder when that is readable here (one host, the usual two-GPU
-    setup), or from the Hub when the server serves a Hub id (cached or downloaded). vLLM's `/server_info` reports
-    neither the architecture nor the checkpoint's `quantization_config` itself. None when neither source answers."""
-    model_config = server_config.get("model_config", {})
-    path = model_config.get("model")
-    if not path:
-        return None
-    config = Path(str(path)) / "config.json"
-    if config.is_file():
-        return json.loads(config.read_text())
-    if Path(str(path)).is_absolute() or not re.fullmatch(r"[\w.-]+/[\w.-]+", str(path)):
-        return None  # a folder on the server's host
-    try:
-        from huggingface_hub import hf_hub_download
-
-        local = hf_hub_download(str(path), "config.json", revision=model_config.get("revision"))
-    except Exception as exc:  # offline, private, gated: say so in the caller's warning, never fail the run here
-        logger.info("Could not read %s's config.json from the Hub: %s", path, exc)
-        return None
-    return json.loads(Path(local).read_text())
-
-
-def _ignored_by(entries: list[str], name: str) -> bool:
-    """Whether a `modules_to_not_convert` / `ignored_layers` list keeps linear layer `name` unquantized (exact names,
-    parent modules, and vLLM's `re:` patterns)."""
-    for entry in entries:
-        if entry.startswith("re:"):
-            if re.fullmatch(entry[3:], name):
-                return True
-        elif name == entry or name.startswith(entry + "."):
-            return True
-    return False
-
-
-def check_served_quantization(
-    served: dict | None, model: nn.Module, rollout_precision: str, fp8_modules: set[str], fix: str
-) -> None:
-    """Raise naming the fix when the served checkpoint's quantization is not what this trainer pushes.
-
-    vLLM reports `quantization="fp8"` both for a block-FP8 checkpoint and for a BF16 model it quantizes itself
-    (`--quantization fp8`), so the served model's own `quantization_config` decides: for "fp8" rollouts it must be
-    a 128x128 block-FP8 checkpoint keeping exactly the trainer's high-precision layers (vLLM builds the layers' FP8
-    or BF16 parameters from it, and a pushed tensor of the other kind would not fit); for "fp8_online" it must be a
-    BF16 model. `served` None (a server on another host that does not report its config): warn that this could not
-    be checked.
-    """
-    if rollout_precision == "bf16":
-        return  # a BF16 server reports quantization=None, already checked
-    if served is None:
-        logger.warning(
-            "The vLLM server's model config is not readable from here, so whether it serves a block-FP8 checkpoint "
-            "with the trainer's high-precision layers (rollout_precision=%r) cannot be checked.",
-            rollout_precision,
-        )
-        return
-    config = served.get("quantization_config") or None
-    if rollout_precision == "fp8_online":
-        if config is not None:
-            raise ValueError(
-                f"rollout_precision='fp8_online' pushes BF16 weights for vLLM to quantize, but the server serves a "
-                f"{config.get('quant_method')!r} checkpoint. Serve the BF16 model with `trl vllm-serve --model "
-                "<bf16 model> --quantization fp8`, or use rollout_precision='fp8' with this checkpoint."
-            )
-        return
-    if config is None:
-        raise ValueError(
-            "rollout_precision='fp8' pushes the trainer's block-FP8 weights and scales, but the server quantizes a "
-            "BF16 checkpoint itself (vLLM's online FP8, `--quantization fp8`: other layers, other scales), so it "
-            f"cannot take them. {fix}."
-        )
-    block = list(config.get("weight_block_size") or [])
-    if config.get("quant_method") != "fp8" or block != [128, 128]:
-        raise ValueError(
-            f"The server's checkpoint is quant_method={config.get('quant_method')!r} with weight_block_size={block}, "
-            f"not the 128x128 block FP8 the trainer pushes. {fix}."
-        )
-    ignored = list(config.get("modules_to_not_convert") or config.get("ignored_layers") or [])
-    linear = {n for n in linear_module_names(model) if n.rsplit(".", 1)[-1] != "lm_head"}  # vLLM never quantizes it
-    ours = {hf_name(n) for n in fp8_modules}
-    theirs_only = sorted(n for n in linear if _ignored_by(ignored, n) and n in ours)
-    ours_only = sorted(n for n in linear if not _ignored_by(ignored, n) and n not in ours)
-    if theirs_only or ours_only:
-        shown = "; ".join(
-            f"{what}: {', '.join(names[:3])}{f' (+{len(names) - 3} more)' if len(names) > 3 else ''}"
-            for what, names in (("FP8 in the trainer, BF16 on the server", theirs_only),
-                                ("BF16 in the trainer, FP8 on the server", ours_only)) if names
-        )  # fmt: skip
-        raise ValueError(
-            f"The server's checkpoint keeps other layers in high precision than the trainer ({shown}), so the pushed "
-            f"weights would not fit its layers. {fix}, with the trainer's layer choices "
-            "(--num_first_layers_in_bf16 / --num_last_layers_in_bf16 / --keep_in_bf16)."
-        )
-
-
-def check_server_kernel(server_config: dict, server_env: dict | None, fp8_backend: str = "auto") -> str | None:
-    """Raise naming the fix when an FP8 server's kernel settings change the trainer's values (E8M0 on with DeepGEMM
-    enabled); warn when its kernel is not the one `fp8_backend` asks for (same values, other speed). Returns the
-    server's linear backend as vLLM reports it, or None when the server did not report its environment."""
-    linear_backend = server_config.get("kernel_config", {}).get("linear_backend", "auto")
-    if server_env is None:
-        logger.warning(
-            "The vLLM server did not report its environment, so its FP8 kernel settings cannot be checked; it must "
-            "run with VLLM_USE_DEEP_GEMM_E8M0=0: `%s`.",
-            server_command(),
-        )
-        return None
-
-    def on(name: str, default: bool) -> bool:
-        return str(server_env.get(name, default)).lower() in ("1", "true")
-
-    if on("VLLM_USE_DEEP_GEMM", True) and on("VLLM_USE_DEEP_GEMM_E8M0", True):
-        raise ValueError(
-            "The vLLM server runs with VLLM_USE_DEEP_GEMM_E8M0=1: it rounds the pushed FP8 scales up to powers of two "
-            "and requantizes the weights, so rollouts would not run the trainer's model. Restart it as "
-            f"`{server_command()}`."
-        )
-    served = "deep_gemm" if linear_backend == "auto" and on("VLLM_USE_DEEP_GEMM", True) else linear_backend
-    served = {vllm: ours for ours, vllm in VLLM_LINEAR_BACKEND.items()}.get(served, served)  # our backend names
-    if fp8_backend != "auto" and served != fp8_backend:
-        logger.warning(
-            "vllm_fp8_backend=%r but the vLLM server runs %r (same FP8 values, other speed). For %r restart it as `%s`.",
-            fp8_backend, served, fp8_backend, server_command(server_kernel(fp8_backend)),
-        )  # fmt: skip
-    return served
-
-
-def check_server_config(
-    server_config: dict,
-    model: nn.Module,
-    rollout_precision: str,
-    fp8_kv_cache: bool,
-    *,
-    server_env: dict | None = None,
-    fp8_backend: str = "auto",
-    fp8_modules: set[str] | None = None,
-) -> None:
-    """Raise naming the fix when a `trl vllm-serve` server cannot take this trainer's weights.
-
-    `server_config` is the server's `/server_info` VllmConfig tree (`VLLMClient.get_server_info()`) and `server_env`
-    its `vllm_env` (the VLLM_* settings it runs with): its quantization, KV-cache dtype and, for FP8 rollouts, its
-    block-FP8 kernel settings (`check_server_kernel`) are checked, and, when the served model's config is known
-    (reported, or readable from here), its architecture, shapes and quantization config: a block-FP8 checkpoint
-    with the same high-precision layers as `fp8_modules` (default: the model's FP8 layers) for "fp8" rollouts, a
-    BF16 model for "fp8_online" (`check_served_quantization`).
-    """
-    hf_config = unwrap_model(model).config
-    fix = (
-        "Start the server on an FP8 checkpoint of this very policy: `trl-fp8 quantize <model> <fp8_dir>` then "
-        f"`{server_command()}`"
-    )
-    quantization = server_config.get("model_config", {}).get("quantization")
-    wanted = {"fp8": "fp8", "fp8_online": VLLM_ONLINE_FP8, "bf16": None}[rollout_precision]
-    if quantization != wanted:
-        if rollout_precision == "fp8":
-            raise ValueError(
-                f"rollout_precision='fp8' pushes FP8 weights and scales, but the vLLM server runs "
-                f"quantization={quantization!r}. {fix}."
-            )
-        hint = "--quantization fp8" if wanted else "a BF16 checkpoint and no --quantization"
-        raise ValueError(
-            f"rollout_precision={rollout_precision!r} needs a server with quantization={wanted!r}, found "
-            f"{quantization!r}. Restart `trl vllm-serve` with {hint}."
-        )
-    if rollout_precision == "fp8":
-        check_server_kernel(server_config, server_env, fp8_backend)
-    cache_dtype = server_config.get("cache_config", {}).get("cache_dtype")
-    if fp8_kv_cache and not str(cache_dtype).startswith("fp8"):
-        raise ValueError(
-            f"fp8_kv_cache=True but the server's KV cache is {cache_dtype!r}. Restart it with "
-            f"`trl vllm-serve ... --kv_cache_dtype fp8 --attention-backend {FP8_KV_ATTENTION_BACKEND}`, or set "
-            "fp8_kv_cache=False."
-        )
-    attention = (server_config.get("attention_config") or {}).get("backend")  # None: vLLM's pick, FA3 on Hopper
-    if fp8_kv_cache and attention is not None and str(attention).rsplit(".", 1)[-1] != FP8_KV_ATTENTION_BACKEND:
-        raise ValueError(
-            f"fp8_kv_cache=True but the server's attention backend is {attention!r}, which does not take the q/k/v "
-            f"scales pushed at every step. Restart it with `--attention-backend {FP8_KV_ATTENTION_BACKEND}` (or no "
-            "--attention-backend, which picks it on Hopper)."
-        )
-    served = _served_model_config(server_config)
-    fp8_modules = fp8_module_names(model) if fp8_modules is None else fp8_modules
-    check_served_quantization(served, model, rollout_precision, fp8_modules, fix)
-    if served is None:
-        return
-    ours = list(getattr(hf_config, "architectures", None) or [type(unwrap_model(model)).__name__])
-    if served.get("architectures") and list(served["architectures"]) != ours:
-        raise ValueError(f"The vLLM server serves {served['architectures']}, the trainer trains {ours}. {fix}.")
-    for key in ("hidden_size", "num_hidden_layers", "num_key_value_heads", "vocab_size", "intermediate_size"):
-        if key in served and served[key] != getattr(hf_config, key, served[key]):
-            raise ValueError(
-                f"The vLLM server's model has {key}={served[key]}, the trainer's {getattr(hf_config, key)}: not the "
-                f"same architecture. {fix}."
-            )
+__all__ = ["FP8VLLMGeneration"]
 
 
 class FP8VLLMGeneration(VLLMGeneration):

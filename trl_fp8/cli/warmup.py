@@ -1,0 +1,88 @@
+"""`trl-fp8 warmup`: compile the DeepGEMM kernels of a model's FP8 engine in parallel, before vLLM starts.
+
+    trl-fp8 warmup ./Qwen3-8B-FP8            # before `trl vllm-serve`: the kernels that server will use
+    trl-fp8 warmup --shapes 6144x4096 4096x4096
+
+Worker processes each run vLLM's own GEMM over a share of vLLM's warm-up token counts into DeepGEMM's cache
+(`trl_fp8.rollout.vllm.deepgemm_warmup`); vLLM's warm-up then finds each kernel on disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+from trl_fp8.cli.argtypes import positive_int
+from trl_fp8.rollout.vllm.deepgemm_warmup import BLOCK, engine_gemm_shapes, precompile_deepgemm
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", help="a model folder (its config.json): a BF16 model or an FP8 checkpoint")
+    parser.add_argument("--shapes", nargs="+", metavar="NxK", help="GEMM shapes instead of a model, e.g. 6144x4096")
+    parser.add_argument("--max_tokens", type=positive_int, default=4096,
+                        help="the engine's max_num_batched_tokens (TRL's colocated engine: 4096; vLLM's server "
+                             "default: 8192 or more, see its log)")  # fmt: skip
+    parser.add_argument("--workers", type=positive_int, default=None, help="processes (default: CPU cores, at most 16)")
+    parser.add_argument("--cache_dir", default=None, help="DeepGEMM's cache (default: DG_JIT_CACHE_DIR, else vLLM's)")
+    parser.add_argument("--full", action="store_true", help="every token count, as VLLM_DEEP_GEMM_WARMUP=full runs")
+    parser.add_argument("--force", action="store_true", help="run even where a completed run is recorded")
+
+
+def parse_shape(text: str) -> tuple[int, int]:
+    """`NxK` (e.g. `6144x4096`) as `(N, K)`, both positive multiples of 128."""
+    try:
+        n, k = (int(d) for d in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"--shapes {text!r}: write each GEMM shape as NxK, e.g. 6144x4096.") from None
+    if n <= 0 or k <= 0 or n % BLOCK or k % BLOCK:
+        raise ValueError(f"--shapes {text!r}: N and K must be positive multiples of {BLOCK} (block-FP8 weights).")
+    return n, k
+
+
+def model_shapes(path: str) -> list[tuple[int, int]]:
+    """GEMM shapes of the model whose config.json is in `path` (built on the meta device, no weights read)."""
+    from transformers import AutoModelForCausalLM
+
+    from trl_fp8.cli.hub import load_model_config
+    from trl_fp8.nn.conversion import plan_fp8_conversion
+
+    config = load_model_config(path)  # raises ValueError naming the fix
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    report, _ = plan_fp8_conversion(model, warn=False)
+    return engine_gemm_shapes(model, set(report.converted))
+
+
+def run(args: argparse.Namespace) -> int:
+    from trl_fp8.rollout.vllm.kernels import deepgemm_unavailable_reason, rollout_kernel
+
+    if bool(args.model) == bool(args.shapes):
+        print("error: give a model folder or --shapes NxK ..., not both.", file=sys.stderr)
+        return 2
+    if why_not := deepgemm_unavailable_reason():
+        print(f"error: DeepGEMM cannot run here ({why_not}). Run trl-fp8 warmup on the machine that will run the "
+              "FP8 engine: an H100/H200 with vLLM and nvcc.", file=sys.stderr)  # fmt: skip
+        return 2
+    try:
+        shapes = model_shapes(args.model) if args.model else [parse_shape(s) for s in args.shapes]
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    os.environ.update(rollout_kernel("deepgemm", jit_cache_dir=args.cache_dir).env)
+    result = precompile_deepgemm(shapes, args.max_tokens, workers=args.workers, full=args.full, force=args.force)
+    if result.skipped:
+        print(f"Nothing to do: {result.skipped} (--force runs it again).")
+    else:
+        print(
+            f"{len(shapes)} GEMM shapes, {result.token_counts} token counts, {result.workers} workers: "
+            f"{result.kernels_after} kernels in {os.environ['DG_JIT_CACHE_DIR']} "
+            f"({result.kernels_after - result.kernels_before} new) in {result.seconds:.0f} s"
+        )
+    print(json.dumps({**result.__dict__, "cache_dir": os.environ["DG_JIT_CACHE_DIR"]}))
+    return 1 if result.failures else 0
+
+

@@ -1,0 +1,160 @@
+"""The colocated engine's set-up and weights: the config-only folder it starts from, the settings and environment
+it needs for the trainer's FP8 weights, and the tensors pushed into it at every sync."""
+
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from trl_fp8.checkpoint.save import (
+    check_fused_groups,
+    checkpoint_config,
+    fp8_checkpoint_tensors,
+    hf_name,
+    linear_module_names,
+    unwrap_model,
+)
+from trl_fp8.config import check_rollout_precision
+from trl_fp8.rollout.vllm._compat import engine_worker
+from trl_fp8.rollout.vllm.kernels import (
+    FP8_KV_ATTENTION_BACKEND,
+    RolloutKernel,
+    forget_cached_deepgemm_decisions,
+    rollout_kernel,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "TRL_MAX_NUM_BATCHED_TOKENS",
+    "VLLM_ONLINE_FP8",
+    "apply_engine_env",
+    "engine_env",
+    "engine_overrides",
+    "push_to_engine",
+    "rollout_weight_tensors",
+    "sleep_mode_allocator_advice",
+    "write_engine_config",
+]
+
+# TRL builds its colocated engine with max_num_batched_tokens=4096: the largest GEMM the engine runs has that many rows.
+TRL_MAX_NUM_BATCHED_TOKENS = 4096
+
+# vLLM's own online FP8 (per-tensor weights, dynamic per-token activations): `vllm serve --quantization fp8`.
+VLLM_ONLINE_FP8 = "fp8"
+
+
+def rollout_weight_tensors(
+    model: nn.Module,
+    rollout_precision: str,
+    *,
+    fp8_modules: set[str] | None = None,
+    power_of_two_scales: bool = False,
+    attention_scales: dict[str, torch.Tensor] | None = None,
+    skip_experts: frozenset[str] | set[str] = frozenset(),
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`(name, tensor)` pairs pushed to vLLM at each sync, in transformers names, on the model's device.
+
+    "fp8": the block-FP8 checkpoint tensors (FP8 layers as float8_e4m3fn weight + float32 `weight_scale_inv`, the
+    trainer's own quantized weights; the rest in BF16). "bf16" and "fp8_online": BF16 tensors only. PEFT adapters are
+    merged in by PEFT's own merge; a tied lm_head is left to vLLM's tying. `power_of_two_scales` rounds the scales of
+    layers quantized here (a BF16-trained model's; FP8 layers keep their own setting), as the exporter does.
+    `attention_scales` (FP8 KV cache) come last, after every layer's weights, because vLLM processes attention scales
+    after the linear layers. `skip_experts`: experts layers written into the engine another way (`vllm_experts`).
+    """
+    check_rollout_precision(rollout_precision)
+    yield from fp8_checkpoint_tensors(
+        model,
+        fp8_modules=fp8_modules if rollout_precision == "fp8" else set(),
+        power_of_two_scales=power_of_two_scales,
+        check_finite=False,
+        dtype=torch.bfloat16,
+        skip_experts=skip_experts,
+    )
+    for name, scale in (attention_scales or {}).items():
+        yield name, scale.reshape(()).float()
+
+
+def write_engine_config(model: nn.Module, tokenizer, path: str | Path, fp8_modules: set[str]) -> Path:
+    """Write the files vLLM builds an engine from, without weights: `config.json` (with the block-FP8
+    `quantization_config` when `fp8_modules` is non-empty), `generation_config.json` and the tokenizer."""
+    hf_model = unwrap_model(model)
+    linear_names = linear_module_names(hf_model)
+    clean = {hf_name(n) for n in fp8_modules}
+    check_fused_groups(clean, linear_names)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = checkpoint_config(hf_model, clean, linear_names, torch.bfloat16)
+    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    if getattr(hf_model, "generation_config", None) is not None:
+        hf_model.generation_config.save_pretrained(path)
+    if tokenizer is not None:
+        getattr(tokenizer, "tokenizer", tokenizer).save_pretrained(path)
+    return path
+
+
+def engine_overrides(
+    engine_dir: str | Path, rollout_precision: str, fp8_kv_cache: bool, kernel: RolloutKernel | None = None
+) -> dict:
+    """`LLM(...)` arguments that build a colocated engine from `write_engine_config`'s folder with dummy weights;
+    for "fp8" rollouts, `kernel`'s linear backend; with an FP8 KV cache, the attention backend that takes new q/k/v
+    scales at every sync (`vllm_kernels.FP8_KV_ATTENTION_BACKEND`)."""
+    # disable_log_stats=False: vLLM computes per-step scheduler statistics, which `RolloutStats` collects.
+    overrides = {"model": str(engine_dir), "load_format": "dummy", "disable_log_stats": False}
+    if rollout_precision == "fp8_online":
+        overrides["quantization"] = VLLM_ONLINE_FP8
+    if rollout_precision == "fp8" and kernel is not None:
+        overrides.update(kernel.llm_kwargs)
+    if fp8_kv_cache:
+        overrides.update(kv_cache_dtype="fp8", attention_backend=FP8_KV_ATTENTION_BACKEND)
+    return overrides
+
+
+def engine_env(rollout_precision: str, kernel: RolloutKernel | None = None) -> dict[str, str]:
+    """Environment variables a vLLM engine needs so that it runs `rollout_precision` on the pushed values as they are
+    (for "fp8": `kernel`'s, resolved with `rollout_kernel("auto")` when None).
+
+    Assign them (not `setdefault`: a site default such as `VLLM_USE_DEEP_GEMM_E8M0=1` must not win) before the engine
+    is built; vLLM reads them when it creates its layers.
+    """
+    if check_rollout_precision(rollout_precision) != "fp8":
+        return {}
+    return dict((kernel or rollout_kernel("auto")).env)
+
+
+def apply_engine_env(rollout_precision: str, kernel: RolloutKernel | None = None) -> None:
+    """Assign `engine_env` to this process's environment, and make vLLM forget what it decided from the old one."""
+    os.environ.update(engine_env(rollout_precision, kernel))
+    forget_cached_deepgemm_decisions()
+
+
+def sleep_mode_allocator_advice(args, environ=os.environ) -> str | None:
+    """What to set before a colocated run in sleep mode, or None. PyTorch's caching allocator keeps the training
+    step's freed blocks in segments that a live tensor pins (optimizer states are born among them), `empty_cache`
+    cannot return those, and vLLM then wakes its whole share beside them: 10.0 GiB with BF16 training, about 14 with
+    FP8, at the 8B shape; with expandable segments 0.8-1.1 GiB (benchmarks/README.md). vLLM >= 0.26 turns
+    expandable segments off around its own sleep-mode pool, so the setting is safe there."""
+    if not (args.use_vllm and args.vllm_mode == "colocate" and args.vllm_enable_sleep_mode):
+        return None
+    if "expandable_segments:true" in environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower():
+        return None
+    return (
+        "vllm_enable_sleep_mode=True: set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before the run starts "
+        "(examples/grpo_fp8.py does). Without it PyTorch keeps freed training memory pinned while vLLM wakes into "
+        "its share (10-14 GiB at an 8B model), so a run out of memory at wake-up needs a lower "
+        "vllm_gpu_memory_utilization; with it, 0.45 ran on an 80 GB H100 where 0.4 failed for FP8 training."
+    )
+
+
+def push_to_engine(llm, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """Load checkpoint-format `weights` into an in-process engine through vLLM's layerwise reload."""
+    worker = engine_worker(llm)
+    worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+    llm.reset_prefix_cache()
