@@ -1,7 +1,7 @@
 """trl-fp8: FP8 reinforcement learning of LLMs on Hugging Face TRL.
 
-Public API: the blockwise quantizers, the FP8 linear and expert layers, the model conversion, the GRPO trainer and
-its configuration, the exporter, and the rollout-capacity arithmetic behind `trl-fp8 plan`.
+Public API: the blockwise quantizers, the FP8 linear and expert layers, the model conversion, the GRPO and RLOO
+trainers and their configurations, the exporter, and the rollout-capacity arithmetic behind `trl-fp8 plan`.
 """
 
 from trl_fp8._quiet import drop_import_noise as _drop_import_noise

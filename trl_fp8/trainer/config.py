@@ -1,11 +1,12 @@
-"""`FP8GRPOConfig`: TRL's `GRPOConfig` plus the FP8 precision flow, TIS and export settings."""
+"""The trainers' configs: `FP8TrainingArguments` (the FP8 fields every trainer shares) on top of TRL's `GRPOConfig`
+(`FP8GRPOConfig`, with TIS) and `RLOOConfig` (`FP8RLOOConfig`)."""
 
 from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field, fields
 
-from trl import GRPOConfig
+from trl import GRPOConfig, RLOOConfig
 
 from trl_fp8 import config as fp8_config
 from trl_fp8.config import BACKENDS, EXPERTS_GEMMS, RECIPES, VLLM_FP8_BACKENDS, check_rollout_precision
@@ -14,8 +15,9 @@ TIS_MODES = ("token", "off")
 
 
 @dataclass
-class FP8GRPOConfig(GRPOConfig):
-    r"""Configuration for `FP8GRPOTrainer`: every field of TRL's `GRPOConfig`, plus the ones below.
+class FP8TrainingArguments:
+    r"""The FP8 fields that `FP8GRPOConfig` and `FP8RLOOConfig` add to TRL's configs: the precision flow, vLLM
+    rollouts on the trainer's FP8 weights, and saving.
 
     **The FP8 precision flow.** Which layers train in FP8, with which recipe and kernels.
 
@@ -75,16 +77,6 @@ class FP8GRPOConfig(GRPOConfig):
             pushed at every sync (Hopper only). Off by default: it pays when the rollouts do not fit the BF16 KV
             cache (the first rollout's log line says so), for a larger trainer-vs-rollout mismatch, which TIS
             corrects (the documentation's "When FP8 pays" page).
-        log_rollout_mismatch (bool): With vLLM, always score the rollouts with the trainer (one extra forward when no
-            importance sampling needs it) and log the trainer-vs-rollout mismatch (`fp8/mismatch/*`).
-
-    **Truncated importance sampling.**
-
-    Args:
-        tis (str | None): `"token"`: token-level TIS, `min(pi_train / pi_rollout, tis_cap)` per token (TRL's
-            `token_truncate` mode with vLLM; applied by this trainer to any other rollout that returns its own
-            log-probs). `"off"`: no correction. `None`: leave TRL's `vllm_importance_sampling_*` fields as they are.
-        tis_cap (float): Upper clip of the token ratio (veRL and NeMo RL use 2.0 for FP8 rollouts).
 
     **Saving.**
 
@@ -191,20 +183,6 @@ class FP8GRPOConfig(GRPOConfig):
         default=False,
         metadata={"help": "FP8 KV cache in vLLM, with q/k/v scales measured on the trainer's forward every step."},
     )
-    log_rollout_mismatch: bool = field(
-        default=True,
-        metadata={"help": "With vLLM, always log the trainer-vs-rollout log-prob mismatch (fp8/mismatch/*)."},
-    )
-    tis: str | None = field(
-        default=None,
-        metadata={
-            "help": "Truncated importance sampling: 'token' (per-token ratio clipped at tis_cap), 'off', or unset "
-            "to keep TRL's vllm_importance_sampling_* settings.",
-        },
-    )
-    tis_cap: float = field(
-        default=2.0, metadata={"help": "Upper clip of the token-level importance ratio (veRL/NeMo RL use 2.0)."}
-    )
     save_fp8_checkpoint: bool | None = field(
         default=None,
         metadata={
@@ -217,7 +195,8 @@ class FP8GRPOConfig(GRPOConfig):
         metadata={"help": "Also write the high-precision master weights to <output_dir>/bf16_master."},
     )
 
-    def __post_init__(self):
+    def _check_fp8_fields(self) -> None:
+        """Validate and resolve the FP8 fields, before TRL's own `__post_init__` runs."""
         if isinstance(self.fp8_recipe, str) and self.fp8_recipe.lower() in ("none", "null", "bf16", ""):
             self.fp8_recipe = None  # the CLI and YAML pass strings
         if self.fp8_recipe is not None and self.fp8_recipe not in RECIPES:
@@ -233,14 +212,6 @@ class FP8GRPOConfig(GRPOConfig):
             raise ValueError(
                 "fp8_power_of_two_scales applies to fp8_recipe='blockwise' only (torchao's rowwise recipe already "
                 "uses power-of-two scales). Drop fp8_power_of_two_scales or use the blockwise recipe."
-            )
-        if isinstance(self.tis, str) and self.tis.lower() in ("none", "null", ""):
-            self.tis = None
-        if self.tis is not None and self.tis not in TIS_MODES:
-            raise ValueError(f"tis={self.tis!r} is unknown; use 'token', 'off' or leave it unset.")
-        if not self.tis_cap > 1.0:
-            raise ValueError(
-                f"tis_cap must be > 1 (a cap at or below 1 down-weights every token), got {self.tis_cap}."
             )
         if isinstance(self.rollout_precision, str) and self.rollout_precision.lower() in ("none", "null", ""):
             self.rollout_precision = None
@@ -274,14 +245,11 @@ class FP8GRPOConfig(GRPOConfig):
         if self.save_fp8_checkpoint is None:
             self.save_fp8_checkpoint = self.fp8_recipe is not None
         self._refuse_layer_choices_without_effect()
-        # Map onto TRL's own fields before its __post_init__ validates them.
-        if self.tis == "token":
-            self.vllm_importance_sampling_correction = True
-            self.vllm_importance_sampling_mode = "token_truncate"
-            self.vllm_importance_sampling_clip_max = self.tis_cap
-        elif self.tis == "off":
-            self.vllm_importance_sampling_correction = False
-        with warnings.catch_warnings():  # TRL's default sets transformers' old name; not the user's to fix
+
+    def _finish_post_init(self) -> None:
+        """TRL's `__post_init__` between the FP8 checks and the package checks; its deprecated-name warning is TRL's
+        default, not the user's to fix."""
+        with warnings.catch_warnings():
             warnings.filterwarnings("ignore", "`gradient_checkpointing` is deprecated", FutureWarning)
             super().__post_init__()
         check_optimizer_installed(self.optim)
@@ -334,34 +302,6 @@ class FP8GRPOConfig(GRPOConfig):
                 "fp8_recipe='blockwise'."
             )
         self._refuse_fp8_options_without_effect()
-        if self.tis == "token":
-            trl_defaults = {f.name: f.default for f in fields(GRPOConfig)}
-            if self.vllm_importance_sampling_correction is False:
-                raise ValueError(
-                    "tis='token' turns TRL's importance-sampling correction on, but "
-                    "vllm_importance_sampling_correction=False turns it off. Drop one of them (tis='off' is the way "
-                    "to say off)."
-                )
-            mode = self.vllm_importance_sampling_mode
-            if mode not in (trl_defaults["vllm_importance_sampling_mode"], "token_truncate"):
-                raise ValueError(
-                    f"tis='token' is TRL's vllm_importance_sampling_mode='token_truncate', but "
-                    f"vllm_importance_sampling_mode={mode!r} is set. Drop one of them."
-                )
-            for name in ("vllm_importance_sampling_clip_max", "vllm_importance_sampling_cap"):
-                value = getattr(self, name, None)
-                if value not in (trl_defaults.get(name), self.tis_cap):
-                    raise ValueError(
-                        f"tis='token' clips the ratio at tis_cap={self.tis_cap}, but {name}={value} is set. Set "
-                        f"tis_cap={value} instead."
-                    )
-        elif self.tis_cap != 2.0:
-            warnings.warn(
-                f"tis_cap={self.tis_cap} has no effect without tis='token' (TRL's own correction, if on, clips at "
-                "vllm_importance_sampling_clip_max).",
-                stacklevel=3,
-            )
-
     def _refuse_fp8_options_without_effect(self) -> None:
         """Raise for an option of the blockwise FP8 layers that the recipe, backend or compilation would ignore."""
         if self.fp8_recipe not in ("blockwise", None):
@@ -413,6 +353,100 @@ class FP8GRPOConfig(GRPOConfig):
                 "'fp8'. Drop it, or set save_fp8_checkpoint=True / rollout_precision='fp8' (BF16 training, FP8 "
                 "export or rollouts)."
             )
+
+
+@dataclass
+class FP8GRPOConfig(FP8TrainingArguments, GRPOConfig):
+    r"""Configuration for `FP8GRPOTrainer`: every field of TRL's `GRPOConfig`, the FP8 fields of
+    `FP8TrainingArguments` (the precision flow, vLLM rollouts, saving), and the rollout corrections below.
+
+    Args:
+        log_rollout_mismatch (bool): With vLLM, always score the rollouts with the trainer (one extra forward when no
+            importance sampling needs it) and log the trainer-vs-rollout mismatch (`fp8/mismatch/*`).
+        tis (str | None): `"token"`: token-level TIS, `min(pi_train / pi_rollout, tis_cap)` per token (TRL's
+            `token_truncate` mode with vLLM; applied by this trainer to any other rollout that returns its own
+            log-probs). `"off"`: no correction. `None`: leave TRL's `vllm_importance_sampling_*` fields as they are.
+        tis_cap (float): Upper clip of the token ratio (veRL and NeMo RL use 2.0 for FP8 rollouts).
+    """
+
+    log_rollout_mismatch: bool = field(
+        default=True,
+        metadata={"help": "With vLLM, always log the trainer-vs-rollout log-prob mismatch (fp8/mismatch/*)."},
+    )
+    tis: str | None = field(
+        default=None,
+        metadata={
+            "help": "Truncated importance sampling: 'token' (per-token ratio clipped at tis_cap), 'off', or unset "
+            "to keep TRL's vllm_importance_sampling_* settings.",
+        },
+    )
+    tis_cap: float = field(
+        default=2.0, metadata={"help": "Upper clip of the token-level importance ratio (veRL/NeMo RL use 2.0)."}
+    )
+
+    def __post_init__(self):
+        if isinstance(self.tis, str) and self.tis.lower() in ("none", "null", ""):
+            self.tis = None
+        if self.tis is not None and self.tis not in TIS_MODES:
+            raise ValueError(f"tis={self.tis!r} is unknown; use 'token', 'off' or leave it unset.")
+        if not self.tis_cap > 1.0:
+            raise ValueError(
+                f"tis_cap must be > 1 (a cap at or below 1 down-weights every token), got {self.tis_cap}."
+            )
+        self._check_fp8_fields()
+        self._refuse_tis_conflicts()
+        # Map onto TRL's own fields before its __post_init__ validates them.
+        if self.tis == "token":
+            self.vllm_importance_sampling_correction = True
+            self.vllm_importance_sampling_mode = "token_truncate"
+            self.vllm_importance_sampling_clip_max = self.tis_cap
+        elif self.tis == "off":
+            self.vllm_importance_sampling_correction = False
+        self._finish_post_init()
+
+    def _refuse_tis_conflicts(self) -> None:
+        """Raise where TRL's own importance-sampling fields say otherwise than `tis`; warn on a cap nothing uses."""
+        if self.tis == "token":
+            trl_defaults = {f.name: f.default for f in fields(GRPOConfig)}
+            if self.vllm_importance_sampling_correction is False:
+                raise ValueError(
+                    "tis='token' turns TRL's importance-sampling correction on, but "
+                    "vllm_importance_sampling_correction=False turns it off. Drop one of them (tis='off' is the way "
+                    "to say off)."
+                )
+            mode = self.vllm_importance_sampling_mode
+            if mode not in (trl_defaults["vllm_importance_sampling_mode"], "token_truncate"):
+                raise ValueError(
+                    f"tis='token' is TRL's vllm_importance_sampling_mode='token_truncate', but "
+                    f"vllm_importance_sampling_mode={mode!r} is set. Drop one of them."
+                )
+            for name in ("vllm_importance_sampling_clip_max", "vllm_importance_sampling_cap"):
+                value = getattr(self, name, None)
+                if value not in (trl_defaults.get(name), self.tis_cap):
+                    raise ValueError(
+                        f"tis='token' clips the ratio at tis_cap={self.tis_cap}, but {name}={value} is set. Set "
+                        f"tis_cap={value} instead."
+                    )
+        elif self.tis_cap != 2.0:
+            warnings.warn(
+                f"tis_cap={self.tis_cap} has no effect without tis='token' (TRL's own correction, if on, clips at "
+                "vllm_importance_sampling_clip_max).",
+                stacklevel=3,
+            )
+
+
+@dataclass
+class FP8RLOOConfig(FP8TrainingArguments, RLOOConfig):
+    r"""Configuration for `FP8RLOOTrainer`: every field of TRL's `RLOOConfig` and the FP8 fields of
+    `FP8TrainingArguments` (the precision flow, vLLM rollouts on the trainer's FP8 weights, saving).
+
+    TRL's RLOO has no rollout correction (it scores every rollout with the trainer and discards the engine's
+    log-probs), so the TIS and mismatch options of `FP8GRPOConfig` do not exist here.
+    """
+
+    def __post_init__(self):
+        self._check_fp8_fields()
+        self._finish_post_init()
 
 
 def check_liger_installed() -> None:

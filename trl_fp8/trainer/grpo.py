@@ -1,56 +1,26 @@
-"""`FP8GRPOTrainer`: TRL's `GRPOTrainer` with the policy's linear layers in FP8, TIS, and FP8 export.
+"""`FP8GRPOTrainer`: TRL's `GRPOTrainer` with the FP8 precision flow, FP8 rollouts and export of `FP8TrainerMixin`,
+plus what GRPO adds: the trainer-vs-rollout mismatch and token-level TIS.
 
-Thin on purpose: the model is converted before TRL wraps it, TRL's vLLM generation is swapped for
-`FP8VLLMGeneration` (rollouts on the trainer's own FP8 weights, `vllm_sync.py`), and a few hooks change behaviour:
-
-- `_generate_and_score_completions`: logs trainer-vs-rollout mismatch and weight-sync time and, where TRL has no
-  importance sampling of its own (rollouts with log-probs but without vLLM), adds the token TIS ratio to the batch;
-  keeps transformers' partial gradient checkpointing (`every_n_layers`) across TRL's no-grad scoring;
-- `_compute_loss`: lets TRL apply that ratio with its own code (and not apply it when TIS is off);
-- `_generate_single_turn`: measures the FP8 KV-cache scales once before the very first rollout;
-- `save_model` / `_save_checkpoint`: final saves are block-FP8 checkpoints, swapped into the output folder atomically
-  (after any Hub upload of it in flight), training checkpoints keep BF16 masters;
-- `_push_from_checkpoint`: clears model files a training checkpoint's files would not overwrite before transformers
-  copies them into the output folder for a Hub push, so the upload is one model, not a mix;
-- `create_model_card`: says which recipe and which layers stayed in high precision.
+- `_generate_and_score_completions`: logs the mismatch (`fp8/mismatch/*`) and, where TRL has no importance
+  sampling of its own (rollouts with log-probs but without vLLM), adds the token TIS ratio to the batch;
+- `_compute_loss`: lets TRL apply that ratio with its own code (and not apply it when TIS is off).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import logging
-import os
-import warnings
-from collections.abc import Callable
-from pathlib import Path
 
 import torch
-from torch import nn
-from transformers import TrainerCallback
-from transformers.trainer import TRAINING_ARGS_NAME
 from trl import GRPOTrainer
-from trl.trainer.utils import create_model_from_path, pad
 
-from trl_fp8.checkpoint.folder import drop_checkpoint_entries, is_checkpoint_entry, output_overwrites_model
-from trl_fp8.checkpoint.save import save_fp8_checkpoint, unwrap_model
-from trl_fp8.config import FP8LinearConfig
-from trl_fp8.distributed import check_no_weight_sharding, weight_sharding
-from trl_fp8.nn.conversion import ConversionReport, convert_to_fp8, plan_fp8_conversion
-from trl_fp8.nn.linear import invalidate_fp8_weights
-from trl_fp8.rollout.kv_scales import AttentionScaleObserver
-from trl_fp8.rollout.stats import capacity_line
 from trl_fp8.trainer.config import FP8GRPOConfig
 from trl_fp8.trainer.importance_sampling import mismatch_stats, token_tis_ratio
-from trl_fp8.trainer.layer_checkpointing import keep_layer_options
-from trl_fp8.trainer.regional_compile import compile_decoder_layers, eager_generation
-
-logger = logging.getLogger(__name__)
+from trl_fp8.trainer.mixin import FP8TrainerMixin, check_output_dir
 
 __all__ = ["FP8GRPOTrainer", "check_output_dir"]
 
 
-class FP8GRPOTrainer(GRPOTrainer):
+class FP8GRPOTrainer(FP8TrainerMixin, GRPOTrainer):
     """TRL's `GRPOTrainer` whose policy (and reference model) run their linear and expert layers in FP8.
 
     Takes every argument of `GRPOTrainer` (model name or instance, reward functions, `peft_config`, ...) with an
@@ -69,186 +39,26 @@ class FP8GRPOTrainer(GRPOTrainer):
             correct, a sharding FP8 cannot follow. ImportError: a reward or kernel whose package is missing.
     """
 
-    def __init__(
-        self,
-        model,
-        reward_funcs=None,
-        args: FP8GRPOConfig | None = None,
-        *trainer_args,
-        fp8_module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
-        **trainer_kwargs,
-    ):
-        if args is None:
-            name = model if isinstance(model, str) else model.config._name_or_path
-            args = FP8GRPOConfig(f"{str(name).rstrip('/').split('/')[-1]}-FP8-GRPO")
-        if not isinstance(args, FP8GRPOConfig):
-            raise TypeError(
-                f"FP8GRPOTrainer needs an FP8GRPOConfig, got {type(args).__name__}. Build the same settings with "
-                "trl_fp8.FP8GRPOConfig(...): it takes every GRPOConfig field."
-            )
-        check_no_weight_sharding(args)  # before loading a model that could not train
-        check_output_dir(model, args.output_dir)
-        check_reward_dependencies(reward_funcs)
+    _fp8_config_class = FP8GRPOConfig
+    _trl_config_name = "GRPOConfig"
+    _trl_trainer_module = "trl.trainer.grpo_trainer"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # TRL weights the loss by the IS ratio only with vLLM; we extend token TIS to other rollouts with log-probs.
+        self._tis_without_vllm = self.args.tis == "token" and not self.use_vllm
+
+    def _check_start_up(self, args, trainer_kwargs: dict) -> None:
         if args.tis == "token" and not args.use_vllm and trainer_kwargs.get("rollout_func") is None:
             raise ValueError(
                 "tis='token' corrects rollouts sampled by another engine (vLLM, or a rollout_func returning its "
                 "log-probs); with use_vllm=False and no rollout_func the policy samples its own rollouts and there is "
                 "nothing to correct. Set use_vllm=True, or drop tis."
             )
-        if isinstance(model, str):
-            model = self._load_model(model, args, trainer_kwargs.get("quantization_config"))
-        self._fp8_filter = fp8_module_filter_fn
-        self.fp8_report = self._convert(model, args)
-        self.fp8_export_report = self._plan_fp8_outside_training(model, args)
-        self._saving_training_checkpoint = False
-        self._capacity_reported = False
-        self._kv_observer = AttentionScaleObserver(model) if args.use_vllm and args.fp8_kv_cache else None
-        if args.use_vllm:
-            from trl_fp8.rollout.vllm.engine import sleep_mode_allocator_advice
-
-            if advice := sleep_mode_allocator_advice(args):
-                logger.warning(advice)
-        with self._fp8_vllm_generation(args):
-            super().__init__(model, reward_funcs, args, *trainer_args, **trainer_kwargs)
-        if self.ref_model is not None and args.fp8_recipe is not None:
-            self._convert(unwrap_model(self.ref_model), args)
-            # Never trained (TRL scores with it under no_grad): frozen, its FP8 weights are quantized once, not at
-            # every optimizer step.
-            unwrap_model(self.ref_model).requires_grad_(False)
-            if args.sync_ref_model:  # TRL blends the policy into the reference through `.data`: requantize after
-                self.add_callback(_InvalidateSyncedReference(self.ref_model))
-        # TRL weights the loss by the IS ratio only with vLLM; we extend token TIS to other rollouts with log-probs.
-        self._tis_without_vllm = args.tis == "token" and not self.use_vllm
-        # After TRL's own wrapping (PEFT, Liger, gradient checkpointing): the graphs are traced at the first forward.
-        self.compiled_decoder_layers = compile_decoder_layers(self.model) if args.compile_decoder_layers else 0
-
-    # --- model ----------------------------------------------------------------------------------------------------
-
-    @staticmethod
-    def _load_model(model_id: str, args: FP8GRPOConfig, quantization_config):
-        """Load a model name the way GRPOTrainer does, so it can be converted before TRL wraps it."""
-        kwargs = dict(args.model_init_kwargs or {})
-        if quantization_config is not None:
-            kwargs["quantization_config"] = quantization_config
-        if args.distributed_state.distributed_type in ["MULTI_GPU", "DEEPSPEED"]:
-            kwargs["device_map"] = None
-        kwargs.setdefault("trust_remote_code", args.trust_remote_code)
-        return create_model_from_path(model_id, **kwargs)
-
-    def _convert(self, model: nn.Module, args: FP8GRPOConfig) -> ConversionReport:
-        if args.fp8_recipe is None:
-            return ConversionReport(recipe="bf16")
-        config = FP8LinearConfig(
-            recipe=args.fp8_recipe,
-            power_of_two_scales=args.fp8_power_of_two_scales,
-            backend=args.fp8_backend,
-            fuse_sibling_gemms=args.fp8_fuse_sibling_gemms,
-            fuse_swiglu=args.fp8_fuse_swiglu,
-            experts_gemm=args.fp8_experts_gemm,
-            # FSDP2 shards the weights to save memory; a whole FP8 copy of every layer kept between steps would undo
-            # much of it, and quantizing a weight costs one pass over it per forward.
-            # (torchao's recipes keep no cache: they take the default)
-            cache_quantized_weight=args.fp8_recipe != "blockwise" or (
-                weight_sharding(args) != "FSDP2" if args.fp8_cache_weights is None else args.fp8_cache_weights
-            ),
-        )
-        return convert_to_fp8(
-            model,
-            num_first_layers_in_bf16=args.num_first_layers_in_bf16,
-            num_last_layers_in_bf16=args.num_last_layers_in_bf16,
-            module_filter_fn=self._fp8_filter,
-            config=config,
-            device=args.device,  # where it will train; a model loaded on CPU would make torchao emulate
-            keep_experts_in_bf16=args.fp8_keep_experts_in_bf16,
-        )
-
-    def _plan_fp8_outside_training(self, model: nn.Module, args: FP8GRPOConfig) -> ConversionReport | None:
-        """BF16 training with FP8 rollouts or an FP8 checkpoint: the layers stored in FP8 there, chosen with the run's
-        own layer options. None when training in FP8 (its FP8 layers are what is stored) or when nothing is FP8."""
-        if args.fp8_recipe is not None:
-            return None
-        if not args.fp8_outside_training:
-            if self._fp8_filter is not None:
-                raise ValueError(
-                    "fp8_module_filter_fn chooses FP8 layers, but nothing is FP8 here: fp8_recipe=None trains in "
-                    "BF16, save_fp8_checkpoint=False saves BF16 and the rollouts are not rollout_precision='fp8'. "
-                    "Drop it, or set save_fp8_checkpoint=True / rollout_precision='fp8'."
-                )
-            return None
-        report, _ = plan_fp8_conversion(
-            unwrap_model(model),
-            num_first_layers_in_bf16=args.num_first_layers_in_bf16,
-            num_last_layers_in_bf16=args.num_last_layers_in_bf16,
-            module_filter_fn=self._fp8_filter,
-            keep_experts_in_bf16=args.fp8_keep_experts_in_bf16,
-        )
-        logger.info("BF16 training; FP8 rollouts/checkpoint: %s", report.summary())
-        return report
-
-    @property
-    def _fp8_stored_modules(self) -> set[str] | None:
-        """The layers that rollouts and the checkpoint store in FP8 (None: read them from the model's FP8 layers)."""
-        return None if self.fp8_export_report is None else set(self.fp8_export_report.converted)
-
-    @contextlib.contextmanager
-    def _fp8_vllm_generation(self, args: FP8GRPOConfig):
-        """Make TRL build `FP8VLLMGeneration` instead of `VLLMGeneration` (it has no factory hook for it)."""
-        if not args.use_vllm:
-            yield
-            return
-        import trl.trainer.grpo_trainer as trl_grpo
-
-        from trl_fp8.rollout.vllm.generation import FP8VLLMGeneration
-
-        original = trl_grpo.VLLMGeneration
-        # The FP8 layer names are read from the model at every sync, after TRL applied PEFT (no names fixed here).
-        trl_grpo.VLLMGeneration = functools.partial(
-            FP8VLLMGeneration,
-            rollout_precision=args.rollout_precision,
-            fp8_modules=self._fp8_stored_modules,
-            power_of_two_scales=args.fp8_power_of_two_scales,
-            kv_observer=self._kv_observer,
-            fp8_backend=args.vllm_fp8_backend,
-            jit_cache_dir=args.vllm_jit_cache_dir,
-            deepgemm_workers=args.vllm_deepgemm_workers,
-        )
-        try:
-            yield
-        finally:
-            trl_grpo.VLLMGeneration = original
-
-    # --- rollouts: mismatch metrics and TIS ---------------------------------------------------------------------
-
-    def _generate_single_turn(self, prompt_ids, *args, **kwargs):
-        if self._kv_observer is not None and not self._kv_observer.has_observations:
-            self._calibrate_kv_scales(prompt_ids)  # the first sync needs KV scales before any training forward
-        with eager_generation(getattr(self, "compiled_decoder_layers", 0)):  # keeps the graphs for training
-            return super()._generate_single_turn(prompt_ids, *args, **kwargs)
-
-    @torch.no_grad()
-    def _calibrate_kv_scales(self, prompt_ids: list[list[int]]) -> None:
-        # The scales come from the attention inputs: run the decoder only (no lm_head, no vocabulary-sized logits),
-        # a training micro-batch at a time, so the peak stays that of a training forward.
-        decoder = unwrap_model(self.model).get_decoder()
-        device, chunk = self.accelerator.device, self.args.per_device_train_batch_size
-        for start in range(0, len(prompt_ids), chunk):
-            ids = [torch.tensor(p) for p in prompt_ids[start : start + chunk]]
-            mask = pad([torch.ones_like(t) for t in ids], padding_value=0, padding_side="left")  # as TRL pads
-            ids = pad(ids, padding_value=self._tokenizer.pad_token_id, padding_side="left")
-            decoder(input_ids=ids.to(device), attention_mask=mask.to(device))
 
     def _generate_and_score_completions(self, inputs):
-        with keep_layer_options(self.model, self.args), warnings.catch_warnings():  # keep_layer_options: TRL's
-            # no-grad scoring would drop `every_n_layers`. The warning: TRL reads transformers' old property name.
-            warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
-            output = super()._generate_and_score_completions(inputs)
+        output = super()._generate_and_score_completions(inputs)
         mode = "train" if self.model.training else "eval"
-        self._metrics[mode]["fp8/num_fp8_layers"].append(float(self.fp8_report.num_fp8_layers))
-        sync_seconds = getattr(getattr(self, "vllm_generation", None), "last_sync_seconds", None)
-        if sync_seconds is not None:
-            self._metrics[mode]["fp8/weight_sync_ms"].append(1e3 * sync_seconds)
-            self.vllm_generation.last_sync_seconds = None
-        self._log_rollout_capacity(output, mode)
         rollout_logps = output.get("sampling_per_token_logps")
         if rollout_logps is None:
             return output  # rollouts by the trainer's own FP8 model: nothing differs, nothing to correct
@@ -271,28 +81,6 @@ class FP8GRPOTrainer(GRPOTrainer):
             )
         return output
 
-    def _log_rollout_capacity(self, output, mode) -> None:
-        """Per rollout, what the colocated engine did (`vllm/*`: peak running and waiting sequences, preemptions,
-        peak KV-cache use); after the first, one line on what its KV cache holds against a BF16 engine's."""
-        generation = getattr(self, "vllm_generation", None)
-        stats = getattr(generation, "rollout_stats", None)
-        if stats is None:
-            return
-        for key, value in stats.read().items():
-            self._metrics[mode][f"vllm/{key}"].append(value)
-        kv_tokens = generation.kv_cache_tokens
-        if kv_tokens:
-            self._metrics[mode]["vllm/kv_cache_tokens"].append(float(kv_tokens))
-        if kv_tokens and not self._capacity_reported:
-            self._capacity_reported = True
-            seq_len = int(output["prompt_mask"].sum(1).max()) + self.max_completion_length
-            fp8_weights = generation.rollout_precision != "bf16"
-            line = capacity_line(unwrap_model(self.model), kv_tokens, fp8_weights=fp8_weights,
-                                 fp8_kv=self._kv_observer is not None, seq_len=seq_len,
-                                 rollout_seqs=len(output["prompt_ids"]))  # fmt: skip
-            self.accelerator.print(f"[trl-fp8] vLLM engine: {line} This process's rollouts have "
-                                   f"{len(output['prompt_ids'])} sequences.")  # fmt: skip
-
     @torch.no_grad()
     def _trainer_logps(self, output, mode) -> torch.Tensor:
         input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
@@ -311,98 +99,6 @@ class FP8GRPOTrainer(GRPOTrainer):
         with _attribute_set(self, "use_vllm", True):
             return super()._compute_loss(model, inputs)
 
-    # --- saving -------------------------------------------------------------------------------------------------
-
-    def _save_checkpoint(self, model, trial):
-        # Training checkpoints must stay resumable: keep the BF16 master weights there.
-        self._saving_training_checkpoint = True
-        try:
-            return super()._save_checkpoint(model, trial)
-        finally:
-            self._saving_training_checkpoint = False
-
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
-        """Write a block-FP8 checkpoint (vLLM/transformers `quant_method: fp8`) to `output_dir`.
-
-        With `save_fp8_checkpoint=False`, or for intermediate training checkpoints, this is `Trainer.save_model`.
-        """
-        output_dir = output_dir or self.args.output_dir
-        check_output_dir(self.accelerator.unwrap_model(self.model), output_dir)
-        if not self.args.save_fp8_checkpoint or self._saving_training_checkpoint:
-            return super().save_model(output_dir, _internal_call)
-        model = self.accelerator.unwrap_model(self.model)
-        fsdp2 = self.accelerator.is_fsdp2  # what accelerate applied (on CPU it falls back to DDP)
-        state_dict = None
-        if self.args.save_bf16_master_weights and fsdp2:
-            state_dict = self.accelerator.get_state_dict(self.model)  # gathered: a collective, on every rank
-
-        def write_extra(folder: Path) -> None:  # into the new checkpoint, before it is swapped in
-            if self.args.save_bf16_master_weights:
-                model.save_pretrained(folder / "bf16_master", state_dict=state_dict)
-            torch.save(self.args, folder / TRAINING_ARGS_NAME)
-
-        if self.args.should_save or fsdp2:  # FSDP2: every rank gathers each tensor, the main process writes
-            save_fp8_checkpoint(
-                model,
-                output_dir,
-                self.processing_class,
-                fp8_modules=self._fp8_stored_modules,
-                power_of_two_scales=self.args.fp8_power_of_two_scales,
-                write_extra=write_extra,
-                before_swap=self._finish_current_push,  # never change a folder while it is being uploaded
-                progress=not self.args.disable_tqdm and self.args.should_save,
-                write=self.args.should_save,
-            )
-        self.accelerator.wait_for_everyone()
-
-    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
-        # Transformers copies the checkpoint's model files over the output folder's one by one, then uploads the
-        # folder; files of an earlier save that the checkpoint lacks (FP8 shards, adapters, bf16_master) would be
-        # uploaded beside them as one mixed model. Remove those first, and never while an upload reads the folder.
-        if self.is_world_process_zero() and self.args.hub_strategy != "end":
-            if self.args.hub_always_push:
-                self._finish_current_push()
-            in_flight = getattr(self, "push_in_progress", None)
-            if in_flight is None or in_flight.is_done():  # else transformers skips this push
-                keep = {p.name for p in Path(checkpoint_folder).iterdir() if is_checkpoint_entry(p.name)}
-                drop_checkpoint_entries(self.args.output_dir, keep | {TRAINING_ARGS_NAME})
-        super()._push_from_checkpoint(checkpoint_folder)
-
-    def create_model_card(self, model_name=None, dataset_name=None, tags=None):
-        tags = [tags] if isinstance(tags, str) else list(tags or [])
-        super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=[*tags, "fp8", "trl-fp8"])
-        if not self.is_world_process_zero():
-            return
-        path = os.path.join(self.args.output_dir, "README.md")
-        with open(path, "a") as f:
-            f.write("\n" + fp8_model_card_section(self.fp8_report, self.args, self.fp8_export_report))
-
-
-def check_output_dir(model, output_dir: str) -> None:
-    """Refuse, before anything is loaded or written, to save into the folder the model was loaded from (or into a
-    folder inside it): a block-FP8 checkpoint there would replace the user's weights."""
-    source = model if isinstance(model, str) else getattr(model, "name_or_path", None)
-    if problem := output_overwrites_model(source, output_dir):
-        raise ValueError(
-            f"{problem} Give the trainer another output_dir (FP8GRPOConfig(output_dir=...)), e.g. "
-            f"{Path(str(source).rstrip('/')).name}-fp8-grpo."
-        )
-
-
-def check_reward_dependencies(reward_funcs) -> None:
-    """TRL's math rewards need math-verify, and only import it at the first reward call: after the model has
-    loaded, the engine has started and the first rollout ran. Refuse now instead."""
-    from trl.import_utils import is_math_verify_available
-    from trl.rewards import accuracy_reward, reasoning_accuracy_reward
-
-    funcs = reward_funcs if isinstance(reward_funcs, list | tuple) else [reward_funcs]
-    needs = [f.__name__ for f in funcs if f in (accuracy_reward, reasoning_accuracy_reward)]
-    if needs and not is_math_verify_available():
-        raise ImportError(
-            f"{needs[0]} (trl.rewards) checks answers with math-verify, which is not installed: "
-            "pip install 'trl-fp8[math]'."
-        )
-
 
 @contextlib.contextmanager
 def _attribute_set(obj, name: str, value):
@@ -413,47 +109,3 @@ def _attribute_set(obj, name: str, value):
         yield
     finally:
         setattr(obj, name, previous)
-
-
-class _InvalidateSyncedReference(TrainerCallback):
-    """TRL's `sync_ref_model` blends the policy into the reference model in place (`.data.mul_().add_()`), which
-    leaves the reference's cached FP8 weights stale; invalidate them on the steps where TRL syncs."""
-
-    def __init__(self, ref_model: nn.Module):
-        self.ref_model = ref_model
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step % args.ref_model_sync_steps == 0:
-            invalidate_fp8_weights(self.ref_model)
-
-
-def fp8_model_card_section(
-    report: ConversionReport, args: FP8GRPOConfig, export_report: ConversionReport | None = None
-) -> str:
-    """The model card's FP8 section: the training recipe, how the weights are stored, the layers kept in high
-    precision (those of `export_report` for a BF16 run with an FP8 checkpoint)."""
-    stored = export_report or report
-    kept = sorted(stored.kept.items())
-    if report.recipe == "bf16":
-        trained = "in BF16 (`fp8_recipe=None`)"
-    else:
-        trained = f"with FP8 recipe `{report.recipe}` ({report.num_fp8_layers} linear layers in FP8"
-        trained += (", power-of-two scales" if args.fp8_power_of_two_scales else "") + ")"
-    lines = [
-        "## FP8",
-        "",
-        f"Trained with [trl-fp8](https://pypi.org/project/trl-fp8/) `FP8GRPOTrainer` {trained}"
-        + (f", token TIS capped at {args.tis_cap}" if args.tis == "token" else "")
-        + ".",
-        "",
-    ]
-    if args.save_fp8_checkpoint:
-        lines += [
-            f"The weights are a block-FP8 checkpoint ({stored.num_fp8_layers} linear layers in FP8; `quant_method: "
-            "fp8`, 128x128 weight blocks, float32 `weight_scale_inv`, dynamic 1x128 activations): `vllm serve <this "
-            "repo>` or `AutoModelForCausalLM.from_pretrained(<this repo>)` load it as is.",
-            "",
-        ]
-    if kept:
-        lines += ["Linear layers kept in high precision:", ""] + [f"- `{n}` ({why})" for n, why in kept] + [""]
-    return "\n".join(lines)

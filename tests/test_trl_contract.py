@@ -1,0 +1,114 @@
+"""The contract with TRL and transformers: every name trl-fp8 overrides, replaces or reads exists with the signature
+it expects. A TRL release that renames one of them makes these tests fail, instead of an override that silently
+stops running (KV scales not calibrated, TIS dropped, rollouts on BF16 weights)."""
+
+import dataclasses
+import importlib
+import inspect
+
+import pytest
+import transformers
+import trl
+from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
+from trl.generation.vllm_generation import VLLMGeneration
+
+from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, FP8RLOOConfig, FP8RLOOTrainer
+from trl_fp8.trainer.mixin import TESTED_TRL, FP8TrainerMixin
+
+
+def params(func) -> list[str]:
+    return list(inspect.signature(func).parameters)
+
+
+# Hooks the trainers override: (class, name, the leading parameters the override relies on)
+HOOKS = [
+    (GRPOTrainer, "_generate_single_turn", ["self", "prompt_ids"]),
+    (RLOOTrainer, "_generate_single_turn", ["self", "prompt_ids"]),
+    (GRPOTrainer, "_generate_and_score_completions", ["self", "inputs"]),
+    (RLOOTrainer, "_generate_and_score_completions", ["self", "inputs"]),
+    (GRPOTrainer, "_compute_loss", ["self", "model", "inputs"]),
+    (GRPOTrainer, "_get_per_token_logps_and_entropies", ["self", "model", "input_ids", "attention_mask",
+                                                        "logits_to_keep", "batch_size"]),  # fmt: skip
+    (GRPOTrainer, "_save_checkpoint", ["self", "model", "trial"]),
+    (RLOOTrainer, "_save_checkpoint", ["self", "model", "trial"]),
+    (transformers.Trainer, "save_model", ["self", "output_dir", "_internal_call"]),
+    (transformers.Trainer, "_push_from_checkpoint", ["self", "checkpoint_folder"]),
+    (GRPOTrainer, "create_model_card", ["self", "model_name", "dataset_name", "tags"]),
+    (VLLMGeneration, "_init_vllm", ["self"]),
+    (VLLMGeneration, "sync_weights", ["self"]),
+    (VLLMGeneration, "_iter_named_params", ["self"]),
+]
+
+
+@pytest.mark.parametrize("cls, name, leading", HOOKS, ids=[f"{c.__name__}.{n}" for c, n, _ in HOOKS])
+def test_every_hook_we_override_exists_with_its_parameters(cls, name, leading):
+    assert callable(getattr(cls, name, None)), f"{cls.__name__}.{name} is gone"
+    assert params(getattr(cls, name))[: len(leading)] == leading
+
+
+def test_our_overrides_are_the_hooks_trl_calls():
+    """Each method the FP8 classes define over TRL's is one of the hooks above or our own (never a typo that TRL
+    would not call)."""
+    from trl_fp8.rollout.vllm.generation import FP8VLLMGeneration
+
+    hooked = [(c, n) for c, n, _ in HOOKS]
+    for ours, theirs in ((FP8GRPOTrainer, GRPOTrainer), (FP8RLOOTrainer, RLOOTrainer),
+                         (FP8VLLMGeneration, VLLMGeneration)):  # fmt: skip
+        for klass in (ours, FP8TrainerMixin):
+            for name, value in vars(klass).items():
+                if callable(value) and hasattr(theirs, name) and not name.startswith("__"):
+                    owner = next(c for c in theirs.__mro__ if name in vars(c))
+                    assert any(n == name and issubclass(c, owner) for c, n in hooked), (
+                        f"{klass.__name__}.{name} overrides {owner.__name__}.{name}, which HOOKS does not list"
+                    )
+
+
+@pytest.mark.parametrize("module", ["trl.trainer.grpo_trainer", "trl.trainer.rloo_trainer"])
+def test_the_rollout_class_is_built_through_a_module_name_we_can_swap(module):
+    """TRL has no factory for its rollout class: the trainer swaps `VLLMGeneration` in the module that builds it."""
+    trl_module = importlib.import_module(module)
+    assert trl_module.VLLMGeneration is VLLMGeneration
+    assert "VLLMGeneration(" in inspect.getsource(trl_module)
+
+
+def test_the_batch_keys_we_read_and_write_are_trls():
+    """`_generate_and_score_completions`'s keys that the mismatch metrics and TIS read, and the ratio `_compute_loss`
+    multiplies by (only when `use_vllm`, which the trainer raises for rollouts with their own log-probs)."""
+    produce = inspect.getsource(GRPOTrainer._generate_and_score_completions)
+    for key in ("sampling_per_token_logps", "old_per_token_logps", "completion_mask", "prompt_ids", "prompt_mask",
+                "completion_ids", "importance_sampling_ratio"):  # fmt: skip
+        assert f'"{key}"' in produce, key
+    loss = inspect.getsource(GRPOTrainer._compute_loss)
+    assert 'inputs["importance_sampling_ratio"]' in loss and "self.use_vllm" in loss
+
+
+def test_the_config_fields_we_set_exist():
+    grpo = {f.name: f for f in dataclasses.fields(GRPOConfig)}
+    for name in ("vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
+                 "vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min", "use_vllm",
+                 "vllm_enable_sleep_mode", "use_liger_kernel", "liger_kernel_config", "model_init_kwargs"):  # fmt: skip
+        assert name in grpo, name
+    assert "token_truncate" in inspect.getsource(trl.trainer.grpo_config)
+    rloo = {f.name for f in dataclasses.fields(RLOOConfig)}
+    assert {"use_vllm", "vllm_mode", "vllm_enable_sleep_mode", "model_init_kwargs"} <= rloo
+    assert {f.name for f in dataclasses.fields(FP8GRPOConfig)} >= set(grpo)
+    assert {f.name for f in dataclasses.fields(FP8RLOOConfig)} >= rloo
+
+
+def test_the_helpers_we_import_exist():
+    from transformers.trainer import TRAINING_ARGS_NAME
+    from trl.generation.vllm_client import VLLMClient
+    from trl.import_utils import is_math_verify_available
+    from trl.models.utils import disable_gradient_checkpointing
+    from trl.rewards import accuracy_reward, get_soft_overlong_punishment, reasoning_accuracy_reward
+    from trl.trainer.utils import create_model_from_path, pad
+
+    assert TRAINING_ARGS_NAME and callable(is_math_verify_available) and callable(disable_gradient_checkpointing)
+    assert callable(VLLMClient.update_named_params) and callable(create_model_from_path) and callable(pad)
+    assert all(callable(f) for f in (accuracy_reward, get_soft_overlong_punishment, reasoning_accuracy_reward))
+    # transformers re-registers this hook each time checkpointing is enabled; layer_checkpointing removes the old one
+    assert "make_inputs_require_grads" in inspect.getsource(transformers.modeling_utils)
+
+
+def test_this_trl_is_a_tested_release():
+    assert any(trl.__version__ == v or trl.__version__.startswith(v + ".") for v in TESTED_TRL), trl.__version__
