@@ -9,8 +9,10 @@ plus what GRPO adds: the trainer-vs-rollout mismatch and token-level TIS.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
+from torch import nn
 from trl import GRPOTrainer
 
 from trl_fp8.trainer.config import FP8GRPOConfig
@@ -43,8 +45,17 @@ class FP8GRPOTrainer(FP8TrainerMixin, GRPOTrainer):
     _trl_config_name = "GRPOConfig"
     _trl_trainer_module = "trl.trainer.grpo_trainer"
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self,
+        model,
+        reward_funcs=None,
+        args: FP8GRPOConfig | None = None,
+        *trainer_args,
+        fp8_module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
+        **trainer_kwargs,
+    ):
+        super().__init__(model, reward_funcs, args, *trainer_args, fp8_module_filter_fn=fp8_module_filter_fn,
+                         **trainer_kwargs)  # fmt: skip
         # TRL weights the loss by the IS ratio only with vLLM; we extend token TIS to other rollouts with log-probs.
         self._tis_without_vllm = self.args.tis == "token" and not self.use_vllm
 
