@@ -116,7 +116,8 @@ class FP8TrainingArguments:
         metadata={
             "help": "FP8 GEMM backend: 'scaled_mm' (real FP8 kernels, needs an SM90 GPU), 'emulated' (exact "
             "emulation on any device), 'auto' (scaled_mm on SM90, emulated elsewhere), or 'deepgemm' (SM90 with "
-            "vLLM's DeepGEMM for FProp and DGrad; opt-in: 3% faster training, +12 s first step on an 8B H200 run).",
+            "vLLM's DeepGEMM for FProp and DGrad; opt-in: slightly faster training, for JIT compiles in the first "
+            "step).",
         },
     )
     fp8_cache_weights: bool | None = field(

@@ -1,8 +1,8 @@
 """DeepGEMM's kernels for the rollout engine, compiled side by side in worker processes before vLLM starts.
 
 DeepGEMM compiles each GEMM kernel just in time with nvcc, one at a time, and vLLM's start-up warm-up runs every
-GEMM size the engine can meet so that no compile stalls a rollout: on a cold host, an 8B block-FP8 engine spent about
-4 minutes there (one CPU core busy, the GPU idle). A kernel depends only on the layer's (N, K), the tile
+GEMM size the engine can meet so that no compile stalls a rollout: on a cold host, minutes for an 8B block-FP8
+engine (one CPU core busy, the GPU idle). A kernel depends only on the layer's (N, K), the tile
 configuration DeepGEMM picks for the token count and the GPU, and DeepGEMM keeps what it compiled in a persistent
 cache directory (`DG_JIT_CACHE_DIR`, written by an atomic rename). So worker processes, each running vLLM's own
 `fp8_gemm_nt` over a share of vLLM's own list of warm-up token counts, compile the kernels in parallel into that

@@ -138,9 +138,9 @@ def apply_engine_env(rollout_precision: str, kernel: RolloutKernel | None = None
 def sleep_mode_allocator_advice(args, environ=os.environ) -> str | None:
     """What to set before a colocated run in sleep mode, or None. PyTorch's caching allocator keeps the training
     step's freed blocks in segments that a live tensor pins (optimizer states are born among them), `empty_cache`
-    cannot return those, and vLLM then wakes its whole share beside them: 10.0 GiB with BF16 training, about 14 with
-    FP8, at the 8B shape; with expandable segments 0.8-1.1 GiB (benchmarks/README.md). vLLM >= 0.26 turns
-    expandable segments off around its own sleep-mode pool, so the setting is safe there."""
+    cannot return those, and vLLM then wakes its whole share beside them (the documentation's "When FP8 pays" page
+    has the sizes). vLLM >= 0.26 turns expandable segments off around its own sleep-mode pool, so the setting is safe
+    there."""
     if not (args.use_vllm and args.vllm_mode == "colocate" and args.vllm_enable_sleep_mode):
         return None
     if "expandable_segments:true" in environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower():
@@ -148,8 +148,8 @@ def sleep_mode_allocator_advice(args, environ=os.environ) -> str | None:
     return (
         "vllm_enable_sleep_mode=True: set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before the run starts "
         "(examples/grpo_fp8.py does). Without it PyTorch keeps freed training memory pinned while vLLM wakes into "
-        "its share (10-14 GiB at an 8B model), so a run out of memory at wake-up needs a lower "
-        "vllm_gpu_memory_utilization; with it, 0.45 ran on an 80 GB H100 where 0.4 failed for FP8 training."
+        "its share (gigabytes at an 8B model), so a run out of memory at wake-up needs a lower "
+        "vllm_gpu_memory_utilization, where with it a larger share fits."
     )
 
 

@@ -1,9 +1,9 @@
 """The trainer's FP8 experts written straight into a colocated vLLM engine's MoE layers.
 
-The layerwise reload (`vllm_sync.push_to_engine`) takes experts as Qwen's FP8 checkpoints name them: one tensor per
+The layerwise reload (`engine.push_to_engine`) takes experts as Qwen's FP8 checkpoints name them: one tensor per
 expert and projection plus its scale, each run through vLLM's weight loader twice (once under a copy-counting
-dispatch mode), after which the whole MoE layer is rebuilt and processed. At 12 layers of Qwen3-30B-A3B's shape
-(9,216 expert tensors) a sync took 1.70 s on an H200, where BF16's 24 stacked expert tensors took 0.15 s.
+dispatch mode), after which the whole MoE layer is rebuilt and processed: thousands of small tensors a sync where
+BF16 pushes a few stacked ones (the documentation's mixture-of-experts page has the times).
 
 `EngineExperts` instead passes each FP8 experts layer's stacked weights and scales through vLLM's own
 `convert_to_fp8_moe_kernel_format` (what `Fp8MoEMethod` applies after loading, for the engine's MoE backend) and

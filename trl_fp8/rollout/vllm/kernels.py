@@ -3,7 +3,7 @@
 vLLM 0.26 can multiply block-FP8 weights with DeepGEMM, its Cutlass block-scaled kernel or Triton. All three read the
 float8_e4m3fn weights and float32 `weight_scale_inv` that the trainer pushes, as long as vLLM's E8M0 option is off
 (with it on, DeepGEMM rounds every scale up to a power of two and requantizes the weight: vLLM's model would no longer
-be ours). DeepGEMM is the fastest on Hopper (measured 1.2x Cutlass at 64 sequences, see benchmarks/README.md) but it
+be ours). DeepGEMM is the fastest on Hopper (the documentation's benchmarks) but it
 compiles its kernels just in time with nvcc; the compiled kernels go to a persistent cache directory, and vLLM's
 DeepGEMM warm-up compiles every GEMM size the engine can meet at start-up, so no compile stalls a rollout.
 
@@ -53,7 +53,7 @@ NO_E8M0 = {"VLLM_USE_DEEP_GEMM_E8M0": "0"}
 def moe_kernel_env() -> dict[str, str]:
     """Experts of a mixture of experts on vLLM's own choice of block-FP8 MoE kernel (Triton on Hopper at TP 1), not
     DeepGEMM's grouped GEMM, which `VLLM_USE_DEEP_GEMM=1` would otherwise force: its full warm-up compiles thousands
-    of grouped kernels (seen on one H100: a 4-expert test model still compiling after 80 s). A user's own
+    of grouped kernels, minutes even for a small test model. A user's own
     `VLLM_MOE_USE_DEEP_GEMM` wins. Dense models are unaffected."""
     return {"VLLM_MOE_USE_DEEP_GEMM": os.environ.get("VLLM_MOE_USE_DEEP_GEMM", "0")}
 
