@@ -1,10 +1,24 @@
-"""Frozen configuration for FP8 linear layers: what to quantize and how, no logic beyond validation."""
+"""Frozen configuration for FP8 linear layers: what to quantize and how, which layers, no logic beyond validation."""
 
 from __future__ import annotations
 
+import numbers
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-RECIPES = ("blockwise", "tensorwise", "rowwise")
+if TYPE_CHECKING:
+    from torch import nn
+
+BLOCK = 128
+"""Edge of the FP8 weight blocks (128x128) and length of the activation and gradient groups (1x128): the block of
+vLLM / DeepSeek-V3 block-FP8 checkpoints, and the only one cuBLAS's and DeepGEMM's blockwise GEMMs take."""
+
+# FP8 training recipes: ours, and torchao's two (training only; rollouts still get block-FP8 weights).
+BLOCKWISE = "blockwise"
+TENSORWISE = "tensorwise"
+ROWWISE = "rowwise"
+RECIPES = (BLOCKWISE, TENSORWISE, ROWWISE)
 BACKENDS = ("auto", "scaled_mm", "deepgemm", "emulated")
 # vLLM rollout weights: ours in FP8 (unified), BF16, or BF16 quantized by vLLM itself.
 ROLLOUT_PRECISIONS = ("fp8", "bf16", "fp8_online")
@@ -68,8 +82,8 @@ class FP8LinearConfig:
         backend: `"scaled_mm"` runs real FP8 GEMMs (`torch.nn.functional.scaled_mm`, Hopper/SM90 for blockwise),
             `"emulated"` quantizes, dequantizes and multiplies in fp32 (exact emulation; any device), `"auto"`
             picks `scaled_mm` on SM90 CUDA tensors and `emulated` elsewhere. `"deepgemm"` (SM90, needs vLLM's
-            bundled DeepGEMM) runs FProp and DGrad on DeepGEMM and WGrad as `scaled_mm`: opt-in, 5-19% faster per
-            layer on H200, 3% in an 8B GRPO training phase, +12 s of first-step compiles (see `ops/deep_gemm.py`).
+            bundled DeepGEMM) runs FProp and DGrad on DeepGEMM and WGrad as `scaled_mm`: opt-in, faster per layer
+            at the cost of just-in-time compiles in the first step (`ops/deep_gemm.py`; docs/benchmarks.md).
         cache_quantized_weight: keep the FP8 copy of each weight between calls until the weight changes
             (optimizer step), so micro-batches, log-prob passes and the vLLM weight sync quantize once per step.
             Costs one byte per parameter.
@@ -84,8 +98,8 @@ class FP8LinearConfig:
             (DeepGEMM where it can run, else Triton). Same FP8 operands either way; WGrad is always ours.
     """
 
-    recipe: str = "blockwise"
-    block_size: int = 128
+    recipe: str = BLOCKWISE
+    block_size: int = BLOCK
     power_of_two_scales: bool = False
     backend: str = "auto"
     cache_quantized_weight: bool = True
@@ -100,24 +114,24 @@ class FP8LinearConfig:
             raise ValueError(f"Unknown FP8 backend {self.backend!r}; choose one of {BACKENDS}.")
         if self.experts_gemm not in EXPERTS_GEMMS:
             raise ValueError(f"Unknown experts_gemm {self.experts_gemm!r}; choose one of {EXPERTS_GEMMS}.")
-        if self.recipe == "blockwise" and self.block_size != 128:
+        if self.recipe == BLOCKWISE and self.block_size != BLOCK:
             raise ValueError(
                 f"block_size={self.block_size} is not supported: cuBLAS blockwise FP8 GEMMs and vLLM block-FP8 "
-                "checkpoints use 128. Set block_size=128."
+                f"checkpoints use {BLOCK}. Set block_size={BLOCK}."
             )
-        if self.recipe != "blockwise" and self.backend in ("scaled_mm", "deepgemm"):
+        if self.recipe != BLOCKWISE and self.backend in ("scaled_mm", "deepgemm"):
             raise ValueError(
                 f"backend={self.backend!r} picks the kernels of the blockwise recipe; torchao's {self.recipe!r} "
                 "recipe runs its own. Use backend='auto' (or 'emulated'), or recipe='blockwise'."
             )
         for fusion in ("fuse_sibling_gemms", "fuse_swiglu"):
-            if self.recipe != "blockwise" and getattr(self, fusion):
+            if self.recipe != BLOCKWISE and getattr(self, fusion):
                 raise ValueError(
                     f"{fusion} applies to the blockwise recipe only; torchao's {self.recipe!r} recipe runs each layer "
                     f"on its own. Use recipe='blockwise' or drop {fusion}."
                 )
         self._refuse_blockwise_options_without_effect()
-        if self.recipe != "blockwise" and self.power_of_two_scales:
+        if self.recipe != BLOCKWISE and self.power_of_two_scales:
             raise ValueError(
                 "power_of_two_scales applies to the blockwise recipe only; torchao's rowwise recipe already "
                 "rounds its scales to powers of two. Use recipe='blockwise' or drop power_of_two_scales."
@@ -125,13 +139,13 @@ class FP8LinearConfig:
 
     def _refuse_blockwise_options_without_effect(self) -> None:
         """Raise for an option of our blockwise layers that this configuration would ignore, naming the fix."""
-        if self.recipe != "blockwise" and self.experts_gemm != "auto":
+        if self.recipe != BLOCKWISE and self.experts_gemm != "auto":
             raise ValueError(
                 f"experts_gemm={self.experts_gemm!r} picks the kernel of the blockwise recipe's FP8 experts; "
                 f"torchao's {self.recipe!r} recipe has none (mixture-of-experts layers stay in BF16). Drop "
                 "experts_gemm, or use recipe='blockwise'."
             )
-        if self.recipe != "blockwise" and not self.cache_quantized_weight:
+        if self.recipe != BLOCKWISE and not self.cache_quantized_weight:
             raise ValueError(
                 f"cache_quantized_weight=False turns off the blockwise layers' FP8 weight cache; torchao's "
                 f"{self.recipe!r} layers keep no such cache. Drop cache_quantized_weight, or use recipe='blockwise'."
@@ -146,4 +160,50 @@ class FP8LinearConfig:
     @property
     def dim_multiple(self) -> int:
         """Linear dims must be multiples of this for the recipe to apply."""
-        return self.block_size if self.recipe == "blockwise" else 16
+        return self.block_size if self.recipe == BLOCKWISE else 16
+
+
+@dataclass(frozen=True)
+class LayerSelection:
+    """Which layers a conversion keeps in high precision on purpose (`convert_to_fp8(model, selection=...)`).
+
+    Frozen, so one object can stand for a run's layer choices wherever they are applied (training, rollouts, export).
+
+    Args:
+        num_first_layers_in_bf16: decoder layers kept in BF16 at the input end (counted from the `layers.<i>.` index
+            in module names).
+        num_last_layers_in_bf16: decoder layers kept in BF16 at the output end.
+        module_filter_fn: `fn(module, fqn)` returning False for a linear or expert layer to keep in high precision.
+        keep_experts_in_bf16: keep every mixture-of-experts expert layer in BF16 (also for layouts FP8 experts do not
+            handle, which otherwise raise).
+    """
+
+    num_first_layers_in_bf16: int = 0
+    num_last_layers_in_bf16: int = 0
+    module_filter_fn: Callable[[nn.Module, str], bool] | None = None
+    keep_experts_in_bf16: bool = False
+
+    def __post_init__(self):
+        for name in ("num_first_layers_in_bf16", "num_last_layers_in_bf16"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise TypeError(f"{name} must be an int >= 0, got {value!r}.")
+            if value < 0:
+                raise ValueError(f"{name}={value} keeps a negative number of layers in BF16: it must be >= 0.")
+        if self.module_filter_fn is not None and not callable(self.module_filter_fn):
+            raise TypeError(
+                f"module_filter_fn must be a callable fn(module, fqn) -> bool, got {self.module_filter_fn!r}."
+            )
+
+    @classmethod
+    def of(cls, selection: LayerSelection | None = None, **options) -> LayerSelection:
+        """`selection`, or one made of `options` (its fields by keyword, the older spelling); not both at once."""
+        loose = cls(**options)
+        if selection is None:
+            return loose
+        if not isinstance(selection, LayerSelection):
+            raise TypeError(f"selection must be a LayerSelection, got {type(selection).__name__}.")
+        defaults = cls()
+        if given := [name for name, value in options.items() if value != getattr(defaults, name)]:
+            raise ValueError(f"Layer options given twice, in `selection` and as {', '.join(given)}: pass one of them.")
+        return selection

@@ -18,6 +18,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from trl_fp8.config import BLOCK
+
 FP8_DTYPE = torch.float8_e4m3fn
 """The FP8 format of every weight, activation and gradient: e4m3 (4 exponent bits, 3 mantissa bits, no infinity)."""
 FP8_MAX = torch.finfo(FP8_DTYPE).max
@@ -53,7 +55,7 @@ def _cast_to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_blocks(
-    w: torch.Tensor, block_size: tuple[int, int] = (128, 128), *, power_of_two_scales: bool = False
+    w: torch.Tensor, block_size: tuple[int, int] = (BLOCK, BLOCK), *, power_of_two_scales: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a 2-D weight to FP8 in `block_size` tiles.
 
@@ -88,7 +90,7 @@ def quantize_blocks(
 def dequantize_blocks(
     q: torch.Tensor,
     scale_inv: torch.Tensor,
-    block_size: tuple[int, int] = (128, 128),
+    block_size: tuple[int, int] = (BLOCK, BLOCK),
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Inverse of `quantize_blocks`: `q * scale_inv` broadcast over each tile, in `dtype`."""
@@ -102,7 +104,7 @@ def dequantize_blocks(
 
 
 def quantize_groups(
-    x: torch.Tensor, group_size: int = 128, *, power_of_two_scales: bool = False
+    x: torch.Tensor, group_size: int = BLOCK, *, power_of_two_scales: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize along the last (reduction) dim in 1 x `group_size` groups, one scale per token and group.
 
@@ -119,7 +121,7 @@ def quantize_groups(
 
 
 def dequantize_groups(
-    q: torch.Tensor, scale_inv: torch.Tensor, group_size: int = 128, dtype: torch.dtype = torch.float32
+    q: torch.Tensor, scale_inv: torch.Tensor, group_size: int = BLOCK, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """Inverse of `quantize_groups`."""
     groups = q.reshape(*q.shape[:-1], q.shape[-1] // group_size, group_size).to(torch.float32)
@@ -153,14 +155,14 @@ def quantize_act_layouts(
 ) -> QuantizedAct:
     """Reference for `trl_fp8.kernels.quantize_act`: a 2-D `x [M, K]` zero-padded to a multiple of 128 tokens, then
     quantized in 1x128 groups along K (`rows`) and along tokens (`cols`)."""
-    pad = -x.shape[0] % 128
+    pad = -x.shape[0] % BLOCK
     if pad:
         x = F.pad(x, (0, 0, 0, pad))
     q = s = qt = st = None
     if rows:
-        q, s = quantize_groups(x, 128, power_of_two_scales=power_of_two_scales)
+        q, s = quantize_groups(x, BLOCK, power_of_two_scales=power_of_two_scales)
     if cols:
-        qt, st = quantize_groups(x.t(), 128, power_of_two_scales=power_of_two_scales)
+        qt, st = quantize_groups(x.t(), BLOCK, power_of_two_scales=power_of_two_scales)
     return QuantizedAct(q, s, qt, st)
 
 

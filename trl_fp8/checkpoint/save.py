@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase, ProcessorMixin
 
 from trl_fp8.checkpoint.folder import replace_checkpoint
+from trl_fp8.config import BLOCK
 from trl_fp8.distributed import is_sharded
 from trl_fp8.nn.adapters import (
     check_adapters_mergeable,
@@ -53,8 +54,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATION_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
-BLOCK = 128
+QUANTIZATION_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [BLOCK, BLOCK]}
 _BASE_LAYER_SUFFIX = re.compile(r"(?:\.base_layer)+$")
 
 
@@ -411,7 +411,7 @@ def save_fp8_checkpoint(
             part in gathering each one, which every rank must do in the same order.
 
     Tensors stream to disk one safetensors shard at a time, so the writer holds at most one shard in memory (FSDP2:
-    one gathered tensor at a time on each rank besides). The save is atomic (`checkpoint_folder.replace_checkpoint`):
+    one gathered tensor at a time on each rank besides). The save is atomic (`checkpoint.folder.replace_checkpoint`):
     the checkpoint is written to a folder beside `output_dir` and swapped in whole, so `output_dir` holds the old
     checkpoint or the new one whatever happens, and NaN/Inf weights raise before it is touched. A custom-code model
     (`trust_remote_code`) gets its code files, as `save_pretrained` writes them.

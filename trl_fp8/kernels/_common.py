@@ -6,9 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from trl_fp8.config import BLOCK
 from trl_fp8.quantization import QuantizedAct
-
-BLOCK = 128
 
 
 @triton.jit

@@ -7,9 +7,8 @@ Scales are written column-major, the layout cuBLAS's blockwise `scaled_mm` reads
 `M_pad` rounds the token count up to 128; padded tokens are zeros (they change no group's amax), so WGrad needs no
 separate padding copy. One program owns one 128x128 tile and computes its row and column amaxes from one load.
 
-Launch (`benchmarks/bench_quant.py`, one H200, M=8192, Qwen3-8B shapes): writing both layouts, 4 warps ran
-1.56-1.64x faster than 8 (44-50% of the HBM floor against 28-31%); the column layout's transposed store is the slow
-half. 8 warps stay best for the row layout alone (63-77%). `cols_second_read` is a candidate not yet measured: the
+Launch: 4 warps when writing both layouts (the column layout's transposed store is the slow half), 8 for the row
+layout alone, as `benchmarks/bench_quant.py` found best (docs/benchmarks.md). `cols_second_read` is a candidate: the
 column layout from a second, K-major read of the tile (an L1/L2 hit, not HBM), stored without a register transpose.
 """
 

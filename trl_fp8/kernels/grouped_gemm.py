@@ -8,8 +8,8 @@ one `quantize_act` over all padded rows gives, bit for bit, what quantizing each
 are 128 consecutive rows of one expert, its padding zeros (which change no amax and add nothing to a sum). The
 quantizer reads the sorted rows through `GroupedRows.source`, so the padded BF16 copy is never written, and the
 layout itself is one launch (`_layout_kernel`) from counts that stay on the device. FProp and DGrad run on DeepGEMM's
-m-grouped GEMM where it can (`fp8_experts.grouped_gemm_kernel`: same operands, 1.6-2.0x faster than
-`m_grouped_gemm` at Qwen3-30B-A3B's shapes); `m_grouped_gemm` is the fallback and the CPU-tested reference.
+m-grouped GEMM where it can (`nn.experts.grouped_gemm_kernel`, same operands); `m_grouped_gemm` is the fallback and
+the CPU-tested reference.
 
 - `m_grouped_gemm` (FProp `y_e = x_e @ W_e.T`, DGrad `dx_e = dy_e @ W_e`): `a [M_pad, K]` in 1x128 groups along K
   (`quantize_act`'s `rows` layout), `b [E, N, K]` in 128x128 blocks, any strides (DGrad passes `W` transposed: a
@@ -27,44 +27,16 @@ interpreter: e4m3 widened exactly, NumPy's fp32 matmul) the difference is fp32 r
 `tests/test_grouped_gemm.py` bounds element by element (`|got - ref| <= K * 2**-23 * (|A| @ |B|.T)` against a float64
 reference on the same FP8 operands). On Hopper, as in cuBLAS's and DeepGEMM's blockwise kernels, the tensor cores sum
 each 128-deep product with less than fp32 precision before it is promoted to the fp32 accumulator (DeepSeek-V3 reports
-about 14 bits), so there the bound is the GPU suite's 4e-3 relative (`tests/gpu/test_grouped_gemm_gpu.py`, not run yet).
-
-Floor at `benchmarks/bench_experts.py`'s shape (Qwen3-30B-A3B experts: hidden 2048, intermediate 768, so gate_up
-N=1536; 128 experts, top-8) at 8192 tokens = 65536 routed rows, on an H100 SXM (3.35 TB/s HBM3, 1979 TFLOP/s dense
-FP8, i.e. without 2:4 sparsity; 3958 is the sparse figure, 989 the dense BF16 one). Bytes: each FP8 operand read
-once (all 128 experts' weights included: 403 MB for gate_up, 201 MB for down), fp32 scales, BF16 outputs (WGrad
-writes all `E x N x K` gradients, 805 MB for gate_up):
-
-==================  =======  ======  ==========  ============  =====
-launch              GFLOP    MB      FLOPs (ms)  HBM (ms)      floor
-==================  =======  ======  ==========  ============  =====
-gate_up FProp       412.3    742     0.208       0.222         0.222
-gate_up DGrad       412.3    775     0.208       0.231         0.231
-gate_up WGrad       412.3    1048    0.208       0.313         0.313
-down FProp          206.2    522     0.104       0.156         0.156
-down DGrad          206.2    441     0.104       0.131         0.131
-down WGrad          206.2    593     0.104       0.177         0.177
-all six             1855     4120    0.938       1.230         1.230
-==================  =======  ======  ==========  ============  =====
-
-So at this shape the six launches are memory-bound by a small margin: 1.23 ms of GEMMs per fwd+bwd is the floor a
-measurement is a fraction of. Padding adds rows to the m-grouped launches (that routing's 65536 rows pad to 74112,
-+13%; `BLOCK_M=64` skips the half-tiles of padding), and the layer adds memory-bound passes around them: the pad and
-unpad copies, the quantizations of x, h and both output gradients, and the DGrad weight re-quantization (1.2 GB read
-and written for gate_up's weights, 0.36 ms).
+about 14 bits), so there the bound is the GPU suite's 4e-3 relative (`tests/gpu/test_grouped_gemm_gpu.py`).
 
 Launch configurations are fixed and simple (no autotuning, so a new token count costs no tuning run): 128x128 output
-tiles and 128-deep steps (the scale granularity), 8 warps, 4 pipeline stages (32 KB of shared memory per stage);
-`BLOCK_M=64` with 4 warps when padding is a quarter or more of the rows; WGrad's caller launches 64-row tiles with 4
-warps and 3 stages (measured 6-10% faster, `fp8_experts.WGRAD_LAUNCH`). Measured (one H100 and one H200,
-2026-11-26, `benchmarks/bench_grouped_gemm.py`): `m_grouped_gemm` at 30-58% of its floor, `k_grouped_gemm` at 20-43%
-(latency-bound: each program sums only a few 128-token groups, then writes its tile). Compiled for sm_90
-on a CPU host (`triton.compile` with `GPUTarget("cuda", 90, 32)`, Triton 3.9, operands 16-byte aligned as the
-launches specialize them): both kernels lower to wgmma behind a 4-stage cp.async pipeline (128 KB of shared memory),
-with 193 registers (128-row tiles, 8 warps), 212 (64-row tiles, 4 warps) and 180 (WGrad, 8 warps), no spills (WGrad
-at 4 warps would spill). DGrad's B read as the FProp weight transposed (a strided view, N-major) lowers to wgmma too,
-but then only A's loads are asynchronous; so DGrad multiplies each expert's weight re-quantized transposed
-(`weight_quant.quantize_expert_weights_t`: `[E, K, N]`, K-major, the same FP8 values and scales).
+tiles and 128-deep steps (the scale granularity), 8 warps, 4 pipeline stages; `BLOCK_M=64` with 4 warps when padding
+is a quarter or more of the rows; WGrad's caller launches 64-row tiles with 4 warps and 3 stages
+(`nn.experts.WGRAD_LAUNCH`). DGrad's B read as the FProp weight transposed (a strided view, N-major) lowers to wgmma
+on sm_90, but then only A's loads are asynchronous; so DGrad multiplies each expert's weight re-quantized transposed
+(`weight_quant.quantize_expert_weights_t`: `[E, K, N]`, K-major, the same FP8 values and scales). The floor of each
+launch at Qwen3-30B-A3B's expert shapes, what the kernels reach of it and how they compile for sm_90:
+docs/moe.md.
 """
 
 from __future__ import annotations
@@ -75,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK = 128  # the scale granularity: 1x128 groups, 128x128 blocks; expert segments are padded to it
+from trl_fp8.kernels._common import BLOCK  # the scale granularity; expert segments are padded to it
 
 __all__ = ["GroupedRows", "k_grouped_gemm", "m_grouped_gemm"]
 
@@ -139,13 +111,13 @@ class GroupedRows:
             self.num_experts, self.num_rows = c.numel(), int(num_rows)
             self.m_pad = BLOCK * min((self.num_rows + (BLOCK - 1) * self.num_experts) // BLOCK, self.num_rows)
             # Half-height tiles when padding is expected to be a quarter or more of the rows (few rows per expert).
-            self.block_m = 64 if self.num_rows < 192 * self.num_experts else 128
+            self.block_m = 64 if self.num_rows < 192 * self.num_experts else BLOCK
         else:
             self._counts = tuple(int(n) for n in counts)
             c = torch.tensor(self._counts, dtype=torch.int64, device=device)
             self.num_experts, self.num_rows = len(self._counts), sum(self._counts)
             self.m_pad = BLOCK * sum((n + BLOCK - 1) // BLOCK for n in self._counts)
-            self.block_m = 64 if self.m_pad and self.num_rows < 0.75 * self.m_pad else 128
+            self.block_m = 64 if self.m_pad and self.num_rows < 0.75 * self.m_pad else BLOCK
         self._c = c
         e, g = self.num_experts, self.m_pad // BLOCK
         self.offsets = torch.empty(e + 1, device=device, dtype=torch.int32)
@@ -185,7 +157,7 @@ def _m_grouped_kernel(
     stride_am, stride_ak, stride_asm, stride_ask,
     stride_be, stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk,
     stride_cm, stride_cn,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     # Grouped program order (GROUP_M row tiles share the column tiles they read), as in Triton's matmul tutorial.
     pid = tl.program_id(0)
@@ -198,8 +170,8 @@ def _m_grouped_kernel(
     pid_n = (pid % num_pid_in_group) // group_size_m
 
     row0 = pid_m * BLOCK_M
-    group = row0 // 128
-    if row0 % 128 >= tl.load(group_rows_ptr + group):
+    group = row0 // BLOCK
+    if row0 % BLOCK >= tl.load(group_rows_ptr + group):
         return  # padding rows only: no caller reads them
     e = tl.load(group_expert_ptr + group).to(tl.int64)
 
@@ -209,7 +181,7 @@ def _m_grouped_kernel(
     a_ptrs = a_ptr + rm[:, None] * stride_am + rk[None, :] * stride_ak
     b_ptrs = b_ptr + e * stride_be + rk[:, None] * stride_bk + rn[None, :] * stride_bn  # [BLOCK_K, BLOCK_N]
     as_ptrs = as_ptr + rm * stride_asm
-    bs_ptrs = bs_ptr + e * stride_bse + (rn // 128) * stride_bsn
+    bs_ptrs = bs_ptr + e * stride_bse + (rn // BLOCK) * stride_bsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, K // BLOCK_K):
         a = tl.load(a_ptrs)
@@ -236,7 +208,7 @@ def _k_grouped_kernel(
     num_pid_k = K // BLOCK_K
     pid_n = pid // num_pid_k
     pid_k = pid % num_pid_k
-    start = tl.multiple_of(tl.load(offsets_ptr + e), 128)  # (segments start at multiples of 128: aligned loads)
+    start = tl.multiple_of(tl.load(offsets_ptr + e), BLOCK_T)  # (segments start at multiples of it: aligned loads)
     num_steps = (tl.load(offsets_ptr + e + 1) - start) // BLOCK_T
 
     rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
@@ -284,7 +256,7 @@ def m_grouped_gemm(
     if kb != k or m != rows.m_pad or e != rows.num_experts or n % BLOCK or k % BLOCK or BLOCK % block_m:
         raise ValueError(
             f"m_grouped_gemm: a {tuple(a_q.shape)} and b {tuple(b_q.shape)} do not fit a {rows.m_pad}-row layout of "
-            f"{rows.num_experts} experts (N and K multiples of 128, block_m dividing 128; got {block_m})."
+            f"{rows.num_experts} experts (N and K multiples of {BLOCK}, block_m dividing {BLOCK}; got {block_m})."
         )
     out = torch.empty(m, n, device=a_q.device, dtype=out_dtype)
     if m:
@@ -295,8 +267,8 @@ def m_grouped_gemm(
             a_q.stride(0), a_q.stride(1), a_s.stride(0), a_s.stride(1),
             b_q.stride(0), b_q.stride(1), b_q.stride(2), b_s.stride(0), b_s.stride(1), b_s.stride(2),
             out.stride(0), out.stride(1),
-            BLOCK_M=block_m, BLOCK_N=BLOCK, BLOCK_K=BLOCK, GROUP_M=8,
-            num_warps=num_warps or (8 if block_m == 128 else 4), num_stages=num_stages,
+            BLOCK_M=block_m, BLOCK_N=BLOCK, BLOCK_K=BLOCK, GROUP_M=8, BLOCK=BLOCK,
+            num_warps=num_warps or (8 if block_m == BLOCK else 4), num_stages=num_stages,
         )  # fmt: skip
     return out
 
@@ -324,7 +296,7 @@ def k_grouped_gemm(
     if mb != m or m != rows.m_pad or n % BLOCK or k % BLOCK:
         raise ValueError(
             f"k_grouped_gemm: a {tuple(a_qt.shape)} and b {tuple(b_qt.shape)} do not fit a {rows.m_pad}-row layout "
-            "(N and K multiples of 128)."
+            f"(N and K multiples of {BLOCK})."
         )
     if not m:  # no tokens at all (and no operand memory to point the kernel at)
         return torch.zeros(rows.num_experts, n, k, device=a_qt.device, dtype=out_dtype)

@@ -13,9 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from trl_fp8.kernels._common import fp8_scale, launcher, scale_and_saturate
-
-BLOCK = 128
+from trl_fp8.kernels._common import BLOCK, fp8_scale, launcher, scale_and_saturate
 
 
 @triton.jit

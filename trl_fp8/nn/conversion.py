@@ -8,23 +8,24 @@ import re
 import sys
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from trl_fp8.config import FP8LinearConfig
+from trl_fp8.config import BLOCKWISE, FP8LinearConfig, LayerSelection
 from trl_fp8.nn.adapters import hf_name, is_adapter_module, tuner_layer_names
 from trl_fp8.nn.experts import FP8Experts, expert_layout_problem, is_experts_module
-from trl_fp8.nn.fused_swiglu import GATED_MLP_LAYERS, fuse_swiglu, is_fused_swiglu, swiglu_problem
+from trl_fp8.nn.fused_swiglu import fuse_swiglu
 from trl_fp8.nn.linear import FP8Linear
-from trl_fp8.nn.sibling_gemms import FUSED_GROUPS, group_fp8_siblings, sibling_group_problem
+from trl_fp8.nn.report import ConversionReport, report_fusions
+from trl_fp8.nn.sibling_gemms import FUSED_GROUPS, group_fp8_siblings
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "FUSED_GROUPS",
     "ConversionReport",
+    "LayerSelection",
     "convert_to_fp8",
     "plan_fp8_conversion",
     "router_module_names",
@@ -35,55 +36,6 @@ __all__ = [
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 # vLLM runs each of FUSED_GROUPS as one fused layer (qkv_proj, gate_up_proj): its members are all FP8 or all high
 # precision.
-
-
-@dataclass
-class ConversionReport:
-    """What `convert_to_fp8` did: FP8 layers (linear layers and MoE expert layers), the layers kept in high
-    precision with the reason, every other parameter left in high precision with its reason, and for each requested
-    fusion what it fused and what it left unfused, with why."""
-
-    recipe: str
-    converted: list[str] = field(default_factory=list)
-    kept: dict[str, str] = field(default_factory=dict)
-    experts: list[str] = field(default_factory=list)  # the converted names that are expert layers
-    num_experts: int = 0  # experts in those layers
-    high_precision_params: dict[str, str] = field(default_factory=dict)
-    # Per requested fusion ("fuse_swiglu", "fuse_sibling_gemms"): what it fused, and what it left unfused and why.
-    fused: dict[str, list[str]] = field(default_factory=dict)
-    not_fused: dict[str, dict[str, str]] = field(default_factory=dict)
-
-    @property
-    def num_fp8_layers(self) -> int:
-        return len(self.converted)
-
-    def summary(self) -> str:
-        if self.recipe == "bf16":
-            return "BF16 training (fp8_recipe=None): no linear layer runs in FP8."
-        linears = len(self.converted) - len(self.experts)
-        what = f"{linears} linear layers"
-        if self.experts:
-            what += f" and {len(self.experts)} expert layers ({self.num_experts} experts)"
-        lines = [f"FP8 ({self.recipe}): {what} converted, {len(self.kept)} kept."]
-        lines += _grouped_lines("kept in high precision", self.kept)
-        params = {n: r for n, r in self.high_precision_params.items() if r not in ("embedding", "norm", "bias")}
-        lines += _grouped_lines("parameter in high precision", params)
-        for fusion in sorted(set(self.fused) | set(self.not_fused)):
-            done = self.fused.get(fusion, [])
-            lines.append(f"  {fusion}: {len(done)} fused" + (f" ({_first_names(done)})" if done else ""))
-            lines += _grouped_lines(f"{fusion} not applied", self.not_fused.get(fusion, {}))
-        return "\n".join(lines)
-
-
-def _grouped_lines(what: str, reasons_by_name: dict[str, str]) -> list[str]:
-    reasons: dict[str, list[str]] = {}
-    for name, reason in reasons_by_name.items():
-        reasons.setdefault(reason, []).append(name)
-    return [f"  {what} ({reason}): {_first_names(names)}" for reason, names in reasons.items()]
-
-
-def _first_names(names: list[str]) -> str:
-    return ", ".join(names[:4]) + (f", ... ({len(names)} in all)" if len(names) > 4 else "")
 
 
 def is_fp8_linear(module: nn.Module) -> bool:
@@ -124,41 +76,28 @@ def _output_embedding_weight(model: nn.Module):
 
 def plan_fp8_conversion(
     model: nn.Module,
-    recipe: str = "blockwise",
-    num_first_layers_in_bf16: int = 0,
-    num_last_layers_in_bf16: int = 0,
-    module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
+    recipe: str = BLOCKWISE,
     *,
+    selection: LayerSelection | None = None,
     config: FP8LinearConfig | None = None,
-    keep_experts_in_bf16: bool = False,
     warn: bool = True,
+    **layer_options,
 ) -> tuple[ConversionReport, list[tuple[str, nn.Module]]]:
     """Decide which linear and expert layers of `model` would be FP8, without changing it.
 
-    Returns the report (layers already FP8 count as converted) and the `(name, module)` pairs still to convert.
-    Used by `convert_to_fp8` and by the exporter for models trained in BF16. Raises ValueError naming the
-    layout for mixture-of-experts layers it cannot run in FP8, unless `keep_experts_in_bf16`.
+    `selection` says which layers to keep in high precision on purpose; its fields are also taken as keyword
+    arguments (`num_first_layers_in_bf16=1`, ...), but not both. Returns the report (layers already FP8 count as
+    converted) and the `(name, module)` pairs still to convert. Used by `convert_to_fp8` and by the exporter for
+    models trained in BF16. Raises ValueError naming the layout for mixture-of-experts layers it cannot run in FP8,
+    unless `keep_experts_in_bf16`.
     """
-    if config is None:
-        config = FP8LinearConfig(recipe=recipe)
-    elif config.recipe != recipe and recipe != "blockwise":
-        raise ValueError(f"recipe={recipe!r} disagrees with config.recipe={config.recipe!r}; pass one of them.")
-    if num_first_layers_in_bf16 < 0 or num_last_layers_in_bf16 < 0:
-        raise ValueError("num_first_layers_in_bf16 and num_last_layers_in_bf16 must be >= 0.")
-
+    config = _layer_config(recipe, config)
+    selection = LayerSelection.of(selection, **layer_options)
     report = ConversionReport(recipe=config.recipe)
     tuners = tuner_layer_names(model)
     routers = router_module_names(model)
     linears = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.Linear)]
-    n_layers = _num_layers(model, [name for name, _ in linears])
-    if n_layers and num_first_layers_in_bf16 + num_last_layers_in_bf16 >= n_layers:
-        raise ValueError(
-            f"num_first_layers_in_bf16={num_first_layers_in_bf16} + num_last_layers_in_bf16="
-            f"{num_last_layers_in_bf16} keeps all {n_layers} decoder layers in BF16, so nothing would run in FP8. "
-            "Lower them, or train in BF16 on purpose with fp8_recipe=None."
-        )
-    bf16_layers = set(range(min(num_first_layers_in_bf16, n_layers)))
-    bf16_layers |= set(range(max(n_layers - num_last_layers_in_bf16, 0), n_layers))
+    bf16_layers = _bf16_layers(model, [name for name, _ in linears], selection)
     head_weight = _output_embedding_weight(model)
     misfits = []
 
@@ -174,7 +113,7 @@ def plan_fp8_conversion(
             report.converted.append(name)
             continue
         reason = "router" if name in routers else None
-        reason = reason or _keep_reason(name, mod, config, head_weight, bf16_layers, module_filter_fn, tuners)
+        reason = reason or _keep_reason(name, mod, config, head_weight, selection, bf16_layers, tuners)
         if reason is None:
             to_convert.append((name, mod))
             continue
@@ -189,35 +128,67 @@ def plan_fp8_conversion(
             stacklevel=3,
         )
     report.converted.extend(name for name, _ in to_convert)
-    to_convert += _plan_experts(model, config, report, bf16_layers, module_filter_fn, keep_experts_in_bf16, warn)
+    to_convert += _plan_experts(model, config, report, selection, bf16_layers, warn)
     report.high_precision_params = _high_precision_params(model, report, tuners)
     return report, to_convert
 
 
-def _plan_experts(model, config, report, bf16_layers, module_filter_fn, keep_experts_in_bf16, warn):
+def _layer_config(recipe: str, config: FP8LinearConfig | None) -> FP8LinearConfig:
+    """`config`, or the default configuration of `recipe`; raises when both are given and disagree."""
+    if config is None:
+        return FP8LinearConfig(recipe=recipe)
+    if config.recipe != recipe and recipe != BLOCKWISE:
+        raise ValueError(f"recipe={recipe!r} disagrees with config.recipe={config.recipe!r}; pass one of them.")
+    return config
+
+
+def _bf16_layers(model: nn.Module, names: list[str], selection: LayerSelection) -> set[int]:
+    """The decoder layer indices `selection` keeps in BF16; raises when that would be every layer."""
+    first, last = selection.num_first_layers_in_bf16, selection.num_last_layers_in_bf16
+    n_layers = _num_layers(model, names)
+    if n_layers and first + last >= n_layers:
+        raise ValueError(
+            f"num_first_layers_in_bf16={first} + num_last_layers_in_bf16={last} keeps all {n_layers} decoder layers "
+            "in BF16, so nothing would run in FP8. Lower them, or train in BF16 on purpose with fp8_recipe=None."
+        )
+    return set(range(min(first, n_layers))) | set(range(max(n_layers - last, 0), n_layers))
+
+
+def _selection_reason(name: str, mod: nn.Module, selection: LayerSelection, bf16_layers: set[int]) -> str | None:
+    """Why the layer choices of `selection` keep layer `name` in high precision, or None."""
+    if (m := _LAYER_INDEX.search(name)) and int(m.group(1)) in bf16_layers:
+        return "first/last layers in bf16"
+    if selection.module_filter_fn is not None and not selection.module_filter_fn(mod, name):
+        return "module_filter_fn"
+    return None
+
+
+def _plan_experts(model, config, report, selection, bf16_layers, warn):
     """The expert layers (3-D expert weights, transformers 5's fused layout) to convert; the others go to
     `report.kept` with their reason, or raise when their layout cannot run in FP8 and no opt-out was given."""
     to_convert = []
+
+    def converted(name, mod):
+        report.converted.append(name)
+        report.experts.append(name)
+        report.num_experts += mod.num_experts
+
     for name, mod in model.named_modules():
         if not is_experts_module(mod):
             continue
         if isinstance(mod, FP8Experts):
-            report.converted.append(name)
-            report.experts.append(name)
-            report.num_experts += mod.num_experts
+            converted(name, mod)
             continue
         problem = expert_layout_problem(mod, config.dim_multiple)
-        if keep_experts_in_bf16:
+        if selection.keep_experts_in_bf16:
             reason = "keep_experts_in_bf16"
-        elif (m := _LAYER_INDEX.search(name)) and int(m.group(1)) in bf16_layers:
-            reason = "first/last layers in bf16"
-        elif module_filter_fn is not None and not module_filter_fn(mod, name):
-            reason = "module_filter_fn"
+        elif (chosen := _selection_reason(name, mod, selection, bf16_layers)) is not None:
+            reason = chosen
         elif problem is not None and problem.startswith("dims"):
             reason = problem
             if warn:
                 warnings.warn(f"{name}: experts kept in high precision, {problem}.", stacklevel=4)
-        elif problem is not None or config.recipe != "blockwise":
+        elif problem is not None or config.recipe != BLOCKWISE:
             why = problem or f"FP8 experts need the blockwise recipe, not {config.recipe!r}"
             raise ValueError(
                 f"{name}: {why}, so its experts (most of the model's weights) cannot run in FP8. Keep them in BF16 "
@@ -229,9 +200,7 @@ def _plan_experts(model, config, report, bf16_layers, module_filter_fn, keep_exp
             reason = None
         if reason is None:
             to_convert.append((name, mod))
-            report.converted.append(name)
-            report.experts.append(name)
-            report.num_experts += mod.num_experts
+            converted(name, mod)
         else:
             report.kept[name] = reason
     return to_convert
@@ -285,11 +254,12 @@ def router_module_names(model: nn.Module) -> set[str]:
 
 def convert_to_fp8(
     model: nn.Module,
-    recipe: str = "blockwise",
+    recipe: str = BLOCKWISE,
     num_first_layers_in_bf16: int = 0,
     num_last_layers_in_bf16: int = 0,
     module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
     *,
+    selection: LayerSelection | None = None,
     config: FP8LinearConfig | None = None,
     device: torch.device | str | None = None,
     keep_experts_in_bf16: bool = False,
@@ -319,6 +289,8 @@ def convert_to_fp8(
         num_first_layers_in_bf16: decoder layers to keep in BF16 at the input end.
         num_last_layers_in_bf16: decoder layers to keep in BF16 at the output end.
         module_filter_fn: return False to keep a layer in high precision.
+        selection: the layer choices above (and `keep_experts_in_bf16`) as one `LayerSelection`, instead of
+            passing them one by one (not both).
         config: full layer configuration; its `recipe` must agree with `recipe` when both are given.
         device: the device the model will train on, when it is loaded elsewhere (torchao's recipes decide there
             whether to emulate). Default: where its parameters are. Blockwise layers pick their kernels per call.
@@ -332,25 +304,26 @@ def convert_to_fp8(
         ValueError: when no linear layer can run in FP8 (FP8 "training" that is really BF16 is a mistake to catch
             early; `fp8_recipe=None` is the way to ask for BF16).
     """
-    report, to_convert = plan_fp8_conversion(
-        model, recipe, num_first_layers_in_bf16, num_last_layers_in_bf16, module_filter_fn, config=config,
-        keep_experts_in_bf16=keep_experts_in_bf16,
+    config = _layer_config(recipe, config)
+    selection = LayerSelection.of(
+        selection, num_first_layers_in_bf16=num_first_layers_in_bf16, num_last_layers_in_bf16=num_last_layers_in_bf16,
+        module_filter_fn=module_filter_fn, keep_experts_in_bf16=keep_experts_in_bf16,
     )  # fmt: skip
+    report, to_convert = plan_fp8_conversion(model, selection=selection, config=config)
     if not report.converted:
         raise ValueError(
             f"No linear layer of {type(model).__name__} can run in FP8:\n{report.summary()}\nAdjust "
             "module_filter_fn (FP8GRPOTrainer's fp8_module_filter_fn) / num_*_layers_in_bf16, or train in BF16 on "
             "purpose with fp8_recipe=None."
         )
-    config = config or FP8LinearConfig(recipe=recipe)
-    if config.recipe == "blockwise":
+    if config.recipe == BLOCKWISE:
         for _, mod in to_convert:
             (FP8Experts if is_experts_module(mod) else FP8Linear).convert_(mod, config)
         if config.fuse_sibling_gemms:
             group_fp8_siblings(model)
         if config.fuse_swiglu:
             fuse_swiglu(model)
-        _report_fusions(model, config, report)
+        report_fusions(model, config, report)
     else:
         device = torch.device(device) if device is not None else next(model.parameters()).device
         _convert_with_torchao(model, config, {name for name, _ in to_convert}, device)
@@ -358,126 +331,14 @@ def convert_to_fp8(
     return report
 
 
-def _report_fusions(model: nn.Module, config: FP8LinearConfig, report: ConversionReport) -> None:
-    """Fill `report.fused` / `report.not_fused` for the requested fusions; warn once if one fused nothing."""
-    outcomes = {"fuse_sibling_gemms": _sibling_outcome, "fuse_swiglu": _swiglu_outcome}
-    for fusion, outcome in outcomes.items():
-        if getattr(config, fusion):
-            report.fused[fusion], report.not_fused[fusion] = outcome(model, report)
-    idle = [fusion for fusion in report.not_fused if not report.fused[fusion]]
-    if idle:
-        reasons = "; ".join(f"{f}: {', '.join(sorted(set(report.not_fused[f].values()))[:3])}" for f in idle)
-        options = " and ".join(idle)
-        warnings.warn(
-            f"{options} fused nothing in {type(model).__name__} ({reasons}). Its layers run unfused, with the same "
-            f"FP8 math; drop {options} (FP8GRPOConfig: fp8_{', fp8_'.join(idle)}) to silence this.",
-            stacklevel=3,
-        )
-
-
-def _layer_children(module: nn.Module) -> list[str]:
-    return [name for name, child in module.named_children() if any(True for _ in child.parameters())]
-
-
-def _swiglu_outcome(model: nn.Module, report: ConversionReport) -> tuple[list[str], dict[str, str]]:
-    """The MLPs running the fused SwiGLU forward, and every other MLP-like module with why it does not."""
-    fused, skipped = [], {}
-    for name, mod in model.named_modules():
-        name = name or type(mod).__name__  # (the model itself)
-        if is_fused_swiglu(mod):
-            fused.append(name)
-        elif is_experts_module(mod):
-            skipped[name] = f"{_class_name(mod)} holds experts (fuse_swiglu fuses dense gated MLPs)"
-        elif _looks_like_mlp(mod):
-            skipped[name] = _unfusable_mlp_reason(mod)
-    if not fused and not skipped:
-        skipped[type(model).__name__] = "no MLP with gate_proj, up_proj, down_proj layers"
-    return fused, skipped
-
-
-def _class_name(module: nn.Module) -> str:
-    """The model's own class name (an FP8 expert layer's class is `FP8<its class>`)."""
-    return (type(module).__bases__[-1] if isinstance(module, FP8Experts) else type(module)).__name__
-
-
-def _looks_like_mlp(module: nn.Module) -> bool:
-    """A gated MLP by its layers (`down_proj`, or `gate_proj` with `up_proj`), or an MLP by its class name."""
-    layers = {leaf for leaf in GATED_MLP_LAYERS if isinstance(getattr(module, leaf, None), nn.Module)}
-    named_mlp = type(module).__name__.lower().endswith("mlp") and bool(_layer_children(module))
-    return "down_proj" in layers or {"gate_proj", "up_proj"} <= layers or named_mlp
-
-
-def _unfusable_mlp_reason(mlp: nn.Module) -> str:
-    problem = swiglu_problem(mlp) or "not fused"
-    if "not a gated MLP" in problem:  # say what it has instead
-        problem += f" (it has {', '.join(_layer_children(mlp))})"
-    return problem
-
-
-def _sibling_outcome(model: nn.Module, report: ConversionReport) -> tuple[list[str], dict[str, str]]:
-    """The sibling sets (q/k/v, gate/up) running as one FP8 GEMM, every other set with why not, and attention / MLP
-    blocks that have no such set."""
-    linears = {hf_name(n): m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
-    kept = {hf_name(n): reason for n, reason in report.kept.items()}
-    modules = {hf_name(n): m for n, m in model.named_modules()}
-    sets = {}
-    for name in linears:
-        parent, _, leaf = name.rpartition(".")
-        for group in FUSED_GROUPS:
-            members = [linears.get(f"{parent}.{m}" if parent else m) for m in group]
-            # (a lone gate_proj outside an MLP, a gate of something else, is no sibling set)
-            if leaf in group and (sum(m is not None for m in members) > 1 or _is_block(modules.get(parent))):
-                sets[(parent, group)] = members
-    fused, skipped = [], {}
-    for (parent, group), members in sets.items():
-        label = f"{parent}.{'+'.join(group)}" if parent else "+".join(group)
-        groups = [getattr(m, "_fp8_group", None) for m in members]  # (FP8SiblingGroup, index) once grouped
-        if all(g is not None for g in groups) and len({id(g[0]) for g in groups}) == 1:
-            fused.append(label)
-        else:
-            skipped[label] = _unfused_set_reason(parent, group, members, kept)
-    grouped_parents = {parent for parent, _ in sets}
-    for name, mod in model.named_modules():
-        if hf_name(name) in grouped_parents or not _is_block(mod):
-            continue
-        group = FUSED_GROUPS[0] if type(mod).__name__.lower().endswith("attention") else FUSED_GROUPS[1]
-        has = ", ".join(_layer_children(mod))
-        skipped[name] = f"{type(mod).__name__} has no separate {', '.join(group)} (it has {has})"
-    if not fused and not skipped:
-        skipped[type(model).__name__] = "no q_proj/k_proj/v_proj or gate_proj/up_proj layers"
-    return fused, skipped
-
-
-def _is_block(module: nn.Module | None) -> bool:
-    """An attention or MLP block, by its class name, that holds layers."""
-    return (
-        module is not None
-        and type(module).__name__.lower().endswith(("attention", "mlp"))
-        and bool(_layer_children(module))
-    )
-
-
-def _unfused_set_reason(parent: str, group: tuple[str, ...], members: list, kept: dict[str, str]) -> str:
-    missing = [leaf for leaf, m in zip(group, members, strict=True) if m is None]
-    if missing:
-        return f"no {', '.join(missing)} beside {', '.join(leaf for leaf in group if leaf not in missing)}"
-    prefix = f"{parent}." if parent else ""
-    not_fp8 = [leaf for leaf, m in zip(group, members, strict=True) if not isinstance(m, FP8Linear)]
-    if not_fp8:
-        return "kept in high precision: " + ", ".join(f"{m} ({kept.get(prefix + m, 'not FP8')})" for m in not_fp8)
-    return sibling_group_problem(members) or "not grouped"
-
-
-def _keep_reason(name, mod, config, head_weight, bf16_layers, module_filter_fn, tuners) -> str | None:
+def _keep_reason(name, mod, config, head_weight, selection, bf16_layers, tuners) -> str | None:
     leaf = hf_name(name).rsplit(".", 1)[-1]
     if leaf == "lm_head" or (head_weight is not None and mod.weight is head_weight):
         return "lm_head"
     if is_adapter_module(name, tuners):
         return "LoRA adapter" if "lora_" in name else "PEFT adapter"
-    if (m := _LAYER_INDEX.search(name)) and int(m.group(1)) in bf16_layers:
-        return "first/last layers in bf16"
-    if module_filter_fn is not None and not module_filter_fn(mod, name):
-        return "module_filter_fn"
+    if (chosen := _selection_reason(name, mod, selection, bf16_layers)) is not None:
+        return chosen
     if type(mod).forward is not nn.Linear.forward:  # FP8Linear would run nn.Linear's math instead of its own
         return f"{type(mod).__name__} has its own forward, not nn.Linear's"
     n, k = mod.weight.shape

@@ -3,7 +3,7 @@
 transformers 5 keeps a MoE layer's experts as two 3-D parameters, `gate_up_proj [E, 2I, H]` and `down_proj [E, H, I]`
 (gate and up concatenated along rows), in a module whose forward routes each token to its top-k experts. Converted,
 the same module (same parameters, same `state_dict` keys, BF16 master weights) runs each expert's two projections with
-the dense layer's blockwise FP8 math (`fp8_linear._BlockwiseFP8Matmul`: 128x128 weight blocks per expert, 1x128
+the dense layer's blockwise FP8 math (`nn.linear._BlockwiseFP8Matmul`: 128x128 weight blocks per expert, 1x128
 activation and gradient groups, FProp, DGrad and WGrad in FP8) on the tokens routed to it. A weight block never
 spans two experts (their row counts are multiples of 128), so quantizing `[E, N, K]` as one `[E*N, K]` matrix gives
 each expert's own blocks, and the export splits them back into per-expert tensors.
@@ -20,7 +20,7 @@ experts), so only the fp32 summation order differs. Speed against BF16: docs/moe
 
 Elsewhere (the emulation on CPU) all experts of a projection run as a loop in one autograd node
 (`_ExpertsFP8Matmul`): each expert's GEMMs are the dense layer's, bit for bit, without an autograd node per expert
-(about 90 us of host time per Python node on an H100 host, more than one blockwise GEMM's launch). That loop over
+(a Python autograd node costs more host time than a blockwise GEMM's launch: docs/benchmarks.md). That loop over
 experts is the exact reference the grouped kernels must equal (tests/test_grouped_gemm.py runs them in Triton's CPU
 interpreter against it); experts that receive no token are skipped, uneven token counts are the normal case. The
 router stays in high precision (an FP8 router flips top-k choices), and so does anything of a layout this module does
@@ -35,8 +35,9 @@ import functools
 import torch
 from torch import nn
 
-from trl_fp8.config import FP8LinearConfig
-from trl_fp8.nn.linear import blockwise_backward, is_own_parameter, tensor_bytes, weight_cache_key
+from trl_fp8.config import BLOCK, BLOCKWISE, FP8LinearConfig
+from trl_fp8.nn.linear import blockwise_backward
+from trl_fp8.nn.weight_cache import FP8WeightCacheMixin, is_own_parameter, weight_cache_key
 from trl_fp8.ops import backend_name, select_ops
 
 __all__ = ["FP8Experts", "expert_layout_problem", "is_experts_module"]
@@ -62,7 +63,7 @@ def is_experts_module(module: nn.Module) -> bool:
     return by_count or any(name in EXPERT_PARAMETER_NAMES for name in stacked)
 
 
-def expert_layout_problem(module: nn.Module, dim_multiple: int = 128) -> str | None:
+def expert_layout_problem(module: nn.Module, dim_multiple: int = BLOCK) -> str | None:
     """Why `module`'s experts cannot run as FP8 experts, or None: the layout must be transformers' default gated one
     (`gate_up_proj [E, 2I, H]` with gate then up, `down_proj [E, H, I]`, no biases, no transposition, no norm after
     the experts) with I and H multiples of 128."""
@@ -97,7 +98,7 @@ def _runs_grouped(ops) -> bool:
     return backend_name(ops) in ("scaled_mm", "deep_gemm")
 
 
-class FP8Experts(nn.Module):
+class FP8Experts(FP8WeightCacheMixin, nn.Module):
     """The FP8 forward of a transformers fused-experts module (mixed into its own class by `convert_`)."""
 
     fp8_config: FP8LinearConfig
@@ -108,39 +109,25 @@ class FP8Experts(nn.Module):
     @classmethod
     def convert_(cls, module: nn.Module, config: FP8LinearConfig) -> nn.Module:
         """Turn `module` (an experts module `expert_layout_problem` accepts) into FP8 experts in place."""
-        if config.recipe != "blockwise":
+        if config.recipe != BLOCKWISE:
             raise ValueError(f"FP8 experts implement the blockwise recipe; got recipe={config.recipe!r}.")
         module.__class__ = _fp8_class(type(module))
         module.fp8_config = config
-        module._fp8_weight_cache = {}
-        module._fp8_invalidations = 0
+        module._init_weight_cache()
         return module
 
-    def invalidate(self) -> None:
-        """Forget the cached FP8 expert weights (after writing them behind autograd's back)."""
-        self._fp8_weight_cache = {}
-        self._fp8_invalidations += 1
+    def _reset_weight_cache(self) -> None:
+        self._fp8_weight_cache: dict[str, tuple[tuple, tuple[torch.Tensor, torch.Tensor]]] = {}  # by weight name
 
-    def cache_bytes(self) -> int:
-        """Bytes of the cached FP8 expert weights (values and scales)."""
-        return sum(tensor_bytes(*value) for _key, value in self._fp8_weight_cache.values())
-
-    def release_cache(self) -> int:
-        """Let go of the cached FP8 expert weights without invalidating them (`FP8Linear.release_cache`)."""
-        released = self.cache_bytes()
-        self._fp8_weight_cache = {}
-        return released
-
-    def _load_from_state_dict(self, *args, **kwargs):
-        super()._load_from_state_dict(*args, **kwargs)
-        self.invalidate()
+    def _cached_fp8_tensors(self) -> list[torch.Tensor]:
+        return [t for _key, value in self._fp8_weight_cache.values() for t in value]
 
     def quantized_expert_weight(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         """`(q [E, N, K], scale_inv [E, N/128, K/128])` of `gate_up_proj` or `down_proj`: each expert's 128x128 blocks,
         exactly as the forward multiplies them (what the vLLM sync and the export send)."""
         weight = getattr(self, name)
         # Only the module's own parameter is cached: LoRA's `target_parameters` hands each forward a new `W + BA`
-        # tensor, which a new adapter state may get at the address of the last one (`fp8_linear.is_own_parameter`).
+        # tensor, which a new adapter state may get at the address of the last one (`nn.weight_cache.is_own_parameter`).
         cache = self.fp8_config.cache_quantized_weight and is_own_parameter(self, name, weight)
         key = weight_cache_key(weight, self._fp8_invalidations)
         cached = self._fp8_weight_cache.get(name) if cache else None
@@ -151,7 +138,7 @@ class FP8Experts(nn.Module):
         with torch.no_grad():
             q, s = ops.quantize_weight(weight.detach().reshape(e * n, k),
                                        power_of_two_scales=self.fp8_config.power_of_two_scales)  # fmt: skip
-        value = (q.reshape(e, n, k), s.reshape(e, n // 128, k // 128))
+        value = (q.reshape(e, n, k), s.reshape(e, n // BLOCK, k // BLOCK))
         if cache:
             self._fp8_weight_cache[name] = (key, value)
         return value
@@ -201,7 +188,7 @@ class FP8Experts(nn.Module):
 
 class _ExpertsFP8Matmul(torch.autograd.Function):
     """`y[rows of e] = x[rows of e] @ W[e].T` for every expert e, the rows of `x` grouped by expert (`counts`), in
-    one autograd node. Per expert it runs exactly the dense layer's math (`fp8_linear._BlockwiseFP8Matmul` and
+    one autograd node. Per expert it runs exactly the dense layer's math (`nn.linear._BlockwiseFP8Matmul` and
     `blockwise_backward`): 1x128 groups of the expert's own rows, its 128x128 weight blocks `q[e]`, `s[e]`."""
 
     @staticmethod
@@ -258,9 +245,8 @@ def _deepgemm_runs_here(device_index: int) -> bool:
 
 def grouped_gemm_kernel(choice: str, x: torch.Tensor) -> str:
     """The grouped FProp/DGrad kernel for `x`: "deepgemm" (DeepGEMM's m-grouped GEMM, BF16 output, SM90) or
-    "triton" (`kernels.grouped_gemm.m_grouped_gemm`). `choice` "auto" takes DeepGEMM where it can run: on one
-    H200 (2026-11-26, `benchmarks/bench_grouped_gemm.py`) it ran the Qwen3-30B-A3B expert GEMMs 1.6-2.0x faster
-    than the Triton kernel on the same operands."""
+    "triton" (`kernels.grouped_gemm.m_grouped_gemm`). `choice` "auto" takes DeepGEMM where it can run: it is the
+    faster of the two on the same operands at the expert shapes measured (docs/moe.md)."""
     if choice == "triton" or not x.is_cuda:
         return "triton"
     runs = x.dtype == torch.bfloat16 and _deepgemm_runs_here(x.device.index or 0)
@@ -326,9 +312,9 @@ class _GroupedExpertsFP8Matmul(torch.autograd.Function):
         return grad_x, grad_w, None, None, None, None, None, None
 
 
-# k_grouped_gemm's launch for WGrad: 64-row output tiles, 4 warps, 3 stages ran 6-10% faster than the kernel's
-# defaults (128 rows, 8 warps, 4 stages) at Qwen3-30B-A3B's expert shapes on one H200 (8k-64k routed rows,
-# `benchmarks/bench_grouped_gemm.py --sweep`, 2026-11-26): smaller tiles leave room for two programs per SM.
+# k_grouped_gemm's launch for WGrad: 64-row output tiles, 4 warps, 3 stages instead of the kernel's defaults (128 rows,
+# 8 warps, 4 stages): smaller tiles leave room for two programs per SM, which ran faster at Qwen3-30B-A3B's expert
+# shapes (`benchmarks/bench_grouped_gemm.py --sweep`; docs/moe.md).
 WGRAD_LAUNCH: dict = dict(block_n=64, num_warps=4, num_stages=3)
 
 

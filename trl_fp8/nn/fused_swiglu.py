@@ -7,7 +7,7 @@ saved gate (one elementwise pass) instead of keeping it: per layer one `[tokens,
 held for backward, and 6 bytes per element moved instead of 14 in the forward.
 
 The math is the unfused FP8 path's: `h` is formed with eager's roundings, FProp, DGrad and WGrad are
-`fp8_linear.blockwise_backward`'s, and gate and up get their gradients from the same aten ops autograd would run
+`nn.linear.blockwise_backward`'s, and gate and up get their gradients from the same aten ops autograd would run
 (`silu_backward`, the product's two halves). Only the MLP's forward changes (an instance attribute, which pickles
 with the model), and only where the MLP's class computes exactly `down_proj(act_fn(gate_proj(x)) * up_proj(x))`
 (its `forward`'s code is that one expression; anything more, such as Falcon-H1's multipliers or a `swiglu_limit`

@@ -23,53 +23,30 @@ these are the forward's FP8 values bit for bit; no second FP8 copy of the weight
 from __future__ import annotations
 
 import copy
-import functools
 import threading
 import weakref
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from trl_fp8.config import FP8LinearConfig
+from trl_fp8.config import BLOCKWISE, FP8LinearConfig
 from trl_fp8.distributed import is_sharded
+from trl_fp8.nn.weight_cache import (  # noqa: F401 (the cache's functions lived here before: the trainer imports them)
+    FP8WeightCacheMixin,
+    cache_hit,
+    cached_fp8_layers,
+    fp8_weight_cache_bytes,
+    invalidate_fp8_weights,
+    is_own_parameter,
+    release_fp8_weight_caches,
+    tensor_bytes,
+    weight_cache_key,
+)
 from trl_fp8.ops import select_ops
 from trl_fp8.ops.library import traceable
 from trl_fp8.quantization import QuantizedAct
 
 __all__ = ["FP8Linear", "fp8_weight_cache_bytes", "invalidate_fp8_weights", "release_fp8_weight_caches"]
-
-# When a cached FP8 weight is stale. Fused optimizers (AdamW(fused=True), the transformers default) update parameters
-# without bumping their autograd version counter, and writes through `.data` (PEFT's merge, TRL's reference-model
-# sync) bypass it too, so `_version` alone cannot tell. A trainable weight's key therefore includes the process-wide
-# count of optimizer steps (it is requantized once per step); a frozen weight (a LoRA base, the reference model) is
-# quantized once and only an explicit invalidation (`FP8Linear.invalidate`, `invalidate_fp8_weights`, done for you on
-# `load_state_dict` and on PEFT merge/unmerge) or a new tensor behind the parameter makes it quantize again. A weight
-# that is not the module's own parameter (PEFT's LoRA on `target_parameters` parametrizes it as a new `W + BA` at every
-# forward) is never cached: a new tensor may land at the address of the last one (`is_own_parameter`).
-_optimizer_steps = 0
-
-
-def _count_optimizer_step(optimizer, args, kwargs) -> None:
-    global _optimizer_steps
-    _optimizer_steps += 1
-
-
-register_optimizer_step_post_hook(_count_optimizer_step)
-
-
-def weight_cache_key(weight: torch.Tensor, invalidations: int) -> tuple:
-    """What a cached FP8 copy of `weight` is valid for (see above); `invalidations` counts the layer's explicit ones."""
-    steps = _optimizer_steps if weight.requires_grad else None  # frozen weights do not change with optimizer steps
-    return (weight.data_ptr(), weight._version, weight.device, weight.dtype, invalidations, steps)
-
-
-def cache_hit(cached: tuple | None, key: tuple) -> FP8Weight | None:
-    """The FP8 weight of a `(key, FP8Weight)` cache entry if it is valid for `key` here, else None. Tensors made under
-    inference_mode cannot be saved for backward, so outside it such an entry is re-quantized."""
-    if cached is None or cached[0] != key:
-        return None
-    return cached[1] if torch.is_inference_mode_enabled() or not cached[1].q.is_inference() else None
 
 
 class FP8Weight:
@@ -226,7 +203,7 @@ def blockwise_backward(
     return grad_x, grad_ws
 
 
-class FP8Linear(nn.Linear):
+class FP8Linear(FP8WeightCacheMixin, nn.Linear):
     """`nn.Linear` computing its forward and backward GEMMs in blockwise FP8.
 
     Created in place from an `nn.Linear` by `trl_fp8.convert_to_fp8` (the class is swapped, the module object
@@ -239,14 +216,12 @@ class FP8Linear(nn.Linear):
     @classmethod
     def convert_(cls, module: nn.Linear, config: FP8LinearConfig) -> FP8Linear:
         """Turn `module` into an `FP8Linear` in place and return it."""
-        if config.recipe != "blockwise":
+        if config.recipe != BLOCKWISE:
             raise ValueError(f"FP8Linear implements the blockwise recipe; got recipe={config.recipe!r}.")
         module.__class__ = cls
         module.fp8_config = config
-        module._fp8_weight_cache = None
-        module._fp8_invalidations = 0
         module._fp8_group = None  # (FP8SiblingGroup, index) when it runs as one GEMM with its siblings
-        _watch_peft_merges()
+        module._init_weight_cache()
         return module
 
     def quantized_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -296,35 +271,21 @@ class FP8Linear(nn.Linear):
         self._fp8_weight_cache = (key, fp8_weight) if fp8_weight.cached else None
         return fp8_weight
 
-    def invalidate(self) -> None:
-        """Forget the cached FP8 weight: the next forward quantizes the weight as it is now.
+    def _reset_weight_cache(self) -> None:
+        self._fp8_weight_cache: tuple[tuple, FP8Weight] | None = None
 
-        Call it (or `invalidate_fp8_weights` on the model) after writing a weight in place behind autograd's
-        back, e.g. `layer.weight.data.add_(...)` or a custom kernel. Optimizer steps, `load_state_dict`, PEFT
-        merge/unmerge and assigning a new tensor to the parameter invalidate on their own.
-        """
-        self.release_cache()
-        self._fp8_invalidations += 1
-
-    def cache_bytes(self) -> int:
-        """Bytes of the cached FP8 weight (values and scales); 0 when none is cached. In a sibling group, this
-        layer's rows of the group's stacked copy."""
+    def _cached_fp8_tensors(self) -> tuple[torch.Tensor, ...]:
+        """In a sibling group: this layer's rows of the group's stacked copy."""
         cached = self._fp8_weight_cache
-        return 0 if cached is None else tensor_bytes(cached[1].q, cached[1].scale_inv)
+        return () if cached is None else (cached[1].q, cached[1].scale_inv)
 
     def release_cache(self) -> int:
-        """Let go of the cached FP8 weight without invalidating it: the next forward quantizes the unchanged weight
-        to the same bits. Returns the bytes let go: in a sibling group, the whole stacked copy (every sibling's
-        cache views it, so it is freed only with all of them)."""
+        """Let go of the cached FP8 weight without invalidating it (`FP8WeightCacheMixin.release_cache`). In a
+        sibling group, the whole stacked copy goes, and its bytes are returned (every sibling's cache views it, so it
+        is freed only with all of them)."""
         if self._fp8_group is not None:
             return self._fp8_group[0].release_cache()
-        released = self.cache_bytes()
-        self._fp8_weight_cache = None
-        return released
-
-    def _load_from_state_dict(self, *args, **kwargs):
-        super()._load_from_state_dict(*args, **kwargs)
-        self.invalidate()  # whether it copied in place or assigned: do not rely on what the key happens to see
+        return super().release_cache()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         group = self._fp8_group
@@ -335,88 +296,3 @@ class FP8Linear(nn.Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, fp8={self.fp8_config.recipe}"
-
-
-def is_own_parameter(module: nn.Module, name: str, weight: torch.Tensor) -> bool:
-    """Whether `weight` (what `getattr(module, name)` gave) is the module's own parameter `name`, and not a tensor
-    computed from it (a parametrization: PEFT's LoRA on `target_parameters` makes `W + BA` anew at every forward).
-    Only a module's own parameter may have its FP8 copy cached: `weight_cache_key` tells states of one tensor apart,
-    not two tensors that happen to share an address."""
-    return weight is module._parameters.get(name)
-
-
-def tensor_bytes(*tensors: torch.Tensor) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def cached_fp8_layers(model: nn.Module) -> list[nn.Module]:
-    """The layers of `model` that cache FP8 weights (`FP8Linear`, `FP8Experts`)."""
-    return [m for m in model.modules() if hasattr(m, "fp8_config") and callable(getattr(m, "invalidate", None))]
-
-
-def fp8_weight_cache_bytes(model: nn.Module) -> int:
-    """Bytes of the FP8 weights (values and scales) that the FP8 layers of `model` keep cached between calls."""
-    return sum(layer.cache_bytes() for layer in cached_fp8_layers(model))
-
-
-def release_fp8_weight_caches(model: nn.Module) -> int:
-    """Let go of the cached FP8 weights of every FP8 layer in `model` (`FP8Linear.release_cache`); returns the bytes.
-
-    Colocated rollouts in sleep mode do it once the engine holds its copy of the weights: vLLM's KV cache wakes into
-    that memory, and the first forward after the rollout quantizes each weight again (one read of the weights)."""
-    return sum(layer.release_cache() for layer in cached_fp8_layers(model))
-
-
-def invalidate_fp8_weights(model: nn.Module) -> int:
-    """Invalidate the cached FP8 weights of every FP8 layer (`FP8Linear`, `FP8Experts`) in `model`; returns how many
-    there were."""
-    layers = cached_fp8_layers(model)
-    for layer in layers:
-        layer.invalidate()
-    return len(layers)
-
-
-_peft_watched = False
-
-
-def _watch_peft_merges() -> None:
-    """Make PEFT's `merge`/`unmerge` invalidate an FP8 base layer's cache.
-
-    PEFT merges LoRA into the base weight with `weight.data += delta` (no version bump, same storage), so nothing
-    the cache key sees changes; `merge_and_unload()` would keep serving, exporting and syncing the unmerged weight.
-    PEFT has no hook for merges, so each tuner layer class's own `merge`/`unmerge` is wrapped once per process.
-    """
-    global _peft_watched
-    if _peft_watched:
-        return
-    _peft_watched = True
-    try:
-        from peft.tuners.tuners_utils import BaseTunerLayer
-    except ImportError:  # no PEFT, no merges
-        return
-
-    def wrap(method):
-        @functools.wraps(method)  # also sets __wrapped__, which marks the method as done
-        def merge_or_unmerge(self, *args, **kwargs):
-            try:
-                return method(self, *args, **kwargs)
-            finally:
-                from trl_fp8.nn.experts import FP8Experts  # (imports this module)
-
-                base = self.get_base_layer()
-                if isinstance(base, FP8Linear | FP8Experts):  # LoRA's `target_parameters` merges into FP8 experts
-                    base.invalidate()
-
-        return merge_or_unmerge
-
-    pending, seen = [BaseTunerLayer], set()
-    while pending:
-        cls = pending.pop()
-        if cls in seen:
-            continue
-        seen.add(cls)
-        pending.extend(cls.__subclasses__())
-        for name in ("merge", "unmerge"):
-            method = cls.__dict__.get(name)
-            if callable(method) and not hasattr(method, "__wrapped__"):
-                setattr(cls, name, wrap(method))

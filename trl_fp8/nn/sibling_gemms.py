@@ -2,10 +2,9 @@
 
 transformers calls `q_proj(x)`, `k_proj(x)` and `v_proj(x)` one after another. Run as three FP8 layers, that is three
 FProp GEMMs, three DGrad and three WGrad GEMMs, three output-gradient quantizations and three DGrad weight layouts,
-each issued from Python: at the 8B shape the three layers were host-bound (3.6 ms of host issue for 1.5 ms of GPU
-work, `benchmarks/results/linear_NVIDIA_H200.json`), while the same GEMMs as one `qkv_proj` layer ran in 1.34 ms.
-Their weights' output dims are multiples of 128, so stacking them row-wise changes no 128x128 block and no 1x128
-gradient group: one GEMM on the stacked FP8 blocks is the three layers' math.
+each issued from Python, so the three layers can be bound by the host where one `qkv_proj` layer of the same GEMMs
+is not (docs/benchmarks.md measures both). Their weights' output dims are multiples of 128, so stacking them row-wise
+changes no 128x128 block and no 1x128 gradient group: one GEMM on the stacked FP8 blocks is the three layers' math.
 
 So the first sibling called computes every sibling's output in one `_BlockwiseFP8Matmul` (FProp, DGrad, WGrad on the
 stacked weight, each weight getting its rows of the WGrad result), returns its own columns and leaves the others
@@ -26,17 +25,10 @@ import weakref
 import torch
 from torch import nn
 
+from trl_fp8.config import BLOCK
 from trl_fp8.distributed import is_sharded
-from trl_fp8.nn import linear as fp8_linear
-from trl_fp8.nn.linear import (
-    FP8Linear,
-    FP8Weight,
-    InputEntry,
-    _BlockwiseFP8Matmul,
-    cache_hit,
-    is_own_parameter,
-    tensor_bytes,
-)
+from trl_fp8.nn.linear import FP8Linear, FP8Weight, InputEntry, _BlockwiseFP8Matmul
+from trl_fp8.nn.weight_cache import cache_hit, is_own_parameter, optimizer_steps, tensor_bytes
 
 __all__ = ["FUSED_GROUPS", "FP8SiblingGroup", "group_fp8_siblings", "sibling_group_problem"]
 
@@ -115,7 +107,7 @@ class FP8SiblingGroup:
             stacked.cached = True
             rows = [m.out_features for m in members]
             for member, member_key, q, s in zip(
-                members, key, stacked.q.split(rows), stacked.scale_inv.split([r // 128 for r in rows]), strict=True
+                members, key, stacked.q.split(rows), stacked.scale_inv.split([r // BLOCK for r in rows]), strict=True
             ):
                 view = FP8Weight.of(q, s, stacked.ops, stacked.power_of_two_scales)
                 view.cached = True
@@ -135,11 +127,11 @@ class FP8SiblingGroup:
             if first is None:
                 first = part
                 q = part.q.new_empty((total, part.q.shape[1]))
-                scale_inv = part.scale_inv.new_empty((total // 128, part.scale_inv.shape[1]))
+                scale_inv = part.scale_inv.new_empty((total // BLOCK, part.scale_inv.shape[1]))
             rows = slice(row, row + m.out_features)
             # (copied as bytes: the FP8 values move unchanged, whatever dtypes `copy_` supports on the device)
             q[rows].view(torch.uint8).copy_(part.q.view(torch.uint8))
-            scale_inv[row // 128 : rows.stop // 128].copy_(part.scale_inv)
+            scale_inv[row // BLOCK : rows.stop // BLOCK].copy_(part.scale_inv)
             row = rows.stop
         return FP8Weight.of(q, scale_inv, first.ops, first.power_of_two_scales)
 
@@ -182,13 +174,13 @@ class FP8SiblingGroup:
         # (taking it dropped the adapter). Such layers leave the group, but only after the next optimizer step:
         # gradient checkpointing recomputes a forward in its backward, and must see the layers grouped as they were.
         weights = [m._parameters.get("weight") for m in members]
-        if (seen := self._parametrized) is not None and seen[1] != fp8_linear._optimizer_steps:
+        if (seen := self._parametrized) is not None and seen[1] != optimizer_steps():
             self.leave(seen[0])
             group = members[index]._fp8_group
             return group[0].forward_member(group[1], x) if group is not None else None
         if any(w is None for w in weights):
             seen = frozenset(i for i, w in enumerate(weights) if w is None) | (seen[0] if seen else frozenset())
-            self._parametrized = (seen, fp8_linear._optimizer_steps)
+            self._parametrized = (seen, optimizer_steps())
             return None
         if any(is_sharded(w) for w in weights):
             return None

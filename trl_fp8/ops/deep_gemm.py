@@ -1,22 +1,23 @@
 """FProp and DGrad on DeepGEMM (vLLM's bundled copy); the quantizers and WGrad as in `scaled_mm`.
 
-`benchmarks/bench_gemm.py` (one H200, 2026-11-23, `results/gemm_NVIDIA_H200.json`) ran DeepGEMM's 1x128 x 128x128
-kernel 9-17% faster than cuBLAS's blockwise `scaled_mm` at the Qwen3-8B shapes, on the same operands and to the same
-error against the exact emulation. Its SM90 WGrad kernel (1x128 x 1x128) only accumulates into an fp32 output, so
-WGrad stays on cuBLAS here. The operands already come in DeepGEMM's layouts: A row-major with MN-major scales
-(our quantizers write them so), B K-major (`[N, K]` for FProp; the column-major DGrad weight read as `W.T`) with
-`[N/128, K/128]` fp32 scales, passed through vLLM's own weight-scale preparation.
+DeepGEMM's 1x128 x 128x128 kernel is faster than cuBLAS's blockwise `scaled_mm` on the same operands, to the same
+error against the exact emulation (`benchmarks/bench_gemm.py`; figures in docs/benchmarks.md). Its SM90 WGrad kernel
+(1x128 x 1x128) only accumulates into an fp32 output, so WGrad stays on cuBLAS here. The operands already come in
+DeepGEMM's layouts: A row-major with MN-major scales (our quantizers write them so), B K-major (`[N, K]` for FProp;
+the column-major DGrad weight read as `W.T`) with `[N/128, K/128]` fp32 scales, passed through vLLM's own
+weight-scale preparation.
 
-`bench_linear.py` (same host kind) measured the whole layer 5-19% faster than on `scaled_mm`, and the GPU suite
-checks it against the emulation. In `bench_grpo.py`'s 8B run it made the training phase 3% faster and the first step
-12 s slower (just-in-time compiles: the DGrad shapes are new to the rollout engine's kernel cache). It stays opt-in
-(`FP8LinearConfig(backend="deepgemm")`) until a session can run the GPU suite with it as the default.
+The GPU suite checks it against the emulation. Besides a faster layer, it costs just-in-time compiles in the first
+training step (the DGrad shapes are new to the rollout engine's kernel cache; `bench_linear.py` and `bench_grpo.py`
+measure both, docs/benchmarks.md). It stays opt-in (`FP8LinearConfig(backend="deepgemm")`) until the GPU suite
+runs with it as the default.
 """
 
 from __future__ import annotations
 
 import torch
 
+from trl_fp8.config import BLOCK
 from trl_fp8.ops import scaled_mm
 
 quantize_act = scaled_mm.quantize_act
@@ -42,7 +43,7 @@ def gemm(a_q, a_s, b_q, b_s, b_blocks: bool, out_dtype: torch.dtype) -> torch.Te
     from vllm.utils.deep_gemm import fp8_gemm_nt, get_col_major_tma_aligned_tensor
 
     b_q, b_s = deepgemm_post_process_fp8_weight_block(
-        b_q.contiguous(), b_s.contiguous(), (128, 128), use_e8m0=False
+        b_q.contiguous(), b_s.contiguous(), (BLOCK, BLOCK), use_e8m0=False
     )  # E8M0 off: our scales as they are, never rounded to powers of two
     out = torch.empty(a_q.shape[0], b_q.shape[0], device=a_q.device, dtype=out_dtype)
     fp8_gemm_nt(
@@ -66,7 +67,7 @@ def m_grouped_gemm(a_q, a_s, b_q, b_s, expert_of_row: torch.Tensor) -> torch.Ten
     if grouped is None:
         raise RuntimeError("this vLLM's DeepGEMM has no m_grouped_fp8_gemm_nt_contiguous; use experts_gemm='triton'")
     out = torch.empty(a_q.shape[0], b_q.shape[1], device=a_q.device, dtype=torch.bfloat16)
-    with vdg.mk_alignment_scope(128):  # the tile height may not exceed the 128-row alignment of expert segments
+    with vdg.mk_alignment_scope(BLOCK):  # the tile height may not exceed the block alignment of expert segments
         grouped((a_q, vdg.get_col_major_tma_aligned_tensor(a_s)), (b_q.contiguous(), b_s.contiguous()), out,
                 expert_of_row, disable_ue8m0_cast=True)  # fmt: skip
     return out

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from trl_fp8.config import BLOCK
 from trl_fp8.quantization import (
     dequantize_blocks,
     dequantize_groups,
@@ -26,7 +27,7 @@ def quantize_swiglu(gate, up, *, rows: bool = True, cols: bool = False, power_of
 
 
 def quantize_weight(w: torch.Tensor, *, col_major: bool = False, power_of_two_scales: bool = False):
-    return quantize_blocks(w, (128, 128), power_of_two_scales=power_of_two_scales)  # layout is irrelevant here
+    return quantize_blocks(w, (BLOCK, BLOCK), power_of_two_scales=power_of_two_scales)  # layout is irrelevant here
 
 
 def gemm(a_q, a_s, b_q, b_s, b_blocks: bool, out_dtype: torch.dtype) -> torch.Tensor:

@@ -2,9 +2,9 @@
 
 They are `torch.library.triton_op`s: Inductor sees their Triton kernels and launches them from its
 generated code, with neither a Python launcher nor a dispatcher round trip per call. The blockwise GEMM stays an op
-with a Python body (`ops.library`, defined with `Library.define`: about 10 us of dispatch on a fast host, a quarter
-of `torch.library.custom_op`'s), because Dynamo in torch 2.11 cannot trace `torch._scaled_mm_v2` (a graph break at
-every FP8 layer, measured slower than eager on an H100 host). Same kernels, same bits as eager.
+with a Python body (`ops.library`, defined with `Library.define`, whose dispatch costs a fraction of
+`torch.library.custom_op`'s: docs/changelog.md), because Dynamo in torch 2.11 cannot trace `torch._scaled_mm_v2` (a
+graph break at every FP8 layer, slower than eager). Same kernels, same bits as eager.
 """
 
 from __future__ import annotations

@@ -7,16 +7,17 @@ context). FP8 weights free half of the linear layers' bytes for KV cache, and an
 every cached token; both let more sequences decode at once.
 
 The overhead model is empirical: `VLLM_OVERHEAD` was fitted (least squares) on vLLM 0.26.0's own KV-cache sizes for
-random Qwen3-8B and Qwen3-1.7B shapes on H100 and H200 (8 engines, 0.3-0.6 of the GPU, 128-1024 sequences): every
-estimate there is within 0.5% of the tokens vLLM reported (`tests/test_capacity.py` checks the committed rows
-within 3%). Other vLLM versions, other attention kinds
-(sliding windows, MLA) and tensor parallelism are not modelled.
+random Qwen3 shapes (how closely it follows them: docs/when-fp8-pays.md; `tests/test_capacity.py` checks the
+committed rows). Other vLLM versions, other attention kinds (sliding windows, MLA) and tensor parallelism are not
+modelled.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+from trl_fp8.config import BLOCK  # FP8 weight blocks: one float32 scale per BLOCK x BLOCK
 
 __all__ = [
     "GPU_MEMORY_BYTES",
@@ -33,7 +34,6 @@ GiB = 2**30
 # Total memory as CUDA reports it (`torch.cuda.mem_get_info()[1]`, the figure vLLM multiplies by its share): H100
 # 80GB HBM3 measured; H200 is nvidia-smi's figure (CUDA reported 480 MiB less than nvidia-smi on the H100).
 GPU_MEMORY_BYTES = {"H100": 85_017_493_504, "H200": 143771 * 2**20}
-BLOCK = 128  # FP8 weight blocks: one float32 scale per 128 x 128
 KV_BLOCK_TOKENS = 16  # vLLM allocates the KV cache in blocks of 16 tokens
 # overhead = base + activations x activation_factor + sampler logits x logits_factor (see vllm_overhead_bytes)
 VLLM_OVERHEAD = {"base": 0.83 * GiB, "activation_factor": 1.40, "logits_factor": 0.92}
@@ -41,8 +41,8 @@ VLLM_OVERHEAD = {"base": 0.83 * GiB, "activation_factor": 1.40, "logits_factor":
 # moments in the parameter's dtype, bitsandbytes' 8-bit AdamW two 1-byte moments.
 OPTIMIZER_STATE_BYTES = {"adamw_torch": 4, "adamw_torch_fused": 4, "adamw_bnb_8bit": 2, "adamw_8bit": 2,
                          "paged_adamw_8bit": 2, "adafactor": 0, "sgd": 0}  # fmt: skip
-# transformers' Trainer keeps the input embedding's 8-bit AdamW states in 32 bits (two float32 moments: 8 bytes);
-# at the Qwen3-8B shape that is 3.5 GiB of the 19.0 GiB of optimizer states measured (docs/when-fp8-pays.md).
+# transformers' Trainer keeps the input embedding's 8-bit AdamW states in 32 bits (two float32 moments: 8 bytes;
+# docs/when-fp8-pays.md compares the estimate with a measurement).
 EIGHT_BIT_OPTIMIZERS = ("adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit")
 EMBEDDING_STATE_BYTES_8BIT = 8
 

@@ -3,13 +3,22 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 from dataclasses import dataclass, field, fields
 
 from trl import GRPOConfig, RLOOConfig
 
 from trl_fp8 import config as fp8_config
-from trl_fp8.config import BACKENDS, EXPERTS_GEMMS, RECIPES, VLLM_FP8_BACKENDS, check_rollout_precision
+from trl_fp8.config import (
+    BACKENDS,
+    BLOCKWISE,
+    EXPERTS_GEMMS,
+    RECIPES,
+    VLLM_FP8_BACKENDS,
+    FP8LinearConfig,
+    check_rollout_precision,
+)
 
 TIS_MODES = ("token", "off")
 
@@ -89,7 +98,7 @@ class FP8TrainingArguments:
     """
 
     fp8_recipe: str | None = field(
-        default="blockwise",
+        default=BLOCKWISE,
         metadata={
             "help": "FP8 training recipe: 'blockwise' (128x128 weights, 1x128 activations and gradients, the unified "
             "flow rollouts share), torchao's 'tensorwise' or 'rowwise', or 'none' to train in BF16.",
@@ -209,7 +218,7 @@ class FP8TrainingArguments:
         for name in ("num_first_layers_in_bf16", "num_last_layers_in_bf16"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}.")
-        if self.fp8_power_of_two_scales and self.fp8_recipe not in ("blockwise", None):
+        if self.fp8_power_of_two_scales and self.fp8_recipe not in (BLOCKWISE, None):
             raise ValueError(
                 "fp8_power_of_two_scales applies to fp8_recipe='blockwise' only (torchao's rowwise recipe already "
                 "uses power-of-two scales). Drop fp8_power_of_two_scales or use the blockwise recipe."
@@ -218,7 +227,7 @@ class FP8TrainingArguments:
             self.rollout_precision = None
         if self.rollout_precision is not None:
             check_rollout_precision(self.rollout_precision)
-        if self.rollout_precision == "fp8" and self.fp8_recipe not in ("blockwise", None):
+        if self.rollout_precision == "fp8" and self.fp8_recipe not in (BLOCKWISE, None):
             raise ValueError(
                 f"rollout_precision='fp8' serves the trainer's block-FP8 weights, but fp8_recipe={self.fp8_recipe!r} "
                 "trains with other scales. Use fp8_recipe='blockwise' (the unified flow), or rollout_precision="
@@ -233,7 +242,7 @@ class FP8TrainingArguments:
             )
         self._refuse_settings_without_effect()
         if self.rollout_precision is None and self.use_vllm:
-            self.rollout_precision = "fp8" if self.fp8_recipe == "blockwise" else "bf16"
+            self.rollout_precision = "fp8" if self.fp8_recipe == BLOCKWISE else "bf16"
         if self.vllm_fp8_backend != "auto" and self.rollout_precision != "fp8":
             raise ValueError(
                 f"vllm_fp8_backend={self.vllm_fp8_backend!r} picks the kernel of rollout_precision='fp8' rollouts, "
@@ -246,6 +255,7 @@ class FP8TrainingArguments:
         if self.save_fp8_checkpoint is None:
             self.save_fp8_checkpoint = self.fp8_recipe is not None
         self._refuse_layer_choices_without_effect()
+        self.fp8_linear_config()  # validates the FP8 layers' options now, not when the model is converted
 
     def _finish_post_init(self) -> None:
         """TRL's `__post_init__` between the FP8 checks and the package checks; its deprecated-name warning is TRL's
@@ -256,6 +266,27 @@ class FP8TrainingArguments:
         check_optimizer_installed(self.optim)
         if self.use_liger_kernel:
             check_liger_installed()
+
+    def fp8_linear_config(self) -> FP8LinearConfig | None:
+        """The FP8 layers' config of this run (None for BF16 training), validated by `FP8LinearConfig` itself; its
+        errors name this config's fields (`fp8_backend`, not `backend`)."""
+        if self.fp8_recipe is None:
+            return None
+        from trl_fp8.distributed import weight_sharding
+
+        # Under FSDP2 no FP8 copy of a whole weight is kept between steps (it would undo the sharding); torchao's
+        # recipes keep none at all.
+        cache = weight_sharding(self) != "FSDP2" if self.fp8_cache_weights is None else self.fp8_cache_weights
+        try:
+            return FP8LinearConfig(
+                recipe=self.fp8_recipe, power_of_two_scales=self.fp8_power_of_two_scales, backend=self.fp8_backend,
+                fuse_sibling_gemms=self.fp8_fuse_sibling_gemms, fuse_swiglu=self.fp8_fuse_swiglu,
+                experts_gemm=self.fp8_experts_gemm, cache_quantized_weight=self.fp8_recipe != BLOCKWISE or cache,
+            )  # fmt: skip
+        except ValueError as exc:
+            message = re.sub(r"\b(recipe|backend|experts_gemm|power_of_two_scales|fuse_sibling_gemms|fuse_swiglu)=",
+                             r"fp8_\1=", str(exc))  # fmt: skip
+            raise ValueError(message.replace("cache_quantized_weight=", "fp8_cache_weights=")) from None
 
     @property
     def fp8_outside_training(self) -> bool:
@@ -291,21 +322,15 @@ class FP8TrainingArguments:
                 "later, would win: the fused FP8 path would never run. Keep Liger's other kernels with "
                 "liger_kernel_config={'swiglu': False}, or drop fp8_fuse_swiglu."
             )
-        elif self.fp8_recipe != "blockwise" and (self.fp8_fuse_sibling_gemms or self.fp8_fuse_swiglu):
+        elif self.fp8_recipe != BLOCKWISE and (self.fp8_fuse_sibling_gemms or self.fp8_fuse_swiglu):
             raise ValueError(
                 f"fp8_fuse_sibling_gemms and fp8_fuse_swiglu apply to the blockwise recipe; torchao's "
                 f"{self.fp8_recipe!r} recipe runs each layer on its own. Drop them, or use fp8_recipe='blockwise'."
             )
-        elif self.fp8_recipe != "blockwise" and self.fp8_backend in ("deepgemm", "scaled_mm"):
-            raise ValueError(
-                f"fp8_backend={self.fp8_backend!r} picks the kernels of the blockwise recipe; torchao's "
-                f"{self.fp8_recipe!r} recipe runs its own. Use fp8_backend='auto' (or 'emulated'), or "
-                "fp8_recipe='blockwise'."
-            )
         self._refuse_fp8_options_without_effect()
     def _refuse_fp8_options_without_effect(self) -> None:
         """Raise for an option of the blockwise FP8 layers that the recipe, backend or compilation would ignore."""
-        if self.fp8_recipe not in ("blockwise", None):
+        if self.fp8_recipe not in (BLOCKWISE, None):
             for name, default, what in (("fp8_experts_gemm", "auto", "kernel of FP8 experts"),
                                         ("fp8_cache_weights", None, "cache of FP8 weights")):  # fmt: skip
                 if getattr(self, name) != default:

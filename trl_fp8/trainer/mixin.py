@@ -35,8 +35,8 @@ from trl.trainer.utils import create_model_from_path, pad
 
 from trl_fp8.checkpoint.folder import drop_checkpoint_entries, is_checkpoint_entry, output_overwrites_model
 from trl_fp8.checkpoint.save import save_fp8_checkpoint, unwrap_model
-from trl_fp8.config import FP8LinearConfig
-from trl_fp8.distributed import check_no_weight_sharding, weight_sharding
+from trl_fp8.config import LayerSelection
+from trl_fp8.distributed import check_no_weight_sharding
 from trl_fp8.nn.conversion import ConversionReport, convert_to_fp8, plan_fp8_conversion
 from trl_fp8.nn.linear import invalidate_fp8_weights
 from trl_fp8.rollout.kv_scales import AttentionScaleObserver
@@ -136,27 +136,16 @@ class FP8TrainerMixin:
     def _convert(self, model: nn.Module, args) -> ConversionReport:
         if args.fp8_recipe is None:
             return ConversionReport(recipe="bf16")
-        config = FP8LinearConfig(
-            recipe=args.fp8_recipe,
-            power_of_two_scales=args.fp8_power_of_two_scales,
-            backend=args.fp8_backend,
-            fuse_sibling_gemms=args.fp8_fuse_sibling_gemms,
-            fuse_swiglu=args.fp8_fuse_swiglu,
-            experts_gemm=args.fp8_experts_gemm,
-            # FSDP2 shards the weights to save memory; a whole FP8 copy of every layer kept between steps would undo
-            # much of it, and quantizing a weight costs one pass over it per forward.
-            # (torchao's recipes keep no cache: they take the default)
-            cache_quantized_weight=args.fp8_recipe != "blockwise" or (
-                weight_sharding(args) != "FSDP2" if args.fp8_cache_weights is None else args.fp8_cache_weights
-            ),
-        )
-        return convert_to_fp8(
-            model,
+        config = args.fp8_linear_config()
+        # device: where it will train; a model loaded on CPU would make torchao emulate
+        return convert_to_fp8(model, selection=self._layer_selection(args), config=config, device=args.device)
+
+    def _layer_selection(self, args) -> LayerSelection:
+        """The run's choice of layers, one object for training, rollouts and the checkpoint."""
+        return LayerSelection(
             num_first_layers_in_bf16=args.num_first_layers_in_bf16,
             num_last_layers_in_bf16=args.num_last_layers_in_bf16,
             module_filter_fn=self._fp8_filter,
-            config=config,
-            device=args.device,  # where it will train; a model loaded on CPU would make torchao emulate
             keep_experts_in_bf16=args.fp8_keep_experts_in_bf16,
         )
 
@@ -173,13 +162,7 @@ class FP8TrainerMixin:
                     "Drop it, or set save_fp8_checkpoint=True / rollout_precision='fp8'."
                 )
             return None
-        report, _ = plan_fp8_conversion(
-            unwrap_model(model),
-            num_first_layers_in_bf16=args.num_first_layers_in_bf16,
-            num_last_layers_in_bf16=args.num_last_layers_in_bf16,
-            module_filter_fn=self._fp8_filter,
-            keep_experts_in_bf16=args.fp8_keep_experts_in_bf16,
-        )
+        report, _ = plan_fp8_conversion(unwrap_model(model), selection=self._layer_selection(args))
         logger.info("BF16 training; FP8 rollouts/checkpoint: %s", report.summary())
         return report
 

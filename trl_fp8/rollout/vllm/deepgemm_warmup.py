@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from trl_fp8.config import BLOCK  # DeepGEMM's block-FP8 GEMMs take layers whose N and K are multiples of it
 from trl_fp8.nn.adapters import unwrap_model
 from trl_fp8.nn.sibling_gemms import FUSED_GROUPS
 
@@ -42,7 +43,6 @@ __all__ = [
     "precompile_engine_kernels",
 ]
 
-BLOCK = 128  # DeepGEMM's block-FP8 GEMMs take layers whose N and K are multiples of the 128x128 weight block
 MARKER = "trl_fp8_precompiled.json"  # in the cache directory: what was compiled there, so a warm start skips it
 
 

@@ -17,6 +17,7 @@ from trl_fp8.checkpoint.save import (
     linear_module_names,
     unwrap_model,
 )
+from trl_fp8.config import BLOCK
 from trl_fp8.rollout.vllm.engine import VLLM_ONLINE_FP8
 from trl_fp8.rollout.vllm.kernels import (
     FP8_KV_ATTENTION_BACKEND,
@@ -101,7 +102,7 @@ def check_served_quantization(
             f"cannot take them. {fix}."
         )
     block = list(config.get("weight_block_size") or [])
-    if config.get("quant_method") != "fp8" or block != [128, 128]:
+    if config.get("quant_method") != "fp8" or block != [BLOCK, BLOCK]:
         raise ValueError(
             f"The server's checkpoint is quant_method={config.get('quant_method')!r} with weight_block_size={block}, "
             f"not the 128x128 block FP8 the trainer pushes. {fix}."
