@@ -2,9 +2,9 @@
 GEMM per projection) against our FP8 experts (`FP8Experts`), at Qwen3-30B-A3B's expert shape (hidden 2048,
 intermediate 768, 128 experts, top-8), for several routed-token counts.
 
-    python benchmarks/bench_experts.py                      # GPU host: 1k, 4k, 8k tokens (8k-64k routed)
-    python benchmarks/bench_experts.py --quick              # CPU smoke run at a tiny shape
-    python benchmarks/bench_experts.py --loop               # also the per-expert loop the grouped kernels replace
+    python -m benchmarks.bench_experts                      # GPU host: 1k, 4k, 8k tokens (8k-64k routed)
+    python -m benchmarks.bench_experts --quick              # CPU smoke run at a tiny shape
+    python -m benchmarks.bench_experts --loop               # also the per-expert loop the grouped kernels replace
 
 Each row also records the host time per call against the GPU kernels' (profiled). On the GPU the FP8 experts run on
 the grouped kernels (`trl_fp8.kernels.grouped_gemm`, a fixed number of launches per projection); `--loop` adds the
@@ -14,21 +14,20 @@ that module's docstring (1.23 ms on an H100 SXM).
 
 from __future__ import annotations
 
-import argparse
 import copy
-import datetime
-import json
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).parent))
-
-from common import device_kernel_events, kernel_breakdown, versions  # noqa: E402
+from benchmarks.common import (
+    arg_parser,
+    device_kernel_events,
+    device_name,
+    kernel_breakdown,
+    metadata,
+    results_path,
+    write_json,
+)
 
 QWEN3_30B_A3B = dict(hidden_size=2048, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8)
 TINY = dict(hidden_size=256, moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2)
@@ -86,12 +85,12 @@ def profiled(fn, cuda: bool) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arg_parser(
+        __doc__, out="benchmarks/results/experts_<device>.json", quick="a tiny shape, for a CPU smoke run"
+    )
     parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 8192])
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--quick", action="store_true", help="a tiny shape, for a CPU smoke run")
     parser.add_argument("--loop", action="store_true", help="also time the FP8 per-expert loop")
-    parser.add_argument("--out", default=None)
     args = parser.parse_args()
     from trl_fp8 import FP8LinearConfig
     from trl_fp8.nn.experts import FP8Experts
@@ -138,18 +137,10 @@ def main() -> None:
         if args.loop:
             print(f"{'':>6} per-expert loop {row['fp8_loop_ms']:.2f} ms ({row['loop_speedup']:.2f}x), grouped vs loop "
                   f"output rel diff {row['fp8_rel_diff_vs_loop']:.1e}")  # fmt: skip
-    name = torch.cuda.get_device_name() if cuda else "cpu"
-    result = {
-        "benchmark": "MoE experts fwd+bwd: BF16 grouped_mm vs FP8Experts",
-        "device": name,
-        "date": datetime.date.today().isoformat(),
-        "versions": versions("torch", "transformers"),
-        "shape": dims,
-        "results": rows,
-    }
-    out = Path(args.out or ROOT / "benchmarks" / "results" / f"experts_{name.replace(' ', '_')}.json")
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {out}")
+    name = device_name()
+    result = {"benchmark": "MoE experts fwd+bwd: BF16 grouped_mm vs FP8Experts", **metadata(name), "shape": dims,
+              "results": rows}  # fmt: skip
+    print(f"wrote {write_json(results_path(args.out, 'experts', name), result, indent=1)}")
 
 
 if __name__ == "__main__":

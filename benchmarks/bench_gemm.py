@@ -1,8 +1,8 @@
 """The three blockwise FP8 GEMMs of one linear layer at Qwen3-8B shapes: cuBLAS `scaled_mm` (what FP8Linear runs)
 against vLLM's bundled DeepGEMM, and BF16 `mm`, side by side in one run; each checked against the fp32 emulation.
 
-    python benchmarks/bench_gemm.py                 # SM90 GPU with vLLM installed (DeepGEMM compiles with nvcc)
-    python benchmarks/bench_gemm.py --quick         # CPU: the emulated reference only, tiny shapes (plumbing check)
+    python -m benchmarks.bench_gemm                 # SM90 GPU with vLLM installed (DeepGEMM compiles with nvcc)
+    python -m benchmarks.bench_gemm --quick         # CPU: the emulated reference only, tiny shapes (plumbing check)
 
 GEMMs (M tokens, layer [N, K]): FProp `x @ W.T` and DGrad `dy @ W` take 1x128 x 128x128 operands; WGrad
 `dy.T @ x` takes 1x128 x 1x128 operands grouped along the tokens (DeepGEMM's "1D1D" kernel). Floors: FLOPs over
@@ -12,23 +12,13 @@ Writes `benchmarks/results/gemm_<device>.json`.
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
-import platform
-import sys
 import traceback
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from bench_linear import QWEN3_8B, bench  # noqa: E402
-
-from trl_fp8.ops import emulated  # noqa: E402
+from benchmarks.bench_linear import QWEN3_8B, bench
+from benchmarks.common import arg_parser, device_name, metadata, results_path, write_json
+from trl_fp8.ops import emulated
 
 PEAK = {"H200": {"bf16": 989e12, "fp8": 1979e12}, "H100": {"bf16": 989e12, "fp8": 1979e12}}
 
@@ -85,16 +75,15 @@ def deepgemm_call(a_q, a_s, b_q, b_s, b_blocks):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arg_parser(__doc__, out="benchmarks/results/gemm_<device>.json; with --quick, only with --out",
+                        quick="the emulated reference alone at a tiny shape, for a CPU smoke run")  # fmt: skip
     parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--quick", action="store_true")
     parser.add_argument("--reps", type=int, default=200)
-    parser.add_argument("--out", default=None)
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
-    device_name = torch.cuda.get_device_name() if cuda else platform.processor() or "cpu"
-    peak = next((v for k, v in PEAK.items() if k in device_name), None)
+    label = device_name()
+    peak = next((v for k, v in PEAK.items() if k in label), None)
     from trl_fp8 import FP8LinearConfig
     from trl_fp8.ops import select_ops
 
@@ -139,7 +128,7 @@ def main():
                      and x["variant"] == "bf16 mm" and "ms" in x), None)  # fmt: skip
         if "ms" in r and base:
             r["speedup_vs_bf16"] = base / r["ms"]
-    print(f"\nFP8 GEMMs, M={m}, {device_name}")
+    print(f"\nFP8 GEMMs, M={m}, {label}")
     print(f"{'shape':<14}{'gemm':<7}{'variant':<18}{'ms':>9}{'TFLOP/s':>9}{'of peak':>9}{'vs bf16':>9}{'rel err':>10}")
     for r in rows:
         if "error" in r:
@@ -149,19 +138,8 @@ def main():
               f"{r.get('of_peak', float('nan')):>9.0%}{r.get('speedup_vs_bf16', float('nan')):>8.2f}x"
               f"{r.get('rel_err_vs_emulation', float('nan')):>10.1e}")  # fmt: skip
     if not args.quick or args.out:
-        out = Path(args.out or ROOT / "benchmarks" / "results" / f"gemm_{device_name.replace(' ', '_')}.json")
-        versions = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version()}
-        try:
-            import vllm
-
-            versions["vllm"] = vllm.__version__
-        except ImportError:
-            pass
-        result = {"benchmark": "blockwise FP8 GEMMs", "device": device_name, "date": datetime.date.today().isoformat(),
-                  "versions": versions, "tokens": m, "results": rows}  # fmt: skip
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {out}")
+        result = {"benchmark": "blockwise FP8 GEMMs", **metadata(label), "tokens": m, "results": rows}
+        print(f"wrote {write_json(results_path(args.out, 'gemm', label), result)}")
 
 
 if __name__ == "__main__":

@@ -3,9 +3,9 @@ rows): BF16 `torch._grouped_mm` (what transformers' `grouped_mm` experts run) ag
 (`fp8_experts._GroupedExpertsFP8Matmul`: the padded layout, the 1x128 quantizations, the grouped kernels), at
 Qwen3-30B-A3B's expert shapes (hidden 2048, intermediate 768, 128 experts, top-8) for 8k-64k routed rows.
 
-    python benchmarks/bench_grouped_gemm.py                   # GPU host: 1k-8k tokens (8k-64k routed rows)
-    python benchmarks/bench_grouped_gemm.py --sweep           # + launch configurations of the Triton kernels
-    python benchmarks/bench_grouped_gemm.py --quick           # CPU smoke run (Triton's interpreter, tiny shape)
+    python -m benchmarks.bench_grouped_gemm                   # GPU host: 1k-8k tokens (8k-64k routed rows)
+    python -m benchmarks.bench_grouped_gemm --sweep           # + launch configurations of the Triton kernels
+    python -m benchmarks.bench_grouped_gemm --quick           # CPU smoke run (Triton's interpreter, tiny shape)
 
 Each row holds both projections (`gate_up`: N 1536, K 2048; `down`: N 2048, K 768) and their sum, the FP8 time
 with the expert weights already quantized (the weight cache holds them across a step's micro-batches) and with the
@@ -16,21 +16,13 @@ FP8 kernels are also timed one by one (`kernels`), each against its own floor.
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).parent))
-
-from bench_rollout import hardware  # noqa: E402  (the data sheet's dense peaks and HBM bandwidth)
-from common import kernel_breakdown, versions  # noqa: E402
+from benchmarks.bench_rollout import hardware  # the data sheet's dense peaks and HBM bandwidth
+from benchmarks.common import arg_parser, device_name, kernel_breakdown, metadata, results_path, write_json
 
 SHAPE = dict(hidden_size=2048, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8)
 TINY = dict(hidden_size=256, moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2)
@@ -229,19 +221,18 @@ def bench_kernels(counts: list[int], n: int, k: int, device: str, reps: int, p: 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arg_parser(__doc__, out="benchmarks/results/grouped_gemm_<device>.json; with --quick, only with --out",
+                        quick="a tiny shape on CPU (Triton's interpreter)")  # fmt: skip
     parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 8192])
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--sweep", action="store_true", help="also time the grouped kernels' launch configurations")
-    parser.add_argument("--quick", action="store_true", help="a tiny shape on CPU (Triton's interpreter)")
-    parser.add_argument("--out", default=None)
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     dims = TINY if args.quick else SHAPE
     tokens = [64] if args.quick else args.tokens
     reps = 1 if args.quick else args.reps
-    name = torch.cuda.get_device_name() if cuda else "cpu"
+    name = device_name()
     p = hardware(name)
     h, i = dims["hidden_size"], dims["moe_intermediate_size"]
     results = []
@@ -268,19 +259,15 @@ def main() -> None:
         results.append(row)
     result = {
         "benchmark": "MoE projection grouped GEMMs fwd+bwd: BF16 torch._grouped_mm vs blockwise FP8",
-        "device": name,
-        "date": datetime.date.today().isoformat(),
-        "versions": versions("torch", "triton"),
+        **metadata(name),
         "shape": dims,
         "peaks": p,
         "results": results,
     }
-    out = Path(args.out or ROOT / "benchmarks" / "results" / f"grouped_gemm_{name.replace(' ', '_')}.json")
     if args.quick and not args.out:
         print(json.dumps(result)[:2000])
         return
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {out}")
+    print(f"wrote {write_json(results_path(args.out, 'grouped_gemm', name), result, indent=1)}")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """End-to-end GRPO step time, BF16 TRL against the FP8 flows, each run back to back on the same GPU.
 
-    python benchmarks/bench_grpo.py --shape 8b --optim adamw_bnb_8bit --runs trl_bf16 fp8_rollout unified unified_fp8kv
-    python benchmarks/bench_grpo.py       # Qwen3-4B shape, stock AdamW (no bitsandbytes needed)
+    python -m benchmarks.bench_grpo --shape 8b --optim adamw_bnb_8bit --runs trl_bf16 fp8_rollout unified unified_fp8kv
+    python -m benchmarks.bench_grpo       # Qwen3-4B shape, stock AdamW (no bitsandbytes needed)
 
-    python benchmarks/bench_grpo.py --shape 8b --num_processes 2 --launch_config fsdp2 --runs trl_bf16 unified
+    python -m benchmarks.bench_grpo --shape 8b --num_processes 2 --launch_config fsdp2 --runs trl_bf16 unified
                           # several GPUs: each run under `accelerate launch` with one of TRL's configs
 
 The first command is the committed run (`results/grpo_speed_NVIDIA_H200.json`, via `run_report.sh`); random
@@ -35,7 +35,6 @@ Writes `benchmarks/results/grpo_speed_<device>.json`.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -43,12 +42,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from bench_rollout import SHAPES, floor_tokens_per_s, hardware, model_bytes, shape_model  # noqa: E402
-from common import kernel_breakdown, previous_rows, run_all, versions  # noqa: E402
+from benchmarks.bench_rollout import SHAPES, floor_tokens_per_s, hardware, model_bytes, shape_model
+from benchmarks.common import arg_parser, kernel_breakdown, metadata, previous_rows, results_path, run_all, write_json
 
 RUNS = {  # run: (trainer, fp8_recipe, rollout_precision, fp8 KV cache, training GEMM backend, FP8 weight cache)
     "trl_bf16": ("trl", None, "bf16", False, None, None),
@@ -511,7 +506,7 @@ def resummarize(path: Path, keep: list[int]) -> None:
         row["rollout_floor"] = rollout_floor(row, result["settings"], result.get("device", ""))
         row["planner"] = planned_kv_tokens(row, result["settings"])
     result["settings"]["median_steps"] = keep
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(path, result)
     print_summary(result)
     print(f"rewrote the medians and rollout floors of {path} over steps {keep}")
 
@@ -569,7 +564,8 @@ def launcher(num_processes: int, config: str, port: int) -> list[str] | None:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arg_parser(__doc__, out="benchmarks/results/grpo_speed_<device>.json", append=True,
+                        workdir="/tmp/trl_fp8_bench_grpo")  # fmt: skip
     parser.add_argument("--run", choices=list(RUNS), help=argparse.SUPPRESS)
     parser.add_argument("--runs", nargs="+", default=["trl_bf16", "fp8_rollout", "unified"], choices=list(RUNS))
     parser.add_argument("--shape", choices=list(SHAPES), default="4b")
@@ -585,14 +581,12 @@ def main():
     parser.add_argument("--sleep_mode", action="store_true", help="vllm_enable_sleep_mode for every run")
     parser.add_argument("--num_processes", type=int, default=1, help="GPUs, one training process and engine each")
     parser.add_argument("--launch_config", default="multi_gpu", help="TRL accelerate config with --num_processes > 1")
-    parser.add_argument("--workdir", default="/tmp/trl_fp8_bench_grpo")
     parser.add_argument(
         "--profile_step",
         type=int,
         default=None,
         help="profile this optimizer step's training phase (rollout and sync left out): GPU kernel time by category",
     )
-    parser.add_argument("--append", action="store_true", help="merge into an existing results file")
     parser.add_argument(
         "--resummarize",
         metavar="RESULTS_JSON",
@@ -600,7 +594,6 @@ def main():
         help="only recompute that file's medians from its per-step times, over --median_steps",
     )
     parser.add_argument("--median_steps", type=int, nargs="+", default=None, help="with --resummarize")
-    parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.resummarize:
         return resummarize(Path(args.resummarize), args.median_steps or median_steps(args.steps, args.warmup, None))
@@ -618,20 +611,13 @@ def main():
         torch.cuda.empty_cache()
     device = torch.cuda.get_device_name()
     gpus = f"_{args.num_processes}x{args.launch_config}" if args.num_processes > 1 else ""
-    out = Path(args.out or ROOT / "benchmarks" / "results" / f"grpo_speed_{device.replace(' ', '_')}{gpus}.json")
+    out = results_path(args.out, "grpo_speed", device + gpus)
     settings = {k: getattr(args, k) for k in REGIME} | measurement(args)
-    result = {
-        "benchmark": "GRPO step time, vLLM colocated",
-        "device": device,
-        "date": datetime.date.today().isoformat(),
-        "versions": versions("torch", "vllm", "transformers", "trl", "torchao"),
-        "settings": settings,
-        "results": [],
-    }
+    result = {"benchmark": "GRPO step time, vLLM colocated", **metadata(device), "settings": settings, "results": []}
     if args.append:
         result["results"] = previous_rows(out, result, tuple(f"settings.{k}" for k in REGIME), "name", args.runs)
     port = int(os.environ.get("MASTER_PORT", "29610"))
-    failed = run_all(__file__, "--run", args.runs, sys.argv[1:], result, out, "name", list(RUNS),
+    failed = run_all(__spec__.name, "--run", args.runs, sys.argv[1:], result, out, "name", list(RUNS),
                      launcher(args.num_processes, args.launch_config, port))  # fmt: skip
     print_summary(result)
     print(f"wrote {out}")

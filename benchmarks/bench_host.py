@@ -5,31 +5,21 @@ A decoder layer's FP8 fwd+bwd issues quantizer launches, cuBLAS blockwise GEMMs 
 three `mm`s; at 1.7B-8B training sizes this host time is what the GPU waits for (`bench_linear --profile`,
 `bench_train_step`). This splits it, so each fix can be weighed before it is written:
 
-    python benchmarks/bench_host.py                  # on the GPU host
-    python benchmarks/bench_host.py --quick          # CPU: only the rows that run without CUDA
+    python -m benchmarks.bench_host                  # on the GPU host
+    python -m benchmarks.bench_host --quick          # CPU: only the rows that run without CUDA
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
-import sys
 import time
-from pathlib import Path
 
 import torch
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).parent))
-
-from common import versions  # noqa: E402
-
-from trl_fp8 import FP8Linear, FP8LinearConfig  # noqa: E402
-from trl_fp8.nn.linear import forget_quantized_input  # noqa: E402
-from trl_fp8.nn.sibling_gemms import FP8SiblingGroup  # noqa: E402
+from benchmarks.common import arg_parser, device_name, metadata, results_path, write_json
+from trl_fp8 import FP8Linear, FP8LinearConfig
+from trl_fp8.nn.linear import forget_quantized_input
+from trl_fp8.nn.sibling_gemms import FP8SiblingGroup
 
 
 def host_us(fn, calls: int, cuda: bool) -> float:
@@ -136,18 +126,16 @@ def cases(m: int, k: int, n: int, device: str) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arg_parser(__doc__, out="benchmarks/results/host_<device>.json", quick="few calls, for a CPU smoke run")
     parser.add_argument("--m", type=int, default=128)
     parser.add_argument("--k", type=int, default=256)
     parser.add_argument("--n", type=int, default=256)
     parser.add_argument("--calls", type=int, default=2000)
-    parser.add_argument("--quick", action="store_true", help="few calls, for a CPU smoke run")
-    parser.add_argument("--out", default=None)
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     calls = 20 if args.quick else args.calls
-    name = torch.cuda.get_device_name() if cuda else "cpu"
+    name = device_name()
     rows = []
     print(f"host microseconds per call, m={args.m} k={args.k} n={args.n}, {name}")
     for label, fn in cases(args.m, args.k, args.n, device).items():
@@ -156,15 +144,11 @@ def main() -> None:
         print(f"{label:<48} {us:9.1f}")
     result = {
         "benchmark": "host cost per call of an FP8 linear layer's pieces (host-bound loop)",
-        "device": name,
-        "date": datetime.date.today().isoformat(),
-        "versions": versions("torch", "triton") if cuda else versions("torch"),
+        **metadata(name),
         "settings": {"m": args.m, "k": args.k, "n": args.n, "calls": calls},
         "results": rows,
     }
-    out = Path(args.out or ROOT / "benchmarks" / "results" / f"host_{name.replace(' ', '_')}.json")
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {out}")
+    print(f"wrote {write_json(results_path(args.out, 'host', name), result, indent=1)}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Trainer vs vLLM log-probs on the same sampled tokens: does the rollout engine run the trainer's model?
 
-    python benchmarks/bench_identity.py [--hidden 1024 --layers 4]     # GPU host with vLLM (kit in ../shared/gpu)
+    python -m benchmarks.bench_identity [--hidden 1024 --layers 4]     # GPU host with vLLM (kit in ../shared/gpu)
 
 For each setting, one child process (vLLM holds on to GPU state) builds the same random Qwen3-shaped model, starts
 vLLM the way `FP8GRPOTrainer` does (config-only folder, dummy load, then the trainer's tensors pushed through
@@ -26,18 +26,12 @@ Writes `benchmarks/results/identity_<device>.json`.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from common import run_child, versions  # noqa: E402
-
-from trl_fp8.config import VLLM_FP8_BACKENDS  # noqa: E402
+from benchmarks.common import arg_parser, metadata, results_path, run_child, write_json
+from trl_fp8.config import VLLM_FP8_BACKENDS
 
 
 def build_model(args, seed=0):
@@ -98,8 +92,8 @@ def run_engine(args):
     """Child process: one setting, prints one JSON line per check."""
     import torch
     from vllm import SamplingParams
-    from vllm_engine import engine_kernels, start_engine, sync
 
+    from benchmarks.vllm_engine import engine_kernels, start_engine, sync
     from trl_fp8 import FP8LinearConfig, convert_to_fp8
     from trl_fp8.rollout.kv_scales import AttentionScaleObserver
 
@@ -142,21 +136,19 @@ def run_engine(args):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arg_parser(__doc__, out="benchmarks/results/identity_<device>.json", workdir="/tmp/trl_fp8_identity")
     parser.add_argument("--engine", help=argparse.SUPPRESS)  # "setting" or "setting:backend"
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     parser.add_argument(
         "--backends", nargs="+", default=["auto"], choices=VLLM_FP8_BACKENDS,
         help="vLLM block-FP8 kernels to run the FP8 settings on",
     )  # fmt: skip
-    parser.add_argument("--workdir", default="/tmp/trl_fp8_identity")
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--init_std", type=float, default=0.05)
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--new_tokens", type=int, default=64)
-    parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.engine:
         return run_engine(args)
@@ -168,23 +160,19 @@ def main():
     for setting in args.settings:
         fp8 = SETTINGS[setting][1] == "fp8"
         for engine in [f"{setting}:{b}" for b in args.backends] if fp8 else [setting]:
-            rows.extend(run_child(__file__, "--engine", engine, sys.argv[1:]) or [])
+            rows.extend(run_child(__spec__.name, "--engine", engine, sys.argv[1:]) or [])
     device = torch.cuda.get_device_name()
 
     result = {
         "benchmark": "trainer vs vLLM log-probs on the same sampled tokens",
-        "device": device,
-        "date": datetime.date.today().isoformat(),
-        "versions": versions("torch", "vllm", "transformers", "trl", "torchao"),
+        **metadata(device),
         "model": {k: getattr(args, k) for k in ("hidden", "layers", "vocab", "init_std")},
         "prompts": args.prompts,
         "new_tokens": args.new_tokens,
         "backends": args.backends,
         "results": rows,
     }
-    out = Path(args.out or ROOT / "benchmarks" / "results" / f"identity_{device.replace(' ', '_')}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    out = write_json(results_path(args.out, "identity", device), result)
     print(f"{'check':<32}{'mean |dlogp|':>14}{'max |dlogp|':>14}{'KL k3':>12}  vLLM linear kernel")
     for r in rows:
         if "abs_logp_diff_mean" in r:

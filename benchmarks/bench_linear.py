@@ -1,7 +1,7 @@
 """Forward+backward time of one linear layer at Qwen3-8B shapes: BF16 vs FP8 recipes, side by side in one run.
 
-    python benchmarks/bench_linear.py            # on an SM90 GPU; writes benchmarks/results/linear_<device>.json
-    python benchmarks/bench_linear.py --quick    # CPU smoke run of the same code (emulated FP8, tiny shapes)
+    python -m benchmarks.bench_linear            # on an SM90 GPU; writes benchmarks/results/linear_<device>.json
+    python -m benchmarks.bench_linear --quick    # CPU smoke run of the same code (emulated FP8, tiny shapes)
 
 Variants: BF16 `nn.Linear`; trl_fp8 blockwise (`FP8Linear`, weight re-quantized every call as after each optimizer
 step, and with the weight cache hit, as for further micro-batches and log-prob passes); torchao's blockwise
@@ -13,25 +13,16 @@ GEMMs (BF16 mm vs one blockwise FP8 scaled_mm) and where trl_fp8's time goes (qu
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
-import platform
-import sys
 import time
 from pathlib import Path
 
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import device_kernel_events  # noqa: E402
-
-from trl_fp8 import FP8Linear, FP8LinearConfig  # noqa: E402
-from trl_fp8.nn.linear import forget_quantized_input  # noqa: E402
-from trl_fp8.nn.sibling_gemms import FP8SiblingGroup  # noqa: E402
+from benchmarks.common import arg_parser, device_kernel_events, device_name, metadata, results_path, write_json
+from trl_fp8 import FP8Linear, FP8LinearConfig
+from trl_fp8.nn.linear import forget_quantized_input
+from trl_fp8.nn.sibling_gemms import FP8SiblingGroup
 
 QWEN3_8B = [
     (4096, 6144, "qkv_proj"),
@@ -179,11 +170,10 @@ def profile_step(mod, x, dy, cuda, out_dir, label, name, iters=20):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arg_parser(__doc__, out="benchmarks/results/linear_<device>.json; with --quick, only with --out",
+                        quick="tiny shapes, for a CPU smoke run")  # fmt: skip
     parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--quick", action="store_true", help="tiny shapes, for a CPU smoke run")
     parser.add_argument("--reps", type=int, default=200, help="milliseconds of timed repeats per case (GPU)")
-    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/linear_<device>.json)")
     parser.add_argument(
         "--profile",
         default=None,
@@ -198,7 +188,7 @@ def main():
     dtype = torch.bfloat16
     shapes = [(256, 384, "tiny_a"), (512, 256, "tiny_b"), (256, (128, 256), "tiny_ab")] if args.quick else QWEN3_8B
     m = 256 if args.quick else args.tokens
-    device_name = torch.cuda.get_device_name() if cuda else platform.processor() or "cpu"
+    device_label = device_name()
 
     rows, breakdowns, profiles = [], {}, {}
     for k, n, label in shapes:
@@ -236,22 +226,9 @@ def main():
                 profiles.setdefault(label, {})[name] = profile_step(mod, x, dy, cuda, Path(args.profile), label, name)
         del variants
 
-    try:
-        import torchao
-
-        torchao_version = torchao.__version__
-    except Exception:  # noqa: BLE001
-        torchao_version = None
     result = {
         "benchmark": "linear fwd+bwd",
-        "device": device_name,
-        "date": datetime.date.today().isoformat(),
-        "versions": {
-            "torch": torch.__version__,
-            "torchao": torchao_version,
-            "cuda": torch.version.cuda,
-            "python": platform.python_version(),
-        },  # fmt: skip
+        **metadata(device_label),
         "dtype": str(dtype),
         "tokens": m,
         "results": rows,
@@ -260,7 +237,7 @@ def main():
     if profiles:
         result["profile_per_iteration"] = profiles
     names = list(dict.fromkeys(r["variant"] for r in rows))
-    print(f"\nLinear fwd+bwd, M={m} tokens, {device_name}: ms (speedup vs bf16)")
+    print(f"\nLinear fwd+bwd, M={m} tokens, {device_label}: ms (speedup vs bf16)")
     print(f"{'shape':<14}" + "".join(f"{n[:28]:>31}" for n in names))
     for _, _, label in shapes:
         cells = {r["variant"]: r for r in rows if r["shape"] == label}
@@ -284,11 +261,8 @@ def main():
               f"unaccounted {total - quant - gemm:+.3f} ms (launch/autograd overhead, or overlap if negative)")  # fmt: skip
 
     # (written last, so the JSON holds the unaccounted-time column computed above)
-    out = Path(args.out or Path(__file__).parent / "results" / f"linear_{device_name.replace(' ', '_')}.json")
     if not args.quick or args.out:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {out}")
+        print(f"wrote {write_json(results_path(args.out, 'linear', device_label), result)}")
 
 
 if __name__ == "__main__":

@@ -9,25 +9,18 @@ give back. Also the gated MLP's `silu(gate) * up` quantized for `down_proj` (`qu
 and up, both layouts written, no BF16 product) against eager's silu, product and quantization passes, each against
 its own floor.
 
-    python benchmarks/bench_quant.py [--tokens 8192] [--num_warps 4 8 16] [--out results.json]
+    python -m benchmarks.bench_quant [--tokens 8192] [--num_warps 4 8 16] [--out results.json]
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
-import sys
 import traceback
 from functools import partial
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from bench_linear import QWEN3_8B, bench  # noqa: E402
-from common import versions  # noqa: E402
+from benchmarks.bench_linear import QWEN3_8B, bench
+from benchmarks.common import arg_parser, metadata, results_path, write_json
 
 HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12}
 
@@ -65,14 +58,15 @@ def timed_row(row: dict, fn, nbytes: int, reps: int, hbm: float | None) -> dict:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arg_parser(__doc__, out="benchmarks/results/quant_<device>.json")
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--num_warps", type=int, nargs="+", default=[4, 8, 16])
     parser.add_argument("--reps", type=int, default=100)
-    parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit("bench_quant.py times the Triton kernels on a GPU; on CPU, tests/test_kernels.py checks them")
+        raise SystemExit(
+            "benchmarks.bench_quant times the Triton kernels on a GPU; on CPU, tests/test_kernels.py checks them"
+        )
     from trl_fp8.kernels import quantize_act, quantize_weight
 
     device = torch.cuda.get_device_name()
@@ -119,17 +113,12 @@ def main():
         )
     result = {
         "benchmark": "trl_fp8.kernels quantization: time against the HBM floor, per layout and num_warps",
-        "device": device,
-        "date": datetime.date.today().isoformat(),
-        "versions": versions("torch", "triton"),
+        **metadata(device),
         "tokens": m,
         "hbm_bytes_per_s": hbm,
         "results": rows,
     }
-    out = Path(args.out or ROOT / "benchmarks" / "results" / f"quant_{device.replace(' ', '_')}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
+    print(f"wrote {write_json(results_path(args.out, 'quant', device), result)}")
 
 
 def swiglu_rows(m: int, hbm: float | None, reps: int) -> list[dict]:

@@ -1,8 +1,8 @@
 """vLLM rollout throughput, its distance to the hardware floor, engine start-up and weight-sync time, for BF16,
 vLLM's online FP8 and trl_fp8's FP8 rollouts on each block-FP8 kernel (± FP8 KV cache).
 
-    python benchmarks/bench_rollout.py                       # GPU host with vLLM; Qwen3-8B shape, random weights
-    python benchmarks/bench_rollout.py --engines fp8_triton --points 64x1024 --append   # add rows to the same file
+    python -m benchmarks.bench_rollout                       # GPU host with vLLM; Qwen3-8B shape, random weights
+    python -m benchmarks.bench_rollout --engines fp8_triton --points 64x1024 --append   # add rows to the same file
 
 Each engine runs in its own child process, built the way `FP8GRPOTrainer` builds it (config-only folder, dummy
 load, CUDA graphs on), next to a trainer-side model of the same shape on the same GPU:
@@ -42,18 +42,13 @@ results file's floors (the committed ones were). Writes `benchmarks/results/roll
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from common import kernel_breakdown, previous_rows, run_all, versions  # noqa: E402
+from benchmarks.common import arg_parser, kernel_breakdown, metadata, previous_rows, results_path, run_all, write_json
 
 SHAPES = {  # Qwen3 configs: hidden, intermediate, layers, heads, kv heads, vocab
     "8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
@@ -170,7 +165,7 @@ def refloor(path: Path) -> None:
             for key in ("floor_tokens_per_s", "concurrency", "bound", "of_floor"):
                 point.pop(key, None)
             point.update(point_floor(result, row, point))
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(path, result)
     print(summary(result["results"]))
 
 
@@ -220,14 +215,14 @@ def run_engine(args):
     import os
 
     import torch
-    from vllm_engine import engine_kernels, start_engine, sync
 
+    from benchmarks.vllm_engine import engine_kernels, start_engine, sync
     from trl_fp8 import convert_to_fp8
     from trl_fp8.nn.linear import FP8Linear, invalidate_fp8_weights
     from trl_fp8.rollout.capacity import ModelShape, rollout_capacity
     from trl_fp8.rollout.kv_scales import AttentionScaleObserver
     from trl_fp8.rollout.stats import RolloutStats
-    from trl_fp8.rollout.vllm.generation import TRL_MAX_NUM_BATCHED_TOKENS
+    from trl_fp8.rollout.vllm.engine import TRL_MAX_NUM_BATCHED_TOKENS
     from trl_fp8.rollout.vllm.kernels import rollout_kernel
 
     train_fp8, precision, fp8_kv, backend = ENGINES[args.engine]
@@ -378,7 +373,8 @@ def summary(rows: list[dict]) -> str:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arg_parser(__doc__, out="benchmarks/results/rollout_<device>.json", append=True,
+                        workdir="/tmp/trl_fp8_rollout")  # fmt: skip
     parser.add_argument("--engine", choices=list(ENGINES), help=argparse.SUPPRESS)
     parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES))
     parser.add_argument("--shape", choices=list(SHAPES), default="8b")
@@ -402,9 +398,6 @@ def main():
         default=None,
         help="processes compiling DeepGEMM's kernels before the engine starts, as the trainer does (0: vLLM's warm-up)",
     )
-    parser.add_argument("--workdir", default="/tmp/trl_fp8_rollout")
-    parser.add_argument("--append", action="store_true", help="merge into an existing results file")
-    parser.add_argument("--out", default=None)
     parser.add_argument("--refloor", default=None, help="a results file: recompute its floors in place, then exit")
     args = parser.parse_args()
     if args.refloor:
@@ -416,12 +409,10 @@ def main():
 
     Path(args.workdir).mkdir(parents=True, exist_ok=True)
     device = torch.cuda.get_device_name()
-    out = Path(args.out or ROOT / "benchmarks" / "results" / f"rollout_{device.replace(' ', '_')}.json")
+    out = results_path(args.out, "rollout", device)
     result = {
         "benchmark": "vLLM rollout throughput, floor, start-up and weight-sync time",
-        "device": device,
-        "date": datetime.date.today().isoformat(),
-        "versions": versions("torch", "vllm", "transformers", "trl", "torchao"),
+        **metadata(device),
         "shape": {"name": args.shape, **SHAPES[args.shape]},
         "prompt_len": args.prompt_len,
         "gpu_memory_utilization": args.gpu_memory_utilization,
@@ -432,10 +423,10 @@ def main():
     if args.append:
         same = ("shape", "prompt_len", "gpu_memory_utilization", "max_num_seqs")
         result["results"] = previous_rows(out, result, same, "engine", args.engines)
-    failed = run_all(__file__, "--engine", args.engines, sys.argv[1:], result, out, "engine", list(ENGINES))
+    failed = run_all(__spec__.name, "--engine", args.engines, sys.argv[1:], result, out, "engine", list(ENGINES))
     if failed:  # kept as rows: at a small memory share an engine that cannot start is a result (its log says why)
         result["results"] += [{"engine": name, "started": False} for name in failed]
-        out.write_text(json.dumps(result, indent=2) + "\n")
+        write_json(out, result)
     print(summary([row for row in result["results"] if row.get("started", True)]))
     print(f"wrote {out}")
     if failed:

@@ -9,27 +9,17 @@ saved them: the linear layers, the MLP's activation, the norms, and the attentio
 that part is BF16 in every setting and its saved tensors depend on the attention kernel (on a CPU, SDPA's math
 fallback; on a GPU, FlashAttention keeps q, k, v, the output and the log-sum-exp).
 
-    python benchmarks/bench_saved_activations.py                   # 8B and 1.7B shapes, writes results/saved_activations.json
-    python benchmarks/bench_saved_activations.py --quick           # a tiny shape, prints (writes only with --out)
+    python -m benchmarks.bench_saved_activations                   # 8B and 1.7B shapes, writes results/saved_activations.json
+    python -m benchmarks.bench_saved_activations --quick           # a tiny shape, prints (writes only with --out)
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
-import sys
-from pathlib import Path
-
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from bench_rollout import SHAPES  # noqa: E402
-from common import versions  # noqa: E402
-
-from trl_fp8 import FP8LinearConfig, convert_to_fp8  # noqa: E402
+from benchmarks.bench_rollout import SHAPES
+from benchmarks.common import RESULTS, arg_parser, metadata, write_json
+from trl_fp8 import FP8LinearConfig, convert_to_fp8
 
 SETTINGS = {
     "bf16": None,
@@ -106,11 +96,10 @@ def saved_bytes(layer, rotary, cfg, tokens: int) -> dict[str, int]:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arg_parser(__doc__, out="benchmarks/results/saved_activations.json",
+                        quick="the tiny shape, 128 tokens, nothing written (but to --out)")  # fmt: skip
     parser.add_argument("--shapes", nargs="+", default=["8b", "1.7b"], choices=list(SHAPES))
     parser.add_argument("--tokens", type=int, default=256)
-    parser.add_argument("--quick", action="store_true", help="the tiny shape, 128 tokens, nothing written")
-    parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.quick:
         args.shapes, args.tokens = ["tiny"], 128
@@ -141,15 +130,11 @@ def main():
         return
     result = {
         "benchmark": "bytes saved for backward per token and decoder layer (exact count, device-independent)",
-        "device": "cpu (counts, not timings)",
-        "date": datetime.date.today().isoformat(),
-        "versions": versions("torch", "transformers"),
+        **metadata("cpu (counts, not timings)"),
         "tokens": args.tokens,
         "results": rows,
     }
-    out = Path(args.out or ROOT / "benchmarks" / "results" / "saved_activations.json")
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
+    print(f"wrote {write_json(args.out or RESULTS / 'saved_activations.json', result)}")
 
 
 if __name__ == "__main__":

@@ -2,9 +2,9 @@
 as `bench_grpo` trains, unless a flow says otherwise) and one optimizer step, BF16 against the FP8 flows. Minutes instead of `bench_grpo`'s
 engine start-ups, for comparing training-side options (the opt-in fusions, Liger's kernels) side by side.
 
-    python benchmarks/bench_train_step.py --shape 1.7b                 # the whole 1.7B shape
-    python benchmarks/bench_train_step.py --shape 8b --layers 12       # 12 decoder layers of the 8B shape
-    python benchmarks/bench_train_step.py --shape tiny --quick         # CPU smoke run
+    python -m benchmarks.bench_train_step --shape 1.7b                 # the whole 1.7B shape
+    python -m benchmarks.bench_train_step --shape 8b --layers 12       # 12 decoder layers of the 8B shape
+    python -m benchmarks.bench_train_step --shape tiny --quick         # CPU smoke run
 
 The loss is the LM cross-entropy over every token (a BF16 `lm_head`, the same in every flow); the optimizer is SGD
 with a zero learning rate, so weights keep their values but FP8 flows requantize them once per step, as in training.
@@ -12,23 +12,24 @@ with a zero learning rate, so weights keep their values but FP8 flows requantize
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import gc
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).parent))
-
-from bench_rollout import SHAPES  # noqa: E402
-from common import device_kernel_events, kernel_breakdown, versions  # noqa: E402
+from benchmarks.bench_rollout import SHAPES
+from benchmarks.common import (
+    arg_parser,
+    device_kernel_events,
+    device_name,
+    kernel_breakdown,
+    metadata,
+    results_path,
+    write_json,
+)
 
 FLOWS = {  # flow: FP8 conversion options (None: BF16), Liger's layer kernels, checkpoint every n-th layer (0: none)
     # (a "_compiled" flow also compiles each decoder layer: torch.compile, the FP8 ops as custom ops)
@@ -162,7 +163,8 @@ def run_flow(args, flow: str, device: str) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arg_parser(__doc__, out="benchmarks/results/train_step_<shape>_<device>.json",
+                        quick="tiny sizes, for a CPU smoke run")  # fmt: skip
     parser.add_argument("--shape", choices=list(SHAPES), default="1.7b")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's own)")
     parser.add_argument("--flows", nargs="+", default=list(FLOWS), choices=list(FLOWS))
@@ -174,18 +176,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--profile", default=None, metavar="DIR", help="profile one more step per flow, tables to DIR")
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, for a CPU smoke run")
-    parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.quick:
         args.micro_batch, args.seq_len, args.micro_batches, args.steps, args.warmup = 1, 128, 1, 1, 0
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    name = device_name()
     result = {
         "benchmark": "training phase alone: fwd+bwd (gradient checkpointing) + optimizer step",
-        "device": name,
-        "date": datetime.date.today().isoformat(),
-        "versions": versions("torch", "transformers", "trl", "torchao"),
+        **metadata(name),
         "settings": {k: v for k, v in vars(args).items() if k not in ("flows", "out", "quick", "profile")},
         "results": [],
     }
@@ -209,9 +207,7 @@ def main() -> None:
         speed = f"{base['step_s'] / r['step_s']:.2f}x" if base else "-"
         peak = f"{r['peak_memory_gib']:.1f} GiB" if r["peak_memory_gib"] is not None else ""
         print(f"{r['flow']:<20} {r['step_s']:8.3f} s  {speed:>6}  {peak}")
-    out = Path(args.out or ROOT / "benchmarks" / "results" / f"train_step_{args.shape}_{name.replace(' ', '_')}.json")
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {out}")
+    print(f"wrote {write_json(results_path(args.out, f'train_step_{args.shape}', name), result, indent=1)}")
 
 
 if __name__ == "__main__":

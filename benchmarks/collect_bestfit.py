@@ -1,8 +1,8 @@
 """Gather `run_rollout_report.sh bestfit` runs into one results file, failures included.
 
-    python benchmarks/collect_bestfit.py WORK_DIR [WORK_DIR ...] --out benchmarks/results/grpo_bestfit_8b_<device>.json
+    python -m benchmarks.collect_bestfit WORK_DIR [WORK_DIR ...] --out benchmarks/results/grpo_bestfit_8b_<device>.json
 
-Each bestfit run is one `bench_grpo.py` call at one vLLM share (`grpo_bestfit_<run>_mem<share>_<device>.json`); a
+Each bestfit run is one `benchmarks.bench_grpo` call at one vLLM share (`grpo_bestfit_<run>_mem<share>_<device>.json`); a
 run that ran out of memory writes no row, so its outcome comes from the work folder's `status.txt`
 (`bestfit_<run>_<share> rc=N`) and the last error line of its log (`bestfit_<run>_<share>.log`). A folder is one
 host's session: its runs share the allocator setting (`PYTORCH_CUDA_ALLOC_CONF`) recorded in its rows, or given
@@ -11,10 +11,11 @@ with `--cuda_alloc_conf DIR=VALUE` for a folder whose runs all failed or predate
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 from pathlib import Path
+
+from benchmarks.common import arg_parser, command, write_json
 
 STATUS = re.compile(r"^bestfit_(?P<run>\w+?)_(?P<share>\d\.\d+) rc=(?P<rc>\d+)")
 
@@ -53,7 +54,7 @@ def collect(folder: Path, cuda_alloc_conf: str | None = None) -> tuple[list[dict
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arg_parser(__doc__)
     parser.add_argument("folders", nargs="+", type=Path)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--cuda_alloc_conf", action="append", default=[], help="DIR=VALUE for a folder's runs")
@@ -67,15 +68,14 @@ def main(argv: list[str] | None = None) -> None:
     if header is None:
         raise SystemExit("no bestfit run ran: nothing to take the device and versions from")
     settings = {k: v for k, v in header["settings"].items() if k not in ("vllm_memory", "cuda_alloc_conf")}
-    result = {
+    result = {  # the runs' device, GPUs, date and versions; the command that gathered them
         "benchmark": "GRPO best fit: the largest vLLM share with which a step runs (run_rollout_report.sh bestfit)",
-        "device": header["device"],
-        "date": header["date"],
-        "versions": header["versions"],
+        **{key: header[key] for key in ("device", "gpus", "date", "versions") if key in header},
+        "command": command(argv, __spec__.name),
         "settings": settings,
         "results": outcomes,
     }
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    write_json(args.out, result, indent=1)
     for o in outcomes:
         print(o["name"], o["vllm_memory"], o["cuda_alloc_conf"] or "default allocator",
               f"{o['row']['step_time']['step_s']:.1f} s" if o["ran"] else o["error"])  # fmt: skip

@@ -1,18 +1,115 @@
-"""What the benchmark scripts share: package versions for their results files, one child process per
-configuration (a vLLM engine holds on to its GPU state, so each gets a fresh process), `--append` merging, and the
-kernel-time breakdown of a torch profile."""
+"""What the benchmark scripts share: the argument parser they start from, the metadata and writing of their results
+files (device, GPU count, package versions, date, command line), one child process per configuration (a vLLM
+engine holds on to its GPU state, so each gets a fresh process), `--append` merging, and the kernel-time breakdown
+of a torch profile.
+
+The scripts form the `benchmarks` package and run from the repository root as modules, `python -m
+benchmarks.bench_grpo ...`; they import each other as `from benchmarks.common import ...`."""
 
 from __future__ import annotations
 
+import argparse
+import datetime
 import json
+import shlex
 import subprocess
 import sys
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]  # the repository
+RESULTS = ROOT / "benchmarks" / "results"  # the committed results files
+# Recorded in every results file (None where not installed: no vLLM on a CPU host, say).
+PACKAGES = ("torch", "transformers", "trl", "torchao", "vllm", "triton")
 
-def versions(*names: str) -> dict[str, str]:
-    return {name: version(name) for name in names}
+
+def arg_parser(
+    doc: str | None,
+    *,
+    out: str | None = None,
+    quick: str | None = None,
+    append: bool = False,
+    workdir: str | None = None,
+) -> argparse.ArgumentParser:
+    """The parser a script starts from: its docstring as the help text, and the options the scripts share where
+    asked for: `--out` (the results file; `out` says where it goes by default), `--quick` (`quick` says what the
+    smoke run does), `--append` (merge into an existing results file) and `--workdir` (its default)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)  # run as `python -m benchmarks.<script>`
+    parser = argparse.ArgumentParser(
+        prog=f"python -m {spec.name}" if spec is not None and spec.name.startswith("benchmarks.") else None,
+        description=doc,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    if out is not None:
+        parser.add_argument("--out", default=None, help=f"results JSON (default {out})")
+    if quick is not None:
+        parser.add_argument("--quick", action="store_true", help=quick)
+    if append:
+        parser.add_argument("--append", action="store_true", help="merge into an existing results file")
+    if workdir is not None:
+        parser.add_argument("--workdir", default=workdir)
+    return parser
+
+
+def versions(*names: str) -> dict[str, str | None]:
+    """Installed versions of `names` (default `PACKAGES`), None for a package not installed."""
+
+    def installed(name: str) -> str | None:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    return {name: installed(name) for name in names or PACKAGES}
+
+
+def device_name() -> str:
+    """The CUDA device's name ("NVIDIA H200"), or "cpu"."""
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def command(argv: list[str] | None = None, module: str | None = None) -> str:
+    """The command line that ran this script, `python -m <module> <argv>` (default: the running module and its
+    arguments)."""
+    if module is None:
+        spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+        module = spec.name if spec is not None else None
+    program = f"python -m {module}" if module else f"python {sys.argv[0]}"
+    return f"{program} {shlex.join(sys.argv[1:] if argv is None else argv)}".strip()
+
+
+def metadata(device: str | None = None, argv: list[str] | None = None) -> dict:
+    """What every results file records about its run: the device (default `device_name()`), the GPUs visible, the
+    versions of `PACKAGES` with CUDA's and Python's, the date and the command line."""
+    import platform
+
+    import torch
+
+    return {
+        "device": device or device_name(),
+        "gpus": torch.cuda.device_count(),
+        "date": datetime.date.today().isoformat(),
+        "versions": {**versions(), "cuda": torch.version.cuda, "python": platform.python_version()},
+        "command": command(argv),
+    }
+
+
+def results_path(out: str | Path | None, stem: str, device: str) -> Path:
+    """`out`, or by default `benchmarks/results/<stem>_<device>.json` (spaces in the device name as underscores)."""
+    return Path(out) if out else RESULTS / f"{stem}_{device.replace(' ', '_')}.json"
+
+
+def write_json(path: str | Path, data: dict, indent: int = 2) -> Path:
+    """Write `data` to `path` (its folder made), through a temporary file so that a run cut off mid-write leaves the
+    previous file whole."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=indent) + "\n")
+    tmp.replace(path)
+    return path
 
 
 def json_lines(text: str) -> list[dict]:
@@ -27,15 +124,23 @@ def json_lines(text: str) -> list[dict]:
     return rows
 
 
+def module_command(module: str, launcher: list[str] | None = None) -> list[str]:
+    """The command that runs `module` (`benchmarks.bench_grpo`) as `python -m` does, under `launcher` if given
+    (`accelerate launch ...`, which takes `--module`). The child inherits the working directory: the repository root
+    (or a PYTHONPATH naming it) from which this script itself was started."""
+    return [*launcher, "--module", module] if launcher else [sys.executable, "-m", module]
+
+
 def run_child(
-    script: str | Path, flag: str, name: str, argv: list[str], launcher: list[str] | None = None
+    module: str, flag: str, name: str, argv: list[str], launcher: list[str] | None = None
 ) -> list[dict] | None:
-    """Run `script flag name argv...` and return its JSON lines; on failure print its stdout's tail, return None.
+    """Run `python -m module flag name argv...` and return its JSON lines; on failure print its stdout's tail, return
+    None.
 
     `launcher` replaces the plain interpreter (e.g. `accelerate launch ... --num_processes 2`): then only the main
     process should print JSON. The child's stderr (progress lines, tracebacks) goes straight to ours, so a long
     run's log shows where it is."""
-    cmd = [*(launcher or [sys.executable]), str(script), flag, name, *argv]
+    cmd = [*module_command(module, launcher), flag, name, *argv]
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
     rows = json_lines(proc.stdout)
     if proc.returncode != 0 or not rows:
@@ -66,7 +171,7 @@ def previous_rows(out: Path, result: dict, same: tuple[str, ...], id_key: str, r
 
 
 def run_all(
-    script: str | Path,
+    module: str,
     flag: str,
     names: list[str],
     argv: list[str],
@@ -80,14 +185,13 @@ def run_all(
     `order`) and `out` rewritten after every child, so a crash keeps what ran. Returns the names that failed."""
     failed = []
     for name in names:
-        rows = run_child(script, flag, name, argv, launcher)
+        rows = run_child(module, flag, name, argv, launcher)
         if rows is None:
             failed.append(name)
             continue
         result["results"].append(rows[-1])
         result["results"].sort(key=lambda r: order.index(r[id_key]))
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
+        write_json(out, result)
     return failed
 
 

@@ -1,6 +1,6 @@
 """Draw the report's plots from the committed JSON results (CPU, no GPU needed).
 
-    python benchmarks/plot_results.py [--results benchmarks/results] [--out benchmarks/plots]
+    python -m benchmarks.plot_results [--results benchmarks/results] [--out benchmarks/plots]
 
 - `convergence_reward.png`, `convergence_accuracy.png`, `convergence_mismatch.png`: per-step reward, held-out
   accuracy and trainer-vs-rollout mismatch of every `results/convergence*/grpo_*.json` setting (one colour per
@@ -25,12 +25,10 @@ report's tables (`tables`), which `docs/benchmarks.md` and `notebooks/fp8_vs_bf1
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-
+from benchmarks.common import RESULTS, arg_parser, kernel_category
 
 REPORT_DEVICE = "NVIDIA_H200"  # the device of docs/benchmarks.md's report: its files are drawn where one is
 
@@ -150,8 +148,6 @@ def rollout_profile_table(result: dict) -> list[str]:
     its floor, then the profiled rollout's GPU kernel time by category. The categories are recomputed from the
     heaviest kernels the file records with today's `kernel_category` (the file's own may predate a name), and the
     share of the kernel time those kernels cover is shown."""
-    from common import kernel_category
-
     rows = [r for r in result["results"] if "profile" in r]
     if not rows:
         return []
@@ -537,9 +533,9 @@ def main(argv=None) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--results", default=str(HERE / "results"))
-    parser.add_argument("--out", default=str(HERE / "plots"))
+    parser = arg_parser(__doc__)
+    parser.add_argument("--results", default=str(RESULTS))
+    parser.add_argument("--out", default=str(RESULTS.parent / "plots"))
     args = parser.parse_args(argv)
     results, out = Path(args.results), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU run behind the end-to-end report (the speed and accuracy sections of benchmarks/README.md), in one go:
 #
-#   bash benchmarks/run_report.sh [RESULTS_DIR]      # GPU host with vLLM; then: python benchmarks/plot_results.py
+#   bash benchmarks/run_report.sh [RESULTS_DIR]      # GPU host with vLLM; then: python -m benchmarks.plot_results
 #
 # - speed: bench_grpo.py, Qwen3-8B shape, bitsandbytes 8-bit AdamW, 64 x 1024-token rollouts per step, four runs;
 # - accuracy: pretrain.py (a 76M Qwen3 taught addition), then run_grpo.py's five settings at once, seeds 0 and 1.
@@ -18,15 +18,15 @@ export PYTHONUNBUFFERED=1
 speed() {
   # Its own rendezvous port: TRL takes the first free one of a fixed list (29500 first) for every colocated engine,
   # and two engines starting at once on one host (here, next to the accuracy runs) can both take it.
-  MASTER_PORT=29610 python benchmarks/bench_grpo.py --shape 8b --optim adamw_bnb_8bit --workdir "$work/speed" \
+  MASTER_PORT=29610 python -m benchmarks.bench_grpo --shape 8b --optim adamw_bnb_8bit --workdir "$work/speed" \
     --runs trl_bf16 fp8_rollout unified unified_fp8kv --out "$results/grpo_speed_$device.json"
 }
 accuracy() {
-  python benchmarks/convergence/pretrain.py --out "$work/arith-base" \
+  python -m benchmarks.convergence.pretrain --out "$work/arith-base" \
     --results "$results/convergence/pretrain_$device.json" &&
-    python benchmarks/convergence/run_grpo.py --model "$work/arith-base" --setting all --parallel \
+    python -m benchmarks.convergence.run_grpo --model "$work/arith-base" --setting all --parallel \
       --workdir "$work/convergence" --results_dir "$results/convergence" &&
-    python benchmarks/convergence/run_grpo.py --model "$work/arith-base" --setting all --parallel --seed 1 \
+    python -m benchmarks.convergence.run_grpo --model "$work/arith-base" --setting all --parallel --seed 1 \
       --workdir "$work/convergence_seed1" --results_dir "$results/convergence_seed1"
 }
 

@@ -67,7 +67,7 @@ timed() {  # name command...: run, log, record exit code and seconds
 chain_pretrain() {  # the 101M addition-chain model, pre-trained to $CHAIN_TARGET held-out accuracy, into $work/chain-base
   # Pre-training stops at its first evaluation >= CHAIN_TARGET: the 2026-11-23 models stayed at chance, then jumped
   # between steps 500 and 600 (5.5-6.7 min), so its time limit leaves room for a later jump.
-  timed chain_pretrain python benchmarks/convergence/pretrain.py --task chain --size medium --out "$work/chain-base" \
+  timed chain_pretrain python -m benchmarks.convergence.pretrain --task chain --size medium --out "$work/chain-base" \
     --batch_size 64 --eval_every 50 --eval_problems 128 --target_accuracy "${CHAIN_TARGET:-0.3}" \
     --max_minutes "${CHAIN_PRETRAIN_MIN:-7.5}" --results "$work/convergence_chain/pretrain_$device.json"
 }
@@ -85,13 +85,13 @@ kernels)
 rollout)
   engines=${ROLLOUT_ENGINES:-fp8_deepgemm_kv fp8_deepgemm_kv_fused fp8_deepgemm fp8_deepgemm_fused bf16 vllm_fp8}
   # shellcheck disable=SC2086
-  timed "rollout_${engines// /+}" python benchmarks/bench_rollout.py --engines $engines \
+  timed "rollout_${engines// /+}" python -m benchmarks.bench_rollout --engines $engines \
     --points 64x1024 256x1024 1024x1024 64x4096 --append --out "$work/rollout_$device.json"
   ;;
 capacity)  # matched memory: every engine gets the same share of the GPU ($CAPACITY_SHARES, one results file each)
   for share in ${CAPACITY_SHARES:-0.3}; do
     # shellcheck disable=SC2086
-    timed "capacity_mem$share" python benchmarks/bench_rollout.py --engines ${CAPACITY_ENGINES:-bf16 fp8_deepgemm fp8_deepgemm_kv} \
+    timed "capacity_mem$share" python -m benchmarks.bench_rollout --engines ${CAPACITY_ENGINES:-bf16 fp8_deepgemm fp8_deepgemm_kv} \
       --points ${CAPACITY_POINTS:-256x2048 128x4096} --prompt_len 256 --gpu_memory_utilization "$share" --append \
       --out "$work/rollout_capacity_mem${share}_$device.json"
   done
@@ -99,14 +99,14 @@ capacity)  # matched memory: every engine gets the same share of the GPU ($CAPAC
 concurrency)  # matched concurrency: the same share, and every engine capped at $CAPACITY_SEQS sequences at once
   share=${CAPACITY_SHARES:-0.3}
   # shellcheck disable=SC2086
-  timed "concurrency_seqs${CAPACITY_SEQS:-22}" python benchmarks/bench_rollout.py \
+  timed "concurrency_seqs${CAPACITY_SEQS:-22}" python -m benchmarks.bench_rollout \
     --engines ${CAPACITY_ENGINES:-bf16 fp8_deepgemm fp8_deepgemm_kv} --points 256x2048 128x4096 --prompt_len 256 \
     --gpu_memory_utilization "$share" --max_num_seqs "${CAPACITY_SEQS:-22}" --append \
     --out "$work/rollout_capacity_mem${share}_seqs${CAPACITY_SEQS:-22}_$device.json"
   ;;
 colocate)  # TRL's colocate defaults on one GPU; each run in a child of its own, rows appended to one file
   for run in ${COLOCATE_RUNS:-trl_bf16 unified_fp8kv unified}; do
-    MASTER_PORT=29650 timed "colocate_$run" python benchmarks/bench_grpo.py --shape 8b --optim adamw_bnb_8bit \
+    MASTER_PORT=29650 timed "colocate_$run" python -m benchmarks.bench_grpo --shape 8b --optim adamw_bnb_8bit \
       --sleep_mode --vllm_memory "${COLOCATE_SHARE:-0.3}" --completion_len 2048 --generation_batch 128 --steps 3 \
       --warmup 1 --runs "$run" --append --out "$work/grpo_colocate_8b_$device.json"
   done
@@ -114,13 +114,13 @@ colocate)  # TRL's colocate defaults on one GPU; each run in a child of its own,
 bestfit)  # per run, shares in increasing order until one fails: a careful user's tuning (2 steps: one timed)
   for run in ${BESTFIT_RUNS:-trl_bf16 unified_fp8kv}; do
     for share in ${BESTFIT_SHARES:-0.35 0.4 0.45 0.5}; do
-      MASTER_PORT=29660 timed "bestfit_${run}_$share" python benchmarks/bench_grpo.py --shape 8b \
+      MASTER_PORT=29660 timed "bestfit_${run}_$share" python -m benchmarks.bench_grpo --shape 8b \
         --optim adamw_bnb_8bit --sleep_mode --vllm_memory "$share" --completion_len 2048 --generation_batch 128 \
         --steps 2 --warmup 1 --runs "$run" --out "$work/grpo_bestfit_${run}_mem${share}_$device.json"
       grep -q "bestfit_${run}_$share rc=0" "$work/status.txt" || break
     done
   done
-  python benchmarks/collect_bestfit.py "$work" --out "$work/grpo_bestfit_8b_$device.json"  # failures included
+  python -m benchmarks.collect_bestfit "$work" --out "$work/grpo_bestfit_8b_$device.json"  # failures included
   ;;
 pack)
   tar -C "$(dirname "$DG_JIT_CACHE_DIR")" -czf - "$(basename "$DG_JIT_CACHE_DIR")" | split -b 15M - "$work/dg_cache.tgz.part"
@@ -132,28 +132,28 @@ suite)
   ;;
 checks)
   gpu_tests gpu_tests tests/gpu
-  timed identity python benchmarks/bench_identity.py --settings bf16 fp8 --backends deepgemm cutlass \
+  timed identity python -m benchmarks.bench_identity --settings bf16 fp8 --backends deepgemm cutlass \
     --out "$work/identity_kernels_$device.json"
-  timed rollout_long python benchmarks/bench_rollout.py --engines fp8_deepgemm_kv bf16 --points 16x16384 \
+  timed rollout_long python -m benchmarks.bench_rollout --engines fp8_deepgemm_kv bf16 --points 16x16384 \
     --out "$work/rollout_long_$device.json"
   ;;
 linear)
-  timed linear python benchmarks/bench_linear.py --profile "$work/profile" --out "$work/linear_$device.json"
+  timed linear python -m benchmarks.bench_linear --profile "$work/profile" --out "$work/linear_$device.json"
   ;&  # and on into gemm
 gemm)
-  timed gemm python benchmarks/bench_gemm.py --out "$work/gemm_$device.json"
+  timed gemm python -m benchmarks.bench_gemm --out "$work/gemm_$device.json"
   ;;
 train)  # the training phase alone (no vLLM, minutes): host cost per piece, then every flow at 1.7B and 12 layers of 8B
-  timed host python benchmarks/bench_host.py --out "$work/host_$device.json"
-  timed train_step_1.7b python benchmarks/bench_train_step.py --shape 1.7b --profile "$work/train_profile" \
+  timed host python -m benchmarks.bench_host --out "$work/host_$device.json"
+  timed train_step_1.7b python -m benchmarks.bench_train_step --shape 1.7b --profile "$work/train_profile" \
     --out "$work/train_step_1.7b_$device.json"
-  timed train_step_8b python benchmarks/bench_train_step.py --shape 8b --layers 12 --out "$work/train_step_8b_$device.json"
+  timed train_step_8b python -m benchmarks.bench_train_step --shape 8b --layers 12 --out "$work/train_step_8b_$device.json"
   ;;
 quant)
-  timed quant python benchmarks/bench_quant.py --num_warps 2 4 8 16 --out "$work/quant_$device.json"
+  timed quant python -m benchmarks.bench_quant --num_warps 2 4 8 16 --out "$work/quant_$device.json"
   ;;
 grpo)
-  MASTER_PORT=29610 timed grpo python benchmarks/bench_grpo.py --shape 8b --optim adamw_bnb_8bit \
+  MASTER_PORT=29610 timed grpo python -m benchmarks.bench_grpo --shape 8b --optim adamw_bnb_8bit \
     --runs ${GRPO_RUNS:-trl_bf16 unified unified_deepgemm unified_nocache} --steps 6 --warmup 1 --profile_step 5 \
     --out "$work/grpo_speed_$device.json"
   ;;
@@ -161,7 +161,7 @@ four)  # report v2's first regime: the four runs of `long` (with FP8 rollouts an
   # 8B shape and 64 x 1024 tokens, with today's defaults. DeepGEMM's warm-up is skipped as in `long`: the first FP8
   # run's untimed step 0 compiles its kernels; medians of steps 1-3.
   # shellcheck disable=SC2086
-  VLLM_DEEP_GEMM_WARMUP=${VLLM_DEEP_GEMM_WARMUP:-skip} MASTER_PORT=29640 timed grpo_four python benchmarks/bench_grpo.py \
+  VLLM_DEEP_GEMM_WARMUP=${VLLM_DEEP_GEMM_WARMUP:-skip} MASTER_PORT=29640 timed grpo_four python -m benchmarks.bench_grpo \
     --shape 8b --optim adamw_bnb_8bit --runs ${FOUR_RUNS:-trl_bf16 fp8_rollout unified unified_fp8kv} \
     --steps "${FOUR_STEPS:-4}" --warmup 1 --out "$work/grpo_speed_four_$device.json"
   ;;
@@ -174,7 +174,7 @@ long)  # the long regime: 128 completions of 4096 tokens per step on the Qwen3-1
   steps=${LONG_STEPS:-3} long_out="$work/grpo_speed_long_$device.json"
   [ -f "$long_out" ] || cp "benchmarks/results/$(basename "$long_out")" "$long_out" 2>/dev/null  # the committed rows
   # shellcheck disable=SC2046,SC2086
-  VLLM_DEEP_GEMM_WARMUP=${VLLM_DEEP_GEMM_WARMUP:-skip} MASTER_PORT=29630 timed grpo_long python benchmarks/bench_grpo.py \
+  VLLM_DEEP_GEMM_WARMUP=${VLLM_DEEP_GEMM_WARMUP:-skip} MASTER_PORT=29630 timed grpo_long python -m benchmarks.bench_grpo \
     --shape 1.7b --runs ${LONG_RUNS:-trl_bf16 fp8_rollout unified unified_fp8kv} --completion_len 4096 \
     --generation_batch 128 --micro_batch 4 --vllm_memory 0.55 --steps "$steps" --warmup 1 \
     $([ "$steps" -ge 3 ] && echo --profile_step 2) --append --out "$long_out"
@@ -182,7 +182,7 @@ long)  # the long regime: 128 completions of 4096 tokens per step on the Qwen3-1
 kvprofile)  # the long regime's rollouts alone: BF16 and FP8 weights, BF16 and FP8 KV cache, each with a profiled
   # 128 x 1024 rollout: how far FP8-KV attention (FlashAttention-3, Q/K/V in FP8) sits from its byte floor. Cutlass
   # kernels: no DeepGEMM cold compile on a fresh host.
-  timed rollout_kvprofile python benchmarks/bench_rollout.py --shape 1.7b --engines bf16 fp8_cutlass fp8_cutlass_kv \
+  timed rollout_kvprofile python -m benchmarks.bench_rollout --shape 1.7b --engines bf16 fp8_cutlass fp8_cutlass_kv \
     --points 128x4096 --prompt_len 128 --profile_point 128x1024 --gpu_memory_utilization 0.55 \
     --workdir "$work/rollout" --out "$work/rollout_long_$device.json"
   ;;
@@ -190,9 +190,9 @@ fp8kv)  # the FP8 KV cache's cost on the addition task, the settings side by sid
   # accuracy study, one seed): held-out accuracy, trainer-vs-rollout KL and the TIS clipping rate, FP8 weights with
   # the BF16 KV cache against the same with the FP8 one (the trainer's KV scales), BF16 beside them. Cutlass rollouts
   # (no cold DeepGEMM compile for the small model's shapes); training bounded by FP8KV_MINUTES.
-  timed fp8kv_pretrain python benchmarks/convergence/pretrain.py --out "$work/arith-base" \
+  timed fp8kv_pretrain python -m benchmarks.convergence.pretrain --out "$work/arith-base" \
     --results "$work/convergence_fp8kv/pretrain_$device.json"
-  timed fp8kv_grpo python benchmarks/convergence/run_grpo.py --model "$work/arith-base" \
+  timed fp8kv_grpo python -m benchmarks.convergence.run_grpo --model "$work/arith-base" \
     --setting bf16 fp8_tis fp8_tis_fp8kv --parallel --vllm_fp8_backend cutlass --max_minutes "${FP8KV_MINUTES:-6}" \
     --workdir "$work/fp8kv_runs" --results_dir "$work/convergence_fp8kv"
   ;;
@@ -222,7 +222,7 @@ chain)  # the long-completion study: pre-train the 101M addition-chain model, th
     chain_pretrain
   fi
   # shellcheck disable=SC2086
-  timed chain_grpo python benchmarks/convergence/run_grpo.py --task chain --model "$base" --setting all \
+  timed chain_grpo python -m benchmarks.convergence.run_grpo --task chain --model "$base" --setting all \
     --parallel --seeds ${CHAIN_SEEDS:-0 1} --gpus $gpus --steps "${CHAIN_STEPS:-100}" --stop_at "$phase_end" \
     --lr 5e-5 --batch_size 64 --micro_batch 8 --gradient_checkpointing --eval_every 20 --eval_problems 128 \
     --eval_batch "$eval_batch" --vllm_memory 0.05 --vllm_fp8_backend cutlass --results_dir "$work/convergence_chain" \
@@ -241,7 +241,7 @@ multi)  # a 4B shape with stock fused AdamW: one step fits one GPU beside its en
   for runs in "1 multi_gpu" "2 fsdp2" "2 multi_gpu"; do
     read -r n cfg <<<"$runs"
     CUDA_VISIBLE_DEVICES=$( [ "$n" = 1 ] && echo 0 || echo 0,1 ) MASTER_PORT=29620 timed "grpo_${n}x$cfg" \
-      python benchmarks/bench_grpo.py --shape 4b --runs trl_bf16 unified --num_processes "$n" --launch_config "$cfg" \
+      python -m benchmarks.bench_grpo --shape 4b --runs trl_bf16 unified --num_processes "$n" --launch_config "$cfg" \
       --out "$work/grpo_speed_${device}_${n}x$cfg.json"
   done
   ;;

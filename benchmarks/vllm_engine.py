@@ -10,7 +10,7 @@ from pathlib import Path
 
 from trl_fp8.checkpoint.save import fp8_module_names
 from trl_fp8.rollout.vllm.deepgemm_warmup import precompile_engine_kernels
-from trl_fp8.rollout.vllm.generation import (
+from trl_fp8.rollout.vllm.engine import (
     TRL_MAX_NUM_BATCHED_TOKENS,
     apply_engine_env,
     engine_overrides,

@@ -1,5 +1,6 @@
 import os
 import socket
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests build every model and tokenizer locally
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -61,6 +62,18 @@ def exact_interpreter_casts(monkeypatch):
         return original(values, input_dtype, output_dtype, rounding_mode)
 
     monkeypatch.setattr(interpreter, "_convert_float", convert)
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    """vLLM's `LLM` replaced by `fake_vllm.FakeLLM` for TRL's colocate code (no vLLM needed); returns the class, whose
+    `instances` are the engines built since."""
+    from fake_vllm import install_fake_vllm
+
+    return install_fake_vllm(monkeypatch)
+
+
+WORKERS = Path(__file__).resolve().parent / "workers"  # scripts the tests run in processes of their own
 
 
 def clean_subprocess_env() -> dict[str, str]:

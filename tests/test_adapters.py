@@ -23,7 +23,7 @@ from trl_fp8 import FP8Linear, convert_to_fp8, save_fp8_checkpoint
 from trl_fp8.checkpoint.save import fp8_checkpoint_tensors
 from trl_fp8.demo.tiny_model import tiny_qwen3
 from trl_fp8.nn.adapters import AdapterMergeError, merged_base_parameters, tuner_layer_names
-from trl_fp8.rollout.vllm.generation import rollout_weight_tensors
+from trl_fp8.rollout.vllm.engine import rollout_weight_tensors
 
 from conftest import assert_fp8_equal, rel_err
 

@@ -1,14 +1,9 @@
 """The long-completion convergence task (`benchmarks/convergence/addition_chain.py`): generated problems, their
 written-out running sums, the word-level tokenizer and the exact reward."""
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "convergence"))
-
-import addition_chain as task  # noqa: E402
+from benchmarks.convergence import addition_chain as task
 
 
 def test_completions_add_up_the_prompt_and_have_the_stated_length():

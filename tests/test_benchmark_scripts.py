@@ -1,5 +1,6 @@
-"""The convergence scripts and the plotting script run end to end on CPU at smoke size (the GPU host runs them at
-full size; see benchmarks/README.md)."""
+"""The benchmark scripts (the `benchmarks` package) run end to end on CPU at smoke size, as modules from the
+repository root (the GPU host runs them at full size; see benchmarks/README.md), and their helpers compute what the
+results files record."""
 
 import json
 import subprocess
@@ -10,23 +11,26 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.benchmark_scripts  # `python -m pytest -m benchmark_scripts` runs these alone
+PRETRAIN, RUN_GRPO = "benchmarks.convergence.pretrain", "benchmarks.convergence.run_grpo"
 
 
-def _run(*args):
-    proc = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, timeout=600)
+def _run(module, *args):
+    """`python -m module args...` from the repository root, as benchmarks/README.md runs the scripts."""
+    proc = subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     return proc.stdout
 
 
 def test_pretrain_grpo_and_plots_run_at_smoke_size(tmp_path):
-    conv = ROOT / "benchmarks" / "convergence"
-    _run(conv / "pretrain.py", "--out", tmp_path / "base", "--size", "smoke", "--max_steps", "4", "--batch_size", "8",
+    _run(PRETRAIN, "--out", tmp_path / "base", "--size", "smoke", "--max_steps", "4", "--batch_size", "8",
          "--eval_every", "2", "--eval_problems", "8", "--results", tmp_path / "pretrain.json")  # fmt: skip
     pretrain = json.loads((tmp_path / "pretrain.json").read_text())
     assert [e["step"] for e in pretrain["log"]] == [2, 4] and (tmp_path / "base" / "config.json").exists()
 
     results = tmp_path / "results"  # all six settings at once, through the parallel start-up barrier
-    _run(conv / "run_grpo.py", "--model", tmp_path / "base", "--setting", "all", "--parallel", "--steps", "2",
+    _run(RUN_GRPO, "--model", tmp_path / "base", "--setting", "all", "--parallel", "--steps", "2",
          "--batch_size", "8", "--num_generations", "4", "--eval_every", "1", "--eval_problems", "8", "--no_vllm",
          "--results_dir", results / "convergence", "--workdir", tmp_path / "work")  # fmt: skip
     runs = {p.name: json.loads(p.read_text()) for p in (results / "convergence").glob("grpo_*.json")}
@@ -37,29 +41,27 @@ def test_pretrain_grpo_and_plots_run_at_smoke_size(tmp_path):
     assert [s["step"] for s in run["steps"]] == [1, 2] and [e["step"] for e in run["held_out"]] == [0, 1, 2]
     assert run["args"]["parallel"] and "sync_dir" not in run["args"]
 
-    out = _run(ROOT / "benchmarks" / "plot_results.py", "--results", results, "--out", tmp_path / "plots")
+    out = _run("benchmarks.plot_results", "--results", results, "--out", tmp_path / "plots")
     assert "convergence_accuracy.png" in out and (tmp_path / "plots" / "convergence_reward.png").stat().st_size > 0
 
 
 def test_long_completion_task_pretrains_and_runs_grpo_at_smoke_size(tmp_path):
     """`--task chain`: word-level tokenizer, completions up to 864 tokens, through the same pre-training and GRPO
     scripts; its results stay out of the addition plots."""
-    conv = ROOT / "benchmarks" / "convergence"
-    _run(conv / "pretrain.py", "--task", "chain", "--out", tmp_path / "base", "--size", "smoke", "--max_steps", "2",
+    _run(PRETRAIN, "--task", "chain", "--out", tmp_path / "base", "--size", "smoke", "--max_steps", "2",
          "--batch_size", "2", "--eval_every", "2", "--eval_problems", "2", "--results", tmp_path / "pretrain.json")  # fmt: skip
     pretrain = json.loads((tmp_path / "pretrain.json").read_text())
     assert pretrain["args"]["task"] == "chain" and [e["step"] for e in pretrain["log"]] == [2]
     assert json.loads((tmp_path / "base" / "config.json").read_text())["vocab_size"] == 128
     results = tmp_path / "results" / "convergence_chain"
-    _run(conv / "run_grpo.py", "--task", "chain", "--model", tmp_path / "base", "--setting", "fp8_tis", "--steps", "3",
+    _run(RUN_GRPO, "--task", "chain", "--model", tmp_path / "base", "--setting", "fp8_tis", "--steps", "3",
          "--max_minutes", "1e-6", "--batch_size", "4", "--micro_batch", "2", "--num_generations", "2", "--eval_every",
          "5", "--eval_problems", "2", "--no_vllm", "--results_dir", results, "--workdir", tmp_path / "work")  # fmt: skip
     (run,) = [json.loads(p.read_text()) for p in results.glob("grpo_*.json")]
     # the deadline passed during step 1: training stopped there and the model was evaluated there
     assert run["args"]["task"] == "chain" and [e["step"] for e in run["held_out"]] == [0, 1]
     assert run["stopped_by_deadline"] == 1 and [s["step"] for s in run["steps"]] == [1]
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from plot_results import _convergence_runs
+    from benchmarks.plot_results import _convergence_runs
 
     assert _convergence_runs(tmp_path / "results") == [] and len(_convergence_runs(tmp_path / "results", "chain")) == 1
 
@@ -67,8 +69,7 @@ def test_long_completion_task_pretrains_and_runs_grpo_at_smoke_size(tmp_path):
 def test_the_fp8kv_study_gets_its_own_table_and_stays_out_of_the_reports_seeds(tmp_path):
     """`convergence_fp8kv/` (`run_rollout_report.sh fp8kv`) is one question on one host: its runs are not more seeds of
     the report's `convergence/` runs; its table gives the accuracy's standard error, the KL and the TIS clipping."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from plot_results import _convergence_runs, tables
+    from benchmarks.plot_results import _convergence_runs, tables
 
     def run(folder, setting, kl, clipped=None):
         steps = [{"step": i, "reward": 0.5, "fp8/mismatch/kl_k3": kl * i, "fp8/mismatch/abs_logp_diff_mean": 0.01,
@@ -98,8 +99,7 @@ def test_rollout_plot_reads_both_result_formats(tmp_path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from plot_results import plot_rollout, rollout_points
+    from benchmarks.plot_results import plot_rollout, rollout_points
 
     def point(seqs, new, tps):
         return {"seqs": seqs, "new_tokens": new, "tokens_per_s": tps}
@@ -117,8 +117,7 @@ def test_rollout_plot_reads_both_result_formats(tmp_path):
 def test_rollout_summary_gives_each_profiled_engine_its_kernel_time_and_attention_floor():
     """`bench_rollout --profile_point SxN`: the summary adds, per profiled engine, the kernel milliseconds by category
     and attention's KV-read floor (absent without a known device)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from bench_rollout import parse_point, summary
+    from benchmarks.bench_rollout import parse_point, summary
 
     assert parse_point("128x4096") == (128, 4096)
     point = {"seqs": 128, "new_tokens": 4096, "tokens_per_s": 100.0, "of_floor": 0.5}
@@ -135,7 +134,7 @@ def test_rollout_summary_gives_each_profiled_engine_its_kernel_time_and_attentio
 def test_linear_and_gemm_benchmarks_run_at_smoke_size(tmp_path):
     """bench_linear (with its profile) and bench_gemm on CPU at tiny shapes: the emulated backend through the same
     code the GPU run takes, so a changed kernel-layer interface breaks here, not on the lent GPU host."""
-    out = _run(ROOT / "benchmarks" / "bench_linear.py", "--quick", "--profile", tmp_path / "profile",
+    out = _run("benchmarks.bench_linear", "--quick", "--profile", tmp_path / "profile",
                "--out", tmp_path / "linear.json")  # fmt: skip
     result = json.loads((tmp_path / "linear.json").read_text())
     assert {r["shape"] for r in result["results"]} == {"tiny_a", "tiny_b", "tiny_ab"}
@@ -145,15 +144,14 @@ def test_linear_and_gemm_benchmarks_run_at_smoke_size(tmp_path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from plot_results import linear_speedups, plot_linear
+    from benchmarks.plot_results import linear_speedups, plot_linear
 
     result["results"].append({"shape": "tiny_a", "variant": "broken", "error": "RuntimeError: x"})  # a failed variant
     speedups = linear_speedups(result)
     assert "broken" not in speedups and "bf16" not in speedups
     assert set(speedups["trl_fp8 blockwise (cached W)"]) == {"tiny_a", "tiny_b", "tiny_ab"}
     assert plot_linear(result, tmp_path, plt).exists()
-    out = _run(ROOT / "benchmarks" / "bench_gemm.py", "--quick", "--out", tmp_path / "gemm.json")
+    out = _run("benchmarks.bench_gemm", "--quick", "--out", tmp_path / "gemm.json")
     rows = json.loads((tmp_path / "gemm.json").read_text())["results"]
     assert {(r["gemm"], r["variant"]) for r in rows} >= {("wgrad", "emulated"), ("fprop", "bf16 mm")}
     assert all(r.get("rel_err_vs_emulation", 0.0) == 0.0 and "error" not in r for r in rows)
@@ -162,7 +160,7 @@ def test_linear_and_gemm_benchmarks_run_at_smoke_size(tmp_path):
 def test_saved_activation_counts_at_smoke_size(tmp_path):
     """FP8 keeps fewer bytes for backward than BF16, and the fused MLP exactly one [tokens, intermediate] BF16
     tensor less than the unfused FP8 layer (silu(gate), recomputed in backward)."""
-    _run(ROOT / "benchmarks" / "bench_saved_activations.py", "--quick", "--out", tmp_path / "saved.json")
+    _run("benchmarks.bench_saved_activations", "--quick", "--out", tmp_path / "saved.json")
     rows = {r["setting"]: r for r in json.loads((tmp_path / "saved.json").read_text())["results"]}
     outside = {k: r["bytes_per_token_outside_attention_core"] for k, r in rows.items()}
     assert outside["bf16"] > outside["fp8"] > outside["fp8_fused"]
@@ -175,9 +173,7 @@ def test_the_trainer_memory_account_counts_live_gradients_and_optimizer_states()
     state tensors (AdamW: two per parameter, plus its step counters), and an FP8 weight cache once a forward made it."""
     import torch
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from bench_grpo import trainer_memory_account
-
+    from benchmarks.bench_grpo import trainer_memory_account
     from trl_fp8 import FP8LinearConfig
     from trl_fp8.nn.linear import FP8Linear
 
@@ -199,8 +195,7 @@ def test_the_trainer_memory_account_counts_live_gradients_and_optimizer_states()
 def test_allocator_segments_split_free_bytes_by_whether_empty_cache_can_return_them():
     """A segment with a live block pins its free bytes; a segment with none is returned by `empty_cache`; a private
     pool's (vLLM's sleep-mode pool) bytes are counted apart."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from bench_grpo import allocator_segments
+    from benchmarks.bench_grpo import allocator_segments
 
     snapshot = [
         {"total_size": 20 << 20, "allocated_size": 2 << 20, "segment_pool_id": (0, 0)},
@@ -217,8 +212,7 @@ def test_allocator_segments_split_free_bytes_by_whether_empty_cache_can_return_t
 
 def test_collect_bestfit_keeps_the_runs_that_ran_out_of_memory(tmp_path):
     """A run that failed wrote no row: its outcome comes from the status file and its log's error line."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from collect_bestfit import main as collect
+    from benchmarks.collect_bestfit import main as collect
 
     header = {"device": "GPU", "date": "2026-11-26", "versions": {}, "settings": {"vllm_memory": 0.4, "shape": "8b",
               "cuda_alloc_conf": "expandable_segments:True"}}  # fmt: skip
@@ -248,9 +242,8 @@ def test_grpo_medians_leave_out_the_profiled_step_and_after(tmp_path):
     seconds and lands in the next step); `--resummarize` recomputes a results file's medians from its per-step
     times; the kernel categories do not file `gpu_kernel_impl_nocast` elementwise kernels under casts, and file
     vLLM's block-FP8 GEMM and activation quantizers as FP8."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from bench_grpo import median_steps, mismatch_medians, model_positions, step_medians
-    from common import kernel_category as category
+    from benchmarks.bench_grpo import median_steps, mismatch_medians, model_positions, step_medians
+    from benchmarks.common import kernel_category as category
 
     assert model_positions(128, 1024) == 4096 and model_positions(128, 4096) == 8192  # the long regime's context
 
@@ -275,7 +268,7 @@ def test_grpo_medians_leave_out_the_profiled_step_and_after(tmp_path):
     path = tmp_path / "grpo.json"
     row = {"name": "trl_bf16", "step_time": {}, "per_step": per_step}
     path.write_text(json.dumps({"settings": {}, "results": [row]}))
-    _run(ROOT / "benchmarks" / "bench_grpo.py", "--resummarize", path, "--median_steps", "1", "2")
+    _run("benchmarks.bench_grpo", "--resummarize", path, "--median_steps", "1", "2")
     result = json.loads(path.read_text())
     assert result["settings"]["median_steps"] == [1, 2]
     assert result["results"][0]["step_time"] == {"step_s": 11.0, "rollout_s": 4.0, "weight_sync_s": 0.5,
@@ -309,8 +302,7 @@ def test_grpo_medians_leave_out_the_profiled_step_and_after(tmp_path):
 def test_append_keeps_rows_of_the_same_regime_and_refuses_another(tmp_path):
     """`--append` keeps the earlier rows that are not re-run when device and regime match (rows measured over other
     steps included); a file of another regime is refused by name, never overwritten with its rows dropped."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from common import previous_rows
+    from benchmarks.common import previous_rows
 
     out = tmp_path / "grpo.json"
     rows = [{"name": "trl_bf16", "measured": {"steps": 3}}, {"name": "unified", "measured": {"steps": 3}}]
@@ -331,8 +323,7 @@ def test_mismatch_by_position_averages_each_bucket_over_steps_and_seeds(tmp_path
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from plot_results import mismatch_by_position, plot_mismatch_by_position
+    from benchmarks.plot_results import mismatch_by_position, plot_mismatch_by_position
 
     def run(setting, seed, values):
         steps = [{"step": i + 1, "reward": 0.5, **{f"fp8/mismatch/pos_{lo}_{hi}/{stat}": v for (lo, hi), v in zip(
@@ -349,13 +340,12 @@ def test_mismatch_by_position_averages_each_bucket_over_steps_and_seeds(tmp_path
 
 def test_parallel_runs_get_their_own_seed_and_results_folder():
     """`run_grpo.py --parallel --seeds 0 1` passes each run one `--seed` and `--results_dir`, never the parent's."""
-    sys.path.insert(0, str(ROOT / "benchmarks" / "convergence"))
-    from run_grpo import strip_option
+    from benchmarks.convergence.run_grpo import strip_option
 
     argv = ["--task", "trace", "--seeds", "0", "1", "--results_dir", "/r", "--seed", "3", "--steps", "5"]
     assert strip_option(strip_option(strip_option(argv, "--seeds"), "--seed"), "--results_dir") == [
         "--task", "trace", "--steps", "5"]  # fmt: skip
-    from run_grpo import chosen_settings, seed_results_dir
+    from benchmarks.convergence.run_grpo import chosen_settings, seed_results_dir
 
     assert chosen_settings(["fp8_tis", "fp8_tis_fp8kv", "fp8_tis"]) == ["fp8_tis", "fp8_tis_fp8kv"]
     assert len(chosen_settings(["all"])) == 6 and chosen_settings(["bf16"]) == ["bf16"]
@@ -370,10 +360,8 @@ def test_every_setting_builds_its_config_with_a_rollout_kernel_named(monkeypatch
     import argparse
 
     import trl_fp8.config
-
-    sys.path.insert(0, str(ROOT / "benchmarks" / "convergence"))
-    from pretrain import load_task
-    from run_grpo import SETTINGS, grpo_config
+    from benchmarks.convergence.pretrain import load_task
+    from benchmarks.convergence.run_grpo import SETTINGS, grpo_config
 
     monkeypatch.setattr(trl_fp8.config, "check_vllm_version", lambda: "0.26.0")  # no vLLM on the CPU host
     args = argparse.Namespace(workdir=str(tmp_path), seed=0, steps=4, lr=1e-5, batch_size=64, micro_batch=8,
@@ -388,8 +376,7 @@ def test_every_setting_builds_its_config_with_a_rollout_kernel_named(monkeypatch
 
 
 def test_parallel_seeds_spread_over_gpus_one_seed_per_gpu():
-    sys.path.insert(0, str(ROOT / "benchmarks" / "convergence"))
-    from run_grpo import gpu_of_seed
+    from benchmarks.convergence.run_grpo import gpu_of_seed
 
     assert gpu_of_seed([0, 1], [0, 1]) == {0: "0", 1: "1"}
     assert gpu_of_seed([0, 1, 2], [3]) == {0: "3", 1: "3", 2: "3"}
@@ -398,8 +385,7 @@ def test_parallel_seeds_spread_over_gpus_one_seed_per_gpu():
 
 def test_parallel_runs_each_get_their_own_rendezvous_port():
     """Two GPUs' start-up queues once picked port 29500 at the same moment: every run now has a port of its own."""
-    sys.path.insert(0, str(ROOT / "benchmarks" / "convergence"))
-    from run_grpo import SETTINGS, gpu_of_seed, run_env
+    from benchmarks.convergence.run_grpo import SETTINGS, gpu_of_seed, run_env
 
     gpu = gpu_of_seed([0, 1], [0, 1])
     seeds = [seed for seed in (0, 1) for _ in SETTINGS]  # the runs in run_parallel's order
@@ -412,8 +398,7 @@ def test_parallel_runs_each_get_their_own_rendezvous_port():
 def test_parallel_runs_train_once_all_started_or_failed(tmp_path, capsys):
     """A run that fails to start no longer stops the others: they train once every run is ready or marked failed,
     and give up only if some run neither starts nor fails in time."""
-    sys.path.insert(0, str(ROOT / "benchmarks" / "convergence"))
-    from run_grpo import wait_for_all
+    from benchmarks.convergence.run_grpo import wait_for_all
 
     (tmp_path / "bf16_seed0.ready").touch()
     (tmp_path / "fp8_seed1.failed").touch()
@@ -426,8 +411,7 @@ def test_parallel_runs_train_once_all_started_or_failed(tmp_path, capsys):
 def test_parallel_runs_stop_level_at_the_deadline(tmp_path):
     """The first run past `--max_minutes` fixes the stop step for all: one behind trains on to it, one ahead stops at
     once; a run lagging past the grace period stops where it is."""
-    sys.path.insert(0, str(ROOT / "benchmarks" / "convergence"))
-    from run_grpo import Deadline
+    from benchmarks.convergence.run_grpo import Deadline
 
     first, behind, ahead, lagging = (Deadline(1e-6, tmp_path, grace_s=g) for g in (60, 60, 60, 0))
     assert not Deadline(None, tmp_path).reached(100)  # no --max_minutes: never
@@ -458,9 +442,8 @@ def test_speed_regimes_and_long_task_runs_get_their_own_tables_and_plots(tmp_pat
     import matplotlib
 
     matplotlib.use("Agg")
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from plot_results import main as plot_results
-    from plot_results import rollout_result, speed_results, tables
+    from benchmarks.plot_results import main as plot_results
+    from benchmarks.plot_results import rollout_result, speed_results, tables
 
     def speed(completion_len, step_s):
         rows = [{"name": name, "step_time": {"step_s": t, "rollout_s": t / 2, "training_s": t / 2, "weight_sync_s": 0.0}}
@@ -529,7 +512,7 @@ def test_training_phase_and_host_benchmarks_run_at_smoke_size(tmp_path):
     """bench_train_step on CPU: BF16 and the FP8 flows train the same tiny model on the same batches (learning rate
     0), so their losses agree to FP8 noise; a flow that cannot run here (Liger: GPU kernels, maybe not installed)
     is recorded with its error and the others go on. bench_host times every piece that runs without CUDA."""
-    _run(ROOT / "benchmarks" / "bench_train_step.py", "--shape", "tiny", "--quick",
+    _run("benchmarks.bench_train_step", "--shape", "tiny", "--quick",
          "--flows", "bf16", "fp8", "fp8_fused", "fp8_ckpt2", "fp8_nockpt", "fp8_liger", "--profile", tmp_path / "prof", "--out", tmp_path / "ts.json")  # fmt: skip
     rows = {r["flow"]: r for r in json.loads((tmp_path / "ts.json").read_text())["results"]}
     assert "error" in rows["fp8_liger"] or rows["fp8_liger"]["step_s"] > 0
@@ -544,7 +527,7 @@ def test_training_phase_and_host_benchmarks_run_at_smoke_size(tmp_path):
         "activation_checkpointing_enable" in rows["fp8_ckpt2"].get("error", "")
         or rows["fp8_ckpt2"]["loss"] == rows["fp8"]["loss"]
     )
-    _run(ROOT / "benchmarks" / "bench_host.py", "--quick", "--out", tmp_path / "host.json")
+    _run("benchmarks.bench_host", "--quick", "--out", tmp_path / "host.json")
     host = {r["case"]: r["host_us"] for r in json.loads((tmp_path / "host.json").read_text())["results"]}
     assert {"nn.Linear fwd+bwd", "FP8Linear fwd+bwd (cached W)", "3 x FP8Linear as one sibling GEMM fwd+bwd"} <= set(
         host
@@ -555,7 +538,7 @@ def test_training_phase_and_host_benchmarks_run_at_smoke_size(tmp_path):
 def test_experts_benchmark_runs_at_smoke_size(tmp_path):
     """bench_experts on CPU at a tiny MoE shape: BF16 and FP8 experts run forward + backward on the same routing, and
     the FP8 output stays within FP8 noise of BF16's (two chained FP8 GEMMs: ~0.06, `test_fp8_experts.py`)."""
-    _run(ROOT / "benchmarks" / "bench_experts.py", "--quick", "--out", tmp_path / "experts.json")
+    _run("benchmarks.bench_experts", "--quick", "--out", tmp_path / "experts.json")
     (row,) = json.loads((tmp_path / "experts.json").read_text())["results"]
     assert row["bf16_ms"] > 0 and row["fp8_ms"] > 0 and row["experts_with_tokens"] > 1
     assert 0 < row["fp8_rel_err_vs_bf16"] < 0.15
@@ -565,7 +548,7 @@ def test_grouped_gemm_benchmark_runs_at_smoke_size(tmp_path):
     """bench_grouped_gemm on CPU (Triton's interpreter) at a tiny MoE shape: each projection's FP8 fwd+bwd and every
     kernel of it timed, the padded rows covering the routed ones."""
     pytest.importorskip("triton")
-    _run(ROOT / "benchmarks" / "bench_grouped_gemm.py", "--quick", "--out", tmp_path / "gg.json")
+    _run("benchmarks.bench_grouped_gemm", "--quick", "--out", tmp_path / "gg.json")
     (row,) = json.loads((tmp_path / "gg.json").read_text())["results"]
     assert [p["projection"] for p in row["projections"]] == ["gate_up", "down"]
     assert all(p["fp8_triton_ms"] > 0 for p in row["projections"])
@@ -576,12 +559,10 @@ def test_grouped_gemm_benchmark_runs_at_smoke_size(tmp_path):
 def test_moe_rollout_shape_builds_its_engine_config_without_weights():
     """bench_rollout's MoE shapes: the trainer-side model lives on the meta device (no 61 GB copy), converts to FP8
     with its routers named unconverted, and the decode floor reads every expert while a token runs its top-k."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import bench_rollout
-
+    from benchmarks import bench_rollout
     from trl_fp8 import convert_to_fp8
     from trl_fp8.checkpoint.save import fp8_module_names
-    from trl_fp8.rollout.vllm.generation import write_engine_config
+    from trl_fp8.rollout.vllm.engine import write_engine_config
 
     model = bench_rollout.build_trainer_model("tiny-moe")
     assert next(model.parameters()).device.type == "meta"
@@ -605,9 +586,8 @@ def test_capacity_and_colocate_results_get_their_plots(tmp_path):
     import matplotlib
 
     matplotlib.use("Agg")
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from plot_results import capacity_series, speed_results, tables
-    from plot_results import main as plot_results
+    from benchmarks.plot_results import capacity_series, speed_results, tables
+    from benchmarks.plot_results import main as plot_results
 
     def capacity(share, scale, max_num_seqs=None):
         rows = [{"engine": engine, "points": [{"seqs": 256, "new_tokens": 2048, "tokens_per_s": scale * tps,
@@ -652,8 +632,7 @@ def test_capacity_and_colocate_plots_draw_the_series_and_annotate_each_run(tmp_p
     matplotlib.use("Agg")
     import matplotlib.pyplot as real_plt
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from plot_results import capacity_series, plot_capacity, plot_step_time
+    from benchmarks.plot_results import capacity_series, plot_capacity, plot_step_time
 
     figures = []
 

@@ -2,7 +2,6 @@
 tokens against what vLLM reported in the committed benchmark rows, and the command's output and errors."""
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -63,8 +62,7 @@ def test_parameter_counts_are_the_models_own(kind):
 
 def measured_rows():
     """(device, shape, share, max_num_seqs, engine, vLLM's KV tokens) of every committed bench_rollout row."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from bench_rollout import ENGINES, SHAPES
+    from benchmarks.bench_rollout import ENGINES, SHAPES
 
     rows = []
     for path in sorted(RESULTS.glob("rollout*_NVIDIA_*.json")):

@@ -18,9 +18,9 @@ from trl_fp8 import convert_to_fp8, save_fp8_checkpoint
 from trl_fp8.checkpoint.folder import drop_checkpoint_entries, holds_a_model, remove_leftovers, replace_checkpoint
 from trl_fp8.demo.tiny_model import tiny_qwen3
 
-from conftest import clean_subprocess_env
+from conftest import WORKERS, clean_subprocess_env
 
-WORKER = Path(__file__).resolve().parent / "save_fault_worker.py"
+WORKER = WORKERS / "save_fault_worker.py"
 ROOT = Path(__file__).resolve().parents[1]
 
 

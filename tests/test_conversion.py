@@ -193,20 +193,6 @@ def test_experts_are_recognised_by_their_layout():
         convert_to_fp8(nn.ModuleDict({"experts": ParallelExperts(), "proj": nn.Linear(256, 256)}))
 
 
-def test_bf16_model_with_convolutions_exports_in_fp8(tmp_path):
-    """The exporter plans a BF16 model's FP8 layers with the same rules: a Conv1d is stored as is, in BF16."""
-    from safetensors.torch import load_file
-
-    from trl_fp8 import save_fp8_checkpoint
-
-    model = tiny_qwen3(num_hidden_layers=1)
-    model.model.layers[0].conv1d = nn.Conv1d(256, 256, 4, groups=256)  # the shape of a Mamba / LFM2 conv
-    out = save_fp8_checkpoint(model, tmp_path / "ckpt", progress=False)
-    tensors = {k: v for f in out.glob("*.safetensors") for k, v in load_file(f).items()}
-    assert tensors["model.layers.0.conv1d.weight"].dtype == torch.bfloat16
-    assert tensors["model.layers.0.mlp.down_proj.weight"].dtype == torch.float8_e4m3fn
-
-
 def test_linear_subclasses_with_their_own_forward_are_kept():
     """An `nn.Linear` subclass computing something else (DeepSeek-V4's grouped output projection) would run plain
     `nn.Linear` math as an FP8Linear: it is kept, with its class named; one without a forward of its own converts."""

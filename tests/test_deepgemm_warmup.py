@@ -8,8 +8,8 @@ import torch
 from trl_fp8 import convert_to_fp8
 from trl_fp8.checkpoint.save import fp8_module_names
 from trl_fp8.cli.main import main
-from trl_fp8.demo.tiny_model import tiny_qwen3, tiny_qwen3_config
 from trl_fp8.cli.warmup import model_shapes
+from trl_fp8.demo.tiny_model import tiny_qwen3, tiny_qwen3_config
 from trl_fp8.rollout.vllm.deepgemm_warmup import engine_gemm_shapes, precompile_deepgemm, split_tasks
 
 

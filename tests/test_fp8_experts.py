@@ -9,14 +9,13 @@ Two references, as for the dense layer (`test_fp8_linear.py`):
 """
 
 import copy
-import json
 
 import pytest
 import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from trl_fp8 import FP8Linear, FP8LinearConfig, convert_to_fp8, dequantize_blocks, save_fp8_checkpoint
+from trl_fp8 import FP8Linear, FP8LinearConfig, convert_to_fp8, save_fp8_checkpoint
 from trl_fp8.nn.experts import FP8Experts
 
 from conftest import assert_fp8_equal, rel_err
@@ -139,60 +138,6 @@ def test_conversion_names_the_router_and_refuses_layouts_it_cannot_run():
         convert_to_fp8(tiny_moe(), recipe="tensorwise")
 
 
-def test_export_writes_per_expert_fp8_tensors_that_transformers_loads(tmp_path):
-    from transformers import AutoModelForCausalLM
-
-    model = tiny_moe()
-    convert_to_fp8(model)
-    save_fp8_checkpoint(model, tmp_path / "fp8", progress=False)
-    saved = load_file(tmp_path / "fp8" / "model.safetensors")
-    experts = model.model.layers[0].mlp.experts
-    for e in range(E):
-        prefix = f"model.layers.0.mlp.experts.{e}"
-        for part, rows in (("gate_proj", slice(0, INTER)), ("up_proj", slice(INTER, 2 * INTER))):
-            assert_fp8_equal(saved[f"{prefix}.{part}.weight"], saved[f"{prefix}.{part}.weight_scale_inv"],
-                             experts.gate_up_proj[e, rows])  # fmt: skip
-        assert_fp8_equal(saved[f"{prefix}.down_proj.weight"], saved[f"{prefix}.down_proj.weight_scale_inv"],
-                         experts.down_proj[e])  # fmt: skip
-    assert saved["model.layers.0.mlp.gate.weight"].dtype == torch.bfloat16
-    assert not any("gate_up_proj" in k for k in saved)
-    config = json.loads((tmp_path / "fp8" / "config.json").read_text())["quantization_config"]
-    assert config["modules_to_not_convert"] == ["lm_head", "model.layers.0.mlp.gate"]  # the router stays BF16
-
-    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "fp8")  # CPU: transformers dequantizes to BF16
-    q, s = experts.quantized_expert_weight("down_proj")
-    expected = dequantize_blocks(q[1], s[1]).to(torch.bfloat16)
-    assert torch.equal(reloaded.model.layers[0].mlp.experts.down_proj[1], expected)
-    ids = torch.randint(0, 128, (2, 16))
-    with torch.no_grad():
-        err = rel_err(reloaded.float()(ids).logits, model(ids).logits)
-    assert err < 0.12, err  # FP8 weights, unquantized activations and BF16 norms: measured 0.049
-
-
-def test_mixtral_experts_export_under_mixtrals_own_checkpoint_names(tmp_path):
-    from transformers import AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM
-
-    torch.manual_seed(0)
-    model = MixtralForCausalLM(MixtralConfig(vocab_size=128, hidden_size=H, intermediate_size=INTER, num_local_experts=E,
-                                             num_experts_per_tok=K, num_hidden_layers=1, num_attention_heads=2,
-                                             num_key_value_heads=1, head_dim=128))  # fmt: skip
-    convert_to_fp8(model)
-    save_fp8_checkpoint(model, tmp_path / "fp8", progress=False)
-    saved = load_file(tmp_path / "fp8" / "model.safetensors")
-    experts = model.model.layers[0].mlp.experts
-    w1, w3 = "model.layers.0.block_sparse_moe.experts.3.w1", "model.layers.0.block_sparse_moe.experts.3.w3"
-    assert_fp8_equal(saved[f"{w1}.weight"], saved[f"{w1}.weight_scale_inv"], experts.gate_up_proj[3, :INTER])
-    assert_fp8_equal(saved[f"{w3}.weight"], saved[f"{w3}.weight_scale_inv"], experts.gate_up_proj[3, INTER:])
-    kept = json.loads((tmp_path / "fp8" / "config.json").read_text())["quantization_config"]["modules_to_not_convert"]
-    assert "model.layers.0.block_sparse_moe.gate" in kept  # vLLM's name for the router
-    ids = torch.randint(0, 128, (2, 16))
-    with torch.no_grad():
-        assert (
-            rel_err(AutoModelForCausalLM.from_pretrained(tmp_path / "fp8").float()(ids).logits, model(ids).logits)
-            < 0.12
-        )
-
-
 def test_grpo_trains_a_moe_model_in_fp8_and_syncs_and_saves_its_experts(tmp_path, monkeypatch):
     """FP8GRPOTrainer on a tiny Qwen3-MoE: every expert weight trains in FP8 (the report says so), the rollout sync
     pushes each expert's FP8 blocks under the checkpoint's per-expert names, and the saved model reloads."""
@@ -201,7 +146,7 @@ def test_grpo_trains_a_moe_model_in_fp8_and_syncs_and_saves_its_experts(tmp_path
     from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer
     from trl_fp8.demo.tiny_model import tiny_char_tokenizer
     from trl_fp8.demo.toy_task import GRPO_SETTINGS, say_letter_dataset, say_letter_reward
-    from trl_fp8.rollout.vllm.generation import rollout_weight_tensors
+    from trl_fp8.rollout.vllm.engine import rollout_weight_tensors
 
     tokenizer = tiny_char_tokenizer()
     model = tiny_moe(eos_token_id=tokenizer.eos_token_id, pad_token_id=0)

@@ -18,7 +18,7 @@ from transformers import TrainerCallback
 from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, FP8Linear, dequantize_blocks, quantize_blocks
 from trl_fp8.demo.tiny_model import tiny_char_tokenizer, tiny_qwen3
 from trl_fp8.demo.toy_task import GRPO_SETTINGS, say_letter_dataset, say_letter_reward
-from trl_fp8.trainer.grpo import fp8_model_card_section
+from trl_fp8.trainer.mixin import fp8_model_card_section
 
 from conftest import assert_fp8_equal, layer_names, rel_err
 
@@ -294,32 +294,6 @@ def test_save_model_writes_a_block_fp8_checkpoint_transformers_loads(model_dir, 
         err = rel_err(reloaded(ids).logits, fp8_logits)
     # Reloaded = same FP8 weights, but unquantized activations and bf16 norms/head: measured 0.038-0.046.
     assert err < 0.12, err
-
-
-def test_export_streams_shards_that_transformers_reloads(tmp_path):
-    """A small `max_shard_size` splits the checkpoint into several files written one at a time, with an index; the
-    tensors are those of a single-file export."""
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
-
-    from trl_fp8 import convert_to_fp8, save_fp8_checkpoint
-
-    model = tiny_qwen3(vocab_size=128)
-    convert_to_fp8(model)
-    save_fp8_checkpoint(model, tmp_path / "one", progress=False)
-    save_fp8_checkpoint(model, tmp_path / "many", progress=False, max_shard_size=2**20)
-    files = sorted(p.name for p in (tmp_path / "many").glob("model-*.safetensors"))
-    assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
-    index = json.loads((tmp_path / "many" / "model.safetensors.index.json").read_text())
-    single = load_file(tmp_path / "one" / "model.safetensors")
-    assert set(index["weight_map"]) == set(single) and set(index["weight_map"].values()) == set(files)
-    for f in files:
-        for name, t in load_file(tmp_path / "many" / f).items():
-            assert index["weight_map"][name] == f
-            assert torch.equal(t.view(torch.uint8), single[name].view(torch.uint8))
-    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in single.values())
-    assert not list((tmp_path / "many").glob("part-*")) and not list((tmp_path / "many").glob(".tmp-*"))
-    AutoModelForCausalLM.from_pretrained(tmp_path / "many")  # transformers follows the index
 
 
 def test_a_save_waits_for_an_upload_in_flight_before_swapping(model_dir, tmp_path, monkeypatch):
@@ -612,9 +586,10 @@ def test_fsdp2_launches_are_accepted_and_keep_no_fp8_weight_cache(tmp_path, monk
     assert weight_sharding(args) == "FSDP2"
     check_no_weight_sharding(args)
     converted = []
-    monkeypatch.setattr("trl_fp8.trainer.grpo.convert_to_fp8", lambda model, **kw: converted.append(kw["config"]))
-    FP8GRPOTrainer._convert(SimpleNamespace(_fp8_filter=None), object(), args)
-    FP8GRPOTrainer._convert(SimpleNamespace(_fp8_filter=None), object(), make_args(tmp_path, fp8_cache_weights=True))
+    monkeypatch.setattr("trl_fp8.trainer.mixin.convert_to_fp8", lambda model, **kw: converted.append(kw["config"]))
+    trainer = SimpleNamespace(_fp8_filter=None, _layer_selection=lambda a: FP8GRPOTrainer._layer_selection(trainer, a))
+    FP8GRPOTrainer._convert(trainer, object(), args)
+    FP8GRPOTrainer._convert(trainer, object(), make_args(tmp_path, fp8_cache_weights=True))
     assert [c.cache_quantized_weight for c in converted] == [False, True]  # the default under FSDP2; asked for
     monkeypatch.delenv("ACCELERATE_USE_FSDP")
     assert weight_sharding(make_args(tmp_path, fsdp=True)) == "FSDP2"  # transformers' default version
@@ -726,7 +701,7 @@ def _file_bytes(folder: Path) -> dict[str, bytes]:
 def test_output_dir_that_is_the_models_folder_is_refused_before_anything_loads(tmp_path, monkeypatch):
     """The model's own folder, spelt otherwise, through a symbolic link, or a folder inside it: refused with the fix
     before the model loads, and every file of the model folder stays byte-identical."""
-    import trl_fp8.trainer.grpo as grpo_trainer
+    import trl_fp8.trainer.mixin as grpo_trainer
 
     model = tmp_path / "my-model"
     tiny_qwen3(vocab_size=128).save_pretrained(model)

@@ -8,16 +8,16 @@ import json
 import types
 
 import torch
+from fake_vllm import FakeMoEEngine, tiny_trainer
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file
 from test_fp8_experts import INTER, E, tiny_moe
-from test_vllm_sync import FakeMoEEngine, _tiny_trainer, fake_vllm  # noqa: F401 (fake_vllm: a fixture)
 
 from trl_fp8 import convert_to_fp8, dequantize_blocks, save_fp8_checkpoint
 from trl_fp8.checkpoint.save import fp8_module_names
 from trl_fp8.nn.experts import FP8Experts
+from trl_fp8.rollout.vllm.engine import rollout_weight_tensors
 from trl_fp8.rollout.vllm.experts import EngineExperts
-from trl_fp8.rollout.vllm.generation import rollout_weight_tensors
 
 from conftest import assert_fp8_equal, rel_err
 
@@ -200,11 +200,11 @@ def test_lora_on_mixtral_experts_exports_under_mixtrals_checkpoint_names(tmp_pat
     assert "model.layers.0.block_sparse_moe.gate" in kept
 
 
-def test_grpo_syncs_lora_experts_in_place_and_saves_them_merged(fake_vllm, tmp_path, monkeypatch):  # noqa: F811
+def test_grpo_syncs_lora_experts_in_place_and_saves_them_merged(fake_vllm, tmp_path, monkeypatch):
     import trl_fp8.rollout.vllm.experts as vllm_experts
 
     monkeypatch.setattr(vllm_experts, "_vllm_converter", lambda: keep_layout)
-    trainer = _tiny_trainer(tmp_path, model=tiny_moe(), peft_config=LoraConfig(r=4, lora_alpha=8, **EXPERT_LORA))
+    trainer = tiny_trainer(tmp_path, model=tiny_moe(), peft_config=LoraConfig(r=4, lora_alpha=8, **EXPERT_LORA))
     generation, model = trainer.vllm_generation, trainer.model
     config = json.loads((generation.engine_dir / "config.json").read_text())["quantization_config"]
     assert "model.layers.0.mlp.gate" in config["modules_to_not_convert"]  # vLLM builds a BF16 router

@@ -16,9 +16,9 @@ from safetensors.torch import load_file
 
 from trl_fp8 import convert_to_fp8, save_fp8_checkpoint
 from trl_fp8.demo.tiny_model import tiny_char_tokenizer, tiny_qwen3
-from trl_fp8.rollout.vllm.generation import rollout_weight_tensors
+from trl_fp8.rollout.vllm.engine import rollout_weight_tensors
 
-from conftest import clean_subprocess_env, free_port
+from conftest import WORKERS, clean_subprocess_env, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMINGS = {"step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second"}
@@ -40,7 +40,7 @@ def two_rank_run(tmp_path_factory):
     tokenizer = tiny_char_tokenizer()
     tiny_qwen3(vocab_size=128, eos_token_id=tokenizer.eos_token_id, pad_token_id=0).save_pretrained(root / "model")
     tokenizer.save_pretrained(root / "model")
-    torchrun_two(ROOT / "tests" / "ddp_grpo_worker.py", root / "model", root / "out")
+    torchrun_two(WORKERS / "ddp_grpo_worker.py", root / "model", root / "out")
     ranks = [json.loads((root / "out" / f"rank{r}.json").read_text()) for r in (0, 1)]
     return root / "out", ranks
 
@@ -61,9 +61,7 @@ def test_ranks_agree_on_metrics_weights_and_pushed_fp8_tensors(two_rank_run):
 def test_rank0_export_equals_a_one_process_export_of_the_same_weights(two_rank_run, tmp_path):
     out, (r0, _) = two_rank_run
     from transformers import AutoModelForCausalLM
-
-    sys.path.insert(0, str(ROOT / "tests"))
-    from ddp_grpo_worker import tensor_digest
+    from workers.ddp_grpo_worker import tensor_digest
 
     model = AutoModelForCausalLM.from_pretrained(out / "fp8" / "bf16_master", dtype=torch.float32)
     assert tensor_digest(model.named_parameters()) == r0["params"]  # the master weights the ranks ended with
@@ -95,7 +93,7 @@ def test_fp8_layers_train_sync_and_export_under_fsdp2(tmp_path):
     """FP8Linear on FSDP2-sharded weights: training equals an unsharded replica bit for bit (losses, weights), the
     tensors for vLLM are gathered one at a time and equal the replica's, and the export written by rank 0 from the
     shards equals a one-process export of the replica, tensor for tensor."""
-    torchrun_two(ROOT / "tests" / "fsdp2_fp8_worker.py", tmp_path)
+    torchrun_two(WORKERS / "fsdp2_fp8_worker.py", tmp_path)
     r0, r1 = (json.loads((tmp_path / f"fsdp2_rank{r}.json").read_text()) for r in (0, 1))
     assert r0["sharded"] and r1["sharded"]  # the layers really held DTensor shards
     for r in (r0, r1):

@@ -2,7 +2,6 @@
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import nbformat
@@ -45,8 +44,7 @@ def test_results_notebook_redraws_the_committed_results(tmp_path):
     assert "vllm_fp8" in outputs and "rollout_NVIDIA_H200.json" in outputs
     # The step-time and accuracy tables carry the numbers of the committed JSON, every run and seed.
     results = ROOT / "benchmarks" / "results"
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from plot_results import LONG_TASKS, SEPARATE_STUDIES, _convergence_runs, capacity_series, speed_results
+    from benchmarks.plot_results import LONG_TASKS, SEPARATE_STUDIES, _convergence_runs, capacity_series, speed_results
 
     for _, speed in speed_results(results):  # each regime: 64 x 1k, and the long one once it has run
         for row in speed["results"]:

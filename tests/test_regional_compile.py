@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch._dynamo.utils import counters
 
-import trl_fp8.trainer.grpo as grpo_trainer
+import trl_fp8.trainer.mixin as trainer_mixin
 from trl_fp8 import FP8LinearConfig, convert_to_fp8
 from trl_fp8.demo.tiny_model import tiny_qwen3
 from trl_fp8.trainer.regional_compile import compile_decoder_layers
@@ -73,7 +73,7 @@ def test_the_trainer_compiles_its_policy_layers_and_trains_with_them(monkeypatch
     from trl_fp8.demo.tiny_model import tiny_char_tokenizer
 
     runs, forwards = collections.Counter(), collections.Counter()
-    monkeypatch.setattr(grpo_trainer, "compile_decoder_layers",
+    monkeypatch.setattr(trainer_mixin, "compile_decoder_layers",
                         functools.partial(compile_decoder_layers, backend=counting_backend(runs)))  # fmt: skip
     torch._dynamo.reset()
     path = tmp_path / "model"

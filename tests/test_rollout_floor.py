@@ -2,16 +2,14 @@
 and a lower bound on a rollout's time that holds whatever order vLLM schedules the sequences in."""
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from benchmarks.bench_rollout import HARDWARE, SHAPES, floor_tokens_per_s, model_bytes, refloor
 
-from bench_rollout import HARDWARE, SHAPES, floor_tokens_per_s, model_bytes, refloor  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 H100 = HARDWARE["H100"]
 

@@ -13,13 +13,13 @@ import hashlib
 
 import pytest
 import torch
-from test_vllm_sync import _tiny_trainer, fake_vllm  # noqa: F401 (a fixture)
+from fake_vllm import tiny_trainer
 
 from trl_fp8 import FP8GRPOConfig, FP8LinearConfig, convert_to_fp8, save_fp8_checkpoint
 from trl_fp8.demo.tiny_model import tiny_qwen3
 from trl_fp8.nn.sibling_gemms import FP8SiblingGroup, group_fp8_siblings, sibling_group_problem
 from trl_fp8.ops import emulated
-from trl_fp8.rollout.vllm.generation import rollout_weight_tensors
+from trl_fp8.rollout.vllm.engine import rollout_weight_tensors
 
 
 def pair(dtype=torch.float32, layers=2):
@@ -357,10 +357,10 @@ def test_a_grouped_model_holds_one_fp8_copy_at_the_push_and_releases_all_of_it()
     assert held["fused"] == held["alone"] == fp8_params + 4 * fp8_params // 128**2  # 1 byte + 1 fp32 per block
 
 
-def test_sleep_mode_frees_every_fp8_copy_of_a_grouped_model(fake_vllm, tmp_path):  # noqa: F811
+def test_sleep_mode_frees_every_fp8_copy_of_a_grouped_model(fake_vllm, tmp_path):
     """The trainer's colocated sync in sleep mode lets go of the FP8 copies: the bytes it reports are the bytes of
     the copies that died, the groups' stacks included, and none is left."""
-    trainer = _tiny_trainer(tmp_path, vllm_enable_sleep_mode=True, fp8_fuse_sibling_gemms=True)
+    trainer = tiny_trainer(tmp_path, vllm_enable_sleep_mode=True, fp8_fuse_sibling_gemms=True)
     model, generation = trainer.model, trainer.vllm_generation
     assert model.model.layers[0].self_attn.k_proj._fp8_group is not None
     model(torch.tensor([[1, 2, 3]])).logits.sum().backward()

@@ -131,7 +131,7 @@ def test_engine_settings_reach_decisions_vllm_cached_earlier(monkeypatch):
     import sys
     import types
 
-    from trl_fp8.rollout.vllm.generation import apply_engine_env
+    from trl_fp8.rollout.vllm.engine import apply_engine_env
 
     fake = types.ModuleType("vllm.utils.deep_gemm")
     fake.is_deep_gemm_supported = functools.cache(lambda: os.environ.get("VLLM_USE_DEEP_GEMM") == "1")

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import random
 
-from task_utils import WordBatcher, final_answer, word_tokenizer_for
+from benchmarks.convergence.task_utils import WordBatcher, final_answer, word_tokenizer_for
 
 MODULUS = 10
 TERMS = (16, 96)  # terms per problem, inclusive

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import random
 
-from task_utils import greedy_completions, right_padded
+from benchmarks.convergence.task_utils import greedy_completions, right_padded
 
 DIGITS = (2, 5)  # operand lengths, inclusive
 MODEL_KWARGS = dict(vocab_size=128, max_position_embeddings=128)

@@ -1,6 +1,6 @@
 """Do FP8 experts learn as BF16 ones do? A CPU study at tiny mixture-of-experts scale (the MoE issue's accuracy item).
 
-    python benchmarks/convergence/moe_study.py --seeds 0 1 2 --out benchmarks/results/moe_study_cpu.json
+    python -m benchmarks.convergence.moe_study --seeds 0 1 2 --out benchmarks/results/moe_study_cpu.json
 
 A tiny Qwen3-MoE (8 experts, top-2, every layer sparse; dims multiples of 128) gets the demo's supervised warm start
 on "say <letter>", then GRPO in BF16 and in FP8 (blockwise, experts included) from the same start, per seed. Each run
@@ -12,18 +12,13 @@ CPU only: the FP8 GEMMs are the exact emulation, so this measures the precision 
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from benchmarks.common import RESULTS, arg_parser, metadata, write_json
 
 
 def tiny_moe(tokenizer, seed: int):
@@ -115,18 +110,15 @@ def run(args, seed: int, recipe: str | None) -> dict:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arg_parser(__doc__, out="benchmarks/results/moe_study_cpu.json", workdir="/tmp/trl_fp8_moe_study")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--workdir", default="/tmp/trl_fp8_moe_study")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "moe_study_cpu.json"))
     args = parser.parse_args()
-    from common import versions
+    out = args.out or RESULTS / "moe_study_cpu.json"
 
     result = {
         "benchmark": "tiny Qwen3-MoE, say-letter GRPO from a warm start: BF16 vs FP8 experts (CPU, exact emulation)",
-        "date": datetime.date.today().isoformat(),
-        "versions": versions("torch", "transformers", "trl"),
+        **metadata("cpu"),
         "threads": torch.get_num_threads(),
         "steps": args.steps,
         "runs": [],
@@ -134,8 +126,8 @@ def main():
     for seed in args.seeds:
         for recipe in (None, "blockwise"):
             result["runs"].append(run(args, seed, recipe))
-            Path(args.out).write_text(json.dumps(result, indent=1) + "\n")  # after every run: a cut-off keeps them
-    print(f"wrote {args.out}")
+            write_json(out, result, indent=1)  # after every run: a cut-off keeps them
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 multi-digit addition, or tracing a program with completions of hundreds of words) by supervised training on
 generated problems, stopped once it solves part of the held-out set.
 
-    python benchmarks/convergence/pretrain.py --out /tmp/arith-base            # GPU host, a few minutes
-    python benchmarks/convergence/pretrain.py --task chain --size medium --out /tmp/chain-base
+    python -m benchmarks.convergence.pretrain --out /tmp/arith-base            # GPU host, a few minutes
+    python -m benchmarks.convergence.pretrain --task chain --size medium --out /tmp/chain-base
 
 Writes the model and tokenizer to `--out` and `benchmarks/results/convergence/pretrain_<device>.json` (loss and
 held-out greedy accuracy per evaluation). GRPO then starts from `--out` (`run_grpo.py`).
@@ -11,21 +11,13 @@ held-out greedy accuracy per evaluation). GRPO then starts from `--out` (`run_gr
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
-import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parents[1]))
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
+from benchmarks.common import RESULTS, arg_parser, device_name, metadata, write_json
 
-from common import versions  # noqa: E402
-
-TASKS = {  # --task: the module under benchmarks/convergence that defines it
+TASKS = {  # --task: the module of benchmarks.convergence that defines it
     "addition": "arithmetic",  # multi-digit addition, answers of at most 7 characters
     "chain": "addition_chain",  # a running sum written out term by term: completions of 140-860 words
 }
@@ -34,12 +26,12 @@ TASKS = {  # --task: the module under benchmarks/convergence that defines it
 def load_task(name: str):
     import importlib
 
-    return importlib.import_module(TASKS[name])
+    return importlib.import_module(f"benchmarks.convergence.{TASKS[name]}")
 
 
 def results_folder(task: str) -> Path:
     """`benchmarks/results/convergence` for addition (the first report's runs), `convergence_<task>` otherwise."""
-    return HERE.parent / "results" / ("convergence" if task == "addition" else f"convergence_{task}")
+    return RESULTS / ("convergence" if task == "addition" else f"convergence_{task}")
 
 
 SIZES = {  # hidden, layers, heads (head_dim 128), kv heads, intermediate
@@ -88,8 +80,8 @@ def train_step(model, optimizer, schedule, ids, labels):
 def main():
     import torch
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True)
+    parser = arg_parser(__doc__)
+    parser.add_argument("--out", required=True, help="the model folder")
     parser.add_argument("--task", choices=list(TASKS), default="addition")
     parser.add_argument("--size", choices=list(SIZES), default="base")
     parser.add_argument("--max_steps", type=int, default=6000)
@@ -100,7 +92,9 @@ def main():
     parser.add_argument("--target_accuracy", type=float, default=0.35, help="stop once held-out accuracy reaches it")
     parser.add_argument("--max_minutes", type=float, default=8.0, help="evaluate and stop after this long")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--results", default=None)
+    parser.add_argument(
+        "--results", default=None, help="results JSON (default: results_folder(task)/pretrain_<device>.json)"
+    )
     args = parser.parse_args()
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -128,21 +122,17 @@ def main():
 
     model.save_pretrained(args.out)
     tokenizer.save_pretrained(args.out)
-    device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    name = device_name()
     result = {
-        "run": f"pretrain (supervised) on {args.task} ({task.__name__})",
-        "device": device_name,
-        "date": datetime.date.today().isoformat(),
-        "versions": versions("torch", "transformers"),
+        "run": f"pretrain (supervised) on {args.task} ({TASKS[args.task]})",
+        **metadata(name),
         "size": {"name": args.size, "parameters": params, **SIZES[args.size]},
         "args": vars(args),
         "steps": step,
         "log": log,
     }
-    default = results_folder(args.task) / f"pretrain_{device_name.replace(' ', '_')}.json"
-    out = Path(args.results or default)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    default = results_folder(args.task) / f"pretrain_{name.replace(' ', '_')}.json"
+    write_json(args.results or default, result, indent=1)
     print(f"{params / 1e6:.0f}M parameters, {step} steps, held-out accuracy {log[-1]['held_out_accuracy']:.3f}")
 
 

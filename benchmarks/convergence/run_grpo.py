@@ -1,8 +1,8 @@
 """GRPO from a pre-trained convergence model in one precision setting; same seeds and steps for every setting.
 
-    python benchmarks/convergence/run_grpo.py --model /tmp/arith-base --setting fp8_tis     # GPU host with vLLM
-    python benchmarks/convergence/run_grpo.py --model /tmp/arith-base --setting all
-    python benchmarks/convergence/run_grpo.py --task chain --model /tmp/chain-base --setting all   # long completions
+    python -m benchmarks.convergence.run_grpo --model /tmp/arith-base --setting fp8_tis     # GPU host with vLLM
+    python -m benchmarks.convergence.run_grpo --model /tmp/arith-base --setting all
+    python -m benchmarks.convergence.run_grpo --task chain --model /tmp/chain-base --setting all   # long completions
 
 Settings (all through `FP8GRPOTrainer`, vLLM colocated, so every run logs the same trainer-vs-rollout mismatch):
 
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import fcntl
 import json
 import os
@@ -43,13 +42,8 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parents[1]))
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
-
-from common import versions  # noqa: E402
-from pretrain import TASKS, load_task, results_folder  # noqa: E402
+from benchmarks.common import arg_parser, device_name, metadata, module_command, write_json
+from benchmarks.convergence.pretrain import TASKS, load_task, results_folder
 
 SETTINGS = {  # setting: (fp8_recipe, rollout_precision, tis, fp8_kv_cache)
     "bf16": ("none", "bf16", "off", False),
@@ -180,7 +174,7 @@ def run(args, setting: str) -> Path:
     evals: list[dict] = []
     sync_dir = Path(args.sync_dir) if args.sync_dir else None
     deadline = Deadline(args.max_minutes, sync_dir, stop_at=args.stop_at)
-    device = torch.cuda.get_device_name() if cuda else "cpu"
+    device = device_name()
     out = Path(args.results_dir) / f"grpo_{setting}_{device.replace(' ', '_')}.json"
 
     def held_out_accuracy(model, step: int) -> None:
@@ -207,9 +201,7 @@ def run(args, setting: str) -> Path:
                 "tis": tis,
                 "fp8_kv_cache": fp8_kv,
             },
-            "device": device,
-            "date": datetime.date.today().isoformat(),
-            "versions": versions("torch", "transformers", "trl", "torchao"),
+            **metadata(device),
             "args": {
                 **{k: v for k, v in vars(args).items() if k not in ("setting", "sync_dir", "sync_count", "sync_name")},
                 "parallel": sync_dir is not None,
@@ -218,10 +210,7 @@ def run(args, setting: str) -> Path:
             "steps": steps,
             "held_out": evals,
         }
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(result, indent=1) + "\n")
-        tmp.replace(out)
+        write_json(out, result, indent=1)
 
     class HeldOut(TrainerCallback):
         def on_train_begin(self, _args, state, control, **kwargs):
@@ -256,7 +245,7 @@ def run(args, setting: str) -> Path:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arg_parser(__doc__, workdir="/tmp/trl_fp8_convergence")
     parser.add_argument("--model", required=True, help="the pre-trained model folder (pretrain.py --out)")
     parser.add_argument("--task", choices=list(TASKS), default="addition", help="the task the model was trained on")
     parser.add_argument("--setting", choices=[*SETTINGS, "all"], nargs="+", default=["all"],
@@ -302,9 +291,8 @@ def main():
         type=int,
         nargs="+",
         default=None,
-        help="with --parallel: spread the seeds over these GPUs (seed i on gpus[i % n])",
+        help="with --parallel: spread the seeds over these GPUs (seed i on gpus[i %% n])",
     )
-    parser.add_argument("--workdir", default="/tmp/trl_fp8_convergence")
     parser.add_argument("--results_dir", default=None, help="default results/convergence[_<task>]")
     parser.add_argument("--sync_dir", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--sync_count", type=int, default=0, help=argparse.SUPPRESS)
@@ -324,7 +312,9 @@ def main():
     if args.seeds and not args.parallel:
         raise SystemExit("--seeds runs the seeds at once: add --parallel (or run one --seed at a time)")
     if not args.parallel:
-        failed = [s for s in settings if subprocess.run([sys.executable, __file__, *argv, "--setting", s]).returncode]
+        failed = [
+            s for s in settings if subprocess.run([*module_command(__spec__.name), *argv, "--setting", s]).returncode
+        ]
     else:
         failed = run_parallel(strip_option(strip_option(argv, "--seeds"), "--gpus"), Path(args.workdir),
                               args.seeds or [args.seed], args.results_dir, args.gpus, settings)  # fmt: skip
@@ -390,7 +380,7 @@ def run_parallel(
     for setting, seed in runs:
         name = f"{setting}_seed{seed}"
         results = seed_results_dir(results_dir, seed)
-        cmd = [sys.executable, __file__, *strip_option(strip_option(argv, "--seed"), "--results_dir"),
+        cmd = [*module_command(__spec__.name), *strip_option(strip_option(argv, "--seed"), "--results_dir"),
                "--setting", setting, "--seed", str(seed), "--results_dir", results, "--sync_dir", str(sync_dir),
                "--sync_count", str(len(runs)), "--sync_name", name]  # fmt: skip
         log = open(workdir / f"{name}.log", "w")  # noqa: SIM115 (closed with the process)

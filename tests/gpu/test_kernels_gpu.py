@@ -206,7 +206,7 @@ def test_fused_kernels_train_like_the_unfused_layers_on_hopper():
     import copy
 
     from trl_fp8.demo.tiny_model import tiny_qwen3
-    from trl_fp8.rollout.vllm.generation import rollout_weight_tensors
+    from trl_fp8.rollout.vllm.engine import rollout_weight_tensors
 
     base = tiny_qwen3(dtype=torch.bfloat16).cuda()
     plain, fused = copy.deepcopy(base), copy.deepcopy(base)

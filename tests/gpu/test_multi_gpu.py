@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import clean_subprocess_env, free_port
+from conftest import WORKERS, clean_subprocess_env, free_port
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,7 +48,7 @@ def test_two_gpu_grpo_with_colocated_engines(tmp_path, launch, vllm_tp):
     tokenizer.save_pretrained(model_dir)
     config = Path(trl.__file__).parent / "accelerate_configs" / f"{launch}.yaml"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes", "2",
-           "--main_process_port", str(free_port()), str(ROOT / "tests" / "gpu" / "multi_gpu_worker.py"),
+           "--main_process_port", str(free_port()), str(WORKERS / "multi_gpu_worker.py"),
            str(model_dir), str(tmp_path / "out"), str(vllm_tp)]  # fmt: skip
     env = {**clean_subprocess_env(), "CUDA_VISIBLE_DEVICES": "0,1"}  # the NVLink multicast settings stay
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)

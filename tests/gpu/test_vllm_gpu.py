@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import clean_subprocess_env
+from conftest import WORKERS, clean_subprocess_env
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
@@ -220,10 +220,10 @@ def test_colocate_other_rollout_precisions_run_grpo_steps(tmp_path, precision):
 def test_colocate_moe_rollouts_use_the_trainers_fp8_experts(tmp_path):
     """A Qwen3-MoE trained by FP8GRPOTrainer with colocated vLLM: after several steps, the engine's FusedMoE
     (block-FP8 `Fp8MoEMethod`) holds each expert's FP8 blocks and scales exactly as the trainer quantized them
-    (`moe_colocate_worker.py`). In a process of its own: vLLM creates its expert-parallel group only with the first
-    engine of a process, and the tests above started dense ones in this process."""
+    (`tests/workers/moe_colocate_worker.py`). In a process of its own: vLLM creates its expert-parallel group only
+    with the first engine of a process, and the tests above started dense ones in this process."""
     pytest.importorskip("vllm")
-    cmd = [sys.executable, str(Path(__file__).with_name("moe_colocate_worker.py")), str(tmp_path)]
+    cmd = [sys.executable, str(WORKERS / "moe_colocate_worker.py"), str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=480, env=clean_subprocess_env())
     out = proc.stdout + proc.stderr
     print("\n".join(line for line in out.splitlines() if line.startswith("[moe]")))

@@ -19,13 +19,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from vllm_weight_digest import tensor_digest
+from workers.vllm_weight_digest import tensor_digest
 
-from conftest import clean_subprocess_env
+from conftest import WORKERS, clean_subprocess_env
 
 pytestmark = pytest.mark.gpu
 PORT = 8123
-HERE = Path(__file__).resolve().parent
 
 
 def _wait_healthy(proc, url, timeout=420):
@@ -74,7 +73,7 @@ def fp8_server(tmp_path_factory):
             "vllm_weight_digest.WeightDigest",
         ],
     )
-    pythonpath = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
+    pythonpath = os.pathsep.join(filter(None, [str(WORKERS), os.environ.get("PYTHONPATH")]))
     env = {**clean_subprocess_env(), **kernel.env, "DG_JIT_CACHE_DIR": str(default_jit_cache_dir()),
            "CUDA_VISIBLE_DEVICES": server_gpu or os.environ.get("CUDA_VISIBLE_DEVICES", "0"),
            "VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": pythonpath}  # fmt: skip

@@ -19,6 +19,7 @@ from trl_fp8.config import (
     FP8LinearConfig,
     check_rollout_precision,
 )
+from trl_fp8.trainer.requirements import check_liger_installed, check_optimizer_installed
 
 TIS_MODES = ("token", "off")
 
@@ -473,30 +474,3 @@ class FP8RLOOConfig(FP8TrainingArguments, RLOOConfig):
     def __post_init__(self):
         self._check_fp8_fields()
         self._finish_post_init()
-
-
-def check_liger_installed() -> None:
-    """Refuse `use_liger_kernel=True` without liger-kernel now, not when training starts (after the model loads)."""
-    from transformers.utils import is_liger_kernel_available
-
-    if not is_liger_kernel_available():
-        raise ImportError(
-            "use_liger_kernel=True puts Liger's kernels on the model, and liger-kernel is not installed: "
-            "pip install 'trl-fp8[liger]' (a CUDA GPU is needed to run them), or drop use_liger_kernel."
-        )
-
-
-def check_optimizer_installed(optim) -> None:
-    """Refuse a bitsandbytes optimizer without bitsandbytes now: transformers only finds out when training starts,
-    after the model has loaded and the vLLM engine has started (minutes with a cold DeepGEMM cache)."""
-    try:
-        from transformers.trainer_optimizer import _BITSANDBYTES_OPTIMIZERS
-        from transformers.utils import is_bitsandbytes_available
-    except ImportError:  # a transformers that moved these still checks when training starts
-        return
-    if optim in _BITSANDBYTES_OPTIMIZERS and not is_bitsandbytes_available():
-        name = getattr(optim, "value", optim)
-        raise ImportError(
-            f"optim={name!r} is a bitsandbytes optimizer, and bitsandbytes is not installed: "
-            "pip install 'trl-fp8[bnb]', or choose another optimizer (optim='adamw_torch_fused')."
-        )

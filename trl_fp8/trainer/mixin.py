@@ -43,6 +43,7 @@ from trl_fp8.rollout.kv_scales import AttentionScaleObserver
 from trl_fp8.rollout.stats import capacity_line
 from trl_fp8.trainer.layer_checkpointing import keep_layer_options
 from trl_fp8.trainer.regional_compile import compile_decoder_layers, eager_generation
+from trl_fp8.trainer.requirements import check_reward_dependencies
 
 logger = logging.getLogger(__name__)
 
@@ -330,21 +331,6 @@ def check_output_dir(model, output_dir: str) -> None:
         raise ValueError(
             f"{problem} Give the trainer another output_dir (FP8GRPOConfig(output_dir=...)), e.g. "
             f"{Path(str(source).rstrip('/')).name}-fp8-grpo."
-        )
-
-
-def check_reward_dependencies(reward_funcs) -> None:
-    """TRL's math rewards need math-verify, and only import it at the first reward call: after the model has
-    loaded, the engine has started and the first rollout ran. Refuse now instead."""
-    from trl.import_utils import is_math_verify_available
-    from trl.rewards import accuracy_reward, reasoning_accuracy_reward
-
-    funcs = reward_funcs if isinstance(reward_funcs, list | tuple) else [reward_funcs]
-    needs = [f.__name__ for f in funcs if f in (accuracy_reward, reasoning_accuracy_reward)]
-    if needs and not is_math_verify_available():
-        raise ImportError(
-            f"{needs[0]} (trl.rewards) checks answers with math-verify, which is not installed: "
-            "pip install 'trl-fp8[math]'."
         )
 
 

@@ -177,7 +177,7 @@ def precompile_deepgemm(
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_package_root(), os.environ.get("PYTHONPATH")]))}
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "trl_fp8.rollout.vllm.deepgemm_warmup", "--worker", json.dumps(plan), "--device", str(device)],
+            [sys.executable, "-m", __name__, "--worker", json.dumps(plan), "--device", str(device)],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -249,7 +249,11 @@ def precompile_engine_kernels(
 
 
 def _package_root() -> str:
-    return str(Path(__file__).resolve().parents[1])  # workers import this package as the parent does
+    """The folder holding `trl_fp8`, so workers import this package as the parent does (never a folder inside it:
+    `trl_fp8/rollout` on the path would make its `vllm` subpackage shadow vLLM)."""
+    import trl_fp8
+
+    return str(Path(trl_fp8.__file__).resolve().parents[1])
 
 
 def _run_worker(plan: list, device: int) -> None:

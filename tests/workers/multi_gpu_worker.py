@@ -1,7 +1,7 @@
 """One rank of FP8 GRPO on two GPUs with vLLM colocated on each, launched by tests/gpu/test_multi_gpu.py:
 
     accelerate launch --config_file <TRL's multi_gpu.yaml | fsdp2.yaml> --num_processes 2 \
-        tests/gpu/multi_gpu_worker.py MODEL_DIR OUT_DIR [VLLM_TP]
+        tests/workers/multi_gpu_worker.py MODEL_DIR OUT_DIR [VLLM_TP]
 
 VLLM_TP=2 makes the two ranks one tensor-parallel vLLM engine (TRL's `vllm_tensor_parallel_size`).
 After training, every rank checks that its own engine holds the trainer's FP8 weights bit for bit (under FSDP2 each
@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parents[1]), str(HERE.parent), str(HERE)]
+sys.path[:0] = [str(HERE.parents[1]), str(HERE.parent), str(HERE.parent / "gpu"), str(HERE)]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
@@ -26,7 +26,7 @@ def main():
 
     from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer
     from trl_fp8.demo.toy_task import GRPO_SETTINGS, say_letter_dataset, say_letter_reward
-    from trl_fp8.rollout.vllm.generation import rollout_weight_tensors
+    from trl_fp8.rollout.vllm.engine import rollout_weight_tensors
 
     model_dir, out = sys.argv[1], Path(sys.argv[2])
     vllm_tp = int(sys.argv[3]) if len(sys.argv) > 3 else 1

@@ -1,6 +1,6 @@
 """One rank of an FSDP2 run of FP8 layers on CPU (gloo), launched by tests/test_multiprocess.py through `torchrun`.
 
-    torchrun --nproc_per_node 2 tests/fsdp2_fp8_worker.py OUT_DIR
+    torchrun --nproc_per_node 2 tests/workers/fsdp2_fp8_worker.py OUT_DIR
 
 accelerate applies FSDP only on accelerators (on CPU it falls back to DDP), so this shards with torch's own
 `fully_shard`, as accelerate does on GPUs: each decoder layer, then the root. Every rank also trains an unsharded
@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
@@ -30,7 +30,7 @@ def main():
 
     from trl_fp8 import FP8LinearConfig, convert_to_fp8, save_fp8_checkpoint
     from trl_fp8.demo.tiny_model import tiny_qwen3
-    from trl_fp8.rollout.vllm.generation import rollout_weight_tensors
+    from trl_fp8.rollout.vllm.engine import rollout_weight_tensors
 
     out = Path(sys.argv[1])
     dist.init_process_group("gloo")

@@ -1,4 +1,5 @@
-"""The MoE colocate test's body, run in a process of its own by `test_vllm_gpu.py` (argument: a scratch folder).
+"""The MoE colocate test's body, run in a process of its own by `tests/gpu/test_vllm_gpu.py` (argument: a scratch
+folder).
 
 Trains a 2-layer Qwen3-MoE (layer 0: 4 experts of 128, top-2; layer 1: dense) with FP8GRPOTrainer and vLLM colocated
 for 3 steps, then checks that the engine's FusedMoE holds the trainer's FP8 expert blocks and scales bit for bit, in

@@ -1,6 +1,6 @@
 """One rank of a multi-process FP8 GRPO run on CPU, launched by tests/test_multiprocess.py through `torchrun`.
 
-    torchrun --nproc_per_node 2 tests/ddp_grpo_worker.py MODEL_DIR OUT_DIR [ddp|fsdp2]
+    torchrun --nproc_per_node 2 tests/workers/ddp_grpo_worker.py MODEL_DIR OUT_DIR [ddp|fsdp2]
 
 Trains the tiny Qwen3 for a few steps under DDP or FSDP2 (gloo), exports the block-FP8 checkpoint (rank 0 writes it), and
 writes `OUT_DIR/rank<r>.json` with what every rank must agree on: its log history, a digest of its parameters and a
@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
@@ -33,7 +33,7 @@ def tensor_digest(pairs) -> str:
 def main():
     from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer
     from trl_fp8.demo.toy_task import GRPO_SETTINGS, say_letter_dataset, say_letter_reward
-    from trl_fp8.rollout.vllm.generation import rollout_weight_tensors
+    from trl_fp8.rollout.vllm.engine import rollout_weight_tensors
 
     model_dir, out_dir = sys.argv[1], Path(sys.argv[2])
     mode = sys.argv[3] if len(sys.argv) > 3 else "ddp"
