@@ -30,12 +30,14 @@ if "vllm_enable_sleep_mode" in " ".join(sys.argv):
     # into its share (vLLM >= 0.26 turns the setting off around its own pool), so a larger share fits.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
+import trl_fp8  # noqa: E402, F401 - before torch's and TRL's imports: it drops log lines no user can act on
+
+# isort: split
 import torch  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 from trl import DatasetMixtureConfig, ModelConfig, TrlParser, get_dataset, get_peft_config  # noqa: E402
 from trl.scripts.grpo import GRPOScriptArguments  # noqa: E402
 
-import trl_fp8  # noqa: E402, F401 - first: it drops the import-time log lines no user can act on
 from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer  # noqa: E402
 from trl_fp8.cli.rewards import resolve_reward_funcs  # noqa: E402
 from trl_fp8.demo.toy_task import DEMO_GRPO_SETTINGS, DEMO_MAX_STEPS  # noqa: E402

@@ -4,10 +4,11 @@ which runs the decoder only, a micro-batch at a time."""
 
 import pytest
 import torch
-from fake_vllm import tiny_trainer
 
 from trl_fp8.demo.tiny_model import tiny_qwen3
 from trl_fp8.rollout.kv_scales import AttentionScaleObserver
+
+from fake_vllm import tiny_trainer
 
 
 def _reference_qkv(model, ids):

@@ -8,7 +8,6 @@ import json
 import types
 
 import torch
-from fake_vllm import FakeMoEEngine, tiny_trainer
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file
 from test_fp8_experts import INTER, E, tiny_moe
@@ -20,6 +19,7 @@ from trl_fp8.rollout.vllm.engine import rollout_weight_tensors
 from trl_fp8.rollout.vllm.experts import EngineExperts
 
 from conftest import assert_fp8_equal, rel_err
+from fake_vllm import FakeMoEEngine, tiny_trainer
 
 EXPERTS = "model.layers.0.mlp.experts"
 EXPERT_LORA = dict(target_modules=[], target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])

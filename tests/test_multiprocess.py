@@ -61,6 +61,7 @@ def test_ranks_agree_on_metrics_weights_and_pushed_fp8_tensors(two_rank_run):
 def test_rank0_export_equals_a_one_process_export_of_the_same_weights(two_rank_run, tmp_path):
     out, (r0, _) = two_rank_run
     from transformers import AutoModelForCausalLM
+
     from workers.ddp_grpo_worker import tensor_digest
 
     model = AutoModelForCausalLM.from_pretrained(out / "fp8" / "bf16_master", dtype=torch.float32)

@@ -4,9 +4,10 @@ line on what the KV cache holds against a BF16 engine's (or, where the BF16 KV c
 import types
 
 import torch
-from fake_vllm import tiny_trainer
 
 from trl_fp8.demo.tiny_model import tiny_qwen3
+
+from fake_vllm import tiny_trainer
 
 
 def test_rollout_statistics_and_the_capacity_line_reach_the_logs(fake_vllm, tmp_path, capsys):

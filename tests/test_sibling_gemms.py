@@ -13,13 +13,14 @@ import hashlib
 
 import pytest
 import torch
-from fake_vllm import tiny_trainer
 
 from trl_fp8 import FP8GRPOConfig, FP8LinearConfig, convert_to_fp8, save_fp8_checkpoint
 from trl_fp8.demo.tiny_model import tiny_qwen3
 from trl_fp8.nn.sibling_gemms import FP8SiblingGroup, group_fp8_siblings, sibling_group_problem
 from trl_fp8.ops import emulated
 from trl_fp8.rollout.vllm.engine import rollout_weight_tensors
+
+from fake_vllm import tiny_trainer
 
 
 def pair(dtype=torch.float32, layers=2):

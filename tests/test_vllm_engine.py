@@ -7,7 +7,6 @@ import logging
 
 import pytest
 import torch
-from fake_vllm import fp8_model, tiny_trainer
 
 from trl_fp8 import FP8Linear
 from trl_fp8.checkpoint.save import fp8_module_names
@@ -16,6 +15,7 @@ from trl_fp8.rollout.kv_scales import AttentionScaleObserver
 from trl_fp8.rollout.vllm.engine import rollout_weight_tensors, write_engine_config
 
 from conftest import assert_fp8_equal
+from fake_vllm import fp8_model, tiny_trainer
 
 
 def scale_names(model):

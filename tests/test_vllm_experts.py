@@ -5,6 +5,7 @@ conversion gives the engine's bits, later syncs write the FP8 experts into the e
 import logging
 
 import torch
+
 from fake_vllm import FakeMoEEngine, tiny_trainer
 
 

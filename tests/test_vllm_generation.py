@@ -9,7 +9,6 @@ import types
 
 import pytest
 import torch
-from fake_vllm import fp8_model, tiny_trainer
 
 from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, FP8Linear
 from trl_fp8.demo.tiny_model import tiny_char_tokenizer, tiny_qwen3
@@ -17,6 +16,7 @@ from trl_fp8.demo.toy_task import GRPO_SETTINGS, say_letter_dataset, say_letter_
 from trl_fp8.rollout.vllm.generation import FP8VLLMGeneration, check_vllm_version
 
 from conftest import assert_fp8_equal, layer_names
+from fake_vllm import fp8_model, tiny_trainer
 
 
 def test_vllm_version_errors_name_the_fix(monkeypatch):

@@ -7,12 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from fake_vllm import fp8_model
 
 from trl_fp8 import convert_to_fp8
 from trl_fp8.checkpoint.save import checkpoint_config, fp8_module_names, linear_module_names
 from trl_fp8.demo.tiny_model import tiny_qwen3
 from trl_fp8.rollout.vllm.server import check_server_config, check_server_kernel
+
+from fake_vllm import fp8_model
 
 
 def _server_info(tmp_path, model, quantization="fp8", cache_dtype="auto", *, online=False, **config_overrides):

@@ -19,9 +19,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from workers.vllm_weight_digest import tensor_digest
 
 from conftest import WORKERS, clean_subprocess_env
+from workers.vllm_weight_digest import tensor_digest
 
 pytestmark = pytest.mark.gpu
 PORT = 8123
