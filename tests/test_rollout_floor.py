@@ -82,7 +82,7 @@ def test_refloor_rewrites_the_floors_of_a_results_file_and_keeps_its_measurement
 
 
 def test_grpo_rollout_floor_is_one_engines_generation_batch_at_full_length():
-    from bench_grpo import rollout_floor
+    from benchmarks.bench_grpo import rollout_floor
 
     settings = {"shape": "8b", "generation_batch": 128, "prompt_len": 128, "completion_len": 2048}
     row = {"rollout_precision": "fp8", "fp8_kv_cache": True, "kv_cache_tokens": 201_504,
@@ -96,8 +96,7 @@ def test_grpo_rollout_floor_is_one_engines_generation_batch_at_full_length():
 
 def test_grpo_rows_carry_the_planners_kv_estimate_for_their_engine():
     """What `trl-fp8 plan` prints for the run's settings, beside vLLM's figure (the planner's goal: within 10%)."""
-    from bench_grpo import planned_kv_tokens
-
+    from benchmarks.bench_grpo import planned_kv_tokens
     from trl_fp8.rollout.capacity import ModelShape, rollout_capacity
 
     settings = {"shape": "8b", "generation_batch": 128, "prompt_len": 128, "completion_len": 2048, "vllm_memory": 0.3}
