@@ -189,6 +189,7 @@ def run_one(args) -> None:
 
     from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer
     from trl_fp8.nn.linear import fp8_weight_cache_bytes
+    from trl_fp8.trainer.memory import memory_breakdown
 
     trainer_kind, recipe, precision, fp8_kv, gemm_backend, cache_weights = RUNS[args.run]
     g = torch.Generator().manual_seed(0)
@@ -346,7 +347,13 @@ def run_one(args) -> None:
                     state["prof"], state["done"] = None, prof
 
         trainer.add_callback(ProfileOneStep())
-    trainer.train()
+    try:
+        trainer.train()
+    except torch.OutOfMemoryError:
+        # What held the memory when it ran out, on every rank (the traceback says only where).
+        breakdown = memory_breakdown(trainer.model, trainer.optimizer, trainer.model_wrapped)
+        print(json.dumps({"out_of_memory": {"rank": trainer.accelerator.process_index, **breakdown}}), flush=True)
+        raise
     if "done" in state:
         profile.update(step=args.profile_step, **kernel_breakdown(state["done"]))
 

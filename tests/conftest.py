@@ -82,6 +82,14 @@ def clean_subprocess_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in launch}
 
 
+def launch_failure(output: str, tail: int = 4000) -> str:
+    """What a failed multi-process launch printed that says why: each distinct line naming an error (the root cause
+    of a crash is often far above the launcher's own summary, which fills the tail), then the last `tail` characters."""
+    marks = ("Error", "error:", "ILLEGAL", "Traceback")
+    errors = dict.fromkeys(line.strip()[:400] for line in output.splitlines() if any(m in line for m in marks))
+    return "\n".join(list(errors)[:60]) + "\n--- last lines ---\n" + output[-tail:]
+
+
 def free_port() -> int:
     """A TCP port nothing listens on now, for a launcher's rendezvous."""
     with socket.socket() as s:

@@ -595,6 +595,21 @@ def test_fsdp2_launches_are_accepted_and_keep_no_fp8_weight_cache(tmp_path, monk
     assert weight_sharding(make_args(tmp_path, fsdp=True)) == "FSDP2"  # transformers' default version
 
 
+def test_peft_under_fsdp2_is_refused_before_loading_the_model(tmp_path, monkeypatch):
+    """The sync and the export merge each adapter into its whole base weight, which FSDP2 shards: refused at start-up
+    (before the model loads and the engine starts), with DDP named as the launch that works."""
+    from peft import LoraConfig
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    loads = []
+    monkeypatch.setattr(FP8GRPOTrainer, "_load_model", staticmethod(lambda *a: loads.append(1)))
+    with pytest.raises(NotImplementedError, match="PEFT adapters with FSDP2.*multi_gpu.yaml"):
+        FP8GRPOTrainer("some/model", say_letter_reward, make_args(tmp_path), train_dataset=say_letter_dataset(16),
+                       peft_config=LoraConfig(target_modules=["q_proj"]))  # fmt: skip
+    assert loads == []
+
+
 def test_a_run_without_fp8_layers_is_an_error_not_a_silent_bf16_run(model_dir, tmp_path):
     with pytest.raises(ValueError, match="keeps all 4 decoder layers in BF16"):
         make_trainer(model_dir, tmp_path, num_first_layers_in_bf16=2, num_last_layers_in_bf16=2)

@@ -48,6 +48,7 @@ def two_rank_run(tmp_path_factory):
 def test_ranks_agree_on_metrics_weights_and_pushed_fp8_tensors(two_rank_run):
     _, (r0, r1) = two_rank_run
     assert r0["world_size"] == r1["world_size"] == 2 and r0["distributed_type"] == "DistributedType.MULTI_CPU"
+    assert r0["grads_in_ddp_buckets"] is True  # gradients as views of DDP's buckets: no second copy
     logs0, logs1 = r0["log_history"], r1["log_history"]
     assert len(logs0) == len(logs1) == 3  # two logged steps and the end-of-training summary
     for a, b in zip(logs0, logs1, strict=True):
@@ -105,3 +106,45 @@ def test_fp8_layers_train_sync_and_export_under_fsdp2(tmp_path):
     assert sharded.keys() == replica.keys() and sum(t.dtype == torch.float8_e4m3fn for t in sharded.values()) == 28
     for name, t in sharded.items():
         assert torch.equal(t.view(torch.uint8), replica[name].view(torch.uint8)), name
+
+
+def test_fsdp2_with_bf16_compute_pushes_and_exports_the_fp8_weights_the_forward_multiplies(tmp_path):
+    """accelerate's FSDP2 policy (fp32 masters, BF16 compute): the FP8 tensors for vLLM and the export are the blocks the
+    forward quantized from the BF16 all-gathered weight, bit for bit, on every rank; quantizing the fp32 masters (the
+    rule the sync must not follow) gives other bits. Shards holding whole 128-row blocks gather FP8 data and scales;
+    the others (k/v: 128 rows over 2 ranks) gather the BF16 weight, with the same result."""
+    torchrun_two(WORKERS / "fsdp2_fp8_worker.py", tmp_path, "bf16")
+    r0, r1 = (json.loads((tmp_path / f"fsdp2_bf16_rank{r}.json").read_text()) for r in (0, 1))
+    for r in (r0, r1):
+        assert r["used_fp8"] == r["forward_fp8"]  # every FP8 layer's pushed blocks are those its forward multiplied
+        assert r["pushed_fp8"] == r["one_process_fp8"]["torch.bfloat16"] != r["one_process_fp8"]["torch.float32"]
+        assert r["pushed_dtypes"] == ["torch.bfloat16", "torch.float32", "torch.float8_e4m3fn"]
+        aligned = r["aligned"]
+        assert len(aligned) == 28
+        assert {n for n, ok in aligned.items() if not ok} == {
+            f"model.layers.{i}.self_attn.{p}" for i in range(4) for p in ("k_proj", "v_proj")
+        }
+    assert r0["pushed_fp8"] == r1["pushed_fp8"]
+    assert r0["reduced"] == r1["reduced"] == {"peak": 1, "preemptions": 3, "tokens": 9}  # metrics every rank logs
+    ours, one = (load_file(tmp_path / d / "model.safetensors") for d in ("sharded_bf16", "one_bf16"))
+    assert ours.keys() == one.keys() and sum(t.dtype == torch.float8_e4m3fn for t in ours.values()) == 28
+    for name, t in ours.items():
+        assert torch.equal(t.view(torch.uint8), one[name].view(torch.uint8)), name
+
+
+def test_fsdp2_shards_experts_by_expert_and_syncs_and_exports_their_fp8_blocks(tmp_path):
+    """A mixture of experts under FSDP2 with BF16 compute (3 experts over 2 ranks: 2 and 1): each rank quantizes its
+    whole experts and the FP8 blocks are gathered; the tensors for vLLM (per expert, in the checkpoint's names) and
+    the export equal those of a one-process BF16 copy of the masters, bit for bit."""
+    torchrun_two(WORKERS / "fsdp2_fp8_worker.py", tmp_path, "moe_bf16")
+    r0, r1 = (json.loads((tmp_path / f"fsdp2_moe_bf16_rank{r}.json").read_text()) for r in (0, 1))
+    for r in (r0, r1):
+        assert r["experts_sharded"] == ["model.layers.0.mlp.experts"] and r["aligned"]["model.layers.0.mlp.experts"]
+        assert r["used_fp8"] == r["forward_fp8"]
+        assert r["pushed_fp8"] == r["one_process_fp8"]["torch.bfloat16"] != r["one_process_fp8"]["torch.float32"]
+    assert r0["pushed_fp8"] == r1["pushed_fp8"]
+    ours, one = (load_file(tmp_path / d / "model.safetensors") for d in ("sharded_moe_bf16", "one_moe_bf16"))
+    assert ours.keys() == one.keys()
+    assert "model.layers.0.mlp.experts.2.down_proj.weight_scale_inv" in ours  # the expert rank 1 held
+    for name, t in ours.items():
+        assert torch.equal(t.view(torch.uint8), one[name].view(torch.uint8)), name

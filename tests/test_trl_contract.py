@@ -110,5 +110,19 @@ def test_the_helpers_we_import_exist():
     assert "make_inputs_require_grads" in inspect.getsource(transformers.modeling_utils)
 
 
+def test_the_launch_internals_we_set_or_read_exist():
+    """DDP's gradients as bucket views go through accelerate's DDP handler (read when train() wraps the model); the
+    FSDP2 compute dtype is read from the FSDP2 group's mixed-precision policy."""
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedDataParallelKwargs
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    assert "ddp_handler.to_kwargs()" in inspect.getsource(Accelerator.prepare_model)
+    assert "gradient_as_bucket_view" in {f.name for f in dataclasses.fields(DistributedDataParallelKwargs)}
+    assert callable(FSDPModule._get_fsdp_state)
+    assert "self.mp_policy = mp_policy" in inspect.getsource(FSDPParamGroup.__init__)
+
+
 def test_this_trl_is_a_tested_release():
     assert any(trl.__version__ == v or trl.__version__.startswith(v + ".") for v in TESTED_TRL), trl.__version__

@@ -1,17 +1,44 @@
-"""Several processes: which sharding a launch applies, and whether a tensor is a shard.
+"""Several processes: which sharding a launch applies, whether a tensor is a shard, and how a shard's FP8 weight is
+gathered.
 
 Every rule about sharding lives here, so a new launch kind (HSDP, ZeRO stages, tensor parallel training) has one
-place to land. FSDP2 gives each FP8 layer its whole weight inside forward and backward; between steps a weight is a
-DTensor shard, which the sync and the export gather one tensor at a time.
+place to land. FSDP2 gives each FP8 layer its whole weight inside forward and backward, in the dtype of its
+`MixedPrecisionPolicy` (BF16 under accelerate's `mixed_precision: bf16`, over fp32 masters). Between steps a weight is
+a DTensor shard; the vLLM sync and the export then need the FP8 values the forward multiplies, so
+`gather_quantized` quantizes each rank's shard from that same compute dtype and all-gathers the FP8 data and scales
+(1 byte a weight plus a scale per 128x128 block), one tensor at a time, never the whole model on one rank.
 """
 
 from __future__ import annotations
 
+import math
 import os
+import weakref
+from collections.abc import Callable
 
 import torch
+from torch import nn
 
-__all__ = ["check_no_weight_sharding", "is_sharded", "weight_sharding"]
+from trl_fp8.config import BLOCK
+
+__all__ = [
+    "check_no_weight_sharding",
+    "check_sharding_supports",
+    "compute_dtype",
+    "fp8_shards_align",
+    "gather_quantized",
+    "gather_whole",
+    "grads_in_ddp_buckets",
+    "is_sharded",
+    "reduce_over_ranks",
+    "record_fsdp2_compute_dtypes",
+    "shard_rows_align",
+    "weight_sharding",
+]
+
+# id(sharded parameter) -> (a weak reference to it, the dtype FSDP2 all-gathers it in for forward and backward),
+# filled from the FSDP2 states. (Not a WeakKeyDictionary: it compares keys with ==, elementwise for tensors.)
+_COMPUTE_DTYPES: dict[int, tuple[weakref.ref, torch.dtype]] = {}
 
 
 def is_sharded(t: torch.Tensor) -> bool:
@@ -60,3 +87,142 @@ def check_no_weight_sharding(args) -> None:
             "fsdp_config={'version': 2}), or replicate with DDP (multi_gpu.yaml) or DeepSpeed ZeRO-1/2 "
             "(zero2.yaml); or, for plain BF16 GRPO, set fp8_recipe=None, use_vllm=False and save_fp8_checkpoint=False."
         )
+
+
+def check_sharding_supports(args, peft_config=None, model=None) -> None:
+    """Refuse, before the model loads and the engine starts, what FSDP2 cannot do with FP8 weights: PEFT adapters.
+
+    The vLLM sync and the FP8 export merge the adapters into each base weight; under FSDP2 the base weight is a shard
+    and PEFT's merge is local to it, so neither could send the merged FP8 weight."""
+    is_peft = peft_config is not None or hasattr(model, "peft_config")
+    if weight_sharding(args) == "FSDP2" and is_peft and (args.use_vllm or args.save_fp8_checkpoint):
+        raise NotImplementedError(
+            "PEFT adapters with FSDP2: the vLLM sync and the FP8 export merge each adapter into its whole base weight, "
+            "which FSDP2 shards across ranks. Train the adapters with DDP (TRL's accelerate_configs/multi_gpu.yaml: a "
+            "LoRA run's frozen base weights are replicated cheaply), or shard a full fine-tune (no peft_config) with "
+            "FSDP2."
+        )
+
+
+def record_fsdp2_compute_dtypes(model: nn.Module) -> int:
+    """Remember, for every FSDP2-sharded parameter of `model`, the dtype its forward sees (the policy's `param_dtype`,
+    or its own dtype without mixed precision). Returns how many were recorded. The sync and the export call it before
+    they gather; it reads FSDP2's per-module state, which no public API exposes."""
+    if not torch.distributed.is_available():
+        return 0
+    from torch.distributed.fsdp import FSDPModule
+
+    for key in [k for k, (ref, _) in _COMPUTE_DTYPES.items() if ref() is None]:
+        del _COMPUTE_DTYPES[key]
+    recorded = 0
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        group = module._get_fsdp_state()._fsdp_param_group
+        for fsdp_param in group.fsdp_params if group is not None else ():
+            param = fsdp_param.sharded_param
+            # The group's policy (torch 2.11's FSDPParam has no `param_dtype`); FSDP2 casts floating tensors only.
+            cast = group.mp_policy.param_dtype if param.is_floating_point() else None
+            _COMPUTE_DTYPES[id(param)] = (weakref.ref(param), cast or param.dtype)
+            recorded += 1
+    return recorded
+
+
+def compute_dtype(param: torch.Tensor) -> torch.dtype:
+    """The dtype FSDP2 hands the forward for the sharded `param` (`record_fsdp2_compute_dtypes` must have seen it)."""
+    ref, dtype = _COMPUTE_DTYPES.get(id(param), (None, None))
+    if ref is None or ref() is not param:
+        raise RuntimeError(
+            "This FSDP2 shard's compute dtype is unknown: call trl_fp8.distributed.record_fsdp2_compute_dtypes(model) "
+            "after fully_shard (save_fp8_checkpoint and the vLLM sync do it themselves), so its FP8 weight is "
+            "quantized from the values the forward multiplies."
+        )
+    return dtype
+
+
+def fp8_shards_align(weight: torch.Tensor, rows_per_block: int = BLOCK) -> bool:
+    """Whether each rank's shard of `weight` holds whole FP8 blocks along dim 0, so quantizing the shards gives the
+    whole weight's blocks bit for bit: sharded on dim 0 only (over one mesh dimension; others replicate) in chunks
+    of `ceil(rows / ranks)`, a multiple of `rows_per_block` (128 for a linear weight's rows; 1 for stacked experts,
+    sharded by expert). Qwen3-8B's smallest weights (k/v, 1024 rows) align up to 8 ranks, gate/up (12288 rows) up to 32."""
+    if not is_sharded(weight):
+        return True
+    shard_dims = [i for i, p in enumerate(weight.placements) if not p.is_replicate()]
+    if len(shard_dims) != 1 or not weight.placements[shard_dims[0]].is_shard(0):
+        return False
+    return shard_rows_align(weight.shape[0], weight.device_mesh.size(shard_dims[0]), rows_per_block)
+
+
+def shard_rows_align(rows: int, ranks: int, rows_per_block: int = BLOCK) -> bool:
+    """Whether FSDP2's dim-0 chunks of a `rows`-row weight over `ranks` ranks (`ceil(rows / ranks)` each, as
+    `torch.chunk` cuts) start and end on FP8 block boundaries."""
+    return math.ceil(rows / ranks) % rows_per_block == 0
+
+
+def gather_whole(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The whole tensor of an FSDP2 shard, cast to `dtype` before the all-gather (2 bytes a value for BF16, not 4)."""
+    if dtype is not None and tensor.is_floating_point():
+        tensor = tensor.to(dtype)
+    return tensor.full_tensor()
+
+
+def gather_quantized(
+    weight: torch.Tensor,
+    quantize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    rows_per_block: int = BLOCK,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize` applied to the whole of the FSDP2-sharded `weight` in its compute dtype: `(q, scale_inv)` on every
+    rank, as the forward would quantize the all-gathered weight. A collective: every rank calls it, in the same order.
+
+    Where the shards hold whole blocks (`fp8_shards_align`), each rank quantizes its own shard and the FP8 data and
+    the scales are all-gathered; otherwise the weight is gathered whole in the compute dtype and quantized."""
+    from torch.distributed.tensor import DTensor
+
+    dtype = compute_dtype(weight)
+    if not fp8_shards_align(weight, rows_per_block):
+        return quantize(gather_whole(weight, dtype))
+    local = weight.to_local().detach().to(dtype)
+    if local.shape[0] == 0:  # a rank past the last chunk: its share of the result is empty
+        q1, s1 = quantize(local.new_zeros((rows_per_block, *local.shape[1:])))
+        q, s = q1[:0], s1[:0]
+    else:
+        q, s = quantize(local)
+    mesh, placements = weight.device_mesh, weight.placements
+    scale_rows = math.ceil(weight.shape[0] / rows_per_block) if rows_per_block > 1 else weight.shape[0]
+    parts = []
+    for local_part, rows in ((q.view(torch.uint8), weight.shape[0]), (s, scale_rows)):
+        shape = (rows, *local_part.shape[1:])
+        stride = torch.empty(shape, device="meta").stride()
+        parts.append(
+            DTensor.from_local(local_part, mesh, placements, run_check=False, shape=shape, stride=stride).full_tensor()
+        )
+    return parts[0].view(q.dtype), parts[1]
+
+
+_REDUCE_OPS = {"max": "MAX", "min": "MIN", "sum": "SUM"}
+
+
+def reduce_over_ranks(values: dict[str, float], how: dict[str, str], device) -> dict[str, float]:
+    """`values` (the same keys on every rank) reduced over all ranks, each by `how[key]` ("max", "min" or "sum";
+    "max" if absent), so every rank logs the same numbers. A collective: every rank calls it with the same keys."""
+    dist = torch.distributed
+    if not values or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return dict(values)
+    out = {}
+    for op, name in _REDUCE_OPS.items():
+        keys = sorted(k for k in values if how.get(k, "max") == op)
+        if keys:
+            t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
+            dist.all_reduce(t, op=getattr(dist.ReduceOp, name))
+            out.update(zip(keys, t.tolist(), strict=True))
+    return {k: out[k] for k in values}
+
+
+def grads_in_ddp_buckets(accelerator) -> None:
+    """Have DDP keep each gradient as a view of its all-reduce bucket (`gradient_as_bucket_view`) rather than a second
+    copy: the model is wrapped in DDP at `train()`, with the arguments of the accelerator's DDP handler."""
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    if accelerator.ddp_handler is None:
+        accelerator.ddp_handler = DistributedDataParallelKwargs()
+    accelerator.ddp_handler.gradient_as_bucket_view = True

@@ -1,7 +1,7 @@
 """FP8 GRPO on two GPUs of one host: DDP and FSDP2 through accelerate, vLLM colocated on each rank (TP=1), and DDP
 with one vLLM engine across both GPUs (TP=2).
 
-Needs a host with two SM90 GPUs (`nvidia-h200-x2`); skipped elsewhere. Per launch config: the ranks agree on their
+Needs two SM90 GPUs on one host; skipped elsewhere. Per launch config: the ranks agree on their
 logs (timings aside), their parameters and the FP8 tensors for vLLM; each engine holds its trainer's FP8 weights
 bit for bit; the export written by rank 0 equals a one-process export of the trained master weights.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import WORKERS, clean_subprocess_env, free_port
+from conftest import WORKERS, clean_subprocess_env, free_port, launch_failure
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,14 +50,16 @@ def test_two_gpu_grpo_with_colocated_engines(tmp_path, launch, vllm_tp):
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes", "2",
            "--main_process_port", str(free_port()), str(WORKERS / "multi_gpu_worker.py"),
            str(model_dir), str(tmp_path / "out"), str(vllm_tp)]  # fmt: skip
-    env = {**clean_subprocess_env(), "CUDA_VISIBLE_DEVICES": "0,1"}  # the NVLink multicast settings stay
+    gpus = os.environ.get("CUDA_VISIBLE_DEVICES", "0,1").split(",")[:2]  # two of the GPUs this process may use
+    env = {**clean_subprocess_env(), "CUDA_VISIBLE_DEVICES": ",".join(gpus)}  # the NVLink multicast settings stay
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    assert proc.returncode == 0, launch_failure(proc.stdout + proc.stderr)
     r0, r1 = (json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in (0, 1))
     print(
         f"{launch}, vLLM TP={vllm_tp}: {r0['distributed_type']}, sharded={r0['sharded']}, last step {r0['log_history'][-2]}"
     )
     assert r0["sharded"] == (launch == "fsdp2")
+    assert r0["grads_in_ddp_buckets"] is (True if launch == "multi_gpu" else None)
     for a, b in zip(r0["log_history"], r1["log_history"], strict=True):
         assert {k: v for k, v in a.items() if k not in TIMINGS} == {k: v for k, v in b.items() if k not in TIMINGS}
     assert r0["params"] == r1["params"] and r0["pushed_fp8"] == r1["pushed_fp8"]

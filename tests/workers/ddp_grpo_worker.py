@@ -67,6 +67,7 @@ def main():
         "rank": trainer.accelerator.process_index,
         "world_size": trainer.accelerator.num_processes,
         "distributed_type": str(trainer.accelerator.distributed_type),
+        "grads_in_ddp_buckets": getattr(trainer.model_wrapped, "gradient_as_bucket_view", None),
         "log_history": trainer.state.log_history,
         "params": tensor_digest(model.named_parameters()),
         "pushed_fp8": tensor_digest(rollout_weight_tensors(model, "fp8")),

@@ -1,12 +1,20 @@
 """One rank of an FSDP2 run of FP8 layers on CPU (gloo), launched by tests/test_multiprocess.py through `torchrun`.
 
-    torchrun --nproc_per_node 2 tests/workers/fsdp2_fp8_worker.py OUT_DIR
+    torchrun --nproc_per_node 2 tests/workers/fsdp2_fp8_worker.py OUT_DIR [fp32|bf16]
 
 accelerate applies FSDP only on accelerators (on CPU it falls back to DDP), so this shards with torch's own
-`fully_shard`, as accelerate does on GPUs: each decoder layer, then the root. Every rank also trains an unsharded
-replica on the same batches; with identical batches on every rank FSDP2's averaged gradients equal the replica's.
-Writes `OUT_DIR/fsdp2_rank<r>.json` (losses, digests of the whole parameters and of the FP8 tensors for vLLM, for
-both models) and, from rank 0, the two exports `OUT_DIR/sharded` and `OUT_DIR/replica`.
+`fully_shard`, as accelerate does on GPUs: each decoder layer, then the root.
+
+fp32 (no mixed precision): every rank also trains an unsharded replica on the same batches; with identical batches on
+every rank FSDP2's averaged gradients equal the replica's. Writes `OUT_DIR/fsdp2_rank<r>.json` (losses, digests of
+the whole parameters and of the FP8 tensors for vLLM, for both models) and, from rank 0, the two exports
+`OUT_DIR/sharded` and `OUT_DIR/replica`.
+
+bf16 (accelerate's policy: fp32 masters, BF16 all-gathers for compute, fp32 gradient reduction): after training, one
+more forward records the FP8 weights each layer multiplied; the record holds their digest, the digest of the tensors
+for vLLM, and of the same tensors from a one-process BF16 copy of the gathered fp32 masters and from the fp32 masters
+themselves (the rule FSDP2 must not follow); which weights' shards hold whole 128-row blocks; and the export from
+rank 0 goes to `OUT_DIR/sharded_bf16` beside a one-process export of the BF16 copy in `OUT_DIR/one_bf16`.
 """
 
 import copy
@@ -33,6 +41,9 @@ def main():
     from trl_fp8.rollout.vllm.engine import rollout_weight_tensors
 
     out = Path(sys.argv[1])
+    mode = sys.argv[2] if len(sys.argv) > 2 else "fp32"
+    if mode in ("bf16", "moe_bf16"):
+        return mixed_precision(out, moe=mode == "moe_bf16")
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     model = tiny_qwen3(seed=0, vocab_size=128)
@@ -72,6 +83,107 @@ def main():
     if rank == 0:
         save_fp8_checkpoint(replica, out / "replica", progress=False)
     (out / f"fsdp2_rank{rank}.json").write_text(json.dumps(record, indent=1))
+    dist.destroy_process_group()
+
+
+def tiny_moe(seed: int):
+    """A two-layer Qwen3-MoE (3 experts: FSDP2 gives the two ranks 2 and 1) with a dense MLP in its second layer."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    return Qwen3MoeForCausalLM(
+        Qwen3MoeConfig(
+            vocab_size=128,
+            hidden_size=256,
+            intermediate_size=512,
+            moe_intermediate_size=128,
+            num_experts=3,
+            num_experts_per_tok=2,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=128,
+            mlp_only_layers=[1],
+        )  # fmt: skip
+    )
+
+
+def mixed_precision(out: Path, moe: bool = False):
+    from ddp_grpo_worker import tensor_digest
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from trl_fp8 import FP8Linear, FP8LinearConfig, convert_to_fp8, save_fp8_checkpoint
+    from trl_fp8.demo.tiny_model import tiny_qwen3
+    from trl_fp8.distributed import fp8_shards_align, reduce_over_ranks
+    from trl_fp8.nn.experts import FP8Experts
+    from trl_fp8.rollout.vllm.engine import rollout_weight_tensors
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    build = tiny_moe if moe else (lambda seed: tiny_qwen3(seed=seed, vocab_size=128))
+    model = build(0)
+    config = FP8LinearConfig(cache_quantized_weight=False)
+    convert_to_fp8(model, config=config)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    g = torch.Generator().manual_seed(rank)  # each rank its own batches, as in data-parallel training
+    for _ in range(3):
+        ids = torch.randint(0, 128, (4, 64), generator=g)
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    used = {}  # what each FP8 layer multiplies in a forward after the last step
+
+    def record(name):
+        def hook(module, args):
+            w = module._fp8_weight()
+            used[f"{name}.weight"], used[f"{name}.weight_scale_inv"] = w.q, w.scale_inv
+
+        return hook
+
+    fp8_layers = {n: m for n, m in model.named_modules() if isinstance(m, FP8Linear)}
+    handles = [m.register_forward_pre_hook(record(n)) for n, m in fp8_layers.items()]
+    with torch.no_grad():
+        model(torch.randint(0, 128, (1, 8), generator=g))
+    for h in handles:
+        h.remove()
+    aligned = {n: fp8_shards_align(m.weight) for n, m in fp8_layers.items()}
+    experts = {n: m for n, m in model.named_modules() if isinstance(m, FP8Experts)}
+    aligned.update({n: fp8_shards_align(m.down_proj, rows_per_block=1) for n, m in experts.items()})
+    pushed = dict(rollout_weight_tensors(model, "fp8"))
+    masters = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))  # fp32, gathered
+    copies = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        one = build(1)
+        one.load_state_dict(masters)
+        convert_to_fp8(one.to(dtype), config=config)
+        copies[str(dtype)] = one
+    record_ = {
+        "rank": rank,
+        "aligned": aligned,
+        "used_fp8": tensor_digest(sorted((k, v) for k, v in pushed.items() if k in used)),
+        "forward_fp8": tensor_digest(sorted(used.items())),
+        "pushed_fp8": tensor_digest(pushed.items()),
+        "one_process_fp8": {k: tensor_digest(rollout_weight_tensors(m, "fp8")) for k, m in copies.items()},
+        "pushed_dtypes": sorted({str(t.dtype) for t in pushed.values()}),
+        "experts_sharded": [n for n, m in experts.items() if isinstance(m.down_proj, DTensor)],
+        "reduced": reduce_over_ranks(
+            {"peak": rank, "preemptions": 1 + rank, "tokens": 10 - rank},
+            {"preemptions": "sum", "tokens": "min"},
+            "cpu",
+        ),  # fmt: skip
+    }
+    tag = "moe_bf16" if moe else "bf16"
+    save_fp8_checkpoint(model, out / f"sharded_{tag}", progress=False, write=rank == 0)
+    if rank == 0:
+        save_fp8_checkpoint(copies[str(torch.bfloat16)], out / f"one_{tag}", progress=False)
+    (out / f"fsdp2_{tag}_rank{rank}.json").write_text(json.dumps(record_, indent=1))
     dist.destroy_process_group()
 
 

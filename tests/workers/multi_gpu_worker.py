@@ -36,6 +36,7 @@ def main():
         model_init_kwargs={"dtype": "bfloat16"}, use_vllm=True, vllm_mode="colocate",
         vllm_gpu_memory_utilization=0.25, tis="token", save_bf16_master_weights=True,
         vllm_tensor_parallel_size=vllm_tp,
+        vllm_fp8_backend=os.environ.get("TRL_FP8_TEST_FP8_BACKEND", "auto"),  # a kernel to compare, by hand
     )  # fmt: skip
     trainer = FP8GRPOTrainer(model_dir, say_letter_reward, args, train_dataset=say_letter_dataset(512))
     trainer.train()
@@ -44,6 +45,7 @@ def main():
     record = {
         "rank": trainer.accelerator.process_index,
         "distributed_type": str(trainer.accelerator.distributed_type),
+        "grads_in_ddp_buckets": getattr(trainer.model_wrapped, "gradient_as_bucket_view", None),
         "sharded": isinstance(model.model.layers[0].mlp.down_proj.weight, DTensor),
         "log_history": trainer.state.log_history,
         "params": tensor_digest(model.named_parameters()),

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 from trl_fp8.checkpoint.folder import replace_checkpoint
 from trl_fp8.config import BLOCK
-from trl_fp8.distributed import is_sharded
+from trl_fp8.distributed import compute_dtype, gather_whole, is_sharded, record_fsdp2_compute_dtypes
 from trl_fp8.nn.adapters import (
     check_adapters_mergeable,
     hf_name,
@@ -95,6 +95,7 @@ def fp8_checkpoint_tensors(
     """
     check_adapters_mergeable(model)
     hf_model = unwrap_model(model)
+    record_fsdp2_compute_dtypes(hf_model)  # FSDP2: each FP8 weight is quantized from the dtype its forward sees
     modules = dict(hf_model.named_modules())
     tuners = set(tuner_layer_names(hf_model))
     fp8_modules = fp8_module_names(model) if fp8_modules is None else fp8_modules
@@ -134,7 +135,7 @@ def fp8_checkpoint_tensors(
             if merged_tensor is not None:
                 tensor = merged_tensor
             elif sharded:  # FSDP2: one whole tensor at a time, gathered by every rank in the same order
-                tensor = tensor.full_tensor()
+                tensor = gather_whole(tensor, dtype)
             if check_finite and tensor.is_floating_point() and not torch.isfinite(tensor).all():
                 raise ValueError(f"{name} holds NaN or Inf values; refusing to write a corrupt checkpoint.")
             tensor = tensor.detach()
@@ -237,14 +238,16 @@ def _expert_tensors(module, key, leaf, weight, fp8, names, power_of_two_scales, 
     merged), as per-expert checkpoint tensors (gate and up `[I, H]`, or down), named as the family's checkpoints name
     them (`names`), each with its `weight_scale_inv` when FP8 (`quantized_experts`)."""
     name = key.rpartition(".")[0]
-    if is_sharded(weight):
-        raise NotImplementedError(f"{name}.{leaf}: exporting FSDP2-sharded expert weights is not supported yet.")
-    if check_finite and not torch.isfinite(weight).all():
+    if check_finite and not _all_finite(weight):
         raise ValueError(
             f"{name}.{leaf} holds NaN or Inf values; refusing to write a corrupt checkpoint. The training run "
             "diverged: lower the learning rate or resume from an earlier checkpoint."
         )
     parts = EXPERT_CHECKPOINT_PARTS[leaf]
+    if is_sharded(weight) and not (fp8 and isinstance(module, FP8Experts) and weight is getattr(module, leaf)):
+        # FSDP2 (sharded by expert): an FP8Experts layer gathers its own FP8 blocks; anything else comes whole, one
+        # layer's stack at a time, in the dtype it is quantized from or written in.
+        weight = gather_whole(weight, compute_dtype(weight) if fp8 else dtype)
     if fp8:
         q, scale = quantized_experts(module, leaf, weight, power_of_two_scales)
     weight = weight.detach()

@@ -1,13 +1,16 @@
 """`trl-fp8 plan`: what a colocated vLLM engine holds in BF16, FP8 and FP8 + FP8 KV cache, and whether training fits.
 
     trl-fp8 plan MODEL [--gpu H100 | --gpu_memory_gib 80] [--vllm_gpu_memory_utilization 0.3]
-                 [--prompt_len 256] [--completion_len 2048] [--generation_batch 128] [--optim adamw_bnb_8bit] ...
+                 [--prompt_len 256] [--completion_len 2048] [--generation_batch 128] [--optim adamw_bnb_8bit]
+                 [--num_processes 4 --launch ddp|fsdp2] ...
 
 MODEL is a model folder or a Hub id such as Qwen/Qwen3-8B (its config.json only: the Hub cache first; offline and
 uncached it stops at once, naming the fix). The estimates are `trl_fp8.rollout.capacity`'s: KV-cache tokens
 as vLLM 0.26 sizes them (within a few percent of what it reported in our benchmarks), sequences of
 prompt + completion tokens that decode at once, a rough account of the trainer's memory beside the engine, and the
-largest share at which each flow fits (its best fit).
+largest share at which each flow fits (its best fit). With --num_processes N it plans one GPU of N, each with a
+training process and a vLLM engine (TRL's colocate mode), the trainer replicated (DDP) or sharded (FSDP2), and says
+which of the two fits.
 """
 
 from __future__ import annotations
@@ -19,15 +22,20 @@ from trl_fp8.cli.argtypes import memory_share, non_negative_int, positive_float,
 from trl_fp8.cli.hub import load_model_config
 from trl_fp8.rollout.capacity import (
     GPU_MEMORY_BYTES,
+    HELD_BETWEEN_STEPS,
+    LAUNCHES,
+    NCCL_BUFFER_BYTES,
     OPTIMIZER_STATE_BYTES,
     GiB,
     ModelShape,
     rollout_capacity,
-    trainer_memory_bytes,
+    trainer_memory_per_gpu,
     vllm_overhead_bytes,
 )
 
+# (name, FP8 weights, FP8 KV cache). The BF16 flow is TRL's own GRPOTrainer, the FP8 flows trl-fp8's FP8GRPOTrainer.
 FLOWS = (("BF16", False, False), ("FP8", True, False), ("FP8 + FP8 KV", True, True))
+LAUNCH_NAMES = {"ddp": "DDP", "fsdp2": "FSDP2"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,36 +54,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no_gradient_checkpointing", action="store_true")
     parser.add_argument("--lora", action="store_true", help="only adapters train: no gradients or optimizer state")
     parser.add_argument("--sleep_mode", action="store_true", help="vllm_enable_sleep_mode: vLLM frees its share")
+    parser.add_argument("--num_processes", type=positive_int, default=1,
+                        help="GPUs, each with one training process and one colocated vLLM engine of the whole model "
+                        "(TRL's colocate mode, TP=1)")  # fmt: skip
+    parser.add_argument("--launch", choices=LAUNCHES, default="ddp",
+                        help="with several processes: ddp replicates the model on every GPU, fsdp2 shards it as TRL's "
+                        "fsdp2.yaml does (float32 masters, bf16 compute); ignored with one process")  # fmt: skip
     parser.add_argument("--trust_remote_code", action="store_true")
 
 
 def run(args: argparse.Namespace) -> int:
     seq_len = args.prompt_len + args.completion_len
-    share = args.vllm_gpu_memory_utilization
+    several = args.num_processes > 1
     try:
         total = _gpu_memory(args)
         shape = ModelShape.from_config(load_model_config(args.model, args.trust_remote_code))
-        # Every flow's numbers first: an error must come before any line of the table.
-        rows = [_flow_row(shape, total, seq_len, args, fp8_weights=w, fp8_kv=kv) for _, w, kv in FLOWS]
+        _check_launch(args)
+        # Every flow's numbers first, under each launch compared: an error must come before any line of the table.
+        compared = LAUNCHES if several and not args.lora else (args.launch,)
+        by_launch = {launch: [_flow_row(shape, total, seq_len, args, launch, fp8_weights=w, fp8_kv=kv)
+                              for _, w, kv in FLOWS] for launch in compared}  # fmt: skip
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(f"{args.model}: {shape.params / 1e9:.2f}B parameters ({shape.linear_params / 1e9:.2f}B in linear layers); "
-          f"GPU {total / GiB:.1f} GiB, vLLM share {share:g}; {args.generation_batch} sequences of "
-          f"{args.prompt_len} + {args.completion_len} tokens")  # fmt: skip
+    rows = by_launch[args.launch]
+    print(_header(args, shape, total))
     print(f"{'':<14}{'vLLM weights':>13}{'KV B/token':>11}{'KV tokens':>11}{'seqs at once':>13}{'waves':>6}"
-          f"{'trainer':>9}{'fits':>6}")  # fmt: skip
-    for (name, _, _), (cap, parts, fits, _) in zip(FLOWS, rows, strict=True):
+          f"{'trainer':>9}" + (f"{'peak':>9}" if several else "") + f"{'fits':>6}")  # fmt: skip
+    for (name, _, _), (cap, parts, peak, fits, _) in zip(FLOWS, rows, strict=True):
         waves = cap.waves(args.generation_batch) if cap.sequences else "-"
         print(f"{name:<14}{cap.weight_bytes / GiB:>11.1f}Gi{cap.kv_bytes_per_token:>11,}{cap.kv_tokens:>11,}"
-              f"{cap.sequences:>13}{waves:>6}{sum(parts.values()) / GiB:>7.1f}Gi{'yes' if fits else 'no':>6}")  # fmt: skip
-    print(
-        "KV tokens: vLLM 0.26's sizing, estimated; trainer: BF16 masters, gradients, optimizer, FP8 weight cache, one "
-        "micro-batch's activations and logits (rough); fits: trainer + vLLM's share within 97% of the GPU."
-    )
+              f"{cap.sequences:>13}{waves:>6}{sum(parts.values()) / GiB:>7.1f}Gi"
+              + (f"{peak / GiB:>7.1f}Gi" if several else "") + f"{'yes' if fits else 'no':>6}")  # fmt: skip
+    print(_columns_footnote(several))
     best_fits = [f"{name} {fit[0]:.2f} ({fit[1].kv_tokens:,} KV tokens, {fit[1].sequences} sequences at once)" if fit
                  else f"{name}: none (no share holds one sequence beside the trainer)"
-                 for (name, _, _), (_, _, _, fit) in zip(FLOWS, rows, strict=True)]  # fmt: skip
+                 for (name, _, _), (*_, fit) in zip(FLOWS, rows, strict=True)]  # fmt: skip
     print("Best fit, the largest vLLM share that fits (steps of 0.05): " + "; ".join(best_fits) + ".")
     if args.sleep_mode:
         print(
@@ -83,30 +97,65 @@ def run(args: argparse.Namespace) -> int:
             "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; without it PyTorch kept 10-14 GiB of freed training "
             "memory beside vLLM at the 8B shape, and a share 0.05-0.1 lower was the most that ran."
         )
+    if several:
+        print(_several_gpus_footnote(args))
+        print(_launch_advice(args, shape, by_launch))
     return 0
 
 
-def _flow_row(shape, total: int, seq_len: int, args, *, fp8_weights: bool, fp8_kv: bool):
-    """One flow's `(capacity, trainer memory parts, fits, best fit)`."""
+def _header(args, shape, total: int) -> str:
+    """The first line: the model, the GPU(s), the share and the rollout; with several processes, the launch."""
+    size = f"{args.model}: {shape.params / 1e9:.2f}B parameters ({shape.linear_params / 1e9:.2f}B in linear layers)"
+    rollout = f"{args.generation_batch} sequences of {args.prompt_len} + {args.completion_len} tokens"
+    share = args.vllm_gpu_memory_utilization
+    if args.num_processes == 1:
+        return f"{size}; GPU {total / GiB:.1f} GiB, vLLM share {share:g}; {rollout}"
+    return (f"{size}; {args.num_processes} processes, {LAUNCH_NAMES[args.launch]}: {args.num_processes} GPUs of "
+            f"{total / GiB:.1f} GiB, each with a trainer and a vLLM engine (share {share:g}); {rollout} per engine")  # fmt: skip
+
+
+def _columns_footnote(several: bool) -> str:
+    """What the table's columns hold (one GPU: as it always read)."""
+    if not several:
+        return ("KV tokens: vLLM 0.26's sizing, estimated; trainer: BF16 masters, gradients, optimizer, FP8 weight "
+                "cache, one micro-batch's activations and logits (rough); fits: trainer + vLLM's share within 97% of "
+                "the GPU.")  # fmt: skip
+    return ("KV tokens: vLLM 0.26's sizing, estimated; trainer: one GPU's part of the training (below), one "
+            "micro-batch's activations and logits (rough); peak: the most one GPU holds at once; fits: peak within "
+            "97% of each GPU.")  # fmt: skip
+
+
+def _check_launch(args) -> None:
+    """Refuse the launch that trl-fp8 itself refuses: PEFT adapters under FSDP2 beside vLLM."""
+    if args.num_processes > 1 and args.launch == "fsdp2" and args.lora:
+        raise ValueError("--lora with --launch fsdp2: trl-fp8 refuses PEFT adapters under FSDP2 beside vLLM (each "
+                         "adapter merges into a whole base weight, which FSDP2 shards); use --launch ddp.")  # fmt: skip
+
+
+def _flow_row(shape, total: int, seq_len: int, args, launch: str, *, fp8_weights: bool, fp8_kv: bool):
+    """One flow's `(capacity, trainer memory parts of one GPU, peak per GPU, fits, best fit)` under `launch`."""
     cap = rollout_capacity(shape, total, args.vllm_gpu_memory_utilization, fp8_weights=fp8_weights, fp8_kv=fp8_kv,
                            seq_len=seq_len, max_num_seqs=args.generation_batch)  # fmt: skip
-    parts = trainer_memory_bytes(
-        shape, optim=args.optim, fp8_training=fp8_weights, lora=args.lora, micro_batch=args.micro_batch,
+    # The FP8 flows train with trl-fp8 (gradients in DDP's buckets by default), the BF16 one with TRL alone.
+    parts = trainer_memory_per_gpu(
+        shape, num_processes=args.num_processes, launch=launch, grads_in_ddp_buckets=fp8_weights,
+        optim=args.optim, fp8_training=fp8_weights, lora=args.lora, micro_batch=args.micro_batch,
         seq_len=seq_len, gradient_checkpointing=not args.no_gradient_checkpointing,
     )  # fmt: skip
-    fits = peak_bytes(parts, shape, args.vllm_gpu_memory_utilization * total, args) <= 0.97 * total
+    peak = peak_bytes(parts, shape, args.vllm_gpu_memory_utilization * total, args)
     best = best_fit_share(parts, shape, total, seq_len, args, fp8_weights=fp8_weights, fp8_kv=fp8_kv)
-    return cap, parts, fits, best
+    return cap, parts, peak, peak <= 0.97 * total, best
 
 
 def peak_bytes(parts: dict[str, int], shape, share_bytes: float, args) -> float:
     """The most the GPU holds at once. Without sleep mode vLLM keeps its share beside training. With it, training
-    runs beside what vLLM cannot release, and vLLM wakes into its whole share beside the trainer's weights and
-    optimizer states (gradients and activations freed, the FP8 weight cache released before the KV cache wakes)."""
+    runs beside what vLLM cannot release, and vLLM wakes into its whole share beside what the trainer holds between
+    steps: weights and optimizer states, and DDP's buckets and NCCL's buffers on several GPUs (gradients and
+    activations freed, the FP8 weight cache released before the KV cache wakes)."""
     if not args.sleep_mode:
         return sum(parts.values()) + share_bytes
     training = sum(parts.values()) + vllm_overhead_bytes(shape, args.generation_batch)
-    return max(training, parts["weights"] + parts["optimizer"] + share_bytes)
+    return max(training, sum(parts.get(key, 0) for key in HELD_BETWEEN_STEPS) + share_bytes)
 
 
 def best_fit_share(parts: dict[str, int], shape, total: int, seq_len: int, args, *, fp8_weights: bool, fp8_kv: bool):
@@ -120,6 +169,48 @@ def best_fit_share(parts: dict[str, int], shape, total: int, seq_len: int, args,
                                seq_len=seq_len, max_num_seqs=args.generation_batch)  # fmt: skip
         return (share, cap) if cap.sequences else None
     return None
+
+
+def _several_gpus_footnote(args) -> str:
+    """The assumptions behind one GPU of several, for the launch planned."""
+    if args.launch == "ddp":
+        trainer = ("DDP: the whole model as on one GPU, plus DDP's all-reduce buckets, a BF16 copy of the gradients "
+                   "kept between steps (the FP8 rows' gradients are views of them, ddp_gradient_as_bucket_view; "
+                   "TRL's BF16 GRPOTrainer keeps both)")  # fmt: skip
+    else:
+        trainer = ("FSDP2 (TRL's fsdp2.yaml): float32 master weights, gradients and optimizer states sharded 1/N, "
+                   "two units gathered in BF16 (a decoder layer and the next, or lm_head beside one), no FP8 "
+                   "weight cache")  # fmt: skip
+    held = "the NCCL buffers and DDP's buckets" if args.launch == "ddp" else "the NCCL buffers"
+    wake_up = f" The wake-up of sleep mode also holds {held}." if args.sleep_mode else ""
+    return (f"Per GPU, trainer and peak: {trainer}; {NCCL_BUFFER_BYTES / GiB:g} GiB of NCCL buffers (assumed). Each "
+            f"engine holds the whole model (TP=1) and --generation_batch sequences.{wake_up}")  # fmt: skip
+
+
+def _launch_advice(args, shape, by_launch: dict) -> str:
+    """One line: the flows that DDP and FSDP2 each fit on every GPU, their peaks, and the launch that fits more."""
+    where = f"DDP vs FSDP2 at {shape.params / 1e9:.1f}B on {args.num_processes} GPUs"
+    if "fsdp2" not in by_launch:
+        return f"{where}: FSDP2 is no option with --lora (trl-fp8 refuses PEFT adapters under FSDP2 beside vLLM)."
+    fitting = {launch: [name for (name, _, _), row in zip(FLOWS, rows, strict=True) if row[3]]
+               for launch, rows in by_launch.items()}  # fmt: skip
+    peaks = {launch: " / ".join(f"{row[2] / GiB:.1f}" for row in rows) for launch, rows in by_launch.items()}
+    ddp, fsdp2 = len(fitting["ddp"]), len(fitting["fsdp2"])
+    if ddp == fsdp2:
+        advice = "both fit; DDP spares FSDP2's all-gathers" if ddp else "neither fits at this share (see Best fit)"
+    else:
+        better = "ddp" if ddp > fsdp2 else "fsdp2"
+        advice = f"{'keep' if better == args.launch else 'use'} --launch {better}"
+    flows = " / ".join(name for name, _, _ in FLOWS)
+    return (f"{where}: DDP fits {_flow_list(fitting['ddp'])} (peak per GPU {peaks['ddp']} GiB for {flows}), FSDP2 "
+            f"{_flow_list(fitting['fsdp2'])} ({peaks['fsdp2']} GiB): {advice}.")  # fmt: skip
+
+
+def _flow_list(names: list[str]) -> str:
+    """The names of `names`, or "every flow" / "no flow"."""
+    if len(names) == len(FLOWS):
+        return "every flow"
+    return " and ".join(names) or "no flow"
 
 
 def _gpu_memory(args) -> int:

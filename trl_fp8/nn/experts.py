@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from trl_fp8.config import BLOCK, BLOCKWISE, FP8LinearConfig
+from trl_fp8.distributed import gather_quantized, is_sharded
 from trl_fp8.nn.linear import blockwise_backward
 from trl_fp8.nn.weight_cache import FP8WeightCacheMixin, is_own_parameter, weight_cache_key
 from trl_fp8.ops import backend_name, select_ops
@@ -126,6 +127,8 @@ class FP8Experts(FP8WeightCacheMixin, nn.Module):
         """`(q [E, N, K], scale_inv [E, N/128, K/128])` of `gate_up_proj` or `down_proj`: each expert's 128x128 blocks,
         exactly as the forward multiplies them (what the vLLM sync and the export send)."""
         weight = getattr(self, name)
+        if is_sharded(weight):  # FSDP2 between forwards: whole experts per rank; their FP8 blocks are gathered
+            return gather_quantized(weight, self._quantize_stack, rows_per_block=1)
         # Only the module's own parameter is cached: LoRA's `target_parameters` hands each forward a new `W + BA`
         # tensor, which a new adapter state may get at the address of the last one (`nn.weight_cache.is_own_parameter`).
         cache = self.fp8_config.cache_quantized_weight and is_own_parameter(self, name, weight)
@@ -133,15 +136,19 @@ class FP8Experts(FP8WeightCacheMixin, nn.Module):
         cached = self._fp8_weight_cache.get(name) if cache else None
         if cached is not None and cached[0] == key:
             return cached[1]
+        value = self._quantize_stack(weight)
+        if cache:
+            self._fp8_weight_cache[name] = (key, value)
+        return value
+
+    def _quantize_stack(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each expert's 128x128 blocks of a stacked `[E, N, K]` weight: `(q [E, N, K], scale_inv [E, N/128, K/128])`."""
         e, n, k = weight.shape
         ops = select_ops(self.fp8_config, weight.device)
         with torch.no_grad():
             q, s = ops.quantize_weight(weight.detach().reshape(e * n, k),
                                        power_of_two_scales=self.fp8_config.power_of_two_scales)  # fmt: skip
-        value = (q.reshape(e, n, k), s.reshape(e, n // BLOCK, k // BLOCK))
-        if cache:
-            self._fp8_weight_cache[name] = (key, value)
-        return value
+        return q.reshape(e, n, k), s.reshape(e, n // BLOCK, k // BLOCK)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         num_tokens, hidden = hidden_states.shape

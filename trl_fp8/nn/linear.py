@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from trl_fp8.config import BLOCKWISE, FP8LinearConfig
-from trl_fp8.distributed import is_sharded
+from trl_fp8.distributed import gather_quantized, is_sharded
 from trl_fp8.nn.weight_cache import (  # noqa: F401 (the cache's functions lived here before: the trainer imports them)
     FP8WeightCacheMixin,
     cache_hit,
@@ -231,10 +231,13 @@ class FP8Linear(FP8WeightCacheMixin, nn.Linear):
         """
         weight = self.weight
         if is_sharded(weight):
-            # FSDP2 between forwards: gather the whole weight (a collective: every rank must ask, in the same order,
-            # as the exporter and the vLLM sync do), quantize it and keep nothing.
-            fp8_weight = self._quantize(weight.full_tensor())
-            return fp8_weight.q, fp8_weight.scale_inv
+            # FSDP2 between forwards: quantize from the dtype the forward sees (not the fp32 master) and gather the FP8
+            # blocks (a collective: every rank asks, in the same order, as the exporter and the vLLM sync do).
+            def quantize(w):
+                fp8_weight = self._quantize(w)
+                return fp8_weight.q, fp8_weight.scale_inv
+
+            return gather_quantized(weight, quantize)
         fp8_weight = self._fp8_weight()
         return fp8_weight.q, fp8_weight.scale_inv
 

@@ -10,6 +10,9 @@ The overhead model is empirical: `VLLM_OVERHEAD` was fitted (least squares) on v
 random Qwen3 shapes (how closely it follows them: docs/when-fp8-pays.md; `tests/test_capacity.py` checks the
 committed rows). Other vLLM versions, other attention kinds (sliding windows, MLA) and tensor parallelism are not
 modelled.
+
+Several GPUs (`trainer_memory_per_gpu`) follow TRL's colocate mode: one training process and one vLLM engine (its own
+whole copy, TP=1) on every GPU; the trainer replicates the model (DDP) or shards it (FSDP2, TRL's fsdp2.yaml).
 """
 
 from __future__ import annotations
@@ -21,11 +24,16 @@ from trl_fp8.config import BLOCK  # FP8 weight blocks: one float32 scale per BLO
 
 __all__ = [
     "GPU_MEMORY_BYTES",
+    "HELD_BETWEEN_STEPS",
+    "LAUNCHES",
     "ModelShape",
     "RolloutCapacity",
     "kv_bytes_per_token",
+    "optimizer_state_bytes",
     "rollout_capacity",
+    "fsdp2_gathered_params",
     "trainer_memory_bytes",
+    "trainer_memory_per_gpu",
     "vllm_overhead_bytes",
     "weight_bytes",
 ]
@@ -45,6 +53,16 @@ OPTIMIZER_STATE_BYTES = {"adamw_torch": 4, "adamw_torch_fused": 4, "adamw_bnb_8b
 # docs/when-fp8-pays.md compares the estimate with a measurement).
 EIGHT_BIT_OPTIMIZERS = ("adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit")
 EMBEDDING_STATE_BYTES_8BIT = 8
+# torch's AdamW keeps its moments in the parameter's dtype: twice the bytes beside FSDP2's float32 masters.
+DTYPE_FOLLOWING_OPTIMIZERS = ("adamw_torch", "adamw_torch_fused")
+# How several training processes, one per GPU, hold the model: replicated (DDP) or sharded (FSDP2).
+LAUNCHES = ("ddp", "fsdp2")
+# Assumed, not measured: NCCL's communicator buffers and the process group's workspace on each GPU of a
+# several-process run, DDP or FSDP2 alike.
+NCCL_BUFFER_BYTES = 1 * GiB
+# What the trainer keeps between steps, beside a sleeping engine that wakes: gradients and activations are freed
+# and the FP8 weight cache released, but DDP's all-reduce buckets and NCCL's buffers stay.
+HELD_BETWEEN_STEPS = ("weights", "optimizer", "ddp_buckets", "nccl_buffers")
 
 
 @dataclass(frozen=True)
@@ -60,6 +78,8 @@ class ModelShape:
     head_dim: int
     linear_params: int
     other_params: int
+    largest_layer_params: int = 0  # the biggest decoder layer's, what FSDP2 gathers at once (0: not known)
+    tied_embeddings: bool = False
 
     @property
     def params(self) -> int:
@@ -104,15 +124,21 @@ class ModelShape:
             mlp = len(moe_layers) * (3 * hidden * (experts * expert_dim + shared)) + (layers - len(moe_layers)) * (
                 3 * hidden * dense_dim
             )
-            router = len(moe_layers) * hidden * (experts + (1 if shared else 0))
+            layer_router = hidden * (experts + (1 if shared else 0))
+            router = len(moe_layers) * layer_router
             intermediate = expert_dim
+            moe_mlp = 3 * hidden * (experts * expert_dim + shared) + layer_router
+            largest_mlp = max(moe_mlp if moe_layers else 0, 3 * hidden * dense_dim if len(moe_layers) < layers else 0)
         else:
             intermediate = need("intermediate_size")
             mlp, router = layers * 3 * hidden * intermediate, 0
-        embeddings = vocab * hidden * (1 if c.get("tie_word_embeddings") else 2)
-        norms = layers * (2 * hidden + 2 * head_dim) + hidden
-        return cls(layers, hidden, intermediate, vocab, kv_heads, head_dim,
-                   layers * attention + mlp, embeddings + norms + router)  # fmt: skip
+            largest_mlp = 3 * hidden * intermediate
+        tied = bool(c.get("tie_word_embeddings"))
+        embeddings = vocab * hidden * (1 if tied else 2)
+        layer_norms = 2 * hidden + 2 * head_dim  # input and post-attention norms; q and k norms
+        norms = layers * layer_norms + hidden
+        return cls(layers, hidden, intermediate, vocab, kv_heads, head_dim, layers * attention + mlp,
+                   embeddings + norms + router, attention + largest_mlp + layer_norms, tied)  # fmt: skip
 
 
 def weight_bytes(shape: ModelShape, fp8: bool) -> int:
@@ -186,9 +212,11 @@ def trainer_memory_bytes(
     micro_batch: int = 8,
     seq_len: int = 2048,
     gradient_checkpointing: bool = True,
+    master_weight_bytes: int = 2,
 ) -> dict[str, int]:
-    """A rough account of the trainer's own GPU memory (BF16 master weights): weights, gradients, optimizer states,
-    the FP8 weight cache, activations of one micro-batch and its logits. Estimates, not measurements."""
+    """A rough account of the trainer's own GPU memory on one GPU: weights, gradients, optimizer states, the FP8
+    weight cache, activations of one micro-batch and its logits. Estimates, not measurements. `master_weight_bytes`:
+    of each trainable weight and its gradient, 2 for BF16 masters, 4 for float32 ones (frozen weights stay BF16)."""
     if optim not in OPTIMIZER_STATE_BYTES:
         raise ValueError(f"optim={optim!r} is not modelled; use one of {sorted(OPTIMIZER_STATE_BYTES)}.")
     trainable = 0 if lora else shape.params
@@ -198,15 +226,76 @@ def trainer_memory_bytes(
         activations = shape.num_layers * tokens * shape.hidden_size * 2 + per_layer
     else:
         activations = shape.num_layers * per_layer
-    optimizer = OPTIMIZER_STATE_BYTES[optim] * trainable
-    if optim in EIGHT_BIT_OPTIMIZERS and not lora:
-        optimizer += (EMBEDDING_STATE_BYTES_8BIT - OPTIMIZER_STATE_BYTES[optim]) * shape.embedding_params
     return {
-        "weights": 2 * shape.params,
-        "gradients": 2 * trainable,
-        "optimizer": optimizer,
+        "weights": master_weight_bytes * trainable + 2 * (shape.params - trainable),
+        "gradients": master_weight_bytes * trainable,
+        "optimizer": optimizer_state_bytes(shape, optim, trainable, master_weight_bytes),
         "fp8_weight_cache": shape.linear_params if fp8_training and fp8_weight_cache else 0,
         "activations": activations,
         # BF16 logits; TRL's fused log-prob kernel reads them without a float32 copy (checked: 8B training peaks)
         "logits": tokens * shape.vocab_size * 2,
     }
+
+
+def optimizer_state_bytes(shape: ModelShape, optim: str, trainable: int, master_weight_bytes: int = 2) -> int:
+    """The optimizer's states for `trainable` parameters held in `master_weight_bytes` each."""
+    per_param = OPTIMIZER_STATE_BYTES[optim]
+    if optim in DTYPE_FOLLOWING_OPTIMIZERS:
+        per_param = per_param * master_weight_bytes // 2
+    state = per_param * trainable
+    if optim in EIGHT_BIT_OPTIMIZERS and trainable:
+        state += (EMBEDDING_STATE_BYTES_8BIT - per_param) * shape.embedding_params
+    return state
+
+
+def trainer_memory_per_gpu(
+    shape: ModelShape,
+    *,
+    num_processes: int = 1,
+    launch: str = "ddp",
+    grads_in_ddp_buckets: bool = True,
+    **memory,
+) -> dict[str, int]:
+    """`trainer_memory_bytes` (whose options `memory` takes) of one GPU when `num_processes` training processes, one
+    per GPU, train together: DDP replicates the model, FSDP2 shards it (`launch`, ignored with one process).
+    `grads_in_ddp_buckets`: DDP's `gradient_as_bucket_view`, which trl-fp8's FP8GRPOConfig turns on
+    (`ddp_gradient_as_bucket_view`) and TRL's own GRPOTrainer leaves off."""
+    if num_processes < 1:
+        raise ValueError(f"num_processes must be at least 1, got {num_processes}.")
+    if launch not in LAUNCHES:
+        raise ValueError(f"launch={launch!r} is not modelled; use one of {list(LAUNCHES)}.")
+    if num_processes == 1:  # no process group: what one GPU trains with
+        return trainer_memory_bytes(shape, **memory)
+    if launch == "ddp":
+        return _ddp_rank(trainer_memory_bytes(shape, **memory), grads_in_ddp_buckets)
+    return _fsdp2_rank(shape, num_processes, memory)
+
+
+def _ddp_rank(parts: dict[str, int], grads_in_buckets: bool) -> dict[str, int]:
+    """A DDP rank holds the whole model as one GPU does, plus DDP's all-reduce buckets (a BF16 copy of every
+    gradient, allocated once and kept between steps) and NCCL's buffers. With `gradient_as_bucket_view` the
+    gradients are views of the buckets: no second copy."""
+    buckets = parts["gradients"]
+    return {**parts, "gradients": 0 if grads_in_buckets else parts["gradients"], "ddp_buckets": buckets,
+            "nccl_buffers": NCCL_BUFFER_BYTES}  # fmt: skip
+
+
+def _fsdp2_rank(shape: ModelShape, num_processes: int, memory: dict) -> dict[str, int]:
+    """An FSDP2 rank as TRL's fsdp2.yaml launches it: accelerate upcasts the trainable weights to float32 masters
+    and computes in BF16; weights, gradients and optimizer states are sharded over the ranks, the units being
+    computed are gathered whole in BF16 (`reshard_after_forward: true`), and trl-fp8 keeps no FP8 weight cache
+    (it would undo the sharding)."""
+    parts = trainer_memory_bytes(shape, **{**memory, "fp8_weight_cache": False}, master_weight_bytes=4)
+    shards = {key: math.ceil(parts[key] / num_processes) for key in ("weights", "gradients", "optimizer")}
+    return {**parts, **shards, "gathered_units": 2 * fsdp2_gathered_params(shape), "nccl_buffers": NCCL_BUFFER_BYTES}
+
+
+def fsdp2_gathered_params(shape: ModelShape) -> int:
+    """The most parameters an FSDP2 rank holds gathered at once, as accelerate 1.15 wraps a causal LM: each decoder
+    layer is a unit, and so are the input embedding and a tail of the final norm and lm_head, which stays gathered
+    from the end of forward into backward. Forward and backward prefetch the next unit while one computes."""
+    layer = shape.largest_layer_params or shape.linear_params // shape.num_layers  # 0: a hand-built shape's mean
+    tail = shape.embedding_params + shape.hidden_size
+    if shape.tied_embeddings:  # the tail then holds the input embedding too: gathered from the first layer on
+        return tail + 2 * layer
+    return layer + max(layer, tail)  # two layers, or the embedding (or the tail) beside the layer next to it

@@ -36,7 +36,12 @@ from trl.trainer.utils import create_model_from_path, pad
 from trl_fp8.checkpoint.folder import drop_checkpoint_entries, is_checkpoint_entry, output_overwrites_model
 from trl_fp8.checkpoint.save import save_fp8_checkpoint, unwrap_model
 from trl_fp8.config import LayerSelection
-from trl_fp8.distributed import check_no_weight_sharding
+from trl_fp8.distributed import (
+    check_no_weight_sharding,
+    check_sharding_supports,
+    grads_in_ddp_buckets,
+    reduce_over_ranks,
+)
 from trl_fp8.nn.conversion import ConversionReport, convert_to_fp8, plan_fp8_conversion
 from trl_fp8.nn.linear import invalidate_fp8_weights
 from trl_fp8.rollout.kv_scales import AttentionScaleObserver
@@ -55,6 +60,10 @@ __all__ = [
     "fp8_model_card_section",
     "warn_outside_tested_trl",
 ]
+
+
+# How each rollout statistic (`RolloutStats.read`, the engine's KV size) combines over the ranks' engines.
+ROLLOUT_STATS_REDUCTION = {"preemptions": "sum", "kv_cache_tokens": "min"}
 
 
 class FP8TrainerMixin:
@@ -88,6 +97,7 @@ class FP8TrainerMixin:
             )
         warn_outside_tested_trl()
         check_no_weight_sharding(args)  # before loading a model that could not train
+        check_sharding_supports(args, trainer_kwargs.get("peft_config"), model)
         check_output_dir(model, args.output_dir)
         check_reward_dependencies(reward_funcs)
         self._check_start_up(args, trainer_kwargs)
@@ -106,6 +116,8 @@ class FP8TrainerMixin:
                 logger.warning(advice)
         with self._fp8_vllm_generation(args):
             super().__init__(model, reward_funcs, args, *trainer_args, **trainer_kwargs)
+        if args.ddp_gradient_as_bucket_view:
+            grads_in_ddp_buckets(self.accelerator)  # before train() wraps the model in DDP
         if self.ref_model is not None and args.fp8_recipe is not None:
             self._convert(unwrap_model(self.ref_model), args)
             # Never trained (TRL scores with it under no_grad): frozen, its FP8 weights are quantized once, not at
@@ -229,7 +241,9 @@ class FP8TrainerMixin:
         self._metrics[mode]["fp8/num_fp8_layers"].append(float(self.fp8_report.num_fp8_layers))
         sync_seconds = getattr(getattr(self, "vllm_generation", None), "last_sync_seconds", None)
         if sync_seconds is not None:
-            self._metrics[mode]["fp8/weight_sync_ms"].append(1e3 * sync_seconds)
+            # The slowest rank's sync is the one every rank waits for.
+            synced = reduce_over_ranks({"ms": 1e3 * sync_seconds}, {"ms": "max"}, self.accelerator.device)
+            self._metrics[mode]["fp8/weight_sync_ms"].append(synced["ms"])
             self.vllm_generation.last_sync_seconds = None
         self._log_rollout_capacity(output, mode)
         return output
@@ -241,9 +255,13 @@ class FP8TrainerMixin:
         stats = getattr(generation, "rollout_stats", None)
         if stats is None:
             return
-        for key, value in stats.read().items():
+        # Every rank logs the same numbers: the peaks over all engines, their preemptions summed, the smallest cache.
+        values = {**stats.read(), "kv_cache_tokens": float(generation.kv_cache_tokens or 0)}
+        values = reduce_over_ranks(values, ROLLOUT_STATS_REDUCTION, self.accelerator.device)
+        values["preemptions"] /= getattr(generation, "tensor_parallel_size", 1) or 1  # each engine on tp ranks
+        kv_tokens = int(values.pop("kv_cache_tokens"))
+        for key, value in values.items():
             self._metrics[mode][f"vllm/{key}"].append(value)
-        kv_tokens = generation.kv_cache_tokens
         if kv_tokens:
             self._metrics[mode]["vllm/kv_cache_tokens"].append(float(kv_tokens))
         if kv_tokens and not self._capacity_reported:
@@ -346,9 +364,7 @@ class _InvalidateSyncedReference(TrainerCallback):
             invalidate_fp8_weights(self.ref_model)
 
 
-def fp8_model_card_section(
-    report: ConversionReport, args, export_report: ConversionReport | None = None
-) -> str:
+def fp8_model_card_section(report: ConversionReport, args, export_report: ConversionReport | None = None) -> str:
     """The model card's FP8 section: the training recipe, how the weights are stored, the layers kept in high
     precision (those of `export_report` for a BF16 run with an FP8 checkpoint)."""
     stored = export_report or report

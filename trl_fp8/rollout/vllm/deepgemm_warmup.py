@@ -61,11 +61,16 @@ class PrecompileResult:
     failures: list[str] = field(default_factory=list)
 
 
-def engine_gemm_shapes(model: nn.Module, fp8_modules: set[str]) -> list[tuple[int, int]]:
+def engine_gemm_shapes(model: nn.Module, fp8_modules: set[str], tensor_parallel: int = 1) -> list[tuple[int, int]]:
     """The (N, K) of every block-FP8 GEMM the engine runs for `model`'s FP8 layers: vLLM fuses q/k/v and gate/up
-    (`sibling_gemms.FUSED_GROUPS`) into one layer each, so their N add up. Layers whose N or K is not a multiple of 128
-    are left out, as vLLM does not run them on DeepGEMM, and so are experts (vLLM's fused-MoE kernels)."""
-    modules = dict(unwrap_model(model).named_modules())
+    (`sibling_gemms.FUSED_GROUPS`) into one layer each, so their N add up; with `tensor_parallel` ranks, one rank's
+    partition of each (`partitions.partition_shape`). Layers whose N or K is not a multiple of 128 are left out, as
+    vLLM does not run them on DeepGEMM, and so are experts (vLLM's fused-MoE kernels)."""
+    from trl_fp8.rollout.vllm.partitions import _head_dim, partition_shape
+
+    hf_model = unwrap_model(model)
+    modules = dict(hf_model.named_modules())
+    head_dim = _head_dim(getattr(hf_model, "config", None))
     shapes, seen = set(), set()
     for name in sorted(fp8_modules):
         parent, _, leaf = name.rpartition(".")
@@ -77,8 +82,11 @@ def engine_gemm_shapes(model: nn.Module, fp8_modules: set[str]) -> list[tuple[in
         layers = [getattr(modules[m], "base_layer", modules[m]) for m in members]
         if any(getattr(layer, "weight", None) is None or layer.weight.dim() != 2 for layer in layers):
             continue  # experts (stacked 3-D weights) run vLLM's fused-MoE kernels, not the dense GEMMs compiled here
-        weights = [layer.weight for layer in layers]
-        n, k = sum(w.shape[0] for w in weights), weights[0].shape[1]
+        parts = [
+            partition_shape(m.rpartition(".")[2], *layer.weight.shape, tensor_parallel, head_dim)
+            for m, layer in zip(members, layers, strict=True)
+        ]
+        n, k = sum(p[0] for p in parts), parts[0][1]
         if n % BLOCK == 0 and k % BLOCK == 0:
             shapes.add((int(n), int(k)))
     return sorted(shapes)
@@ -240,12 +248,15 @@ def precompile_engine_kernels(
     *,
     workers: int | None = None,
     device: int | None = None,
+    tensor_parallel: int = 1,
 ) -> PrecompileResult | None:
-    """`precompile_deepgemm` for the engine of `model` whose FP8 layers are `fp8_modules`, when its rollout
-    `kernel` (`vllm_kernels.RolloutKernel`, None for a BF16 engine) is DeepGEMM and `workers` is not 0; else None."""
+    """`precompile_deepgemm` for the engine of `model` whose FP8 layers are `fp8_modules` (one rank's partitions of
+    them with `tensor_parallel` ranks), when its rollout `kernel` (`vllm_kernels.RolloutKernel`, None for a BF16
+    engine) is DeepGEMM and `workers` is not 0; else None."""
     if kernel is None or kernel.backend != "deepgemm" or workers == 0:
         return None
-    return precompile_deepgemm(engine_gemm_shapes(model, fp8_modules), max_tokens, workers=workers, device=device)
+    shapes = engine_gemm_shapes(model, fp8_modules, tensor_parallel)
+    return precompile_deepgemm(shapes, max_tokens, workers=workers, device=device)
 
 
 def _package_root() -> str:

@@ -52,6 +52,7 @@ from trl_fp8.rollout.vllm.kernels import (
     server_command,
     server_kernel,
 )
+from trl_fp8.rollout.vllm.partitions import check_tensor_parallel, tensor_parallel_overrides
 from trl_fp8.rollout.vllm.server import check_server_config
 
 logger = logging.getLogger(__name__)
@@ -146,6 +147,10 @@ class FP8VLLMGeneration(VLLMGeneration):
         overrides = engine_overrides(
             self.engine_dir, self.rollout_precision, self.kv_observer is not None, self.kernel
         )
+        overrides.update(check_tensor_parallel(self.model, self.fp8_modules, self.tensor_parallel_size))
+        if tp_overrides := tensor_parallel_overrides(self.tensor_parallel_size):
+            logger.info("vLLM tensor parallel with NVLink multicast off: %s", tp_overrides)
+            overrides.update(tp_overrides)
         apply_engine_env(self.rollout_precision, self.kernel)
         start = time.perf_counter()
         self._precompile_deepgemm()
@@ -169,6 +174,7 @@ class FP8VLLMGeneration(VLLMGeneration):
             self.deepgemm_precompile = precompile_engine_kernels(
                 self.kernel, self.model, self.fp8_modules, TRL_MAX_NUM_BATCHED_TOKENS,
                 workers=self.deepgemm_workers, device=self.accelerator.device.index,
+                tensor_parallel=self.tensor_parallel_size,
             )  # fmt: skip
         self.accelerator.wait_for_everyone()
 

@@ -1,0 +1,198 @@
+"""`trl-fp8 plan --num_processes N --launch ddp|fsdp2`: one GPU of several, each with a training process and a
+colocated vLLM engine. The expected bytes are worked out here from the Qwen3-8B shape's parameter counts, not taken
+from a run of the planner."""
+
+import json
+
+import pytest
+
+from trl_fp8.cli.main import main as cli
+from trl_fp8.rollout.capacity import (
+    NCCL_BUFFER_BYTES,
+    GiB,
+    ModelShape,
+    fsdp2_gathered_params,
+    trainer_memory_bytes,
+    trainer_memory_per_gpu,
+)
+
+QWEN3_8B = {"model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+            "tie_word_embeddings": False}  # fmt: skip
+PRINT_STEP = 0.1 * GiB  # the table prints GiB with one decimal: two rounded figures differ by at most this much
+
+
+def counts(c=QWEN3_8B) -> dict[str, int]:
+    """Parameters of the shape, counted from its config: a decoder layer (attention, MLP, 4 norms), the linear
+    layers of all of them, the whole model (untied embedding and lm_head, final norm)."""
+    h, hd = c["hidden_size"], c["head_dim"]
+    attention = h * hd * (2 * c["num_attention_heads"] + 2 * c["num_key_value_heads"])
+    mlp = 3 * h * c["intermediate_size"]
+    layer = attention + mlp + 2 * h + 2 * hd
+    embedding = c["vocab_size"] * h
+    return {"layer": layer, "linear": c["num_hidden_layers"] * (attention + mlp), "embedding": embedding,
+            "params": c["num_hidden_layers"] * layer + 2 * embedding + h}  # fmt: skip
+
+
+@pytest.fixture
+def qwen3_8b(tmp_path):
+    path = tmp_path / "qwen3-8b"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(QWEN3_8B))
+    return str(path)
+
+
+def plan(capsys, *argv: str) -> str:
+    assert cli(["plan", *argv]) == 0
+    return capsys.readouterr().out
+
+
+def table(out: str) -> dict[str, tuple[float, float, str]]:
+    """Flow -> (trainer GiB, peak GiB, fits) of a several-GPU table, read from the right."""
+    rows = {}
+    for line in out.splitlines()[2:5]:
+        columns = line[14:].split()
+        rows[line[:14].strip()] = (float(columns[-3][:-2]), float(columns[-2][:-2]), columns[-1])
+    assert set(rows) == {"BF16", "FP8", "FP8 + FP8 KV"}, out
+    return rows
+
+
+def test_ddp_peaks_above_fsdp2_by_what_fsdp2_shards(qwen3_8b, capsys):
+    """At N=4 with AdamW: DDP holds BF16 weights (2 bytes a parameter), DDP's gradient buckets (2), AdamW's BF16
+    moments (4) and, in the FP8 rows, the FP8 weight cache (1 byte a linear parameter); FSDP2 a quarter of the
+    float32 masters (4), gradients (4) and float32 moments (8), plus two gathered units in BF16. Activations,
+    logits, NCCL buffers and vLLM's share are the same under both."""
+    n = counts()
+    p, gathered = n["params"], 2 * (n["layer"] + max(n["layer"], n["embedding"] + QWEN3_8B["hidden_size"]))
+    fsdp2 = (4 + 4 + 8) * p / 4 + gathered
+    expected = {"FP8": (2 + 2 + 4) * p + n["linear"] - fsdp2}
+    expected["FP8 + FP8 KV"] = expected["FP8"]
+    expected["BF16"] = (2 + 2 + 2 + 4) * p - fsdp2  # its own gradients beside the buckets, no FP8 cache
+    common = [qwen3_8b, "--gpu", "H200", "--num_processes", "4", "--optim", "adamw_torch"]
+    ddp, sharded = table(plan(capsys, *common, "--launch", "ddp")), table(plan(capsys, *common, "--launch", "fsdp2"))
+    assert n["params"] == ModelShape.from_config(QWEN3_8B).params
+    for flow, difference in expected.items():
+        assert difference > 30 * GiB  # tens of GiB a GPU: what sharding is for
+        assert (ddp[flow][1] - sharded[flow][1]) * GiB == pytest.approx(difference, abs=PRINT_STEP)
+
+
+def test_fsdp2_training_memory_per_gpu_falls_with_the_gpus(qwen3_8b, capsys):
+    """Each doubling of N halves the shards: float32 masters, gradients and 8-bit AdamW's states (2 bytes a
+    parameter, the input embedding's 8); the rest of a GPU's training memory stays."""
+    n = counts()
+    sharded = (4 + 4 + 2) * n["params"] + 6 * n["embedding"]
+    trainer = {}
+    for gpus in (2, 4, 8):
+        out = plan(capsys, qwen3_8b, "--gpu", "H100", "--num_processes", str(gpus), "--launch", "fsdp2",
+                   "--optim", "adamw_bnb_8bit")  # fmt: skip
+        assert f"{gpus} processes, FSDP2: {gpus} GPUs of 79.2 GiB" in out.splitlines()[0]
+        trainer[gpus] = {flow: row[0] for flow, row in table(out).items()}
+    for flow in trainer[2]:
+        assert trainer[2][flow] > trainer[4][flow] > trainer[8][flow]
+        assert (trainer[2][flow] - trainer[4][flow]) * GiB == pytest.approx(sharded / 4, abs=PRINT_STEP)
+        assert (trainer[4][flow] - trainer[8][flow]) * GiB == pytest.approx(sharded / 8, abs=PRINT_STEP)
+    # no FP8 weight cache and no DDP buckets: TRL's BF16 trainer and trl-fp8's FP8 one hold the same per GPU
+    assert len({trainer[8][flow] for flow in trainer[8]}) == 1
+
+
+def test_the_bf16_ddp_row_counts_the_bucket_copy_and_the_fp8_rows_do_not(qwen3_8b, capsys):
+    n = counts()
+    shape = ModelShape.from_config(QWEN3_8B)
+    # TRL's BF16 GRPOTrainer: gradients beside DDP's buckets. trl-fp8: gradients are views of the buckets.
+    bf16 = trainer_memory_per_gpu(shape, num_processes=2, launch="ddp", grads_in_ddp_buckets=False, fp8_training=False)
+    fp8 = trainer_memory_per_gpu(shape, num_processes=2, launch="ddp", grads_in_ddp_buckets=True, fp8_training=True)
+    assert bf16["gradients"] == bf16["ddp_buckets"] == fp8["ddp_buckets"] == 2 * n["params"]
+    assert fp8["gradients"] == 0 and fp8["fp8_weight_cache"] == n["linear"]
+    assert bf16["nccl_buffers"] == fp8["nccl_buffers"] == NCCL_BUFFER_BYTES
+    one_gpu = trainer_memory_bytes(shape, fp8_training=True)
+    assert sum(fp8.values()) == sum(one_gpu.values()) + NCCL_BUFFER_BYTES  # the buckets hold the same gradients
+    # The printed table: on one GPU BF16 is the FP8 row less its weight cache; with DDP the bucket copy comes on top.
+    trainer = {}
+    for gpus in ("1", "2"):
+        rows = plan(capsys, qwen3_8b, "--gpu", "H100", "--num_processes", gpus).splitlines()[2:5]
+        trainer[gpus] = {line[:14].strip(): float(line.split()[-2 if gpus == "1" else -3][:-2]) for line in rows}
+    assert (trainer["1"]["BF16"] - trainer["1"]["FP8"]) * GiB == pytest.approx(-n["linear"], abs=PRINT_STEP)
+    assert (trainer["2"]["BF16"] - trainer["2"]["FP8"]) * GiB == pytest.approx(2 * n["params"] - n["linear"],
+                                                                               abs=PRINT_STEP)  # fmt: skip
+    assert trainer["2"]["FP8"] == trainer["2"]["FP8 + FP8 KV"]
+
+
+def test_the_output_names_the_launch_and_says_which_fits(qwen3_8b, capsys):
+    """The 8B shape with 8-bit AdamW and sleep mode on two H100s: DDP's BF16 row cannot fit (its own gradients
+    beside the buckets), FSDP2's rows all do."""
+    common = [qwen3_8b, "--gpu", "H100", "--num_processes", "2", "--optim", "adamw_bnb_8bit", "--sleep_mode"]
+    out = plan(capsys, *common)  # DDP by default
+    assert "2 processes, DDP: 2 GPUs of 79.2 GiB" in out.splitlines()[0]
+    assert table(out)["BF16"][2] == "no" and table(out)["FP8"][2] == "yes"
+    advice = out.splitlines()[-1]
+    assert advice.startswith("DDP vs FSDP2 at 8.2B on 2 GPUs: DDP fits FP8 and FP8 + FP8 KV (")
+    assert ", FSDP2 every flow (" in advice and advice.endswith(": use --launch fsdp2.")
+    assert "NCCL buffers (assumed)" in out and "ddp_gradient_as_bucket_view" in out
+    out = plan(capsys, *common, "--launch", "fsdp2")
+    assert "2 processes, FSDP2" in out.splitlines()[0] and [row[2] for row in table(out).values()] == ["yes"] * 3
+    assert out.splitlines()[-1].endswith(": keep --launch fsdp2.") and "float32 master weights" in out
+
+
+def test_one_process_prints_what_it_printed_before(qwen3_8b, capsys):
+    for extra in ([], ["--sleep_mode", "--optim", "adamw_bnb_8bit"], ["--lora", "--vllm_gpu_memory_utilization", "0.5"]):  # fmt: skip
+        before = plan(capsys, qwen3_8b, "--gpu", "H100", *extra)
+        assert plan(capsys, qwen3_8b, "--gpu", "H100", *extra, "--num_processes", "1") == before
+        assert plan(capsys, qwen3_8b, "--gpu", "H100", *extra, "--num_processes", "1", "--launch", "fsdp2") == before
+        assert "DDP" not in before and "peak" not in before
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--num_processes", "0"], "argument --num_processes: 0 is not a positive integer"),
+        (["--num_processes", "-2"], "argument --num_processes: -2 is not a positive integer"),
+        (["--num_processes", "two"], "argument --num_processes: 'two' is not a whole number"),
+        (["--launch", "zero3"], "argument --launch: invalid choice: 'zero3'"),
+    ],
+)
+def test_bad_values_fail_in_argparse_before_anything_prints(qwen3_8b, capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        cli(["plan", qwen3_8b, "--gpu", "H100", *argv])
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and message in captured.err
+
+
+def test_lora_under_fsdp2_is_refused_as_trl_fp8_refuses_it(qwen3_8b, capsys):
+    assert cli(["plan", qwen3_8b, "--gpu", "H100", "--num_processes", "2", "--launch", "fsdp2", "--lora"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "--lora with --launch fsdp2" in captured.err and "--launch ddp" in captured.err
+    out = plan(capsys, qwen3_8b, "--gpu", "H100", "--num_processes", "2", "--lora")
+    assert "FSDP2 is no option with --lora" in out.splitlines()[-1]
+
+
+def test_help_shows_the_new_defaults(capsys):
+    with pytest.raises(SystemExit):
+        cli(["plan", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--num_processes NUM_PROCESSES" in out and "(default: 1)" in out
+    assert "{ddp,fsdp2}" in out and "(default: ddp)" in out and "fsdp2.yaml" in out
+
+
+@pytest.mark.parametrize("kind", ["dense", "tied", "moe"])
+def test_the_largest_layer_and_what_fsdp2_gathers_are_the_models_own(kind):
+    from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
+
+    common = dict(vocab_size=128, hidden_size=256, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
+                  head_dim=128, intermediate_size=512)  # fmt: skip
+    config = {
+        "dense": Qwen3Config(**common),
+        "tied": Qwen3Config(tie_word_embeddings=True, **common),
+        "moe": Qwen3MoeConfig(
+            moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2, mlp_only_layers=[1], **common
+        ),
+    }[kind]
+    model = AutoModelForCausalLM.from_config(config)
+    shape = ModelShape.from_config(config)
+    layers = [sum(p.numel() for p in layer.parameters()) for layer in model.model.layers]
+    assert shape.largest_layer_params == max(layers) and shape.tied_embeddings == (kind == "tied")
+    tail = sum(p.numel() for p in model.lm_head.parameters()) + sum(p.numel() for p in model.model.norm.parameters())
+    if kind == "tied":  # one unit with the input embedding, gathered through forward and backward
+        assert fsdp2_gathered_params(shape) == tail + 2 * max(layers)
+    else:
+        assert fsdp2_gathered_params(shape) == max(layers) + max(max(layers), tail)

@@ -1,0 +1,104 @@
+"""What each rank of a tensor-parallel vLLM engine holds of the trainer's FP8 layers, and the partitions it refuses.
+
+vLLM splits a column-parallel layer (q/k/v, gate/up) along its outputs N and a row-parallel one (o_proj, down_proj)
+along its inputs K; key/value heads fewer than the ranks are replicated, not split. Block-FP8 needs every partition to
+hold whole 128x128 blocks: vLLM checks it when it builds the layers, deep inside the engine start. Here the same
+arithmetic runs before anything starts, so a split that cannot work is refused with the fix, and DeepGEMM's
+pre-compilation compiles the partitions' GEMM shapes (`deepgemm_warmup.engine_gemm_shapes`), not the whole layers'.
+Experts split the same way (their intermediate size over the ranks); where that falls below whole blocks, vLLM's
+expert parallelism gives each rank whole experts instead.
+"""
+
+from __future__ import annotations
+
+import os
+
+from torch import nn
+
+from trl_fp8.config import BLOCK
+from trl_fp8.nn.adapters import unwrap_model
+
+__all__ = ["ROW_PARALLEL", "check_tensor_parallel", "multicast_off", "partition_shape", "tensor_parallel_overrides"]
+
+# Layers vLLM splits along their inputs (the rest of a decoder's linear layers split along their outputs).
+ROW_PARALLEL = frozenset({"o_proj", "down_proj", "out_proj", "dense_4h_to_h", "fc2", "w2", "wo"})
+KV_PROJECTIONS = frozenset({"k_proj", "v_proj"})
+
+
+def _head_dim(config) -> int | None:
+    head_dim = getattr(config, "head_dim", None)
+    if head_dim:
+        return int(head_dim)
+    heads = getattr(config, "num_attention_heads", None)
+    return int(config.hidden_size // heads) if heads and getattr(config, "hidden_size", None) else None
+
+
+def partition_shape(leaf: str, n: int, k: int, tp: int, head_dim: int | None = None) -> tuple[int, int]:
+    """`(N, K)` of one rank's part of linear layer `leaf` (`[N, K]` weight) in an engine of `tp` ranks. Key/value
+    projections keep at least one head per rank (`head_dim` rows), as vLLM replicates heads it cannot split."""
+    if tp == 1:
+        return n, k
+    if leaf in ROW_PARALLEL:
+        return n, k // tp
+    if leaf in KV_PROJECTIONS and head_dim:
+        return max(n // tp, head_dim), k
+    return n // tp, k
+
+
+def _experts_intermediate(module: nn.Module) -> int | None:
+    weight = getattr(module, "down_proj", None)
+    return int(weight.shape[-1]) if weight is not None and getattr(weight, "dim", lambda: 0)() == 3 else None
+
+
+def check_tensor_parallel(model: nn.Module, fp8_modules: set[str], tp: int) -> dict:
+    """Refuse, before the engine starts, a `tp`-rank engine whose partitions of the FP8 layers would not hold whole
+    128x128 blocks, naming the layer and the sizes that work. Returns the `LLM(...)` arguments the split needs:
+    `enable_expert_parallel=True` when experts would be split below whole blocks (each rank then holds whole
+    experts, as vLLM's expert parallelism places them)."""
+    if tp <= 1 or not fp8_modules:
+        return {}
+    hf_model = unwrap_model(model)
+    head_dim = _head_dim(getattr(hf_model, "config", None))
+    modules = dict(hf_model.named_modules())
+    expert_parallel = False
+    for name in sorted(fp8_modules):
+        module = modules.get(name)
+        if module is None:
+            continue
+        module = getattr(module, "base_layer", module)
+        if (inter := _experts_intermediate(module)) is not None:
+            if inter % tp or (inter // tp) % BLOCK:
+                expert_parallel = True
+            continue
+        weight = getattr(module, "weight", None)
+        if weight is None or weight.dim() != 2:
+            continue
+        leaf = name.rpartition(".")[2]
+        n, k = weight.shape
+        split = k if leaf in ROW_PARALLEL else n
+        part_n, part_k = partition_shape(leaf, n, k, tp, head_dim)
+        replicated = leaf in KV_PROJECTIONS and head_dim and n // tp < head_dim
+        if not replicated and (split % tp or (part_n % BLOCK) or (part_k % BLOCK)):
+            works = [t for t in range(1, 9) if split % t == 0 and (split // t) % BLOCK == 0]
+            raise ValueError(
+                f"vllm_tensor_parallel_size={tp} splits {name} ({'inputs' if leaf in ROW_PARALLEL else 'outputs'} "
+                f"{split}) into parts of {split / tp:g}, not a multiple of {BLOCK}: a block-FP8 engine needs whole "
+                f"128x128 blocks on every rank. Use vllm_tensor_parallel_size in {works} for this layer, keep it in "
+                "BF16 (fp8_module_filter_fn), or roll out on a `trl vllm-serve` server with fewer ranks per model."
+            )
+    return {"enable_expert_parallel": True} if expert_parallel else {}
+
+
+def multicast_off(environ=os.environ) -> bool:
+    """Whether this host's NVLink multicast is switched off (NCCL's NVLS or torch's symmetric-memory multicast)."""
+    return environ.get("NCCL_NVLS_ENABLE") == "0" or environ.get("TORCH_SYMM_MEM_DISABLE_MULTICAST") == "1"
+
+
+def tensor_parallel_overrides(tp: int, environ=os.environ) -> dict:
+    """`LLM(...)` arguments a `tp`-rank colocated engine needs here. vLLM 0.26 fuses each all-reduce with the next
+    RMSNorm through FlashInfer's TRT-LLM all-reduce, whose workspace is NVLink multicast memory: with multicast off
+    (`multicast_off`) its first call fails with an illegal memory access. The fusion pass is then turned off and vLLM
+    runs its own all-reduce and RMSNorm, which give the same values."""
+    if tp <= 1 or not multicast_off(environ):
+        return {}
+    return {"compilation_config": {"pass_config": {"fuse_allreduce_rms": False}}}
