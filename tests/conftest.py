@@ -82,6 +82,17 @@ def clean_subprocess_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in launch}
 
 
+def host_gpus() -> int:
+    """GPUs on the host, whatever CUDA_VISIBLE_DEVICES this process was given (0 without nvidia-smi)."""
+    import subprocess
+
+    try:
+        listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(line.startswith("GPU ") for line in listing.splitlines())
+
+
 def launch_failure(output: str, tail: int = 4000) -> str:
     """What a failed multi-process launch printed that says why: each distinct line naming an error (the root cause
     of a crash is often far above the launcher's own summary, which fills the tail), then the last `tail` characters."""

@@ -610,6 +610,24 @@ def test_peft_under_fsdp2_is_refused_before_loading_the_model(tmp_path, monkeypa
     assert loads == []
 
 
+def test_bitsandbytes_optimizers_under_fsdp2_are_refused_before_loading_the_model(tmp_path, monkeypatch):
+    """bitsandbytes' update ops take plain tensors, not FSDP2's DTensor shards (8-bit AdamW raises at the first
+    optimizer step on two gloo ranks): refused at start-up, naming the optimizer that works and DDP."""
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    args = make_args(tmp_path)
+    args.optim = "adamw_bnb_8bit"  # (set after the config's own check, which wants bitsandbytes installed)
+    loads = []
+    monkeypatch.setattr(FP8GRPOTrainer, "_load_model", staticmethod(lambda *a: loads.append(1)))
+    with pytest.raises(NotImplementedError, match="under FSDP2.*adamw_torch_fused.*multi_gpu.yaml"):
+        FP8GRPOTrainer("some/model", say_letter_reward, args, train_dataset=say_letter_dataset(16))
+    assert loads == []
+    monkeypatch.delenv("ACCELERATE_USE_FSDP")  # DDP: 8-bit AdamW is fine
+    from trl_fp8.distributed import check_sharding_supports
+
+    check_sharding_supports(args)
+
+
 def test_a_run_without_fp8_layers_is_an_error_not_a_silent_bf16_run(model_dir, tmp_path):
     with pytest.raises(ValueError, match="keeps all 4 decoder layers in BF16"):
         make_trainer(model_dir, tmp_path, num_first_layers_in_bf16=2, num_last_layers_in_bf16=2)

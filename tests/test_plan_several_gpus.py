@@ -77,14 +77,14 @@ def test_ddp_peaks_above_fsdp2_by_what_fsdp2_shards(qwen3_8b, capsys):
 
 
 def test_fsdp2_training_memory_per_gpu_falls_with_the_gpus(qwen3_8b, capsys):
-    """Each doubling of N halves the shards: float32 masters, gradients and 8-bit AdamW's states (2 bytes a
-    parameter, the input embedding's 8); the rest of a GPU's training memory stays."""
+    """Each doubling of N halves the shards: float32 masters, gradients and AdamW's float32 moments (4 + 4 + 8 bytes
+    a parameter); the rest of a GPU's training memory stays."""
     n = counts()
-    sharded = (4 + 4 + 2) * n["params"] + 6 * n["embedding"]
+    sharded = (4 + 4 + 8) * n["params"]
     trainer = {}
     for gpus in (2, 4, 8):
         out = plan(capsys, qwen3_8b, "--gpu", "H100", "--num_processes", str(gpus), "--launch", "fsdp2",
-                   "--optim", "adamw_bnb_8bit")  # fmt: skip
+                   "--optim", "adamw_torch_fused")  # fmt: skip
         assert f"{gpus} processes, FSDP2: {gpus} GPUs of 79.2 GiB" in out.splitlines()[0]
         trainer[gpus] = {flow: row[0] for flow, row in table(out).items()}
     for flow in trainer[2]:
@@ -118,19 +118,23 @@ def test_the_bf16_ddp_row_counts_the_bucket_copy_and_the_fp8_rows_do_not(qwen3_8
 
 
 def test_the_output_names_the_launch_and_says_which_fits(qwen3_8b, capsys):
-    """The 8B shape with 8-bit AdamW and sleep mode on two H100s: DDP's BF16 row cannot fit (its own gradients
-    beside the buckets), FSDP2's rows all do."""
-    common = [qwen3_8b, "--gpu", "H100", "--num_processes", "2", "--optim", "adamw_bnb_8bit", "--sleep_mode"]
+    """The 8B shape with 8-bit AdamW and sleep mode on four H100s: DDP's BF16 row cannot fit (its own gradients
+    beside the buckets), FSDP2's rows all do (with fused AdamW, as bitsandbytes' optimizers do not take its shards);
+    on two, FSDP2's float32 masters and moments (16 bytes a parameter, halved) do not fit and DDP is kept."""
+    common = [qwen3_8b, "--gpu", "H100", "--num_processes", "4", "--optim", "adamw_bnb_8bit", "--sleep_mode"]
     out = plan(capsys, *common)  # DDP by default
-    assert "2 processes, DDP: 2 GPUs of 79.2 GiB" in out.splitlines()[0]
+    assert "4 processes, DDP: 4 GPUs of 79.2 GiB" in out.splitlines()[0]
     assert table(out)["BF16"][2] == "no" and table(out)["FP8"][2] == "yes"
     advice = out.splitlines()[-1]
-    assert advice.startswith("DDP vs FSDP2 at 8.2B on 2 GPUs: DDP fits FP8 and FP8 + FP8 KV (")
+    assert advice.startswith("DDP vs FSDP2 at 8.2B on 4 GPUs: DDP fits FP8 and FP8 + FP8 KV (")
     assert ", FSDP2 every flow (" in advice and advice.endswith(": use --launch fsdp2.")
     assert "NCCL buffers (assumed)" in out and "ddp_gradient_as_bucket_view" in out
-    out = plan(capsys, *common, "--launch", "fsdp2")
-    assert "2 processes, FSDP2" in out.splitlines()[0] and [row[2] for row in table(out).values()] == ["yes"] * 3
+    fsdp2 = [qwen3_8b, "--gpu", "H100", "--num_processes", "4", "--optim", "adamw_torch_fused", "--sleep_mode"]
+    out = plan(capsys, *fsdp2, "--launch", "fsdp2")
+    assert "4 processes, FSDP2" in out.splitlines()[0] and [row[2] for row in table(out).values()] == ["yes"] * 3
     assert out.splitlines()[-1].endswith(": keep --launch fsdp2.") and "float32 master weights" in out
+    out = plan(capsys, *common[:4], "2", *common[5:])
+    assert "FSDP2 no flow" in out.splitlines()[-1] and out.splitlines()[-1].endswith(": keep --launch ddp.")
 
 
 def test_one_process_prints_what_it_printed_before(qwen3_8b, capsys):
@@ -164,6 +168,20 @@ def test_lora_under_fsdp2_is_refused_as_trl_fp8_refuses_it(qwen3_8b, capsys):
     assert captured.out == "" and "--lora with --launch fsdp2" in captured.err and "--launch ddp" in captured.err
     out = plan(capsys, qwen3_8b, "--gpu", "H100", "--num_processes", "2", "--lora")
     assert "FSDP2 is no option with --lora" in out.splitlines()[-1]
+
+
+def test_bitsandbytes_optimizers_under_fsdp2_are_refused_and_compared_with_fused_adamw(qwen3_8b, capsys):
+    """trl-fp8 refuses bitsandbytes' optimizers under FSDP2 (their update ops do not take DTensor shards), naming
+    adamw_torch_fused: --launch fsdp2 with one is an error, and DDP's comparison plans FSDP2 with adamw_torch_fused."""
+    common = [qwen3_8b, "--gpu", "H100", "--num_processes", "2"]
+    assert cli(["plan", *common, "--launch", "fsdp2", "--optim", "adamw_bnb_8bit"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "--optim adamw_torch_fused" in captured.err
+    compared = plan(capsys, *common, "--launch", "ddp", "--optim", "adamw_bnb_8bit").splitlines()
+    fused = plan(capsys, *common, "--launch", "fsdp2", "--optim", "adamw_torch_fused").splitlines()
+    assert "FSDP2 comparison below with --optim adamw_torch_fused" in compared[-2]
+    fsdp2_peaks = compared[-1].rsplit("FSDP2 ", 1)[1].split("(")[1].split(" GiB")[0]  # "a / b / c"
+    assert fsdp2_peaks == " / ".join(f"{peak:.1f}" for _, peak, _ in table("\n".join(fused)).values())
 
 
 def test_help_shows_the_new_defaults(capsys):

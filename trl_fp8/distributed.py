@@ -90,18 +90,38 @@ def check_no_weight_sharding(args) -> None:
 
 
 def check_sharding_supports(args, peft_config=None, model=None) -> None:
-    """Refuse, before the model loads and the engine starts, what FSDP2 cannot do with FP8 weights: PEFT adapters.
+    """Refuse, before the model loads and the engine starts, what fails under FSDP2.
 
-    The vLLM sync and the FP8 export merge the adapters into each base weight; under FSDP2 the base weight is a shard
-    and PEFT's merge is local to it, so neither could send the merged FP8 weight."""
+    PEFT adapters: the vLLM sync and the FP8 export merge the adapters into each base weight; under FSDP2 the base
+    weight is a shard and PEFT's merge is local to it, so neither could send the merged FP8 weight. bitsandbytes'
+    8-bit optimizers: their update is a custom op that takes plain tensors, not FSDP2's DTensor shards (it raises
+    at the first optimizer step)."""
+    if weight_sharding(args) != "FSDP2":
+        return
+    if is_bitsandbytes_optimizer(args.optim):
+        raise NotImplementedError(
+            f"optim={getattr(args.optim, 'value', args.optim)!r} under FSDP2: bitsandbytes' optimizers update "
+            "through custom ops that take plain tensors, not FSDP2's sharded parameters (8-bit AdamW raises at the "
+            "first optimizer step). FSDP2 already shards the optimizer states over the GPUs: use "
+            "optim='adamw_torch_fused', or DDP (TRL's accelerate_configs/multi_gpu.yaml) for 8-bit AdamW."
+        )
     is_peft = peft_config is not None or hasattr(model, "peft_config")
-    if weight_sharding(args) == "FSDP2" and is_peft and (args.use_vllm or args.save_fp8_checkpoint):
+    if is_peft and (args.use_vllm or args.save_fp8_checkpoint):
         raise NotImplementedError(
             "PEFT adapters with FSDP2: the vLLM sync and the FP8 export merge each adapter into its whole base weight, "
             "which FSDP2 shards across ranks. Train the adapters with DDP (TRL's accelerate_configs/multi_gpu.yaml: a "
             "LoRA run's frozen base weights are replicated cheaply), or shard a full fine-tune (no peft_config) with "
             "FSDP2."
         )
+
+
+def is_bitsandbytes_optimizer(optim) -> bool:
+    """Whether transformers runs `optim` (a name or `OptimizerNames`) on bitsandbytes."""
+    try:
+        from transformers.trainer_optimizer import _BITSANDBYTES_OPTIMIZERS
+    except ImportError:  # a transformers that moved it: the optimizer step says so instead
+        return False
+    return optim in _BITSANDBYTES_OPTIMIZERS
 
 
 def record_fsdp2_compute_dtypes(model: nn.Module) -> int:

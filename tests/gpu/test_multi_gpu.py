@@ -15,23 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import WORKERS, clean_subprocess_env, free_port, launch_failure
+from conftest import WORKERS, clean_subprocess_env, free_port, host_gpus, launch_failure
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
 TIMINGS = {"step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second", "fp8/weight_sync_ms"}
 
 
-def _host_gpus() -> int:
-    """GPUs on the host, whatever CUDA_VISIBLE_DEVICES this process was given."""
-    try:
-        listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        return 0
-    return sum(line.startswith("GPU ") for line in listing.splitlines())
-
-
-@pytest.mark.skipif(_host_gpus() < 2, reason="needs two GPUs on one host")
+@pytest.mark.skipif(host_gpus() < 2, reason="needs two GPUs on one host")
 @pytest.mark.parametrize("launch,vllm_tp", [("multi_gpu", 1), ("fsdp2", 1), ("multi_gpu", 2)])
 def test_two_gpu_grpo_with_colocated_engines(tmp_path, launch, vllm_tp):
     pytest.importorskip("vllm")

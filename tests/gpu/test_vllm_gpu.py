@@ -36,13 +36,41 @@ def _artifacts() -> Path | None:
 KERNEL_CLASS_PREFIX = {"deepgemm": "DeepGemm", "cutlass": "Cutlass", "triton": "Triton"}
 
 
-def assert_engine_holds_trainer_fp8(trainer, layer_index=1, sync=True):
-    """After a sync (`sync=False`: as the engine is now), vLLM's fused layers hold exactly the trainer's FP8 bits and
-    scales, on the kernel the trainer chose. DeepGEMM stores the scales in its own layout: the expected tensor is
-    vLLM's DeepGEMM post-processing of the trainer's scales (a layout change; with E8M0 off it changes no value).
-    Returns the vLLM layer."""
+def fused_partition(ours, config, tp_rank: int, tp_size: int, kv: bool, deepgemm: bool):
+    """The `(weight, weight_scale_inv)` that vLLM rank `tp_rank` of `tp_size` holds for a fused layer whose parts are
+    `ours` (each part's `quantized_weight()`): each part's row shard in blocks of 128 rows (key/value heads are
+    replicated when there are fewer of them than ranks), concatenated. DeepGEMM stores the scales in its own layout:
+    then the expected scales are vLLM's DeepGEMM post-processing of ours (a layout change; with E8M0 off it changes
+    no value)."""
     from vllm.model_executor.layers.quantization.utils.fp8_utils import deepgemm_post_process_fp8_weight_block
 
+    shards = []
+    for i, (q, s) in enumerate(ours):
+        rows = q.shape[0]
+        if kv and i > 0 and config.num_key_value_heads < tp_size:
+            head = tp_rank * config.num_key_value_heads // tp_size
+            start, size = head * config.head_dim, config.head_dim
+        else:
+            size = rows // tp_size
+            start = tp_rank * size
+        shards.append((q[start : start + size], s[start // 128 : (start + size) // 128]))
+    weight = torch.cat([q for q, _ in shards])
+    scale = torch.cat([s for _, s in shards])
+    if deepgemm:
+        _, scale = deepgemm_post_process_fp8_weight_block(weight.clone(), scale.clone(), (128, 128), use_e8m0=False)
+    return weight, scale
+
+
+def fused_parts(layer) -> dict[str, tuple[list, bool]]:
+    """The trainer's layers behind each of vLLM's fused layers of a decoder layer: name -> (parts, holds k/v)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return {"self_attn.qkv_proj": ([attn.q_proj, attn.k_proj, attn.v_proj], True),
+            "mlp.gate_up_proj": ([mlp.gate_proj, mlp.up_proj], False)}  # fmt: skip
+
+
+def assert_engine_holds_trainer_fp8(trainer, layer_index=1, sync=True):
+    """After a sync (`sync=False`: as the engine is now), vLLM's fused layers hold exactly the trainer's FP8 bits and
+    scales (this engine rank's partition of them), on the kernel the trainer chose. Returns the vLLM layer."""
     from trl_fp8 import FP8Linear
 
     generation = trainer.vllm_generation
@@ -51,34 +79,14 @@ def assert_engine_holds_trainer_fp8(trainer, layer_index=1, sync=True):
     vmodel = generation.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
     layer, vlayer = trainer.model.model.layers[layer_index], vmodel.model.layers[layer_index]
     backend = generation.kernel.backend
-    config = trainer.model.config
-    for fused, parts, kv in (
-        (vlayer.self_attn.qkv_proj, [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj], True),
-        (vlayer.mlp.gate_up_proj, [layer.mlp.gate_proj, layer.mlp.up_proj], False),
-    ):
+    for name, (parts, kv) in fused_parts(layer).items():
+        fused = vlayer.get_submodule(name)
         kernel = type(fused.quant_method.fp8_linear).__name__
         assert kernel.startswith(KERNEL_CLASS_PREFIX[backend]), (backend, kernel)
         assert all(isinstance(p, FP8Linear) for p in parts)
         ours = [p.quantized_weight() for p in parts]  # FSDP2: gathered, by every rank in the same order
-        # Tensor parallelism: this engine rank holds its row shard of each part (k/v heads are replicated when
-        # there are fewer of them than ranks), blocks of 128 rows.
         tp_rank, tp_size = getattr(fused, "tp_rank", 0), getattr(fused, "tp_size", 1)
-        shards = []
-        for i, (q, s) in enumerate(ours):
-            rows = q.shape[0]
-            if kv and i > 0 and config.num_key_value_heads < tp_size:
-                head = tp_rank * config.num_key_value_heads // tp_size
-                start, size = head * config.head_dim, config.head_dim
-            else:
-                size = rows // tp_size
-                start = tp_rank * size
-            shards.append((q[start : start + size], s[start // 128 : (start + size) // 128]))
-        weight = torch.cat([q for q, _ in shards])
-        scale = torch.cat([s for _, s in shards])
-        if backend == "deepgemm":
-            _, scale = deepgemm_post_process_fp8_weight_block(
-                weight.clone(), scale.clone(), (128, 128), use_e8m0=False
-            )
+        weight, scale = fused_partition(ours, trainer.model.config, tp_rank, tp_size, kv, backend == "deepgemm")
         assert fused.weight.dtype == torch.float8_e4m3fn
         assert torch.equal(fused.weight.view(torch.uint8), weight.view(torch.uint8))
         assert fused.weight_scale_inv.shape == scale.shape

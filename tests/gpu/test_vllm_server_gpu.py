@@ -8,6 +8,7 @@ On one GPU the server shares it (a small memory share, Cutlass kernel: nothing t
 trainer makes before joining the server run against it; the weight-push test is skipped.
 """
 
+import contextlib
 import json
 import os
 import subprocess
@@ -20,11 +21,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import WORKERS, clean_subprocess_env
+from conftest import WORKERS, clean_subprocess_env, free_port, host_gpus, launch_failure
 from workers.vllm_weight_digest import tensor_digest
 
 pytestmark = pytest.mark.gpu
 PORT = 8123
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _wait_healthy(proc, url, timeout=420):
@@ -40,52 +42,43 @@ def _wait_healthy(proc, url, timeout=420):
     raise TimeoutError("vllm-serve did not come up")
 
 
-@pytest.fixture(scope="module")
-def fp8_server(tmp_path_factory):
-    pytest.importorskip("vllm")
-    server_gpu = os.environ.get("TRL_FP8_SERVER_GPU")
-    two_gpus = server_gpu is not None
+@contextlib.contextmanager
+def serve_fp8(
+    root: Path,
+    gpus: str,
+    tensor_parallel: int = 1,
+    memory: float = 0.3,
+    kernel_name: str = "deepgemm",
+    port: int = PORT,
+):
+    """`trl vllm-serve` of a tiny Qwen3's FP8 checkpoint (made by `trl-fp8 quantize` in `root`) on `gpus`, as the
+    documented command runs it, plus a worker extension that lets a test read digests of the engine's weights."""
     from trl_fp8.demo.tiny_model import tiny_char_tokenizer, tiny_qwen3
 
-    root = tmp_path_factory.mktemp("server")
     tokenizer = tiny_char_tokenizer()
     tiny_qwen3(vocab_size=128, eos_token_id=tokenizer.eos_token_id, pad_token_id=0).save_pretrained(root / "model")
     tokenizer.save_pretrained(root / "model")
     subprocess.run([sys.executable, "-m", "trl_fp8", "quantize", str(root / "model"), str(root / "fp8")], check=True)
     log = open(root / "server.log", "w")
-    # Exactly what `trl vllm-serve` runs (vLLM's server in dev mode), plus a worker extension that lets the test read
-    # digests of the engine's weights.
     from trl.scripts.vllm_serve import ScriptArguments, build_command
 
-    serve = ScriptArguments(
-        model=str(root / "fp8"), port=PORT, gpu_memory_utilization=0.3 if two_gpus else 0.1, enforce_eager=True
-    )
+    serve = ScriptArguments(model=str(root / "fp8"), port=port, gpu_memory_utilization=memory, enforce_eager=True,
+                            tensor_parallel_size=tensor_parallel)  # fmt: skip
     # The documented command (`vllm_kernels.server_command()`): DeepGEMM with E8M0 off.
     from trl_fp8.rollout.vllm.kernels import default_jit_cache_dir, server_kernel
 
-    kernel = server_kernel("deepgemm" if two_gpus else "cutlass")
-    cmd = build_command(
-        serve,
-        [
-            "--linear-backend",
-            kernel.llm_kwargs["linear_backend"],
-            "--worker-extension-cls",
-            "vllm_weight_digest.WeightDigest",
-        ],
-    )
+    kernel = server_kernel(kernel_name)
+    cmd = build_command(serve, ["--linear-backend", kernel.llm_kwargs["linear_backend"],
+                                "--worker-extension-cls", "vllm_weight_digest.WeightDigest"])  # fmt: skip
     pythonpath = os.pathsep.join(filter(None, [str(WORKERS), os.environ.get("PYTHONPATH")]))
     env = {**clean_subprocess_env(), **kernel.env, "DG_JIT_CACHE_DIR": str(default_jit_cache_dir()),
-           "CUDA_VISIBLE_DEVICES": server_gpu or os.environ.get("CUDA_VISIBLE_DEVICES", "0"),
-           "VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": pythonpath}  # fmt: skip
-    if not two_gpus:  # the server takes a share of this GPU: hand back what earlier tests' engines left cached
-        import gc
-
-        gc.collect()
-        torch.cuda.empty_cache()
+           "CUDA_VISIBLE_DEVICES": gpus, "VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": pythonpath}  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
-        print(f"vllm-serve up in {_wait_healthy(proc, f'http://localhost:{PORT}/health'):.0f} s")
-        yield SimpleNamespace(root=root, two_gpus=two_gpus)
+        print(
+            f"vllm-serve (TP={tensor_parallel}) up in {_wait_healthy(proc, f'http://localhost:{port}/health'):.0f} s"
+        )
+        yield
     finally:
         proc.terminate()
         try:
@@ -95,7 +88,23 @@ def fp8_server(tmp_path_factory):
         log.close()
         artifacts = os.environ.get("TRL_FP8_ARTIFACTS")
         if artifacts:
-            Path(artifacts, "server.log").write_text((root / "server.log").read_text()[-20000:])
+            Path(artifacts, f"server_tp{tensor_parallel}.log").write_text((root / "server.log").read_text()[-20000:])
+
+
+@pytest.fixture(scope="module")
+def fp8_server(tmp_path_factory):
+    pytest.importorskip("vllm")
+    server_gpu = os.environ.get("TRL_FP8_SERVER_GPU")
+    two_gpus = server_gpu is not None
+    root = tmp_path_factory.mktemp("server")
+    if not two_gpus:  # the server takes a share of this GPU: hand back what earlier tests' engines left cached
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
+    gpus = server_gpu or os.environ.get("CUDA_VISIBLE_DEVICES", "0")
+    with serve_fp8(root, gpus, memory=0.3 if two_gpus else 0.1, kernel_name="deepgemm" if two_gpus else "cutlass"):
+        yield SimpleNamespace(root=root, two_gpus=two_gpus)
 
 
 def _config(tmp_path, **kwargs):
@@ -180,3 +189,31 @@ def test_server_mode_grpo_with_fp8_weight_push(fp8_server, tmp_path):
     (served,) = json.loads(urllib.request.urlopen(request, timeout=60).read())["results"]
     print(f"server identity: {len(ours)} tensors, digests equal: {served == ours}")
     assert served == ours, {k: (served.get(k, "")[:12], v[:12]) for k, v in ours.items()}
+
+
+@pytest.mark.skipif(host_gpus() < 4, reason="needs four GPUs on one host")
+def test_two_trainer_ranks_push_fp8_to_a_two_gpu_server(tmp_path_factory):
+    """Server mode at scale: two DDP trainer ranks (GPUs 0-1) and `trl vllm-serve --tensor_parallel_size 2` (GPUs
+    2-3). The reward rises, and after a sync every server worker holds its partition of the trainer's FP8 bits and
+    scales."""
+    pytest.importorskip("vllm")
+    import trl
+
+    root, port = tmp_path_factory.mktemp("server_tp2"), PORT + 1  # (the module's one-GPU server may still hold PORT)
+    with serve_fp8(root, "2,3", tensor_parallel=2, port=port):
+        config = Path(trl.__file__).parent / "accelerate_configs" / "multi_gpu.yaml"
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes",
+               "2", "--main_process_port", str(free_port()), str(WORKERS / "server_trainer_worker.py"),
+               str(root / "model"), str(root / "out"), str(port)]  # fmt: skip
+        env = {**clean_subprocess_env(), "CUDA_VISIBLE_DEVICES": "0,1"}
+        proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, launch_failure(proc.stdout + proc.stderr)
+    record = json.loads((root / "out" / "rank0.json").read_text())
+    rewards = [log["reward"] for log in record["log_history"] if "reward" in log]
+    print(
+        f"server TP=2, 2 trainer ranks: reward {rewards[:3]} -> {rewards[-3:]}, worker ranks {record['served_ranks']}"
+    )
+    assert sorted(record["served_ranks"]) == [0, 1]
+    for rank, served in zip(record["served_ranks"], record["served"], strict=True):
+        assert served == record["expected"][str(rank)], rank
+    assert sum(rewards[-3:]) > sum(rewards[:3])

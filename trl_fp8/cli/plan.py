@@ -20,6 +20,7 @@ import sys
 
 from trl_fp8.cli.argtypes import memory_share, non_negative_int, positive_float, positive_int
 from trl_fp8.cli.hub import load_model_config
+from trl_fp8.distributed import is_bitsandbytes_optimizer
 from trl_fp8.rollout.capacity import (
     GPU_MEMORY_BYTES,
     HELD_BETWEEN_STEPS,
@@ -36,6 +37,7 @@ from trl_fp8.rollout.capacity import (
 # (name, FP8 weights, FP8 KV cache). The BF16 flow is TRL's own GRPOTrainer, the FP8 flows trl-fp8's FP8GRPOTrainer.
 FLOWS = (("BF16", False, False), ("FP8", True, False), ("FP8 + FP8 KV", True, True))
 LAUNCH_NAMES = {"ddp": "DDP", "fsdp2": "FSDP2"}
+FSDP2_OPTIM = "adamw_torch_fused"  # what trl-fp8's refusal of bitsandbytes optimizers under FSDP2 names
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -130,6 +132,16 @@ def _check_launch(args) -> None:
     if args.num_processes > 1 and args.launch == "fsdp2" and args.lora:
         raise ValueError("--lora with --launch fsdp2: trl-fp8 refuses PEFT adapters under FSDP2 beside vLLM (each "
                          "adapter merges into a whole base weight, which FSDP2 shards); use --launch ddp.")  # fmt: skip
+    if args.num_processes > 1 and args.launch == "fsdp2" and is_bitsandbytes_optimizer(args.optim):
+        raise ValueError(f"--optim {args.optim} with --launch fsdp2: bitsandbytes' optimizers do not take FSDP2's "
+                         f"sharded parameters; use --optim {FSDP2_OPTIM} (FSDP2 shards its states) or --launch "
+                         "ddp.")  # fmt: skip
+
+
+def _launch_optim(args, launch: str) -> str:
+    """The optimizer a launch runs: under FSDP2 a bitsandbytes optimizer is replaced by the one trl-fp8 names."""
+    several = args.num_processes > 1  # (one process shards nothing: --launch is ignored)
+    return FSDP2_OPTIM if several and launch == "fsdp2" and is_bitsandbytes_optimizer(args.optim) else args.optim
 
 
 def _flow_row(shape, total: int, seq_len: int, args, launch: str, *, fp8_weights: bool, fp8_kv: bool):
@@ -139,7 +151,7 @@ def _flow_row(shape, total: int, seq_len: int, args, launch: str, *, fp8_weights
     # The FP8 flows train with trl-fp8 (gradients in DDP's buckets by default), the BF16 one with TRL alone.
     parts = trainer_memory_per_gpu(
         shape, num_processes=args.num_processes, launch=launch, grads_in_ddp_buckets=fp8_weights,
-        optim=args.optim, fp8_training=fp8_weights, lora=args.lora, micro_batch=args.micro_batch,
+        optim=_launch_optim(args, launch), fp8_training=fp8_weights, lora=args.lora, micro_batch=args.micro_batch,
         seq_len=seq_len, gradient_checkpointing=not args.no_gradient_checkpointing,
     )  # fmt: skip
     peak = peak_bytes(parts, shape, args.vllm_gpu_memory_utilization * total, args)
@@ -181,6 +193,9 @@ def _several_gpus_footnote(args) -> str:
         trainer = ("FSDP2 (TRL's fsdp2.yaml): float32 master weights, gradients and optimizer states sharded 1/N, "
                    "two units gathered in BF16 (a decoder layer and the next, or lm_head beside one), no FP8 "
                    "weight cache")  # fmt: skip
+    if is_bitsandbytes_optimizer(args.optim) and args.launch == "ddp":
+        trainer += (f"; the FSDP2 comparison below with --optim {FSDP2_OPTIM} (bitsandbytes' optimizers do not take "
+                    "FSDP2's shards)")  # fmt: skip
     held = "the NCCL buffers and DDP's buckets" if args.launch == "ddp" else "the NCCL buffers"
     wake_up = f" The wake-up of sleep mode also holds {held}." if args.sleep_mode else ""
     return (f"Per GPU, trainer and peak: {trainer}; {NCCL_BUFFER_BYTES / GiB:g} GiB of NCCL buffers (assumed). Each "
