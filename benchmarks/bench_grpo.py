@@ -112,26 +112,6 @@ def length_reward(completions, **kwargs) -> list[float]:
     return [(hash(c) % 1000) / 1000 for c in completions]
 
 
-def trainer_memory_account(model, optimizer) -> dict[str, int]:
-    """Bytes of what the trainer holds: parameters, live gradients, optimizer state tensors, the FP8 weight cache.
-    Taken as vLLM starts generating, beside the allocator's and the device's own figures, it says what stays on the
-    GPU beside the engine's share (which bounds the share a run can give vLLM)."""
-    import torch
-
-    from trl_fp8.nn.linear import fp8_weight_cache_bytes, tensor_bytes
-
-    params = list(model.parameters())
-    state = getattr(optimizer, "state", None) or {}
-    return {
-        "parameters": tensor_bytes(*params),
-        "gradients": tensor_bytes(*(p.grad for p in params if p.grad is not None)),
-        "optimizer_states": tensor_bytes(
-            *(t for s in state.values() for t in s.values() if isinstance(t, torch.Tensor))
-        ),
-        "fp8_weight_cache": fp8_weight_cache_bytes(model),
-    }
-
-
 def allocator_segments(snapshot: list[dict]) -> dict[str, int]:
     """What PyTorch's caching allocator holds, split by where its free bytes sit (from `torch.cuda.memory_snapshot()`):
     free bytes in segments with no live block (`empty_cache` returns them), free bytes pinned in segments that still
@@ -297,10 +277,7 @@ def run_one(args) -> None:
 
     def accounted(*a, **k):
         if len(memory_at_generation) < 2:
-            free, total = torch.cuda.mem_get_info()
-            account = trainer_memory_account(trainer.model, trainer.optimizer)
-            account.update(allocated=torch.cuda.memory_allocated(), reserved=torch.cuda.memory_reserved(),
-                           device_used=total - free)  # fmt: skip
+            account = memory_breakdown(trainer.model, trainer.optimizer, trainer.model_wrapped)
             segments = allocator_segments(torch.cuda.memory_snapshot())
             account.update((key, b) for key, b in segments.items() if key != "segments")
             memory_at_generation.append({key: b / 2**30 for key, b in account.items()})
@@ -352,7 +329,8 @@ def run_one(args) -> None:
     except torch.OutOfMemoryError:
         # What held the memory when it ran out, on every rank (the traceback says only where).
         breakdown = memory_breakdown(trainer.model, trainer.optimizer, trainer.model_wrapped)
-        print(json.dumps({"out_of_memory": {"rank": trainer.accelerator.process_index, **breakdown}}), flush=True)
+        gib = {key: b / 2**30 for key, b in breakdown.items()}
+        print(json.dumps({"out_of_memory_gib": {"rank": trainer.accelerator.process_index, **gib}}), flush=True)
         raise
     if "done" in state:
         profile.update(step=args.profile_step, **kernel_breakdown(state["done"]))

@@ -168,30 +168,6 @@ def test_saved_activation_counts_at_smoke_size(tmp_path):
     assert rows["fp8"]["bytes_per_token"]["norms"] == rows["bf16"]["bytes_per_token"]["norms"]  # norms stay BF16
 
 
-def test_the_trainer_memory_account_counts_live_gradients_and_optimizer_states():
-    """bench_grpo's account as vLLM starts generating: parameters, gradients only where they are live, optimizer
-    state tensors (AdamW: two per parameter, plus its step counters), and an FP8 weight cache once a forward made it."""
-    import torch
-
-    from benchmarks.bench_grpo import trainer_memory_account
-    from trl_fp8 import FP8LinearConfig
-    from trl_fp8.nn.linear import FP8Linear
-
-    model = torch.nn.Sequential(torch.nn.Linear(256, 128, bias=False))
-    FP8Linear.convert_(model[0], FP8LinearConfig(backend="emulated"))
-    optimizer = torch.optim.AdamW(model.parameters())
-    weight = 256 * 128 * 4
-    account = trainer_memory_account(model, optimizer)
-    assert account == {"parameters": weight, "gradients": 0, "optimizer_states": 0, "fp8_weight_cache": 0}
-    model(torch.randn(4, 256)).square().sum().backward()
-    optimizer.step()
-    account = trainer_memory_account(model, optimizer)
-    assert account["gradients"] == weight and account["fp8_weight_cache"] > 0
-    assert weight * 2 <= account["optimizer_states"] <= weight * 2 + 64  # exp_avg, exp_avg_sq and a step counter
-    optimizer.zero_grad()  # set to None: nothing live
-    assert trainer_memory_account(model, optimizer)["gradients"] == 0
-
-
 def test_allocator_segments_split_free_bytes_by_whether_empty_cache_can_return_them():
     """A segment with a live block pins its free bytes; a segment with none is returned by `empty_cache`; a private
     pool's (vLLM's sleep-mode pool) bytes are counted apart."""

@@ -99,19 +99,46 @@ def test_engine_folder_has_configs_and_tokenizer_but_no_weights(tmp_path):
     assert "quantization_config" not in json.loads((tmp_path / "bf16" / "config.json").read_text())
 
 
-def test_sleep_mode_without_expandable_segments_is_told_to_set_them(fake_vllm, tmp_path, caplog, monkeypatch):
+def test_sleep_mode_turns_on_expandable_segments_where_the_user_left_them_unset(monkeypatch):
     """PyTorch's allocator otherwise keeps freed training memory pinned while vLLM wakes into its share: the trainer
-    names the setting once; with it set (any spelling PyTorch accepts), or without sleep mode, it says nothing."""
-    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
-    with caplog.at_level(logging.WARNING):
+    turns expandable segments on, in the allocator and in PYTORCH_CUDA_ALLOC_CONF (which vLLM reads to turn them off
+    around its own pool), and says so; an explicit False is kept with a warning; set (any spelling), without sleep
+    mode, or without a GPU, nothing happens."""
+    from types import SimpleNamespace
+
+    from trl_fp8.rollout.vllm import engine
+
+    calls = []
+    monkeypatch.setattr(engine, "set_allocator_settings", calls.append)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    sleeping = SimpleNamespace(use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=True)
+    environ = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}
+    level, line = engine.sleep_mode_allocator(sleeping, environ)
+    assert level == logging.INFO and "turned on PyTorch's expandable segments" in line
+    assert environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512,expandable_segments:True"
+    assert calls == ["expandable_segments:True"]
+    assert engine.sleep_mode_allocator(sleeping, environ) is None  # already on: once
+    level, line = engine.sleep_mode_allocator(sleeping, {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments: False"})
+    assert level == logging.WARNING and "lower vllm_gpu_memory_utilization" in line
+    awake = SimpleNamespace(use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=False)
+    assert engine.sleep_mode_allocator(awake, {}) is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert engine.sleep_mode_allocator(sleeping, {}) is None and calls == ["expandable_segments:True"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+    def cannot(settings):
+        raise RuntimeError("not at run time")
+
+    monkeypatch.setattr(engine, "set_allocator_settings", cannot)
+    environ = {}
+    level, line = engine.sleep_mode_allocator(sleeping, environ)
+    assert level == logging.WARNING and "before the run starts" in line and environ == {}  # no half-set setting
+
+
+def test_the_trainer_logs_what_the_allocator_check_says(fake_vllm, tmp_path, caplog, monkeypatch):
+    from trl_fp8.rollout.vllm import engine
+
+    monkeypatch.setattr(engine, "sleep_mode_allocator", lambda args: (logging.INFO, "allocator: said once"))
+    with caplog.at_level(logging.INFO):
         tiny_trainer(tmp_path / "a", vllm_enable_sleep_mode=True)
-    advice = [r.getMessage() for r in caplog.records if "expandable_segments" in r.getMessage()]
-    assert len(advice) == 1 and "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in advice[0]
-    caplog.clear()
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512, expandable_segments:True")
-    with caplog.at_level(logging.WARNING):
-        tiny_trainer(tmp_path / "b", vllm_enable_sleep_mode=True)
-    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
-    with caplog.at_level(logging.WARNING):
-        tiny_trainer(tmp_path / "c", vllm_enable_sleep_mode=False)
-    assert not [r for r in caplog.records if "expandable_segments" in r.getMessage()]
+    assert [r.getMessage() for r in caplog.records].count("allocator: said once") == 1

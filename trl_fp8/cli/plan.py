@@ -96,8 +96,9 @@ def run(args: argparse.Namespace) -> int:
     if args.sleep_mode:
         print(
             "Sleep mode: fits also checks the wake-up (weights + optimizer states + vLLM's whole share), assuming "
-            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; without it PyTorch kept 10-14 GiB of freed training "
-            "memory beside vLLM at the 8B shape, and a share 0.05-0.1 lower was the most that ran."
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (FP8GRPOTrainer turns them on in sleep mode); without "
+            "them PyTorch kept 10-14 GiB of freed training memory beside vLLM at the 8B shape, and a share 0.05-0.1 "
+            "lower was the most that ran."
         )
     if several:
         print(_several_gpus_footnote(args))

@@ -15,8 +15,6 @@ from trl_fp8.nn.weight_cache import fp8_weight_cache_bytes
 
 __all__ = ["memory_breakdown"]
 
-GIB = 2**30
-
 
 def _storages(tensors) -> dict[int, int]:
     """Bytes of each distinct storage under `tensors` (a DTensor counts its local shard), by storage address."""
@@ -39,37 +37,28 @@ def _ddp_bucket_bytes(wrapped: nn.Module) -> int:
     return sum(int(s) for s in sizes.replace(" ", "").split(",") if s)
 
 
-def memory_breakdown(model: nn.Module, optimizer=None, wrapped: nn.Module | None = None) -> dict[str, float]:
-    """GiB held by `model`'s parameters, its gradients (those that are not views of DDP's buckets), DDP's buckets
-    (`wrapped`: the DDP module, if any), `optimizer`'s states, the FP8 weight cache; and, on a GPU, what PyTorch's
-    allocator counts as allocated and reserved and what the device reports in use (every process on it)."""
+def memory_breakdown(model: nn.Module, optimizer=None, wrapped: nn.Module | None = None) -> dict[str, int]:
+    """Bytes held by `model`'s parameters, its live gradients (those that are not views of DDP's buckets), DDP's
+    buckets (`wrapped`: the DDP module, if any), `optimizer`'s states and the FP8 weight cache; and, on a GPU, what
+    PyTorch's allocator counts as allocated and reserved and what the device has in use (every process on it)."""
     params = _storages(model.parameters())
     buckets = _ddp_bucket_bytes(wrapped) if wrapped is not None else 0
     grads = _storages(p.grad for p in model.parameters())
-    grads = {ptr: n for ptr, n in grads.items() if ptr not in params}
     # With gradient_as_bucket_view the gradients are views of the buckets: counted once, as buckets.
-    grad_bytes = (
-        0
-        if buckets and wrapped is not None and getattr(wrapped, "gradient_as_bucket_view", False)
-        else sum(grads.values())
-    )
+    in_buckets = bool(buckets) and getattr(wrapped, "gradient_as_bucket_view", False)
     states = {}
     if optimizer is not None:
         states = _storages(t for state in optimizer.state.values() for t in state.values())
-        states = {ptr: n for ptr, n in states.items() if ptr not in params}
     out = {
-        "parameters": sum(params.values()) / GIB,
-        "gradients": grad_bytes / GIB,
-        "ddp_buckets": buckets / GIB,
-        "optimizer_states": sum(states.values()) / GIB,
-        "fp8_weight_cache": fp8_weight_cache_bytes(model) / GIB,
+        "parameters": sum(params.values()),
+        "gradients": 0 if in_buckets else sum(n for ptr, n in grads.items() if ptr not in params),
+        "ddp_buckets": buckets,
+        "optimizer_states": sum(n for ptr, n in states.items() if ptr not in params),
+        "fp8_weight_cache": fp8_weight_cache_bytes(model),
     }
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        out.update(
-            allocated_by_pytorch=torch.cuda.memory_allocated(device) / GIB,
-            reserved_by_pytorch=torch.cuda.memory_reserved(device) / GIB,
-            device_in_use=(total - free) / GIB,
-        )
+        out.update(allocated=torch.cuda.memory_allocated(device), reserved=torch.cuda.memory_reserved(device),
+                   device_used=total - free)  # fmt: skip
     return out

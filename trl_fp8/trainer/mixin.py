@@ -101,6 +101,11 @@ class FP8TrainerMixin:
         check_output_dir(model, args.output_dir)
         check_reward_dependencies(reward_funcs)
         self._check_start_up(args, trainer_kwargs)
+        if args.use_vllm:  # before the model loads: its memory lands in the allocator's new segments
+            from trl_fp8.rollout.vllm.engine import sleep_mode_allocator
+
+            if said := sleep_mode_allocator(args):
+                logger.log(*said)
         if isinstance(model, str):
             model = self._load_model(model, args, trainer_kwargs.get("quantization_config"))
         self._fp8_filter = fp8_module_filter_fn
@@ -109,11 +114,6 @@ class FP8TrainerMixin:
         self._saving_training_checkpoint = False
         self._capacity_reported = False
         self._kv_observer = AttentionScaleObserver(model) if args.use_vllm and args.fp8_kv_cache else None
-        if args.use_vllm:
-            from trl_fp8.rollout.vllm.engine import sleep_mode_allocator_advice
-
-            if advice := sleep_mode_allocator_advice(args):
-                logger.warning(advice)
         with self._fp8_vllm_generation(args):
             super().__init__(model, reward_funcs, args, *trainer_args, **trainer_kwargs)
         if args.ddp_gradient_as_bucket_view:

@@ -1,7 +1,6 @@
 """The colocated engine's set-up and weights: the config-only folder it starts from, the settings and environment
 it needs for the trainer's FP8 weights, and the tensors pushed into it at every sync."""
 
-
 from __future__ import annotations
 
 import json
@@ -40,7 +39,7 @@ __all__ = [
     "engine_overrides",
     "push_to_engine",
     "rollout_weight_tensors",
-    "sleep_mode_allocator_advice",
+    "sleep_mode_allocator",
     "write_engine_config",
 ]
 
@@ -135,22 +134,54 @@ def apply_engine_env(rollout_precision: str, kernel: RolloutKernel | None = None
     forget_cached_deepgemm_decisions()
 
 
-def sleep_mode_allocator_advice(args, environ=os.environ) -> str | None:
-    """What to set before a colocated run in sleep mode, or None. PyTorch's caching allocator keeps the training
-    step's freed blocks in segments that a live tensor pins (optimizer states are born among them), `empty_cache`
-    cannot return those, and vLLM then wakes its whole share beside them (the documentation's "When FP8 pays" page
-    has the sizes). vLLM >= 0.26 turns expandable segments off around its own sleep-mode pool, so the setting is safe
-    there."""
+def sleep_mode_allocator(args, environ=os.environ) -> tuple[int, str] | None:
+    """For a colocated run in sleep mode, turn on PyTorch's expandable segments, and return `(log level, line)` to
+    log (None: nothing to do). PyTorch's caching allocator otherwise keeps the training step's freed blocks in
+    segments that a live tensor pins (optimizer states are born among them), `empty_cache` cannot return those, and
+    vLLM then wakes its whole share beside them: at the 8B shape 10-14 GiB, a share 0.05-0.1 lower (the
+    documentation's "When FP8 pays" page has the sizes).
+
+    Both the allocator setting and `PYTORCH_CUDA_ALLOC_CONF` are set: vLLM (>= 0.26) reads the variable to turn
+    expandable segments off around its own sleep-mode pool, which cannot use them. A user's explicit
+    `expandable_segments:False` is kept, with a warning."""
     if not (args.use_vllm and args.vllm_mode == "colocate" and args.vllm_enable_sleep_mode):
         return None
-    if "expandable_segments:true" in environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower():
+    conf = environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    setting = conf.replace(" ", "").lower()
+    if "expandable_segments:true" in setting:
         return None
-    return (
-        "vllm_enable_sleep_mode=True: set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before the run starts "
-        "(examples/grpo_fp8.py does). Without it PyTorch keeps freed training memory pinned while vLLM wakes into "
-        "its share (gigabytes at an 8B model), so a run out of memory at wake-up needs a lower "
-        "vllm_gpu_memory_utilization, where with it a larger share fits."
+    if "expandable_segments:false" in setting:
+        return logging.WARNING, (
+            "vllm_enable_sleep_mode=True with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False: PyTorch keeps freed "
+            "training memory pinned while vLLM wakes into its share (gigabytes at an 8B model), so a run out of "
+            "memory at wake-up needs a lower vllm_gpu_memory_utilization; expandable_segments:True avoids it."
+        )
+    if not torch.cuda.is_available():
+        return None
+    try:
+        set_allocator_settings(EXPANDABLE_SEGMENTS)
+    except (AttributeError, RuntimeError) as exc:  # a PyTorch that cannot change it at run time: the user can
+        return logging.WARNING, (
+            f"vllm_enable_sleep_mode=True: could not turn on PyTorch's expandable segments ({exc}); set "
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before the run starts, or freed training memory stays "
+            "pinned while vLLM wakes into its share (gigabytes at an 8B model)."
+        )
+    environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(filter(None, [conf, EXPANDABLE_SEGMENTS]))
+    return logging.INFO, (
+        f"vllm_enable_sleep_mode=True: turned on PyTorch's expandable segments (PYTORCH_CUDA_ALLOC_CONF="
+        f"{environ['PYTORCH_CUDA_ALLOC_CONF']}), so the memory a training step frees goes back before vLLM wakes "
+        "into its share. Set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False to keep PyTorch's default."
     )
+
+
+# What vLLM looks for in PYTORCH_CUDA_ALLOC_CONF (this exact spelling) before it builds its sleep-mode pool.
+EXPANDABLE_SEGMENTS = "expandable_segments:True"
+
+
+def set_allocator_settings(settings: str) -> None:
+    """Change the CUDA caching allocator's settings at run time (as vLLM does around its sleep-mode pool)."""
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
+    setter(settings)
 
 
 def push_to_engine(llm, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
