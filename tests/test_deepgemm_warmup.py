@@ -65,6 +65,10 @@ def test_precompile_refuses_without_the_engine_settings(monkeypatch):
 def test_cli_reads_shapes_from_a_config_folder(tmp_path, capsys):
     tiny_qwen3_config().save_pretrained(tmp_path)
     assert model_shapes(str(tmp_path)) == [(256, 256), (256, 512), (512, 256), (1024, 256)]
+    # a server of two ranks: each rank's partitions (tests/test_partitions.py); four would split below a block
+    assert model_shapes(str(tmp_path), 2) == [(256, 128), (256, 256), (384, 256), (512, 256)]
+    with pytest.raises(ValueError, match="--tensor_parallel_size=4 splits"):
+        model_shapes(str(tmp_path), 4)
     with pytest.raises(ValueError, match="no model folder at"):
         model_shapes(str(tmp_path / "missing"))
     assert main(["warmup", str(tmp_path), "--shapes", "512x256"]) == 2

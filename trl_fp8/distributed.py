@@ -29,6 +29,7 @@ __all__ = [
     "gather_quantized",
     "gather_whole",
     "grads_in_ddp_buckets",
+    "is_bitsandbytes_optimizer",
     "is_sharded",
     "reduce_over_ranks",
     "record_fsdp2_compute_dtypes",
@@ -94,7 +95,7 @@ def check_sharding_supports(args, peft_config=None, model=None) -> None:
 
     PEFT adapters: the vLLM sync and the FP8 export merge the adapters into each base weight; under FSDP2 the base
     weight is a shard and PEFT's merge is local to it, so neither could send the merged FP8 weight. bitsandbytes'
-    8-bit optimizers: their update is a custom op that takes plain tensors, not FSDP2's DTensor shards (it raises
+    optimizers: their update is a custom op that takes plain tensors, not FSDP2's DTensor shards (8-bit AdamW raises
     at the first optimizer step)."""
     if weight_sharding(args) != "FSDP2":
         return

@@ -18,6 +18,7 @@ import torch
 
 from trl_fp8.cli.argtypes import positive_int
 from trl_fp8.rollout.vllm.deepgemm_warmup import BLOCK, engine_gemm_shapes, precompile_deepgemm
+from trl_fp8.rollout.vllm.partitions import check_tensor_parallel
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,6 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max_tokens", type=positive_int, default=4096,
                         help="the engine's max_num_batched_tokens (TRL's colocated engine: 4096; vLLM's server "
                              "default: 8192 or more, see its log)")  # fmt: skip
+    parser.add_argument("--tensor_parallel_size", type=positive_int, default=1,
+                        help="the server's --tensor_parallel_size: each rank's partitions are compiled")  # fmt: skip
     parser.add_argument("--workers", type=positive_int, default=None, help="processes (default: CPU cores, at most 16)")
     parser.add_argument("--cache_dir", default=None, help="DeepGEMM's cache (default: DG_JIT_CACHE_DIR, else vLLM's)")
     parser.add_argument("--full", action="store_true", help="every token count, as VLLM_DEEP_GEMM_WARMUP=full runs")
@@ -43,8 +46,10 @@ def parse_shape(text: str) -> tuple[int, int]:
     return n, k
 
 
-def model_shapes(path: str) -> list[tuple[int, int]]:
-    """GEMM shapes of the model whose config.json is in `path` (built on the meta device, no weights read)."""
+def model_shapes(path: str, tensor_parallel: int = 1) -> list[tuple[int, int]]:
+    """GEMM shapes of the model whose config.json is in `path` (built on the meta device, no weights read), one
+    rank's partitions of them in an engine of `tensor_parallel` ranks (refused, naming the sizes that work, where a
+    partition would not hold whole 128x128 blocks)."""
     from transformers import AutoModelForCausalLM
 
     from trl_fp8.cli.hub import load_model_config
@@ -54,7 +59,8 @@ def model_shapes(path: str) -> list[tuple[int, int]]:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     report, _ = plan_fp8_conversion(model, warn=False)
-    return engine_gemm_shapes(model, set(report.converted))
+    check_tensor_parallel(model, set(report.converted), tensor_parallel, option="--tensor_parallel_size")
+    return engine_gemm_shapes(model, set(report.converted), tensor_parallel)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -68,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
               "FP8 engine: an H100/H200 with vLLM and nvcc.", file=sys.stderr)  # fmt: skip
         return 2
     try:
-        shapes = model_shapes(args.model) if args.model else [parse_shape(s) for s in args.shapes]
+        shapes = (model_shapes(args.model, args.tensor_parallel_size) if args.model
+                  else [parse_shape(s) for s in args.shapes])  # fmt: skip
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

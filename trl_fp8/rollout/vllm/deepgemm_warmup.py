@@ -66,11 +66,11 @@ def engine_gemm_shapes(model: nn.Module, fp8_modules: set[str], tensor_parallel:
     (`sibling_gemms.FUSED_GROUPS`) into one layer each, so their N add up; with `tensor_parallel` ranks, one rank's
     partition of each (`partitions.partition_shape`). Layers whose N or K is not a multiple of 128 are left out, as
     vLLM does not run them on DeepGEMM, and so are experts (vLLM's fused-MoE kernels)."""
-    from trl_fp8.rollout.vllm.partitions import _head_dim, partition_shape
+    from trl_fp8.rollout.vllm.partitions import head_dim_of, partition_shape
 
     hf_model = unwrap_model(model)
     modules = dict(hf_model.named_modules())
-    head_dim = _head_dim(getattr(hf_model, "config", None))
+    head_dim = head_dim_of(getattr(hf_model, "config", None))
     shapes, seen = set(), set()
     for name in sorted(fp8_modules):
         parent, _, leaf = name.rpartition(".")

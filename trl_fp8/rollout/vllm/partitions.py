@@ -25,7 +25,7 @@ ROW_PARALLEL = frozenset({"o_proj", "down_proj", "out_proj", "dense_4h_to_h", "f
 KV_PROJECTIONS = frozenset({"k_proj", "v_proj"})
 
 
-def _head_dim(config) -> int | None:
+def head_dim_of(config) -> int | None:
     head_dim = getattr(config, "head_dim", None)
     if head_dim:
         return int(head_dim)
@@ -50,15 +50,17 @@ def _experts_intermediate(module: nn.Module) -> int | None:
     return int(weight.shape[-1]) if weight is not None and getattr(weight, "dim", lambda: 0)() == 3 else None
 
 
-def check_tensor_parallel(model: nn.Module, fp8_modules: set[str], tp: int) -> dict:
+def check_tensor_parallel(
+    model: nn.Module, fp8_modules: set[str], tp: int, option: str = "vllm_tensor_parallel_size"
+) -> dict:
     """Refuse, before the engine starts, a `tp`-rank engine whose partitions of the FP8 layers would not hold whole
     128x128 blocks, naming the layer and the sizes that work. Returns the `LLM(...)` arguments the split needs:
     `enable_expert_parallel=True` when experts would be split below whole blocks (each rank then holds whole
-    experts, as vLLM's expert parallelism places them)."""
+    experts, as vLLM's expert parallelism places them). `option`: the setting's name in the error."""
     if tp <= 1 or not fp8_modules:
         return {}
     hf_model = unwrap_model(model)
-    head_dim = _head_dim(getattr(hf_model, "config", None))
+    head_dim = head_dim_of(getattr(hf_model, "config", None))
     modules = dict(hf_model.named_modules())
     expert_parallel = False
     for name in sorted(fp8_modules):
@@ -81,9 +83,9 @@ def check_tensor_parallel(model: nn.Module, fp8_modules: set[str], tp: int) -> d
         if not replicated and (split % tp or (part_n % BLOCK) or (part_k % BLOCK)):
             works = [t for t in range(1, 9) if split % t == 0 and (split // t) % BLOCK == 0]
             raise ValueError(
-                f"vllm_tensor_parallel_size={tp} splits {name} ({'inputs' if leaf in ROW_PARALLEL else 'outputs'} "
+                f"{option}={tp} splits {name} ({'inputs' if leaf in ROW_PARALLEL else 'outputs'} "
                 f"{split}) into parts of {split / tp:g}, not a multiple of {BLOCK}: a block-FP8 engine needs whole "
-                f"128x128 blocks on every rank. Use vllm_tensor_parallel_size in {works} for this layer, keep it in "
+                f"128x128 blocks on every rank. Use {option} in {works} for this layer, keep it in "
                 "BF16 (fp8_module_filter_fn), or roll out on a `trl vllm-serve` server with fewer ranks per model."
             )
     return {"enable_expert_parallel": True} if expert_parallel else {}
