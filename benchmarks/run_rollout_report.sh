@@ -29,6 +29,8 @@
 #                                                   (one GPU or two: a seed per GPU)
 #   bash benchmarks/run_rollout_report.sh chainbase # pre-train it alone; a BF16 copy in 15 MB parts, $WORK/chain_base.part.*
 #   bash benchmarks/run_rollout_report.sh multi     # two GPUs: tests/gpu/test_multi_gpu.py, GRPO on 1 GPU vs 2 (FSDP2)
+#   bash benchmarks/run_rollout_report.sh scaling   # 1, 2 and 4 GPUs (DDP, FSDP2): 8B TRL BF16 vs FP8 + FP8 KV per GPU
+#                                                   # count, then benchmarks.collect_scaling's table ($SCALING_SPECS)
 #
 # A later host can start `chain` from the base of an earlier one (the same model for every lease, and 6-7 minutes
 # saved): bring the parts back (four files of 15 MB per call), keep them in git-ignored folders of three (.gpu/cb1 ...),
@@ -236,6 +238,19 @@ M.from_pretrained(sys.argv[1], dtype=torch.bfloat16).save_pretrained(sys.argv[2]
     && tar -C "$work" -czf - chain-base-bf16 convergence_chain chain_pretrain.log | split -b 15M - "$work/chain_base.part." \
     && echo "chain base: $(ls "$work"/chain_base.part.* | wc -l) parts" | tee -a "$work/status.txt"
   ;;
+scaling)  # 8B at TRL's colocate defaults per GPU: TRL BF16 vs unified FP8 + FP8 KV, side by side at each GPU count
+  # and launch of $SCALING_SPECS (GPUs x accelerate config); 8-bit AdamW, fused AdamW under FSDP2 (bitsandbytes'
+  # optimizers do not take its shards); then one table with the weak-scaling efficiency.
+  for spec in ${SCALING_SPECS:-1xmulti_gpu 2xmulti_gpu 4xmulti_gpu 2xfsdp2 4xfsdp2}; do
+    n=${spec%%x*}; cfg=${spec#*x}
+    optim=adamw_bnb_8bit; [ "$cfg" = fsdp2 ] && [ "$n" -gt 1 ] && optim=adamw_torch_fused
+    CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) MASTER_PORT=29670 timed "scaling_$spec" python -m benchmarks.bench_grpo \
+      --shape 8b --optim "$optim" --sleep_mode --vllm_memory 0.3 --completion_len 2048 --generation_batch 128 \
+      --steps "${SCALING_STEPS:-3}" --warmup 1 --runs trl_bf16 unified_fp8kv --num_processes "$n" \
+      --launch_config "$cfg" --out "$work/grpo_scaling_${spec}_$device.json"
+  done
+  python -m benchmarks.collect_scaling "$work"/grpo_scaling_*x*_"$device".json --out "$work/grpo_scaling_8b_$device.json"
+  ;;
 multi)  # a 4B shape with stock fused AdamW: one step fits one GPU beside its engine, so 1 and 2 GPUs compare
   gpu_tests multi_gpu_tests tests/gpu/test_multi_gpu.py
   for runs in "1 multi_gpu" "2 fsdp2" "2 multi_gpu"; do
@@ -248,7 +263,7 @@ multi)  # a 4B shape with stock fused AdamW: one step fits one GPU beside its en
 *)
   echo "usage: $0 PHASE... (kernels rollout capacity concurrency colocate bestfit pack suite checks linear gemm quant" \
     "train grpo four long kvprofile fp8kv" \
-    "chain chainbase multi)" >&2
+    "chain chainbase multi scaling)" >&2
   exit 2
   ;;
 esac

@@ -1,0 +1,56 @@
+"""`benchmarks.collect_scaling`: FP8 against TRL BF16 only between flows that ran side by side (one results file),
+weak-scaling efficiency against each flow's own one-GPU rate, and inputs of one per-GPU workload only."""
+
+import json
+
+import pytest
+
+from benchmarks.collect_scaling import collect, main, table
+
+pytestmark = pytest.mark.benchmark_scripts  # in the default run; `-m benchmark_scripts` runs them alone
+
+WORKLOAD = {"shape": "8b", "prompt_len": 256, "completion_len": 2048, "generation_batch": 128, "num_generations": 8,
+            "micro_batch": 8, "vllm_memory": 0.3, "sleep_mode": True}  # fmt: skip
+
+
+def result(gpus: int, launch: str, optim: str, steps: dict[str, float], **workload) -> dict:
+    """A bench_grpo results file: per flow its median step (rollout and training halves), completions per second
+    over all GPUs (`generation_batch` per GPU)."""
+    settings = {**WORKLOAD, **workload, "num_processes": gpus, "launch_config": launch, "optim": optim}
+    rows = [{"name": name, "step_time": {"step_s": s, "rollout_s": s / 2, "training_s": s / 2},
+             "completions_per_s": settings["generation_batch"] * gpus / s} for name, s in steps.items()]  # fmt: skip
+    return {"device": "NVIDIA H100 80GB HBM3", "date": "2026-11-26", "settings": settings, "results": rows}
+
+
+def test_speedups_within_a_file_and_efficiency_against_one_gpu():
+    one = result(1, "multi_gpu", "adamw_bnb_8bit", {"trl_bf16": 120.0, "unified_fp8kv": 80.0})
+    ddp = result(2, "multi_gpu", "adamw_bnb_8bit", {"trl_bf16": 125.0, "unified_fp8kv": 84.0})
+    fsdp2 = result(4, "fsdp2", "adamw_torch_fused", {"unified_fp8kv": 100.0})  # no TRL BF16 beside it
+    rows = {(r["gpus"], r["launch"], r["flow"]): r for r in collect([ddp, one, fsdp2])["rows"]}
+    assert rows[(1, "1 GPU", "unified_fp8kv")]["speedup_vs_trl_bf16"] == pytest.approx(1.5)
+    assert rows[(2, "DDP", "unified_fp8kv")]["speedup_vs_trl_bf16"] == pytest.approx(125 / 84)
+    assert rows[(4, "FSDP2", "unified_fp8kv")]["speedup_vs_trl_bf16"] is None  # never across files
+    # the same work per GPU: efficiency is the one-GPU step time over the N-GPU one
+    assert rows[(2, "DDP", "trl_bf16")]["weak_scaling_efficiency"] == pytest.approx(120 / 125)
+    assert rows[(4, "FSDP2", "unified_fp8kv")]["weak_scaling_efficiency"] == pytest.approx(80 / 100)
+    assert rows[(1, "1 GPU", "trl_bf16")]["weak_scaling_efficiency"] == pytest.approx(1.0)
+    text = table(collect([one, fsdp2]))
+    assert "| 4 | FSDP2 | unified_fp8kv | adamw_torch_fused | 100.0 |" in text and "| - |" not in text.split("\n")[2]
+
+
+def test_other_per_gpu_workloads_are_refused():
+    with pytest.raises(ValueError, match="completion_len"):
+        collect([result(1, "multi_gpu", "adamw_bnb_8bit", {"trl_bf16": 1.0}),
+                 result(2, "multi_gpu", "adamw_bnb_8bit", {"trl_bf16": 1.0}, completion_len=1024)])  # fmt: skip
+
+
+def test_the_command_writes_the_table_and_its_inputs(tmp_path, capsys):
+    paths = []
+    for i, r in enumerate([result(1, "multi_gpu", "adamw_bnb_8bit", {"trl_bf16": 2.0, "unified_fp8kv": 1.0}),
+                           result(2, "multi_gpu", "adamw_bnb_8bit", {"trl_bf16": 2.0, "unified_fp8kv": 1.25})]):  # fmt: skip
+        paths.append(tmp_path / f"in{i}.json")
+        paths[-1].write_text(json.dumps(r))
+    main([*map(str, paths), "--out", str(tmp_path / "scaling.json")])
+    out = json.loads((tmp_path / "scaling.json").read_text())
+    assert out["devices"] == ["NVIDIA H100 80GB HBM3"] and len(out["rows"]) == 4 and out["inputs"] == list(map(str, paths))
+    assert "| 2 | DDP | unified_fp8kv |" in capsys.readouterr().out
