@@ -24,10 +24,10 @@ ROOT = Path(__file__).resolve().parents[1]
 TIMINGS = {"step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second"}
 
 
-def torchrun_two(*args) -> subprocess.CompletedProcess:
-    """`torchrun --nproc_per_node 2 ARGS...` from the repository root, asserting it succeeded."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           *map(str, args)]  # fmt: skip
+def torchrun_two(*args, processes: int = 2) -> subprocess.CompletedProcess:
+    """`torchrun --nproc_per_node 2 ARGS...` (or `processes`) from the repository root, asserting it succeeded."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port",
+           str(free_port()), *map(str, args)]  # fmt: skip
     env = {**clean_subprocess_env(), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -146,5 +146,24 @@ def test_fsdp2_shards_experts_by_expert_and_syncs_and_exports_their_fp8_blocks(t
     ours, one = (load_file(tmp_path / d / "model.safetensors") for d in ("sharded_moe_bf16", "one_moe_bf16"))
     assert ours.keys() == one.keys()
     assert "model.layers.0.mlp.experts.2.down_proj.weight_scale_inv" in ours  # the expert rank 1 held
+    for name, t in ours.items():
+        assert torch.equal(t.view(torch.uint8), one[name].view(torch.uint8)), name
+
+
+def test_hsdp_gathers_the_fp8_blocks_within_each_shard_group(tmp_path):
+    """HSDP, as over two nodes of two GPUs (4 gloo ranks, a 2x2 mesh: sharded within a pair, replicated across the
+    pairs): every rank pushes and exports the FP8 blocks its forward multiplied, those of a one-process BF16 copy."""
+    torchrun_two(WORKERS / "fsdp2_fp8_worker.py", tmp_path, "hsdp_bf16", processes=4)
+    records = [json.loads((tmp_path / f"fsdp2_hsdp_bf16_rank{r}.json").read_text()) for r in range(4)]
+    for r in records:
+        assert r["placements"] == "(Replicate(), Shard(dim=0))"
+        assert r["used_fp8"] == r["forward_fp8"]
+        assert r["pushed_fp8"] == r["one_process_fp8"]["torch.bfloat16"] != r["one_process_fp8"]["torch.float32"]
+        assert r["pushed_fp8"] == records[0]["pushed_fp8"]
+        assert {n for n, ok in r["aligned"].items() if not ok} == {
+            f"model.layers.{i}.self_attn.{p}" for i in range(4) for p in ("k_proj", "v_proj")
+        }
+    ours, one = (load_file(tmp_path / d / "model.safetensors") for d in ("sharded_hsdp_bf16", "one_hsdp_bf16"))
+    assert ours.keys() == one.keys()
     for name, t in ours.items():
         assert torch.equal(t.view(torch.uint8), one[name].view(torch.uint8)), name

@@ -1,6 +1,7 @@
 """One rank of an FSDP2 run of FP8 layers on CPU (gloo), launched by tests/test_multiprocess.py through `torchrun`.
 
-    torchrun --nproc_per_node 2 tests/workers/fsdp2_fp8_worker.py OUT_DIR [fp32|bf16]
+    torchrun --nproc_per_node 2 tests/workers/fsdp2_fp8_worker.py OUT_DIR [fp32|bf16|moe_bf16]
+    torchrun --nproc_per_node 4 tests/workers/fsdp2_fp8_worker.py OUT_DIR hsdp_bf16
 
 accelerate applies FSDP only on accelerators (on CPU it falls back to DDP), so this shards with torch's own
 `fully_shard`, as accelerate does on GPUs: each decoder layer, then the root.
@@ -42,8 +43,8 @@ def main():
 
     out = Path(sys.argv[1])
     mode = sys.argv[2] if len(sys.argv) > 2 else "fp32"
-    if mode in ("bf16", "moe_bf16"):
-        return mixed_precision(out, moe=mode == "moe_bf16")
+    if mode in ("bf16", "moe_bf16", "hsdp_bf16"):
+        return mixed_precision(out, moe=mode == "moe_bf16", hsdp=mode == "hsdp_bf16")
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     model = tiny_qwen3(seed=0, vocab_size=128)
@@ -108,7 +109,7 @@ def tiny_moe(seed: int):
     )
 
 
-def mixed_precision(out: Path, moe: bool = False):
+def mixed_precision(out: Path, moe: bool = False, hsdp: bool = False):
     from ddp_grpo_worker import tensor_digest
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -127,9 +128,15 @@ def mixed_precision(out: Path, moe: bool = False):
     config = FP8LinearConfig(cache_quantized_weight=False)
     convert_to_fp8(model, config=config)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    # HSDP (4 ranks): shards over pairs of ranks, replicated across the pairs, as over the GPUs of two nodes
+    mesh = None
+    if hsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("replicate", "shard"))
     for layer in model.model.layers:
-        fully_shard(layer, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+        fully_shard(layer, mp_policy=policy, mesh=mesh)
+    fully_shard(model, mp_policy=policy, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
     g = torch.Generator().manual_seed(rank)  # each rank its own batches, as in data-parallel training
     for _ in range(3):
@@ -173,13 +180,14 @@ def mixed_precision(out: Path, moe: bool = False):
         "one_process_fp8": {k: tensor_digest(rollout_weight_tensors(m, "fp8")) for k, m in copies.items()},
         "pushed_dtypes": sorted({str(t.dtype) for t in pushed.values()}),
         "experts_sharded": [n for n, m in experts.items() if isinstance(m.down_proj, DTensor)],
+        "placements": str(model.model.layers[0].self_attn.o_proj.weight.placements),
         "reduced": reduce_over_ranks(
             {"peak": rank, "preemptions": 1 + rank, "tokens": 10 - rank},
             {"preemptions": "sum", "tokens": "min"},
             "cpu",
         ),  # fmt: skip
     }
-    tag = "moe_bf16" if moe else "bf16"
+    tag = "moe_bf16" if moe else "hsdp_bf16" if hsdp else "bf16"
     save_fp8_checkpoint(model, out / f"sharded_{tag}", progress=False, write=rank == 0)
     if rank == 0:
         save_fp8_checkpoint(copies[str(torch.bfloat16)], out / f"one_{tag}", progress=False)

@@ -374,7 +374,8 @@ def _all_finite(t: torch.Tensor) -> bool:
     if not is_sharded(t):
         return bool(torch.isfinite(t).all())
     ok = torch.isfinite(t.to_local()).all().to(torch.float32).reshape(1)
-    torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN, group=t.device_mesh.get_group())
+    for group in t.device_mesh.get_all_groups():  # every mesh dimension (HSDP's mesh has two)
+        torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN, group=group)
     return bool(ok.item())
 
 
