@@ -53,6 +53,11 @@ from benchmarks.common import arg_parser, kernel_breakdown, metadata, previous_r
 SHAPES = {  # Qwen3 configs: hidden, intermediate, layers, heads, kv heads, vocab
     "8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                num_key_value_heads=8, vocab_size=151936),
+    # Larger than one GPU trains in BF16 beside its engine: FSDP2 over several GPUs (bench_grpo --num_processes).
+    "14b": dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=40, num_attention_heads=40,
+                num_key_value_heads=8, vocab_size=151936),
+    "32b": dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
+                num_key_value_heads=8, vocab_size=151936),
     "4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
                num_key_value_heads=8, vocab_size=151936),
     "1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
