@@ -73,6 +73,19 @@ def fake_vllm(monkeypatch):
     return install_fake_vllm(monkeypatch)
 
 
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny Qwen3 and its character tokenizer saved to a folder, as a user's model name (a test module may define
+    its own `model_dir`)."""
+    from trl_fp8.demo.tiny_model import tiny_char_tokenizer, tiny_qwen3
+
+    path = tmp_path_factory.mktemp("tiny") / "model"
+    tokenizer = tiny_char_tokenizer()
+    tiny_qwen3(vocab_size=128, eos_token_id=tokenizer.eos_token_id, pad_token_id=0).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
 WORKERS = Path(__file__).resolve().parent / "workers"  # scripts the tests run in processes of their own
 
 

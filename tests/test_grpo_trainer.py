@@ -25,15 +25,6 @@ from conftest import assert_fp8_equal, layer_names, rel_err
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny") / "model"
-    tokenizer = tiny_char_tokenizer()
-    tiny_qwen3(vocab_size=128, eos_token_id=tokenizer.eos_token_id, pad_token_id=0).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
-
-
 def make_args(tmp_path, **kw):
     defaults = dict(
         GRPO_SETTINGS,

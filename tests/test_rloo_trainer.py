@@ -8,18 +8,8 @@ import torch
 from safetensors import safe_open
 
 from trl_fp8 import FP8GRPOConfig, FP8Linear, FP8RLOOConfig, FP8RLOOTrainer
-from trl_fp8.demo.tiny_model import tiny_char_tokenizer, tiny_qwen3
 from trl_fp8.demo.toy_task import GRPO_SETTINGS, say_letter_dataset, say_letter_reward
 from trl_fp8.trainer.mixin import fp8_model_card_section
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny") / "model"
-    tokenizer = tiny_char_tokenizer()
-    tiny_qwen3(vocab_size=128, eos_token_id=tokenizer.eos_token_id, pad_token_id=0).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
 
 
 def rloo_args(tmp_path, **kw):

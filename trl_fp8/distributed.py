@@ -29,7 +29,6 @@ __all__ = [
     "gather_quantized",
     "gather_whole",
     "grads_in_ddp_buckets",
-    "is_bitsandbytes_optimizer",
     "is_sharded",
     "reduce_over_ranks",
     "record_fsdp2_compute_dtypes",
@@ -97,6 +96,8 @@ def check_sharding_supports(args, peft_config=None, model=None) -> None:
     weight is a shard and PEFT's merge is local to it, so neither could send the merged FP8 weight. bitsandbytes'
     optimizers: their update is a custom op that takes plain tensors, not FSDP2's DTensor shards (8-bit AdamW raises
     at the first optimizer step)."""
+    from trl_fp8.trainer.requirements import is_bitsandbytes_optimizer
+
     if weight_sharding(args) != "FSDP2":
         return
     if is_bitsandbytes_optimizer(args.optim):
@@ -114,15 +115,6 @@ def check_sharding_supports(args, peft_config=None, model=None) -> None:
             "LoRA run's frozen base weights are replicated cheaply), or shard a full fine-tune (no peft_config) with "
             "FSDP2."
         )
-
-
-def is_bitsandbytes_optimizer(optim) -> bool:
-    """Whether transformers runs `optim` (a name or `OptimizerNames`) on bitsandbytes."""
-    try:
-        from transformers.trainer_optimizer import _BITSANDBYTES_OPTIMIZERS
-    except ImportError:  # a transformers that moved it: the optimizer step says so instead
-        return False
-    return optim in _BITSANDBYTES_OPTIMIZERS
 
 
 def record_fsdp2_compute_dtypes(model: nn.Module) -> int:

@@ -20,7 +20,6 @@ import sys
 
 from trl_fp8.cli.argtypes import memory_share, non_negative_int, positive_float, positive_int
 from trl_fp8.cli.hub import load_model_config
-from trl_fp8.distributed import is_bitsandbytes_optimizer
 from trl_fp8.rollout.capacity import (
     GPU_MEMORY_BYTES,
     HELD_BETWEEN_STEPS,
@@ -33,6 +32,7 @@ from trl_fp8.rollout.capacity import (
     trainer_memory_per_gpu,
     vllm_overhead_bytes,
 )
+from trl_fp8.trainer.requirements import is_bitsandbytes_optimizer
 
 # (name, FP8 weights, FP8 KV cache). The BF16 flow is TRL's own GRPOTrainer, the FP8 flows trl-fp8's FP8GRPOTrainer.
 FLOWS = (("BF16", False, False), ("FP8", True, False), ("FP8 + FP8 KV", True, True))

@@ -3,7 +3,12 @@ when training starts or at the first reward, after the model has loaded and the 
 
 from __future__ import annotations
 
-__all__ = ["check_liger_installed", "check_optimizer_installed", "check_reward_dependencies"]
+__all__ = [
+    "check_liger_installed",
+    "check_optimizer_installed",
+    "check_reward_dependencies",
+    "is_bitsandbytes_optimizer",
+]
 
 
 def check_liger_installed() -> None:
@@ -17,15 +22,22 @@ def check_liger_installed() -> None:
         )
 
 
+def is_bitsandbytes_optimizer(optim) -> bool:
+    """Whether transformers runs `optim` (a name or `OptimizerNames`) on bitsandbytes (False with a transformers
+    that moved its list: it still checks when training starts)."""
+    try:
+        from transformers.trainer_optimizer import _BITSANDBYTES_OPTIMIZERS
+    except ImportError:
+        return False
+    return optim in _BITSANDBYTES_OPTIMIZERS
+
+
 def check_optimizer_installed(optim) -> None:
     """Refuse a bitsandbytes optimizer without bitsandbytes now: transformers only finds out when training starts,
     after the model has loaded and the vLLM engine has started (minutes with a cold DeepGEMM cache)."""
-    try:
-        from transformers.trainer_optimizer import _BITSANDBYTES_OPTIMIZERS
-        from transformers.utils import is_bitsandbytes_available
-    except ImportError:  # a transformers that moved these still checks when training starts
-        return
-    if optim in _BITSANDBYTES_OPTIMIZERS and not is_bitsandbytes_available():
+    from transformers.utils import is_bitsandbytes_available
+
+    if is_bitsandbytes_optimizer(optim) and not is_bitsandbytes_available():
         name = getattr(optim, "value", optim)
         raise ImportError(
             f"optim={name!r} is a bitsandbytes optimizer, and bitsandbytes is not installed: "

@@ -32,6 +32,7 @@ from torch import nn
 from trl_fp8.config import BLOCK  # DeepGEMM's block-FP8 GEMMs take layers whose N and K are multiples of it
 from trl_fp8.nn.adapters import unwrap_model
 from trl_fp8.nn.sibling_gemms import FUSED_GROUPS
+from trl_fp8.rollout.vllm.partitions import head_dim_of, partition_shape
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +67,6 @@ def engine_gemm_shapes(model: nn.Module, fp8_modules: set[str], tensor_parallel:
     (`sibling_gemms.FUSED_GROUPS`) into one layer each, so their N add up; with `tensor_parallel` ranks, one rank's
     partition of each (`partitions.partition_shape`). Layers whose N or K is not a multiple of 128 are left out, as
     vLLM does not run them on DeepGEMM, and so are experts (vLLM's fused-MoE kernels)."""
-    from trl_fp8.rollout.vllm.partitions import head_dim_of, partition_shape
-
     hf_model = unwrap_model(model)
     modules = dict(hf_model.named_modules())
     head_dim = head_dim_of(getattr(hf_model, "config", None))
