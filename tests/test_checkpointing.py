@@ -2,7 +2,7 @@
 (TRL re-enables it after every no-grad pass, the trainer once more for `every_n_layers`)."""
 
 import torch
-from test_grpo_trainer import make_trainer, model_dir  # noqa: F401 (a fixture)
+from test_grpo_trainer import make_trainer
 from transformers import TrainerCallback
 
 from trl_fp8.demo.tiny_model import tiny_qwen3
