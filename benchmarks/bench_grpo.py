@@ -50,6 +50,7 @@ RUNS = {  # run: (trainer, fp8_recipe, rollout_precision, fp8 KV cache, training
     "fp8_rollout": ("trl_fp8", "none", "fp8", False, "auto", None),
     "unified": ("trl_fp8", "blockwise", "fp8", False, "auto", None),
     "unified_fp8kv": ("trl_fp8", "blockwise", "fp8", True, "auto", None),
+    "unified_fp8kv_liger": ("trl_fp8", "blockwise", "fp8", True, "auto", None),  # the fastest flow at the 8B shape
     "unified_deepgemm": ("trl_fp8", "blockwise", "fp8", False, "deepgemm", None),  # FProp/DGrad on DeepGEMM (opt-in)
     "unified_nocache": ("trl_fp8", "blockwise", "fp8", False, "auto", False),  # weights quantized at every forward
     "unified_fused": ("trl_fp8", "blockwise", "fp8", False, "auto", None),  # + RUN_OPTIONS below
@@ -76,6 +77,7 @@ RUN_OPTIONS = {  # further (FP8)GRPOConfig fields of a run
     "unified_fused": {"fp8_fuse_sibling_gemms": True, "fp8_fuse_swiglu": True},
     "trl_bf16_liger": LIGER,
     "unified_liger": LIGER,
+    "unified_fp8kv_liger": LIGER,
     "unified_fused_liger": {"fp8_fuse_sibling_gemms": True, **LIGER},  # Liger's SwiGLU in place of ours
     "bf16_compiled": {"compile_decoder_layers": True},
     "unified_compiled": {"compile_decoder_layers": True},
@@ -353,6 +355,8 @@ def run_one(args) -> None:
         "fp8_kv_cache": fp8_kv,
         "fp8_backend": gemm_backend,
         "fp8_cache_weights": cache_weights,
+        # the trainer's choice where fp8_cache_weights is None (FP8GRPOTrainer.fp8_weight_cache)
+        "fp8_weight_cache": vars(choice) if (choice := getattr(trainer, "fp8_weight_cache", None)) else None,
         "fp8_options": RUN_OPTIONS.get(args.run, {}),
         "step_time": step_medians(per_step_s, keep),  # over measured.median_steps
         "per_step": per_step_s,
@@ -594,6 +598,8 @@ def main():
     if not (model / "config.json").exists():
         make_model_dir(model, args.shape, model_positions(args.prompt_len, args.completion_len))
         torch.cuda.empty_cache()
+    if args.sleep_mode:  # FP8GRPOTrainer turns them on in sleep mode; TRL's BF16 runs get the same allocator
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     device = torch.cuda.get_device_name()
     gpus = f"_{args.num_processes}x{args.launch_config}" if args.num_processes > 1 else ""
     out = results_path(args.out, "grpo_speed", device + gpus)

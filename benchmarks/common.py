@@ -182,12 +182,15 @@ def run_all(
     launcher: list[str] | None = None,
 ) -> list[str]:
     """One child per name (`run_child`), each one's last JSON row appended to `result["results"]` (sorted by
-    `order`) and `out` rewritten after every child, so a crash keeps what ran. Returns the names that failed."""
+    `order`) and `out` rewritten after every child, so a crash keeps what ran; the names that failed go to
+    `result["failed_runs"]` and are returned."""
     failed = []
     for name in names:
         rows = run_child(module, flag, name, argv, launcher)
         if rows is None:
             failed.append(name)
+            result["failed_runs"] = failed  # in the file too: a table without a run must say it failed
+            write_json(out, result)
             continue
         result["results"].append(rows[-1])
         result["results"].sort(key=lambda r: order.index(r[id_key]))

@@ -241,14 +241,16 @@ M.from_pretrained(sys.argv[1], dtype=torch.bfloat16).save_pretrained(sys.argv[2]
 scaling)  # 8B at TRL's colocate defaults per GPU: TRL BF16 vs unified FP8 + FP8 KV, side by side at each GPU count
   # and launch of $SCALING_SPECS (GPUs x accelerate config); 8-bit AdamW, fused AdamW under FSDP2 (bitsandbytes'
   # optimizers do not take its shards); then one table with the weak-scaling efficiency. SCALING_SHAPE=14b (or 32b)
-  # with SCALING_SPECS=4xfsdp2: a model whose BF16 training does not fit one GPU beside its engine.
+  # with SCALING_SPECS=4xfsdp2: a model whose BF16 training does not fit one GPU beside its engine. SCALING_RUNS and
+  # SCALING_MICRO_BATCH change the flows and the micro-batch (`trl-fp8 plan` fits a BF16 DDP rank at 8B with 4).
   shape=${SCALING_SHAPE:-8b}
   for spec in ${SCALING_SPECS:-1xmulti_gpu 2xmulti_gpu 4xmulti_gpu 2xfsdp2 4xfsdp2}; do
     n=${spec%%x*}; cfg=${spec#*x}
     optim=adamw_bnb_8bit; [ "$cfg" = fsdp2 ] && [ "$n" -gt 1 ] && optim=adamw_torch_fused
     CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) MASTER_PORT=29670 timed "scaling_$spec" python -m benchmarks.bench_grpo \
       --shape "$shape" --optim "$optim" --sleep_mode --vllm_memory 0.3 --completion_len 2048 --generation_batch 128 \
-      --steps "${SCALING_STEPS:-3}" --warmup 1 --runs trl_bf16 unified_fp8kv --num_processes "$n" \
+      --micro_batch "${SCALING_MICRO_BATCH:-8}" --steps "${SCALING_STEPS:-3}" --warmup 1 \
+      --runs ${SCALING_RUNS:-trl_bf16 unified_fp8kv} --num_processes "$n" \
       --launch_config "$cfg" --out "$work/grpo_scaling_${shape}_${spec}_$device.json"
   done
   python -m benchmarks.collect_scaling "$work"/grpo_scaling_"${shape}"_*x*_"$device".json \

@@ -52,5 +52,9 @@ def test_the_command_writes_the_table_and_its_inputs(tmp_path, capsys):
         paths[-1].write_text(json.dumps(r))
     main([*map(str, paths), "--out", str(tmp_path / "scaling.json")])
     out = json.loads((tmp_path / "scaling.json").read_text())
-    assert out["devices"] == ["NVIDIA H100 80GB HBM3"] and len(out["rows"]) == 4 and out["inputs"] == list(map(str, paths))
+    assert (
+        out["devices"] == ["NVIDIA H100 80GB HBM3"]
+        and len(out["rows"]) == 4
+        and out["inputs"] == list(map(str, paths))
+    )
     assert "| 2 | DDP | unified_fp8kv |" in capsys.readouterr().out

@@ -16,7 +16,7 @@ from safetensors import safe_open
 from transformers import TrainerCallback
 
 from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, FP8Linear, dequantize_blocks, quantize_blocks
-from trl_fp8.demo.tiny_model import tiny_char_tokenizer, tiny_qwen3
+from trl_fp8.demo.tiny_model import tiny_char_tokenizer, tiny_qwen3, tiny_qwen3_config
 from trl_fp8.demo.toy_task import GRPO_SETTINGS, say_letter_dataset, say_letter_reward
 from trl_fp8.trainer.mixin import fp8_model_card_section
 
@@ -578,9 +578,12 @@ def test_fsdp2_launches_are_accepted_and_keep_no_fp8_weight_cache(tmp_path, monk
     check_no_weight_sharding(args)
     converted = []
     monkeypatch.setattr("trl_fp8.trainer.mixin.convert_to_fp8", lambda model, **kw: converted.append(kw["config"]))
-    trainer = SimpleNamespace(_fp8_filter=None, _layer_selection=lambda a: FP8GRPOTrainer._layer_selection(trainer, a))
-    FP8GRPOTrainer._convert(trainer, object(), args)
-    FP8GRPOTrainer._convert(trainer, object(), make_args(tmp_path, fp8_cache_weights=True))
+    trainer = SimpleNamespace(_fp8_filter=None, _peft_config=None,
+                              _layer_selection=lambda a: FP8GRPOTrainer._layer_selection(trainer, a))  # fmt: skip
+    model = SimpleNamespace(config=tiny_qwen3_config())
+    FP8GRPOTrainer._convert(trainer, model, args)
+    assert trainer.fp8_weight_cache.reason.startswith("FSDP2 shards the weights")
+    FP8GRPOTrainer._convert(trainer, model, make_args(tmp_path, fp8_cache_weights=True))
     assert [c.cache_quantized_weight for c in converted] == [False, True]  # the default under FSDP2; asked for
     monkeypatch.delenv("ACCELERATE_USE_FSDP")
     assert weight_sharding(make_args(tmp_path, fsdp=True)) == "FSDP2"  # transformers' default version

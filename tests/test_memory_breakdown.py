@@ -53,3 +53,93 @@ def test_ddp_buckets_and_the_gradients_that_are_their_views(bucket_view, monkeyp
         assert out["parameters"] == n_bytes(model.parameters())
     finally:
         dist.destroy_process_group()
+
+
+def qwen3_8b_config() -> dict:
+    from benchmarks.bench_rollout import SHAPES
+
+    return dict(SHAPES["8b"], head_dim=128, tie_word_embeddings=False, model_type="qwen3")
+
+
+def run_args(tmp_path, world_size=1, optim="adamw_bnb_8bit", **kw):
+    """An FP8GRPOConfig's fields as the trainer reads them, at TRL's colocate defaults for an 8B model on an 80 GB GPU
+    (128 x 2048 per GPU, sleep mode, 8-bit AdamW), with `world_size` processes."""
+    from types import SimpleNamespace
+
+    from trl_fp8 import FP8GRPOConfig
+
+    kw = {"per_device_train_batch_size": 8, **kw}
+    config = FP8GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, generation_batch_size=128,
+                           max_completion_length=2048, num_generations=8, gradient_checkpointing=True,
+                           **kw)  # fmt: skip
+    fields = {name: getattr(config, name) for name in dir(config) if not name.startswith("_")}
+    # (set here: this machine may have neither vLLM nor bitsandbytes, which the config checks for)
+    vllm = {
+        "use_vllm": True,
+        "vllm_mode": "colocate",
+        "vllm_enable_sleep_mode": True,
+        "vllm_gpu_memory_utilization": 0.3,
+    }
+    return SimpleNamespace(
+        **{**fields, **vllm, "optim": optim, "world_size": world_size, "generation_batch_size": 128 * world_size}
+    )
+
+
+H100_BYTES = 85_017_493_504
+
+
+def planner_training_peak(args, cache: bool) -> float:
+    """The training peak the planner gives for `args`, computed here from its parts (what the choice must follow)."""
+    from trl_fp8.rollout.capacity import ModelShape, trainer_memory_per_gpu, vllm_overhead_bytes
+
+    shape = ModelShape.from_config(qwen3_8b_config())
+    parts = trainer_memory_per_gpu(shape, num_processes=args.world_size, optim=args.optim, fp8_weight_cache=cache,
+                                   micro_batch=args.per_device_train_batch_size, seq_len=2048)  # fmt: skip
+    return sum(parts.values()) + vllm_overhead_bytes(shape, 128)
+
+
+@pytest.mark.parametrize("world_size,micro_batch,total_bytes,expected", [
+    (1, 8, H100_BYTES, True), (2, 8, H100_BYTES, True), (1, 16, H100_BYTES, False), (2, 16, H100_BYTES, False),
+    (2, 16, 143771 * 2**20, True),  # an H200 has room for it
+])  # fmt: skip
+def test_weight_cache_is_dropped_where_the_planner_says_it_would_crowd_the_gpu(
+    tmp_path, world_size, micro_batch, total_bytes, expected
+):
+    """At the 8B shape (2048-token completions, sleep mode, 8-bit AdamW) the choice follows the planner's training
+    peak with the cache against 90% of the GPU: micro-batches of 8 keep it on an 80 GB GPU, of 16 drop it there
+    (which takes the cache's 6.5 GiB off the planned peak), and a 141 GB GPU keeps it."""
+    from trl_fp8.trainer.memory import FP8_CACHE_HEADROOM, choose_fp8_weight_cache
+
+    args = run_args(tmp_path, world_size, per_device_train_batch_size=micro_batch)
+    choice = choose_fp8_weight_cache(qwen3_8b_config(), args, total_bytes=total_bytes)
+    assert choice.automatic and choice.cache is expected, choice.reason
+    assert (planner_training_peak(args, cache=True) <= FP8_CACHE_HEADROOM * total_bytes) is expected
+    assert "planner puts one GPU's training at" in choice.reason
+    if not expected:
+        assert "fp8_cache_weights=True" in choice.reason
+        saved = planner_training_peak(args, cache=True) - planner_training_peak(args, cache=False)
+        assert saved == linear_params_8b()
+
+
+def linear_params_8b() -> int:
+    from trl_fp8.rollout.capacity import ModelShape
+
+    return ModelShape.from_config(qwen3_8b_config()).linear_params
+
+
+def test_weight_cache_set_by_the_user_or_off_under_fsdp2_or_on_without_a_gpu(tmp_path, monkeypatch):
+    from trl_fp8.trainer.memory import choose_fp8_weight_cache
+
+    ddp = run_args(tmp_path, 2, fp8_cache_weights=True)
+    choice = choose_fp8_weight_cache(qwen3_8b_config(), ddp, total_bytes=H100_BYTES)
+    assert (choice.cache, choice.automatic) == (True, False)
+    assert (
+        choose_fp8_weight_cache(qwen3_8b_config(), run_args(tmp_path)).reason
+        == "training on cpu, no GPU memory to keep"
+    )
+    # a model the planner cannot size keeps the cache, and says why
+    mla = {**qwen3_8b_config(), "kv_lora_rank": 512}
+    assert "cannot size" in choose_fp8_weight_cache(mla, run_args(tmp_path), total_bytes=H100_BYTES).reason
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    assert not choose_fp8_weight_cache(qwen3_8b_config(), run_args(tmp_path, 2), total_bytes=H100_BYTES).cache

@@ -49,6 +49,7 @@ def test_ranks_agree_on_metrics_weights_and_pushed_fp8_tensors(two_rank_run):
     _, (r0, r1) = two_rank_run
     assert r0["world_size"] == r1["world_size"] == 2 and r0["distributed_type"] == "DistributedType.MULTI_CPU"
     assert r0["grads_in_ddp_buckets"] is True  # gradients as views of DDP's buckets: no second copy
+    assert r0["zeroed_in_buckets"] is True  # and kept so through gradient accumulation
     logs0, logs1 = r0["log_history"], r1["log_history"]
     assert len(logs0) == len(logs1) == 3  # two logged steps and the end-of-training summary
     for a, b in zip(logs0, logs1, strict=True):
@@ -167,3 +168,16 @@ def test_hsdp_gathers_the_fp8_blocks_within_each_shard_group(tmp_path):
     assert ours.keys() == one.keys()
     for name, t in ours.items():
         assert torch.equal(t.view(torch.uint8), one[name].view(torch.uint8)), name
+
+
+def test_gradients_stay_in_ddp_buckets_through_gradient_accumulation(tmp_path):
+    """transformers zeroes gradients to None after each step; the next step's micro-batches under no_sync would then
+    accumulate into new tensors beside DDP's buckets (a second copy of every gradient). `zero_grads_in_buckets` keeps
+    them views once DDP has rebuilt its buckets (after its first step); without it, they are not."""
+    torchrun_two(WORKERS / "ddp_bucket_views_worker.py", tmp_path)
+    for rank in (0, 1):
+        record = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        # steps 2 and 3, three micro-batches each, against the views of the step before; DDP rebuilds its buckets
+        # once, in the second step, so its micro-batches get new views either way
+        assert record["with"][3:] == [True] * 3, record
+        assert record["without"][3:5] == [False] * 2, record

@@ -27,8 +27,11 @@ HOOKS = [
     (GRPOTrainer, "_generate_and_score_completions", ["self", "inputs"]),
     (RLOOTrainer, "_generate_and_score_completions", ["self", "inputs"]),
     (GRPOTrainer, "_compute_loss", ["self", "model", "inputs"]),
-    (GRPOTrainer, "_get_per_token_logps_and_entropies", ["self", "model", "input_ids", "attention_mask",
-                                                        "logits_to_keep", "batch_size"]),  # fmt: skip
+    (
+        GRPOTrainer,
+        "_get_per_token_logps_and_entropies",
+        ["self", "model", "input_ids", "attention_mask", "logits_to_keep", "batch_size"],
+    ),  # fmt: skip
     (GRPOTrainer, "_save_checkpoint", ["self", "model", "trial"]),
     (RLOOTrainer, "_save_checkpoint", ["self", "model", "trial"]),
     (transformers.Trainer, "save_model", ["self", "output_dir", "_internal_call"]),
@@ -126,3 +129,12 @@ def test_the_launch_internals_we_set_or_read_exist():
 
 def test_this_trl_is_a_tested_release():
     assert any(trl.__version__ == v or trl.__version__.startswith(v + ".") for v in TESTED_TRL), trl.__version__
+
+
+def test_transformers_zeroes_gradients_through_the_wrapped_model():
+    """`zero_grads_in_buckets` keeps DDP's gradients in its buckets by replacing the DDP module's `zero_grad`: that
+    works while transformers' training loop zeroes through `model.zero_grad()` (the wrapped model), not through the
+    optimizer."""
+    source = inspect.getsource(transformers.Trainer)
+    assert "model.zero_grad()" in source
+    assert "optimizer.zero_grad(" not in source

@@ -11,6 +11,7 @@ a DTensor shard; the vLLM sync and the export then need the FP8 values the forwa
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import weakref
@@ -34,6 +35,7 @@ __all__ = [
     "record_fsdp2_compute_dtypes",
     "shard_rows_align",
     "weight_sharding",
+    "zero_grads_in_buckets",
 ]
 
 # id(sharded parameter) -> (a weak reference to it, the dtype FSDP2 all-gathers it in for forward and backward),
@@ -239,3 +241,18 @@ def grads_in_ddp_buckets(accelerator) -> None:
     if accelerator.ddp_handler is None:
         accelerator.ddp_handler = DistributedDataParallelKwargs()
     accelerator.ddp_handler.gradient_as_bucket_view = True
+
+
+def zero_grads_in_buckets(wrapped) -> bool:
+    """Make `wrapped.zero_grad()` zero a DDP model's gradients in place when they are views of its buckets; returns
+    whether it did (once is enough).
+
+    transformers calls `model.zero_grad()` after each optimizer step, which sets gradients to None. The micro-batches
+    of the next step run under `no_sync` (gradient accumulation), where DDP's reducer does not run: autograd then
+    accumulates into new tensors, a second copy of every gradient beside the buckets until the last micro-batch
+    copies them in (15 GiB at the 8B shape: what ran a DDP rank out of memory). Zeroed in place they stay views."""
+    if not isinstance(wrapped, nn.parallel.DistributedDataParallel) or not wrapped.gradient_as_bucket_view:
+        return False
+    if "zero_grad" not in vars(wrapped):  # an instance attribute, set once, shadows Module.zero_grad
+        object.__setattr__(wrapped, "zero_grad", functools.partial(nn.Module.zero_grad, wrapped, False))
+    return True

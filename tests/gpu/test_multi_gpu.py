@@ -51,6 +51,7 @@ def test_two_gpu_grpo_with_colocated_engines(tmp_path, launch, vllm_tp):
     )
     assert r0["sharded"] == (launch == "fsdp2")
     assert r0["grads_in_ddp_buckets"] is (True if launch == "multi_gpu" else None)
+    assert r0["zeroed_in_buckets"] is (launch == "multi_gpu")
     for a, b in zip(r0["log_history"], r1["log_history"], strict=True):
         assert {k: v for k, v in a.items() if k not in TIMINGS} == {k: v for k, v in b.items() if k not in TIMINGS}
     assert r0["params"] == r1["params"] and r0["pushed_fp8"] == r1["pushed_fp8"]

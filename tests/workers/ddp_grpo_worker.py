@@ -68,6 +68,7 @@ def main():
         "world_size": trainer.accelerator.num_processes,
         "distributed_type": str(trainer.accelerator.distributed_type),
         "grads_in_ddp_buckets": getattr(trainer.model_wrapped, "gradient_as_bucket_view", None),
+        "zeroed_in_buckets": "zero_grad" in vars(trainer.model_wrapped),  # zero_grads_in_buckets applied
         "log_history": trainer.state.log_history,
         "params": tensor_digest(model.named_parameters()),
         "pushed_fp8": tensor_digest(rollout_weight_tensors(model, "fp8")),

@@ -46,6 +46,7 @@ def main():
         "rank": trainer.accelerator.process_index,
         "distributed_type": str(trainer.accelerator.distributed_type),
         "grads_in_ddp_buckets": getattr(trainer.model_wrapped, "gradient_as_bucket_view", None),
+        "zeroed_in_buckets": "zero_grad" in vars(trainer.model_wrapped),  # zero_grads_in_buckets applied
         "sharded": isinstance(model.model.layers[0].mlp.down_proj.weight, DTensor),
         "log_history": trainer.state.log_history,
         "params": tensor_digest(model.named_parameters()),

@@ -29,7 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "default: 8192 or more, see its log)")  # fmt: skip
     parser.add_argument("--tensor_parallel_size", type=positive_int, default=1,
                         help="the server's --tensor_parallel_size: each rank's partitions are compiled")  # fmt: skip
-    parser.add_argument("--workers", type=positive_int, default=None, help="processes (default: CPU cores, at most 16)")
+    parser.add_argument(
+        "--workers", type=positive_int, default=None, help="processes (default: CPU cores, at most 16)"
+    )
     parser.add_argument("--cache_dir", default=None, help="DeepGEMM's cache (default: DG_JIT_CACHE_DIR, else vLLM's)")
     parser.add_argument("--full", action="store_true", help="every token count, as VLLM_DEEP_GEMM_WARMUP=full runs")
     parser.add_argument("--force", action="store_true", help="run even where a completed run is recorded")
@@ -91,5 +93,3 @@ def run(args: argparse.Namespace) -> int:
         )
     print(json.dumps({**result.__dict__, "cache_dir": os.environ["DG_JIT_CACHE_DIR"]}))
     return 1 if result.failures else 0
-
-

@@ -47,8 +47,8 @@ class FP8TrainingArguments:
         fp8_cache_weights (bool | None): Keep each layer's FP8 weight between forwards until the optimizer changes
             it (one byte per parameter), so micro-batches, scoring passes and the vLLM sync quantize once per step.
             `False` quantizes at every forward instead (one read of the weights per forward) and saves that memory,
-            for a peak no higher than BF16's. `None`: on, except under FSDP2, whose point is not to hold whole
-            weights.
+            for a peak no higher than BF16's. `None`: chosen at start-up, on unless the memory planner puts one GPU's
+            training peak with it above 90% of the GPU; off under FSDP2, whose point is not to hold whole weights.
         fp8_fuse_sibling_gemms (bool): Run q/k/v and gate/up, which read one input, as one FP8 GEMM per pass on their
             stacked weight blocks (fewer, larger kernels; the same FP8 bytes synced and exported). Off by default:
             it pays where separate small layers are host-bound, not yet in a whole training step.
@@ -137,7 +137,9 @@ class FP8TrainingArguments:
         default=None,
         metadata={
             "help": "Keep each layer's FP8 weight until the optimizer changes it (1 byte per parameter); False "
-            "quantizes at every forward and saves that memory. Default: on, except under FSDP2.",
+            "quantizes at every forward and saves that memory. Default: on where the memory planner puts one GPU's "
+            "training peak with it under 90% of the GPU, off under FSDP2 or above that (the start-up log says "
+            "which, and why).",
         },
     )
     fp8_fuse_sibling_gemms: bool = field(
@@ -278,16 +280,19 @@ class FP8TrainingArguments:
         if self.use_liger_kernel:
             check_liger_installed()
 
-    def fp8_linear_config(self) -> FP8LinearConfig | None:
+    def fp8_linear_config(self, cache_weights: bool | None = None) -> FP8LinearConfig | None:
         """The FP8 layers' config of this run (None for BF16 training), validated by `FP8LinearConfig` itself; its
-        errors name this config's fields (`fp8_backend`, not `backend`)."""
+        errors name this config's fields (`fp8_backend`, not `backend`). `cache_weights`: the trainer's choice
+        where `fp8_cache_weights` is None (`trl_fp8.trainer.memory.choose_fp8_weight_cache`)."""
         if self.fp8_recipe is None:
             return None
         from trl_fp8.distributed import weight_sharding
 
         # Under FSDP2 no FP8 copy of a whole weight is kept between steps (it would undo the sharding); torchao's
         # recipes keep none at all.
-        cache = weight_sharding(self) != "FSDP2" if self.fp8_cache_weights is None else self.fp8_cache_weights
+        cache = self.fp8_cache_weights
+        if cache is None:
+            cache = weight_sharding(self) != "FSDP2" if cache_weights is None else cache_weights
         try:
             return FP8LinearConfig(
                 recipe=self.fp8_recipe, power_of_two_scales=self.fp8_power_of_two_scales, backend=self.fp8_backend,
@@ -339,6 +344,7 @@ class FP8TrainingArguments:
                 f"{self.fp8_recipe!r} recipe runs each layer on its own. Drop them, or use fp8_recipe='blockwise'."
             )
         self._refuse_fp8_options_without_effect()
+
     def _refuse_fp8_options_without_effect(self) -> None:
         """Raise for an option of the blockwise FP8 layers that the recipe, backend or compilation would ignore."""
         if self.fp8_recipe not in (BLOCKWISE, None):

@@ -8,12 +8,18 @@ counting it. The device's own figure (`mem_get_info`) is what a run can run out 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from trl_fp8.nn.weight_cache import fp8_weight_cache_bytes
 
-__all__ = ["memory_breakdown"]
+__all__ = ["FP8_CACHE_HEADROOM", "WeightCacheChoice", "choose_fp8_weight_cache", "memory_breakdown"]
+
+# The FP8 weight cache is kept only where the planner's training peak with it stays under this share of the GPU:
+# the planner's account is rough (8B under DDP on an H100: 74.0 GiB planned, 76.4 GiB measured on the device).
+FP8_CACHE_HEADROOM = 0.9
 
 
 def _storages(tensors) -> dict[int, int]:
@@ -62,3 +68,63 @@ def memory_breakdown(model: nn.Module, optimizer=None, wrapped: nn.Module | None
         out.update(allocated=torch.cuda.memory_allocated(device), reserved=torch.cuda.memory_reserved(device),
                    device_used=total - free)  # fmt: skip
     return out
+
+
+@dataclass(frozen=True)
+class WeightCacheChoice:
+    """Whether FP8 layers keep their quantized weights between forwards (`cache`), and why (`reason`, for the log)."""
+
+    cache: bool
+    reason: str
+    automatic: bool = True
+
+
+def choose_fp8_weight_cache(model_config, args, *, lora: bool = False, total_bytes: int | None = None):
+    """The FP8 weight cache for this run: the user's `fp8_cache_weights` if set; else on unless it would push the
+    training phase of one GPU past `FP8_CACHE_HEADROOM` of its memory by the planner's account
+    (`trl_fp8.rollout.capacity`, the numbers `trl-fp8 plan` prints).
+
+    The cache costs 1 byte per FP8 weight and saves re-quantizing each weight at every forward, recompute and
+    backward of a micro-batch: 1-4% of the training phase at the 8B shape (H200, bench_grpo `unified_nocache`),
+    while its 6.5 GiB there are 8% of an 80 GB GPU. Under FSDP2 it is never kept (it would undo the
+    sharding). `total_bytes`: the GPU's memory (read from `args.device` when None; no GPU: no limit to respect)."""
+    from trl_fp8.distributed import weight_sharding
+    from trl_fp8.rollout import capacity
+
+    if args.fp8_cache_weights is not None:
+        return WeightCacheChoice(args.fp8_cache_weights, "set by fp8_cache_weights", automatic=False)
+    if weight_sharding(args) == "FSDP2":
+        return WeightCacheChoice(False, "FSDP2 shards the weights; a whole FP8 copy on every rank would undo it")
+    if total_bytes is None:
+        device = torch.device(args.device)
+        if device.type != "cuda":
+            return WeightCacheChoice(True, f"training on {device.type}, no GPU memory to keep")
+        total_bytes = torch.cuda.get_device_properties(device).total_memory
+    try:
+        shape = capacity.ModelShape.from_config(model_config)
+    except ValueError as exc:
+        return WeightCacheChoice(True, f"kept: the memory planner cannot size this model ({exc})")
+    optim = str(getattr(args.optim, "value", args.optim))
+    modelled = optim in capacity.OPTIMIZER_STATE_BYTES
+    processes = max(1, args.world_size)
+    parts = capacity.trainer_memory_per_gpu(
+        shape, num_processes=processes, launch="ddp", grads_in_ddp_buckets=args.ddp_gradient_as_bucket_view,
+        optim=optim if modelled else "adamw_torch", fp8_training=True, fp8_weight_cache=True, lora=lora,
+        micro_batch=args.per_device_train_batch_size, seq_len=args.vllm_max_model_length or args.max_completion_length,
+        gradient_checkpointing=bool(args.gradient_checkpointing),
+    )  # fmt: skip
+    peak = sum(parts.values())
+    if args.use_vllm and args.vllm_mode == "colocate":  # beside it: vLLM's whole share, or what it keeps asleep
+        per_engine = max(1, args.generation_batch_size // processes)
+        share = args.vllm_gpu_memory_utilization * total_bytes
+        peak += capacity.vllm_overhead_bytes(shape, per_engine) if args.vllm_enable_sleep_mode else share
+    gib, cache = capacity.GiB, parts["fp8_weight_cache"]
+    numbers = f"the planner puts one GPU's training at {peak / gib:.1f} GiB with the cache ({cache / gib:.1f} GiB) "
+    numbers += f"of {total_bytes / gib:.1f} GiB" + ("" if modelled else f", {optim} counted as adamw_torch")
+    if peak <= FP8_CACHE_HEADROOM * total_bytes:
+        return WeightCacheChoice(True, numbers)
+    return WeightCacheChoice(
+        False,
+        f"{numbers}, above {FP8_CACHE_HEADROOM:.0%}: weights are quantized at every forward instead (a few "
+        "percent of the training phase); set fp8_cache_weights=True to keep it anyway",
+    )

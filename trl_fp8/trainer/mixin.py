@@ -35,18 +35,20 @@ from trl.trainer.utils import create_model_from_path, pad
 
 from trl_fp8.checkpoint.folder import drop_checkpoint_entries, is_checkpoint_entry, output_overwrites_model
 from trl_fp8.checkpoint.save import save_fp8_checkpoint, unwrap_model
-from trl_fp8.config import LayerSelection
+from trl_fp8.config import BLOCKWISE, LayerSelection
 from trl_fp8.distributed import (
     check_no_weight_sharding,
     check_sharding_supports,
     grads_in_ddp_buckets,
     reduce_over_ranks,
+    zero_grads_in_buckets,
 )
 from trl_fp8.nn.conversion import ConversionReport, convert_to_fp8, plan_fp8_conversion
 from trl_fp8.nn.linear import invalidate_fp8_weights
 from trl_fp8.rollout.kv_scales import AttentionScaleObserver
 from trl_fp8.rollout.stats import capacity_line
 from trl_fp8.trainer.layer_checkpointing import keep_layer_options
+from trl_fp8.trainer.memory import choose_fp8_weight_cache
 from trl_fp8.trainer.regional_compile import compile_decoder_layers, eager_generation
 from trl_fp8.trainer.requirements import check_reward_dependencies
 
@@ -109,6 +111,7 @@ class FP8TrainerMixin:
         if isinstance(model, str):
             model = self._load_model(model, args, trainer_kwargs.get("quantization_config"))
         self._fp8_filter = fp8_module_filter_fn
+        self._peft_config = trainer_kwargs.get("peft_config")
         self.fp8_report = self._convert(model, args)
         self.fp8_export_report = self._plan_fp8_outside_training(model, args)
         self._saving_training_checkpoint = False
@@ -149,7 +152,16 @@ class FP8TrainerMixin:
     def _convert(self, model: nn.Module, args) -> ConversionReport:
         if args.fp8_recipe is None:
             return ConversionReport(recipe="bf16")
-        config = args.fp8_linear_config()
+        if getattr(self, "fp8_weight_cache", None) is None:  # chosen once, for the policy (the reference follows)
+            choice = self.fp8_weight_cache = choose_fp8_weight_cache(
+                model.config, args, lora=self._peft_config is not None
+            )
+            if choice.automatic and args.fp8_recipe == BLOCKWISE and args.device.type == "cuda":
+                if args.process_index == 0:  # a start-up choice the user did not make: said once, with its reason
+                    print(
+                        f"[trl-fp8] FP8 weight cache {'on' if choice.cache else 'off'}: {choice.reason}.", flush=True
+                    )
+        config = args.fp8_linear_config(cache_weights=self.fp8_weight_cache.cache)
         # device: where it will train; a model loaded on CPU would make torchao emulate
         return convert_to_fp8(model, selection=self._layer_selection(args), config=config, device=args.device)
 
@@ -233,6 +245,7 @@ class FP8TrainerMixin:
             decoder(input_ids=ids.to(device), attention_mask=mask.to(device))
 
     def _generate_and_score_completions(self, inputs):
+        zero_grads_in_buckets(self.model_wrapped)  # before the step's micro-batches; DDP wraps the model in train()
         with keep_layer_options(self.model, self.args), warnings.catch_warnings():  # keep_layer_options: TRL's
             # no-grad scoring would drop `every_n_layers`. The warning: TRL reads transformers' old property name.
             warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)

@@ -1,7 +1,6 @@
 """A `trl vllm-serve` server checked before the trainer joins it: the served checkpoint's quantization and layers,
 its kernel and KV cache, against what the trainer will push."""
 
-
 from __future__ import annotations
 
 import json
@@ -29,6 +28,7 @@ from trl_fp8.rollout.vllm.kernels import (
 logger = logging.getLogger(__name__)
 
 __all__ = ["check_served_quantization", "check_server_config", "check_server_kernel"]
+
 
 def _served_model_config(server_config: dict) -> dict | None:
     """The served model's `config.json`: read from its folder when that is readable here (one host, the usual two-GPU

@@ -1,0 +1,62 @@
+"""One rank of the check that gradients stay views of DDP's buckets through gradient accumulation, launched by
+tests/test_multiprocess.py:
+
+    torchrun --nproc_per_node 2 tests/workers/ddp_bucket_views_worker.py OUT_DIR
+
+For a DDP model with `gradient_as_bucket_view`, as transformers drives it (`model.zero_grad()` after each optimizer
+step, then micro-batches under `no_sync` and a last one synced), records whether every gradient during the
+accumulation is a view of a bucket: with `zero_grads_in_buckets` applied, and without. Writes OUT_DIR/rank<r>.json.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parents[1])]
+
+
+def accumulation_keeps_views(patch: bool) -> list[bool]:
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    from trl_fp8.distributed import zero_grads_in_buckets
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.Linear(256, 128))
+    ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)
+    if patch:
+        assert zero_grads_in_buckets(ddp)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(4, 128)
+    views, kept = None, []
+    for _step in range(3):
+        for micro in range(3):  # two micro-batches under no_sync, then the synced one
+            if micro < 2:
+                with ddp.no_sync():
+                    ddp(x).square().mean().backward()
+            else:
+                ddp(x).square().mean().backward()
+            pointers = [p.grad.data_ptr() for p in model.parameters()]
+            if views is not None:
+                kept.append(pointers == views)
+        views = [p.grad.data_ptr() for p in model.parameters()]  # after a synced backward: the bucket views
+        optimizer.step()
+        ddp.zero_grad()  # as transformers' training loop does
+    return kept
+
+
+def main():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    out = Path(sys.argv[1])
+    out.mkdir(parents=True, exist_ok=True)
+    # Without first: the patch is set on the DDP instance, so the two models do not share it.
+    record = {"without": accumulation_keeps_views(False), "with": accumulation_keeps_views(True)}
+    (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(record))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
