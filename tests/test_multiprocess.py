@@ -62,6 +62,11 @@ def test_ranks_agree_on_metrics_weights_and_pushed_fp8_tensors(two_rank_run):
 
 def test_rank0_export_equals_a_one_process_export_of_the_same_weights(two_rank_run, tmp_path):
     out, (r0, _) = two_rank_run
+    assert_export_is_a_one_process_export(out, r0, tmp_path)
+
+
+def assert_export_is_a_one_process_export(out: Path, r0: dict, tmp_path: Path) -> None:
+    """Rank 0's export and pushed FP8 tensors are a one-process export of the master weights the ranks ended with."""
     from transformers import AutoModelForCausalLM
 
     from workers.ddp_grpo_worker import tensor_digest
@@ -79,6 +84,25 @@ def test_rank0_export_equals_a_one_process_export_of_the_same_weights(two_rank_r
         128,
         128,
     ]
+
+
+def test_deepspeed_zero2_ranks_agree_and_export_what_they_trained(tmp_path):
+    """DeepSpeed ZeRO-2 (gradients and optimizer states partitioned, whole weights on every rank; transformers'
+    `deepspeed=` config) on two gloo processes: the ranks end with the same logs, weights and FP8 tensors for vLLM,
+    the first step moved the weights, and rank 0's export is a one-process export of them."""
+    pytest.importorskip("deepspeed")
+    tokenizer = tiny_char_tokenizer()
+    tiny_qwen3(vocab_size=128, eos_token_id=tokenizer.eos_token_id, pad_token_id=0).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    out = tmp_path / "out"
+    torchrun_two(WORKERS / "ddp_grpo_worker.py", tmp_path / "model", out, "zero2")
+    r0, r1 = (json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["distributed_type"] == "DistributedType.DEEPSPEED" and not r0["sharded"]
+    for a, b in zip(r0["log_history"], r1["log_history"], strict=True):
+        assert {k: v for k, v in a.items() if k not in TIMINGS} == {k: v for k, v in b.items() if k not in TIMINGS}
+    assert r0["log_history"][0]["grad_norm"] > 0
+    assert r0["params"] == r1["params"] and r0["pushed_fp8"] == r1["pushed_fp8"]
+    assert_export_is_a_one_process_export(out, r0, tmp_path)
 
 
 def test_the_demo_runs_under_torchrun_with_two_processes(tmp_path):

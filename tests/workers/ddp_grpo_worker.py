@@ -1,8 +1,8 @@
 """One rank of a multi-process FP8 GRPO run on CPU, launched by tests/test_multiprocess.py through `torchrun`.
 
-    torchrun --nproc_per_node 2 tests/workers/ddp_grpo_worker.py MODEL_DIR OUT_DIR [ddp|fsdp2]
+    torchrun --nproc_per_node 2 tests/workers/ddp_grpo_worker.py MODEL_DIR OUT_DIR [ddp|fsdp2|zero2]
 
-Trains the tiny Qwen3 for a few steps under DDP or FSDP2 (gloo), exports the block-FP8 checkpoint (rank 0 writes it), and
+Trains the tiny Qwen3 for a few steps under DDP, FSDP2 or DeepSpeed ZeRO-2 (gloo), exports the block-FP8 checkpoint (rank 0 writes it), and
 writes `OUT_DIR/rank<r>.json` with what every rank must agree on: its log history, a digest of its parameters and a
 digest of the FP8 tensors it would push to vLLM.
 """
@@ -41,6 +41,10 @@ def main():
     if mode == "fsdp2":
         layers = {"version": 2, "transformer_layer_cls_to_wrap": ["Qwen3DecoderLayer"], "reshard_after_forward": True}
         sharding = {"fsdp": True, "fsdp_config": layers}
+    elif mode == "zero2":  # DeepSpeed ZeRO-2: gradients and optimizer states partitioned, whole weights on every rank
+        zero2 = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto",
+                 "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "bf16": {"enabled": False}}  # fmt: skip
+        sharding = {"deepspeed": zero2}
     args = FP8GRPOConfig(
         **{
             **GRPO_SETTINGS,
