@@ -1,13 +1,15 @@
 """Gather `bench_grpo` runs on 1, 2 and 4 GPUs into one scaling table: FP8 against TRL BF16 at each launch and GPU
 count, and each flow's weak-scaling efficiency.
 
-    python -m benchmarks.collect_scaling RESULT.json [RESULT.json ...] --out benchmarks/results/grpo_scaling_8b_<device>.json
+    python -m benchmarks.collect_scaling RESULT.json [RESULT.json ...] --out benchmarks/results/grpo_scaling_8b_<device>.json \
+        [--plot benchmarks/plots/grpo_scaling_8b.png]
 
 Each input is one `benchmarks.bench_grpo` results file (`--num_processes N --launch_config multi_gpu|fsdp2`), all
 with the same per-GPU workload (shape, prompt and completion lengths, completions per GPU, vLLM share, sleep mode);
 the optimizer may differ by launch (bitsandbytes' 8-bit AdamW does not run under FSDP2). A speed-up is taken only
 between the flows of one file, which ran side by side; the weak-scaling efficiency of a flow at N GPUs is its
-completions per second over N times its own on one GPU (1.0: N GPUs do N times the work in the same time).
+completions per second over N times its own on one GPU (1.0: N GPUs do N times the work in the same time). A run
+that failed (bench_grpo's `failed_runs`: out of memory, a crash) gets a row marked failed, without figures.
 """
 
 from __future__ import annotations
@@ -52,12 +54,18 @@ def collect(results: list[dict]) -> dict:
                 "step_s": step["step_s"], "rollout_s": step["rollout_s"], "training_s": step["training_s"],
                 "completions_per_s": row["completions_per_s"],
                 "speedup_vs_trl_bf16": baseline["step_time"]["step_s"] / step["step_s"] if baseline else None,
-                "device": result.get("device"), "date": result.get("date"),
+                "device": result.get("device"), "date": result.get("date"), "failed": False,
             })  # fmt: skip
-    single = {row["flow"]: row["completions_per_s"] for row in rows if row["gpus"] == 1}
+        for name in result.get("failed_runs", []):
+            rows.append({"flow": name, "launch": launch, "gpus": gpus, "optim": result["settings"].get("optim"),
+                         "step_s": None, "rollout_s": None, "training_s": None, "completions_per_s": None,
+                         "speedup_vs_trl_bf16": None, "device": result.get("device"), "date": result.get("date"),
+                         "failed": True})  # fmt: skip
+    single = {row["flow"]: row["completions_per_s"] for row in rows if row["gpus"] == 1 and not row["failed"]}
     for row in rows:
         one = single.get(row["flow"])
-        row["weak_scaling_efficiency"] = row["completions_per_s"] / (row["gpus"] * one) if one else None
+        done = not row["failed"]
+        row["weak_scaling_efficiency"] = row["completions_per_s"] / (row["gpus"] * one) if one and done else None
     rows.sort(key=lambda r: (r["gpus"], r["launch"], r["flow"] != BASELINE, r["flow"]))
     return {"workload": workload, "rows": rows}
 
@@ -71,16 +79,55 @@ def table(scaling: dict) -> str:
     lines = ["| GPUs | launch | flow | optimizer | step s | rollout s | training s | completions/s | vs TRL BF16 | "
              "weak scaling |", "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in scaling["rows"]:
+        if r["failed"]:
+            lines.append(f"| {r['gpus']} | {r['launch']} | {r['flow']} | {r['optim']} | failed | | | | | |")
+            continue
         lines.append(f"| {r['gpus']} | {r['launch']} | {r['flow']} | {r['optim']} | {r['step_s']:.1f} | "
                      f"{r['rollout_s']:.1f} | {r['training_s']:.1f} | {r['completions_per_s']:.2f} | "
                      f"{num(r['speedup_vs_trl_bf16'], '.2f')}x | {num(r['weak_scaling_efficiency'], '.2f')} |")  # fmt: skip
     return "\n".join(lines)
 
 
+def plot(scaling: dict, path: Path) -> None:
+    """Step time (left) and weak-scaling efficiency (right) of each flow and launch against the GPU count; failed runs
+    are marked with an x at the bottom of the step-time panel."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (steps, efficiency) = plt.subplots(1, 2, figsize=(11, 4))
+    series = sorted({(r["flow"], r["launch"] if r["gpus"] > 1 else "DDP") for r in scaling["rows"]})
+    for flow, launch in series:
+        mine = [r for r in scaling["rows"] if r["flow"] == flow and (r["launch"] == launch or r["gpus"] == 1)]
+        done = sorted((r["gpus"], r["step_s"], r["weak_scaling_efficiency"]) for r in mine if not r["failed"])
+        label = f"{flow} ({launch})"
+        if done:
+            line = steps.plot([d[0] for d in done], [d[1] for d in done], marker="o", label=label)[0]
+            scaled = [(d[0], d[2]) for d in done if d[2] is not None]
+            efficiency.plot([g for g, _ in scaled], [e for _, e in scaled], marker="o", color=line.get_color())
+        failed = [r["gpus"] for r in mine if r["failed"]]
+        if failed:
+            steps.scatter(failed, [0] * len(failed), marker="x", s=80, label=f"{label}: failed")
+    w = scaling["workload"]
+    steps.set(xlabel="GPUs", ylabel="GRPO step (s)", title=f"{w['shape']}, {w['generation_batch']} x "
+              f"{w['completion_len']} tokens per GPU")  # fmt: skip
+    efficiency.set(xlabel="GPUs", ylabel="weak-scaling efficiency", ylim=(0, 1.1), title="vs the flow's one GPU")
+    efficiency.axhline(0.9, color="grey", linestyle=":", linewidth=1)
+    for ax in (steps, efficiency):
+        ax.set_xticks(sorted({r["gpus"] for r in scaling["rows"]}))
+    steps.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = arg_parser(__doc__)
     parser.add_argument("results", nargs="+", help="bench_grpo results files")
     parser.add_argument("--out", required=True, help="the scaling results file to write")
+    parser.add_argument("--plot", default=None, help="also draw the step times and efficiencies to this PNG")
     args = parser.parse_args(argv)
     inputs = [json.loads(Path(p).read_text()) for p in args.results]
     scaling = collect(inputs)
@@ -91,6 +138,9 @@ def main(argv: list[str] | None = None) -> None:
     write_json(args.out, out)
     print(table(scaling))
     print(f"wrote {args.out}")
+    if args.plot:
+        plot(scaling, Path(args.plot))
+        print(f"wrote {args.plot}")
 
 
 if __name__ == "__main__":

@@ -254,7 +254,7 @@ scaling)  # 8B at TRL's colocate defaults per GPU: TRL BF16 vs unified FP8 + FP8
       --launch_config "$cfg" --out "$work/grpo_scaling_${shape}_${spec}_$device.json"
   done
   python -m benchmarks.collect_scaling "$work"/grpo_scaling_"${shape}"_*x*_"$device".json \
-    --out "$work/grpo_scaling_${shape}_$device.json"
+    --out "$work/grpo_scaling_${shape}_$device.json" --plot "$work/grpo_scaling_${shape}_$device.png"
   ;;
 multi)  # a 4B shape with stock fused AdamW: one step fits one GPU beside its engine, so 1 and 2 GPUs compare
   gpu_tests multi_gpu_tests tests/gpu/test_multi_gpu.py

@@ -58,3 +58,22 @@ def test_the_command_writes_the_table_and_its_inputs(tmp_path, capsys):
         and out["inputs"] == list(map(str, paths))
     )
     assert "| 2 | DDP | unified_fp8kv |" in capsys.readouterr().out
+
+
+def test_a_failed_run_gets_a_row_marked_failed_and_the_plot_is_drawn(tmp_path, capsys):
+    """bench_grpo's `failed_runs` (TRL BF16 out of memory beside a finished FP8 run): a row marked failed, no speed-up
+    for the flow that ran beside it, and an efficiency only where the flow ran on one GPU too."""
+    one = result(1, "multi_gpu", "adamw_bnb_8bit", {"trl_bf16": 120.0, "unified_fp8kv": 80.0})
+    ddp = {**result(2, "multi_gpu", "adamw_bnb_8bit", {"unified_fp8kv": 84.0}), "failed_runs": ["trl_bf16"]}
+    scaling = collect([one, ddp])
+    rows = {(r["gpus"], r["flow"]): r for r in scaling["rows"]}
+    assert rows[(2, "trl_bf16")]["failed"] and rows[(2, "trl_bf16")]["weak_scaling_efficiency"] is None
+    assert rows[(2, "unified_fp8kv")]["speedup_vs_trl_bf16"] is None
+    assert rows[(2, "unified_fp8kv")]["weak_scaling_efficiency"] == pytest.approx(80 / 84)
+    assert "| 2 | DDP | trl_bf16 | adamw_bnb_8bit | failed |" in table(scaling)
+    paths = []
+    for i, r in enumerate([one, ddp]):
+        paths.append(tmp_path / f"in{i}.json")
+        paths[-1].write_text(json.dumps(r))
+    main([*map(str, paths), "--out", str(tmp_path / "scaling.json"), "--plot", str(tmp_path / "plots" / "s.png")])
+    assert (tmp_path / "plots" / "s.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
