@@ -108,7 +108,8 @@ def test_weight_cache_is_dropped_where_the_planner_says_it_would_crowd_the_gpu(
     """At the 8B shape (2048-token completions, sleep mode, 8-bit AdamW) the choice follows the planner's training
     peak with the cache against 90% of the GPU: micro-batches of 8 keep it on an 80 GB GPU, of 16 drop it there
     (which takes the cache's 6.5 GiB off the planned peak), and a 141 GB GPU keeps it."""
-    from trl_fp8.trainer.memory import FP8_CACHE_HEADROOM, choose_fp8_weight_cache
+    from trl_fp8.rollout.capacity import FP8_CACHE_HEADROOM
+    from trl_fp8.trainer.memory import choose_fp8_weight_cache
 
     args = run_args(tmp_path, world_size, per_device_train_batch_size=micro_batch)
     choice = choose_fp8_weight_cache(qwen3_8b_config(), args, total_bytes=total_bytes)

@@ -109,7 +109,8 @@ def test_the_bf16_ddp_row_counts_the_bucket_copy_and_the_fp8_rows_do_not(qwen3_8
     # The printed table: on one GPU BF16 is the FP8 row less its weight cache; with DDP the bucket copy comes on top.
     trainer = {}
     for gpus in ("1", "2"):
-        rows = plan(capsys, qwen3_8b, "--gpu", "H100", "--num_processes", gpus).splitlines()[2:5]
+        rows = plan(capsys, qwen3_8b, "--gpu", "H100", "--num_processes", gpus, "--fp8_cache_weights", "on")
+        rows = rows.splitlines()[2:5]
         trainer[gpus] = {line[:14].strip(): float(line.split()[-2 if gpus == "1" else -3][:-2]) for line in rows}
     assert (trainer["1"]["BF16"] - trainer["1"]["FP8"]) * GiB == pytest.approx(-n["linear"], abs=PRINT_STEP)
     assert (trainer["2"]["BF16"] - trainer["2"]["FP8"]) * GiB == pytest.approx(2 * n["params"] - n["linear"],
@@ -214,3 +215,25 @@ def test_the_largest_layer_and_what_fsdp2_gathers_are_the_models_own(kind):
         assert fsdp2_gathered_params(shape) == tail + 2 * max(layers)
     else:
         assert fsdp2_gathered_params(shape) == max(layers) + max(max(layers), tail)
+
+
+def test_the_fp8_rows_plan_the_weight_cache_as_the_trainer_chooses_it(qwen3_8b, capsys):
+    """`--fp8_cache_weights auto` (the default) drops the FP8 weight cache where FP8GRPOTrainer would: at 8B with
+    micro-batches of 16 the FP8 rows then hold what BF16's does on one GPU, and say so; with micro-batches of 8 they
+    keep it. `on` keeps it regardless, `off` never has it."""
+    common = ("--gpu", "H100", "--optim", "adamw_bnb_8bit", "--sleep_mode", "--completion_len", "2048")
+
+    def trainer(*argv):
+        out = plan(capsys, qwen3_8b, *common, *argv)
+        rows = {line[:14].strip(): float(line.split()[-2][:-2]) for line in out.splitlines()[2:5]}
+        return rows, "without the FP8 weight cache" in out
+
+    cache = counts()["linear"]
+    rows, said = trainer("--micro_batch", "16")
+    assert said and rows["FP8"] == rows["FP8 + FP8 KV"] == rows["BF16"]
+    rows_on, said_on = trainer("--micro_batch", "16", "--fp8_cache_weights", "on")
+    assert not said_on and (rows_on["FP8"] - rows["FP8"]) * GiB == pytest.approx(cache, abs=PRINT_STEP)
+    rows, said = trainer("--micro_batch", "8")
+    assert not said and (rows["FP8"] - rows["BF16"]) * GiB == pytest.approx(cache, abs=PRINT_STEP)
+    rows_off, _ = trainer("--micro_batch", "8", "--fp8_cache_weights", "off")
+    assert rows_off["FP8"] == rows_off["BF16"]

@@ -21,6 +21,7 @@ import sys
 from trl_fp8.cli.argtypes import memory_share, non_negative_int, positive_float, positive_int
 from trl_fp8.cli.hub import load_model_config
 from trl_fp8.rollout.capacity import (
+    FP8_CACHE_HEADROOM,
     GPU_MEMORY_BYTES,
     HELD_BETWEEN_STEPS,
     LAUNCHES,
@@ -28,6 +29,7 @@ from trl_fp8.rollout.capacity import (
     OPTIMIZER_STATE_BYTES,
     GiB,
     ModelShape,
+    keeps_fp8_weight_cache,
     rollout_capacity,
     trainer_memory_per_gpu,
     vllm_overhead_bytes,
@@ -55,6 +57,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--optim", default="adamw_torch", choices=sorted(OPTIMIZER_STATE_BYTES), help="optimizer")
     parser.add_argument("--no_gradient_checkpointing", action="store_true")
     parser.add_argument("--lora", action="store_true", help="only adapters train: no gradients or optimizer state")
+    parser.add_argument("--fp8_cache_weights", choices=("auto", "on", "off"), default="auto",
+                        help="the FP8 flows' weight cache: auto plans it as FP8GRPOTrainer chooses it "
+                        "(fp8_cache_weights=None: dropped where the training phase with it would pass 90%% of the "
+                        "GPU); on / off as fp8_cache_weights=True / False")  # fmt: skip
     parser.add_argument("--sleep_mode", action="store_true", help="vllm_enable_sleep_mode: vLLM frees its share")
     parser.add_argument("--num_processes", type=positive_int, default=1,
                         help="GPUs, each with one training process and one colocated vLLM engine of the whole model "
@@ -89,6 +95,13 @@ def run(args: argparse.Namespace) -> int:
               f"{cap.sequences:>13}{waves:>6}{sum(parts.values()) / GiB:>7.1f}Gi"
               + (f"{peak / GiB:>7.1f}Gi" if several else "") + f"{'yes' if fits else 'no':>6}")  # fmt: skip
     print(_columns_footnote(several))
+    if args.fp8_cache_weights == "auto" and (
+        dropped := [name for (name, w, _), (_, parts, *_) in zip(FLOWS, rows, strict=True)
+                    if w and parts.get("fp8_weight_cache") == 0 and not (several and args.launch == "fsdp2")]
+    ):  # fmt: skip
+        print(f"{' and '.join(dropped)}: without the FP8 weight cache ({shape.linear_params / GiB:.1f} GiB), which "
+              f"FP8GRPOTrainer drops where the training phase with it would pass {FP8_CACHE_HEADROOM:.0%} of the GPU "
+              "(fp8_cache_weights=None; True keeps it).")  # fmt: skip
     best_fits = [f"{name} {fit[0]:.2f} ({fit[1].kv_tokens:,} KV tokens, {fit[1].sequences} sequences at once)" if fit
                  else f"{name}: none (no share holds one sequence beside the trainer)"
                  for (name, _, _), (*_, fit) in zip(FLOWS, rows, strict=True)]  # fmt: skip
@@ -155,6 +168,15 @@ def _flow_row(shape, total: int, seq_len: int, args, launch: str, *, fp8_weights
         optim=_launch_optim(args, launch), fp8_training=fp8_weights, lora=args.lora, micro_batch=args.micro_batch,
         seq_len=seq_len, gradient_checkpointing=not args.no_gradient_checkpointing,
     )  # fmt: skip
+    share = args.vllm_gpu_memory_utilization * total
+    if parts.get("fp8_weight_cache") and (
+        args.fp8_cache_weights == "off"
+        or args.fp8_cache_weights == "auto"  # as FP8GRPOTrainer decides at start-up (fp8_cache_weights=None)
+        and not keeps_fp8_weight_cache(
+            parts, shape, total, share, sleep_mode=args.sleep_mode, max_num_seqs=args.generation_batch
+        )
+    ):
+        parts = {**parts, "fp8_weight_cache": 0}
     peak = peak_bytes(parts, shape, args.vllm_gpu_memory_utilization * total, args)
     best = best_fit_share(parts, shape, total, seq_len, args, fp8_weights=fp8_weights, fp8_kv=fp8_kv)
     return cap, parts, peak, peak <= 0.97 * total, best

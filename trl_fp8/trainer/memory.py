@@ -15,11 +15,7 @@ from torch import nn
 
 from trl_fp8.nn.weight_cache import fp8_weight_cache_bytes
 
-__all__ = ["FP8_CACHE_HEADROOM", "WeightCacheChoice", "choose_fp8_weight_cache", "memory_breakdown"]
-
-# The FP8 weight cache is kept only where the planner's training peak with it stays under this share of the GPU:
-# the planner's account is rough (8B under DDP on an H100: 74.0 GiB planned, 76.4 GiB measured on the device).
-FP8_CACHE_HEADROOM = 0.9
+__all__ = ["WeightCacheChoice", "choose_fp8_weight_cache", "memory_breakdown"]
 
 
 def _storages(tensors) -> dict[int, int]:
@@ -113,18 +109,18 @@ def choose_fp8_weight_cache(model_config, args, *, lora: bool = False, total_byt
         micro_batch=args.per_device_train_batch_size, seq_len=args.vllm_max_model_length or args.max_completion_length,
         gradient_checkpointing=bool(args.gradient_checkpointing),
     )  # fmt: skip
-    peak = sum(parts.values())
-    if args.use_vllm and args.vllm_mode == "colocate":  # beside it: vLLM's whole share, or what it keeps asleep
-        per_engine = max(1, args.generation_batch_size // processes)
-        share = args.vllm_gpu_memory_utilization * total_bytes
-        peak += capacity.vllm_overhead_bytes(shape, per_engine) if args.vllm_enable_sleep_mode else share
+    colocated = args.use_vllm and args.vllm_mode == "colocate"  # beside it: vLLM's share, or what it keeps asleep
+    vllm = {"share_bytes": args.vllm_gpu_memory_utilization * total_bytes if colocated else 0.0,
+            "sleep_mode": colocated and args.vllm_enable_sleep_mode,
+            "max_num_seqs": max(1, args.generation_batch_size // processes) if colocated else 0}  # fmt: skip
+    peak = capacity.training_phase_bytes(parts, shape, **vllm)
     gib, cache = capacity.GiB, parts["fp8_weight_cache"]
     numbers = f"the planner puts one GPU's training at {peak / gib:.1f} GiB with the cache ({cache / gib:.1f} GiB) "
     numbers += f"of {total_bytes / gib:.1f} GiB" + ("" if modelled else f", {optim} counted as adamw_torch")
-    if peak <= FP8_CACHE_HEADROOM * total_bytes:
+    if capacity.keeps_fp8_weight_cache(parts, shape, total_bytes, **vllm):
         return WeightCacheChoice(True, numbers)
     return WeightCacheChoice(
         False,
-        f"{numbers}, above {FP8_CACHE_HEADROOM:.0%}: weights are quantized at every forward instead (a few "
-        "percent of the training phase); set fp8_cache_weights=True to keep it anyway",
+        f"{numbers}, above {capacity.FP8_CACHE_HEADROOM:.0%}: weights are quantized at every forward instead (a "
+        "few percent of the training phase); set fp8_cache_weights=True to keep it anyway",
     )
