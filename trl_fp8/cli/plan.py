@@ -32,7 +32,7 @@ from trl_fp8.rollout.capacity import (
     keeps_fp8_weight_cache,
     rollout_capacity,
     trainer_memory_per_gpu,
-    vllm_overhead_bytes,
+    training_phase_bytes,
 )
 from trl_fp8.trainer.requirements import is_bitsandbytes_optimizer
 
@@ -177,7 +177,7 @@ def _flow_row(shape, total: int, seq_len: int, args, launch: str, *, fp8_weights
         )
     ):
         parts = {**parts, "fp8_weight_cache": 0}
-    peak = peak_bytes(parts, shape, args.vllm_gpu_memory_utilization * total, args)
+    peak = peak_bytes(parts, shape, share, args)
     best = best_fit_share(parts, shape, total, seq_len, args, fp8_weights=fp8_weights, fp8_kv=fp8_kv)
     return cap, parts, peak, peak <= 0.97 * total, best
 
@@ -187,9 +187,10 @@ def peak_bytes(parts: dict[str, int], shape, share_bytes: float, args) -> float:
     runs beside what vLLM cannot release, and vLLM wakes into its whole share beside what the trainer holds between
     steps: weights and optimizer states, and DDP's buckets and NCCL's buffers on several GPUs (gradients and
     activations freed, the FP8 weight cache released before the KV cache wakes)."""
+    training = training_phase_bytes(parts, shape, share_bytes, sleep_mode=args.sleep_mode,
+                                    max_num_seqs=args.generation_batch)  # fmt: skip
     if not args.sleep_mode:
-        return sum(parts.values()) + share_bytes
-    training = sum(parts.values()) + vllm_overhead_bytes(shape, args.generation_batch)
+        return training
     return max(training, sum(parts.get(key, 0) for key in HELD_BETWEEN_STEPS) + share_bytes)
 
 
