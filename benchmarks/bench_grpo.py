@@ -599,7 +599,9 @@ def main():
         make_model_dir(model, args.shape, model_positions(args.prompt_len, args.completion_len))
         torch.cuda.empty_cache()
     if args.sleep_mode:  # FP8GRPOTrainer turns them on in sleep mode; TRL's BF16 runs get the same allocator
-        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+        from trl_fp8.rollout.vllm.engine import EXPANDABLE_SEGMENTS
+
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", EXPANDABLE_SEGMENTS)
     device = torch.cuda.get_device_name()
     gpus = f"_{args.num_processes}x{args.launch_config}" if args.num_processes > 1 else ""
     out = results_path(args.out, "grpo_speed", device + gpus)

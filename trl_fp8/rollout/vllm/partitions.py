@@ -26,6 +26,7 @@ KV_PROJECTIONS = frozenset({"k_proj", "v_proj"})
 
 
 def head_dim_of(config) -> int | None:
+    """A transformers config's attention head size (`head_dim`, else hidden size over heads), None if it has neither."""
     head_dim = getattr(config, "head_dim", None)
     if head_dim:
         return int(head_dim)
