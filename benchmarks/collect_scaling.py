@@ -4,8 +4,9 @@ count, and each flow's weak-scaling efficiency.
     python -m benchmarks.collect_scaling RESULT.json [RESULT.json ...] --out benchmarks/results/grpo_scaling_8b_<device>.json \
         [--plot benchmarks/plots/grpo_scaling_8b.png]
 
-Each input is one `benchmarks.bench_grpo` results file (`--num_processes N --launch_config multi_gpu|fsdp2`), all
-with the same per-GPU workload (shape, prompt and completion lengths, completions per GPU, vLLM share, sleep mode);
+Each input is one `benchmarks.bench_grpo` results file (`--num_processes N --launch_config multi_gpu|fsdp2`), or
+several joined by `+` (`bf16.json+fp8.json`): flows that ran at the same time on disjoint GPUs of one machine (same
+launch, GPU count, GPU model and workload), taken as one side-by-side file. All inputs have the same per-GPU workload (shape, prompt and completion lengths, completions per GPU, vLLM share, sleep mode);
 the optimizer may differ by launch (bitsandbytes' 8-bit AdamW does not run under FSDP2). A speed-up is taken only
 between the flows of one file, which ran side by side; the weak-scaling efficiency of a flow at N GPUs is its
 completions per second over N times its own on one GPU (1.0: N GPUs do N times the work in the same time). A run
@@ -30,6 +31,22 @@ def launch_of(settings: dict) -> tuple[str, int]:
     """`(launch, GPUs)` of a results file: one GPU is its own launch."""
     n = int(settings.get("num_processes", 1))
     return ("1 GPU" if n == 1 else LAUNCHES.get(settings.get("launch_config"), settings.get("launch_config"))), n
+
+
+def merge_side_by_side(results: list[dict]) -> dict:
+    """One results file from files whose flows ran at the same time on disjoint GPUs of one machine."""
+    first = results[0]
+    for other in results[1:]:
+        for key in (*WORKLOAD, "num_processes", "launch_config"):
+            if other["settings"].get(key) != first["settings"].get(key):
+                raise ValueError(f"side-by-side files differ in {key}: {first['settings'].get(key)} vs "
+                                 f"{other['settings'].get(key)}")  # fmt: skip
+        if other.get("device") != first.get("device"):
+            raise ValueError(f"side-by-side files ran on other GPUs: {first.get('device')} vs {other.get('device')}")
+    merged = {**first, "results": [row for r in results for row in r["results"]]}
+    merged["failed_runs"] = [name for r in results for name in r.get("failed_runs", [])]
+    merged["ran_at_once"] = [[row["name"] for row in r["results"]] + r.get("failed_runs", []) for r in results]
+    return merged
 
 
 def collect(results: list[dict]) -> dict:
@@ -129,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True, help="the scaling results file to write")
     parser.add_argument("--plot", default=None, help="also draw the step times and efficiencies to this PNG")
     args = parser.parse_args(argv)
-    inputs = [json.loads(Path(p).read_text()) for p in args.results]
+    inputs = [merge_side_by_side([json.loads(Path(f).read_text()) for f in p.split("+")]) for p in args.results]
     scaling = collect(inputs)
     devices = sorted({r.get("device") for r in inputs if r.get("device")})
     out = {"benchmark": "GRPO weak scaling, vLLM colocated on every GPU", "devices": devices,

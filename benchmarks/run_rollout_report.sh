@@ -130,10 +130,10 @@ pack)
     "packed=$(cat "$work"/dg_cache.tgz.part* | wc -c)" | tee -a "$work/status.txt"
   ;;
 suite)
-  gpu_tests gpu_tests tests/gpu
+  TRL_FP8_ARTIFACTS=$work timed gpu_suite python tests/gpu/run_suite.py --logs "$work/gpu_suite"
   ;;
 checks)
-  gpu_tests gpu_tests tests/gpu
+  TRL_FP8_ARTIFACTS=$work timed gpu_suite python tests/gpu/run_suite.py --logs "$work/gpu_suite"
   timed identity python -m benchmarks.bench_identity --settings bf16 fp8 --backends deepgemm cutlass \
     --out "$work/identity_kernels_$device.json"
   timed rollout_long python -m benchmarks.bench_rollout --engines fp8_deepgemm_kv bf16 --points 16x16384 \
@@ -243,18 +243,38 @@ scaling)  # 8B at TRL's colocate defaults per GPU: TRL BF16 vs unified FP8 + FP8
   # optimizers do not take its shards); then one table with the weak-scaling efficiency. SCALING_SHAPE=14b (or 32b)
   # with SCALING_SPECS=4xfsdp2: a model whose BF16 training does not fit one GPU beside its engine. SCALING_RUNS and
   # SCALING_MICRO_BATCH change the flows and the micro-batch (`trl-fp8 plan` fits a BF16 DDP rank at 8B with 4).
+  # SCALING_AT_ONCE=1: where the machine has the GPUs, the flows of a GPU count run at the same time, each on GPUs
+  # of its own (TRL BF16 on 0-1, FP8 on 2-3 of four), into files collect_scaling takes as one side-by-side file.
   shape=${SCALING_SHAPE:-8b}
+  read -r -a runs <<<"${SCALING_RUNS:-trl_bf16 unified_fp8kv}"
+  machine_gpus=$(nvidia-smi -L | grep -c '^GPU ')
+  inputs=()
   for spec in ${SCALING_SPECS:-1xmulti_gpu 2xmulti_gpu 4xmulti_gpu 2xfsdp2 4xfsdp2}; do
     n=${spec%%x*}; cfg=${spec#*x}
     optim=adamw_bnb_8bit; [ "$cfg" = fsdp2 ] && [ "$n" -gt 1 ] && optim=adamw_torch_fused
-    CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) MASTER_PORT=29670 timed "scaling_$spec" python -m benchmarks.bench_grpo \
-      --shape "$shape" --optim "$optim" --sleep_mode --vllm_memory 0.3 --completion_len 2048 --generation_batch 128 \
-      --micro_batch "${SCALING_MICRO_BATCH:-8}" --steps "${SCALING_STEPS:-3}" --warmup 1 \
-      --runs ${SCALING_RUNS:-trl_bf16 unified_fp8kv} --num_processes "$n" \
-      --launch_config "$cfg" --out "$work/grpo_scaling_${shape}_${spec}_$device.json"
+    bench=(python -m benchmarks.bench_grpo --shape "$shape" --optim "$optim" --sleep_mode --vllm_memory 0.3
+      --completion_len 2048 --generation_batch 128 --micro_batch "${SCALING_MICRO_BATCH:-8}"
+      --steps "${SCALING_STEPS:-3}" --warmup 1 --num_processes "$n" --launch_config "$cfg")
+    if [ -n "${SCALING_AT_ONCE:-}" ] && [ $((n * ${#runs[@]})) -le "$machine_gpus" ]; then
+      files=()
+      for i in "${!runs[@]}"; do  # a workdir each: the random model is written once per workdir
+        out="$work/grpo_scaling_${shape}_${spec}_${runs[$i]}_$device.json"
+        CUDA_VISIBLE_DEVICES=$(seq -s, $((i * n)) $((i * n + n - 1))) MASTER_PORT=$((29670 + 10 * i)) \
+          timed "scaling_${spec}_${runs[$i]}" "${bench[@]}" --runs "${runs[$i]}" --workdir "$work/bench_${runs[$i]}" \
+          --out "$out" &
+        files+=("$out")
+      done
+      wait
+      inputs+=("$(IFS=+; echo "${files[*]}")")
+    else
+      out="$work/grpo_scaling_${shape}_${spec}_$device.json"
+      CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) MASTER_PORT=29670 timed "scaling_$spec" "${bench[@]}" \
+        --runs "${runs[@]}" --out "$out"
+      inputs+=("$out")
+    fi
   done
-  python -m benchmarks.collect_scaling "$work"/grpo_scaling_"${shape}"_*x*_"$device".json \
-    --out "$work/grpo_scaling_${shape}_$device.json" --plot "$work/grpo_scaling_${shape}_$device.png"
+  python -m benchmarks.collect_scaling "${inputs[@]}" --out "$work/grpo_scaling_${shape}_$device.json" \
+    --plot "$work/grpo_scaling_${shape}_$device.png"
   ;;
 multi)  # a 4B shape with stock fused AdamW: one step fits one GPU beside its engine, so 1 and 2 GPUs compare
   gpu_tests multi_gpu_tests tests/gpu/test_multi_gpu.py

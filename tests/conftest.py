@@ -6,8 +6,39 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests build every model and toke
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-import pytest
-import torch
+
+def _host_gpus() -> int:
+    """GPUs on the machine, whatever CUDA_VISIBLE_DEVICES says (0 without nvidia-smi)."""
+    import subprocess
+
+    try:
+        listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(line.startswith("GPU ") for line in listing.splitlines())
+
+
+def _pin_to_one_gpu() -> None:
+    """The GPUs this test session may use go to TRL_FP8_TEST_GPUS (from CUDA_VISIBLE_DEVICES, else every GPU of the
+    machine), and this process keeps the first: transformers' Trainer wraps a model in DataParallel when it sees
+    several GPUs. Tests that need several launch processes of their own on `session_gpus()`. Runs before torch
+    initializes CUDA, which reads CUDA_VISIBLE_DEVICES once, and only in pytest's process: a worker script that
+    imports test helpers (and with them this file) keeps the GPUs its launcher gave it."""
+    if "PYTEST_VERSION" not in os.environ:  # pytest sets it for its session; clean_subprocess_env drops it
+        return
+    if "TRL_FP8_TEST_GPUS" not in os.environ:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        gpus = visible.split(",") if visible is not None else [str(i) for i in range(_host_gpus())]
+        os.environ["TRL_FP8_TEST_GPUS"] = ",".join(g.strip() for g in gpus if g.strip())
+    first = os.environ["TRL_FP8_TEST_GPUS"].split(",")[0]
+    if first:
+        os.environ["CUDA_VISIBLE_DEVICES"] = first
+
+
+_pin_to_one_gpu()
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     # Triton kernels run in Triton's CPU interpreter here (tests/test_kernels.py); read when kernels are defined.
@@ -20,16 +51,25 @@ def _sm90() -> bool:
 
 def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs an SM90 (H100/H200) GPU")
+    gpus = len(session_gpus())
     for item in items:
         if "gpu" in item.keywords and not _sm90():
             item.add_marker(skip)
+        needs = item.get_closest_marker("gpus")
+        if needs is not None and needs.args[0] > gpus:
+            reason = f"needs {needs.args[0]} GPUs of one machine; this session has {gpus} (CUDA_VISIBLE_DEVICES)"
+            item.add_marker(pytest.mark.skip(reason=reason))
 
 
 @pytest.fixture(autouse=True)
-def restore_environment():
+def restore_environment(request):
     """TRL's colocate set-up exports RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT for vLLM's in-process engine;
-    left behind, they make a later test's subprocess think it is one rank of a distributed launch."""
+    left behind, they make a later test's subprocess think it is one rank of a distributed launch. A GPU test gets a
+    rendezvous port of its own: left to TRL's pick (29500 first), tests running side by side on a machine's GPUs
+    (tests/gpu/run_suite.py) could take the same port at once."""
     saved = dict(os.environ)
+    if request.node.get_closest_marker("gpu") is not None:
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
     yield
     for key in set(os.environ) - set(saved):
         del os.environ[key]
@@ -90,20 +130,16 @@ WORKERS = Path(__file__).resolve().parent / "workers"  # scripts the tests run i
 
 
 def clean_subprocess_env() -> dict[str, str]:
-    """This process's environment without distributed-launch variables (the NVLink settings stay)."""
-    launch = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+    """This process's environment without distributed-launch variables and without the test session's own (the
+    NVLink settings stay)."""
+    launch = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+              "PYTEST_VERSION", "TRL_FP8_TEST_GPUS")  # fmt: skip
     return {k: v for k, v in os.environ.items() if k not in launch}
 
 
-def host_gpus() -> int:
-    """GPUs on the host, whatever CUDA_VISIBLE_DEVICES this process was given (0 without nvidia-smi)."""
-    import subprocess
-
-    try:
-        listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        return 0
-    return sum(line.startswith("GPU ") for line in listing.splitlines())
+def session_gpus() -> list[str]:
+    """The GPUs this test session may use, as CUDA_VISIBLE_DEVICES names them (empty without GPUs)."""
+    return [g for g in os.environ.get("TRL_FP8_TEST_GPUS", "").split(",") if g]
 
 
 def launch_failure(output: str, tail: int = 4000) -> str:

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from benchmarks.collect_scaling import collect, main, table
+from benchmarks.collect_scaling import collect, main, merge_side_by_side, table
 
 pytestmark = pytest.mark.benchmark_scripts  # in the default run; `-m benchmark_scripts` runs them alone
 
@@ -77,3 +77,21 @@ def test_a_failed_run_gets_a_row_marked_failed_and_the_plot_is_drawn(tmp_path, c
         paths[-1].write_text(json.dumps(r))
     main([*map(str, paths), "--out", str(tmp_path / "scaling.json"), "--plot", str(tmp_path / "plots" / "s.png")])
     assert (tmp_path / "plots" / "s.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_flows_run_at_once_on_disjoint_gpus_count_as_one_side_by_side_file(tmp_path, capsys):
+    """`bf16.json+fp8.json`: TRL BF16 on GPUs 0-1 and FP8 on GPUs 2-3 at the same time give one speed-up; files of
+    other launches, GPU counts or GPU models are refused."""
+    bf16 = result(2, "multi_gpu", "adamw_bnb_8bit", {"trl_bf16": 120.0})
+    fp8 = result(2, "multi_gpu", "adamw_bnb_8bit", {"unified_fp8kv_liger": 60.0})
+    paths = [tmp_path / "bf16.json", tmp_path / "fp8.json"]
+    for path, r in zip(paths, (bf16, fp8), strict=True):
+        path.write_text(json.dumps(r))
+    main([f"{paths[0]}+{paths[1]}", "--out", str(tmp_path / "scaling.json")])
+    rows = {r["flow"]: r for r in json.loads((tmp_path / "scaling.json").read_text())["rows"]}
+    assert rows["unified_fp8kv_liger"]["speedup_vs_trl_bf16"] == pytest.approx(2.0)
+    assert "| 2 | DDP | unified_fp8kv_liger |" in capsys.readouterr().out
+    for other in (result(4, "multi_gpu", "adamw_bnb_8bit", {"u": 1.0}), result(2, "fsdp2", "adamw_torch_fused", {"u": 1.0}),
+                  {**result(2, "multi_gpu", "adamw_bnb_8bit", {"u": 1.0}), "device": "NVIDIA H200"}):  # fmt: skip
+        with pytest.raises(ValueError, match="side-by-side files"):
+            merge_side_by_side([bf16, other])

@@ -1,7 +1,7 @@
 """FP8 GRPO on two GPUs of one host: DDP and FSDP2 through accelerate, vLLM colocated on each rank (TP=1), and DDP
 with one vLLM engine across both GPUs (TP=2).
 
-Needs two SM90 GPUs on one host; skipped elsewhere. Per launch config: the ranks agree on their
+Needs two SM90 GPUs of one machine (the first two of the session's GPUs); skipped elsewhere. Per launch config: the ranks agree on their
 logs (timings aside), their parameters and the FP8 tensors for vLLM; each engine holds its trainer's FP8 weights
 bit for bit; the export written by rank 0 equals a one-process export of the trained master weights.
 """
@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import WORKERS, clean_subprocess_env, free_port, host_gpus, launch_failure
+from conftest import WORKERS, clean_subprocess_env, free_port, launch_failure, session_gpus
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
 TIMINGS = {"step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second", "fp8/weight_sync_ms"}
 
 
-@pytest.mark.skipif(host_gpus() < 2, reason="needs two GPUs on one host")
+@pytest.mark.gpus(2)
 @pytest.mark.parametrize("launch,vllm_tp", [("multi_gpu", 1), ("fsdp2", 1), ("multi_gpu", 2)])
 def test_two_gpu_grpo_with_colocated_engines(tmp_path, launch, vllm_tp):
     pytest.importorskip("vllm")
@@ -41,7 +41,7 @@ def test_two_gpu_grpo_with_colocated_engines(tmp_path, launch, vllm_tp):
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes", "2",
            "--main_process_port", str(free_port()), str(WORKERS / "multi_gpu_worker.py"),
            str(model_dir), str(tmp_path / "out"), str(vllm_tp)]  # fmt: skip
-    gpus = os.environ.get("CUDA_VISIBLE_DEVICES", "0,1").split(",")[:2]  # two of the GPUs this process may use
+    gpus = session_gpus()[:2]
     env = {**clean_subprocess_env(), "CUDA_VISIBLE_DEVICES": ",".join(gpus)}  # the NVLink multicast settings stay
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, launch_failure(proc.stdout + proc.stderr)

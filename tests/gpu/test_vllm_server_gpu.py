@@ -1,10 +1,8 @@
 """Server mode: `trl vllm-serve` serves our FP8 checkpoint (made by `trl-fp8 quantize`) and the trainer pushes its
-FP8 weights and scales through TRL's client. The push needs a second GPU (NCCL joins no two ranks on one GPU), and
-the trainer process must see one GPU only (else Trainer wraps it in DataParallel), so name the server's GPU apart:
+FP8 weights and scales through TRL's client. The push needs a second GPU (NCCL joins no two ranks on one GPU): the
+trainer runs in the test process on the session's first GPU, the server on its second.
 
-    CUDA_VISIBLE_DEVICES=0 TRL_FP8_SERVER_GPU=1 python -m pytest -m gpu tests/gpu/test_vllm_server_gpu.py -s
-
-On one GPU the server shares it (a small memory share, Cutlass kernel: nothing to compile) and only the checks a
+With one GPU the server shares it (a small memory share, Cutlass kernel: nothing to compile) and only the checks a
 trainer makes before joining the server run against it; the weight-push test is skipped.
 """
 
@@ -21,11 +19,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import WORKERS, clean_subprocess_env, free_port, host_gpus, launch_failure
+from conftest import WORKERS, clean_subprocess_env, free_port, launch_failure, session_gpus
 from workers.vllm_weight_digest import tensor_digest
 
 pytestmark = pytest.mark.gpu
-PORT = 8123
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -43,14 +40,8 @@ def _wait_healthy(proc, url, timeout=420):
 
 
 @contextlib.contextmanager
-def serve_fp8(
-    root: Path,
-    gpus: str,
-    tensor_parallel: int = 1,
-    memory: float = 0.3,
-    kernel_name: str = "deepgemm",
-    port: int = PORT,
-):
+def serve_fp8(root: Path, gpus: str, *, port: int, tensor_parallel: int = 1, memory: float = 0.3,
+              kernel_name: str = "deepgemm"):  # fmt: skip
     """`trl vllm-serve` of a tiny Qwen3's FP8 checkpoint (made by `trl-fp8 quantize` in `root`) on `gpus`, as the
     documented command runs it, plus a worker extension that lets a test read digests of the engine's weights."""
     from trl_fp8.demo.tiny_model import tiny_char_tokenizer, tiny_qwen3
@@ -71,8 +62,11 @@ def serve_fp8(
     cmd = build_command(serve, ["--linear-backend", kernel.llm_kwargs["linear_backend"],
                                 "--worker-extension-cls", "vllm_weight_digest.WeightDigest"])  # fmt: skip
     pythonpath = os.pathsep.join(filter(None, [str(WORKERS), os.environ.get("PYTHONPATH")]))
+    # No DeepGEMM warm-up: for this tiny model it compiled 605 kernels (3 minutes on a cold cache) of which the test
+    # uses a handful, which compile on first use; the values are the same either way.
     env = {**clean_subprocess_env(), **kernel.env, "DG_JIT_CACHE_DIR": str(default_jit_cache_dir()),
-           "CUDA_VISIBLE_DEVICES": gpus, "VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": pythonpath}  # fmt: skip
+           "VLLM_DEEP_GEMM_WARMUP": "skip", "CUDA_VISIBLE_DEVICES": gpus, "VLLM_SERVER_DEV_MODE": "1",
+           "PYTHONPATH": pythonpath}  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         print(
@@ -94,26 +88,26 @@ def serve_fp8(
 @pytest.fixture(scope="module")
 def fp8_server(tmp_path_factory):
     pytest.importorskip("vllm")
-    server_gpu = os.environ.get("TRL_FP8_SERVER_GPU")
-    two_gpus = server_gpu is not None
-    root = tmp_path_factory.mktemp("server")
+    gpus = session_gpus()
+    two_gpus = len(gpus) >= 2
+    root, port = tmp_path_factory.mktemp("server"), free_port()
     if not two_gpus:  # the server takes a share of this GPU: hand back what earlier tests' engines left cached
         import gc
 
         gc.collect()
         torch.cuda.empty_cache()
-    gpus = server_gpu or os.environ.get("CUDA_VISIBLE_DEVICES", "0")
-    with serve_fp8(root, gpus, memory=0.3 if two_gpus else 0.1, kernel_name="deepgemm" if two_gpus else "cutlass"):
-        yield SimpleNamespace(root=root, two_gpus=two_gpus)
+    server_gpu, kernel = (gpus[1], "deepgemm") if two_gpus else (gpus[0], "cutlass")
+    with serve_fp8(root, server_gpu, memory=0.3 if two_gpus else 0.1, kernel_name=kernel, port=port):
+        yield SimpleNamespace(root=root, two_gpus=two_gpus, port=port)
 
 
-def _config(tmp_path, **kwargs):
+def _config(tmp_path, port, **kwargs):
     from trl_fp8 import FP8GRPOConfig
     from trl_fp8.demo.toy_task import GRPO_SETTINGS
 
     return FP8GRPOConfig(
         **GRPO_SETTINGS, output_dir=str(tmp_path / "out"), logging_steps=1, bf16=True, disable_tqdm=True,
-        model_init_kwargs={"dtype": "bfloat16"}, use_vllm=True, vllm_mode="server", vllm_server_port=PORT,
+        model_init_kwargs={"dtype": "bfloat16"}, use_vllm=True, vllm_mode="server", vllm_server_port=port,
         vllm_server_timeout=30, tis="token", **kwargs,
     )  # fmt: skip
 
@@ -123,32 +117,31 @@ def test_server_refuses_a_trainer_whose_weights_it_cannot_take(fp8_server, tmp_p
     from trl_fp8.demo.toy_task import say_letter_dataset, say_letter_reward
 
     model = str(fp8_server.root / "model")
-    args = _config(tmp_path, max_steps=1, rollout_precision="bf16")
+    args = _config(tmp_path, fp8_server.port, max_steps=1, rollout_precision="bf16")
     with pytest.raises(ValueError, match="quantization"):
         FP8GRPOTrainer(model, say_letter_reward, args, train_dataset=say_letter_dataset(64))
     # vLLM says quantization="fp8" for online FP8 too: the served checkpoint's own layers must match the trainer's.
-    args = _config(tmp_path, max_steps=1, num_first_layers_in_bf16=1)
+    args = _config(tmp_path, fp8_server.port, max_steps=1, num_first_layers_in_bf16=1)
     with pytest.raises(ValueError, match="keeps other layers in high precision than the trainer"):
         FP8GRPOTrainer(model, say_letter_reward, args, train_dataset=say_letter_dataset(64))
-    args = _config(tmp_path, max_steps=1, rollout_precision="fp8_online", fp8_recipe=None)
+    args = _config(tmp_path, fp8_server.port, max_steps=1, rollout_precision="fp8_online", fp8_recipe=None)
     with pytest.raises(ValueError, match="pushes BF16 weights for vLLM to quantize"):
         FP8GRPOTrainer(model, say_letter_reward, args, train_dataset=say_letter_dataset(64))
 
 
+@pytest.mark.gpus(2)
 def test_server_mode_grpo_with_fp8_weight_push(fp8_server, tmp_path):
-    if not fp8_server.two_gpus:
-        pytest.skip("the weight push needs a second GPU: set TRL_FP8_SERVER_GPU (see the module docstring)")
     from trl.generation.vllm_client import VLLMClient
     from vllm.model_executor.layers.quantization.utils.fp8_utils import deepgemm_post_process_fp8_weight_block
 
     from trl_fp8 import FP8GRPOTrainer
     from trl_fp8.demo.toy_task import say_letter_dataset, say_letter_reward
 
-    info = VLLMClient(base_url=f"http://localhost:{PORT}").get_server_info()
+    info = VLLMClient(base_url=f"http://localhost:{fp8_server.port}").get_server_info()
     artifacts = os.environ.get("TRL_FP8_ARTIFACTS")
     if artifacts:
         Path(artifacts, "server_info.json").write_text(json.dumps(info, indent=1, default=str))
-    args = _config(tmp_path, max_steps=20)
+    args = _config(tmp_path, fp8_server.port, max_steps=20)
     trainer = FP8GRPOTrainer(
         str(fp8_server.root / "model"), say_letter_reward, args, train_dataset=say_letter_dataset(2048)
     )
@@ -182,7 +175,7 @@ def test_server_mode_grpo_with_fp8_weight_push(fp8_server, tmp_path):
         ours[f"{name}.weight"] = tensor_digest(weight)
         ours[f"{name}.weight_scale_inv"] = tensor_digest(scale)
     request = urllib.request.Request(
-        f"http://localhost:{PORT}/collective_rpc",
+        f"http://localhost:{fp8_server.port}/collective_rpc",
         data=json.dumps({"method": "trl_fp8_weight_digest", "args": [json.dumps(sorted(ours))]}).encode(),
         headers={"Content-Type": "application/json"},
     )
@@ -191,21 +184,21 @@ def test_server_mode_grpo_with_fp8_weight_push(fp8_server, tmp_path):
     assert served == ours, {k: (served.get(k, "")[:12], v[:12]) for k, v in ours.items()}
 
 
-@pytest.mark.skipif(host_gpus() < 4, reason="needs four GPUs on one host")
+@pytest.mark.gpus(4)
 def test_two_trainer_ranks_push_fp8_to_a_two_gpu_server(tmp_path_factory):
-    """Server mode at scale: two DDP trainer ranks (GPUs 0-1) and `trl vllm-serve --tensor_parallel_size 2` (GPUs
-    2-3). The reward rises, and after a sync every server worker holds its partition of the trainer's FP8 bits and
+    """Server mode at scale: two DDP trainer ranks (the session's first two GPUs) and `trl vllm-serve
+    --tensor_parallel_size 2` (the next two). The reward rises, and after a sync every server worker holds its partition of the trainer's FP8 bits and
     scales."""
     pytest.importorskip("vllm")
     import trl
 
-    root, port = tmp_path_factory.mktemp("server_tp2"), PORT + 1  # (the module's one-GPU server may still hold PORT)
-    with serve_fp8(root, "2,3", tensor_parallel=2, port=port):
+    root, port, gpus = tmp_path_factory.mktemp("server_tp2"), free_port(), session_gpus()
+    with serve_fp8(root, ",".join(gpus[2:4]), tensor_parallel=2, port=port):
         config = Path(trl.__file__).parent / "accelerate_configs" / "multi_gpu.yaml"
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes",
                "2", "--main_process_port", str(free_port()), str(WORKERS / "server_trainer_worker.py"),
                str(root / "model"), str(root / "out"), str(port)]  # fmt: skip
-        env = {**clean_subprocess_env(), "CUDA_VISIBLE_DEVICES": "0,1"}
+        env = {**clean_subprocess_env(), "CUDA_VISIBLE_DEVICES": ",".join(gpus[:2])}
         proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, launch_failure(proc.stdout + proc.stderr)
     record = json.loads((root / "out" / "rank0.json").read_text())

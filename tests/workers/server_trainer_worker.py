@@ -60,7 +60,8 @@ def main():
         names = json.dumps(sorted(expected[0]))
         record = {
             "served": rpc(port, "trl_fp8_weight_digest", names),
-            "served_ranks": rpc(port, "trl_fp8_tensor_parallel_rank"),
+            # vLLM's /collective_rpc answers str() of anything but a dict or a list
+            "served_ranks": [int(rank) for rank in rpc(port, "trl_fp8_tensor_parallel_rank")],
             "expected": expected,
             "log_history": trainer.state.log_history,
         }

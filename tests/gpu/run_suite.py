@@ -1,0 +1,218 @@
+"""The GPU suite in one command, spread over the GPUs of one machine.
+
+    python tests/gpu/run_suite.py [--gpus 0,1,2,3] [--logs DIR] [paths or pytest options ...]
+
+Tests that need several GPUs (`@pytest.mark.gpus(n)`) run first, each in a pytest process of its own on n GPUs
+(two two-GPU tests side by side on four GPUs). Then the one-GPU tests, split into one pytest process per GPU by
+their recorded durations (`tests/gpu/durations.json`; every run writes fresh ones to its log folder). On one GPU
+that is a single pytest process, and tests needing more GPUs report themselves skipped. Each process writes its
+log and JUnit file to the log folder; the last line sums them up, as pytest's own summary does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+DURATIONS = Path(__file__).with_name("durations.json")
+UNKNOWN_TEST_SECONDS = 60.0  # a test with no recorded duration (new, or renamed) is planned at this
+PYTEST = [sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-s", "-rfEs", "--durations=10"]
+
+
+@dataclass
+class Job:
+    """One pytest process: its tests (node ids) and how many GPUs it takes."""
+
+    name: str
+    tests: list[str]
+    gpus: int
+    expected_s: float
+    assigned: list[str] = field(default_factory=list)
+
+
+def function_of(nodeid: str) -> str:
+    """`path::test_name` of a node id: the parametrizations of one test function share it."""
+    return nodeid.split("[", 1)[0]
+
+
+def plan_jobs(needs: dict[str, int], gpus: int, durations: dict[str, float]) -> list[Job]:
+    """The jobs, in the order they start: each test that needs several GPUs (and the machine has them) alone, most
+    GPUs first, then longest first; then the one-GPU tests as `gpus` lanes balanced on their expected durations
+    (longest function first, to the lane with least work; a test function's parametrizations stay together).
+    Tests that need more GPUs than there are join the first lane, where pytest skips them and says why."""
+    lanes = max(gpus, 1)
+
+    def expected(test: str) -> float:
+        return durations.get(function_of(test), UNKNOWN_TEST_SECONDS)
+
+    several = sorted((t for t, n in needs.items() if 1 < n <= lanes), key=lambda t: (-needs[t], -expected(t), t))
+    jobs = [Job(f"gpus{needs[t]}_{i}", [t], needs[t], expected(t)) for i, t in enumerate(several)]
+
+    functions: dict[str, list[str]] = {}
+    for t, n in needs.items():
+        if n <= 1:
+            functions.setdefault(function_of(t), []).append(t)
+    work = [Job(f"lane{i}", [], 1, 0.0) for i in range(lanes)]
+    for fn in sorted(functions, key=lambda f: (-durations.get(f, UNKNOWN_TEST_SECONDS), f)):
+        lane = min(work, key=lambda j: j.expected_s)
+        lane.tests += functions[fn]
+        lane.expected_s += durations.get(fn, UNKNOWN_TEST_SECONDS)
+    work[0].tests += [t for t, n in needs.items() if n > lanes]
+    return jobs + sorted((j for j in work if j.tests), key=lambda j: -j.expected_s)
+
+
+def run_jobs(jobs: list[Job], gpus: list[str], logs: Path, extra: list[str], poll_s: float = 2.0) -> list[int]:
+    """Starts each job, in order, once enough GPUs are free (none overtakes the one before it, so a four-GPU job is
+    not starved by one-GPU lanes); returns the exit codes."""
+    free = list(gpus) or [""]  # no GPU: one lane, whose tests skip themselves
+    running: dict[int, tuple[subprocess.Popen, object, float]] = {}
+    codes: dict[int, int] = {}
+    queue = list(range(len(jobs)))
+    while queue or running:
+        while queue and jobs[queue[0]].gpus <= len(free):
+            job = jobs[queue[0]]
+            job.assigned, free = free[: job.gpus], free[job.gpus :]
+            env = {**os.environ, "TRL_FP8_TEST_GPUS": ",".join(job.assigned)}
+            env.pop("MASTER_PORT", None)  # each GPU test picks one of its own (tests/conftest.py)
+            log = open(logs / f"{job.name}.log", "w")  # noqa: SIM115 (closed when the process ends)
+            basetemp = Path(tempfile.gettempdir()) / f"trl_fp8_gpu_suite_{job.name}"  # none shared: pytest wipes it
+            cmd = [*PYTEST, f"--junitxml={logs / job.name}.xml", f"--basetemp={basetemp}", *extra, *job.tests]
+            running[queue.pop(0)] = (subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT),
+                                     log, time.time())  # fmt: skip
+            print(f"[start] {job.name} on GPU {','.join(job.assigned) or '-'}: {len(job.tests)} tests, "
+                  f"~{job.expected_s:.0f} s planned", flush=True)  # fmt: skip
+        time.sleep(poll_s)
+        for i, (proc, log, started) in list(running.items()):
+            if proc.poll() is None:
+                continue
+            log.close()
+            del running[i]
+            codes[i] = proc.returncode
+            free = sorted(free + jobs[i].assigned, key=lambda g: gpus.index(g) if g in gpus else 0)
+            counts = junit_counts(logs / f"{jobs[i].name}.xml")
+            print(f"[done]  {jobs[i].name}: {summary_line(counts)} in {time.time() - started:.0f} s "
+                  f"(exit {proc.returncode})", flush=True)  # fmt: skip
+    return [codes[i] for i in range(len(jobs))]
+
+
+def junit_counts(path: Path) -> dict[str, int]:
+    """passed/failed/errors/skipped from pytest's JUnit file (all zero if the process wrote none)."""
+    counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
+    if not path.exists():
+        return counts
+    for suite in ET.parse(path).getroot().iter("testsuite"):
+        tests, failed, errors, skipped = (int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped"))
+        counts["failed"] += failed
+        counts["errors"] += errors
+        counts["skipped"] += skipped
+        counts["passed"] += tests - failed - errors - skipped
+    return counts
+
+
+def junit_durations(path: Path, tests: list[str]) -> dict[str, float]:
+    """Seconds per test function (`path::name`, its parametrizations summed), for the next run's lanes."""
+    by_name = {
+        (Path(function_of(t).split("::")[0]).stem, function_of(t).split("::")[-1]): function_of(t) for t in tests
+    }
+    out: dict[str, float] = {}
+    if path.exists():
+        for case in ET.parse(path).getroot().iter("testcase"):
+            key = (case.get("classname", "").split(".")[-1], case.get("name", "").split("[", 1)[0])
+            if key in by_name:
+                out[by_name[key]] = out.get(by_name[key], 0.0) + float(case.get("time", 0.0))
+    return out
+
+
+def summary_line(counts: dict[str, int]) -> str:
+    parts = [f"{counts[k]} {k}" for k in ("failed", "errors", "passed", "skipped") if counts[k]]
+    return ", ".join(parts) or "no tests ran"
+
+
+def collect(paths: list[str], out: Path) -> dict[str, int]:
+    """Node id -> GPUs needed, for the GPU tests under `paths`, collected in a process of its own (collection
+    imports the test modules, and with them CUDA)."""
+    cmd = [sys.executable, __file__, "--collect-into", str(out), *paths]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0 or not out.exists():
+        print(proc.stdout[-4000:] + proc.stderr[-4000:])
+        raise SystemExit(f"collecting the GPU tests failed (exit {proc.returncode}); its output is above")
+    return json.loads(out.read_text())
+
+
+def _collect_here(out: str, paths: list[str]) -> int:
+    import pytest
+
+    sys.path.insert(0, str(ROOT))  # as `python -m pytest` from the root has it
+
+    class Needs:
+        def pytest_collection_finish(self, session):
+            needs = {}
+            for item in session.items:
+                marker = item.get_closest_marker("gpus")
+                needs[item.nodeid] = int(marker.args[0]) if marker else 1
+            Path(out).write_text(json.dumps(needs, indent=1))
+
+    return pytest.main(["--collect-only", "-q", "-m", "gpu", "-p", "no:cacheprovider", *paths], plugins=[Needs()])
+
+
+def machine_gpus() -> list[str]:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [g.strip() for g in visible.split(",") if g.strip()]
+    try:
+        listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [str(i) for i, line in enumerate(ln for ln in listing.splitlines() if ln.startswith("GPU "))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--collect-into"]:
+        return _collect_here(argv[1], argv[2:])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gpus", help="GPUs to use, as CUDA_VISIBLE_DEVICES names them (default: all visible)")
+    parser.add_argument("--logs", default="gpu_suite_logs", help="folder for each process's log and JUnit file")
+    parser.add_argument("--durations", default=str(DURATIONS), help="seconds per test function, to balance lanes")
+    args, rest = parser.parse_known_args(argv)
+    paths = [a for a in rest if not a.startswith("-")] or [str(Path(__file__).parent.relative_to(ROOT))]
+    extra = [a for a in rest if a.startswith("-")]
+    gpus = args.gpus.split(",") if args.gpus else machine_gpus()
+    logs = Path(args.logs).resolve()
+    logs.mkdir(parents=True, exist_ok=True)
+
+    start = time.time()
+    needs = collect(paths, logs / "collected.json")
+    durations = json.loads(Path(args.durations).read_text()) if Path(args.durations).exists() else {}
+    jobs = plan_jobs(needs, len(gpus), durations)
+    print(f"{len(needs)} GPU tests in {len(jobs)} pytest processes on {len(gpus)} GPU(s) ({','.join(gpus) or 'none'})")
+    codes = run_jobs(jobs, gpus, logs, extra)
+
+    total = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
+    measured: dict[str, float] = {}
+    for job in jobs:
+        for k, v in junit_counts(logs / f"{job.name}.xml").items():
+            total[k] += v
+        measured |= junit_durations(logs / f"{job.name}.xml", job.tests)
+    (logs / "durations.json").write_text(json.dumps(dict(sorted(measured.items())), indent=1) + "\n")
+    failed = [(job, code) for job, code in zip(jobs, codes, strict=True) if code not in (0, 5)]  # 5: none selected
+    for job, code in failed:
+        print(f"--- {job.name} (exit {code}), the end of {logs / job.name}.log:")
+        print("".join((logs / f"{job.name}.log").read_text().splitlines(keepends=True)[-40:]))
+    wall = time.time() - start
+    print(f"===== {summary_line(total)} in {wall:.2f}s ({time.strftime('%H:%M:%S', time.gmtime(wall))}) on "
+          f"{len(gpus)} GPU(s), {len(jobs)} processes =====")  # fmt: skip
+    return 1 if failed or total["failed"] or total["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

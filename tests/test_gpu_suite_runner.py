@@ -1,0 +1,152 @@
+"""tests/gpu/run_suite.py, the GPU suite's one command: how it splits the tests over a machine's GPUs, that no GPU
+ever runs two of its processes at once, and how it reads pytest's JUnit files."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+spec = importlib.util.spec_from_file_location("run_suite", Path(__file__).parent / "gpu" / "run_suite.py")
+run_suite = sys.modules["run_suite"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(run_suite)
+
+NEEDS = {
+    "tests/gpu/test_a.py::test_server_tp2": 4,
+    "tests/gpu/test_b.py::test_two[ddp]": 2,
+    "tests/gpu/test_b.py::test_two[fsdp2]": 2,
+    "tests/gpu/test_c.py::test_kernel[1]": 1,
+    "tests/gpu/test_c.py::test_kernel[2]": 1,
+    "tests/gpu/test_c.py::test_small": 1,
+    "tests/gpu/test_d.py::test_engine": 1,
+    "tests/gpu/test_d.py::test_sleep": 1,
+    "tests/gpu/test_d.py::test_moe": 1,
+}
+DURATIONS = {
+    "tests/gpu/test_a.py::test_server_tp2": 150,
+    "tests/gpu/test_b.py::test_two": 200,  # both parametrizations
+    "tests/gpu/test_c.py::test_kernel": 40,
+    "tests/gpu/test_c.py::test_small": 5,
+    "tests/gpu/test_d.py::test_engine": 90,
+    "tests/gpu/test_d.py::test_sleep": 80,
+}  # test_moe has no record: planned at UNKNOWN_TEST_SECONDS
+
+
+def test_four_gpus_run_the_widest_tests_first_then_balanced_one_gpu_lanes():
+    jobs = run_suite.plan_jobs(NEEDS, 4, DURATIONS)
+    assert [(j.gpus, j.tests) for j in jobs[:3]] == [
+        (4, ["tests/gpu/test_a.py::test_server_tp2"]),
+        (2, ["tests/gpu/test_b.py::test_two[ddp]"]),
+        (2, ["tests/gpu/test_b.py::test_two[fsdp2]"]),
+    ]
+    lanes = jobs[3:]
+    assert all(j.gpus == 1 for j in lanes) and len(lanes) == 4
+    one_gpu = [t for t, n in NEEDS.items() if n == 1]
+    assert sorted(t for j in lanes for t in j.tests) == sorted(one_gpu)  # each once
+    # a function's parametrizations share a lane; the longest tests each get a lane of their own
+    kernel_lanes = [j for j in lanes if any("test_kernel" in t for t in j.tests)]
+    assert len(kernel_lanes) == 1 and {
+        "tests/gpu/test_c.py::test_kernel[1]",
+        "tests/gpu/test_c.py::test_kernel[2]",
+    } <= set(kernel_lanes[0].tests)
+    assert [j.expected_s for j in lanes] == sorted((j.expected_s for j in lanes), reverse=True)
+    assert lanes[0].expected_s == 90 and lanes[-1].expected_s == 40 + 5
+
+
+def test_one_gpu_is_one_process_that_reports_the_wider_tests_skipped():
+    (job,) = run_suite.plan_jobs(NEEDS, 1, DURATIONS)
+    assert job.gpus == 1 and sorted(job.tests) == sorted(NEEDS)
+    two = run_suite.plan_jobs(NEEDS, 2, DURATIONS)
+    assert [j.gpus for j in two] == [2, 2, 1, 1]
+    assert any("tests/gpu/test_a.py::test_server_tp2" in j.tests for j in two[2:])  # skipped there, with the reason
+
+
+def test_no_gpu_runs_two_processes_at_once_and_none_is_overtaken(tmp_path, monkeypatch, capsys):
+    """The scheduler with stand-in processes that log when they ran on which GPUs."""
+    record = tmp_path / "record.jsonl"
+    stand_in = (
+        "import json, os, sys, time; start = time.time(); name, secs = sys.argv[-1].split('=')\n"
+        "time.sleep(float(secs))\n"
+        f"open({str(record)!r}, 'a').write(json.dumps([name, os.environ['TRL_FP8_TEST_GPUS'], start, time.time()]) "
+        "+ '\\n')"
+    )
+    monkeypatch.setattr(run_suite, "PYTEST", [sys.executable, "-c", stand_in])
+    widths = {"w4": 4, "a2": 2, "b2": 2, "c2": 2, "l0": 1, "l1": 1, "l2": 1, "l3": 1, "l4": 1}
+    seconds = {"w4": 0.4, "a2": 1.2, "b2": 0.3, "c2": 0.3, "l0": 0.1, "l1": 0.2, "l2": 0.3, "l3": 0.4, "l4": 0.5}
+    jobs = [run_suite.Job(name, [f"{name}={seconds[name]}"], n, 0.0) for name, n in widths.items()]
+    codes = run_suite.run_jobs(jobs, ["0", "1", "2", "3"], tmp_path, [], poll_s=0.05)
+    assert codes == [0] * len(jobs)
+    runs = {name: (gpus.split(","), start, end) for name, gpus, start, end in map(json.loads, record.open())}
+    assert sorted(runs) == sorted(widths)
+    assert all(len(runs[name][0]) == n for name, n in widths.items())
+    started = [line.split()[1] for line in capsys.readouterr().out.splitlines() if line.startswith("[start]")]
+    assert started == list(widths)  # launched in order
+    for x, (gx, sx, ex) in runs.items():
+        for y, (gy, sy, ey) in runs.items():
+            if x != y and set(gx) & set(gy):
+                assert ex <= sy or ey <= sx, (x, y)  # a GPU's processes never overlap
+    assert runs["a2"][0] == ["0", "1"] and runs["b2"][0] == runs["c2"][0] == ["2", "3"]  # c2 took b2's GPUs
+    assert runs["c2"][1] < runs["a2"][2]  # ... while a2 was still running
+
+
+def test_junit_counts_and_durations_come_from_pytests_own_file(tmp_path):
+    tests = tmp_path / "tests" / "gpu"
+    tests.mkdir(parents=True)
+    (tests / "test_x.py").write_text(
+        "import time, pytest\n"
+        "@pytest.mark.parametrize('n', [1, 2])\n"
+        "def test_p(n):\n    time.sleep(0.05)\n"
+        "def test_fail():\n    assert False\n"
+        "def test_skip():\n    pytest.skip('no GPU')\n"
+    )
+    xml = tmp_path / "out.xml"
+    subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", f"--junitxml={xml}", "tests/gpu"],
+                   cwd=tmp_path, capture_output=True)  # fmt: skip
+    assert run_suite.junit_counts(xml) == {"passed": 2, "failed": 1, "errors": 0, "skipped": 1}
+    assert run_suite.summary_line(run_suite.junit_counts(xml)) == "1 failed, 2 passed, 1 skipped"
+    ids = ["tests/gpu/test_x.py::test_p[1]", "tests/gpu/test_x.py::test_p[2]", "tests/gpu/test_x.py::test_fail"]
+    durations = run_suite.junit_durations(xml, ids)
+    assert set(durations) == {"tests/gpu/test_x.py::test_p", "tests/gpu/test_x.py::test_fail"}
+    assert durations["tests/gpu/test_x.py::test_p"] >= 0.1  # both parametrizations summed
+    assert run_suite.junit_counts(tmp_path / "missing.xml") == dict.fromkeys(
+        ("passed", "failed", "errors", "skipped"), 0
+    )
+
+
+def test_the_committed_durations_name_tests_that_exist():
+    """durations.json is refreshed from a GPU run's log folder; a renamed test would silently plan at the default."""
+    path = run_suite.DURATIONS
+    if not path.exists():
+        pytest.skip("no durations recorded yet")
+    recorded = json.loads(path.read_text())
+    root = Path(__file__).resolve().parents[1]
+    for function in recorded:
+        file, name = function.split("::")
+        assert f"def {name}(" in (root / file).read_text(), function
+
+
+def _pinned(env: dict[str, str]) -> str:
+    """CUDA_VISIBLE_DEVICES and TRL_FP8_TEST_GPUS in a process with `env` once it has imported tests/conftest.py."""
+    code = "import os, conftest; print(os.environ.get('CUDA_VISIBLE_DEVICES'), os.environ.get('TRL_FP8_TEST_GPUS'))"
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-c", code], env={**env, "PYTHONPATH": str(root / "tests")}, cwd=root,
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    return proc.stdout.split("\n")[-2]
+
+
+def test_only_pytests_own_process_keeps_one_gpu(monkeypatch):
+    """A pytest process keeps the first of its GPUs (Trainer would wrap a model seeing several in DataParallel); a
+    rank that a multi-GPU test launches, and which imports test helpers, keeps the GPUs its launcher gave it."""
+    import os
+
+    from conftest import clean_subprocess_env
+
+    base = {k: v for k, v in os.environ.items() if k not in ("PYTEST_VERSION", "TRL_FP8_TEST_GPUS")}
+    runner_job = {**base, "PYTEST_VERSION": "9", "TRL_FP8_TEST_GPUS": "2,3", "CUDA_VISIBLE_DEVICES": "0,1,2,3"}
+    assert _pinned(runner_job) == "2 2,3"
+    assert _pinned({**base, "PYTEST_VERSION": "9", "CUDA_VISIBLE_DEVICES": "1,3"}) == "1 1,3"
+    monkeypatch.setenv("TRL_FP8_TEST_GPUS", "2,3")
+    launched_rank = {**clean_subprocess_env(), "CUDA_VISIBLE_DEVICES": "2,3"}
+    assert "PYTEST_VERSION" not in launched_rank and _pinned(launched_rank) == "2,3 None"
