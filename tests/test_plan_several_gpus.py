@@ -237,3 +237,22 @@ def test_the_fp8_rows_plan_the_weight_cache_as_the_trainer_chooses_it(qwen3_8b, 
     assert not said and (rows["FP8"] - rows["BF16"]) * GiB == pytest.approx(cache, abs=PRINT_STEP)
     rows_off, _ = trainer("--micro_batch", "8", "--fp8_cache_weights", "off")
     assert rows_off["FP8"] == rows_off["BF16"]
+
+
+def test_a_flow_whose_engine_holds_no_sequence_does_not_fit(tmp_path, capsys):
+    """The Qwen3-14B shape's BF16 weights (2 bytes x 14.8B = 27.5 GiB) exceed vLLM's 0.3 of an H100 (23.8 GiB): vLLM
+    would refuse to start the BF16 engine, so that row cannot fit, whatever the trainer needs; the FP8 weights (1 byte
+    each) leave room for sequences. At 0.4 the BF16 engine starts too."""
+    config = {**QWEN3_8B, "hidden_size": 5120, "intermediate_size": 17408, "num_hidden_layers": 40,
+              "num_attention_heads": 40}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    common = [str(tmp_path), "--gpu", "H100", "--num_processes", "4", "--launch", "fsdp2", "--sleep_mode",
+              "--optim", "adamw_torch_fused", "--micro_batch", "4"]  # fmt: skip
+    assert 2 * counts(config)["params"] > 0.3 * 79.2 * GiB  # BF16 weights alone exceed the share
+    out = plan(capsys, *common)
+    rows = table(out)
+    assert rows["BF16"][2] == "no" and rows["FP8"][2] == rows["FP8 + FP8 KV"][2] == "yes"
+    assert "BF16: vLLM's share (23.8 GiB) holds no whole sequence of 2,304 tokens" in out
+    assert "FSDP2 FP8 and FP8 + FP8 KV (" in out.splitlines()[-1]
+    out = plan(capsys, *common, "--vllm_gpu_memory_utilization", "0.4")
+    assert [row[2] for row in table(out).values()] == ["yes"] * 3 and "holds no whole sequence" not in out

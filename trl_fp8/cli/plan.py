@@ -95,6 +95,10 @@ def run(args: argparse.Namespace) -> int:
               f"{cap.sequences:>13}{waves:>6}{sum(parts.values()) / GiB:>7.1f}Gi"
               + (f"{peak / GiB:>7.1f}Gi" if several else "") + f"{'yes' if fits else 'no':>6}")  # fmt: skip
     print(_columns_footnote(several))
+    if no_room := [name for (name, _, _), (cap, *_) in zip(FLOWS, rows, strict=True) if not cap.sequences]:
+        print(f"{' and '.join(no_room)}: vLLM's share ({args.vllm_gpu_memory_utilization * total / GiB:.1f} GiB) holds "
+              f"no whole sequence of {seq_len:,} tokens beside the weights: vLLM would refuse to start the engine. "
+              "Raise --vllm_gpu_memory_utilization (see Best fit) or shorten the sequences.")  # fmt: skip
     if args.fp8_cache_weights == "auto" and (
         dropped := [name for (name, w, _), (_, parts, *_) in zip(FLOWS, rows, strict=True)
                     if w and parts.get("fp8_weight_cache") == 0 and not (several and args.launch == "fsdp2")]
@@ -135,10 +139,10 @@ def _columns_footnote(several: bool) -> str:
     if not several:
         return ("KV tokens: vLLM 0.26's sizing, estimated; trainer: BF16 masters, gradients, optimizer, FP8 weight "
                 "cache, one micro-batch's activations and logits (rough); fits: trainer + vLLM's share within 97% of "
-                "the GPU.")  # fmt: skip
+                "the GPU, and the share holds one whole sequence.")  # fmt: skip
     return ("KV tokens: vLLM 0.26's sizing, estimated; trainer: one GPU's part of the training (below), one "
             "micro-batch's activations and logits (rough); peak: the most one GPU holds at once; fits: peak within "
-            "97% of each GPU.")  # fmt: skip
+            "97% of each GPU, and the share holds one whole sequence.")  # fmt: skip
 
 
 def _check_launch(args) -> None:
@@ -179,7 +183,8 @@ def _flow_row(shape, total: int, seq_len: int, args, launch: str, *, fp8_weights
         parts = {**parts, "fp8_weight_cache": 0}
     peak = peak_bytes(parts, shape, share, args)
     best = best_fit_share(parts, shape, total, seq_len, args, fp8_weights=fp8_weights, fp8_kv=fp8_kv)
-    return cap, parts, peak, peak <= 0.97 * total, best
+    # vLLM refuses to start an engine whose KV cache cannot hold one whole sequence (its max_model_len)
+    return cap, parts, peak, peak <= 0.97 * total and cap.sequences > 0, best
 
 
 def peak_bytes(parts: dict[str, int], shape, share_bytes: float, args) -> float:
