@@ -7,17 +7,6 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 
-def _host_gpus() -> int:
-    """GPUs on the machine, whatever CUDA_VISIBLE_DEVICES says (0 without nvidia-smi)."""
-    import subprocess
-
-    try:
-        listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        return 0
-    return sum(line.startswith("GPU ") for line in listing.splitlines())
-
-
 def _pin_to_one_gpu() -> None:
     """The GPUs this test session may use go to TRL_FP8_TEST_GPUS (from CUDA_VISIBLE_DEVICES, else every GPU of the
     machine), and this process keeps the first: transformers' Trainer wraps a model in DataParallel when it sees
@@ -27,9 +16,9 @@ def _pin_to_one_gpu() -> None:
     if "PYTEST_VERSION" not in os.environ:  # pytest sets it for its session; clean_subprocess_env drops it
         return
     if "TRL_FP8_TEST_GPUS" not in os.environ:
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        gpus = visible.split(",") if visible is not None else [str(i) for i in range(_host_gpus())]
-        os.environ["TRL_FP8_TEST_GPUS"] = ",".join(g.strip() for g in gpus if g.strip())
+        from visible_gpus import visible_gpus
+
+        os.environ["TRL_FP8_TEST_GPUS"] = ",".join(visible_gpus())
     first = os.environ["TRL_FP8_TEST_GPUS"].split(",")[0]
     if first:
         os.environ["CUDA_VISIBLE_DEVICES"] = first

@@ -23,6 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))
+from visible_gpus import visible_gpus  # noqa: E402 (the GPUs as tests/conftest.py reads them)
+
 DURATIONS = Path(__file__).with_name("durations.json")
 UNKNOWN_TEST_SECONDS = 60.0  # a test with no recorded duration (new, or renamed) is planned at this
 PYTEST = [sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-s", "-rfEs", "--durations=10"]
@@ -164,17 +167,6 @@ def _collect_here(out: str, paths: list[str]) -> int:
     return pytest.main(["--collect-only", "-q", "-m", "gpu", "-p", "no:cacheprovider", *paths], plugins=[Needs()])
 
 
-def machine_gpus() -> list[str]:
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return [g.strip() for g in visible.split(",") if g.strip()]
-    try:
-        listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        return []
-    return [str(i) for i, line in enumerate(ln for ln in listing.splitlines() if ln.startswith("GPU "))]
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--collect-into"]:
@@ -186,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parser.parse_known_args(argv)
     paths = [a for a in rest if not a.startswith("-")] or [str(Path(__file__).parent.relative_to(ROOT))]
     extra = [a for a in rest if a.startswith("-")]
-    gpus = args.gpus.split(",") if args.gpus else machine_gpus()
+    gpus = args.gpus.split(",") if args.gpus else visible_gpus()
     logs = Path(args.logs).resolve()
     logs.mkdir(parents=True, exist_ok=True)
 

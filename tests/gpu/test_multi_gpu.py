@@ -1,9 +1,9 @@
 """FP8 GRPO on two GPUs of one host: DDP and FSDP2 through accelerate, vLLM colocated on each rank (TP=1), and DDP
 with one vLLM engine across both GPUs (TP=2).
 
-Needs two SM90 GPUs of one machine (the first two of the session's GPUs); skipped elsewhere. Per launch config: the ranks agree on their
-logs (timings aside), their parameters and the FP8 tensors for vLLM; each engine holds its trainer's FP8 weights
-bit for bit; the export written by rank 0 equals a one-process export of the trained master weights.
+Needs two SM90 GPUs of one machine (the first two of the session's GPUs); skipped elsewhere. Per launch config:
+the ranks agree on their logs (timings aside), their parameters and the FP8 tensors for vLLM; each engine holds its
+trainer's FP8 weights bit for bit; the export written by rank 0 equals a one-process export of the trained master weights.
 """
 
 import json
