@@ -40,6 +40,7 @@ def test_ddp_buckets_and_the_gradients_that_are_their_views(bucket_view, monkeyp
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
+    ddp = None
     try:
         model = tiny_qwen3(vocab_size=128)
         convert_to_fp8(model)
@@ -52,6 +53,10 @@ def test_ddp_buckets_and_the_gradients_that_are_their_views(bucket_view, monkeyp
         assert out["gradients"] == (0 if bucket_view else grads)
         assert out["parameters"] == n_bytes(model.parameters())
     finally:
+        # DDP's reducer holds the process group: let it go first. Freed after destroy_process_group, the reducer
+        # dropped the group's last reference and gloo's destructor joined its threads holding the GIL: a CI run hung
+        # there for good.
+        del ddp
         dist.destroy_process_group()
 
 
