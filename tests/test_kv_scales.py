@@ -64,18 +64,20 @@ def test_kv_observer_measures_q_k_v_exactly_as_attention_sees_them_without_chang
     assert observer.scales()["model.layers.0.self_attn.v_scale"] > scales["model.layers.0.self_attn.v_scale"]
 
 
-def test_kv_scale_calibration_runs_the_decoder_in_chunks_without_the_lm_head(fake_vllm, tmp_path):
+def test_kv_scale_calibration_runs_the_model_in_chunks_with_one_position_of_logits(fake_vllm, tmp_path):
+    # Through the model itself (FSDP2's root unit must run first: tests/test_multiprocess.py), but the head sees one
+    # position per prompt, never a vocabulary-sized logits tensor per token.
     trainer = tiny_trainer(tmp_path, fp8_kv_cache=True, per_device_train_batch_size=8, num_generations=8)
     model = trainer.model
-    head_calls, decoder_batches = [], []
-    model.lm_head.register_forward_hook(lambda *a: head_calls.append(1))
-    model.model.register_forward_pre_hook(lambda mod, args, kwargs: decoder_batches.append(kwargs["input_ids"].shape[0]),
-                                          with_kwargs=True)  # fmt: skip
+    head_inputs, model_batches = [], []
+    model.lm_head.register_forward_pre_hook(lambda mod, args: head_inputs.append(tuple(args[0].shape[:2])))
+    model.register_forward_pre_hook(lambda mod, args, kwargs: model_batches.append(kwargs["input_ids"].shape[0]),
+                                    with_kwargs=True)  # fmt: skip
     prompts = [[2, 5, 6, 7][: 1 + i % 4] for i in range(20)]
     trainer._calibrate_kv_scales(prompts)
-    assert head_calls == [] and decoder_batches == [8, 8, 4]
+    assert model_batches == [8, 8, 4] and head_inputs == [(8, 1), (8, 1), (4, 1)]
     scales = trainer.vllm_generation.kv_observer.scales()
-    # The same amax as running the whole model chunk by chunk (the head never mattered).
+    # The same amax as running the whole model chunk by chunk (the head never matters).
     observer = trainer.vllm_generation.kv_observer
     from trl.trainer.utils import pad
 

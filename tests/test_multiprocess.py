@@ -134,7 +134,8 @@ def test_fp8_layers_train_sync_and_export_under_fsdp2(tmp_path):
 
 
 def test_fsdp2_with_bf16_compute_pushes_and_exports_the_fp8_weights_the_forward_multiplies(tmp_path):
-    """accelerate's FSDP2 policy (fp32 masters, BF16 compute): the FP8 tensors for vLLM and the export are the blocks the
+    """accelerate's FSDP2 units and policy (fp32 masters, BF16 compute): the FP8 KV cache's scales can be measured by
+    the run's first forward; the FP8 tensors for vLLM and the export are the blocks the
     forward quantized from the BF16 all-gathered weight, bit for bit, on every rank; quantizing the fp32 masters (the
     rule the sync must not follow) gives other bits. Shards holding whole 128-row blocks gather FP8 data and scales;
     the others (k/v: 128 rows over 2 ranks) gather the BF16 weight, with the same result."""
@@ -151,6 +152,10 @@ def test_fsdp2_with_bf16_compute_pushes_and_exports_the_fp8_weights_the_forward_
         }
     assert r0["pushed_fp8"] == r1["pushed_fp8"]
     assert r0["reduced"] == r1["reduced"] == {"peak": 1, "preemptions": 3, "tokens": 9}  # metrics every rank logs
+    # KV-cache scales measured before any training forward, through accelerate's units: q, k and v of every layer
+    assert r0["kv_scales"] == r1["kv_scales"]
+    assert sorted(r0["kv_scales"]) == [f"model.layers.{i}.self_attn.{t}_scale" for i in range(4) for t in "kqv"]
+    assert all(0 < s < float("inf") for s in r0["kv_scales"].values())
     ours, one = (load_file(tmp_path / d / "model.safetensors") for d in ("sharded_bf16", "one_bf16"))
     assert ours.keys() == one.keys() and sum(t.dtype == torch.float8_e4m3fn for t in ours.values()) == 28
     for name, t in ours.items():

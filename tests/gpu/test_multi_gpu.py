@@ -23,8 +23,11 @@ TIMINGS = {"step_time", "train_runtime", "train_samples_per_second", "train_step
 
 
 @pytest.mark.gpus(2)
-@pytest.mark.parametrize("launch,vllm_tp", [("multi_gpu", 1), ("fsdp2", 1), ("multi_gpu", 2)])
-def test_two_gpu_grpo_with_colocated_engines(tmp_path, launch, vllm_tp):
+# FSDP2 with the FP8 KV cache: its scales are measured by the run's first forward, which must enter FSDP2's root unit
+@pytest.mark.parametrize(
+    "launch,vllm_tp,fp8_kv", [("multi_gpu", 1, False), ("fsdp2", 1, True), ("multi_gpu", 2, False)]
+)
+def test_two_gpu_grpo_with_colocated_engines(tmp_path, launch, vllm_tp, fp8_kv):
     pytest.importorskip("vllm")
     import trl
     from safetensors.torch import load_file
@@ -40,7 +43,7 @@ def test_two_gpu_grpo_with_colocated_engines(tmp_path, launch, vllm_tp):
     config = Path(trl.__file__).parent / "accelerate_configs" / f"{launch}.yaml"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes", "2",
            "--main_process_port", str(free_port()), str(WORKERS / "multi_gpu_worker.py"),
-           str(model_dir), str(tmp_path / "out"), str(vllm_tp)]  # fmt: skip
+           str(model_dir), str(tmp_path / "out"), str(vllm_tp), "fp8_kv" if fp8_kv else "bf16_kv"]  # fmt: skip
     gpus = session_gpus()[:2]
     env = {**clean_subprocess_env(), "CUDA_VISIBLE_DEVICES": ",".join(gpus)}  # the NVLink multicast settings stay
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)

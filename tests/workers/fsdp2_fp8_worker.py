@@ -11,7 +11,8 @@ every rank FSDP2's averaged gradients equal the replica's. Writes `OUT_DIR/fsdp2
 the whole parameters and of the FP8 tensors for vLLM, for both models) and, from rank 0, the two exports
 `OUT_DIR/sharded` and `OUT_DIR/replica`.
 
-bf16 (accelerate's policy: fp32 masters, BF16 all-gathers for compute, fp32 gradient reduction): after training, one
+bf16 (accelerate's units and policy: fp32 masters, BF16 all-gathers for compute, fp32 gradient reduction): the FP8 KV
+cache's scales are measured by the run's first forward (as before the first rollout); after training, one
 more forward records the FP8 weights each layer multiplied; the record holds their digest, the digest of the tensors
 for vLLM, and of the same tensors from a one-process BF16 copy of the gathered fp32 masters and from the fp32 masters
 themselves (the rule FSDP2 must not follow); which weights' shards hold whole 128-row blocks; and the export from
@@ -109,16 +110,43 @@ def tiny_moe(seed: int):
     )
 
 
+def shard_like_accelerate(model, policy, mesh=None):
+    """FSDP2 units as accelerate lays them out on GPUs, by its own `fsdp2_prepare_model` (each decoder layer, the input
+    embedding, the final norm and lm_head as one unit, then the root), given a stand-in for the Accelerator: accelerate
+    applies FSDP only on accelerators."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2,
+        auto_wrap_policy="transformer_based_wrap",
+        transformer_cls_names_to_wrap=list(model._no_split_modules),
+        mixed_precision_policy=policy,
+    )
+    accelerator = SimpleNamespace(
+        state=SimpleNamespace(fsdp_plugin=plugin),
+        device=torch.device("cpu"),
+        mixed_precision="bf16",
+        is_main_process=dist.get_rank() == 0,
+        torch_device_mesh=mesh,
+        parallelism_config=SimpleNamespace(fsdp_dim_names=mesh.mesh_dim_names) if mesh is not None else None,
+    )
+    return fsdp2_prepare_model(accelerator, model)
+
+
 def mixed_precision(out: Path, moe: bool = False, hsdp: bool = False):
     from ddp_grpo_worker import tensor_digest
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.distributed.tensor import DTensor
 
     from trl_fp8 import FP8Linear, FP8LinearConfig, convert_to_fp8, save_fp8_checkpoint
     from trl_fp8.demo.tiny_model import tiny_qwen3
     from trl_fp8.distributed import fp8_shards_align, reduce_over_ranks
     from trl_fp8.nn.experts import FP8Experts
+    from trl_fp8.rollout.kv_scales import AttentionScaleObserver, observe_prompts
     from trl_fp8.rollout.vllm.engine import rollout_weight_tensors
 
     dist.init_process_group("gloo")
@@ -134,9 +162,12 @@ def mixed_precision(out: Path, moe: bool = False, hsdp: bool = False):
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("replicate", "shard"))
-    for layer in model.model.layers:
-        fully_shard(layer, mp_policy=policy, mesh=mesh)
-    fully_shard(model, mp_policy=policy, mesh=mesh)
+    model = shard_like_accelerate(model, policy, mesh)
+    # The FP8 KV cache's scales are measured before the first rollout, by the first forward of the run: it must enter
+    # through the root unit (a decoder entered alone made every unit a root, and accelerate's tail unit refused).
+    observer = AttentionScaleObserver(model)
+    observe_prompts(model, [[5, 6, 7], [8, 9, 10, 11, 12], [13]], pad_token_id=0, micro_batch=2, device="cpu")
+    kv_scales = {n: t.item() for n, t in observer.scales().items()}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
     g = torch.Generator().manual_seed(rank)  # each rank its own batches, as in data-parallel training
     for _ in range(3):
@@ -178,6 +209,7 @@ def mixed_precision(out: Path, moe: bool = False, hsdp: bool = False):
         "forward_fp8": tensor_digest(sorted(used.items())),
         "pushed_fp8": tensor_digest(pushed.items()),
         "one_process_fp8": {k: tensor_digest(rollout_weight_tensors(m, "fp8")) for k, m in copies.items()},
+        "kv_scales": kv_scales,
         "pushed_dtypes": sorted({str(t.dtype) for t in pushed.values()}),
         "experts_sharded": [n for n, m in experts.items() if isinstance(m.down_proj, DTensor)],
         "placements": str(model.model.layers[0].self_attn.o_proj.weight.placements),

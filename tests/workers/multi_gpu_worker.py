@@ -1,9 +1,10 @@
 """One rank of FP8 GRPO on two GPUs with vLLM colocated on each, launched by tests/gpu/test_multi_gpu.py:
 
     accelerate launch --config_file <TRL's multi_gpu.yaml | fsdp2.yaml> --num_processes 2 \
-        tests/workers/multi_gpu_worker.py MODEL_DIR OUT_DIR [VLLM_TP]
+        tests/workers/multi_gpu_worker.py MODEL_DIR OUT_DIR [VLLM_TP [fp8_kv|bf16_kv]]
 
-VLLM_TP=2 makes the two ranks one tensor-parallel vLLM engine (TRL's `vllm_tensor_parallel_size`).
+VLLM_TP=2 makes the two ranks one tensor-parallel vLLM engine (TRL's `vllm_tensor_parallel_size`); fp8_kv turns on
+the FP8 KV cache (its scales measured before the first rollout).
 After training, every rank checks that its own engine holds the trainer's FP8 weights bit for bit (under FSDP2 each
 weight is gathered for that, by every rank in the same order), then writes `OUT_DIR/rank<r>.json` (log history,
 digests of the whole parameters and of the FP8 tensors for vLLM); `save_model` writes the export from rank 0.
@@ -30,12 +31,13 @@ def main():
 
     model_dir, out = sys.argv[1], Path(sys.argv[2])
     vllm_tp = int(sys.argv[3]) if len(sys.argv) > 3 else 1
+    fp8_kv = len(sys.argv) > 4 and sys.argv[4] == "fp8_kv"
     args = FP8GRPOConfig(
         **{**GRPO_SETTINGS, "per_device_train_batch_size": 16},
         output_dir=str(out / "run"), max_steps=3, logging_steps=1, bf16=True, disable_tqdm=True,
         model_init_kwargs={"dtype": "bfloat16"}, use_vllm=True, vllm_mode="colocate",
         vllm_gpu_memory_utilization=0.25, tis="token", save_bf16_master_weights=True,
-        vllm_tensor_parallel_size=vllm_tp,
+        vllm_tensor_parallel_size=vllm_tp, fp8_kv_cache=fp8_kv,
         vllm_fp8_backend=os.environ.get("TRL_FP8_TEST_FP8_BACKEND", "auto"),  # a kernel to compare, by hand
     )  # fmt: skip
     trainer = FP8GRPOTrainer(model_dir, say_letter_reward, args, train_dataset=say_letter_dataset(512))

@@ -22,7 +22,7 @@ from torch import nn
 FP8_E4M3_MAX = 448.0
 _OBSERVER_ATTR = "_trl_fp8_kv_observer"
 
-__all__ = ["AttentionScaleObserver"]
+__all__ = ["AttentionScaleObserver", "observe_prompts"]
 
 
 def _original_attention(module: nn.Module, implementation: str) -> Callable:
@@ -109,3 +109,24 @@ class AttentionScaleObserver:
         if reset:
             self._amax = {}
         return dict(sorted(self._last_scales.items()))
+
+
+@torch.no_grad()
+def observe_prompts(
+    model: nn.Module, prompt_ids: list[list[int]], pad_token_id: int, micro_batch: int, device: torch.device | str
+) -> None:
+    """Run `prompt_ids` through `model`, `micro_batch` prompts at a time and padded on the left as TRL pads them, so
+    that an `AttentionScaleObserver` on it has scales before the first rollout.
+
+    The forward enters through the model itself, not its decoder: under FSDP2 the first unit to run initialises the
+    others, and a decoder entered alone makes each of its units a root (accelerate's tail unit, the final norm and
+    lm_head together, then refuses to run). `logits_to_keep=1` keeps the vocabulary-sized logits to one position, so
+    the peak stays that of a training forward.
+    """
+    from trl.trainer.utils import pad
+
+    for start in range(0, len(prompt_ids), micro_batch):
+        ids = [torch.tensor(p) for p in prompt_ids[start : start + micro_batch]]
+        mask = pad([torch.ones_like(t) for t in ids], padding_value=0, padding_side="left")
+        ids = pad(ids, padding_value=pad_token_id, padding_side="left")
+        model(input_ids=ids.to(device), attention_mask=mask.to(device), logits_to_keep=1, use_cache=False)

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 from transformers.trainer import TRAINING_ARGS_NAME
-from trl.trainer.utils import create_model_from_path, pad
+from trl.trainer.utils import create_model_from_path
 
 from trl_fp8.checkpoint.folder import drop_checkpoint_entries, is_checkpoint_entry, output_overwrites_model
 from trl_fp8.checkpoint.save import save_fp8_checkpoint, unwrap_model
@@ -45,7 +45,7 @@ from trl_fp8.distributed import (
 )
 from trl_fp8.nn.conversion import ConversionReport, convert_to_fp8, plan_fp8_conversion
 from trl_fp8.nn.linear import invalidate_fp8_weights
-from trl_fp8.rollout.kv_scales import AttentionScaleObserver
+from trl_fp8.rollout.kv_scales import AttentionScaleObserver, observe_prompts
 from trl_fp8.rollout.stats import capacity_line
 from trl_fp8.trainer.layer_checkpointing import keep_layer_options
 from trl_fp8.trainer.memory import choose_fp8_weight_cache
@@ -232,17 +232,10 @@ class FP8TrainerMixin:
         with eager_generation(getattr(self, "compiled_decoder_layers", 0)):  # keeps the graphs for training
             return super()._generate_single_turn(prompt_ids, *args, **kwargs)
 
-    @torch.no_grad()
     def _calibrate_kv_scales(self, prompt_ids: list[list[int]]) -> None:
-        # The scales come from the attention inputs: run the decoder only (no lm_head, no vocabulary-sized logits),
-        # a training micro-batch at a time, so the peak stays that of a training forward.
-        decoder = unwrap_model(self.model).get_decoder()
-        device, chunk = self.accelerator.device, self.args.per_device_train_batch_size
-        for start in range(0, len(prompt_ids), chunk):
-            ids = [torch.tensor(p) for p in prompt_ids[start : start + chunk]]
-            mask = pad([torch.ones_like(t) for t in ids], padding_value=0, padding_side="left")  # as TRL pads
-            ids = pad(ids, padding_value=self._tokenizer.pad_token_id, padding_side="left")
-            decoder(input_ids=ids.to(device), attention_mask=mask.to(device))
+        model = unwrap_model(self.model)  # under FSDP2 the root unit itself (fully_shard works in place)
+        chunk, pad_id = self.args.per_device_train_batch_size, self._tokenizer.pad_token_id
+        observe_prompts(model, prompt_ids, pad_id, chunk, self.accelerator.device)
 
     def _generate_and_score_completions(self, inputs):
         zero_grads_in_buckets(self.model_wrapped)  # before the step's micro-batches; DDP wraps the model in train()
