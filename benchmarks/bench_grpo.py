@@ -192,9 +192,11 @@ def run_one(args) -> None:
         trainer_cls, config = GRPOTrainer, GRPOConfig(**common, **RUN_OPTIONS.get(args.run, {}))
     else:
         trainer_cls = FP8GRPOTrainer
+        # Liger's kernels only in the runs named for them (FP8GRPOTrainer would otherwise choose them on a GPU)
+        options = {"use_liger_kernel": False, **RUN_OPTIONS.get(args.run, {})}
         config = FP8GRPOConfig(**common, fp8_recipe=recipe, rollout_precision=precision, fp8_kv_cache=fp8_kv,
                                fp8_backend=gemm_backend, fp8_cache_weights=cache_weights, tis="token", tis_cap=2.0,
-                               save_fp8_checkpoint=False, **RUN_OPTIONS.get(args.run, {}))  # fmt: skip
+                               save_fp8_checkpoint=False, **options)  # fmt: skip
 
     timings = {"rollout": [], "sync": [], "step": []}
     # Peak allocated bytes by phase: "rollout" covers sync + generate, "training" the rest of the step (scoring,

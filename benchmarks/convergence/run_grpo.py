@@ -155,6 +155,7 @@ def grpo_config(args, setting: str, task, cuda: bool):
         rollout_precision=None if args.no_vllm else precision, save_fp8_checkpoint=False,
         fp8_kv_cache=fp8_kv and not args.no_vllm,
         vllm_fp8_backend=args.vllm_fp8_backend if precision == "fp8" and not args.no_vllm else "auto",
+        use_liger_kernel=False,  # the settings compared are precisions, on the same layer kernels as earlier studies
     )  # fmt: skip
 
 

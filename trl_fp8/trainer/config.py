@@ -66,6 +66,11 @@ class FP8TrainingArguments:
         ddp_gradient_as_bucket_view (bool): Under DDP, let each gradient live in DDP's all-reduce bucket instead of
             beside a copy of it (PyTorch's `gradient_as_bucket_view`): two bytes per BF16 parameter given back, 16 GB
             at 8B, the same gradients.
+        use_liger_kernel (bool | None): Liger's fused RMSNorm, RoPE and SwiGLU kernels on the model (transformers'
+            and TRL's option). `None`: decided at start-up, on for a dense Llama, Mistral, Qwen2 or Qwen3 model
+            trained on a CUDA GPU with liger-kernel installed and `compile_decoder_layers` off (they take the BF16
+            part of the training phase beside the FP8 GEMMs: 8B GRPO 1.85x TRL BF16 with them, 1.54x without); the
+            start-up log says which, and why.
 
     **vLLM rollouts** (with `use_vllm=True`).
 
@@ -168,6 +173,17 @@ class FP8TrainingArguments:
         metadata={
             "help": "Grouped kernel of mixture-of-experts FProp and DGrad: 'deepgemm' (vLLM's DeepGEMM, Hopper), "
             "'triton' (ours) or 'auto' (DeepGEMM where it can run).",
+        },
+    )
+    use_liger_kernel: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Liger's RMSNorm, RoPE and SwiGLU kernels on the model. Unset: on for dense Llama, Mistral, "
+            "Qwen2 and Qwen3 models trained on a CUDA GPU with liger-kernel installed (the start-up log says which, "
+            "and why).",
+            # argparse: a bare --use_liger_kernel still means True, as TRL's bool field had it
+            "nargs": "?",
+            "const": True,
         },
     )
     compile_decoder_layers: bool = field(

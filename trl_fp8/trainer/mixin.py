@@ -48,6 +48,7 @@ from trl_fp8.nn.linear import invalidate_fp8_weights
 from trl_fp8.rollout.kv_scales import AttentionScaleObserver, observe_prompts
 from trl_fp8.rollout.stats import capacity_line
 from trl_fp8.trainer.layer_checkpointing import keep_layer_options
+from trl_fp8.trainer.liger import LigerChoice, choose_liger_kernels
 from trl_fp8.trainer.memory import choose_fp8_weight_cache
 from trl_fp8.trainer.regional_compile import compile_decoder_layers, eager_generation
 from trl_fp8.trainer.requirements import check_reward_dependencies
@@ -110,6 +111,7 @@ class FP8TrainerMixin:
                 logger.log(*said)
         if isinstance(model, str):
             model = self._load_model(model, args, trainer_kwargs.get("quantization_config"))
+        self.liger_kernels = self._choose_liger_kernels(model, args)
         self._fp8_filter = fp8_module_filter_fn
         self._peft_config = trainer_kwargs.get("peft_config")
         self.fp8_report = self._convert(model, args)
@@ -117,7 +119,9 @@ class FP8TrainerMixin:
         self._saving_training_checkpoint = False
         self._capacity_reported = False
         self._kv_observer = AttentionScaleObserver(model) if args.use_vllm and args.fp8_kv_cache else None
-        with self._fp8_vllm_generation(args):
+        with self._fp8_vllm_generation(args), warnings.catch_warnings():
+            if self.liger_kernels.automatic:  # TRL's deprecation of the option speaks to a user who set it
+                warnings.filterwarnings("ignore", r"`use_liger_kernel=True` is deprecated", FutureWarning)
             super().__init__(model, reward_funcs, args, *trainer_args, **trainer_kwargs)
         if args.ddp_gradient_as_bucket_view:
             grads_in_ddp_buckets(self.accelerator)  # before train() wraps the model in DDP
@@ -137,6 +141,20 @@ class FP8TrainerMixin:
         """Refuse, before the model loads, what this trainer's own options cannot do (a trainer adds its checks)."""
 
     # --- model ----------------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _choose_liger_kernels(model: nn.Module, args) -> LigerChoice:
+        """Settle `use_liger_kernel=None` (`trainer.liger.choose_liger_kernels`) before TRL reads the option; an
+        automatic choice on a GPU is said once, with its reason."""
+        config = getattr(model, "config", None)
+        cuda = args.device.type == "cuda"
+        choice = choose_liger_kernels(getattr(config, "model_type", None), args, cuda=cuda)
+        args.use_liger_kernel = choice.on
+        if choice.automatic and choice.on and args.fp8_fuse_swiglu:  # both replace the MLP's forward: ours stays
+            args.liger_kernel_config = {**(args.liger_kernel_config or {}), "swiglu": False}
+        if choice.automatic and cuda and args.process_index == 0:
+            print(f"[trl-fp8] Liger's kernels {'on' if choice.on else 'off'}: {choice.reason}.", flush=True)
+        return choice
 
     @staticmethod
     def _load_model(model_id: str, args, quantization_config):

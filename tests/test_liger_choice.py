@@ -1,0 +1,83 @@
+"""`use_liger_kernel=None` (FP8GRPOConfig's default): Liger's layer kernels are chosen at start-up from the model type,
+the device, liger-kernel's presence and `compile_decoder_layers`, and put on the model through TRL's own option."""
+
+import types
+import warnings
+
+import pytest
+from transformers import HfArgumentParser
+
+from trl_fp8 import FP8GRPOConfig
+from trl_fp8.trainer import liger
+from trl_fp8.trainer.liger import LigerChoice, choose_liger_kernels
+
+from fake_vllm import tiny_trainer
+
+
+def options(**overrides):
+    return types.SimpleNamespace(**{"use_liger_kernel": None, "compile_decoder_layers": False,
+                                    "fp8_fuse_swiglu": False, **overrides})  # fmt: skip
+
+
+@pytest.fixture
+def liger_installed(monkeypatch):
+    monkeypatch.setattr("transformers.utils.is_liger_kernel_available", lambda: True)
+
+
+@pytest.mark.parametrize(
+    "model_type, cuda, overrides, on, said",
+    [
+        ("qwen3", True, {}, True, "use_liger_kernel=False turns them off"),
+        ("llama", True, {"fp8_fuse_swiglu": True}, True, "SwiGLU left to fp8_fuse_swiglu"),
+        ("qwen3", False, {}, False, "no CUDA GPU"),
+        ("qwen3_moe", True, {}, False, "model type 'qwen3_moe' is not one of the dense decoders"),
+        (None, True, {}, False, "model type None"),
+        ("qwen3", True, {"compile_decoder_layers": True}, False, "compile_decoder_layers compiles the layers"),
+    ],
+)
+def test_the_automatic_choice_follows_model_device_and_compilation(
+    liger_installed, model_type, cuda, overrides, on, said
+):
+    choice = choose_liger_kernels(model_type, options(**overrides), cuda=cuda)
+    assert (choice.on, choice.automatic) == (on, True) and said in choice.reason
+
+
+def test_without_liger_kernel_installed_the_choice_is_off_and_names_the_extra(monkeypatch):
+    monkeypatch.setattr("transformers.utils.is_liger_kernel_available", lambda: False)
+    choice = choose_liger_kernels("qwen3", options(), cuda=True)
+    assert not choice.on and "pip install 'trl-fp8[liger]'" in choice.reason
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_a_value_the_user_set_is_kept(value):
+    choice = choose_liger_kernels("qwen3_moe", options(use_liger_kernel=value), cuda=False)
+    assert (choice.on, choice.automatic) == (value, False)
+
+
+def test_the_command_line_keeps_a_bare_flag_meaning_true():
+    parser = HfArgumentParser(FP8GRPOConfig)
+    for argv, expected in (([], None), (["--use_liger_kernel"], True), (["--use_liger_kernel", "false"], False)):
+        namespace, _ = parser.parse_known_args(["--output_dir", "unused", *argv])
+        assert namespace.use_liger_kernel is expected
+
+
+def test_the_trainer_settles_the_option_before_trl_reads_it(fake_vllm, tmp_path):
+    trainer = tiny_trainer(tmp_path)
+    assert trainer.args.use_liger_kernel is False  # on CPU: off, and not left unset for transformers' train()
+    assert trainer.liger_kernels == LigerChoice(False, "no CUDA GPU to train on (Liger's kernels are Triton kernels)")
+
+
+def test_an_automatic_choice_goes_through_trls_option_without_its_deprecation_warning(
+    fake_vllm, tmp_path, monkeypatch
+):
+    """On: TRL's own `use_liger_kernel` path (its `liger_kernel_config`, applied by transformers when training starts),
+    with Liger's SwiGLU left out where fp8_fuse_swiglu fuses it, and without TRL's warning to a user who set the
+    deprecated option (the trainer chose it)."""
+    monkeypatch.setattr(liger, "choose_liger_kernels", lambda *a, **k: LigerChoice(True, "chosen"))
+    monkeypatch.setattr("trl_fp8.trainer.mixin.choose_liger_kernels", liger.choose_liger_kernels)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = tiny_trainer(tmp_path, fp8_fuse_swiglu=True)
+    assert trainer.args.use_liger_kernel is True
+    assert trainer.args.liger_kernel_config == {"swiglu": False, "fused_linear_cross_entropy": False}
+    assert not [w for w in caught if "use_liger_kernel" in str(w.message)]

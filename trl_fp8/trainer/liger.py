@@ -1,0 +1,61 @@
+"""Liger's layer kernels by default: `use_liger_kernel=None` is decided at start-up, from the model and the machine.
+
+Liger's fused RMSNorm, RoPE and SwiGLU take the part of the training phase that FP8 layers leave in BF16 (~40% at the
+8B shape: elementwise kernels and reductions), so they pay most beside FP8 GEMMs. Measured with TRL's
+`use_liger_kernel=True` on Qwen3 shapes (docs/benchmarks.md): 8B GRPO at TRL's colocate defaults on one H100, 66.4 s
+a step against 79.9 s without (1.85x against 1.54x TRL BF16); at 1.7B the FP8 training phase 1.42x TRL BF16 with
+them, 1.00x without. They are put on the model exactly as that option does (transformers' `apply_liger_kernel` when
+training starts, TRL's `liger_kernel_config`), where that is what was measured: a dense decoder of a family whose
+layers Liger patches with these three kernels, trained on a CUDA GPU, with liger-kernel installed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["LIGER_DENSE_MODEL_TYPES", "LigerChoice", "choose_liger_kernels"]
+
+# Dense decoders whose RMSNorm, RoPE and SwiGLU MLP Liger replaces (liger_kernel.transformers'
+# `apply_liger_kernel_to_*`), with the MLP's gate/up/down projections kept as modules our FP8 layers replace.
+# Mixture-of-experts types stay out: Liger's expert MLPs would bypass the FP8 experts.
+LIGER_DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class LigerChoice:
+    """Whether Liger's kernels go on the model (`on`), why (`reason`, for the start-up log), and whether the trainer
+    chose it (`automatic`) or the user did."""
+
+    on: bool
+    reason: str
+    automatic: bool = True
+
+
+def choose_liger_kernels(model_type: str | None, args, *, cuda: bool) -> LigerChoice:
+    """The run's `use_liger_kernel`: the user's where set; else on for a dense model of `LIGER_DENSE_MODEL_TYPES`
+    trained on a CUDA GPU (`cuda`) with liger-kernel installed, outside compiled decoder layers (not yet measured
+    together)."""
+    from transformers.utils import is_liger_kernel_available
+
+    if args.use_liger_kernel is not None:
+        return LigerChoice(bool(args.use_liger_kernel), "set by use_liger_kernel", automatic=False)
+    if not cuda:
+        return LigerChoice(False, "no CUDA GPU to train on (Liger's kernels are Triton kernels)")
+    if model_type not in LIGER_DENSE_MODEL_TYPES:
+        return LigerChoice(
+            False,
+            f"model type {model_type!r} is not one of the dense decoders they are used on "
+            f"({', '.join(LIGER_DENSE_MODEL_TYPES)}); use_liger_kernel=True puts them on anyway",
+        )
+    if args.compile_decoder_layers:
+        return LigerChoice(
+            False, "compile_decoder_layers compiles the layers instead (the two are not measured together yet)"
+        )
+    if not is_liger_kernel_available():
+        return LigerChoice(
+            False, "liger-kernel is not installed: pip install 'trl-fp8[liger]' for a faster training phase"
+        )
+    reason = "their fused RMSNorm, RoPE and SwiGLU take the training phase's BF16 work beside the FP8 GEMMs"
+    if args.fp8_fuse_swiglu:
+        reason += " (SwiGLU left to fp8_fuse_swiglu)"
+    return LigerChoice(True, reason + "; use_liger_kernel=False turns them off")
