@@ -21,7 +21,9 @@ Runs (one child process each, vLLM colocated, same model, prompts, batch and 1k-
 - `bf16_compiled`, `unified_compiled`, `unified_fp8kv_compiled`: BF16 training (FP8GRPOTrainer without FP8 layers,
   BF16 rollouts) and the unified flows with every decoder layer compiled (`compile_decoder_layers=True`);
 - `unified_fused`: `unified` with q/k/v and gate/up as one FP8 GEMM per pass and SiLU·mul fused into
-  `down_proj`'s input quantization (`fp8_fuse_sibling_gemms=True, fp8_fuse_swiglu=True`).
+  `down_proj`'s input quantization (`fp8_fuse_sibling_gemms=True, fp8_fuse_swiglu=True`);
+- `fp8_defaults`: `FP8GRPOConfig` left to its defaults (what a user who sets nothing gets: Liger's kernels where
+  installed, the FP8 weight cache as the planner chooses it); every other run sets `use_liger_kernel` itself.
 
 Peak allocated memory is recorded per phase (rollout: sync + generate; training: the rest), with the size of the
 FP8 weight cache at the end.
@@ -68,6 +70,7 @@ RUNS = {  # run: (trainer, fp8_recipe, rollout_precision, fp8 KV cache, training
     "unified_liger_nocache": ("trl_fp8", "blockwise", "fp8", False, "auto", False),  # Liger, BF16's peak memory
     # MoE: every sync takes vLLM's layerwise reload for the experts too (the in-place expert write off), to compare
     "unified_experts_reload": ("trl_fp8", "blockwise", "fp8", False, "auto", None),
+    "fp8_defaults": ("trl_fp8", "blockwise", "fp8", False, "auto", None),  # + use_liger_kernel left unset
 }
 EXPERTS_BY_RELOAD = {"unified_experts_reload"}
 LIGER = {
@@ -86,6 +89,7 @@ RUN_OPTIONS = {  # further (FP8)GRPOConfig fields of a run
     "unified_ckpt2": {"gradient_checkpointing_kwargs": {"every_n_layers": 2}},
     "unified_ckpt4": {"gradient_checkpointing_kwargs": {"every_n_layers": 4}},
     "unified_liger_nocache": LIGER,
+    "fp8_defaults": {"use_liger_kernel": None},  # FP8GRPOTrainer's own start-up choice
 }
 
 
@@ -360,6 +364,10 @@ def run_one(args) -> None:
         # the trainer's choice where fp8_cache_weights is None (FP8GRPOTrainer.fp8_weight_cache)
         "fp8_weight_cache": vars(choice) if (choice := getattr(trainer, "fp8_weight_cache", None)) else None,
         "fp8_options": RUN_OPTIONS.get(args.run, {}),
+        # Liger's kernels as the trainer settled them (FP8GRPOTrainer.liger_kernels; TRL's runs: their option)
+        "liger_kernels": vars(choice)
+        if (choice := getattr(trainer, "liger_kernels", None))
+        else {"on": bool(trainer.args.use_liger_kernel), "automatic": False},
         "step_time": step_medians(per_step_s, keep),  # over measured.median_steps
         "per_step": per_step_s,
         "measured": measurement(args),
