@@ -17,7 +17,7 @@ __all__ = ["LIGER_DENSE_MODEL_TYPES", "LigerChoice", "choose_liger_kernels"]
 
 # Dense decoders whose RMSNorm, RoPE and SwiGLU MLP Liger replaces (liger_kernel.transformers'
 # `apply_liger_kernel_to_*`), with the MLP's gate/up/down projections kept as modules our FP8 layers replace.
-# Mixture-of-experts types stay out: Liger's expert MLPs would bypass the FP8 experts.
+# Mixture-of-experts types stay out: Liger's patches of their expert MLPs were never run with FP8 experts.
 LIGER_DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
