@@ -118,7 +118,9 @@ def choose_fp8_weight_cache(model_config, args, *, lora: bool = False, total_byt
     numbers = f"the planner puts one GPU's training at {peak / gib:.1f} GiB with the cache ({cache / gib:.1f} GiB) "
     numbers += f"of {total_bytes / gib:.1f} GiB" + ("" if modelled else f", {optim} counted as adamw_torch")
     if capacity.keeps_fp8_weight_cache(parts, shape, total_bytes, **vllm):
-        return WeightCacheChoice(True, numbers)
+        # the trade, for a user who needs the memory more than the time (measured at 8B: docs/benchmarks.md)
+        return WeightCacheChoice(True, f"{numbers}; fp8_cache_weights=False gives it back (BF16's peak) for 1-4% "
+                                 "more training time")  # fmt: skip
     return WeightCacheChoice(
         False,
         f"{numbers}, above {capacity.FP8_CACHE_HEADROOM:.0%}: weights are quantized at every forward instead (a "
