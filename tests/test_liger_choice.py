@@ -15,7 +15,7 @@ from fake_vllm import tiny_trainer
 
 
 def options(**overrides):
-    return types.SimpleNamespace(**{"use_liger_kernel": None, "compile_decoder_layers": False,
+    return types.SimpleNamespace(**{"use_liger_kernel": None, "compile_decoder_layers": False, "fp8_recipe": "blockwise",
                                     "fp8_fuse_swiglu": False, **overrides})  # fmt: skip
 
 
@@ -33,6 +33,8 @@ def liger_installed(monkeypatch):
         ("qwen3_moe", True, {}, False, "model type 'qwen3_moe' is not one of the dense decoders"),
         (None, True, {}, False, "model type None"),
         ("qwen3", True, {"compile_decoder_layers": True}, False, "compile_decoder_layers compiles the layers"),
+        ("qwen3", True, {"fp8_recipe": None}, True, "use_liger_kernel=False turns them off"),  # BF16 training
+        ("qwen3", True, {"fp8_recipe": "tensorwise"}, False, "torchao's 'tensorwise' recipe is not measured"),
     ],
 )
 def test_the_automatic_choice_follows_model_device_and_compilation(

@@ -66,10 +66,10 @@ class FP8TrainingArguments:
         ddp_gradient_as_bucket_view (bool): Under DDP, let each gradient live in DDP's all-reduce bucket instead of
             beside a copy of it (PyTorch's `gradient_as_bucket_view`): two bytes per BF16 parameter given back, 16 GB
             at 8B, the same gradients.
-        use_liger_kernel (bool | None): Liger's fused RMSNorm, RoPE and SwiGLU kernels on the model (transformers'
-            and TRL's option). `None`: decided at start-up, on for a dense Llama, Mistral, Qwen2 or Qwen3 model
-            trained on a CUDA GPU with liger-kernel installed and `compile_decoder_layers` off (they take the BF16
-            part of the training phase beside the FP8 GEMMs: 8B GRPO 1.85x TRL BF16 with them, 1.54x without); the
+        use_liger_kernel (bool | None): Liger's fused RMSNorm, RoPE and SwiGLU kernels on the model (transformers' and
+            TRL's option). `None`: decided at start-up, on for a dense Llama, Mistral, Qwen2 or Qwen3 model trained on a
+            CUDA GPU with liger-kernel installed, in blockwise FP8 or BF16, `compile_decoder_layers` off (they take the
+            BF16 part of the training phase beside the FP8 GEMMs: 8B GRPO 1.85x TRL BF16 with them, 1.54x without); the
             start-up log says which, and why.
 
     **vLLM rollouts** (with `use_vllm=True`).

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trl_fp8.config import BLOCKWISE
+
 __all__ = ["LIGER_DENSE_MODEL_TYPES", "LigerChoice", "choose_liger_kernels"]
 
 # Dense decoders whose RMSNorm, RoPE and SwiGLU MLP Liger replaces (liger_kernel.transformers'
@@ -33,8 +35,8 @@ class LigerChoice:
 
 def choose_liger_kernels(model_type: str | None, args, *, cuda: bool) -> LigerChoice:
     """The run's `use_liger_kernel`: the user's where set; else on for a dense model of `LIGER_DENSE_MODEL_TYPES`
-    trained on a CUDA GPU (`cuda`) with liger-kernel installed, outside compiled decoder layers (not yet measured
-    together)."""
+    trained on a CUDA GPU (`cuda`) with liger-kernel installed, in blockwise FP8 or BF16, outside compiled decoder
+    layers (torchao's recipes and compiled layers are not yet measured with them)."""
     from transformers.utils import is_liger_kernel_available
 
     if args.use_liger_kernel is not None:
@@ -47,6 +49,8 @@ def choose_liger_kernels(model_type: str | None, args, *, cuda: bool) -> LigerCh
             f"model type {model_type!r} is not one of the dense decoders they are used on "
             f"({', '.join(LIGER_DENSE_MODEL_TYPES)}); use_liger_kernel=True puts them on anyway",
         )
+    if args.fp8_recipe not in (BLOCKWISE, None):
+        return LigerChoice(False, f"torchao's {args.fp8_recipe!r} recipe is not measured with them yet")
     if args.compile_decoder_layers:
         return LigerChoice(
             False, "compile_decoder_layers compiles the layers instead (the two are not measured together yet)"
