@@ -4,13 +4,14 @@ count, and each flow's weak-scaling efficiency.
     python -m benchmarks.collect_scaling RESULT.json [RESULT.json ...] --out benchmarks/results/grpo_scaling_8b_<device>.json \
         [--plot benchmarks/plots/grpo_scaling_8b.png]
 
-Each input is one `benchmarks.bench_grpo` results file (`--num_processes N --launch_config multi_gpu|fsdp2`), or
-several joined by `+` (`bf16.json+fp8.json`): flows that ran at the same time on disjoint GPUs of one machine (same
-launch, GPU count, GPU model and workload), taken as one side-by-side file. All inputs have the same per-GPU workload (shape, prompt and completion lengths, completions per GPU, vLLM share, sleep mode);
-the optimizer may differ by launch (bitsandbytes' 8-bit AdamW does not run under FSDP2). A speed-up is taken only
-between the flows of one file, which ran side by side; the weak-scaling efficiency of a flow at N GPUs is its
-completions per second over N times its own on one GPU (1.0: N GPUs do N times the work in the same time). A run
-that failed (bench_grpo's `failed_runs`: out of memory, a crash) gets a row marked failed, without figures.
+Each input is one `benchmarks.bench_grpo` results file (`--num_processes N --launch_config multi_gpu|fsdp2`), or several
+joined by `+` (`bf16.json+fp8.json`): flows that ran at the same time on disjoint GPUs of one machine (same launch, GPU
+count, GPU model and workload), taken as one side-by-side file. All inputs have the same per-GPU workload (shape, prompt
+and completion lengths, completions per GPU, vLLM share, sleep mode); the optimizer may differ by launch (bitsandbytes'
+8-bit AdamW does not run under FSDP2). A speed-up is taken only between the flows of one file, which ran side by side;
+the weak-scaling efficiency of a flow at N GPUs is its completions per second over N times its own on one GPU (1.0: N
+GPUs do N times the work in the same time). A run that failed (bench_grpo's `failed_runs`: out of memory, a crash) gets
+a row marked failed, without figures.
 """
 
 from __future__ import annotations

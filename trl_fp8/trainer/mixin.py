@@ -69,6 +69,12 @@ __all__ = [
 ROLLOUT_STATS_REDUCTION = {"preemptions": "sum", "kv_cache_tokens": "min"}
 
 
+def say_start_up_choice(args, what: str, on: bool, reason: str) -> None:
+    """A start-up choice the user did not make, said once (by the first process) with its reason."""
+    if args.process_index == 0:
+        print(f"[trl-fp8] {what} {'on' if on else 'off'}: {reason}.", flush=True)
+
+
 class FP8TrainerMixin:
     """The FP8 precision flow, rollouts on the trainer's FP8 weights and FP8 export for a TRL trainer.
 
@@ -152,8 +158,8 @@ class FP8TrainerMixin:
         args.use_liger_kernel = choice.on
         if choice.automatic and choice.on and args.fp8_fuse_swiglu:  # both replace the MLP's forward: ours stays
             args.liger_kernel_config = {**(args.liger_kernel_config or {}), "swiglu": False}
-        if choice.automatic and cuda and args.process_index == 0:
-            print(f"[trl-fp8] Liger's kernels {'on' if choice.on else 'off'}: {choice.reason}.", flush=True)
+        if choice.automatic and cuda:
+            say_start_up_choice(args, "Liger's kernels", choice.on, choice.reason)
         return choice
 
     @staticmethod
@@ -175,10 +181,7 @@ class FP8TrainerMixin:
                 model.config, args, lora=self._peft_config is not None
             )
             if choice.automatic and args.fp8_recipe == BLOCKWISE and args.device.type == "cuda":
-                if args.process_index == 0:  # a start-up choice the user did not make: said once, with its reason
-                    print(
-                        f"[trl-fp8] FP8 weight cache {'on' if choice.cache else 'off'}: {choice.reason}.", flush=True
-                    )
+                say_start_up_choice(args, "FP8 weight cache", choice.cache, choice.reason)
         config = args.fp8_linear_config(cache_weights=self.fp8_weight_cache.cache)
         # device: where it will train; a model loaded on CPU would make torchao emulate
         return convert_to_fp8(model, selection=self._layer_selection(args), config=config, device=args.device)
