@@ -8,7 +8,6 @@ import pytest
 from transformers import HfArgumentParser
 
 from trl_fp8 import FP8GRPOConfig
-from trl_fp8.trainer import liger
 from trl_fp8.trainer.liger import LigerChoice, choose_liger_kernels
 
 from fake_vllm import tiny_trainer
@@ -75,8 +74,7 @@ def test_an_automatic_choice_goes_through_trls_option_without_its_deprecation_wa
     """On: TRL's own `use_liger_kernel` path (its `liger_kernel_config`, applied by transformers when training starts),
     with Liger's SwiGLU left out where fp8_fuse_swiglu fuses it, and without TRL's warning to a user who set the
     deprecated option (the trainer chose it)."""
-    monkeypatch.setattr(liger, "choose_liger_kernels", lambda *a, **k: LigerChoice(True, "chosen"))
-    monkeypatch.setattr("trl_fp8.trainer.mixin.choose_liger_kernels", liger.choose_liger_kernels)
+    monkeypatch.setattr("trl_fp8.trainer.mixin.choose_liger_kernels", lambda *a, **k: LigerChoice(True, "chosen"))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer = tiny_trainer(tmp_path, fp8_fuse_swiglu=True)
