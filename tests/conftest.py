@@ -120,10 +120,12 @@ WORKERS = Path(__file__).resolve().parent / "workers"  # scripts the tests run i
 
 def clean_subprocess_env() -> dict[str, str]:
     """This process's environment without distributed-launch variables and without the test session's own (the
-    NVLink settings stay)."""
+    NVLink settings stay), and with a rendezvous port of the child's own: left unset, TRL's colocated engine takes
+    the first free one of a short list (29500 first), which two children started at once on other GPUs of the
+    machine (tests/gpu/run_suite.py) can both find free and then contend for."""
     launch = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
               "PYTEST_VERSION", "TRL_FP8_TEST_GPUS")  # fmt: skip
-    return {k: v for k, v in os.environ.items() if k not in launch}
+    return {**{k: v for k, v in os.environ.items() if k not in launch}, "MASTER_PORT": str(free_port())}
 
 
 def session_gpus() -> list[str]:

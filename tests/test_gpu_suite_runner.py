@@ -3,6 +3,7 @@ ever runs two of its processes at once, and how it reads pytest's JUnit files.""
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -115,6 +116,23 @@ def test_junit_counts_and_durations_come_from_pytests_own_file(tmp_path):
     )
 
 
+def test_each_process_reports_a_failure_when_it_happens(tmp_path):
+    """A suite cut short (its machine taken back) prints no session summary: the live report (tests/live_report.py,
+    loaded by the runner) says which test failed, and why, as soon as it fails, and times each test that ended."""
+    tests = tmp_path / "tests" / "gpu"
+    tests.mkdir(parents=True)
+    (tests / "test_x.py").write_text(
+        "def test_fail():\n    assert 1 + 1 == 3, 'the child exited with 1'\ndef test_ok():\n    pass\n"
+    )
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "live_report", "-q", "tests/gpu"]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent)}  # as the runner gives its processes
+    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, env=env).stdout
+    live = out[: out.index("FAILURES")]  # before pytest's own end-of-session report
+    assert "FAILED tests/gpu/test_x.py::test_fail (" in live and "the child exited with 1" in live
+    assert "PASSED tests/gpu/test_x.py::test_ok (" in live
+    assert run_suite.PYTEST[run_suite.PYTEST.index("live_report") - 1] == "-p"  # the runner loads it
+
+
 def test_the_committed_durations_name_tests_that_exist():
     """durations.json is refreshed from a GPU run's log folder; a renamed test would silently plan at the default."""
     path = run_suite.DURATIONS
@@ -139,7 +157,6 @@ def _pinned(env: dict[str, str]) -> str:
 def test_only_pytests_own_process_keeps_one_gpu(monkeypatch):
     """A pytest process keeps the first of its GPUs (Trainer would wrap a model seeing several in DataParallel); a
     rank that a multi-GPU test launches, and which imports test helpers, keeps the GPUs its launcher gave it."""
-    import os
 
     from conftest import clean_subprocess_env
 

@@ -28,7 +28,9 @@ from visible_gpus import visible_gpus  # noqa: E402 (the GPUs as tests/conftest.
 
 DURATIONS = Path(__file__).with_name("durations.json")
 UNKNOWN_TEST_SECONDS = 60.0  # a test with no recorded duration (new, or renamed) is planned at this
-PYTEST = [sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-s", "-rfEs", "--durations=10"]
+# live_report (tests/live_report.py): each test's end and a failure's report at once, so a run cut short still says why
+PYTEST = [sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-p", "live_report", "-s", "-rfEs",
+          "--durations=10"]  # fmt: skip
 
 
 @dataclass
@@ -86,6 +88,7 @@ def run_jobs(jobs: list[Job], gpus: list[str], logs: Path, extra: list[str], pol
             job.assigned, free = free[: job.gpus], free[job.gpus :]
             env = {**os.environ, "TRL_FP8_TEST_GPUS": ",".join(job.assigned)}
             env.pop("MASTER_PORT", None)  # each GPU test picks one of its own (tests/conftest.py)
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "tests"), env.get("PYTHONPATH")]))
             log = open(logs / f"{job.name}.log", "w")  # noqa: SIM115 (closed when the process ends)
             basetemp = Path(tempfile.gettempdir()) / f"trl_fp8_gpu_suite_{job.name}"  # none shared: pytest wipes it
             cmd = [*PYTEST, f"--junitxml={logs / job.name}.xml", f"--basetemp={basetemp}", *extra, *job.tests]
