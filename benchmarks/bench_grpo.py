@@ -45,7 +45,16 @@ import time
 from pathlib import Path
 
 from benchmarks.bench_rollout import SHAPES, floor_tokens_per_s, hardware, model_bytes, shape_model
-from benchmarks.common import arg_parser, kernel_breakdown, metadata, previous_rows, results_path, run_all, write_json
+from benchmarks.common import (
+    arg_parser,
+    kernel_breakdown,
+    metadata,
+    previous_rows,
+    results_path,
+    run_all,
+    untraced_span,
+    write_json,
+)
 
 RUNS = {  # run: (trainer, fp8_recipe, rollout_precision, fp8 KV cache, training GEMM backend, FP8 weight cache)
     "trl_bf16": ("trl", None, "bf16", False, None, None),
@@ -304,14 +313,8 @@ def run_one(args) -> None:
 
         def untraced(fn):  # the rollout and the sync are measured above; the profile covers the training phase
             def wrapper(*a, **k):
-                prof = state.get("prof")
-                if prof is not None:
-                    prof.toggle_collection_dynamic(False, activities)
-                try:
+                with untraced_span(state.get("prof"), activities):
                     return fn(*a, **k)
-                finally:
-                    if prof is not None:
-                        prof.toggle_collection_dynamic(True, activities)
 
             return wrapper
 
@@ -541,6 +544,9 @@ def print_summary(result: dict) -> None:
         if "training_profile" in r:
             cats = r["training_profile"]["kernel_ms_by_category"]
             print(f"{r['name']} training-phase kernels (ms): " + ", ".join(f"{k} {v:.0f}" for k, v in cats.items()))
+            if timeline := r["training_profile"].get("timeline"):
+                print(f"{r['name']} training-phase timeline (ms): " + ", ".join(f"{k[:-3]} {v:.0f}"
+                                                                                for k, v in timeline.items()))  # fmt: skip
     for r in result["results"]:
         m = r.get("mismatch") or {}
         if "fp8/mismatch/kl_k3" in m:

@@ -9,6 +9,7 @@ benchmarks.bench_grpo ...`; they import each other as `from benchmarks.common im
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import shlex
@@ -211,6 +212,7 @@ def device_kernel_events(prof) -> list:
 # cuBLAS's blockwise FP8 GEMMs are nvjet "qqtst" kernels; vLLM's are "cutlass_3x_gemm_fp8_blockwise", and its
 # activation quantizers come fused into RMSNorm and SiLU-and-mul, so they must match before "norm").
 KERNEL_CATEGORIES = (
+    ("communication (NCCL)", r"nccl"),  # FSDP2's gathers and reductions, DDP's all-reduce ("reduce" would be a norm)
     ("fp8 quantization (ours)", r"_act_quant_kernel|_weight_quant_kernel"),
     ("fp8 quantization (vLLM)", r"per_block_quant|per_token_group_quant|scaled_fp8_quant"),
     ("attention", r"flash|fmha|attention|sdpa"),
@@ -232,17 +234,89 @@ def kernel_category(name: str) -> str:
 
 
 def kernel_breakdown(prof, top: int = 25) -> dict:
-    """GPU kernel milliseconds of a profiled phase (a training step, a rollout) by category, and the heaviest
-    kernels."""
+    """GPU kernel milliseconds of a profiled phase (a training step, a rollout) by category, the heaviest kernels,
+    and how the phase's time splits between kernels and waiting (`kernel_timeline`)."""
     kernels = [e for e in device_kernel_events(prof) if e.self_device_time_total > 0]
     by_category: dict[str, float] = {}
     for e in kernels:
         category = kernel_category(e.key)
         by_category[category] = by_category.get(category, 0.0) + e.self_device_time_total / 1e3
     heaviest = sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]
-    return {
+    out = {
         "kernel_ms_by_category": dict(sorted(by_category.items(), key=lambda kv: -kv[1])),
         "top_kernels": [
             {"name": e.key[:160], "ms": e.self_device_time_total / 1e3, "count": e.count} for e in heaviest
         ],
     }
+    try:
+        events = list(prof.events())
+    except (AttributeError, RuntimeError):  # a profiler without its event list
+        return out
+    intervals = [(e.key, e.time_range.start, e.time_range.end) for e in events if _on_device(e)]
+    if intervals:
+        begins = sorted(e.time_range.start for e in events if e.name == UNTRACED_BEGIN)
+        ends = sorted(e.time_range.end for e in events if e.name == UNTRACED_END)
+        out["timeline"] = kernel_timeline(intervals, untraced=list(zip(begins, ends, strict=False)))
+    return out
+
+
+# Markers around what a profiled phase leaves out (bench_grpo: the rollout and the sync inside a training step):
+# `untraced_span` puts them in the profile, so the phase's timeline does not count that time as idle.
+UNTRACED_BEGIN, UNTRACED_END = "bench/untraced_begin", "bench/untraced_end"
+
+
+def _on_device(event) -> bool:
+    import torch
+
+    return event.device_type == torch.autograd.DeviceType.CUDA and event.time_range.end > event.time_range.start
+
+
+def _union_us(spans: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def kernel_timeline(intervals: list[tuple[str, float, float]], untraced: list[tuple[float, float]] = ()) -> dict:
+    """How a profiled phase's wall time splits, from its GPU kernels' `(name, start us, end us)`: the span from the
+    first kernel's start to the last one's end, less the `untraced` spans inside it (left out of the profile); the
+    time some computing kernel runs (streams overlapping counted once); the time NCCL runs, and the part of it during
+    which nothing computes (communication the computation does not hide); and the time no kernel runs at all (the GPU
+    waiting on the host, or on another rank). In ms."""
+    compute = [(a, b) for name, a, b in intervals if kernel_category(name) != "communication (NCCL)"]
+    comm = [(a, b) for name, a, b in intervals if kernel_category(name) == "communication (NCCL)"]
+    first, last = min(a for _, a, _ in intervals), max(b for _, _, b in intervals)
+    left_out = _union_us([(max(a, first), min(b, last)) for a, b in untraced if min(b, last) > max(a, first)])
+    span = last - first - left_out
+    busy_compute, busy_any = _union_us(compute), _union_us(compute + comm)
+    return {
+        "span_ms": span / 1e3,
+        "compute_busy_ms": busy_compute / 1e3,
+        "nccl_busy_ms": _union_us(comm) / 1e3,
+        "nccl_exposed_ms": (busy_any - busy_compute) / 1e3,
+        "idle_ms": (span - busy_any) / 1e3,
+    }
+
+
+@contextlib.contextmanager
+def untraced_span(prof, activities):
+    """Leave what runs inside out of `prof` (None: no profile), marking where it was (`UNTRACED_BEGIN/END`)."""
+    if prof is None:
+        yield
+        return
+    import torch
+
+    torch.cuda.synchronize()  # the kernels launched before belong to the phase, and end before the mark
+    with torch.profiler.record_function(UNTRACED_BEGIN):
+        pass
+    prof.toggle_collection_dynamic(False, activities)
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize()
+        prof.toggle_collection_dynamic(True, activities)
+        with torch.profiler.record_function(UNTRACED_END):
+            pass

@@ -649,3 +649,44 @@ def test_capacity_and_colocate_plots_draw_the_series_and_annotate_each_run(tmp_p
     assert [t.get_text() for t in ax.texts] == ["80.0 s", "60.0 s"]
     for fig in figures:
         real_plt.close(fig)
+
+
+def test_profile_timeline_splits_a_phase_into_compute_exposed_communication_and_idle():
+    """A profiled training phase under FSDP2 or DDP: NCCL's kernels are communication (not a norm, as "reduce" in
+    their names would have it), the time they run while nothing computes is exposed, the time no kernel runs is idle,
+    and what the phase left out of the profile (the rollout inside a step, between the markers) is not idle."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from benchmarks.common import UNTRACED_BEGIN, UNTRACED_END, kernel_breakdown, kernel_category, kernel_timeline
+
+    assert kernel_category("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)") == (
+        "communication (NCCL)"
+    )
+    assert kernel_category("_rms_norm_forward_kernel") == "norms / reductions"
+    gemm, rs, ag = "deep_gemm::fp8_gemm_kernel", "ncclDevKernel_ReduceScatter_Sum", "ncclDevKernel_AllGather_RING"
+    # us: compute 0-100 and 150-250; a gather hidden under compute (20-60), a reduction half exposed (230-280);
+    # nothing at 100-150 (idle) and 280-300 (idle); a rollout left out at 300-1300; compute again 1300-1400.
+    kernels = [(gemm, 0, 100), (ag, 20, 60), (gemm, 150, 250), (rs, 230, 280), (gemm, 300, 300.5),
+               (gemm, 1300, 1400)]  # fmt: skip
+    timeline = kernel_timeline(kernels, untraced=[(300.5, 1300)])
+    assert timeline["span_ms"] == pytest.approx((1400 - 999.5) / 1e3)
+    assert timeline["compute_busy_ms"] == pytest.approx(300.5 / 1e3)
+    assert timeline["nccl_busy_ms"] == pytest.approx(90 / 1e3)
+    assert timeline["nccl_exposed_ms"] == pytest.approx(30 / 1e3)
+    assert timeline["idle_ms"] == pytest.approx((400.5 - 300.5 - 30) / 1e3)
+
+    def event(name, start, end, device=torch.autograd.DeviceType.CUDA):
+        return SimpleNamespace(key=name, name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end),
+                               self_device_time_total=end - start, count=1)  # fmt: skip
+
+    cpu = torch.autograd.DeviceType.CPU
+    events = [event(*k) for k in kernels] + [
+        event(UNTRACED_BEGIN, 300.5, 300.6, cpu),
+        event(UNTRACED_END, 1299, 1300, cpu),
+    ]
+    prof = SimpleNamespace(key_averages=lambda: [e for e in events if e.device_type != cpu], events=lambda: events)
+    breakdown = kernel_breakdown(prof)
+    assert breakdown["timeline"] == pytest.approx(timeline)
+    assert breakdown["kernel_ms_by_category"]["communication (NCCL)"] == pytest.approx(90 / 1e3)
