@@ -44,6 +44,8 @@ import sys
 import time
 from pathlib import Path
 
+from transformers import TrainerCallback
+
 from benchmarks.bench_rollout import SHAPES, floor_tokens_per_s, hardware, model_bytes, shape_model
 from benchmarks.common import (
     arg_parser,
@@ -179,7 +181,6 @@ def model_dir(args) -> Path:
 def run_one(args) -> None:
     import torch
     from datasets import Dataset
-    from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer
@@ -321,20 +322,17 @@ def run_one(args) -> None:
         generation.generate = untraced(generation.generate)
         generation.sync_weights = untraced(generation.sync_weights)
 
-        class ProfileOneStep(TrainerCallback):
-            def on_step_begin(self, _args, st, control, **k):
-                if st.global_step == args.profile_step and "prof" not in state:
-                    state["prof"] = torch_profile(activities=activities)
-                    state["prof"].__enter__()
+        def start():
+            state["prof"] = torch_profile(activities=activities)
+            state["prof"].__enter__()
 
-            def on_step_end(self, _args, st, control, **k):
-                prof = state.get("prof")
-                if prof is not None and st.global_step == args.profile_step + 1:
-                    torch.cuda.synchronize()
-                    prof.__exit__(None, None, None)  # stops collecting; the events are read after training
-                    state["prof"], state["done"] = None, prof
+        def stop():
+            torch.cuda.synchronize()
+            state["prof"].__exit__(None, None, None)  # stops collecting; the events are read after training
+            state["prof"], state["done"] = None, state["prof"]
 
-        trainer.add_callback(ProfileOneStep())
+        profiler = StepProfiler(args.profile_step, args.profile_micro_batches, start, stop)
+        trainer.add_callback(profiler)
     try:
         trainer.train()
     except torch.OutOfMemoryError:
@@ -345,6 +343,8 @@ def run_one(args) -> None:
         raise
     if "done" in state:
         profile.update(step=args.profile_step, **kernel_breakdown(state["done"]))
+        if args.profile_micro_batches is not None:
+            profile["micro_batches"] = profiler.profiled  # from the step's second micro-batch on
 
     def per_step(key):  # seconds per optimizer step, by the step during which they ran
         totals = [0.0] * args.steps
@@ -449,6 +449,45 @@ def planned_kv_tokens(row: dict, settings: dict) -> dict | None:
     return {"kv_tokens": planned, "error": planned / row["kv_cache_tokens"] - 1}
 
 
+class StepProfiler(TrainerCallback):
+    """Calls `start()` and `stop()` around optimizer step `step`'s training phase; with `micro_batches`, around that
+    many micro-batches after the step's first (which also scores the rollout and computes old log-probs): a smaller
+    trace of the steady part, read in seconds. `profiled`: the micro-batches it covered (with `micro_batches`)."""
+
+    def __init__(self, step: int, micro_batches: int | None, start, stop):
+        self.step, self.micro_batches, self.start, self.stop = step, micro_batches, start, stop
+        self.running, self.done, self.profiled, self._ended = False, False, 0, 0
+
+    def _start(self):
+        self.running = True
+        self.start()
+
+    def _stop(self):
+        self.running, self.done = False, True
+        self.stop()
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == self.step and self.micro_batches is None and not self.done:
+            self._start()
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        if state.global_step != self.step or self.micro_batches is None or self.done:
+            return
+        self._ended += 1  # micro-batches of the step ended so far
+        if self._ended == 1:
+            self._start()
+        elif self.running:
+            self.profiled += 1
+            if self.profiled == self.micro_batches:
+                self._stop()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.running:  # the whole step, or fewer micro-batches than asked for (the step's last ends it)
+            if self.micro_batches is not None:
+                self.profiled += 1
+            self._stop()
+
+
 def median_steps(steps: int, warmup: int, profile_step: int | None) -> list[int]:
     """The steps whose medians are reported: after the warm-up, before the profiled step. The profiler slows the
     step it records, and reading its events (tens of seconds) and freeing them disturb the steps that follow."""
@@ -493,6 +532,7 @@ REGIME = ("shape", "optim", "generation_batch", "micro_batch", "num_generations"
 def measurement(args) -> dict:
     """... and how a row was measured, kept per row: rows appended by separate calls may have timed other steps."""
     return {"steps": args.steps, "warmup": args.warmup, "profile_step": args.profile_step,
+            "profile_micro_batches": getattr(args, "profile_micro_batches", None),
             "median_steps": median_steps(args.steps, args.warmup, args.profile_step),
             "deep_gemm_warmup": os.environ.get("VLLM_DEEP_GEMM_WARMUP", "full"),
             "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}  # fmt: skip
@@ -591,6 +631,12 @@ def main():
         type=int,
         default=None,
         help="profile this optimizer step's training phase (rollout and sync left out): GPU kernel time by category",
+    )
+    parser.add_argument(
+        "--profile_micro_batches",
+        type=int,
+        default=None,
+        help="with --profile_step: profile only this many micro-batches, after the step's first (default: all)",
     )
     parser.add_argument(
         "--resummarize",

@@ -690,3 +690,35 @@ def test_profile_timeline_splits_a_phase_into_compute_exposed_communication_and_
     breakdown = kernel_breakdown(prof)
     assert breakdown["timeline"] == pytest.approx(timeline)
     assert breakdown["kernel_ms_by_category"]["communication (NCCL)"] == pytest.approx(90 / 1e3)
+
+
+@pytest.mark.parametrize("micro_batches", [None, 3, 9])
+def test_step_profiler_covers_the_step_or_the_micro_batches_after_its_first(micro_batches):
+    """bench_grpo --profile_step S [--profile_micro_batches N]: the whole training phase of step S, or N micro-batches
+    after its first (which also scores the rollout); asked for more than the step has, it stops at the step's end."""
+    from types import SimpleNamespace
+
+    from benchmarks.bench_grpo import StepProfiler
+
+    events = []
+    profiler = StepProfiler(1, micro_batches, lambda: events.append("start"), lambda: events.append("stop"))
+    state = SimpleNamespace(global_step=0)
+
+    def step(micro: int):  # as transformers' Trainer calls the callbacks for one optimizer step of `micro` batches
+        profiler.on_step_begin(None, state, None)
+        for i in range(micro):
+            events.append("mb")
+            if i < micro - 1:
+                profiler.on_substep_end(None, state, None)
+        profiler.on_step_end(None, state, None)
+        state.global_step += 1
+
+    for _ in range(3):
+        step(8)
+    step0, step1 = events[:8], events[8 : events.index("stop") + 1]
+    assert step0 == ["mb"] * 8 and events.count("start") == events.count("stop") == 1
+    if micro_batches is None:
+        assert step1 == ["start", *["mb"] * 8, "stop"]
+    else:
+        covered = min(micro_batches, 7)
+        assert step1 == ["mb", "start", *["mb"] * covered, "stop"] and profiler.profiled == covered
