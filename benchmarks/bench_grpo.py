@@ -212,7 +212,7 @@ def run_one(args) -> None:
                                fp8_backend=gemm_backend, fp8_cache_weights=cache_weights, tis="token", tis_cap=2.0,
                                save_fp8_checkpoint=False, **options)  # fmt: skip
 
-    timings = {"rollout": [], "sync": [], "step": []}
+    timings = {"rollout": [], "sync": [], "step": [], "score": [], "optimizer": []}
     # Peak allocated bytes by phase: "rollout" covers sync + generate, "training" the rest of the step (scoring,
     # forward/backward, optimizer). The allocator's peak is read and reset at each phase boundary.
     peaks = {"rollout": 0, "training": 0}
@@ -241,6 +241,14 @@ def run_one(args) -> None:
             timings["step"].append(now - self.last)
             self.last = now
             close_phase("training")
+
+        def on_pre_optimizer_step(self, args, state, control, **k):
+            torch.cuda.synchronize()
+            self.optimizer_start = time.perf_counter()
+
+        def on_optimizer_step(self, args, state, control, **k):
+            torch.cuda.synchronize()
+            timings["optimizer"].append((state.global_step, time.perf_counter() - self.optimizer_start))
 
     import trl.generation.vllm_generation as trl_vllm
 
@@ -289,6 +297,9 @@ def run_one(args) -> None:
                     close_phase("rollout")
 
         return wrapper
+
+    # The step's scoring (rewards, old and reference log-probs, the mismatch metrics), around the rollout and sync
+    trainer._generate_and_score_completions = timed(trainer._generate_and_score_completions, "score")
 
     memory_at_generation = []  # the first two rollouts (warm-up and first measured), as vLLM starts generating
     llm_generate = generation.llm.generate
@@ -354,7 +365,11 @@ def run_one(args) -> None:
 
     close_phase("training")
     sampler.stop()
-    per_step_s = {"step_s": timings["step"], "rollout_s": per_step("rollout"), "weight_sync_s": per_step("sync")}
+    rollout_s, sync_s = per_step("rollout"), per_step("sync")
+    per_step_s = {"step_s": timings["step"], "rollout_s": rollout_s, "weight_sync_s": sync_s,
+                  # what _generate_and_score_completions spends beyond the rollout and the sync inside it
+                  "scoring_s": [t - r - w for t, r, w in zip(per_step("score"), rollout_s, sync_s, strict=True)],
+                  "optimizer_s": per_step("optimizer")}  # fmt: skip
     keep = median_steps(args.steps, args.warmup, args.profile_step)
     row = {
         "name": args.run,
@@ -500,14 +515,18 @@ def median_steps(steps: int, warmup: int, profile_step: int | None) -> list[int]
 
 
 def step_medians(per_step: dict[str, list[float]], keep: list[int]) -> dict[str, float]:
-    """Median seconds per phase over the steps `keep`; training is what the step spends outside rollout and sync."""
+    """Median seconds per phase over the steps `keep`; training is what the step spends outside rollout and sync.
+    Where recorded, training splits into scoring (rewards, old log-probs), the optimizer step, and the rest: the
+    micro-batches' forward and backward (`micro_batches_s`)."""
     training = [s - r - w for s, r, w in zip(per_step["step_s"], per_step["rollout_s"], per_step["weight_sync_s"],
                                              strict=True)]  # fmt: skip
     phases = {**per_step, "training_s": training}
-    return {
-        key: statistics.median(phases[key][i] for i in keep)
-        for key in ("step_s", "rollout_s", "weight_sync_s", "training_s")
-    }
+    keys = ["step_s", "rollout_s", "weight_sync_s", "training_s"]
+    if per_step.get("scoring_s") and per_step.get("optimizer_s"):
+        phases["micro_batches_s"] = [t - c - o for t, c, o in zip(training, per_step["scoring_s"],
+                                                                  per_step["optimizer_s"], strict=True)]  # fmt: skip
+        keys += ["scoring_s", "optimizer_s", "micro_batches_s"]
+    return {key: statistics.median(phases[key][i] for i in keep) for key in keys}
 
 
 def mismatch_medians(log_history: list[dict], keep: list[int]) -> dict[str, float]:
@@ -581,6 +600,10 @@ def print_summary(result: dict) -> None:
               f"{t['weight_sync_s']:>9.2f}{speed:>28}{r.get('completions_per_s', float('nan')):>9.1f}"
               f"{first:>18}{peak:>21}{used:>13}{floor:>18}")  # fmt: skip
     for r in result["results"]:
+        if "micro_batches_s" in r["step_time"]:
+            t = r["step_time"]
+            print(f"{r['name']} training phase: scoring {t['scoring_s']:.2f} s, micro-batches {t['micro_batches_s']:.2f} s, "
+                  f"optimizer {t['optimizer_s']:.2f} s")  # fmt: skip
         if "training_profile" in r:
             cats = r["training_profile"]["kernel_ms_by_category"]
             print(f"{r['name']} training-phase kernels (ms): " + ", ".join(f"{k} {v:.0f}" for k, v in cats.items()))

@@ -232,6 +232,11 @@ def test_grpo_medians_leave_out_the_profiled_step_and_after(tmp_path):
                 "weight_sync_s": [1.0, 0.5, 0.5, 0.5, 0.5]}  # fmt: skip
     medians = step_medians(per_step, [1, 2, 3])
     assert medians == {"step_s": 11.0, "rollout_s": 4.0, "weight_sync_s": 0.5, "training_s": 6.5}
+    # where the scoring and the optimizer step were timed, the training phase splits into them and the micro-batches
+    parts = {"scoring_s": [3.0, 1.0, 1.5, 1.0, 1.0], "optimizer_s": [0.5, 0.25, 0.25, 0.5, 0.25]}
+    medians = step_medians({**per_step, **parts}, [1, 2, 3])
+    assert medians["scoring_s"] == 1.0 and medians["optimizer_s"] == 0.25
+    assert medians["micro_batches_s"] == 5.0  # of steps 1-3: 5.5 - 1.0 - 0.25, 7.5 - 1.5 - 0.25, 6.5 - 1.0 - 0.5
     # the mismatch metrics of the same steps (log entries count steps from 1), other keys and steps left out
     history = [
         {"step": s, "fp8/mismatch/kl_k3": kl, "sampling/sampling_logp_difference/mean": d, "loss": 1.0}
