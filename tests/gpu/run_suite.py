@@ -75,9 +75,11 @@ def plan_jobs(needs: dict[str, int], gpus: int, durations: dict[str, float]) -> 
     return jobs + sorted((j for j in work if j.tests), key=lambda j: -j.expected_s)
 
 
-def run_jobs(jobs: list[Job], gpus: list[str], logs: Path, extra: list[str], poll_s: float = 2.0) -> list[int]:
+def run_jobs(
+    jobs: list[Job], gpus: list[str], logs: Path, extra: list[str], poll_s: float = 2.0, on_done=None
+) -> list[int]:
     """Starts each job, in order, once enough GPUs are free (none overtakes the one before it, so a four-GPU job is
-    not starved by one-GPU lanes); returns the exit codes."""
+    not starved by one-GPU lanes); calls `on_done()` as each ends; returns the exit codes."""
     free = list(gpus) or [""]  # no GPU: one lane, whose tests skip themselves
     running: dict[int, tuple[subprocess.Popen, object, float]] = {}
     codes: dict[int, int] = {}
@@ -107,6 +109,8 @@ def run_jobs(jobs: list[Job], gpus: list[str], logs: Path, extra: list[str], pol
             counts = junit_counts(logs / f"{jobs[i].name}.xml")
             print(f"[done]  {jobs[i].name}: {summary_line(counts)} in {time.time() - started:.0f} s "
                   f"(exit {proc.returncode})", flush=True)  # fmt: skip
+            if on_done is not None:
+                on_done()
     return [codes[i] for i in range(len(jobs))]
 
 
@@ -136,6 +140,14 @@ def junit_durations(path: Path, tests: list[str]) -> dict[str, float]:
             if key in by_name:
                 out[by_name[key]] = out.get(by_name[key], 0.0) + float(case.get("time", 0.0))
     return out
+
+
+def write_durations(jobs: list[Job], logs: Path) -> None:
+    """`logs/durations.json`: seconds per test function, from the JUnit files of the processes that have ended."""
+    measured: dict[str, float] = {}
+    for job in jobs:
+        measured |= junit_durations(logs / f"{job.name}.xml", job.tests)
+    (logs / "durations.json").write_text(json.dumps(dict(sorted(measured.items())), indent=1) + "\n")
 
 
 def summary_line(counts: dict[str, int]) -> str:
@@ -190,15 +202,13 @@ def main(argv: list[str] | None = None) -> int:
     durations = json.loads(Path(args.durations).read_text()) if Path(args.durations).exists() else {}
     jobs = plan_jobs(needs, len(gpus), durations)
     print(f"{len(needs)} GPU tests in {len(jobs)} pytest processes on {len(gpus)} GPU(s) ({','.join(gpus) or 'none'})")
-    codes = run_jobs(jobs, gpus, logs, extra)
+    # durations.json is rewritten as each process ends, so a run cut short keeps those of the tests that finished
+    codes = run_jobs(jobs, gpus, logs, extra, on_done=lambda: write_durations(jobs, logs))
 
     total = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
-    measured: dict[str, float] = {}
     for job in jobs:
         for k, v in junit_counts(logs / f"{job.name}.xml").items():
             total[k] += v
-        measured |= junit_durations(logs / f"{job.name}.xml", job.tests)
-    (logs / "durations.json").write_text(json.dumps(dict(sorted(measured.items())), indent=1) + "\n")
     failed = [(job, code) for job, code in zip(jobs, codes, strict=True) if code not in (0, 5)]  # 5: none selected
     for job, code in failed:
         print(f"--- {job.name} (exit {code}), the end of {logs / job.name}.log:")
