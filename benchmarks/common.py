@@ -286,8 +286,9 @@ def kernel_timeline(intervals: list[tuple[str, float, float]], untraced: list[tu
     time some computing kernel runs (streams overlapping counted once); the time NCCL runs, and the part of it during
     which nothing computes (communication the computation does not hide); and the time no kernel runs at all (the GPU
     waiting on the host, or on another rank). In ms."""
-    compute = [(a, b) for name, a, b in intervals if kernel_category(name) != "communication (NCCL)"]
-    comm = [(a, b) for name, a, b in intervals if kernel_category(name) == "communication (NCCL)"]
+    compute, comm = [], []
+    for name, a, b in intervals:  # (each name classified once: a whole step has tens of thousands of kernels)
+        (comm if kernel_category(name) == "communication (NCCL)" else compute).append((a, b))
     first, last = min(a for _, a, _ in intervals), max(b for _, _, b in intervals)
     left_out = _union_us([(max(a, first), min(b, last)) for a, b in untraced if min(b, last) > max(a, first)])
     span = last - first - left_out
