@@ -5,6 +5,7 @@ import types
 import warnings
 
 import pytest
+import torch
 from transformers import HfArgumentParser
 
 from trl_fp8 import FP8GRPOConfig
@@ -81,3 +82,30 @@ def test_an_automatic_choice_goes_through_trls_option_without_its_deprecation_wa
     assert trainer.args.use_liger_kernel is True
     assert trainer.args.liger_kernel_config == {"swiglu": False, "fused_linear_cross_entropy": False}
     assert not [w for w in caught if "use_liger_kernel" in str(w.message)]
+
+
+def test_after_train_the_modeling_module_is_transformers_own_again(fake_vllm, tmp_path, monkeypatch):
+    """transformers puts Liger's kernels on the model in `train()`, and Liger also rebinds names of the modeling module
+    (`modeling_qwen3.Qwen3RMSNorm`, `apply_rotary_pos_emb`): every Qwen3 built later in the process, a saved model
+    reloaded on CPU for evaluation, would get Triton kernels. After `train()`, even one stopped by an error, the module
+    holds its own names again."""
+    from transformers.models.qwen3 import modeling_qwen3
+
+    stock = dict(vars(modeling_qwen3))
+    monkeypatch.setattr("trl_fp8.trainer.mixin.choose_liger_kernels", lambda *a, **k: LigerChoice(True, "chosen"))
+    trainer = tiny_trainer(tmp_path)
+    patched = []
+
+    def liger_like_patch(model, kernel_config):  # what liger's apply_liger_kernel_to_qwen3 does to the module
+        monkeypatch.setattr(modeling_qwen3, "Qwen3RMSNorm", type("LigerRMSNorm", (torch.nn.Module,), {}))
+        monkeypatch.setattr(modeling_qwen3, "apply_rotary_pos_emb", lambda *args: args)
+        modeling_qwen3.liger_rotary_pos_emb = lambda *args: args  # a new name (a stray one would be harmless)
+        patched.append(model)
+        raise RuntimeError("stopped after the patch")
+
+    monkeypatch.setattr("transformers.trainer.apply_liger_kernel", liger_like_patch)
+    with pytest.raises(RuntimeError, match="stopped after the patch"):
+        trainer.train()
+    assert patched == [trainer.model]
+    now = vars(modeling_qwen3)
+    assert now.keys() == stock.keys() and all(now[name] is value for name, value in stock.items())

@@ -34,6 +34,7 @@ HOOKS = [
     ),  # fmt: skip
     (GRPOTrainer, "_save_checkpoint", ["self", "model", "trial"]),
     (RLOOTrainer, "_save_checkpoint", ["self", "model", "trial"]),
+    (transformers.Trainer, "train", ["self", "resume_from_checkpoint"]),
     (transformers.Trainer, "save_model", ["self", "output_dir", "_internal_call"]),
     (transformers.Trainer, "_push_from_checkpoint", ["self", "checkpoint_folder"]),
     (GRPOTrainer, "create_model_card", ["self", "model_name", "dataset_name", "tags"]),

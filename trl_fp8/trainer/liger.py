@@ -11,11 +11,16 @@ layers Liger patches with these three kernels, trained on a CUDA GPU, with liger
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from dataclasses import dataclass
+from types import ModuleType
+
+from torch import nn
 
 from trl_fp8.config import BLOCKWISE
 
-__all__ = ["LIGER_DENSE_MODEL_TYPES", "LigerChoice", "choose_liger_kernels"]
+__all__ = ["LIGER_DENSE_MODEL_TYPES", "LigerChoice", "choose_liger_kernels", "liger_patches_kept_on_the_model"]
 
 # Dense decoders whose RMSNorm, RoPE and SwiGLU MLP Liger replaces (liger_kernel.transformers'
 # `apply_liger_kernel_to_*`), with the MLP's gate/up/down projections kept as modules our FP8 layers replace.
@@ -63,3 +68,34 @@ def choose_liger_kernels(model_type: str | None, args, *, cuda: bool) -> LigerCh
     if args.fp8_fuse_swiglu:
         reason += " (SwiGLU left to fp8_fuse_swiglu)"
     return LigerChoice(True, reason + "; use_liger_kernel=False turns them off")
+
+
+def modeling_module(model: nn.Module) -> ModuleType | None:
+    """The transformers modeling module of `model`'s class (PEFT and FSDP2 wrappers looked through), or None."""
+    if callable(getattr(model, "get_base_model", None)):
+        model = model.get_base_model()
+    for cls in type(model).__mro__:
+        if cls.__module__.startswith("transformers.models."):
+            return sys.modules.get(cls.__module__)
+    return None
+
+
+@contextlib.contextmanager
+def liger_patches_kept_on_the_model(model: nn.Module):
+    """Around `Trainer.train()`, where transformers puts Liger's kernels on the model: Liger also replaces names of the
+    model's modeling module (`apply_liger_kernel_to_qwen3` sets `modeling_qwen3.Qwen3RMSNorm`, `Qwen3MLP` and
+    `apply_rotary_pos_emb`), so every model of that family built later in the process would get Triton kernels, which
+    fail on CPU (a saved model reloaded for evaluation). On exit the module gets its own names back: the trained model
+    keeps Liger's RMSNorm and SwiGLU modules, and its RoPE is transformers' again (the same function)."""
+    module = modeling_module(model)
+    before = dict(vars(module)) if module is not None else {}
+    try:
+        yield
+    finally:
+        if module is not None:
+            now = vars(module)
+            for name in [name for name in now if name not in before]:
+                delattr(module, name)
+            for name, value in before.items():
+                if now.get(name) is not value:
+                    setattr(module, name, value)

@@ -48,7 +48,7 @@ from trl_fp8.nn.linear import invalidate_fp8_weights
 from trl_fp8.rollout.kv_scales import AttentionScaleObserver, observe_prompts
 from trl_fp8.rollout.stats import capacity_line
 from trl_fp8.trainer.layer_checkpointing import keep_layer_options
-from trl_fp8.trainer.liger import LigerChoice, choose_liger_kernels
+from trl_fp8.trainer.liger import LigerChoice, choose_liger_kernels, liger_patches_kept_on_the_model
 from trl_fp8.trainer.memory import choose_fp8_weight_cache
 from trl_fp8.trainer.regional_compile import compile_decoder_layers, eager_generation
 from trl_fp8.trainer.requirements import check_reward_dependencies
@@ -142,6 +142,12 @@ class FP8TrainerMixin:
         self.compiled_decoder_layers = compile_decoder_layers(self.model) if args.compile_decoder_layers else 0
         if args.use_vllm:
             check_rollout_class(self.vllm_generation)
+
+    def train(self, *args, **kwargs):
+        # Liger's kernels go on this model only: a model built later in the process (on CPU too) is transformers' own.
+        liger = self.args.use_liger_kernel
+        with liger_patches_kept_on_the_model(self.model) if liger else contextlib.nullcontext():
+            return super().train(*args, **kwargs)
 
     def _check_start_up(self, args, trainer_kwargs: dict) -> None:
         """Refuse, before the model loads, what this trainer's own options cannot do (a trainer adds its checks)."""
