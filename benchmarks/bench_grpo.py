@@ -54,6 +54,7 @@ from benchmarks.common import (
     previous_rows,
     results_path,
     run_all,
+    segment_end,
     untraced_span,
     write_json,
 )
@@ -82,6 +83,10 @@ RUNS = {  # run: (trainer, fp8_recipe, rollout_precision, fp8 KV cache, training
     # MoE: every sync takes vLLM's layerwise reload for the experts too (the in-place expert write off), to compare
     "unified_experts_reload": ("trl_fp8", "blockwise", "fp8", False, "auto", None),
     "fp8_defaults": ("trl_fp8", "blockwise", "fp8", False, "auto", None),  # + use_liger_kernel left unset
+    # FSDP2's all-gathers: gathered two layers ahead, old log-probs scored 16 sequences a forward, and both
+    "unified_fp8kv_liger_prefetch2": ("trl_fp8", "blockwise", "fp8", True, "auto", None),
+    "unified_fp8kv_liger_logprob16": ("trl_fp8", "blockwise", "fp8", True, "auto", None),
+    "unified_fp8kv_liger_fsdp2": ("trl_fp8", "blockwise", "fp8", True, "auto", None),
 }
 EXPERTS_BY_RELOAD = {"unified_experts_reload"}
 LIGER = {
@@ -101,6 +106,9 @@ RUN_OPTIONS = {  # further (FP8)GRPOConfig fields of a run
     "unified_ckpt4": {"gradient_checkpointing_kwargs": {"every_n_layers": 4}},
     "unified_liger_nocache": LIGER,
     "fp8_defaults": {"use_liger_kernel": None},  # FP8GRPOTrainer's own start-up choice
+    "unified_fp8kv_liger_prefetch2": {"fsdp2_prefetch_layers": 2, **LIGER},
+    "unified_fp8kv_liger_logprob16": {"logprob_batch_size": 16, **LIGER},
+    "unified_fp8kv_liger_fsdp2": {"fsdp2_prefetch_layers": 2, "logprob_batch_size": 16, **LIGER},
 }
 
 
@@ -295,6 +303,8 @@ def run_one(args) -> None:
                 timings[key].append((trainer.state.global_step, time.perf_counter() - start))
                 if key == "rollout":
                     close_phase("rollout")
+                elif key == "score":
+                    segment_end("scoring")  # a profile that covers the scoring splits there
 
         return wrapper
 
@@ -342,7 +352,7 @@ def run_one(args) -> None:
             state["prof"].__exit__(None, None, None)  # stops collecting; the events are read after training
             state["prof"], state["done"] = None, state["prof"]
 
-        profiler = StepProfiler(args.profile_step, args.profile_micro_batches, start, stop)
+        profiler = StepProfiler(args.profile_step, args.profile_micro_batches, start, stop, args.profile_scoring)
         trainer.add_callback(profiler)
     try:
         trainer.train()
@@ -353,9 +363,10 @@ def run_one(args) -> None:
         print(json.dumps({"out_of_memory_gib": {"rank": trainer.accelerator.process_index, **gib}}), flush=True)
         raise
     if "done" in state:
-        profile.update(step=args.profile_step, **kernel_breakdown(state["done"]))
+        profile.update(step=args.profile_step, **kernel_breakdown(state["done"], rest="micro_batches"))
         if args.profile_micro_batches is not None:
             profile["micro_batches"] = profiler.profiled  # from the step's second micro-batch on
+            profile["scoring"] = args.profile_scoring  # then the first micro-batch is in `micro_batches` too
 
     def per_step(key):  # seconds per optimizer step, by the step during which they ran
         totals = [0.0] * args.steps
@@ -467,10 +478,12 @@ def planned_kv_tokens(row: dict, settings: dict) -> dict | None:
 class StepProfiler(TrainerCallback):
     """Calls `start()` and `stop()` around optimizer step `step`'s training phase; with `micro_batches`, around that
     many micro-batches after the step's first (which also scores the rollout and computes old log-probs): a smaller
-    trace of the steady part, read in seconds. `profiled`: the micro-batches it covered (with `micro_batches`)."""
+    trace of the steady part, read in seconds; with `scoring` too, from the step's start (its scoring and first
+    micro-batch, then the `micro_batches` after it). `profiled`: the micro-batches after the first it covered."""
 
-    def __init__(self, step: int, micro_batches: int | None, start, stop):
+    def __init__(self, step: int, micro_batches: int | None, start, stop, scoring: bool = False):
         self.step, self.micro_batches, self.start, self.stop = step, micro_batches, start, stop
+        self.scoring = scoring
         self.running, self.done, self.profiled, self._ended = False, False, 0, 0
 
     def _start(self):
@@ -482,7 +495,7 @@ class StepProfiler(TrainerCallback):
         self.stop()
 
     def on_step_begin(self, args, state, control, **kwargs):
-        if state.global_step == self.step and self.micro_batches is None and not self.done:
+        if state.global_step == self.step and (self.micro_batches is None or self.scoring) and not self.done:
             self._start()
 
     def on_substep_end(self, args, state, control, **kwargs):
@@ -490,7 +503,8 @@ class StepProfiler(TrainerCallback):
             return
         self._ended += 1  # micro-batches of the step ended so far
         if self._ended == 1:
-            self._start()
+            if not self.running:  # (with `scoring` it runs from the step's start)
+                self._start()
         elif self.running:
             self.profiled += 1
             if self.profiled == self.micro_batches:
@@ -552,6 +566,7 @@ def measurement(args) -> dict:
     """... and how a row was measured, kept per row: rows appended by separate calls may have timed other steps."""
     return {"steps": args.steps, "warmup": args.warmup, "profile_step": args.profile_step,
             "profile_micro_batches": getattr(args, "profile_micro_batches", None),
+            "profile_scoring": getattr(args, "profile_scoring", False),
             "median_steps": median_steps(args.steps, args.warmup, args.profile_step),
             "deep_gemm_warmup": os.environ.get("VLLM_DEEP_GEMM_WARMUP", "full"),
             "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}  # fmt: skip
@@ -660,6 +675,12 @@ def main():
         type=int,
         default=None,
         help="with --profile_step: profile only this many micro-batches, after the step's first (default: all)",
+    )
+    parser.add_argument(
+        "--profile_scoring",
+        action="store_true",
+        help="with --profile_micro_batches: start at the step's start, so the profile also covers the scoring (old "
+        "log-probs) and the first micro-batch; the timeline splits at the scoring's end",
     )
     parser.add_argument(
         "--resummarize",

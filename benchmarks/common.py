@@ -201,10 +201,15 @@ def run_all(
 
 def device_kernel_events(prof) -> list:
     """A torch profiler's GPU kernel rows. The CPU-side rows of ops (and of autograd functions) repeat the device
-    time of the kernels they launched, so a sum over every row counts each kernel twice."""
+    time of the kernels they launched, so a sum over every row counts each kernel twice; so do the GPU-side
+    annotations (`nccl:_all_gather_base` spans its NCCL kernel), which are left out too."""
     import torch
 
-    return [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return [
+        e
+        for e in prof.key_averages()
+        if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+    ]
 
 
 # CUDA kernel names -> where a profiled phase's time goes (first match wins; checked on the names seen on H200:
@@ -233,9 +238,11 @@ def kernel_category(name: str) -> str:
     return next((c for c, pattern in KERNEL_CATEGORIES if re.search(pattern, name.lower())), "other")
 
 
-def kernel_breakdown(prof, top: int = 25) -> dict:
+def kernel_breakdown(prof, top: int = 25, rest: str = "rest") -> dict:
     """GPU kernel milliseconds of a profiled phase (a training step, a rollout) by category, the heaviest kernels,
-    and how the phase's time splits between kernels and waiting (`kernel_timeline`)."""
+    and how the phase's time splits between kernels and waiting (`kernel_timeline`); where the phase marked the ends
+    of its parts (`segment_end`), the same split for each part, the one after the last mark named `rest`; and how far
+    the host ran ahead of the GPU (`launch_lag`)."""
     kernels = [e for e in device_kernel_events(prof) if e.self_device_time_total > 0]
     by_category: dict[str, float] = {}
     for e in kernels:
@@ -256,19 +263,92 @@ def kernel_breakdown(prof, top: int = 25) -> dict:
     if intervals:
         begins = sorted(e.time_range.start for e in events if e.name == UNTRACED_BEGIN)
         ends = sorted(e.time_range.end for e in events if e.name == UNTRACED_END)
-        out["timeline"] = kernel_timeline(intervals, untraced=list(zip(begins, ends, strict=False)))
+        untraced = list(zip(begins, ends, strict=False))
+        out["timeline"] = kernel_timeline(intervals, untraced=untraced)
+        marks = sorted(
+            (e.time_range.start, e.name[len(SEGMENT_END) :]) for e in events if e.name.startswith(SEGMENT_END)
+        )
+        if marks:  # each part: the kernels that start after the previous mark and before its own
+            bounds = [float("-inf"), *(at for at, _ in marks), float("inf")]
+            parts = {}
+            for name, lo, hi in zip([*(name for _, name in marks), rest], bounds[:-1], bounds[1:], strict=True):
+                if part := [k for k in intervals if lo <= k[1] < hi]:
+                    parts[name] = kernel_timeline(part, untraced=untraced)
+            out["timeline_parts"] = parts
+    if (lag := profile_launch_lag(prof)) is not None:
+        out["launch_lag"] = lag
     return out
 
 
 # Markers around what a profiled phase leaves out (bench_grpo: the rollout and the sync inside a training step):
 # `untraced_span` puts them in the profile, so the phase's timeline does not count that time as idle.
 UNTRACED_BEGIN, UNTRACED_END = "bench/untraced_begin", "bench/untraced_end"
+SEGMENT_END = "bench/segment_end:"  # + a part's name: `segment_end` marks where that part of a profiled phase ends
+
+
+def segment_end(name: str) -> None:
+    """Mark the end of part `name` of a profiled phase (after its kernels have finished: synchronize first), so that
+    `kernel_breakdown` gives that part a timeline of its own. Nearly free when nothing profiles."""
+    import torch
+
+    with torch.profiler.record_function(SEGMENT_END + name):
+        pass
 
 
 def _on_device(event) -> bool:
+    """A GPU kernel with a duration (not a GPU-side annotation, which spans kernels already counted)."""
     import torch
 
-    return event.device_type == torch.autograd.DeviceType.CUDA and event.time_range.end > event.time_range.start
+    return (
+        event.device_type == torch.autograd.DeviceType.CUDA
+        and not getattr(event, "is_user_annotation", False)
+        and event.time_range.end > event.time_range.start
+    )
+
+
+# CUDA runtime calls that put a kernel on a stream: a kernel and its launch share a CUPTI correlation id.
+KERNEL_LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
+                   "cudaLaunchCooperativeKernel")  # fmt: skip
+
+
+def launch_lag(launches: dict[int, int], kernels: list[tuple[int, int]]) -> dict | None:
+    """How far the host runs ahead of the GPU: for each kernel, the time from its launch call on the host to its start
+    on the GPU (`launches`: correlation id -> launch ns; `kernels`: (correlation id, start ns)). A GPU with work queued
+    starts a kernel long after its launch; one that waits on the host starts it within microseconds, and then
+    whatever the host does between launches (Python, hooks) is on the critical path. None without pairs."""
+    lags = sorted((start - launches[corr]) / 1e6 for corr, start in kernels if corr in launches)
+    if not lags:
+        return None
+
+    def quantile(q: float) -> float:
+        return lags[min(len(lags) - 1, int(q * len(lags)))]
+
+    return {
+        "kernels": len(lags),
+        "paired_fraction": len(lags) / len(kernels),
+        "p10_ms": quantile(0.1),
+        "median_ms": quantile(0.5),
+        "p90_ms": quantile(0.9),
+        "within_0.1_ms": sum(lag < 0.1 for lag in lags) / len(lags),
+    }
+
+
+def profile_launch_lag(prof) -> dict | None:
+    """`launch_lag` of a torch profiler's kernels, from its Kineto events (None where it has none)."""
+    try:
+        events = prof.profiler.kineto_results.events()
+    except (AttributeError, RuntimeError):
+        return None
+    import torch
+
+    launches, kernels = {}, []
+    for e in events:
+        if e.device_type() == torch.autograd.DeviceType.CUDA:
+            if not e.is_user_annotation() and e.duration_ns() > 0:
+                kernels.append((e.correlation_id(), e.start_ns()))
+        elif e.name() in KERNEL_LAUNCHES:
+            launches[e.correlation_id()] = e.start_ns()
+    return launch_lag(launches, kernels)
 
 
 def _union_us(spans: list[tuple[float, float]]) -> float:

@@ -247,7 +247,8 @@ scaling)  # 8B at TRL's colocate defaults per GPU: TRL BF16 vs unified FP8 + FP8
   # of its own (TRL BF16 on 0-1, FP8 on 2-3 of four), into files collect_scaling takes as one side-by-side file.
   # SCALING_PROFILE_STEP=N: profile step N's training phase (kernels by category, NCCL exposed, GPU idle; the
   # medians then take the steps before it: SCALING_STEPS=3 SCALING_PROFILE_STEP=2 times step 1 and profiles step 2);
-  # SCALING_PROFILE_MICRO_BATCHES=N: only N of its micro-batches, after its first (a trace read in seconds).
+  # SCALING_PROFILE_MICRO_BATCHES=N: only N of its micro-batches, after its first (a trace read in seconds);
+  # SCALING_PROFILE_SCORING=1 with it: from the step's start, the scoring and the first micro-batch too.
   # SCALING_SHARE: vLLM's share (TRL's 0.3 by default; at 14B the BF16 weights alone exceed 0.3 of an 80 GB GPU, and
   # `trl-fp8 plan` fits both flows at 0.4).
   shape=${SCALING_SHAPE:-8b} share=${SCALING_SHARE:-0.3}
@@ -261,7 +262,8 @@ scaling)  # 8B at TRL's colocate defaults per GPU: TRL BF16 vs unified FP8 + FP8
       --completion_len 2048 --generation_batch 128 --micro_batch "${SCALING_MICRO_BATCH:-8}"
       --steps "${SCALING_STEPS:-3}" --warmup 1 --num_processes "$n" --launch_config "$cfg"
       ${SCALING_PROFILE_STEP:+--profile_step "$SCALING_PROFILE_STEP"}
-      ${SCALING_PROFILE_MICRO_BATCHES:+--profile_micro_batches "$SCALING_PROFILE_MICRO_BATCHES"})
+      ${SCALING_PROFILE_MICRO_BATCHES:+--profile_micro_batches "$SCALING_PROFILE_MICRO_BATCHES"}
+      ${SCALING_PROFILE_SCORING:+--profile_scoring})
     if [ -n "${SCALING_AT_ONCE:-}" ] && [ $((n * ${#runs[@]})) -le "$machine_gpus" ]; then
       files=()
       for i in "${!runs[@]}"; do  # a workdir each: the random model is written once per workdir

@@ -664,7 +664,14 @@ def test_profile_timeline_splits_a_phase_into_compute_exposed_communication_and_
 
     import torch
 
-    from benchmarks.common import UNTRACED_BEGIN, UNTRACED_END, kernel_breakdown, kernel_category, kernel_timeline
+    from benchmarks.common import (
+        SEGMENT_END,
+        UNTRACED_BEGIN,
+        UNTRACED_END,
+        kernel_breakdown,
+        kernel_category,
+        kernel_timeline,
+    )
 
     assert kernel_category("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)") == (
         "communication (NCCL)"
@@ -682,31 +689,57 @@ def test_profile_timeline_splits_a_phase_into_compute_exposed_communication_and_
     assert timeline["nccl_exposed_ms"] == pytest.approx(30 / 1e3)
     assert timeline["idle_ms"] == pytest.approx((400.5 - 300.5 - 30) / 1e3)
 
-    def event(name, start, end, device=torch.autograd.DeviceType.CUDA):
+    def event(name, start, end, device=torch.autograd.DeviceType.CUDA, annotation=False):
         return SimpleNamespace(key=name, name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end),
-                               self_device_time_total=end - start, count=1)  # fmt: skip
+                               self_device_time_total=end - start, count=1, is_user_annotation=annotation)  # fmt: skip
 
     cpu = torch.autograd.DeviceType.CPU
     events = [event(*k) for k in kernels] + [
         event(UNTRACED_BEGIN, 300.5, 300.6, cpu),
         event(UNTRACED_END, 1299, 1300, cpu),
+        # c10d's GPU-side annotation around its gather: it spans the NCCL kernel and is not a kernel of its own
+        event("nccl:_all_gather_base", 20, 60, annotation=True),
+        event("nccl:_all_gather_base", 100, 150, annotation=True),  # (one over the idle gap would hide it)
     ]
     prof = SimpleNamespace(key_averages=lambda: [e for e in events if e.device_type != cpu], events=lambda: events)
     breakdown = kernel_breakdown(prof)
     assert breakdown["timeline"] == pytest.approx(timeline)
     assert breakdown["kernel_ms_by_category"]["communication (NCCL)"] == pytest.approx(90 / 1e3)
+    assert "timeline_parts" not in breakdown
+
+    # A part's end marked at 140 us (bench_grpo: the scoring's): each part gets the timeline of its own kernels.
+    events.append(event(SEGMENT_END + "scoring", 140, 140.1, cpu))
+    parts = kernel_breakdown(prof, rest="micro_batches")["timeline_parts"]
+    assert parts["scoring"] == pytest.approx(kernel_timeline(kernels[:2]))
+    assert parts["micro_batches"] == pytest.approx(kernel_timeline(kernels[2:], untraced=[(300.5, 1300)]))
 
 
-@pytest.mark.parametrize("micro_batches", [None, 3, 9])
-def test_step_profiler_covers_the_step_or_the_micro_batches_after_its_first(micro_batches):
-    """bench_grpo --profile_step S [--profile_micro_batches N]: the whole training phase of step S, or N micro-batches
-    after its first (which also scores the rollout); asked for more than the step has, it stops at the step's end."""
+def test_launch_lag_says_whether_the_gpu_waits_on_the_host():
+    """Each kernel's start on the GPU against its launch on the host (paired by correlation id): a queue of work gives
+    long lags, a GPU waiting on the host starts kernels within microseconds of their launch."""
+    from benchmarks.common import launch_lag
+
+    launches = {1: 0, 2: 1_000_000, 3: 2_000_000, 4: 3_000_000}  # ns
+    queued = launch_lag(launches, [(1, 5_000_000), (2, 6_000_000), (3, 7_000_000), (4, 8_000_000), (9, 9_000_000)])
+    assert queued["kernels"] == 4 and queued["paired_fraction"] == 0.8  # kernel 9's launch fell outside the trace
+    assert queued["median_ms"] == pytest.approx(5.0) and queued["within_0.1_ms"] == 0
+    starved = launch_lag(launches, [(1, 20_000), (2, 1_030_000), (3, 2_010_000), (4, 3_500_000)])
+    assert starved["p10_ms"] == pytest.approx(0.01) and starved["within_0.1_ms"] == 0.75
+    assert starved["p90_ms"] == pytest.approx(0.5)
+    assert launch_lag(launches, [(7, 1)]) is None
+
+
+@pytest.mark.parametrize("micro_batches, scoring", [(None, False), (3, False), (9, False), (3, True)])
+def test_step_profiler_covers_the_step_or_the_micro_batches_after_its_first(micro_batches, scoring):
+    """bench_grpo --profile_step S [--profile_micro_batches N [--profile_scoring]]: the whole training phase of step S,
+    or N micro-batches after its first (which also scores the rollout), or those from the step's start; asked for
+    more than the step has, it stops at the step's end."""
     from types import SimpleNamespace
 
     from benchmarks.bench_grpo import StepProfiler
 
     events = []
-    profiler = StepProfiler(1, micro_batches, lambda: events.append("start"), lambda: events.append("stop"))
+    profiler = StepProfiler(1, micro_batches, lambda: events.append("start"), lambda: events.append("stop"), scoring)
     state = SimpleNamespace(global_step=0)
 
     def step(micro: int):  # as transformers' Trainer calls the callbacks for one optimizer step of `micro` batches
@@ -724,6 +757,8 @@ def test_step_profiler_covers_the_step_or_the_micro_batches_after_its_first(micr
     assert step0 == ["mb"] * 8 and events.count("start") == events.count("stop") == 1
     if micro_batches is None:
         assert step1 == ["start", *["mb"] * 8, "stop"]
+    elif scoring:
+        assert step1 == ["start", "mb", *["mb"] * micro_batches, "stop"] and profiler.profiled == micro_batches
     else:
         covered = min(micro_batches, 7)
         assert step1 == ["mb", "start", *["mb"] * covered, "stop"] and profiler.profiled == covered

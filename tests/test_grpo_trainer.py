@@ -589,6 +589,46 @@ def test_fsdp2_launches_are_accepted_and_keep_no_fp8_weight_cache(tmp_path, monk
     assert weight_sharding(make_args(tmp_path, fsdp=True)) == "FSDP2"  # transformers' default version
 
 
+def test_fsdp2_prefetch_layers_needs_an_fsdp2_launch_and_a_lead_of_one_or_more(tmp_path, monkeypatch):
+    """A lead that sets nothing is refused at once, naming the launch it needs (tests/test_multiprocess.py runs it
+    sharded)."""
+    with pytest.raises(ValueError, match="does not shard with FSDP2.*fsdp2.yaml"):
+        make_args(tmp_path, fsdp2_prefetch_layers=2)
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    with pytest.raises(ValueError, match="fsdp2_prefetch_layers=0: give 1 or more"):
+        make_args(tmp_path, fsdp2_prefetch_layers=0)
+    assert make_args(tmp_path, fsdp2_prefetch_layers=2).fsdp2_prefetch_layers == 2
+    from trl_fp8.trainer.mixin import _PrefetchFSDP2Units
+
+    with pytest.warns(UserWarning, match="has no effect: the model has no FSDP2 units"):  # e.g. accelerate on CPU
+        _PrefetchFSDP2Units(2).on_train_begin(None, SimpleNamespace(is_world_process_zero=True), None,
+                                              model=torch.nn.Linear(2, 2))  # fmt: skip
+
+
+def test_logprob_batch_size_scores_without_gradients_in_its_own_batches(model_dir, tmp_path, monkeypatch):
+    """`logprob_batch_size`: the old log-probs (num_iterations=2: scored once per generation, without gradients) go
+    through TRL's scoring loop that many sequences at a time; the training forward keeps TRL's micro-batch."""
+    from trl import GRPOTrainer
+
+    calls = []
+    trl_scoring = GRPOTrainer._get_per_token_logps_and_entropies
+
+    def recorded(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, *args, **kwargs):
+        calls.append((torch.is_grad_enabled(), input_ids.size(0), batch_size))
+        return trl_scoring(self, model, input_ids, attention_mask, logits_to_keep, batch_size, *args, **kwargs)
+
+    monkeypatch.setattr(GRPOTrainer, "_get_per_token_logps_and_entropies", recorded)
+    with pytest.raises(ValueError, match="logprob_batch_size=0: give 1 or more"):
+        make_args(tmp_path, logprob_batch_size=0)
+    trainer = make_trainer(model_dir, tmp_path, max_steps=1, num_iterations=2, logprob_batch_size=4)
+    trainer.train()
+    scoring = [c for c in calls if not c[0]]
+    training = [c for c in calls if c[0]]
+    assert scoring and all(batch == 4 for _, _, batch in scoring)
+    assert training and all(batch is None for _, _, batch in training)  # TRL's: its whole micro-batch at once
+
+
 def test_peft_under_fsdp2_is_refused_before_loading_the_model(tmp_path, monkeypatch):
     """The sync and the export merge each adapter into its whole base weight, which FSDP2 shards: refused at start-up
     (before the model loads and the engine starts), with DDP named as the launch that works."""

@@ -117,12 +117,14 @@ def test_the_demo_runs_under_torchrun_with_two_processes(tmp_path):
 
 
 def test_fp8_layers_train_sync_and_export_under_fsdp2(tmp_path):
-    """FP8Linear on FSDP2-sharded weights: training equals an unsharded replica bit for bit (losses, weights), the
-    tensors for vLLM are gathered one at a time and equal the replica's, and the export written by rank 0 from the
-    shards equals a one-process export of the replica, tensor for tensor."""
+    """FP8Linear on FSDP2-sharded weights, gathered two layers ahead: training equals an unsharded replica bit for bit
+    (losses, weights), the tensors for vLLM are gathered one at a time and equal the replica's, and the export written
+    by rank 0 from the shards equals a one-process export of the replica, tensor for tensor."""
     torchrun_two(WORKERS / "fsdp2_fp8_worker.py", tmp_path)
     r0, r1 = (json.loads((tmp_path / f"fsdp2_rank{r}.json").read_text()) for r in (0, 1))
     assert r0["sharded"] and r1["sharded"]  # the layers really held DTensor shards
+    # two layers ahead, forward and backward (fewer at the ends of the 4-layer stack), on every rank
+    assert r0["prefetched"] == 4 and r0["leads"] == r1["leads"] == [[2, 0], [2, 1], [1, 2], [0, 2]]
     for r in (r0, r1):
         assert r["losses"]["sharded"] == r["losses"]["replica"]
         assert r["params"]["sharded"] == r["params"]["replica"] != r["initial_params"]

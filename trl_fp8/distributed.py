@@ -31,6 +31,7 @@ __all__ = [
     "gather_whole",
     "grads_in_ddp_buckets",
     "is_sharded",
+    "prefetch_fsdp2_units",
     "reduce_over_ranks",
     "record_fsdp2_compute_dtypes",
     "shard_rows_align",
@@ -141,6 +142,25 @@ def record_fsdp2_compute_dtypes(model: nn.Module) -> int:
             _COMPUTE_DTYPES[id(param)] = (weakref.ref(param), cast or param.dtype)
             recorded += 1
     return recorded
+
+
+def prefetch_fsdp2_units(model: nn.Module, ahead: int) -> int:
+    """Have each FSDP2 unit of `model` below the root (the decoder layers, as accelerate wraps them) all-gather the
+    weights of the `ahead` units after it in forward, and of the `ahead` units before it in backward, as soon as its
+    own gather is done. FSDP2's own prefetch is one unit, issued when the host reaches it: FP8 layers compute a layer
+    in less time than BF16 ones, so a host that runs little ahead of the GPU leaves more of each gather exposed.
+    Each unit of lead holds one more layer's gathered weights. Returns how many units were set (0: not FSDP2)."""
+    if ahead < 1:
+        raise ValueError(f"fsdp2_prefetch_layers={ahead}: give 1 or more layers (or None for FSDP2's own prefetch).")
+    if not torch.distributed.is_available():
+        return 0
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
+    for i, unit in enumerate(units):
+        unit.set_modules_to_forward_prefetch(units[i + 1 : i + 1 + ahead])
+        unit.set_modules_to_backward_prefetch(units[max(0, i - ahead) : i][::-1])
+    return len(units)
 
 
 def compute_dtype(param: torch.Tensor) -> torch.dtype:

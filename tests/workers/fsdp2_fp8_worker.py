@@ -7,7 +7,7 @@ accelerate applies FSDP only on accelerators (on CPU it falls back to DDP), so t
 `fully_shard`, as accelerate does on GPUs: each decoder layer, then the root.
 
 fp32 (no mixed precision): every rank also trains an unsharded replica on the same batches; with identical batches on
-every rank FSDP2's averaged gradients equal the replica's. Writes `OUT_DIR/fsdp2_rank<r>.json` (losses, digests of
+every rank FSDP2's averaged gradients equal the replica's. Each layer gathers two layers ahead (`fsdp2_prefetch_layers`). Writes `OUT_DIR/fsdp2_rank<r>.json` (losses, digests of
 the whole parameters and of the FP8 tensors for vLLM, for both models) and, from rank 0, the two exports
 `OUT_DIR/sharded` and `OUT_DIR/replica`.
 
@@ -40,6 +40,7 @@ def main():
 
     from trl_fp8 import FP8LinearConfig, convert_to_fp8, save_fp8_checkpoint
     from trl_fp8.demo.tiny_model import tiny_qwen3
+    from trl_fp8.distributed import prefetch_fsdp2_units
     from trl_fp8.rollout.vllm.engine import rollout_weight_tensors
 
     out = Path(sys.argv[1])
@@ -55,6 +56,15 @@ def main():
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
+    # `fsdp2_prefetch_layers=2`: gathers issued two layers ahead change when weights arrive, never which
+    prefetched = prefetch_fsdp2_units(model, 2)
+    leads = [
+        [
+            len(layer._get_fsdp_state()._states_to_forward_prefetch),
+            len(layer._get_fsdp_state()._states_to_backward_prefetch),
+        ]
+        for layer in model.model.layers
+    ]
     sharded = isinstance(model.model.layers[0].mlp.down_proj.weight, DTensor)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=False) for m in (model, replica)]
     losses = {"sharded": [], "replica": []}
@@ -70,6 +80,8 @@ def main():
     record = {
         "rank": rank,
         "sharded": sharded,
+        "prefetched": prefetched,
+        "leads": leads,
         "losses": losses,
         "initial_params": initial,
         "params": {

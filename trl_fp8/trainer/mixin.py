@@ -40,6 +40,7 @@ from trl_fp8.distributed import (
     check_no_weight_sharding,
     check_sharding_supports,
     grads_in_ddp_buckets,
+    prefetch_fsdp2_units,
     reduce_over_ranks,
     zero_grads_in_buckets,
 )
@@ -131,6 +132,8 @@ class FP8TrainerMixin:
             super().__init__(model, reward_funcs, args, *trainer_args, **trainer_kwargs)
         if args.ddp_gradient_as_bucket_view:
             grads_in_ddp_buckets(self.accelerator)  # before train() wraps the model in DDP
+        if args.fsdp2_prefetch_layers is not None:
+            self.add_callback(_PrefetchFSDP2Units(args.fsdp2_prefetch_layers))
         if self.ref_model is not None and args.fp8_recipe is not None:
             self._convert(unwrap_model(self.ref_model), args)
             # Never trained (TRL scores with it under no_grad): frozen, its FP8 weights are quantized once, not at
@@ -383,6 +386,25 @@ def check_output_dir(model, output_dir: str) -> None:
             f"{problem} Give the trainer another output_dir (FP8GRPOConfig(output_dir=...)), e.g. "
             f"{Path(str(source).rstrip('/')).name}-fp8-grpo."
         )
+
+
+class _PrefetchFSDP2Units(TrainerCallback):
+    """`fsdp2_prefetch_layers`: set once accelerate has sharded the model (`fully_shard` works in place, so the
+    callback's `model` is the sharded one)."""
+
+    def __init__(self, ahead: int):
+        self.ahead = ahead
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        units = prefetch_fsdp2_units(model, self.ahead)
+        if units == 0:
+            warnings.warn(
+                f"fsdp2_prefetch_layers={self.ahead} has no effect: the model has no FSDP2 units (accelerate shards "
+                "with FSDP2 on GPUs only). Drop it, or launch with an FSDP2 config on GPUs.",
+                stacklevel=2,
+            )
+        elif state.is_world_process_zero:
+            logger.info("FSDP2: each of %d layers all-gathers the weights of the next %d ahead", units, self.ahead)
 
 
 class _InvalidateSyncedReference(TrainerCallback):
