@@ -95,6 +95,17 @@ def test_fsdp2_training_memory_per_gpu_falls_with_the_gpus(qwen3_8b, capsys):
     assert len({trainer[8][flow] for flow in trainer[8]}) == 1
 
 
+def test_fsdp2_prefetch_layers_holds_more_gathered_layers_in_the_fp8_rows(qwen3_8b, capsys):
+    """`--fsdp2_prefetch_layers 3` (trl-fp8's fsdp2_prefetch_layers): each FP8 rank holds two more decoder layers
+    gathered in BF16 than with FSDP2's own one-ahead prefetch; TRL's BF16 row keeps FSDP2's own."""
+    layer = counts()["layer"]
+    common = [qwen3_8b, "--gpu", "H100", "--num_processes", "4", "--launch", "fsdp2", "--optim", "adamw_torch_fused"]
+    own, ahead = (table(plan(capsys, *common, *extra)) for extra in ((), ("--fsdp2_prefetch_layers", "3")))
+    for flow in own:
+        grown = (ahead[flow][0] - own[flow][0]) * GiB
+        assert grown == pytest.approx(0 if flow == "BF16" else 2 * 2 * layer, abs=PRINT_STEP)
+
+
 def test_the_bf16_ddp_row_counts_the_bucket_copy_and_the_fp8_rows_do_not(qwen3_8b, capsys):
     n = counts()
     shape = ModelShape.from_config(QWEN3_8B)
@@ -213,8 +224,11 @@ def test_the_largest_layer_and_what_fsdp2_gathers_are_the_models_own(kind):
     tail = sum(p.numel() for p in model.lm_head.parameters()) + sum(p.numel() for p in model.model.norm.parameters())
     if kind == "tied":  # one unit with the input embedding, gathered through forward and backward
         assert fsdp2_gathered_params(shape) == tail + 2 * max(layers)
+        assert fsdp2_gathered_params(shape, prefetch_layers=2) == tail + 3 * max(layers)
     else:
         assert fsdp2_gathered_params(shape) == max(layers) + max(max(layers), tail)
+        # fsdp2_prefetch_layers=2: one more layer in flight
+        assert fsdp2_gathered_params(shape, prefetch_layers=2) == 2 * max(layers) + max(max(layers), tail)
 
 
 def test_the_fp8_rows_plan_the_weight_cache_as_the_trainer_chooses_it(qwen3_8b, capsys):

@@ -68,6 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--launch", choices=LAUNCHES, default="ddp",
                         help="with several processes: ddp replicates the model on every GPU, fsdp2 shards it as TRL's "
                         "fsdp2.yaml does (float32 masters, bf16 compute); ignored with one process")  # fmt: skip
+    parser.add_argument("--fsdp2_prefetch_layers", type=positive_int, default=1,
+                        help="with --launch fsdp2: the layers each FP8 flow's FSDP2 unit gathers ahead "
+                        "(fsdp2_prefetch_layers; 1 is FSDP2's own)")  # fmt: skip
     parser.add_argument("--trust_remote_code", action="store_true")
 
 
@@ -169,7 +172,7 @@ def _flow_row(shape, total: int, seq_len: int, args, launch: str, *, fp8_weights
     # The FP8 flows train with trl-fp8 (gradients in DDP's buckets by default), the BF16 one with TRL alone.
     parts = trainer_memory_per_gpu(
         shape, num_processes=args.num_processes, launch=launch, grads_in_ddp_buckets=fp8_weights,
-        optim=_launch_optim(args, launch), fp8_training=fp8_weights, lora=args.lora, micro_batch=args.micro_batch,
+        fsdp2_prefetch_layers=args.fsdp2_prefetch_layers if fp8_weights else 1, optim=_launch_optim(args, launch), fp8_training=fp8_weights, lora=args.lora, micro_batch=args.micro_batch,
         seq_len=seq_len, gradient_checkpointing=not args.no_gradient_checkpointing,
     )  # fmt: skip
     share = args.vllm_gpu_memory_utilization * total

@@ -278,12 +278,14 @@ def trainer_memory_per_gpu(
     num_processes: int = 1,
     launch: str = "ddp",
     grads_in_ddp_buckets: bool = True,
+    fsdp2_prefetch_layers: int = 1,
     **memory,
 ) -> dict[str, int]:
     """`trainer_memory_bytes` (whose options `memory` takes) of one GPU when `num_processes` training processes, one
     per GPU, train together: DDP replicates the model, FSDP2 shards it (`launch`, ignored with one process).
     `grads_in_ddp_buckets`: DDP's `gradient_as_bucket_view`, which trl-fp8's FP8GRPOConfig turns on
-    (`ddp_gradient_as_bucket_view`) and TRL's own GRPOTrainer leaves off."""
+    (`ddp_gradient_as_bucket_view`) and TRL's own GRPOTrainer leaves off. `fsdp2_prefetch_layers`: the layers each
+    FSDP2 unit gathers ahead (FP8GRPOConfig's option; 1 is FSDP2's own)."""
     if num_processes < 1:
         raise ValueError(f"num_processes must be at least 1, got {num_processes}.")
     if launch not in LAUNCHES:
@@ -292,7 +294,7 @@ def trainer_memory_per_gpu(
         return trainer_memory_bytes(shape, **memory)
     if launch == "ddp":
         return _ddp_rank(trainer_memory_bytes(shape, **memory), grads_in_ddp_buckets)
-    return _fsdp2_rank(shape, num_processes, memory)
+    return _fsdp2_rank(shape, num_processes, memory, fsdp2_prefetch_layers)
 
 
 def _ddp_rank(parts: dict[str, int], grads_in_buckets: bool) -> dict[str, int]:
@@ -304,22 +306,25 @@ def _ddp_rank(parts: dict[str, int], grads_in_buckets: bool) -> dict[str, int]:
             "nccl_buffers": NCCL_BUFFER_BYTES}  # fmt: skip
 
 
-def _fsdp2_rank(shape: ModelShape, num_processes: int, memory: dict) -> dict[str, int]:
+def _fsdp2_rank(shape: ModelShape, num_processes: int, memory: dict, prefetch_layers: int = 1) -> dict[str, int]:
     """An FSDP2 rank as TRL's fsdp2.yaml launches it: accelerate upcasts the trainable weights to float32 masters
     and computes in BF16; weights, gradients and optimizer states are sharded over the ranks, the units being
     computed are gathered whole in BF16 (`reshard_after_forward: true`), and trl-fp8 keeps no FP8 weight cache
     (it would undo the sharding)."""
     parts = trainer_memory_bytes(shape, **{**memory, "fp8_weight_cache": False}, master_weight_bytes=4)
     shards = {key: math.ceil(parts[key] / num_processes) for key in ("weights", "gradients", "optimizer")}
-    return {**parts, **shards, "gathered_units": 2 * fsdp2_gathered_params(shape), "nccl_buffers": NCCL_BUFFER_BYTES}
+    gathered = fsdp2_gathered_params(shape, prefetch_layers)
+    return {**parts, **shards, "gathered_units": 2 * gathered, "nccl_buffers": NCCL_BUFFER_BYTES}
 
 
-def fsdp2_gathered_params(shape: ModelShape) -> int:
+def fsdp2_gathered_params(shape: ModelShape, prefetch_layers: int = 1) -> int:
     """The most parameters an FSDP2 rank holds gathered at once, as accelerate 1.15 wraps a causal LM: each decoder
     layer is a unit, and so are the input embedding and a tail of the final norm and lm_head, which stays gathered
-    from the end of forward into backward. Forward and backward prefetch the next unit while one computes."""
+    from the end of forward into backward. Forward and backward prefetch the next unit while one computes (or the
+    next `prefetch_layers`: `fsdp2_prefetch_layers`)."""
     layer = shape.largest_layer_params or shape.linear_params // shape.num_layers  # 0: a hand-built shape's mean
     tail = shape.embedding_params + shape.hidden_size
     if shape.tied_embeddings:  # the tail then holds the input embedding too: gathered from the first layer on
-        return tail + 2 * layer
-    return layer + max(layer, tail)  # two layers, or the embedding (or the tail) beside the layer next to it
+        return tail + (1 + prefetch_layers) * layer
+    # the layers in flight, or the embedding (or the tail) beside the layers after (before) it
+    return prefetch_layers * layer + max(layer, tail)
