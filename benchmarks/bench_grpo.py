@@ -421,14 +421,28 @@ def run_one(args) -> None:
     settings = {k: getattr(args, k) for k in REGIME}
     row["rollout_floor"] = rollout_floor(row, settings, torch.cuda.get_device_name())
     row["planner"] = planned_kv_tokens(row, settings)
+    world = trainer.accelerator.num_processes
+    if args.profile_step is not None and world > 1:  # every rank profiled the same step: how each one spent it
+        profile["by_rank"] = ranks_profiles(profile, world)
     if profile:
         row["training_profile"] = profile
-    world = trainer.accelerator.num_processes
     row["processes"] = world
     row["completions_per_step"] = args.generation_batch * world
     row["completions_per_s"] = row["completions_per_step"] / row["step_time"]["step_s"]
     if trainer.accelerator.is_main_process:
         print(json.dumps(row), flush=True)
+
+
+def ranks_profiles(profile: dict, world: int) -> list[dict]:
+    """Each rank's timeline, launch lag and NCCL kernel spread of the profiled phase (a collective: every rank
+    calls it). A rank that waits on another shows it as NCCL time or idle time the others do not have."""
+    import torch.distributed as dist
+
+    mine = {key: profile.get(key) for key in ("timeline", "timeline_parts", "launch_lag")}
+    mine["nccl_kernels"] = {k: v for k, v in (profile.get("nccl_kernels") or {}).items() if k != "longest"}
+    gathered = [None] * world
+    dist.all_gather_object(gathered, mine)
+    return gathered
 
 
 def engine_experts_state(generation) -> dict:

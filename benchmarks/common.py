@@ -265,6 +265,8 @@ def kernel_breakdown(prof, top: int = 25, rest: str = "rest") -> dict:
         ends = sorted(e.time_range.end for e in events if e.name == UNTRACED_END)
         untraced = list(zip(begins, ends, strict=False))
         out["timeline"] = kernel_timeline(intervals, untraced=untraced)
+        if nccl := nccl_durations(intervals):
+            out["nccl_kernels"] = nccl
         marks = sorted(
             (e.time_range.start, e.name[len(SEGMENT_END) :]) for e in events if e.name.startswith(SEGMENT_END)
         )
@@ -358,6 +360,30 @@ def _union_us(spans: list[tuple[float, float]]) -> float:
             total += b - max(a, end)
             end = b
     return total
+
+
+def nccl_durations(intervals: list[tuple[str, float, float]], longest: int = 10) -> dict | None:
+    """The spread of a phase's NCCL kernel durations, from its kernels' `(name, start us, end us)`: a collective's
+    kernel runs from its launch on the GPU until every rank has joined and the data has moved, so kernels of one
+    size whose durations spread far apart wait on other ranks (or on the GPU's SMs) more than they move data. The
+    `longest` with their start (ms after the phase's first kernel). None without NCCL kernels."""
+    first = min(a for _, a, _ in intervals)
+    nccl = sorted(((b - a) / 1e3, (a - first) / 1e3, name) for name, a, b in intervals
+                  if kernel_category(name) == "communication (NCCL)")  # fmt: skip
+    if not nccl:
+        return None
+    durations = [d for d, _, _ in nccl]
+
+    def quantile(q: float) -> float:
+        return durations[min(len(durations) - 1, int(q * len(durations)))]
+
+    return {
+        "count": len(nccl),
+        "p10_ms": quantile(0.1),
+        "median_ms": quantile(0.5),
+        "p90_ms": quantile(0.9),
+        "longest": [{"ms": d, "at_ms": at, "name": name[:80]} for d, at, name in nccl[::-1][:longest]],
+    }
 
 
 def kernel_timeline(intervals: list[tuple[str, float, float]], untraced: list[tuple[float, float]] = ()) -> dict:

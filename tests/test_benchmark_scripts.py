@@ -706,6 +706,9 @@ def test_profile_timeline_splits_a_phase_into_compute_exposed_communication_and_
     assert breakdown["timeline"] == pytest.approx(timeline)
     assert breakdown["kernel_ms_by_category"]["communication (NCCL)"] == pytest.approx(90 / 1e3)
     assert "timeline_parts" not in breakdown
+    nccl = breakdown["nccl_kernels"]  # the gather (40 us, from 20) and the reduction (50 us, from 230)
+    assert nccl["count"] == 2 and nccl["p10_ms"] == pytest.approx(0.04) and nccl["p90_ms"] == pytest.approx(0.05)
+    assert [k["at_ms"] for k in nccl["longest"]] == pytest.approx([0.23, 0.02])
 
     # A part's end marked at 140 us (bench_grpo: the scoring's): each part gets the timeline of its own kernels.
     events.append(event(SEGMENT_END + "scoring", 140, 140.1, cpu))
@@ -762,3 +765,26 @@ def test_step_profiler_covers_the_step_or_the_micro_batches_after_its_first(micr
     else:
         covered = min(micro_batches, 7)
         assert step1 == ["mb", "start", *["mb"] * covered, "stop"] and profiler.profiled == covered
+
+
+def test_a_profiled_step_is_summed_up_for_every_rank(tmp_path):
+    """Under several processes every rank profiles the same step; rank 0's row holds each one's timeline, launch lag
+    and NCCL spread (the longest kernels' list stays with rank 0's own), gathered with one collective."""
+    import torch.distributed as dist
+
+    from benchmarks.bench_grpo import ranks_profiles
+
+    profile = {"timeline": {"span_ms": 5.0}, "launch_lag": {"median_ms": 0.01}, "top_kernels": [],
+               "nccl_kernels": {"count": 3, "median_ms": 1.0, "longest": [{"ms": 2.0}]}}  # fmt: skip
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        assert ranks_profiles(profile, 1) == [
+            {
+                "timeline": {"span_ms": 5.0},
+                "timeline_parts": None,
+                "launch_lag": {"median_ms": 0.01},
+                "nccl_kernels": {"count": 3, "median_ms": 1.0},
+            }  # fmt: skip
+        ]
+    finally:
+        dist.destroy_process_group()
