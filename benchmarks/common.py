@@ -318,7 +318,8 @@ def launch_lag(launches: dict[int, int], kernels: list[tuple[int, int]]) -> dict
     on the GPU (`launches`: correlation id -> launch ns; `kernels`: (correlation id, start ns)). A GPU with work queued
     starts a kernel long after its launch; one that waits on the host starts it within microseconds, and then
     whatever the host does between launches (Python, hooks) is on the critical path. None without pairs."""
-    lags = sorted((start - launches[corr]) / 1e6 for corr, start in kernels if corr in launches)
+    paired = [(start - launches[corr]) / 1e6 for corr, start in kernels if corr in launches]
+    lags = sorted(lag for lag in paired if lag >= 0)  # a kernel cannot start before its launch: a wrong pairing
     if not lags:
         return None
 
@@ -332,6 +333,7 @@ def launch_lag(launches: dict[int, int], kernels: list[tuple[int, int]]) -> dict
         "median_ms": quantile(0.5),
         "p90_ms": quantile(0.9),
         "within_0.1_ms": sum(lag < 0.1 for lag in lags) / len(lags),
+        "misordered": len(paired) - len(lags),  # should be 0: else the correlation ids do not pair as assumed
     }
 
 

@@ -730,6 +730,7 @@ def test_launch_lag_says_whether_the_gpu_waits_on_the_host():
     assert starved["p10_ms"] == pytest.approx(0.01) and starved["within_0.1_ms"] == 0.75
     assert starved["p90_ms"] == pytest.approx(0.5)
     assert launch_lag(launches, [(7, 1)]) is None
+    assert launch_lag(launches, [(2, 0), (3, 2_000_500)])["misordered"] == 1  # kernel 2 "before" its launch
 
 
 @pytest.mark.parametrize("micro_batches, scoring", [(None, False), (3, False), (9, False), (3, True)])
