@@ -136,11 +136,11 @@ def test_fp8_layers_train_sync_and_export_under_fsdp2(tmp_path):
 
 
 def test_fsdp2_with_bf16_compute_pushes_and_exports_the_fp8_weights_the_forward_multiplies(tmp_path):
-    """accelerate's FSDP2 units and policy (fp32 masters, BF16 compute): the FP8 KV cache's scales can be measured by
-    the run's first forward; the FP8 tensors for vLLM and the export are the blocks the forward quantized from the
-    BF16 all-gathered weight, bit for bit, on every rank; quantizing the fp32 masters (the rule the sync must not
-    follow) gives other bits. Shards holding whole 128-row blocks gather FP8 data and scales; the others (k/v: 128
-    rows over 2 ranks) gather the BF16 weight, with the same result."""
+    """accelerate's FSDP2 units and policy (fp32 masters, BF16 compute), each unit gathering two ahead: the FP8 KV
+    cache's scales can be measured by the run's first forward; the FP8 tensors for vLLM and the export are the
+    blocks the forward quantized from the BF16 all-gathered weight, bit for bit, on every rank; quantizing the fp32
+    masters (the rule the sync must not follow) gives other bits. Shards holding whole 128-row blocks gather FP8
+    data and scales; the others (k/v: 128 rows over 2 ranks) gather the BF16 weight, with the same result."""
     torchrun_two(WORKERS / "fsdp2_fp8_worker.py", tmp_path, "bf16")
     r0, r1 = (json.loads((tmp_path / f"fsdp2_bf16_rank{r}.json").read_text()) for r in (0, 1))
     for r in (r0, r1):
@@ -153,6 +153,8 @@ def test_fsdp2_with_bf16_compute_pushes_and_exports_the_fp8_weights_the_forward_
             f"model.layers.{i}.self_attn.{p}" for i in range(4) for p in ("k_proj", "v_proj")
         }
     assert r0["pushed_fp8"] == r1["pushed_fp8"]
+    # gathered two layers ahead over accelerate's units: the embedding, 4 layers, the norm with lm_head (one unit)
+    assert r0["prefetched"] == r1["prefetched"] == 6
     assert r0["reduced"] == r1["reduced"] == {"peak": 1, "preemptions": 3, "tokens": 9}  # metrics every rank logs
     # KV-cache scales measured before any training forward, through accelerate's units: q, k and v of every layer
     assert r0["kv_scales"] == r1["kv_scales"]

@@ -145,9 +145,9 @@ def record_fsdp2_compute_dtypes(model: nn.Module) -> int:
 
 
 def prefetch_fsdp2_units(model: nn.Module, ahead: int) -> int:
-    """Have each FSDP2 unit of `model` below the root (the decoder layers, as accelerate wraps them) all-gather the
-    weights of the `ahead` units after it in forward, and of the `ahead` units before it in backward, as soon as its
-    own gather is done. FSDP2's own prefetch is one unit, issued when the host reaches it: FP8 layers compute a layer
+    """Have each FSDP2 unit of `model` below the root (as accelerate wraps a causal LM: the input embedding, each
+    decoder layer, the final norm with lm_head) all-gather the weights of the `ahead` units after it in forward, and
+    of the `ahead` units before it in backward, as soon as its own gather is done. FSDP2's own prefetch is one unit, issued when the host reaches it: FP8 layers compute a layer
     in less time than BF16 ones, so a host that runs little ahead of the GPU leaves more of each gather exposed.
     Each unit of lead holds one more layer's gathered weights. Returns how many units were set (0: not FSDP2)."""
     if ahead < 1:
@@ -156,7 +156,11 @@ def prefetch_fsdp2_units(model: nn.Module, ahead: int) -> int:
         return 0
     from torch.distributed.fsdp import FSDPModule
 
-    units = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
+    units, states = [], {id(model._get_fsdp_state())} if isinstance(model, FSDPModule) else set()
+    for module in model.modules():  # in forward order; modules sharded together (accelerate's tail) share one state
+        if isinstance(module, FSDPModule) and id(state := module._get_fsdp_state()) not in states:
+            states.add(id(state))
+            units.append(module)
     for i, unit in enumerate(units):
         unit.set_modules_to_forward_prefetch(units[i + 1 : i + 1 + ahead])
         unit.set_modules_to_backward_prefetch(units[max(0, i - ahead) : i][::-1])

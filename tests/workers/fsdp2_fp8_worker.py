@@ -156,7 +156,7 @@ def mixed_precision(out: Path, moe: bool = False, hsdp: bool = False):
 
     from trl_fp8 import FP8Linear, FP8LinearConfig, convert_to_fp8, save_fp8_checkpoint
     from trl_fp8.demo.tiny_model import tiny_qwen3
-    from trl_fp8.distributed import fp8_shards_align, reduce_over_ranks
+    from trl_fp8.distributed import fp8_shards_align, prefetch_fsdp2_units, reduce_over_ranks
     from trl_fp8.nn.experts import FP8Experts
     from trl_fp8.rollout.kv_scales import AttentionScaleObserver, observe_prompts
     from trl_fp8.rollout.vllm.engine import rollout_weight_tensors
@@ -175,6 +175,9 @@ def mixed_precision(out: Path, moe: bool = False, hsdp: bool = False):
 
         mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("replicate", "shard"))
     model = shard_like_accelerate(model, policy, mesh)
+    # fsdp2_prefetch_layers=2 over accelerate's units (the embedding, each layer, the norm with lm_head): the FP8
+    # blocks checked below are the same
+    prefetched = prefetch_fsdp2_units(model, 2) if not (moe or hsdp) else None
     # The FP8 KV cache's scales are measured before the first rollout, by the first forward of the run: it must enter
     # through the root unit (a decoder entered alone made every unit a root, and accelerate's tail unit refused).
     observer = AttentionScaleObserver(model)
@@ -216,6 +219,7 @@ def mixed_precision(out: Path, moe: bool = False, hsdp: bool = False):
         copies[str(dtype)] = one
     record_ = {
         "rank": rank,
+        "prefetched": prefetched,
         "aligned": aligned,
         "used_fp8": tensor_digest(sorted((k, v) for k, v in pushed.items() if k in used)),
         "forward_fp8": tensor_digest(sorted(used.items())),
