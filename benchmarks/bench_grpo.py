@@ -83,7 +83,8 @@ RUNS = {  # run: (trainer, fp8_recipe, rollout_precision, fp8 KV cache, training
     # MoE: every sync takes vLLM's layerwise reload for the experts too (the in-place expert write off), to compare
     "unified_experts_reload": ("trl_fp8", "blockwise", "fp8", False, "auto", None),
     "fp8_defaults": ("trl_fp8", "blockwise", "fp8", False, "auto", None),  # + use_liger_kernel left unset
-    # FSDP2's all-gathers: gathered two layers ahead, old log-probs scored 16 sequences a forward, and both
+    # FSDP2's all-gathers and the host: gathered two layers ahead, old log-probs scored 16 sequences a forward, and
+    # both with q/k/v and gate/up as one GEMM each (fewer launches per layer where the host bounds the step)
     "unified_fp8kv_liger_prefetch2": ("trl_fp8", "blockwise", "fp8", True, "auto", None),
     "unified_fp8kv_liger_logprob16": ("trl_fp8", "blockwise", "fp8", True, "auto", None),
     "unified_fp8kv_liger_fsdp2": ("trl_fp8", "blockwise", "fp8", True, "auto", None),
@@ -108,7 +109,12 @@ RUN_OPTIONS = {  # further (FP8)GRPOConfig fields of a run
     "fp8_defaults": {"use_liger_kernel": None},  # FP8GRPOTrainer's own start-up choice
     "unified_fp8kv_liger_prefetch2": {"fsdp2_prefetch_layers": 2, **LIGER},
     "unified_fp8kv_liger_logprob16": {"logprob_batch_size": 16, **LIGER},
-    "unified_fp8kv_liger_fsdp2": {"fsdp2_prefetch_layers": 2, "logprob_batch_size": 16, **LIGER},
+    "unified_fp8kv_liger_fsdp2": {
+        "fsdp2_prefetch_layers": 2,
+        "logprob_batch_size": 16,
+        "fp8_fuse_sibling_gemms": True,
+        **LIGER,
+    },
 }
 
 

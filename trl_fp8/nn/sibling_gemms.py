@@ -117,8 +117,13 @@ class FP8SiblingGroup:
 
     @staticmethod
     def _quantize_stacked(members: list[FP8Linear], weights: list[torch.Tensor]) -> FP8Weight:
-        """Each member's weight quantized alone, written into its rows of one stack (at most one member's copy beside
-        it)."""
+        """The members' weights quantized into one stack: the same blocks as each weight alone (their rows are
+        multiples of 128). Quantized at every forward (no cache, as under FSDP2), the weights are stacked first and
+        quantized by one kernel: two launches, not one quantization and two copies per member. Cached (once per
+        optimizer step), each is quantized alone and written into its rows: at most one member's copy beside the
+        stack."""
+        if not members[0].fp8_config.cache_quantized_weight:
+            return members[0]._quantize(torch.cat([w.detach() for w in weights]))
         total = sum(m.out_features for m in members)
         q = scale_inv = first = None
         row = 0
