@@ -50,3 +50,22 @@ def test_rloo_refuses_what_it_cannot_do(model_dir, tmp_path):
         rloo_args(tmp_path, tis="token")  # RLOO has no rollout correction: the option does not exist
     with pytest.raises(ValueError, match="fp8_kv_cache sets vLLM's KV cache dtype; it needs use_vllm=True"):
         rloo_args(tmp_path, fp8_kv_cache=True)
+
+
+def test_rloo_scores_without_gradients_logprob_batch_size_sequences_at_a_time(model_dir, tmp_path, monkeypatch):
+    """`logprob_batch_size` (shared with FP8GRPOConfig): RLOO's old log-probs go through TRL's scoring loop that many
+    sequences at a time; its training forward keeps TRL's."""
+    from trl import RLOOTrainer
+
+    calls = []
+    trl_scoring = RLOOTrainer._get_per_token_logps_and_entropies
+
+    def recorded(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, *args, **kwargs):
+        calls.append((torch.is_grad_enabled(), batch_size))
+        return trl_scoring(self, model, input_ids, attention_mask, logits_to_keep, batch_size, *args, **kwargs)
+
+    monkeypatch.setattr(RLOOTrainer, "_get_per_token_logps_and_entropies", recorded)
+    args = rloo_args(tmp_path, max_steps=1, logprob_batch_size=4)
+    FP8RLOOTrainer(model_dir, say_letter_reward, args, train_dataset=say_letter_dataset(64)).train()
+    assert {batch for grad, batch in calls if not grad} == {4}
+    assert calls and all(batch != 4 for grad, batch in calls if grad)

@@ -20,6 +20,7 @@ def params(func) -> list[str]:
     return list(inspect.signature(func).parameters)
 
 
+LOGPS_PARAMS = ["self", "model", "input_ids", "attention_mask", "logits_to_keep", "batch_size"]
 # Hooks the trainers override: (class, name, the leading parameters the override relies on)
 HOOKS = [
     (GRPOTrainer, "_generate_single_turn", ["self", "prompt_ids"]),
@@ -27,11 +28,8 @@ HOOKS = [
     (GRPOTrainer, "_generate_and_score_completions", ["self", "inputs"]),
     (RLOOTrainer, "_generate_and_score_completions", ["self", "inputs"]),
     (GRPOTrainer, "_compute_loss", ["self", "model", "inputs"]),
-    (
-        GRPOTrainer,
-        "_get_per_token_logps_and_entropies",
-        ["self", "model", "input_ids", "attention_mask", "logits_to_keep", "batch_size"],
-    ),  # fmt: skip
+    (GRPOTrainer, "_get_per_token_logps_and_entropies", LOGPS_PARAMS),
+    (RLOOTrainer, "_get_per_token_logps_and_entropies", LOGPS_PARAMS),
     (GRPOTrainer, "_save_checkpoint", ["self", "model", "trial"]),
     (RLOOTrainer, "_save_checkpoint", ["self", "model", "trial"]),
     (transformers.Trainer, "train", ["self", "resume_from_checkpoint"]),

@@ -68,6 +68,11 @@ class FP8TrainingArguments:
             `set_modules_to_backward_prefetch`). `None`: FSDP2's own, one layer ahead once the host reaches it. FP8
             layers compute faster than BF16 ones, which leaves more of each gather exposed; every layer of lead
             holds one more layer's gathered weights.
+        logprob_batch_size (int | None): Sequences per forward when the trainer scores rollouts without gradients (old
+            and reference log-probs, the mismatch metrics), as NeMo RL's `logprob_batch_size` and veRL's
+            `log_prob_micro_batch_size_per_gpu`. `None`: TRL's `per_device_train_batch_size`. Nothing is kept for
+            backward and TRL's log-prob head never holds whole logits, so a larger batch costs little memory; it runs
+            fewer, larger GEMMs and, under FSDP2, gathers every weight fewer times.
         ddp_gradient_as_bucket_view (bool): Under DDP, let each gradient live in DDP's all-reduce bucket instead of
             beside a copy of it (PyTorch's `gradient_as_bucket_view`): two bytes per BF16 parameter given back, 16 GB
             at 8B, the same gradients.
@@ -171,6 +176,13 @@ class FP8TrainingArguments:
         metadata={
             "help": "Under FSDP2: all-gather each decoder layer's weights this many layers before it runs, in forward "
             "and backward. Unset: FSDP2's own prefetch (one layer ahead).",
+        },
+    )
+    logprob_batch_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "Sequences per forward when scoring rollouts without gradients (old and reference log-probs). "
+            "Unset: per_device_train_batch_size, as TRL does.",
         },
     )
     ddp_gradient_as_bucket_view: bool = field(
@@ -282,6 +294,11 @@ class FP8TrainingArguments:
                 "unset: one process per CPU core)."
             )
         self._refuse_settings_without_effect()
+        if self.logprob_batch_size is not None and self.logprob_batch_size < 1:
+            raise ValueError(
+                f"logprob_batch_size={self.logprob_batch_size}: give 1 or more sequences per scoring forward, or leave "
+                "it unset for per_device_train_batch_size."
+            )
         if self.fsdp2_prefetch_layers is not None:
             from trl_fp8.distributed import weight_sharding
 
@@ -451,11 +468,6 @@ class FP8GRPOConfig(FP8TrainingArguments, GRPOConfig):
             `token_truncate` mode with vLLM; applied by this trainer to any other rollout that returns its own
             log-probs). `"off"`: no correction. `None`: leave TRL's `vllm_importance_sampling_*` fields as they are.
         tis_cap (float): Upper clip of the token ratio (veRL and NeMo RL use 2.0 for FP8 rollouts).
-        logprob_batch_size (int | None): Sequences per forward when the trainer scores rollouts without gradients (old
-            and reference log-probs, the mismatch metrics), as NeMo RL's `logprob_batch_size` and veRL's
-            `log_prob_micro_batch_size_per_gpu`. `None`: TRL's `per_device_train_batch_size`. Nothing is kept for
-            backward and TRL's log-prob head never holds whole logits, so a larger batch costs little memory; it runs
-            fewer, larger GEMMs and, under FSDP2, gathers every weight fewer times.
     """
 
     log_rollout_mismatch: bool = field(
@@ -472,13 +484,6 @@ class FP8GRPOConfig(FP8TrainingArguments, GRPOConfig):
     tis_cap: float = field(
         default=2.0, metadata={"help": "Upper clip of the token-level importance ratio (veRL/NeMo RL use 2.0)."}
     )
-    logprob_batch_size: int | None = field(
-        default=None,
-        metadata={
-            "help": "Sequences per forward when scoring rollouts without gradients (old and reference log-probs). "
-            "Unset: per_device_train_batch_size, as TRL does.",
-        },
-    )
 
     def __post_init__(self):
         if isinstance(self.tis, str) and self.tis.lower() in ("none", "null", ""):
@@ -488,11 +493,6 @@ class FP8GRPOConfig(FP8TrainingArguments, GRPOConfig):
         if not self.tis_cap > 1.0:
             raise ValueError(
                 f"tis_cap must be > 1 (a cap at or below 1 down-weights every token), got {self.tis_cap}."
-            )
-        if self.logprob_batch_size is not None and self.logprob_batch_size < 1:
-            raise ValueError(
-                f"logprob_batch_size={self.logprob_batch_size}: give 1 or more sequences per scoring forward, or leave "
-                "it unset for per_device_train_batch_size."
             )
         self._check_fp8_fields()
         self._refuse_tis_conflicts()

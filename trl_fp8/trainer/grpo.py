@@ -3,8 +3,7 @@ plus what GRPO adds: the trainer-vs-rollout mismatch and token-level TIS.
 
 - `_generate_and_score_completions`: logs the mismatch (`fp8/mismatch/*`) and, where TRL has no importance
   sampling of its own (rollouts with log-probs but without vLLM), adds the token TIS ratio to the batch;
-- `_compute_loss`: lets TRL apply that ratio with its own code (and not apply it when TIS is off);
-- `_get_per_token_logps_and_entropies`: scores without gradients `logprob_batch_size` sequences at a time.
+- `_compute_loss`: lets TRL apply that ratio with its own code (and not apply it when TIS is off).
 """
 
 from __future__ import annotations
@@ -102,16 +101,6 @@ class FP8GRPOTrainer(FP8TrainerMixin, GRPOTrainer):
             self.model, input_ids, attention_mask, output["completion_ids"].size(1), batch_size=batch_size
         )
         return logps
-
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
-                                           *args, **kwargs):  # fmt: skip
-        # Scoring without gradients (old and reference log-probs) takes `logprob_batch_size` sequences at a time;
-        # the training forward keeps TRL's micro-batch.
-        if self.args.logprob_batch_size is not None and not torch.is_grad_enabled():
-            batch_size = self.args.logprob_batch_size
-        return super()._get_per_token_logps_and_entropies(
-            model, input_ids, attention_mask, logits_to_keep, batch_size, *args, **kwargs
-        )
 
     def _compute_loss(self, model, inputs):
         if not (self._tis_without_vllm and "importance_sampling_ratio" in inputs):

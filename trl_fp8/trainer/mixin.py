@@ -152,6 +152,16 @@ class FP8TrainerMixin:
         with liger_patches_kept_on_the_model(self.model) if liger else contextlib.nullcontext():
             return super().train(*args, **kwargs)
 
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           *args, **kwargs):  # fmt: skip
+        # Scoring without gradients (old and reference log-probs) takes `logprob_batch_size` sequences at a time;
+        # the training forward keeps TRL's micro-batch.
+        if self.args.logprob_batch_size is not None and not torch.is_grad_enabled():
+            batch_size = self.args.logprob_batch_size
+        return super()._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, logits_to_keep, batch_size, *args, **kwargs
+        )
+
     def _check_start_up(self, args, trainer_kwargs: dict) -> None:
         """Refuse, before the model loads, what this trainer's own options cannot do (a trainer adds its checks)."""
 
