@@ -313,6 +313,12 @@ KERNEL_LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", 
                    "cudaLaunchCooperativeKernel")  # fmt: skip
 
 
+def spread_ms(ascending: list[float]) -> dict[str, float]:
+    """The 10th, 50th and 90th percentiles of values already sorted (the value at that rank, none interpolated)."""
+    at = {"p10_ms": 0.1, "median_ms": 0.5, "p90_ms": 0.9}
+    return {key: ascending[min(len(ascending) - 1, int(q * len(ascending)))] for key, q in at.items()}
+
+
 def launch_lag(launches: dict[int, int], kernels: list[tuple[int, int]]) -> dict | None:
     """How far the host runs ahead of the GPU: for each kernel, the time from its launch call on the host to its start
     on the GPU (`launches`: correlation id -> launch ns; `kernels`: (correlation id, start ns)). A GPU with work queued
@@ -322,16 +328,10 @@ def launch_lag(launches: dict[int, int], kernels: list[tuple[int, int]]) -> dict
     lags = sorted(lag for lag in paired if lag >= 0)  # a kernel cannot start before its launch: a wrong pairing
     if not lags:
         return None
-
-    def quantile(q: float) -> float:
-        return lags[min(len(lags) - 1, int(q * len(lags)))]
-
     return {
         "kernels": len(lags),
         "paired_fraction": len(lags) / len(kernels),
-        "p10_ms": quantile(0.1),
-        "median_ms": quantile(0.5),
-        "p90_ms": quantile(0.9),
+        **spread_ms(lags),
         "within_0.1_ms": sum(lag < 0.1 for lag in lags) / len(lags),
         "misordered": len(paired) - len(lags),  # should be 0: else the correlation ids do not pair as assumed
     }
@@ -374,16 +374,9 @@ def nccl_durations(intervals: list[tuple[str, float, float]], longest: int = 10)
                   if kernel_category(name) == "communication (NCCL)")  # fmt: skip
     if not nccl:
         return None
-    durations = [d for d, _, _ in nccl]
-
-    def quantile(q: float) -> float:
-        return durations[min(len(durations) - 1, int(q * len(durations)))]
-
     return {
         "count": len(nccl),
-        "p10_ms": quantile(0.1),
-        "median_ms": quantile(0.5),
-        "p90_ms": quantile(0.9),
+        **spread_ms([d for d, _, _ in nccl]),
         "longest": [{"ms": d, "at_ms": at, "name": name[:80]} for d, at, name in nccl[::-1][:longest]],
     }
 

@@ -147,9 +147,10 @@ def record_fsdp2_compute_dtypes(model: nn.Module) -> int:
 def prefetch_fsdp2_units(model: nn.Module, ahead: int) -> int:
     """Have each FSDP2 unit of `model` below the root (as accelerate wraps a causal LM: the input embedding, each
     decoder layer, the final norm with lm_head) all-gather the weights of the `ahead` units after it in forward, and
-    of the `ahead` units before it in backward, as soon as its own gather is done. FSDP2's own prefetch is one unit, issued when the host reaches it: FP8 layers compute a layer
-    in less time than BF16 ones, so a host that runs little ahead of the GPU leaves more of each gather exposed.
-    Each unit of lead holds one more layer's gathered weights. Returns how many units were set (0: not FSDP2)."""
+    of the `ahead` units before it in backward, as soon as its own gather is done. FSDP2's own prefetch is one unit,
+    issued when the host reaches it: FP8 layers compute a layer in less time than BF16 ones, so a host that runs
+    little ahead of the GPU leaves more of each gather exposed. Each unit of lead holds one more layer's gathered
+    weights. Returns how many units were set (0: not FSDP2)."""
     if ahead < 1:
         raise ValueError(f"fsdp2_prefetch_layers={ahead}: give 1 or more layers (or None for FSDP2's own prefetch).")
     if not torch.distributed.is_available():

@@ -172,8 +172,9 @@ def _flow_row(shape, total: int, seq_len: int, args, launch: str, *, fp8_weights
     # The FP8 flows train with trl-fp8 (gradients in DDP's buckets by default), the BF16 one with TRL alone.
     parts = trainer_memory_per_gpu(
         shape, num_processes=args.num_processes, launch=launch, grads_in_ddp_buckets=fp8_weights,
-        fsdp2_prefetch_layers=args.fsdp2_prefetch_layers if fp8_weights else 1, optim=_launch_optim(args, launch), fp8_training=fp8_weights, lora=args.lora, micro_batch=args.micro_batch,
-        seq_len=seq_len, gradient_checkpointing=not args.no_gradient_checkpointing,
+        fsdp2_prefetch_layers=args.fsdp2_prefetch_layers if fp8_weights else 1, optim=_launch_optim(args, launch),
+        fp8_training=fp8_weights, lora=args.lora, micro_batch=args.micro_batch, seq_len=seq_len,
+        gradient_checkpointing=not args.no_gradient_checkpointing,
     )  # fmt: skip
     share = args.vllm_gpu_memory_utilization * total
     if parts.get("fp8_weight_cache") and (

@@ -285,7 +285,7 @@ def trainer_memory_per_gpu(
     per GPU, train together: DDP replicates the model, FSDP2 shards it (`launch`, ignored with one process).
     `grads_in_ddp_buckets`: DDP's `gradient_as_bucket_view`, which trl-fp8's FP8GRPOConfig turns on
     (`ddp_gradient_as_bucket_view`) and TRL's own GRPOTrainer leaves off. `fsdp2_prefetch_layers`: the layers each
-    FSDP2 unit gathers ahead (FP8GRPOConfig's option; 1 is FSDP2's own)."""
+    FSDP2 unit gathers ahead (the FP8 configs' option; 1 is FSDP2's own)."""
     if num_processes < 1:
         raise ValueError(f"num_processes must be at least 1, got {num_processes}.")
     if launch not in LAUNCHES:

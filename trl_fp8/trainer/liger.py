@@ -88,14 +88,16 @@ def liger_patches_kept_on_the_model(model: nn.Module):
     fail on CPU (a saved model reloaded for evaluation). On exit the module gets its own names back: the trained model
     keeps Liger's RMSNorm and SwiGLU modules, and its RoPE is transformers' again (the same function)."""
     module = modeling_module(model)
-    before = dict(vars(module)) if module is not None else {}
+    if module is None:
+        yield
+        return
+    before = dict(vars(module))
     try:
         yield
     finally:
-        if module is not None:
-            now = vars(module)
-            for name in [name for name in now if name not in before]:
-                delattr(module, name)
-            for name, value in before.items():
-                if now.get(name) is not value:
-                    setattr(module, name, value)
+        now = vars(module)
+        for name in [name for name in now if name not in before]:
+            delattr(module, name)
+        for name, value in before.items():
+            if now.get(name) is not value:
+                setattr(module, name, value)
