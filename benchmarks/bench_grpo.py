@@ -20,6 +20,8 @@ Runs (one child process each, vLLM colocated, same model, prompts, batch and 1k-
   memory that copy costs, against the time it saves);
 - `bf16_compiled`, `unified_compiled`, `unified_fp8kv_compiled`: BF16 training (FP8GRPOTrainer without FP8 layers,
   BF16 rollouts) and the unified flows with every decoder layer compiled (`compile_decoder_layers=True`);
+  `unified_fp8kv_compiled_liger` adds TRL's Liger GRPO loss (lm_head and loss fused) and leaves the norms, RoPE and
+  SwiGLU inside the layers to the compiler (`liger_kernel_config`);
 - `unified_fused`: `unified` with q/k/v and gate/up as one FP8 GEMM per pass and SiLU·mul fused into
   `down_proj`'s input quantization (`fp8_fuse_sibling_gemms=True, fp8_fuse_swiglu=True`);
 - `fp8_defaults`: `FP8GRPOConfig` left to its defaults (what a user who sets nothing gets: Liger's kernels where
@@ -75,6 +77,7 @@ RUNS = {  # run: (trainer, fp8_recipe, rollout_precision, fp8 KV cache, training
     "bf16_compiled": ("trl_fp8", "none", "bf16", False, "auto", None),
     "unified_compiled": ("trl_fp8", "blockwise", "fp8", False, "auto", None),
     "unified_fp8kv_compiled": ("trl_fp8", "blockwise", "fp8", True, "auto", None),
+    "unified_fp8kv_compiled_liger": ("trl_fp8", "blockwise", "fp8", True, "auto", None),
     # partial checkpointing (transformers' every_n_layers; TRL 1.16's own trainer fails with it, ours keeps it)
     "bf16_ckpt2": ("trl_fp8", "none", "bf16", False, "auto", None),
     "unified_ckpt2": ("trl_fp8", "blockwise", "fp8", False, "auto", None),
@@ -102,6 +105,12 @@ RUN_OPTIONS = {  # further (FP8)GRPOConfig fields of a run
     "bf16_compiled": {"compile_decoder_layers": True},
     "unified_compiled": {"compile_decoder_layers": True},
     "unified_fp8kv_compiled": {"compile_decoder_layers": True},
+    # Liger's loss outside the compiled layers; inside them Inductor fuses what Liger's kernels would
+    "unified_fp8kv_compiled_liger": {
+        "compile_decoder_layers": True,
+        **LIGER,
+        "liger_kernel_config": {"rope": False, "rms_norm": False, "swiglu": False},
+    },
     "bf16_ckpt2": {"gradient_checkpointing_kwargs": {"every_n_layers": 2}},
     "unified_ckpt2": {"gradient_checkpointing_kwargs": {"every_n_layers": 2}},
     "unified_ckpt4": {"gradient_checkpointing_kwargs": {"every_n_layers": 4}},

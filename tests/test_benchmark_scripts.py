@@ -789,3 +789,21 @@ def test_a_profiled_step_is_summed_up_for_every_rank(tmp_path):
         ]
     finally:
         dist.destroy_process_group()
+
+
+def test_every_grpo_run_sets_only_fields_the_configs_have():
+    """A misspelt option of a `bench_grpo` run would fail only on the GPU host, after minutes of set-up: each run's
+    options are fields of the config its trainer takes (TRL's runs: `GRPOConfig`; ours: `FP8GRPOConfig`)."""
+    from dataclasses import fields
+
+    from trl import GRPOConfig
+
+    from benchmarks.bench_grpo import RUN_OPTIONS, RUNS
+    from trl_fp8 import FP8GRPOConfig
+
+    assert set(RUN_OPTIONS) <= set(RUNS)
+    for run, options in RUN_OPTIONS.items():
+        config = GRPOConfig if RUNS[run][0] == "trl" else FP8GRPOConfig
+        assert set(options) <= {f.name for f in fields(config)}, run
+    liger_qwen3_options = {"rope", "rms_norm", "swiglu", "cross_entropy", "fused_linear_cross_entropy"}
+    assert RUN_OPTIONS["unified_fp8kv_compiled_liger"]["liger_kernel_config"].keys() <= liger_qwen3_options

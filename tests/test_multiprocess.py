@@ -166,6 +166,21 @@ def test_fsdp2_with_bf16_compute_pushes_and_exports_the_fp8_weights_the_forward_
         assert torch.equal(t.view(torch.uint8), one[name].view(torch.uint8)), name
 
 
+def test_compiled_decoder_layers_train_under_fsdp2_as_eager_ones(tmp_path):
+    """`compile_decoder_layers` with FSDP2 (accelerate's units and BF16 policy, two layers gathered ahead): the layers
+    compiled at start-up, before sharding, train bit for bit as eager ones (Dynamo's aot_eager backend runs the same
+    ops), so FSDP2's gathers and reduce-scatters reach the compiled layers' FP8 weights and gradients."""
+    torchrun_two(WORKERS / "fsdp2_fp8_worker.py", tmp_path, "compiled_bf16")
+    r0, r1 = (json.loads((tmp_path / f"fsdp2_compiled_rank{r}.json").read_text()) for r in (0, 1))
+    print("Dynamo graphs per rank:", r0["graphs"], r1["graphs"])
+    for r in (r0, r1):
+        assert r["compiled_layers"] == 4 and r["graphs"] >= 1
+        assert r["compiled"] == r["eager"]
+        assert r["eager"]["losses"][0] != r["eager"]["losses"][-1]  # the weights moved
+    assert r0["eager"]["params"] == r1["eager"]["params"]  # the same model on both ranks
+    assert r0["eager"]["losses"] != r1["eager"]["losses"]  # from different batches
+
+
 def test_fsdp2_shards_experts_by_expert_and_syncs_and_exports_their_fp8_blocks(tmp_path):
     """A mixture of experts under FSDP2 with BF16 compute (3 experts over 2 ranks: 2 and 1): each rank quantizes its
     whole experts and the FP8 blocks are gathered; the tensors for vLLM (per expert, in the checkpoint's names) and

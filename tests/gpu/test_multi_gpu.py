@@ -23,11 +23,19 @@ TIMINGS = {"step_time", "train_runtime", "train_samples_per_second", "train_step
 
 
 @pytest.mark.gpus(2)
-# FSDP2 with the FP8 KV cache: its scales are measured by the run's first forward, which must enter FSDP2's root unit
+# FSDP2 with the FP8 KV cache: its scales are measured by the run's first forward, which must enter FSDP2's root unit.
+# "levers": FSDP2 with the options aimed at its exposed gathers (fsdp2_prefetch_layers=2, logprob_batch_size=32,
+# fp8_fuse_sibling_gemms), which must leave the pushed and exported FP8 bits as they are.
 @pytest.mark.parametrize(
-    "launch,vllm_tp,fp8_kv", [("multi_gpu", 1, False), ("fsdp2", 1, True), ("multi_gpu", 2, False)]
+    "launch,vllm_tp,fp8_kv,levers",
+    [
+        ("multi_gpu", 1, False, False),
+        ("fsdp2", 1, True, False),
+        ("fsdp2", 1, True, True),
+        ("multi_gpu", 2, False, False),
+    ],
 )
-def test_two_gpu_grpo_with_colocated_engines(tmp_path, launch, vllm_tp, fp8_kv):
+def test_two_gpu_grpo_with_colocated_engines(tmp_path, launch, vllm_tp, fp8_kv, levers):
     pytest.importorskip("vllm")
     import trl
     from safetensors.torch import load_file
@@ -43,7 +51,8 @@ def test_two_gpu_grpo_with_colocated_engines(tmp_path, launch, vllm_tp, fp8_kv):
     config = Path(trl.__file__).parent / "accelerate_configs" / f"{launch}.yaml"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes", "2",
            "--main_process_port", str(free_port()), str(WORKERS / "multi_gpu_worker.py"),
-           str(model_dir), str(tmp_path / "out"), str(vllm_tp), "fp8_kv" if fp8_kv else "bf16_kv"]  # fmt: skip
+           str(model_dir), str(tmp_path / "out"), str(vllm_tp), "fp8_kv" if fp8_kv else "bf16_kv",
+           "levers" if levers else "plain"]  # fmt: skip
     gpus = session_gpus()[:2]
     env = {**clean_subprocess_env(), "CUDA_VISIBLE_DEVICES": ",".join(gpus)}  # the NVLink multicast settings stay
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
@@ -53,6 +62,7 @@ def test_two_gpu_grpo_with_colocated_engines(tmp_path, launch, vllm_tp, fp8_kv):
         f"{launch}, vLLM TP={vllm_tp}: {r0['distributed_type']}, sharded={r0['sharded']}, last step {r0['log_history'][-2]}"
     )
     assert r0["sharded"] == (launch == "fsdp2")
+    assert r0["prefetch_set"] is levers
     assert r0["grads_in_ddp_buckets"] is (True if launch == "multi_gpu" else None)
     assert r0["zeroed_in_buckets"] is (launch == "multi_gpu")
     for a, b in zip(r0["log_history"], r1["log_history"], strict=True):

@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node 2 tests/workers/fsdp2_fp8_worker.py OUT_DIR [fp32|bf16|moe_bf16]
     torchrun --nproc_per_node 4 tests/workers/fsdp2_fp8_worker.py OUT_DIR hsdp_bf16
+    torchrun --nproc_per_node 2 tests/workers/fsdp2_fp8_worker.py OUT_DIR compiled_bf16
 
 accelerate applies FSDP only on accelerators (on CPU it falls back to DDP), so this shards with torch's own
 `fully_shard`, as accelerate does on GPUs: each decoder layer, then the root.
@@ -17,6 +18,11 @@ more forward records the FP8 weights each layer multiplied; the record holds the
 for vLLM, and of the same tensors from a one-process BF16 copy of the gathered fp32 masters and from the fp32 masters
 themselves (the rule FSDP2 must not follow); which weights' shards hold whole 128-row blocks; and the export from
 rank 0 goes to `OUT_DIR/sharded_bf16` beside a one-process export of the BF16 copy in `OUT_DIR/one_bf16`.
+
+compiled_bf16: accelerate's units and policy, each unit gathering two ahead, once with eager decoder layers and once
+with `compile_decoder_layers` applied before sharding (as the trainer does: at start-up, before accelerate prepares
+the model), Dynamo's `aot_eager` backend (the same ops as eager, so the same bits). Writes
+`OUT_DIR/fsdp2_compiled_rank<r>.json`: each run's losses and parameter digests, and how many layers were compiled.
 """
 
 import copy
@@ -45,6 +51,8 @@ def main():
 
     out = Path(sys.argv[1])
     mode = sys.argv[2] if len(sys.argv) > 2 else "fp32"
+    if mode == "compiled_bf16":
+        return compiled_layers(out)
     if mode in ("bf16", "moe_bf16", "hsdp_bf16"):
         return mixed_precision(out, moe=mode == "moe_bf16", hsdp=mode == "hsdp_bf16")
     dist.init_process_group("gloo")
@@ -240,6 +248,45 @@ def mixed_precision(out: Path, moe: bool = False, hsdp: bool = False):
     if rank == 0:
         save_fp8_checkpoint(copies[str(torch.bfloat16)], out / f"one_{tag}", progress=False)
     (out / f"fsdp2_{tag}_rank{rank}.json").write_text(json.dumps(record_, indent=1))
+    dist.destroy_process_group()
+
+
+def compiled_layers(out: Path):
+    from ddp_grpo_worker import tensor_digest
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from trl_fp8 import FP8LinearConfig, convert_to_fp8
+    from trl_fp8.demo.tiny_model import tiny_qwen3
+    from trl_fp8.distributed import prefetch_fsdp2_units
+    from trl_fp8.trainer.regional_compile import compile_decoder_layers
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    record = {"rank": rank}
+    for run in ("eager", "compiled"):
+        model = tiny_qwen3(seed=0, vocab_size=128)
+        convert_to_fp8(model, config=FP8LinearConfig(cache_quantized_weight=False))
+        if run == "compiled":
+            record["compiled_layers"] = compile_decoder_layers(model, backend="aot_eager")
+        model = shard_like_accelerate(
+            model, MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        )
+        prefetch_fsdp2_units(model, 2)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+        g = torch.Generator().manual_seed(rank)  # each rank its own batches
+        losses = []
+        for _ in range(3):
+            ids = torch.randint(0, 128, (4, 64), generator=g)
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        record[run] = {"losses": losses, "params": tensor_digest(model.named_parameters())}
+    from torch._dynamo.utils import counters
+
+    record["graphs"] = counters["stats"]["unique_graphs"]  # Dynamo really traced the layers
+    (out / f"fsdp2_compiled_rank{rank}.json").write_text(json.dumps(record, indent=1))
     dist.destroy_process_group()
 
 

@@ -1,10 +1,11 @@
 """One rank of FP8 GRPO on two GPUs with vLLM colocated on each, launched by tests/gpu/test_multi_gpu.py:
 
     accelerate launch --config_file <TRL's multi_gpu.yaml | fsdp2.yaml> --num_processes 2 \
-        tests/workers/multi_gpu_worker.py MODEL_DIR OUT_DIR [VLLM_TP [fp8_kv|bf16_kv]]
+        tests/workers/multi_gpu_worker.py MODEL_DIR OUT_DIR [VLLM_TP [fp8_kv|bf16_kv [levers|plain]]]
 
 VLLM_TP=2 makes the two ranks one tensor-parallel vLLM engine (TRL's `vllm_tensor_parallel_size`); fp8_kv turns on
-the FP8 KV cache (its scales measured before the first rollout).
+the FP8 KV cache (its scales measured before the first rollout); levers (FSDP2 only) sets fsdp2_prefetch_layers=2,
+logprob_batch_size=32 and fp8_fuse_sibling_gemms.
 After training, every rank checks that its own engine holds the trainer's FP8 weights bit for bit (under FSDP2 each
 weight is gathered for that, by every rank in the same order), then writes `OUT_DIR/rank<r>.json` (log history,
 digests of the whole parameters and of the FP8 tensors for vLLM); `save_model` writes the export from rank 0.
@@ -20,6 +21,14 @@ sys.path[:0] = [str(HERE.parents[1]), str(HERE.parent), str(HERE.parent / "gpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+def prefetch_set(model) -> bool:
+    """Whether the first decoder layer's FSDP2 unit gathers layers ahead of its own (fsdp2_prefetch_layers)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    layer = model.model.layers[0]
+    return isinstance(layer, FSDPModule) and bool(layer._get_fsdp_state()._states_to_forward_prefetch)
+
+
 def main():
     from ddp_grpo_worker import tensor_digest
     from test_vllm_gpu import assert_engine_holds_trainer_fp8
@@ -32,6 +41,8 @@ def main():
     model_dir, out = sys.argv[1], Path(sys.argv[2])
     vllm_tp = int(sys.argv[3]) if len(sys.argv) > 3 else 1
     fp8_kv = len(sys.argv) > 4 and sys.argv[4] == "fp8_kv"
+    levers = len(sys.argv) > 5 and sys.argv[5] == "levers"
+    lever_args = dict(fsdp2_prefetch_layers=2, logprob_batch_size=32, fp8_fuse_sibling_gemms=True) if levers else {}
     args = FP8GRPOConfig(
         **{**GRPO_SETTINGS, "per_device_train_batch_size": 16},
         output_dir=str(out / "run"), max_steps=3, logging_steps=1, bf16=True, disable_tqdm=True,
@@ -39,6 +50,7 @@ def main():
         vllm_gpu_memory_utilization=0.25, tis="token", save_bf16_master_weights=True,
         vllm_tensor_parallel_size=vllm_tp, fp8_kv_cache=fp8_kv,
         vllm_fp8_backend=os.environ.get("TRL_FP8_TEST_FP8_BACKEND", "auto"),  # a kernel to compare, by hand
+        **lever_args,
     )  # fmt: skip
     trainer = FP8GRPOTrainer(model_dir, say_letter_reward, args, train_dataset=say_letter_dataset(512))
     trainer.train()
@@ -50,6 +62,7 @@ def main():
         "grads_in_ddp_buckets": getattr(trainer.model_wrapped, "gradient_as_bucket_view", None),
         "zeroed_in_buckets": "zero_grad" in vars(trainer.model_wrapped),  # zero_grads_in_buckets applied
         "sharded": isinstance(model.model.layers[0].mlp.down_proj.weight, DTensor),
+        "prefetch_set": prefetch_set(model),
         "log_history": trainer.state.log_history,
         "params": tensor_digest(model.named_parameters()),
         "pushed_fp8": tensor_digest(rollout_weight_tensors(model, "fp8")),
