@@ -250,7 +250,8 @@ scaling)  # 8B at TRL's colocate defaults per GPU: TRL BF16 vs unified FP8 + FP8
   # SCALING_PROFILE_MICRO_BATCHES=N: only N of its micro-batches, after its first (a trace read in seconds);
   # SCALING_PROFILE_SCORING=1 with it: from the step's start, the scoring and the first micro-batch too.
   # SCALING_SHARE: vLLM's share (TRL's 0.3 by default; at 14B the BF16 weights alone exceed 0.3 of an 80 GB GPU, and
-  # `trl-fp8 plan` fits both flows at 0.4).
+  # `trl-fp8 plan` fits both flows at 0.4). SCALING_COMPLETION_LEN: tokens per completion (TRL's colocate default
+  # here, 2,048; at 14B and 0.4 TRL BF16's engine holds 7 such sequences at once, so its rollout alone takes minutes).
   shape=${SCALING_SHAPE:-8b} share=${SCALING_SHARE:-0.3}
   read -r -a runs <<<"${SCALING_RUNS:-trl_bf16 unified_fp8kv}"
   machine_gpus=$(nvidia-smi -L | grep -c '^GPU ')
@@ -259,7 +260,7 @@ scaling)  # 8B at TRL's colocate defaults per GPU: TRL BF16 vs unified FP8 + FP8
     n=${spec%%x*}; cfg=${spec#*x}
     optim=adamw_bnb_8bit; [ "$cfg" = fsdp2 ] && [ "$n" -gt 1 ] && optim=adamw_torch_fused
     bench=(python -m benchmarks.bench_grpo --shape "$shape" --optim "$optim" --sleep_mode --vllm_memory "$share"
-      --completion_len 2048 --generation_batch 128 --micro_batch "${SCALING_MICRO_BATCH:-8}"
+      --completion_len "${SCALING_COMPLETION_LEN:-2048}" --generation_batch 128 --micro_batch "${SCALING_MICRO_BATCH:-8}"
       --steps "${SCALING_STEPS:-3}" --warmup 1 --num_processes "$n" --launch_config "$cfg"
       ${SCALING_PROFILE_STEP:+--profile_step "$SCALING_PROFILE_STEP"}
       ${SCALING_PROFILE_MICRO_BATCHES:+--profile_micro_batches "$SCALING_PROFILE_MICRO_BATCHES"}
