@@ -167,9 +167,10 @@ def test_fsdp2_with_bf16_compute_pushes_and_exports_the_fp8_weights_the_forward_
 
 
 def test_compiled_decoder_layers_train_under_fsdp2_as_eager_ones(tmp_path):
-    """`compile_decoder_layers` with FSDP2 (accelerate's units and BF16 policy, two layers gathered ahead): the layers
-    compiled at start-up, before sharding, train bit for bit as eager ones (Dynamo's aot_eager backend runs the same
-    ops), so FSDP2's gathers and reduce-scatters reach the compiled layers' FP8 weights and gradients."""
+    """`compile_decoder_layers` with FSDP2 (accelerate's units, BF16 policy and TRL's RAM-efficient loading, two layers
+    gathered ahead): the layers compiled at start-up, before sharding, train bit for bit as eager ones (Dynamo's
+    aot_eager backend runs the same ops), so FSDP2's gathers and reduce-scatters reach the compiled layers' FP8
+    weights and gradients."""
     torchrun_two(WORKERS / "fsdp2_fp8_worker.py", tmp_path, "compiled_bf16")
     r0, r1 = (json.loads((tmp_path / f"fsdp2_compiled_rank{r}.json").read_text()) for r in (0, 1))
     print("Dynamo graphs per rank:", r0["graphs"], r1["graphs"])

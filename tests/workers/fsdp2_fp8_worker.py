@@ -19,9 +19,10 @@ for vLLM, and of the same tensors from a one-process BF16 copy of the gathered f
 themselves (the rule FSDP2 must not follow); which weights' shards hold whole 128-row blocks; and the export from
 rank 0 goes to `OUT_DIR/sharded_bf16` beside a one-process export of the BF16 copy in `OUT_DIR/one_bf16`.
 
-compiled_bf16: accelerate's units and policy, each unit gathering two ahead, once with eager decoder layers and once
-with `compile_decoder_layers` applied before sharding (as the trainer does: at start-up, before accelerate prepares
-the model), Dynamo's `aot_eager` backend (the same ops as eager, so the same bits). Writes
+compiled_bf16: accelerate's units and policy (with TRL's cpu_ram_efficient_loading), each unit gathering two ahead,
+once with eager decoder layers and once with `compile_decoder_layers` applied before sharding (as the trainer does: at
+start-up, before accelerate prepares the model), Dynamo's `aot_eager` backend (the same ops as eager, so the same
+bits). Writes
 `OUT_DIR/fsdp2_compiled_rank<r>.json`: each run's losses and parameter digests, and how many layers were compiled.
 """
 
@@ -130,10 +131,11 @@ def tiny_moe(seed: int):
     )
 
 
-def shard_like_accelerate(model, policy, mesh=None):
+def shard_like_accelerate(model, policy, mesh=None, cpu_ram_efficient_loading=False):
     """FSDP2 units as accelerate lays them out on GPUs, by its own `fsdp2_prepare_model` (each decoder layer, the input
     embedding, the final norm and lm_head as one unit, then the root), given a stand-in for the Accelerator: accelerate
-    applies FSDP only on accelerators."""
+    applies FSDP only on accelerators. `cpu_ram_efficient_loading` as TRL's fsdp2.yaml sets it: the model goes to the
+    meta device, is sharded there, and gets rank 0's weights broadcast."""
     from types import SimpleNamespace
 
     from accelerate.utils import FullyShardedDataParallelPlugin
@@ -144,6 +146,7 @@ def shard_like_accelerate(model, policy, mesh=None):
         auto_wrap_policy="transformer_based_wrap",
         transformer_cls_names_to_wrap=list(model._no_split_modules),
         mixed_precision_policy=policy,
+        cpu_ram_efficient_loading=cpu_ram_efficient_loading,
     )
     accelerator = SimpleNamespace(
         state=SimpleNamespace(fsdp_plugin=plugin),
@@ -268,9 +271,8 @@ def compiled_layers(out: Path):
         convert_to_fp8(model, config=FP8LinearConfig(cache_quantized_weight=False))
         if run == "compiled":
             record["compiled_layers"] = compile_decoder_layers(model, backend="aot_eager")
-        model = shard_like_accelerate(
-            model, MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        )
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        model = shard_like_accelerate(model, policy, cpu_ram_efficient_loading=True)
         prefetch_fsdp2_units(model, 2)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
         g = torch.Generator().manual_seed(rank)  # each rank its own batches
