@@ -191,8 +191,10 @@ def test_bitsandbytes_optimizers_under_fsdp2_are_refused_and_compared_with_fused
     assert captured.out == "" and "--optim adamw_torch_fused" in captured.err
     compared = plan(capsys, *common, "--launch", "ddp", "--optim", "adamw_bnb_8bit").splitlines()
     fused = plan(capsys, *common, "--launch", "fsdp2", "--optim", "adamw_torch_fused").splitlines()
-    assert "FSDP2 comparison below with --optim adamw_torch_fused" in compared[-2]
-    fsdp2_peaks = compared[-1].rsplit("FSDP2 ", 1)[1].split("(")[1].split(" GiB")[0]  # "a / b / c"
+    footnote = next(line for line in compared if line.startswith("Per GPU"))
+    advice = next(line for line in compared if line.startswith("DDP vs FSDP2"))
+    assert "FSDP2 comparison below with --optim adamw_torch_fused" in footnote
+    fsdp2_peaks = advice.rsplit("FSDP2 ", 1)[1].split("(")[1].split(" GiB")[0]  # "a / b / c"
     assert fsdp2_peaks == " / ".join(f"{peak:.1f}" for _, peak, _ in table("\n".join(fused)).values())
 
 
@@ -270,3 +272,69 @@ def test_a_flow_whose_engine_holds_no_sequence_does_not_fit(tmp_path, capsys):
     assert "FSDP2 FP8 and FP8 + FP8 KV (" in out.splitlines()[-1]
     out = plan(capsys, *common, "--vllm_gpu_memory_utilization", "0.4")
     assert [row[2] for row in table(out).values()] == ["yes"] * 3 and "holds no whole sequence" not in out
+
+
+def test_a_tensor_parallel_engine_holds_its_part_of_the_weights_and_heads_on_each_gpu(qwen3_8b, capsys):
+    """`--vllm_tensor_parallel_size 2`: each GPU of an engine holds half of the linear layers, of the embedding and
+    lm_head (vocabulary-parallel) and of the key/value heads, the norms whole; the engine decodes its two ranks'
+    sequences. The trainer's memory per GPU does not change."""
+    c = counts()
+    norms = c["params"] - c["linear"] - 2 * c["embedding"]
+    common = [qwen3_8b, "--gpu", "H100", "--num_processes", "2", "--micro_batch", "4", "--sleep_mode"]
+    one, two = (plan(capsys, *common, "--vllm_tensor_parallel_size", tp) for tp in ("1", "2"))
+    expected = {"BF16": c["linear"] + 2 * c["embedding"] + 2 * norms,  # 2 bytes a weight, halved: linear, vocab
+                "FP8": c["linear"] / 2 + 4 * c["linear"] / 128**2 / 2 + 2 * c["embedding"] + 2 * norms}  # fmt: skip
+    for line in two.splitlines()[2:4]:
+        name, weights, per_token = line[:14].strip(), float(line[14:].split()[0][:-2]), line[14:].split()[1]
+        assert abs(weights - expected[name] / GiB) <= PRINT_STEP, line
+        assert per_token == f"{36 * 2 * (8 // 2) * 128 * 2:,}"  # 4 of the 8 key/value heads on each GPU
+    assert "256 sequences of 256 + 2048 tokens per engine" in two.splitlines()[0]
+    assert "Tensor parallel: 1 engine(s) of 2 GPUs" in two and "Tensor parallel" not in one
+    for (name, a), b in zip(table(one).items(), table(two).values(), strict=True):
+        assert a[0] == b[0], name  # the trainer's part of one GPU
+    # more KV tokens per engine than one GPU's engine holds: half the weights and half of each token's bytes per GPU
+    kv = {tp: [int(line[14:].split()[2].replace(",", "")) for line in out.splitlines()[2:5]]
+          for tp, out in ((1, one), (2, two))}  # fmt: skip
+    assert all(b > 2 * a for a, b in zip(kv[1], kv[2], strict=True))
+
+
+def test_tensor_parallel_past_the_key_value_heads_replicates_them(qwen3_8b, capsys):
+    """16 GPUs per engine over 8 key/value heads: vLLM keeps one whole head on each GPU."""
+    out = plan(capsys, qwen3_8b, "--gpu", "H100", "--num_processes", "16", "--vllm_tensor_parallel_size", "16")
+    assert out.splitlines()[2][14:].split()[1] == f"{36 * 2 * 1 * 128 * 2:,}"
+
+
+def test_tensor_parallel_sizes_trl_fp8_or_trl_refuse_are_refused_by_the_planner(tmp_path, qwen3_8b, capsys):
+    """A split whose FP8 partitions hold no whole 128x128 blocks (down_proj's 384 inputs over 2 GPUs: 192) is refused
+    with the sizes that work, as the trainer refuses it before the engine starts; so is a process count that TRL
+    cannot group into engines."""
+    config = {**QWEN3_8B, "hidden_size": 768, "intermediate_size": 384, "num_hidden_layers": 2,
+              "num_attention_heads": 6, "num_key_value_heads": 2, "vocab_size": 1024}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert (
+        cli(["plan", str(tmp_path), "--gpu", "H100", "--num_processes", "2", "--vllm_tensor_parallel_size", "2"]) == 2
+    )
+    err = capsys.readouterr()
+    assert err.out == "" and "down_proj (inputs 384) into parts of 192" in err.err and "in [1, 3]" in err.err
+    assert cli(["plan", qwen3_8b, "--gpu", "H100", "--num_processes", "3", "--vllm_tensor_parallel_size", "2"]) == 2
+    assert "needs --num_processes to be a multiple of it" in capsys.readouterr().err
+
+
+def test_a_moe_model_that_fits_no_gpu_count_planned_says_how_many_would(tmp_path, capsys):
+    """Qwen3-30B-A3B under FSDP2 on 4 H100s: its float32 masters, gradients and AdamW states alone (16 bytes a
+    parameter, a quarter per GPU: 114 GiB) exceed a GPU, whatever the engine. Split over the 4 GPUs, the engine's
+    experts (768 intermediate, 192 per GPU) take vLLM's expert parallelism; the planner names 8 GPUs for FSDP2, and
+    without the split no engine holds a sequence at 0.3, on any number of GPUs."""
+    config = {"model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+              "num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_attention_heads": 32,
+              "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": False}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    common = [str(tmp_path), "--gpu", "H100", "--num_processes", "4", "--launch", "fsdp2", "--sleep_mode",
+              "--optim", "adamw_torch_fused", "--micro_batch", "4", "--completion_len", "1024"]  # fmt: skip
+    split = plan(capsys, *common, "--vllm_tensor_parallel_size", "4")
+    assert [row[2] for row in table(split).values()] == ["no"] * 3
+    assert all(row[0] > 79.2 for row in table(split).values())  # the trainer alone
+    assert "vLLM's expert parallelism gives each GPU whole experts" in split
+    assert split.splitlines()[-1].endswith("BF16 from 8 GPUs, FP8 from 8 GPUs, FP8 + FP8 KV from 8 GPUs.")
+    whole = plan(capsys, *common)
+    assert "FP8 + FP8 KV on none (its engine holds no sequence" in whole.splitlines()[-1]

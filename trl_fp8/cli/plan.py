@@ -2,7 +2,7 @@
 
     trl-fp8 plan MODEL [--gpu H100 | --gpu_memory_gib 80] [--vllm_gpu_memory_utilization 0.3]
                  [--prompt_len 256] [--completion_len 2048] [--generation_batch 128] [--optim adamw_bnb_8bit]
-                 [--num_processes 4 --launch ddp|fsdp2] ...
+                 [--num_processes 4 --launch ddp|fsdp2] [--vllm_tensor_parallel_size 2] ...
 
 MODEL is a model folder or a Hub id such as Qwen/Qwen3-8B (its config.json only: the Hub cache first; offline and
 uncached it stops at once, naming the fix). The estimates are `trl_fp8.rollout.capacity`'s: KV-cache tokens
@@ -10,7 +10,8 @@ as vLLM 0.26 sizes them (within a few percent of what it reported in our benchma
 prompt + completion tokens that decode at once, a rough account of the trainer's memory beside the engine, and the
 largest share at which each flow fits (its best fit). With --num_processes N it plans one GPU of N, each with a
 training process and a vLLM engine (TRL's colocate mode), the trainer replicated (DDP) or sharded (FSDP2), and says
-which of the two fits.
+which of the two fits; --vllm_tensor_parallel_size T plans one engine over each T of them (TRL's option of that
+name), whose FP8 partitions must hold whole 128x128 blocks as trl-fp8 checks before the engine starts.
 """
 
 from __future__ import annotations
@@ -68,6 +69,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--launch", choices=LAUNCHES, default="ddp",
                         help="with several processes: ddp replicates the model on every GPU, fsdp2 shards it as TRL's "
                         "fsdp2.yaml does (float32 masters, bf16 compute); ignored with one process")  # fmt: skip
+    parser.add_argument("--vllm_tensor_parallel_size", type=positive_int, default=1,
+                        help="GPUs per colocated vLLM engine (TRL's vllm_tensor_parallel_size): each GPU holds 1/T "
+                        "of its weights and key/value heads, and it decodes the sequences of its T ranks; "
+                        "--num_processes must be a multiple of it")  # fmt: skip
     parser.add_argument("--fsdp2_prefetch_layers", type=positive_int, default=1,
                         help="with --launch fsdp2: the layers each FP8 flow's FSDP2 unit gathers ahead "
                         "(fsdp2_prefetch_layers; 1 is FSDP2's own)")  # fmt: skip
@@ -79,8 +84,10 @@ def run(args: argparse.Namespace) -> int:
     several = args.num_processes > 1
     try:
         total = _gpu_memory(args)
-        shape = ModelShape.from_config(load_model_config(args.model, args.trust_remote_code))
+        model_config = load_model_config(args.model, args.trust_remote_code)
+        shape = ModelShape.from_config(model_config)
         _check_launch(args)
+        split = _check_tensor_parallel(args, model_config)
         # Every flow's numbers first, under each launch compared: an error must come before any line of the table.
         compared = LAUNCHES if several and not args.lora else (args.launch,)
         by_launch = {launch: [_flow_row(shape, total, seq_len, args, launch, fp8_weights=w, fp8_kv=kv)
@@ -93,11 +100,13 @@ def run(args: argparse.Namespace) -> int:
     print(f"{'':<14}{'vLLM weights':>13}{'KV B/token':>11}{'KV tokens':>11}{'seqs at once':>13}{'waves':>6}"
           f"{'trainer':>9}" + (f"{'peak':>9}" if several else "") + f"{'fits':>6}")  # fmt: skip
     for (name, _, _), (cap, parts, peak, fits, _) in zip(FLOWS, rows, strict=True):
-        waves = cap.waves(args.generation_batch) if cap.sequences else "-"
+        waves = cap.waves(_engine_batch(args)) if cap.sequences else "-"
         print(f"{name:<14}{cap.weight_bytes / GiB:>11.1f}Gi{cap.kv_bytes_per_token:>11,}{cap.kv_tokens:>11,}"
               f"{cap.sequences:>13}{waves:>6}{sum(parts.values()) / GiB:>7.1f}Gi"
               + (f"{peak / GiB:>7.1f}Gi" if several else "") + f"{'yes' if fits else 'no':>6}")  # fmt: skip
     print(_columns_footnote(several))
+    if split:
+        print(split)
     if no_room := [name for (name, _, _), (cap, *_) in zip(FLOWS, rows, strict=True) if not cap.sequences]:
         print(f"{' and '.join(no_room)}: vLLM's share ({args.vllm_gpu_memory_utilization * total / GiB:.1f} GiB) holds "
               f"no whole sequence of {seq_len:,} tokens beside the weights: vLLM would refuse to start the engine. "
@@ -123,18 +132,22 @@ def run(args: argparse.Namespace) -> int:
     if several:
         print(_several_gpus_footnote(args))
         print(_launch_advice(args, shape, by_launch))
+        if "fsdp2" in by_launch and not any(row[3] for rows in by_launch.values() for row in rows):
+            print(_fewest_fsdp2_gpus(args, shape, total, seq_len, by_launch["fsdp2"]))
     return 0
 
 
 def _header(args, shape, total: int) -> str:
     """The first line: the model, the GPU(s), the share and the rollout; with several processes, the launch."""
     size = f"{args.model}: {shape.params / 1e9:.2f}B parameters ({shape.linear_params / 1e9:.2f}B in linear layers)"
-    rollout = f"{args.generation_batch} sequences of {args.prompt_len} + {args.completion_len} tokens"
+    rollout = f"{_engine_batch(args)} sequences of {args.prompt_len} + {args.completion_len} tokens"
     share = args.vllm_gpu_memory_utilization
     if args.num_processes == 1:
         return f"{size}; GPU {total / GiB:.1f} GiB, vLLM share {share:g}; {rollout}"
+    tp = args.vllm_tensor_parallel_size
+    engine = "a vLLM engine" if tp == 1 else f"its part of a {tp}-GPU vLLM engine"
     return (f"{size}; {args.num_processes} processes, {LAUNCH_NAMES[args.launch]}: {args.num_processes} GPUs of "
-            f"{total / GiB:.1f} GiB, each with a trainer and a vLLM engine (share {share:g}); {rollout} per engine")  # fmt: skip
+            f"{total / GiB:.1f} GiB, each with a trainer and {engine} (share {share:g}); {rollout} per engine")  # fmt: skip
 
 
 def _columns_footnote(several: bool) -> str:
@@ -146,6 +159,40 @@ def _columns_footnote(several: bool) -> str:
     return ("KV tokens: vLLM 0.26's sizing, estimated; trainer: one GPU's part of the training (below), one "
             "micro-batch's activations and logits (rough); peak: the most one GPU holds at once; fits: peak within "
             "97% of each GPU, and the share holds one whole sequence.")  # fmt: skip
+
+
+def _engine_batch(args) -> int:
+    """Sequences one engine decodes per rollout: its ranks' (TRL gathers the prompts of a tensor-parallel group)."""
+    return args.generation_batch * args.vllm_tensor_parallel_size
+
+
+def _check_tensor_parallel(args, model_config) -> str:
+    """Refuse a tensor-parallel size that TRL or trl-fp8 refuses; return the line that says how the engine splits
+    (empty with one GPU per engine). The FP8 partitions are checked by `check_tensor_parallel`, the rule the trainer
+    applies before the engine starts, on the model built on the meta device (its FP8 layers as converted by default)."""
+    tp = args.vllm_tensor_parallel_size
+    if tp == 1:
+        return ""
+    if args.num_processes % tp:
+        raise ValueError(f"--vllm_tensor_parallel_size {tp} needs --num_processes to be a multiple of it (TRL groups "
+                         f"consecutive ranks into engines of {tp} GPUs); got --num_processes {args.num_processes}.")  # fmt: skip
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from trl_fp8.nn.conversion import plan_fp8_conversion
+    from trl_fp8.rollout.vllm.partitions import check_tensor_parallel
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config, trust_remote_code=args.trust_remote_code)
+    _, planned = plan_fp8_conversion(model, warn=False)
+    split = check_tensor_parallel(model, {name for name, _ in planned}, tp, option="--vllm_tensor_parallel_size")
+    experts = ""
+    if split.get("enable_expert_parallel"):
+        experts = " Experts would split below whole blocks: vLLM's expert parallelism gives each GPU whole experts "
+        experts += "instead (trl-fp8 sets enable_expert_parallel)."
+    return (f"Tensor parallel: {args.num_processes // tp} engine(s) of {tp} GPUs; vLLM weights and KV B/token are one "
+            f"GPU's, KV tokens and sequences the engine's, waves for its {_engine_batch(args)} sequences; every FP8 "
+            f"partition holds whole 128x128 blocks.{experts}")  # fmt: skip
 
 
 def _check_launch(args) -> None:
@@ -168,7 +215,8 @@ def _launch_optim(args, launch: str) -> str:
 def _flow_row(shape, total: int, seq_len: int, args, launch: str, *, fp8_weights: bool, fp8_kv: bool):
     """One flow's `(capacity, trainer memory parts of one GPU, peak per GPU, fits, best fit)` under `launch`."""
     cap = rollout_capacity(shape, total, args.vllm_gpu_memory_utilization, fp8_weights=fp8_weights, fp8_kv=fp8_kv,
-                           seq_len=seq_len, max_num_seqs=args.generation_batch)  # fmt: skip
+                           seq_len=seq_len, max_num_seqs=_engine_batch(args),
+                           tensor_parallel_size=args.vllm_tensor_parallel_size)  # fmt: skip
     # The FP8 flows train with trl-fp8 (gradients in DDP's buckets by default), the BF16 one with TRL alone.
     parts = trainer_memory_per_gpu(
         shape, num_processes=args.num_processes, launch=launch, grads_in_ddp_buckets=fp8_weights,
@@ -181,7 +229,7 @@ def _flow_row(shape, total: int, seq_len: int, args, launch: str, *, fp8_weights
         args.fp8_cache_weights == "off"
         or args.fp8_cache_weights == "auto"  # as FP8GRPOTrainer decides at start-up (fp8_cache_weights=None)
         and not keeps_fp8_weight_cache(
-            parts, shape, total, share, sleep_mode=args.sleep_mode, max_num_seqs=args.generation_batch
+            parts, shape, total, share, sleep_mode=args.sleep_mode, max_num_seqs=_engine_batch(args)
         )
     ):
         parts = {**parts, "fp8_weight_cache": 0}
@@ -197,7 +245,7 @@ def peak_bytes(parts: dict[str, int], shape, share_bytes: float, args) -> float:
     steps: weights and optimizer states, and DDP's buckets and NCCL's buffers on several GPUs (gradients and
     activations freed, the FP8 weight cache released before the KV cache wakes)."""
     training = training_phase_bytes(parts, shape, share_bytes, sleep_mode=args.sleep_mode,
-                                    max_num_seqs=args.generation_batch)  # fmt: skip
+                                    max_num_seqs=_engine_batch(args))  # fmt: skip
     if not args.sleep_mode:
         return training
     return max(training, sum(parts.get(key, 0) for key in HELD_BETWEEN_STEPS) + share_bytes)
@@ -210,8 +258,8 @@ def best_fit_share(parts: dict[str, int], shape, total: int, seq_len: int, args,
         share = step / 20
         if peak_bytes(parts, shape, share * total, args) > 0.97 * total:
             continue
-        cap = rollout_capacity(shape, total, share, fp8_weights=fp8_weights, fp8_kv=fp8_kv,
-                               seq_len=seq_len, max_num_seqs=args.generation_batch)  # fmt: skip
+        cap = rollout_capacity(shape, total, share, fp8_weights=fp8_weights, fp8_kv=fp8_kv, seq_len=seq_len,
+                               max_num_seqs=_engine_batch(args), tensor_parallel_size=args.vllm_tensor_parallel_size)  # fmt: skip
         return (share, cap) if cap.sequences else None
     return None
 
@@ -231,8 +279,11 @@ def _several_gpus_footnote(args) -> str:
                     "FSDP2's shards)")  # fmt: skip
     held = "the NCCL buffers and DDP's buckets" if args.launch == "ddp" else "the NCCL buffers"
     wake_up = f" The wake-up of sleep mode also holds {held}." if args.sleep_mode else ""
-    return (f"Per GPU, trainer and peak: {trainer}; {NCCL_BUFFER_BYTES / GiB:g} GiB of NCCL buffers (assumed). Each "
-            f"engine holds the whole model (TP=1) and --generation_batch sequences.{wake_up}")  # fmt: skip
+    tp = args.vllm_tensor_parallel_size
+    engines = ("Each engine holds the whole model (TP=1) and --generation_batch sequences" if tp == 1 else
+               f"Each engine spans {tp} GPUs and decodes {tp} x --generation_batch sequences")  # fmt: skip
+    return (f"Per GPU, trainer and peak: {trainer}; {NCCL_BUFFER_BYTES / GiB:g} GiB of NCCL buffers (assumed). "
+            f"{engines}.{wake_up}")  # fmt: skip
 
 
 def _launch_advice(args, shape, by_launch: dict) -> str:
@@ -252,6 +303,26 @@ def _launch_advice(args, shape, by_launch: dict) -> str:
     flows = " / ".join(name for name, _, _ in FLOWS)
     return (f"{where}: DDP fits {_flow_list(fitting['ddp'])} (peak per GPU {peaks['ddp']} GiB for {flows}), FSDP2 "
             f"{_flow_list(fitting['fsdp2'])} ({peaks['fsdp2']} GiB): {advice}.")  # fmt: skip
+
+
+def _fewest_fsdp2_gpus(args, shape, total: int, seq_len: int, rows: list, most: int = 64) -> str:
+    """Where no flow fits: the fewest GPUs (doubling, up to `most`) over which FSDP2 fits each flow at this share,
+    since each GPU then holds a smaller part of FSDP2's float32 masters, gradients and optimizer states. An engine
+    that holds no sequence (`rows`, the flows' rows under FSDP2) stays so on any number of GPUs."""
+    found = []
+    for (name, fp8_weights, fp8_kv), (cap, *_) in zip(FLOWS, rows, strict=True):
+        if not cap.sequences:
+            found.append(f"{name} on none (its engine holds no sequence: split it with --vllm_tensor_parallel_size)")
+            continue
+        n = args.num_processes * 2
+        while n <= most:
+            more = argparse.Namespace(**{**vars(args), "num_processes": n})
+            if _flow_row(shape, total, seq_len, more, "fsdp2", fp8_weights=fp8_weights, fp8_kv=fp8_kv)[3]:
+                break
+            n *= 2
+        found.append(f"{name} from {n} GPUs" if n <= most else f"{name} not within {most} GPUs")
+    return (f"More GPUs under FSDP2 (each holds 1/N of the float32 masters, gradients and optimizer states), at this "
+            f"share and these sequences: {', '.join(found)}.")  # fmt: skip
 
 
 def _flow_list(names: list[str]) -> str:

@@ -8,11 +8,14 @@ every cached token; both let more sequences decode at once.
 
 The overhead model is empirical: `VLLM_OVERHEAD` was fitted (least squares) on vLLM 0.26.0's own KV-cache sizes for
 random Qwen3 shapes (how closely it follows them: docs/when-fp8-pays.md; `tests/test_capacity.py` checks the
-committed rows). Other vLLM versions, other attention kinds (sliding windows, MLA) and tensor parallelism are not
-modelled.
+committed rows). Other vLLM versions and other attention kinds (sliding windows, MLA) are not modelled.
 
-Several GPUs (`trainer_memory_per_gpu`) follow TRL's colocate mode: one training process and one vLLM engine (its own
-whole copy, TP=1) on every GPU; the trainer replicates the model (DDP) or shards it (FSDP2, TRL's fsdp2.yaml).
+Several GPUs (`trainer_memory_per_gpu`) follow TRL's colocate mode: one training process on every GPU, and one vLLM
+engine on every GPU or, with `vllm_tensor_parallel_size` T, one engine over each group of T GPUs; the trainer
+replicates the model (DDP) or shards it (FSDP2, TRL's fsdp2.yaml). An engine over T GPUs holds on each of them 1/T of
+the linear layers, the embedding and lm_head (vLLM's vocabulary-parallel layers) and of the key/value heads (one whole
+head each where there are fewer heads than GPUs), whole norms and routers, and its overhead as the fit for one GPU
+has it (not fitted for T > 1); it decodes the sequences of its T ranks.
 """
 
 from __future__ import annotations
@@ -147,17 +150,26 @@ class ModelShape:
                    embeddings + norms + router, attention + largest_mlp + layer_norms, tied)  # fmt: skip
 
 
-def weight_bytes(shape: ModelShape, fp8: bool) -> int:
-    """Bytes of the weights in vLLM: BF16 everywhere, or FP8 linear layers (plus a float32 scale per 128x128 block)
-    beside 16-bit embeddings, lm_head and norms."""
-    if not fp8:
-        return 2 * shape.params
-    return shape.linear_params + 4 * math.ceil(shape.linear_params / BLOCK**2) + 2 * shape.other_params
+def weight_bytes(shape: ModelShape, fp8: bool, tensor_parallel_size: int = 1) -> int:
+    """Bytes of the weights in vLLM on one GPU of an engine over `tensor_parallel_size` GPUs: BF16 everywhere, or FP8
+    linear layers (plus a float32 scale per 128x128 block) beside 16-bit embeddings, lm_head and norms. The linear
+    layers and the vocabulary-parallel embedding and lm_head split over the GPUs; norms and routers stay whole."""
+    tp = tensor_parallel_size
+    vocab = shape.embedding_params * (1 if shape.tied_embeddings else 2)
+    whole = 2 * (shape.other_params - vocab)
+    linear = shape.linear_params
+    if fp8:
+        linear = linear + 4 * math.ceil(linear / BLOCK**2)
+    else:
+        linear = 2 * linear
+    return math.ceil(linear / tp) + math.ceil(2 * vocab / tp) + whole
 
 
-def kv_bytes_per_token(shape: ModelShape, fp8_kv: bool) -> int:
-    """KV-cache bytes of one token: K and V of every layer, 1 byte an element in FP8, 2 in BF16."""
-    return shape.num_layers * 2 * shape.num_kv_heads * shape.head_dim * (1 if fp8_kv else 2)
+def kv_bytes_per_token(shape: ModelShape, fp8_kv: bool, tensor_parallel_size: int = 1) -> int:
+    """KV-cache bytes of one token on one GPU: K and V of every layer for its key/value heads (1/T of them, at least
+    one: vLLM replicates heads it cannot split), 1 byte an element in FP8, 2 in BF16."""
+    heads = max(1, shape.num_kv_heads // tensor_parallel_size)
+    return shape.num_layers * 2 * heads * shape.head_dim * (1 if fp8_kv else 2)
 
 
 def vllm_overhead_bytes(shape: ModelShape, max_num_seqs: int, max_num_batched_tokens: int = 4096) -> int:
@@ -195,13 +207,15 @@ def rollout_capacity(
     seq_len: int,
     max_num_seqs: int,
     max_num_batched_tokens: int = 4096,
+    tensor_parallel_size: int = 1,
 ) -> RolloutCapacity:
     """Estimate the engine's KV cache (vLLM's "GPU KV cache size") and how many `seq_len`-token sequences decode at
-    once, for a share `gpu_memory_utilization` of `gpu_memory_bytes`."""
+    once, for a share `gpu_memory_utilization` of `gpu_memory_bytes` on each of its `tensor_parallel_size` GPUs (the
+    weight and KV bytes are one GPU's; each GPU caches its heads of every token, so the tokens are the engine's)."""
     if not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}.")
-    weights = weight_bytes(shape, fp8_weights)
-    per_token = kv_bytes_per_token(shape, fp8_kv)
+    weights = weight_bytes(shape, fp8_weights, tensor_parallel_size)
+    per_token = kv_bytes_per_token(shape, fp8_kv, tensor_parallel_size)
     free = gpu_memory_utilization * gpu_memory_bytes - weights
     free -= vllm_overhead_bytes(shape, max_num_seqs, max_num_batched_tokens)
     tokens = max(0, int(free // per_token)) // KV_BLOCK_TOKENS * KV_BLOCK_TOKENS
