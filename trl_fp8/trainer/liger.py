@@ -19,6 +19,7 @@ from types import ModuleType
 from torch import nn
 
 from trl_fp8.config import BLOCKWISE
+from trl_fp8.nn.adapters import unwrap_model
 
 __all__ = ["LIGER_DENSE_MODEL_TYPES", "LigerChoice", "choose_liger_kernels", "liger_patches_kept_on_the_model"]
 
@@ -71,10 +72,9 @@ def choose_liger_kernels(model_type: str | None, args, *, cuda: bool) -> LigerCh
 
 
 def modeling_module(model: nn.Module) -> ModuleType | None:
-    """The transformers modeling module of `model`'s class (PEFT and FSDP2 wrappers looked through), or None."""
-    if callable(getattr(model, "get_base_model", None)):
-        model = model.get_base_model()
-    for cls in type(model).__mro__:
+    """The transformers modeling module of `model`'s class (DDP and PEFT wrappers looked through by `unwrap_model`,
+    FSDP2's through the class's bases), or None."""
+    for cls in type(unwrap_model(model)).__mro__:
         if cls.__module__.startswith("transformers.models."):
             return sys.modules.get(cls.__module__)
     return None
