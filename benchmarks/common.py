@@ -203,13 +203,14 @@ def device_kernel_events(prof) -> list:
     """A torch profiler's GPU kernel rows. The CPU-side rows of ops (and of autograd functions) repeat the device
     time of the kernels they launched, so a sum over every row counts each kernel twice; so do the GPU-side
     annotations (`nccl:_all_gather_base` spans its NCCL kernel), which are left out too."""
+    return [e for e in prof.key_averages() if _is_gpu_kernel(e)]
+
+
+def _is_gpu_kernel(event) -> bool:
+    """A profiler row (an event or an average of events) of a GPU kernel, not of a GPU-side annotation."""
     import torch
 
-    return [
-        e
-        for e in prof.key_averages()
-        if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
-    ]
+    return event.device_type == torch.autograd.DeviceType.CUDA and not getattr(event, "is_user_annotation", False)
 
 
 # CUDA kernel names -> where a profiled phase's time goes (first match wins; checked on the names seen on H200:
@@ -299,13 +300,7 @@ def segment_end(name: str) -> None:
 
 def _on_device(event) -> bool:
     """A GPU kernel with a duration (not a GPU-side annotation, which spans kernels already counted)."""
-    import torch
-
-    return (
-        event.device_type == torch.autograd.DeviceType.CUDA
-        and not getattr(event, "is_user_annotation", False)
-        and event.time_range.end > event.time_range.start
-    )
+    return _is_gpu_kernel(event) and event.time_range.end > event.time_range.start
 
 
 # CUDA runtime calls that put a kernel on a stream: a kernel and its launch share a CUPTI correlation id.
