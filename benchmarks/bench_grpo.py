@@ -225,6 +225,10 @@ def run_one(args) -> None:
         vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_max=2.0,
         model_init_kwargs={"dtype": "bfloat16"}, disable_tqdm=True, vllm_enable_sleep_mode=args.sleep_mode,
     )  # fmt: skip
+    if args.vllm_tensor_parallel_size > 1:
+        common["vllm_tensor_parallel_size"] = args.vllm_tensor_parallel_size
+    if args.sync_each_batch:
+        common["accelerator_config"] = {"gradient_accumulation_kwargs": {"sync_each_batch": True}}
     if trainer_kind == "trl":
         trainer_cls, config = GRPOTrainer, GRPOConfig(**common, **RUN_OPTIONS.get(args.run, {}))
     else:
@@ -433,10 +437,12 @@ def run_one(args) -> None:
         "mismatch": mismatch_medians(trainer.state.log_history, keep),  # trainer vs rollout, TIS clipping
         **engine_experts_state(generation),
     }
-    settings = {k: getattr(args, k) for k in REGIME}
+    settings = {k: getattr(args, k) for k in REGIME} | {"vllm_tensor_parallel_size": args.vllm_tensor_parallel_size}
     row["rollout_floor"] = rollout_floor(row, settings, torch.cuda.get_device_name())
     row["planner"] = planned_kv_tokens(row, settings)
     world = trainer.accelerator.num_processes
+    if world > 1:  # each rank's own phases: a straggler's longer rollout shows beside the others' longer scoring
+        row["by_rank"] = ranks_phases(row, world)
     if args.profile_step is not None and world > 1:  # every rank profiled the same step: how each one spent it
         profile["by_rank"] = ranks_profiles(profile, world)
     if profile:
@@ -446,6 +452,17 @@ def run_one(args) -> None:
     row["completions_per_s"] = row["completions_per_step"] / row["step_time"]["step_s"]
     if trainer.accelerator.is_main_process:
         print(json.dumps(row), flush=True)
+
+
+def ranks_phases(row: dict, world: int) -> list[dict]:
+    """Each rank's seconds per phase and step and its device peaks (a collective: every rank calls it). The step's
+    rollout is each rank's own engine; the ranks wait for each other afterwards, in the scoring's gathers."""
+    import torch.distributed as dist
+
+    mine = {"per_step": row["per_step"], "peak_device_memory_by_phase_gib": row["peak_device_memory_by_phase_gib"]}
+    gathered = [None] * world
+    dist.all_gather_object(gathered, mine)
+    return gathered
 
 
 def ranks_profiles(profile: dict, world: int) -> list[dict]:
@@ -479,8 +496,8 @@ def rollout_floor(row: dict, settings: dict, device: str) -> dict | None:
     """The rollout phase's floor (`bench_rollout.floor_tokens_per_s`: one engine's generation batch, every
     completion at full length, the engine's KV cache) and the share of it the measured median reached."""
     hw, kv_tokens = hardware(device), row.get("kv_cache_tokens")
-    if hw is None or not kv_tokens:
-        return None
+    if hw is None or not kv_tokens or settings.get("vllm_tensor_parallel_size", 1) > 1:
+        return None  # (an engine split over GPUs: its floor is not modelled here)
     fp8 = row["rollout_precision"] != "bf16"
     sizes = model_bytes(SHAPES[settings["shape"]], fp8_linear=fp8, fp8_kv=row["fp8_kv_cache"])
     floor = floor_tokens_per_s(sizes, hw, fp8, settings["generation_batch"], settings["prompt_len"],
@@ -496,10 +513,12 @@ def planned_kv_tokens(row: dict, settings: dict) -> dict | None:
     if not row.get("kv_cache_tokens") or not row.get("gpu_memory_gib"):
         return None
     shape = ModelShape.from_config(dict(SHAPES[settings["shape"]], head_dim=128, tie_word_embeddings=False))
+    tp = settings.get("vllm_tensor_parallel_size", 1)  # an engine over tp GPUs decodes its tp ranks' sequences
     planned = rollout_capacity(
         shape, int(row["gpu_memory_gib"] * 2**30), settings["vllm_memory"],
         fp8_weights=row["rollout_precision"] != "bf16", fp8_kv=row["fp8_kv_cache"],
-        seq_len=settings["prompt_len"] + settings["completion_len"], max_num_seqs=settings["generation_batch"],
+        seq_len=settings["prompt_len"] + settings["completion_len"], max_num_seqs=settings["generation_batch"] * tp,
+        tensor_parallel_size=tp,
     ).kv_tokens  # fmt: skip
     return {"kv_tokens": planned, "error": planned / row["kv_cache_tokens"] - 1}
 
@@ -598,7 +617,9 @@ def measurement(args) -> dict:
             "profile_scoring": getattr(args, "profile_scoring", False),
             "median_steps": median_steps(args.steps, args.warmup, args.profile_step),
             "deep_gemm_warmup": os.environ.get("VLLM_DEEP_GEMM_WARMUP", "full"),
-            "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}  # fmt: skip
+            "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+            "sync_each_batch": getattr(args, "sync_each_batch", False),
+            "vllm_tensor_parallel_size": getattr(args, "vllm_tensor_parallel_size", 1)}  # fmt: skip
 
 
 def resummarize(path: Path, keep: list[int]) -> None:
@@ -693,6 +714,12 @@ def main():
     parser.add_argument("--sleep_mode", action="store_true", help="vllm_enable_sleep_mode for every run")
     parser.add_argument("--num_processes", type=int, default=1, help="GPUs, one training process and engine each")
     parser.add_argument("--launch_config", default="multi_gpu", help="TRL accelerate config with --num_processes > 1")
+    parser.add_argument("--vllm_tensor_parallel_size", type=int, default=1,
+                        help="GPUs per colocated vLLM engine (TRL's vllm_tensor_parallel_size; divides "
+                        "--num_processes)")  # fmt: skip
+    parser.add_argument("--sync_each_batch", action="store_true",
+                        help="accelerate's sync_each_batch: every micro-batch reduces its gradients (under FSDP2 they "
+                        "then stay sharded instead of whole between micro-batches)")  # fmt: skip
     parser.add_argument(
         "--profile_step",
         type=int,
@@ -719,6 +746,10 @@ def main():
     )
     parser.add_argument("--median_steps", type=int, nargs="+", default=None, help="with --resummarize")
     args = parser.parse_args()
+    if args.num_processes % args.vllm_tensor_parallel_size:
+        parser.error(
+            "--vllm_tensor_parallel_size must divide --num_processes (TRL groups consecutive ranks into engines)"
+        )
     if args.resummarize:
         return resummarize(Path(args.resummarize), args.median_steps or median_steps(args.steps, args.warmup, None))
     if args.run:

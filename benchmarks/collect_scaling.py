@@ -31,7 +31,12 @@ LAUNCHES = {"multi_gpu": "DDP", "fsdp2": "FSDP2"}
 def launch_of(settings: dict) -> tuple[str, int]:
     """`(launch, GPUs)` of a results file: one GPU is its own launch."""
     n = int(settings.get("num_processes", 1))
-    return ("1 GPU" if n == 1 else LAUNCHES.get(settings.get("launch_config"), settings.get("launch_config"))), n
+    launch = "1 GPU" if n == 1 else LAUNCHES.get(settings.get("launch_config"), settings.get("launch_config"))
+    if (tp := settings.get("vllm_tensor_parallel_size", 1)) > 1:
+        launch += f", vLLM TP={tp}"
+    if settings.get("sync_each_batch"):
+        launch += ", sync_each_batch"
+    return launch, n
 
 
 def merge_side_by_side(results: list[dict]) -> dict:
@@ -46,6 +51,7 @@ def merge_side_by_side(results: list[dict]) -> dict:
             raise ValueError(f"side-by-side files ran on other GPUs: {first.get('device')} vs {other.get('device')}")
     merged = {**first, "results": [row for r in results for row in r["results"]]}
     merged["failed_runs"] = [name for r in results for name in r.get("failed_runs", [])]
+    merged["failures"] = {name: why for r in results for name, why in r.get("failures", {}).items()}
     merged["ran_at_once"] = [[row["name"] for row in r["results"]] + r.get("failed_runs", []) for r in results]
     return merged
 
@@ -78,7 +84,7 @@ def collect(results: list[dict]) -> dict:
             rows.append({"flow": name, "launch": launch, "gpus": gpus, "optim": result["settings"].get("optim"),
                          "step_s": None, "rollout_s": None, "training_s": None, "completions_per_s": None,
                          "speedup_vs_trl_bf16": None, "device": result.get("device"), "date": result.get("date"),
-                         "failed": True})  # fmt: skip
+                         "failed": True, "failure": result.get("failures", {}).get(name)})  # fmt: skip
     single = {row["flow"]: row["completions_per_s"] for row in rows if row["gpus"] == 1 and not row["failed"]}
     for row in rows:
         one = single.get(row["flow"])
@@ -94,6 +100,9 @@ def table(scaling: dict) -> str:
     def num(value, fmt: str) -> str:
         return "-" if value is None else format(value, fmt)
 
+    def speedup(value) -> str:  # (no TRL BF16 beside the flow: no ratio, rather than "-x")
+        return "-" if value is None else f"{value:.2f}x"
+
     lines = ["| GPUs | launch | flow | optimizer | step s | rollout s | training s | completions/s | vs TRL BF16 | "
              "weak scaling |", "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in scaling["rows"]:
@@ -102,7 +111,7 @@ def table(scaling: dict) -> str:
             continue
         lines.append(f"| {r['gpus']} | {r['launch']} | {r['flow']} | {r['optim']} | {r['step_s']:.1f} | "
                      f"{r['rollout_s']:.1f} | {r['training_s']:.1f} | {r['completions_per_s']:.2f} | "
-                     f"{num(r['speedup_vs_trl_bf16'], '.2f')}x | {num(r['weak_scaling_efficiency'], '.2f')} |")  # fmt: skip
+                     f"{speedup(r['speedup_vs_trl_bf16'])} | {num(r['weak_scaling_efficiency'], '.2f')} |")  # fmt: skip
     return "\n".join(lines)
 
 

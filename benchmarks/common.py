@@ -9,12 +9,14 @@ benchmarks.bench_grpo ...`; they import each other as `from benchmarks.common im
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import datetime
 import json
 import shlex
 import subprocess
 import sys
+import threading
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -132,21 +134,45 @@ def module_command(module: str, launcher: list[str] | None = None) -> list[str]:
     return [*launcher, "--module", module] if launcher else [sys.executable, "-m", module]
 
 
+FAILURE_TAIL_LINES = 40  # of a failed child's stderr, kept in the results file: why it failed, without the log
+
+
 def run_child(
-    module: str, flag: str, name: str, argv: list[str], launcher: list[str] | None = None
+    module: str,
+    flag: str,
+    name: str,
+    argv: list[str],
+    launcher: list[str] | None = None,
+    failure: dict | None = None,
 ) -> list[dict] | None:
     """Run `python -m module flag name argv...` and return its JSON lines; on failure print its stdout's tail, return
-    None.
+    None and, if `failure` is given, fill it with the exit code and the last lines of the child's stderr.
 
     `launcher` replaces the plain interpreter (e.g. `accelerate launch ... --num_processes 2`): then only the main
-    process should print JSON. The child's stderr (progress lines, tracebacks) goes straight to ours, so a long
-    run's log shows where it is."""
+    process should print JSON. The child's stderr (progress lines, tracebacks) is passed on to ours line by line, so
+    a long run's log shows where it is, and its tail is kept: a results file then says why a run failed even where
+    the log is gone."""
     cmd = [*module_command(module, launcher), flag, name, *argv]
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
-    rows = json_lines(proc.stdout)
-    if proc.returncode != 0 or not rows:
-        print(proc.stdout[-6000:])
-        print(f"{name} failed (exit {proc.returncode})", flush=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace")
+    tail: collections.deque[str] = collections.deque(maxlen=FAILURE_TAIL_LINES)
+
+    def relay() -> None:
+        for line in proc.stderr:
+            sys.stderr.write(line)
+            sys.stderr.flush()
+            tail.append(line.rstrip("\n")[-500:])  # (a progress bar's carriage returns make one long line)
+
+    relay_thread = threading.Thread(target=relay, daemon=True)
+    relay_thread.start()
+    stdout = proc.stdout.read()
+    returncode = proc.wait()
+    relay_thread.join()
+    rows = json_lines(stdout)
+    if returncode != 0 or not rows:
+        print(stdout[-6000:])
+        print(f"{name} failed (exit {returncode})", flush=True)
+        if failure is not None:
+            failure.update(exit=returncode, stderr_tail=list(tail))
         return None
     return rows
 
@@ -184,13 +210,15 @@ def run_all(
 ) -> list[str]:
     """One child per name (`run_child`), each one's last JSON row appended to `result["results"]` (sorted by
     `order`) and `out` rewritten after every child, so a crash keeps what ran; the names that failed go to
-    `result["failed_runs"]` and are returned."""
+    `result["failed_runs"]` (their exit codes and stderr tails to `result["failures"]`) and are returned."""
     failed = []
     for name in names:
-        rows = run_child(module, flag, name, argv, launcher)
+        failure: dict = {}
+        rows = run_child(module, flag, name, argv, launcher, failure)
         if rows is None:
             failed.append(name)
-            result["failed_runs"] = failed  # in the file too: a table without a run must say it failed
+            result["failed_runs"] = failed  # in the file too: a table without a run must say it failed, and why
+            result.setdefault("failures", {})[name] = failure
             write_json(out, result)
             continue
         result["results"].append(rows[-1])

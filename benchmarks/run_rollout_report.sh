@@ -252,6 +252,9 @@ scaling)  # 8B at TRL's colocate defaults per GPU: TRL BF16 vs unified FP8 + FP8
   # SCALING_SHARE: vLLM's share (TRL's 0.3 by default; at 14B the BF16 weights alone exceed 0.3 of an 80 GB GPU, and
   # `trl-fp8 plan` fits both flows at 0.4). SCALING_COMPLETION_LEN: tokens per completion (TRL's colocate default
   # here, 2,048; at 14B and 0.4 TRL BF16's engine holds 7 such sequences at once, so its rollout alone takes minutes).
+  # SCALING_SYNC_EACH_BATCH=1: accelerate's sync_each_batch (gradients reduced at every micro-batch; under FSDP2 they
+  # then stay sharded: without it each GPU holds the whole model's gradients in BF16, which 14B on 4 GPUs cannot).
+  # SCALING_VLLM_TP=2: each colocated engine spans 2 GPUs (TRL's vllm_tensor_parallel_size), half its weights a GPU.
   shape=${SCALING_SHAPE:-8b} share=${SCALING_SHARE:-0.3}
   read -r -a runs <<<"${SCALING_RUNS:-trl_bf16 unified_fp8kv}"
   machine_gpus=$(nvidia-smi -L | grep -c '^GPU ')
@@ -264,21 +267,22 @@ scaling)  # 8B at TRL's colocate defaults per GPU: TRL BF16 vs unified FP8 + FP8
       --steps "${SCALING_STEPS:-3}" --warmup 1 --num_processes "$n" --launch_config "$cfg"
       ${SCALING_PROFILE_STEP:+--profile_step "$SCALING_PROFILE_STEP"}
       ${SCALING_PROFILE_MICRO_BATCHES:+--profile_micro_batches "$SCALING_PROFILE_MICRO_BATCHES"}
-      ${SCALING_PROFILE_SCORING:+--profile_scoring})
+      ${SCALING_PROFILE_SCORING:+--profile_scoring} ${SCALING_SYNC_EACH_BATCH:+--sync_each_batch}
+      ${SCALING_VLLM_TP:+--vllm_tensor_parallel_size "$SCALING_VLLM_TP"})
     if [ -n "${SCALING_AT_ONCE:-}" ] && [ $((n * ${#runs[@]})) -le "$machine_gpus" ]; then
       files=()
       for i in "${!runs[@]}"; do  # a workdir each: the random model is written once per workdir
         out="$work/grpo_scaling_${shape}_${spec}_${runs[$i]}_$device.json"
         CUDA_VISIBLE_DEVICES=$(seq -s, $((i * n)) $((i * n + n - 1))) MASTER_PORT=$((29670 + 10 * i)) \
-          timed "scaling_${spec}_${runs[$i]}" "${bench[@]}" --runs "${runs[$i]}" --workdir "$work/bench_${runs[$i]}" \
-          --out "$out" &
+          timed "scaling_${shape}_${spec}_${runs[$i]}" "${bench[@]}" --runs "${runs[$i]}" \
+          --workdir "$work/bench_${runs[$i]}" --out "$out" &
         files+=("$out")
       done
       wait
       inputs+=("$(IFS=+; echo "${files[*]}")")
     else
       out="$work/grpo_scaling_${shape}_${spec}_$device.json"
-      CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) MASTER_PORT=29670 timed "scaling_$spec" "${bench[@]}" \
+      CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) MASTER_PORT=29670 timed "scaling_${shape}_${spec}" "${bench[@]}" \
         --runs "${runs[@]}" --out "$out"
       inputs+=("$out")
     fi

@@ -791,6 +791,24 @@ def test_a_profiled_step_is_summed_up_for_every_rank(tmp_path):
         dist.destroy_process_group()
 
 
+def test_every_rank_reports_its_own_phases_and_device_peaks(tmp_path):
+    """A several-process row holds each rank's per-step phases and device peaks, gathered with one collective: where
+    one rank's rollout is slower, the others show it as longer scoring (they wait in its gathers)."""
+    import torch.distributed as dist
+
+    from benchmarks.bench_grpo import ranks_phases
+
+    row = {"per_step": {"rollout_s": [37.4], "scoring_s": [6.7]}, "peak_device_memory_by_phase_gib": {"rollout": 77.2},
+           "step_time": {"step_s": 76.4}}  # fmt: skip
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        assert ranks_phases(row, 1) == [
+            {"per_step": row["per_step"], "peak_device_memory_by_phase_gib": {"rollout": 77.2}}
+        ]
+    finally:
+        dist.destroy_process_group()
+
+
 def test_every_grpo_run_sets_only_fields_the_configs_have():
     """A misspelt option of a `bench_grpo` run would fail only on the GPU host, after minutes of set-up: each run's
     options are fields of the config its trainer takes (TRL's runs: `GRPOConfig`; ours: `FP8GRPOConfig`)."""
@@ -807,3 +825,23 @@ def test_every_grpo_run_sets_only_fields_the_configs_have():
         assert set(options) <= {f.name for f in fields(config)}, run
     liger_qwen3_options = {"rope", "rms_norm", "swiglu", "cross_entropy", "fused_linear_cross_entropy"}
     assert RUN_OPTIONS["unified_fp8kv_compiled_liger"]["liger_kernel_config"].keys() <= liger_qwen3_options
+
+
+def test_a_failed_run_leaves_its_exit_code_and_stderr_tail_in_the_results_file(tmp_path, monkeypatch, capsys):
+    from benchmarks import common
+
+    child = ("import json, sys\n"
+             "name = sys.argv[2]\n"
+             "print('starting', name, file=sys.stderr)\n"
+             "if name == 'bad':\n"
+             "    raise SystemExit('torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB')\n"
+             "print(json.dumps({'name': name}))\n")  # fmt: skip
+    monkeypatch.setattr(common, "module_command", lambda module, launcher=None: [sys.executable, "-c", child])
+    out, result = tmp_path / "out.json", {"results": []}
+    assert common.run_all("m", "--run", ["bad", "good"], [], result, out, "name", ["good", "bad"]) == ["bad"]
+    written = json.loads(out.read_text())
+    assert written["results"] == [{"name": "good"}] and written["failed_runs"] == ["bad"]
+    failure = written["failures"]["bad"]
+    assert failure["exit"] == 1 and failure["stderr_tail"] == ["starting bad", "torch.OutOfMemoryError: CUDA out of "
+                                                               "memory. Tried to allocate 2.00 GiB"]  # fmt: skip
+    assert "starting good" in capsys.readouterr().err  # the children's stderr still reaches the log as they run

@@ -36,6 +36,7 @@ def test_speedups_within_a_file_and_efficiency_against_one_gpu():
     assert rows[(1, "1 GPU", "trl_bf16")]["weak_scaling_efficiency"] == pytest.approx(1.0)
     text = table(collect([one, fsdp2]))
     assert "| 4 | FSDP2 | unified_fp8kv | adamw_torch_fused | 100.0 |" in text and "| - |" not in text.split("\n")[2]
+    assert text.endswith("| 5.12 | - | 0.80 |")  # no TRL BF16 beside it: no ratio
 
 
 def test_other_per_gpu_workloads_are_refused():
@@ -64,10 +65,13 @@ def test_a_failed_run_gets_a_row_marked_failed_and_the_plot_is_drawn(tmp_path, c
     """bench_grpo's `failed_runs` (TRL BF16 out of memory beside a finished FP8 run): a row marked failed, no speed-up
     for the flow that ran beside it, and an efficiency only where the flow ran on one GPU too."""
     one = result(1, "multi_gpu", "adamw_bnb_8bit", {"trl_bf16": 120.0, "unified_fp8kv": 80.0})
-    ddp = {**result(2, "multi_gpu", "adamw_bnb_8bit", {"unified_fp8kv": 84.0}), "failed_runs": ["trl_bf16"]}
+    oom = {"exit": 1, "stderr_tail": ["torch.OutOfMemoryError: CUDA out of memory."]}
+    ddp = {**result(2, "multi_gpu", "adamw_bnb_8bit", {"unified_fp8kv": 84.0}), "failed_runs": ["trl_bf16"],
+           "failures": {"trl_bf16": oom}}  # fmt: skip
     scaling = collect([one, ddp])
     rows = {(r["gpus"], r["flow"]): r for r in scaling["rows"]}
     assert rows[(2, "trl_bf16")]["failed"] and rows[(2, "trl_bf16")]["weak_scaling_efficiency"] is None
+    assert rows[(2, "trl_bf16")]["failure"] == oom and rows[(1, "trl_bf16")].get("failure") is None
     assert rows[(2, "unified_fp8kv")]["speedup_vs_trl_bf16"] is None
     assert rows[(2, "unified_fp8kv")]["weak_scaling_efficiency"] == pytest.approx(80 / 84)
     assert "| 2 | DDP | trl_bf16 | adamw_bnb_8bit | failed |" in table(scaling)
@@ -95,3 +99,13 @@ def test_flows_run_at_once_on_disjoint_gpus_count_as_one_side_by_side_file(tmp_p
                   {**result(2, "multi_gpu", "adamw_bnb_8bit", {"u": 1.0}), "device": "NVIDIA H200"}):  # fmt: skip
         with pytest.raises(ValueError, match="side-by-side files"):
             merge_side_by_side([bf16, other])
+
+
+def test_split_engines_and_per_micro_batch_reduction_name_their_launch():
+    """A run with engines over two GPUs each and accelerate's sync_each_batch is another launch than plain FSDP2:
+    its label says so, and its speed-up is still against the TRL BF16 run beside it."""
+    fsdp2 = result(4, "fsdp2", "adamw_torch_fused", {"trl_bf16": 150.0, "unified_fp8kv": 100.0}, shape="14b")
+    fsdp2["settings"].update(vllm_tensor_parallel_size=2, sync_each_batch=True)
+    rows = collect([fsdp2])["rows"]
+    assert {row["launch"] for row in rows} == {"FSDP2, vLLM TP=2, sync_each_batch"}
+    assert rows[1]["speedup_vs_trl_bf16"] == pytest.approx(1.5)
