@@ -78,7 +78,10 @@ ASSUMPTIONS = {
     "of them each way (all-reduce: twice that). Each collective also pays NCCL's latency, which grows with W",
     "nics_per_node": NICS_PER_NODE,
     "memory": "trl_fp8.rollout.capacity.trainer_memory_per_gpu (DDP: launch='ddp'; HSDP: launch='fsdp2' over the 8 "
-    "GPUs of a node; FSDP2: over every GPU), the parts in MEMORY_PARTS; activations, logits and vLLM's share left out",
+    "GPUs of a node; FSDP2: over every GPU), the parts in MEMORY_PARTS; activations, logits and vLLM's share left out. "
+    "FSDP2 and HSDP with their gradients reduce-scattered at every micro-batch (accelerate's sync_each_batch, or one "
+    "micro-batch a step); under the Trainer's gradient accumulation without it, every GPU also keeps the whole "
+    "model's gradients unsharded in BF16 between micro-batches, 2 bytes a parameter",
     "gradient_reduction": "accelerate's FSDP2 policy reduces gradients in BF16 (reduce_dtype = param_dtype); DDP "
     "all-reduces BF16 gradients",
     "units": "links in GB (1e9 bytes), memory in GiB",
@@ -266,7 +269,8 @@ def sync(model_name: str, ts: list[dict]) -> list[dict]:
 
 def per_gpu(shape: ModelShape, optim: str, processes: int, launch: str) -> dict[str, int]:
     """One GPU's share of the training state (`MEMORY_PARTS`) when `processes` GPUs train together."""
-    parts = trainer_memory_per_gpu(shape, num_processes=processes, launch=launch, optim=optim)
+    parts = trainer_memory_per_gpu(shape, num_processes=processes, launch=launch, optim=optim,
+                                   accumulates_gradients=False)  # fmt: skip
     return {key: parts.get(key, 0) for key in MEMORY_PARTS}
 
 

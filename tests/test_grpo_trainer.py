@@ -589,6 +589,15 @@ def test_fsdp2_launches_are_accepted_and_keep_no_fp8_weight_cache(tmp_path, monk
     assert weight_sharding(make_args(tmp_path, fsdp=True)) == "FSDP2"  # transformers' default version
 
 
+def test_sync_each_batch_as_trl_fp8_plan_names_it_reaches_the_trainers_accelerator(model_dir, tmp_path):
+    """`trl-fp8 plan` tells an FSDP2 user whose whole BF16 gradients do not fit to reduce them at every micro-batch
+    with accelerate's own option; the setting it prints reaches the accelerator that transformers' Trainer asks."""
+    kwargs = {"gradient_accumulation_kwargs": {"sync_each_batch": True}}
+    trainer = make_trainer(model_dir, tmp_path, accelerator_config=kwargs, gradient_accumulation_steps=2)
+    assert trainer.accelerator.gradient_state.plugin_kwargs.get("sync_each_batch") is True
+    assert not make_trainer(model_dir, tmp_path).accelerator.gradient_state.plugin_kwargs.get("sync_each_batch")
+
+
 def test_fsdp2_prefetch_layers_needs_an_fsdp2_launch_and_a_lead_of_one_or_more(tmp_path, monkeypatch):
     """A lead that sets nothing is refused at once, naming the launch it needs (tests/test_multiprocess.py runs it
     sharded)."""

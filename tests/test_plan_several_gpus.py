@@ -61,7 +61,8 @@ def test_ddp_peaks_above_fsdp2_by_what_fsdp2_shards(qwen3_8b, capsys):
     """At N=4 with AdamW: DDP holds BF16 weights (2 bytes a parameter), DDP's gradient buckets (2), AdamW's BF16
     moments (4) and, in the FP8 rows, the FP8 weight cache (1 byte a linear parameter); FSDP2 a quarter of the
     float32 masters (4), gradients (4) and float32 moments (8), plus two gathered units in BF16. Activations,
-    logits, NCCL buffers and vLLM's share are the same under both."""
+    logits, NCCL buffers and vLLM's share are the same under both. FSDP2 with accelerate's sync_each_batch: its
+    gradients stay sharded between micro-batches (the next test has them whole)."""
     n = counts()
     p, gathered = n["params"], 2 * (n["layer"] + max(n["layer"], n["embedding"] + QWEN3_8B["hidden_size"]))
     fsdp2 = (4 + 4 + 8) * p / 4 + gathered
@@ -69,11 +70,31 @@ def test_ddp_peaks_above_fsdp2_by_what_fsdp2_shards(qwen3_8b, capsys):
     expected["FP8 + FP8 KV"] = expected["FP8"]
     expected["BF16"] = (2 + 2 + 2 + 4) * p - fsdp2  # its own gradients beside the buckets, no FP8 cache
     common = [qwen3_8b, "--gpu", "H200", "--num_processes", "4", "--optim", "adamw_torch"]
-    ddp, sharded = table(plan(capsys, *common, "--launch", "ddp")), table(plan(capsys, *common, "--launch", "fsdp2"))
+    ddp = table(plan(capsys, *common, "--launch", "ddp"))
+    sharded = table(plan(capsys, *common, "--launch", "fsdp2", "--sync_each_batch"))
     assert n["params"] == ModelShape.from_config(QWEN3_8B).params
     for flow, difference in expected.items():
         assert difference > 30 * GiB  # tens of GiB a GPU: what sharding is for
         assert (ddp[flow][1] - sharded[flow][1]) * GiB == pytest.approx(difference, abs=PRINT_STEP)
+
+
+def test_fsdp2_keeps_the_whole_models_bf16_gradients_between_micro_batches_unless_each_one_syncs(qwen3_8b, capsys):
+    """transformers' Trainer runs every micro-batch of a step but the last under accelerate's no_sync, which FSDP2
+    carries out by keeping each gradient unsharded in BF16 (2 bytes a parameter of the whole model, on every GPU);
+    accelerate's sync_each_batch, or one micro-batch a step, reduce-scatters at once. The planner says so and what
+    sync_each_batch would fit."""
+    n = counts()
+    common = [qwen3_8b, "--gpu", "H100", "--num_processes", "4", "--launch", "fsdp2", "--optim", "adamw_torch_fused",
+              "--micro_batch", "4", "--sleep_mode"]  # fmt: skip
+    kept_out = plan(capsys, *common)  # 128 / 4: 32 micro-batches a step
+    kept, synced = table(kept_out), table(plan(capsys, *common, "--sync_each_batch"))
+    assert table(plan(capsys, *common, "--gradient_accumulation_steps", "1")) == synced
+    assert table(plan(capsys, *common, "--gradient_accumulation_steps", "2")) == kept
+    for flow in kept:
+        assert (kept[flow][0] - synced[flow][0]) * GiB == pytest.approx(2 * n["params"], abs=PRINT_STEP)
+    line = next(line for line in kept_out.splitlines() if line.startswith("FSDP2 with 32 micro-batches a step"))
+    assert f"unsharded in BF16 ({2 * n['params'] / GiB:.1f} GiB)" in line and "'sync_each_batch': True" in line
+    assert f"peak per GPU {' / '.join(f'{row[1]:.1f}' for row in synced.values())} GiB" in line
 
 
 def test_fsdp2_training_memory_per_gpu_falls_with_the_gpus(qwen3_8b, capsys):
@@ -258,12 +279,13 @@ def test_the_fp8_rows_plan_the_weight_cache_as_the_trainer_chooses_it(qwen3_8b, 
 def test_a_flow_whose_engine_holds_no_sequence_does_not_fit(tmp_path, capsys):
     """The Qwen3-14B shape's BF16 weights (2 bytes x 14.8B = 27.5 GiB) exceed vLLM's 0.3 of an H100 (23.8 GiB): vLLM
     would refuse to start the BF16 engine, so that row cannot fit, whatever the trainer needs; the FP8 weights (1 byte
-    each) leave room for sequences. At 0.4 the BF16 engine starts too."""
+    each) leave room for sequences. At 0.4 the BF16 engine starts too. (With gradients reduce-scattered at every
+    micro-batch: kept whole between them, the 14B trainer fits no flow on 4 GPUs.)"""
     config = {**QWEN3_8B, "hidden_size": 5120, "intermediate_size": 17408, "num_hidden_layers": 40,
               "num_attention_heads": 40}  # fmt: skip
     (tmp_path / "config.json").write_text(json.dumps(config))
     common = [str(tmp_path), "--gpu", "H100", "--num_processes", "4", "--launch", "fsdp2", "--sleep_mode",
-              "--optim", "adamw_torch_fused", "--micro_batch", "4"]  # fmt: skip
+              "--optim", "adamw_torch_fused", "--micro_batch", "4", "--sync_each_batch"]  # fmt: skip
     assert 2 * counts(config)["params"] > 0.3 * 79.2 * GiB  # BF16 weights alone exceed the share
     out = plan(capsys, *common)
     rows = table(out)
@@ -272,6 +294,7 @@ def test_a_flow_whose_engine_holds_no_sequence_does_not_fit(tmp_path, capsys):
     assert "FSDP2 FP8 and FP8 + FP8 KV (" in out.splitlines()[-1]
     out = plan(capsys, *common, "--vllm_gpu_memory_utilization", "0.4")
     assert [row[2] for row in table(out).values()] == ["yes"] * 3 and "holds no whole sequence" not in out
+    assert [row[2] for row in table(plan(capsys, *common[:-1])).values()] == ["no"] * 3
 
 
 def test_a_tensor_parallel_engine_holds_its_part_of_the_weights_and_heads_on_each_gpu(qwen3_8b, capsys):
@@ -323,8 +346,9 @@ def test_tensor_parallel_sizes_trl_fp8_or_trl_refuse_are_refused_by_the_planner(
 def test_a_moe_model_that_fits_no_gpu_count_planned_says_how_many_would(tmp_path, capsys):
     """Qwen3-30B-A3B under FSDP2 on 4 H100s: its float32 masters, gradients and AdamW states alone (16 bytes a
     parameter, a quarter per GPU: 114 GiB) exceed a GPU, whatever the engine. Split over the 4 GPUs, the engine's
-    experts (768 intermediate, 192 per GPU) take vLLM's expert parallelism; the planner names 8 GPUs for FSDP2, and
-    without the split no engine holds a sequence at 0.3, on any number of GPUs."""
+    experts (768 intermediate, 192 per GPU) take vLLM's expert parallelism; the planner names 8 GPUs for FSDP2 with
+    the gradients reduce-scattered at every micro-batch (64 with them kept whole between micro-batches, 57 GiB on
+    every GPU), and without the split no engine holds a sequence at 0.3, on any number of GPUs."""
     config = {"model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
               "num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_attention_heads": 32,
               "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": False}  # fmt: skip
@@ -335,6 +359,11 @@ def test_a_moe_model_that_fits_no_gpu_count_planned_says_how_many_would(tmp_path
     assert [row[2] for row in table(split).values()] == ["no"] * 3
     assert all(row[0] > 79.2 for row in table(split).values())  # the trainer alone
     assert "vLLM's expert parallelism gives each GPU whole experts" in split
-    assert split.splitlines()[-1].endswith("BF16 from 8 GPUs, FP8 from 8 GPUs, FP8 + FP8 KV from 8 GPUs.")
+    assert split.splitlines()[-1].endswith(
+        "BF16 from 64 GPUs (8 with sync_each_batch), FP8 from 64 GPUs (8 with sync_each_batch), FP8 + FP8 KV from 64 "
+        "GPUs (8 with sync_each_batch)."
+    )
+    synced = plan(capsys, *common, "--vllm_tensor_parallel_size", "4", "--sync_each_batch")
+    assert synced.splitlines()[-1].endswith("BF16 from 8 GPUs, FP8 from 8 GPUs, FP8 + FP8 KV from 8 GPUs.")
     whole = plan(capsys, *common)
     assert "FP8 + FP8 KV on none (its engine holds no sequence" in whole.splitlines()[-1]

@@ -76,6 +76,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fsdp2_prefetch_layers", type=positive_int, default=1,
                         help="with --launch fsdp2: the layers each FP8 flow's FSDP2 unit gathers ahead "
                         "(fsdp2_prefetch_layers; 1 is FSDP2's own)")  # fmt: skip
+    parser.add_argument("--gradient_accumulation_steps", type=positive_int, default=None,
+                        help="micro-batches per optimizer step (default: --generation_batch / --micro_batch, as TRL's "
+                        "steps_per_generation follows gradient_accumulation_steps)")  # fmt: skip
+    parser.add_argument("--sync_each_batch", action="store_true",
+                        help="with --launch fsdp2: accelerate's sync_each_batch (accelerator_config="
+                        "{'gradient_accumulation_kwargs': {'sync_each_batch': True}}): every micro-batch "
+                        "reduce-scatters its gradients, which then stay sharded")  # fmt: skip
     parser.add_argument("--trust_remote_code", action="store_true")
 
 
@@ -131,6 +138,8 @@ def run(args: argparse.Namespace) -> int:
         )
     if several:
         print(_several_gpus_footnote(args))
+        if "fsdp2" in by_launch and _keeps_gradients(args):
+            print(_sync_each_batch_line(args, shape, total, seq_len, by_launch["fsdp2"]))
         print(_launch_advice(args, shape, by_launch))
         if "fsdp2" in by_launch and not any(row[3] for rows in by_launch.values() for row in rows):
             print(_fewest_fsdp2_gpus(args, shape, total, seq_len, by_launch["fsdp2"]))
@@ -159,6 +168,34 @@ def _columns_footnote(several: bool) -> str:
     return ("KV tokens: vLLM 0.26's sizing, estimated; trainer: one GPU's part of the training (below), one "
             "micro-batch's activations and logits (rough); peak: the most one GPU holds at once; fits: peak within "
             "97% of each GPU, and the share holds one whole sequence.")  # fmt: skip
+
+
+def _accumulation_steps(args) -> int:
+    """Micro-batches per optimizer step: as given, or TRL's default coupling (one step per rollout)."""
+    return args.gradient_accumulation_steps or max(1, args.generation_batch // args.micro_batch)
+
+
+def _keeps_gradients(args) -> bool:
+    """Whether the micro-batches before a step's last keep their gradients unreduced (transformers' Trainer runs them
+    under accelerate's `no_sync`), which FSDP2 does unsharded: not with one micro-batch a step or sync_each_batch."""
+    return _accumulation_steps(args) > 1 and not args.sync_each_batch
+
+
+def _sync_each_batch_line(args, shape, total: int, seq_len: int, rows: list) -> str:
+    """Under FSDP2 with gradient accumulation: what the unsharded gradients cost each GPU, and the peaks and fits
+    with accelerate's sync_each_batch, which reduce-scatters every micro-batch instead."""
+    synced = argparse.Namespace(**{**vars(args), "sync_each_batch": True})
+    other = [_flow_row(shape, total, seq_len, synced, "fsdp2", fetch_best=False, fp8_weights=w, fp8_kv=kv)
+             for _, w, kv in FLOWS]  # fmt: skip
+    unsharded = rows[0][1].get("unsharded_gradients", 0)
+    fitting = [name for (name, _, _), row in zip(FLOWS, other, strict=True) if row[3]]
+    peaks = " / ".join(f"{row[2] / GiB:.1f}" for row in other)
+    return (f"FSDP2 with {_accumulation_steps(args)} micro-batches a step: transformers' Trainer runs all but the "
+            f"last under accelerate's no_sync, so each GPU keeps the whole model's gradients unsharded in BF16 "
+            f"({unsharded / GiB:.1f} GiB) until the last one reduces them. With accelerate's sync_each_batch "
+            "(FP8GRPOConfig(accelerator_config={'gradient_accumulation_kwargs': {'sync_each_batch': True}}), "
+            f"--sync_each_batch here) every micro-batch reduce-scatters them instead: peak per GPU {peaks} GiB "
+            f"(fits: {_flow_list(fitting)}), for one reduce-scatter of the model's gradients per micro-batch.")  # fmt: skip
 
 
 def _engine_batch(args) -> int:
@@ -212,8 +249,11 @@ def _launch_optim(args, launch: str) -> str:
     return FSDP2_OPTIM if several and launch == "fsdp2" and is_bitsandbytes_optimizer(args.optim) else args.optim
 
 
-def _flow_row(shape, total: int, seq_len: int, args, launch: str, *, fp8_weights: bool, fp8_kv: bool):
-    """One flow's `(capacity, trainer memory parts of one GPU, peak per GPU, fits, best fit)` under `launch`."""
+def _flow_row(
+    shape, total: int, seq_len: int, args, launch: str, *, fp8_weights: bool, fp8_kv: bool, fetch_best: bool = True
+):
+    """One flow's `(capacity, trainer memory parts of one GPU, peak per GPU, fits, best fit)` under `launch` (best
+    fit None without `fetch_best`)."""
     cap = rollout_capacity(shape, total, args.vllm_gpu_memory_utilization, fp8_weights=fp8_weights, fp8_kv=fp8_kv,
                            seq_len=seq_len, max_num_seqs=_engine_batch(args),
                            tensor_parallel_size=args.vllm_tensor_parallel_size)  # fmt: skip
@@ -222,7 +262,7 @@ def _flow_row(shape, total: int, seq_len: int, args, launch: str, *, fp8_weights
         shape, num_processes=args.num_processes, launch=launch, grads_in_ddp_buckets=fp8_weights,
         fsdp2_prefetch_layers=args.fsdp2_prefetch_layers if fp8_weights else 1, optim=_launch_optim(args, launch),
         fp8_training=fp8_weights, lora=args.lora, micro_batch=args.micro_batch, seq_len=seq_len,
-        gradient_checkpointing=not args.no_gradient_checkpointing,
+        gradient_checkpointing=not args.no_gradient_checkpointing, accumulates_gradients=_keeps_gradients(args),
     )  # fmt: skip
     share = args.vllm_gpu_memory_utilization * total
     if parts.get("fp8_weight_cache") and (
@@ -234,7 +274,11 @@ def _flow_row(shape, total: int, seq_len: int, args, launch: str, *, fp8_weights
     ):
         parts = {**parts, "fp8_weight_cache": 0}
     peak = peak_bytes(parts, shape, share, args)
-    best = best_fit_share(parts, shape, total, seq_len, args, fp8_weights=fp8_weights, fp8_kv=fp8_kv)
+    best = (
+        best_fit_share(parts, shape, total, seq_len, args, fp8_weights=fp8_weights, fp8_kv=fp8_kv)
+        if fetch_best
+        else None
+    )
     # vLLM refuses to start an engine whose KV cache cannot hold one whole sequence (its max_model_len)
     return cap, parts, peak, peak <= 0.97 * total and cap.sequences > 0, best
 
@@ -274,6 +318,8 @@ def _several_gpus_footnote(args) -> str:
         trainer = ("FSDP2 (TRL's fsdp2.yaml): float32 master weights, gradients and optimizer states sharded 1/N, "
                    "two units gathered in BF16 (a decoder layer and the next, or lm_head beside one), no FP8 "
                    "weight cache")  # fmt: skip
+        if _keeps_gradients(args):
+            trainer += ", and the whole model's gradients unsharded in BF16 between micro-batches (below)"
     if is_bitsandbytes_optimizer(args.optim) and args.launch == "ddp":
         trainer += (f"; the FSDP2 comparison below with --optim {FSDP2_OPTIM} (bitsandbytes' optimizers do not take "
                     "FSDP2's shards)")  # fmt: skip
@@ -314,15 +360,30 @@ def _fewest_fsdp2_gpus(args, shape, total: int, seq_len: int, rows: list, most: 
         if not cap.sequences:
             found.append(f"{name} on none (its engine holds no sequence: split it with --vllm_tensor_parallel_size)")
             continue
-        n = args.num_processes * 2
-        while n <= most:
-            more = argparse.Namespace(**{**vars(args), "num_processes": n})
-            if _flow_row(shape, total, seq_len, more, "fsdp2", fp8_weights=fp8_weights, fp8_kv=fp8_kv)[3]:
-                break
-            n *= 2
-        found.append(f"{name} from {n} GPUs" if n <= most else f"{name} not within {most} GPUs")
-    return (f"More GPUs under FSDP2 (each holds 1/N of the float32 masters, gradients and optimizer states), at this "
-            f"share and these sequences: {', '.join(found)}.")  # fmt: skip
+        fewest = _fewest_gpus(args, shape, total, seq_len, most, fp8_weights=fp8_weights, fp8_kv=fp8_kv)
+        text = f"{name} from {fewest} GPUs" if fewest else f"{name} not within {most} GPUs"
+        if _keeps_gradients(args):  # whole gradients on every GPU: more GPUs shrink only the rest
+            synced = argparse.Namespace(**{**vars(args), "sync_each_batch": True})
+            if (with_sync := _fewest_gpus(synced, shape, total, seq_len, most, fp8_weights=fp8_weights,
+                                          fp8_kv=fp8_kv)) != fewest:  # fmt: skip
+                text += f" ({with_sync} with sync_each_batch)" if with_sync else ""
+        found.append(text)
+    unsharded = "; the unsharded gradients stay whole, see sync_each_batch" if _keeps_gradients(args) else ""
+    return (f"More GPUs under FSDP2 (each holds 1/N of the float32 masters, gradients and optimizer states{unsharded}),"
+            f" at this share and these sequences: {', '.join(found)}.")  # fmt: skip
+
+
+def _fewest_gpus(args, shape, total: int, seq_len: int, most: int, *, fp8_weights: bool, fp8_kv: bool) -> int | None:
+    """The fewest GPUs, doubling from twice `args.num_processes` up to `most`, over which FSDP2 fits the flow."""
+    n = args.num_processes * 2
+    while n <= most:
+        more = argparse.Namespace(**{**vars(args), "num_processes": n})
+        if _flow_row(shape, total, seq_len, more, "fsdp2", fetch_best=False, fp8_weights=fp8_weights, fp8_kv=fp8_kv)[
+            3
+        ]:
+            return n
+        n *= 2
+    return None
 
 
 def _flow_list(names: list[str]) -> str:

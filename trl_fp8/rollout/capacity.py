@@ -293,13 +293,15 @@ def trainer_memory_per_gpu(
     launch: str = "ddp",
     grads_in_ddp_buckets: bool = True,
     fsdp2_prefetch_layers: int = 1,
+    accumulates_gradients: bool = True,
     **memory,
 ) -> dict[str, int]:
     """`trainer_memory_bytes` (whose options `memory` takes) of one GPU when `num_processes` training processes, one
     per GPU, train together: DDP replicates the model, FSDP2 shards it (`launch`, ignored with one process).
     `grads_in_ddp_buckets`: DDP's `gradient_as_bucket_view`, which trl-fp8's FP8GRPOConfig turns on
     (`ddp_gradient_as_bucket_view`) and TRL's own GRPOTrainer leaves off. `fsdp2_prefetch_layers`: the layers each
-    FSDP2 unit gathers ahead (the FP8 configs' option; 1 is FSDP2's own)."""
+    FSDP2 unit gathers ahead (the FP8 configs' option; 1 is FSDP2's own). `accumulates_gradients`: an optimizer step
+    takes several micro-batches (`gradient_accumulation_steps` > 1), which under FSDP2 keeps unsharded gradients."""
     if num_processes < 1:
         raise ValueError(f"num_processes must be at least 1, got {num_processes}.")
     if launch not in LAUNCHES:
@@ -308,7 +310,7 @@ def trainer_memory_per_gpu(
         return trainer_memory_bytes(shape, **memory)
     if launch == "ddp":
         return _ddp_rank(trainer_memory_bytes(shape, **memory), grads_in_ddp_buckets)
-    return _fsdp2_rank(shape, num_processes, memory, fsdp2_prefetch_layers)
+    return _fsdp2_rank(shape, num_processes, memory, fsdp2_prefetch_layers, accumulates_gradients)
 
 
 def _ddp_rank(parts: dict[str, int], grads_in_buckets: bool) -> dict[str, int]:
@@ -320,15 +322,26 @@ def _ddp_rank(parts: dict[str, int], grads_in_buckets: bool) -> dict[str, int]:
             "nccl_buffers": NCCL_BUFFER_BYTES}  # fmt: skip
 
 
-def _fsdp2_rank(shape: ModelShape, num_processes: int, memory: dict, prefetch_layers: int = 1) -> dict[str, int]:
+def _fsdp2_rank(
+    shape: ModelShape, num_processes: int, memory: dict, prefetch_layers: int = 1, accumulates_gradients: bool = True
+) -> dict[str, int]:
     """An FSDP2 rank as TRL's fsdp2.yaml launches it: accelerate upcasts the trainable weights to float32 masters
     and computes in BF16; weights, gradients and optimizer states are sharded over the ranks, the units being
     computed are gathered whole in BF16 (`reshard_after_forward: true`), and trl-fp8 keeps no FP8 weight cache
-    (it would undo the sharding)."""
+    (it would undo the sharding).
+
+    With gradient accumulation, transformers' Trainer runs every micro-batch but the last under accelerate's
+    `no_sync`, which FSDP2 carries out as `set_requires_gradient_sync(False)`: no reduce-scatter, each unit's
+    gradient kept whole in its reduce dtype (BF16 under accelerate's policy) until the last micro-batch reduces it.
+    Every rank then holds the whole model's gradients in BF16, 2 bytes a parameter as under DDP (measured at 8B on 4
+    x H100: 61.7 GiB device peak against 47.6 planned without them)."""
     parts = trainer_memory_bytes(shape, **{**memory, "fp8_weight_cache": False}, master_weight_bytes=4)
     shards = {key: math.ceil(parts[key] / num_processes) for key in ("weights", "gradients", "optimizer")}
     gathered = fsdp2_gathered_params(shape, prefetch_layers)
-    return {**parts, **shards, "gathered_units": 2 * gathered, "nccl_buffers": NCCL_BUFFER_BYTES}
+    trainable = 0 if memory.get("lora") else shape.params
+    unsharded = 2 * trainable if accumulates_gradients else 0
+    return {**parts, **shards, "unsharded_gradients": unsharded, "gathered_units": 2 * gathered,
+            "nccl_buffers": NCCL_BUFFER_BYTES}  # fmt: skip
 
 
 def fsdp2_gathered_params(shape: ModelShape, prefetch_layers: int = 1) -> int:
