@@ -598,6 +598,68 @@ def test_sync_each_batch_as_trl_fp8_plan_names_it_reaches_the_trainers_accelerat
     assert not make_trainer(model_dir, tmp_path).accelerator.gradient_state.plugin_kwargs.get("sync_each_batch")
 
 
+def _qwen3(hidden, intermediate, layers, heads):
+    from transformers import Qwen3Config
+
+    return Qwen3Config(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers, head_dim=128,
+                       num_attention_heads=heads, num_key_value_heads=8, vocab_size=151936)  # fmt: skip
+
+
+def test_fsdp2_reduces_gradients_at_every_micro_batch_where_whole_ones_would_not_fit(tmp_path, monkeypatch):
+    """Under FSDP2 with gradient accumulation every GPU keeps the whole model's BF16 gradients between micro-batches
+    (accelerate's no_sync). At 14B on 4 x 80 GB GPUs (27.5 GiB of them) the trainer turns on accelerate's
+    sync_each_batch; at 8B (15.3 GiB) accelerate's default stays; a user's own setting wins; nothing is chosen
+    without FSDP2, with one process or with one micro-batch a step."""
+    from trl_fp8.rollout.capacity import GPU_MEMORY_BYTES
+    from trl_fp8.trainer.memory import GradientSyncChoice, choose_fsdp2_gradient_sync
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    common = dict(gradient_accumulation_steps=32, steps_per_generation=32, per_device_train_batch_size=4,
+                  max_completion_length=1024, optim="adamw_torch_fused", gradient_checkpointing=True)  # fmt: skip
+    qwen14b, qwen8b = _qwen3(5120, 17408, 40, 40), _qwen3(4096, 12288, 36, 32)
+
+    def choose(config, **kw):
+        n = kw.pop("num_processes", 4)
+        args = make_args(tmp_path, **{**common, **kw})
+        # a colocated engine asleep while the trainer trains (set after the config: no vLLM on this machine)
+        args.use_vllm, args.vllm_mode, args.vllm_enable_sleep_mode = True, "colocate", True
+        return choose_fsdp2_gradient_sync(config, args, num_processes=n, total_bytes=GPU_MEMORY_BYTES["H100"])
+
+    big = choose(qwen14b)
+    assert big.sync_each_batch and big.automatic and "(27.5 GiB a GPU)" in big.reason and "above 90%" in big.reason
+    small = choose(qwen8b)
+    assert (
+        not small.sync_each_batch and "(15.3 GiB a GPU)" in small.reason and "would keep them sharded" in small.reason
+    )
+    user = {"gradient_accumulation_kwargs": {"sync_each_batch": False}}
+    assert choose(qwen14b, accelerator_config=user) == GradientSyncChoice(False, "set in accelerator_config", False)
+    assert choose(qwen14b, gradient_accumulation_steps=1) is None and choose(qwen14b, num_processes=1) is None
+    monkeypatch.delenv("ACCELERATE_USE_FSDP")
+    assert choose(qwen14b) is None  # DDP: no shards to keep
+
+
+def test_the_trainer_sets_sync_each_batch_before_trl_builds_the_accelerator_and_says_why(
+    tmp_path, monkeypatch, capsys
+):
+    """The automatic choice reaches accelerate's gradient-accumulation options (the next test of the Trainer's own
+    plumbing shows they reach its accelerator) and is said once at start-up; a choice left off changes nothing."""
+    from trl_fp8.trainer.memory import GradientSyncChoice
+
+    args, model = make_args(tmp_path), SimpleNamespace(config=tiny_qwen3_config())
+    monkeypatch.setattr("trl_fp8.trainer.mixin.choose_fsdp2_gradient_sync",
+                        lambda config, a: GradientSyncChoice(False, "they fit"))  # fmt: skip
+    FP8GRPOTrainer._choose_fsdp2_gradient_sync(model, args)
+    assert args.accelerator_config.gradient_accumulation_kwargs is None
+    monkeypatch.setattr("trl_fp8.trainer.mixin.choose_fsdp2_gradient_sync",
+                        lambda config, a: GradientSyncChoice(True, "they do not fit"))  # fmt: skip
+    assert FP8GRPOTrainer._choose_fsdp2_gradient_sync(model, args).sync_each_batch
+    assert args.accelerator_config.gradient_accumulation_kwargs == {"sync_each_batch": True}
+    out = capsys.readouterr().out
+    assert "[trl-fp8] FSDP2 gradient reduction at every micro-batch off: they fit." in out
+    assert "[trl-fp8] FSDP2 gradient reduction at every micro-batch on: they do not fit." in out
+
+
 def test_fsdp2_prefetch_layers_needs_an_fsdp2_launch_and_a_lead_of_one_or_more(tmp_path, monkeypatch):
     """A lead that sets nothing is refused at once, naming the launch it needs (tests/test_multiprocess.py runs it
     sharded)."""

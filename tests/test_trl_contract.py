@@ -137,3 +137,17 @@ def test_transformers_zeroes_gradients_through_the_wrapped_model():
     source = inspect.getsource(transformers.Trainer)
     assert "model.zero_grad()" in source
     assert "optimizer.zero_grad(" not in source
+
+
+def test_fsdp2_gradient_accumulation_runs_as_the_planner_and_the_trainer_count_it():
+    """`trl-fp8 plan` and FP8GRPOTrainer count FSDP2's whole BF16 gradients between micro-batches and turn on
+    accelerate's sync_each_batch where they would not fit: that holds while transformers' training loop runs all but
+    a step's last micro-batch under accelerate's `no_sync` unless `sync_each_batch` is set, accelerate carries out
+    `no_sync` under FSDP2 as `set_requires_gradient_sync(False)`, and its FSDP2 policy reduces in the compute dtype."""
+    from accelerate import Accelerator
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    loop = inspect.getsource(transformers.Trainer)
+    assert 'plugin_kwargs.get("sync_each_batch", False)' in loop and "self.accelerator.no_sync" in loop
+    assert "model.set_requires_gradient_sync(False)" in inspect.getsource(Accelerator.no_sync)
+    assert '"reduce_dtype": dtype' in inspect.getsource(FullyShardedDataParallelPlugin)

@@ -274,11 +274,9 @@ def _flow_row(
     ):
         parts = {**parts, "fp8_weight_cache": 0}
     peak = peak_bytes(parts, shape, share, args)
-    best = (
-        best_fit_share(parts, shape, total, seq_len, args, fp8_weights=fp8_weights, fp8_kv=fp8_kv)
-        if fetch_best
-        else None
-    )
+    best = None
+    if fetch_best:
+        best = best_fit_share(parts, shape, total, seq_len, args, fp8_weights=fp8_weights, fp8_kv=fp8_kv)
     # vLLM refuses to start an engine whose KV cache cannot hold one whole sequence (its max_model_len)
     return cap, parts, peak, peak <= 0.97 * total and cap.sequences > 0, best
 
@@ -378,9 +376,9 @@ def _fewest_gpus(args, shape, total: int, seq_len: int, most: int, *, fp8_weight
     n = args.num_processes * 2
     while n <= most:
         more = argparse.Namespace(**{**vars(args), "num_processes": n})
-        if _flow_row(shape, total, seq_len, more, "fsdp2", fetch_best=False, fp8_weights=fp8_weights, fp8_kv=fp8_kv)[
-            3
-        ]:
+        _, _, _, fits, _ = _flow_row(shape, total, seq_len, more, "fsdp2", fp8_weights=fp8_weights, fp8_kv=fp8_kv,
+                                     fetch_best=False)  # fmt: skip
+        if fits:
             return n
         n *= 2
     return None

@@ -72,6 +72,10 @@ HELD_BETWEEN_STEPS = ("weights", "optimizer", "ddp_buckets", "nccl_buffers")
 # FP8GRPOTrainer keeps its FP8 weight cache only where the training phase with it stays under this share of the GPU
 # (`fp8_cache_weights=None`); the account is rough (8B under DDP on an H100: 74.0 GiB planned, 76.4 GiB measured).
 FP8_CACHE_HEADROOM = 0.9
+# Under FSDP2 with gradient accumulation, FP8GRPOTrainer has every micro-batch reduce-scatter its gradients (accelerate's
+# sync_each_batch) where keeping them whole would put the training phase above this share of the GPU (8B under FSDP2
+# on 4 x H100: measured device peaks 6 GiB above the planner's).
+FSDP2_GRADIENTS_HEADROOM = 0.9
 
 
 @dataclass(frozen=True)

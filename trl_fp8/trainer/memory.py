@@ -15,7 +15,13 @@ from torch import nn
 
 from trl_fp8.nn.weight_cache import fp8_weight_cache_bytes
 
-__all__ = ["WeightCacheChoice", "choose_fp8_weight_cache", "memory_breakdown"]
+__all__ = [
+    "GradientSyncChoice",
+    "WeightCacheChoice",
+    "choose_fp8_weight_cache",
+    "choose_fsdp2_gradient_sync",
+    "memory_breakdown",
+]
 
 
 def _storages(tensors) -> dict[int, int]:
@@ -125,4 +131,70 @@ def choose_fp8_weight_cache(model_config, args, *, lora: bool = False, total_byt
         False,
         f"{numbers}, above {capacity.FP8_CACHE_HEADROOM:.0%}: weights are quantized at every forward instead (a "
         "few percent of the training phase); set fp8_cache_weights=True to keep it anyway",
+    )
+
+
+@dataclass(frozen=True)
+class GradientSyncChoice:
+    """Whether every micro-batch reduce-scatters its gradients under FSDP2 (accelerate's `sync_each_batch`), and why."""
+
+    sync_each_batch: bool
+    reason: str
+    automatic: bool = True
+
+
+def choose_fsdp2_gradient_sync(
+    model_config, args, *, num_processes: int | None = None, total_bytes: int | None = None
+) -> GradientSyncChoice | None:
+    """Accelerate's `sync_each_batch` for an FSDP2 run with gradient accumulation, where the user left it unset.
+
+    transformers' Trainer runs all micro-batches of a step but the last under accelerate's `no_sync`, which FSDP2
+    carries out by keeping every gradient whole in BF16 until the last one: 2 bytes a parameter of the whole model on
+    every GPU. Where that would push one GPU's training phase past `FSDP2_GRADIENTS_HEADROOM` of its memory by the
+    planner's account (`trl_fp8.rollout.capacity`, as `trl-fp8 plan` prints it), every micro-batch reduce-scatters
+    instead, so the gradients stay sharded, for one more reduce-scatter of them per micro-batch; otherwise
+    accelerate's default stays. None where there is nothing to choose: no FSDP2, one process, one micro-batch a step,
+    or no GPU to size. `total_bytes`: the GPU's memory (read from `args.device` when None)."""
+    from trl_fp8.distributed import weight_sharding
+    from trl_fp8.rollout import capacity
+
+    processes = num_processes or max(1, args.world_size)
+    if weight_sharding(args) != "FSDP2" or processes == 1 or args.gradient_accumulation_steps <= 1:
+        return None
+    kwargs = args.accelerator_config.gradient_accumulation_kwargs or {}
+    if "sync_each_batch" in kwargs:
+        return GradientSyncChoice(bool(kwargs["sync_each_batch"]), "set in accelerator_config", automatic=False)
+    if total_bytes is None:
+        if args.device.type != "cuda":
+            return None
+        total_bytes = torch.cuda.get_device_properties(args.device).total_memory
+    try:
+        shape = capacity.ModelShape.from_config(model_config)
+    except ValueError as exc:
+        return GradientSyncChoice(
+            False, f"accelerate's default kept: the memory planner cannot size this model ({exc})"
+        )
+    optim = str(getattr(args.optim, "value", args.optim))
+    parts = capacity.trainer_memory_per_gpu(
+        shape, num_processes=processes, launch="fsdp2", accumulates_gradients=True,
+        optim=optim if optim in capacity.OPTIMIZER_STATE_BYTES else "adamw_torch", fp8_training=args.fp8_recipe is not None,
+        micro_batch=args.per_device_train_batch_size, seq_len=args.vllm_max_model_length or args.max_completion_length,
+        gradient_checkpointing=bool(args.gradient_checkpointing),
+    )  # fmt: skip
+    colocated = args.use_vllm and args.vllm_mode == "colocate"
+    vllm = {"share_bytes": args.vllm_gpu_memory_utilization * total_bytes if colocated else 0.0,
+            "sleep_mode": colocated and args.vllm_enable_sleep_mode,
+            "max_num_seqs": max(1, args.generation_batch_size // processes) if colocated else 0}  # fmt: skip
+    training = capacity.training_phase_bytes(parts, shape, **vllm)
+    gib, whole = capacity.GiB, parts["unsharded_gradients"]
+    numbers = (f"with {args.gradient_accumulation_steps} micro-batches a step FSDP2 keeps the whole model's gradients "
+               f"in BF16 between them ({whole / gib:.1f} GiB a GPU), which puts one GPU's training at "
+               f"{training / gib:.1f} of {total_bytes / gib:.1f} GiB by the planner's account")  # fmt: skip
+    if training <= capacity.FSDP2_GRADIENTS_HEADROOM * total_bytes:
+        return GradientSyncChoice(False, f"{numbers}; accelerator_config={{'gradient_accumulation_kwargs': "
+                                  "{'sync_each_batch': True}} would keep them sharded")  # fmt: skip
+    return GradientSyncChoice(
+        True,
+        f"{numbers}, above {capacity.FSDP2_GRADIENTS_HEADROOM:.0%}: every micro-batch reduce-scatters them instead (set "
+        "accelerator_config={'gradient_accumulation_kwargs': {'sync_each_batch': False}} to keep accelerate's default)",
     )

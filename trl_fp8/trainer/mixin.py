@@ -50,7 +50,7 @@ from trl_fp8.rollout.kv_scales import AttentionScaleObserver, observe_prompts
 from trl_fp8.rollout.stats import capacity_line
 from trl_fp8.trainer.layer_checkpointing import keep_layer_options
 from trl_fp8.trainer.liger import LigerChoice, choose_liger_kernels, liger_patches_kept_on_the_model
-from trl_fp8.trainer.memory import choose_fp8_weight_cache
+from trl_fp8.trainer.memory import GradientSyncChoice, choose_fp8_weight_cache, choose_fsdp2_gradient_sync
 from trl_fp8.trainer.regional_compile import compile_decoder_layers, eager_generation
 from trl_fp8.trainer.requirements import check_reward_dependencies
 
@@ -119,6 +119,7 @@ class FP8TrainerMixin:
         if isinstance(model, str):
             model = self._load_model(model, args, trainer_kwargs.get("quantization_config"))
         self.liger_kernels = self._choose_liger_kernels(model, args)
+        self.fsdp2_gradient_sync = self._choose_fsdp2_gradient_sync(model, args)  # before TRL builds the accelerator
         self._fp8_filter = fp8_module_filter_fn
         self._peft_config = trainer_kwargs.get("peft_config")
         self.fp8_report = self._convert(model, args)
@@ -179,6 +180,19 @@ class FP8TrainerMixin:
             args.liger_kernel_config = {**(args.liger_kernel_config or {}), "swiglu": False}
         if choice.automatic and cuda:
             say_start_up_choice(args, "Liger's kernels", choice.on, choice.reason)
+        return choice
+
+    @staticmethod
+    def _choose_fsdp2_gradient_sync(model: nn.Module, args) -> GradientSyncChoice | None:
+        """Under FSDP2 with gradient accumulation, accelerate's `sync_each_batch` where the user left it unset and the
+        whole BF16 gradients would not fit (`trainer.memory.choose_fsdp2_gradient_sync`); said once, with why."""
+        choice = choose_fsdp2_gradient_sync(model.config, args)
+        if choice is not None and choice.automatic:
+            if choice.sync_each_batch:
+                kwargs = args.accelerator_config.gradient_accumulation_kwargs or {}
+                args.accelerator_config.gradient_accumulation_kwargs = {**kwargs, "sync_each_batch": True}
+            say_start_up_choice(args, "FSDP2 gradient reduction at every micro-batch", choice.sync_each_batch,
+                                choice.reason)  # fmt: skip
         return choice
 
     @staticmethod
