@@ -81,6 +81,33 @@ class WeightCacheChoice:
     automatic: bool = True
 
 
+def _gpu_bytes(args) -> int | None:
+    """The memory of the GPU the run trains on (None off a GPU: no limit to respect)."""
+    device = torch.device(args.device)
+    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+
+
+def _planned_training(shape, args, total_bytes: int, processes: int, **launch) -> tuple[dict, dict, float, str]:
+    """The planner's account of one GPU's training phase for this run (`trl_fp8.rollout.capacity`, as `trl-fp8 plan`
+    prints it): `(the trainer's parts, what vLLM holds beside them, the phase's bytes, the optimizer counted)`.
+    `launch`: `trainer_memory_per_gpu`'s launch options. An optimizer the planner does not model counts as
+    adamw_torch; beside the trainer, vLLM's share, or what it keeps asleep in sleep mode."""
+    from trl_fp8.rollout import capacity
+
+    optim = str(getattr(args.optim, "value", args.optim))
+    counted = optim if optim in capacity.OPTIMIZER_STATE_BYTES else "adamw_torch"
+    parts = capacity.trainer_memory_per_gpu(
+        shape, num_processes=processes, optim=counted, micro_batch=args.per_device_train_batch_size,
+        seq_len=args.vllm_max_model_length or args.max_completion_length,
+        gradient_checkpointing=bool(args.gradient_checkpointing), **launch,
+    )  # fmt: skip
+    colocated = args.use_vllm and args.vllm_mode == "colocate"
+    vllm = {"share_bytes": args.vllm_gpu_memory_utilization * total_bytes if colocated else 0.0,
+            "sleep_mode": colocated and args.vllm_enable_sleep_mode,
+            "max_num_seqs": max(1, args.generation_batch_size // processes) if colocated else 0}  # fmt: skip
+    return parts, vllm, capacity.training_phase_bytes(parts, shape, **vllm), counted
+
+
 def choose_fp8_weight_cache(model_config, args, *, lora: bool = False, total_bytes: int | None = None):
     """The FP8 weight cache for this run: the user's `fp8_cache_weights` if set; else on unless it would push the
     training phase of one GPU past `FP8_CACHE_HEADROOM` of its memory by the planner's account
@@ -97,32 +124,21 @@ def choose_fp8_weight_cache(model_config, args, *, lora: bool = False, total_byt
         return WeightCacheChoice(args.fp8_cache_weights, "set by fp8_cache_weights", automatic=False)
     if weight_sharding(args) == "FSDP2":
         return WeightCacheChoice(False, "FSDP2 shards the weights; a whole FP8 copy on every rank would undo it")
+    total_bytes = total_bytes or _gpu_bytes(args)
     if total_bytes is None:
-        device = torch.device(args.device)
-        if device.type != "cuda":
-            return WeightCacheChoice(True, f"training on {device.type}, no GPU memory to keep")
-        total_bytes = torch.cuda.get_device_properties(device).total_memory
+        return WeightCacheChoice(True, f"training on {torch.device(args.device).type}, no GPU memory to keep")
     try:
         shape = capacity.ModelShape.from_config(model_config)
     except ValueError as exc:
         return WeightCacheChoice(True, f"kept: the memory planner cannot size this model ({exc})")
-    optim = str(getattr(args.optim, "value", args.optim))
-    modelled = optim in capacity.OPTIMIZER_STATE_BYTES
-    processes = max(1, args.world_size)
-    parts = capacity.trainer_memory_per_gpu(
-        shape, num_processes=processes, launch="ddp", grads_in_ddp_buckets=args.ddp_gradient_as_bucket_view,
-        optim=optim if modelled else "adamw_torch", fp8_training=True, fp8_weight_cache=True, lora=lora,
-        micro_batch=args.per_device_train_batch_size, seq_len=args.vllm_max_model_length or args.max_completion_length,
-        gradient_checkpointing=bool(args.gradient_checkpointing),
+    parts, vllm, peak, counted = _planned_training(
+        shape, args, total_bytes, max(1, args.world_size), launch="ddp",
+        grads_in_ddp_buckets=args.ddp_gradient_as_bucket_view, fp8_training=True, fp8_weight_cache=True, lora=lora,
     )  # fmt: skip
-    colocated = args.use_vllm and args.vllm_mode == "colocate"  # beside it: vLLM's share, or what it keeps asleep
-    vllm = {"share_bytes": args.vllm_gpu_memory_utilization * total_bytes if colocated else 0.0,
-            "sleep_mode": colocated and args.vllm_enable_sleep_mode,
-            "max_num_seqs": max(1, args.generation_batch_size // processes) if colocated else 0}  # fmt: skip
-    peak = capacity.training_phase_bytes(parts, shape, **vllm)
+    optim = str(getattr(args.optim, "value", args.optim))
     gib, cache = capacity.GiB, parts["fp8_weight_cache"]
     numbers = f"the planner puts one GPU's training at {peak / gib:.1f} GiB with the cache ({cache / gib:.1f} GiB) "
-    numbers += f"of {total_bytes / gib:.1f} GiB" + ("" if modelled else f", {optim} counted as adamw_torch")
+    numbers += f"of {total_bytes / gib:.1f} GiB" + ("" if counted == optim else f", {optim} counted as adamw_torch")
     if capacity.keeps_fp8_weight_cache(parts, shape, total_bytes, **vllm):
         # the trade, for a user who needs the memory more than the time (measured at 8B: docs/benchmarks.md)
         return WeightCacheChoice(True, f"{numbers}; fp8_cache_weights=False gives it back (BF16's peak) for 1-4% "
@@ -164,28 +180,17 @@ def choose_fsdp2_gradient_sync(
     kwargs = args.accelerator_config.gradient_accumulation_kwargs or {}
     if "sync_each_batch" in kwargs:
         return GradientSyncChoice(bool(kwargs["sync_each_batch"]), "set in accelerator_config", automatic=False)
+    total_bytes = total_bytes or _gpu_bytes(args)
     if total_bytes is None:
-        if args.device.type != "cuda":
-            return None
-        total_bytes = torch.cuda.get_device_properties(args.device).total_memory
+        return None
     try:
         shape = capacity.ModelShape.from_config(model_config)
     except ValueError as exc:
         return GradientSyncChoice(
             False, f"accelerate's default kept: the memory planner cannot size this model ({exc})"
         )
-    optim = str(getattr(args.optim, "value", args.optim))
-    parts = capacity.trainer_memory_per_gpu(
-        shape, num_processes=processes, launch="fsdp2", accumulates_gradients=True,
-        optim=optim if optim in capacity.OPTIMIZER_STATE_BYTES else "adamw_torch", fp8_training=args.fp8_recipe is not None,
-        micro_batch=args.per_device_train_batch_size, seq_len=args.vllm_max_model_length or args.max_completion_length,
-        gradient_checkpointing=bool(args.gradient_checkpointing),
-    )  # fmt: skip
-    colocated = args.use_vllm and args.vllm_mode == "colocate"
-    vllm = {"share_bytes": args.vllm_gpu_memory_utilization * total_bytes if colocated else 0.0,
-            "sleep_mode": colocated and args.vllm_enable_sleep_mode,
-            "max_num_seqs": max(1, args.generation_batch_size // processes) if colocated else 0}  # fmt: skip
-    training = capacity.training_phase_bytes(parts, shape, **vllm)
+    parts, _, training, _ = _planned_training(shape, args, total_bytes, processes, launch="fsdp2",
+                                              accumulates_gradients=True, fp8_training=args.fp8_recipe is not None)  # fmt: skip
     gib, whole = capacity.GiB, parts["unsharded_gradients"]
     numbers = (f"with {args.gradient_accumulation_steps} micro-batches a step FSDP2 keeps the whole model's gradients "
                f"in BF16 between them ({whole / gib:.1f} GiB a GPU), which puts one GPU's training at "
