@@ -174,14 +174,18 @@ class DeviceMemorySampler:
     def __init__(self, interval: float = 0.02):
         import threading
 
+        import torch
+
         self.interval, self.peak, self._stop = interval, 0, threading.Event()
+        self.device = torch.cuda.current_device()  # this process's GPU (each rank's own)
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self):
         import torch
 
+        torch.cuda.set_device(self.device)  # a new thread starts on GPU 0: it would read (and hold a context on) GPU 0
         while not self._stop.wait(self.interval):
-            free, total = torch.cuda.mem_get_info()
+            free, total = torch.cuda.mem_get_info(self.device)
             self.peak = max(self.peak, total - free)
 
     def start(self):
@@ -280,9 +284,14 @@ def run_one(args) -> None:
     import trl.generation.vllm_generation as trl_vllm
 
     from trl_fp8.rollout.stats import RolloutStats, engine_kv_cache_tokens
+    from trl_fp8.rollout.vllm.partitions import tensor_parallel_overrides
 
-    llm_class = trl_vllm.LLM  # every engine collects vLLM's scheduler statistics (TRL's own builds it without)
-    trl_vllm.LLM = lambda *a, **kw: llm_class(*a, **{"disable_log_stats": False, **kw})
+    # Every engine collects vLLM's scheduler statistics (TRL's own builds it without). An engine over several GPUs
+    # gets this host's tensor-parallel settings whichever trainer runs (FP8GRPOTrainer sets them itself): without
+    # them TRL's own engine cannot start here either (no NVLink multicast; expandable segments in sleep mode).
+    host = {name: value for name, (value, _) in tensor_parallel_overrides(args.vllm_tensor_parallel_size).items()}
+    llm_class = trl_vllm.LLM
+    trl_vllm.LLM = lambda *a, **kw: llm_class(*a, **{"disable_log_stats": False, **host, **kw})
     start = time.perf_counter()
     trainer = trainer_cls(
         str(model_dir(args)), length_reward, config,
@@ -411,6 +420,8 @@ def run_one(args) -> None:
         "fp8_cache_weights": cache_weights,
         # the trainer's choice where fp8_cache_weights is None (FP8GRPOTrainer.fp8_weight_cache)
         "fp8_weight_cache": vars(choice) if (choice := getattr(trainer, "fp8_weight_cache", None)) else None,
+        # FSDP2 with gradient accumulation: whether every micro-batch reduce-scattered, and why (the trainer's choice)
+        "fsdp2_gradient_sync": vars(choice) if (choice := getattr(trainer, "fsdp2_gradient_sync", None)) else None,
         "fp8_options": RUN_OPTIONS.get(args.run, {}),
         # Liger's kernels as the trainer settled them (FP8GRPOTrainer.liger_kernels; TRL's runs: their option)
         "liger_kernels": vars(choice)

@@ -17,6 +17,7 @@ a row marked failed, without figures.
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 from benchmarks.common import arg_parser, command, write_json
@@ -56,6 +57,16 @@ def merge_side_by_side(results: list[dict]) -> dict:
     return merged
 
 
+def rank_rollouts(row: dict, settings: dict) -> list[float] | None:
+    """Each rank's rollout seconds (its own engine), the median over the steps the row's figures take, or None for
+    one process or a row from before ranks were recorded. A spread tells one slow rank from all ranks slower."""
+    ranks = row.get("by_rank")
+    if not ranks:
+        return None
+    keep = settings["median_steps"]  # the steps whose medians the row reports
+    return [statistics.median(rank["per_step"]["rollout_s"][i] for i in keep) for rank in ranks]
+
+
 def collect(results: list[dict]) -> dict:
     """The scaling table of `results` (bench_grpo results files, read), with each row's speed-up and efficiency."""
     if not results:
@@ -74,6 +85,7 @@ def collect(results: list[dict]) -> dict:
         for name, row in by_name.items():
             step = row["step_time"]
             rows.append({
+                "rollout_s_by_rank": rank_rollouts(row, result["settings"]),
                 "flow": name, "launch": launch, "gpus": gpus, "optim": result["settings"].get("optim"),
                 "step_s": step["step_s"], "rollout_s": step["rollout_s"], "training_s": step["training_s"],
                 "completions_per_s": row["completions_per_s"],
@@ -83,7 +95,7 @@ def collect(results: list[dict]) -> dict:
         for name in result.get("failed_runs", []):
             rows.append({"flow": name, "launch": launch, "gpus": gpus, "optim": result["settings"].get("optim"),
                          "step_s": None, "rollout_s": None, "training_s": None, "completions_per_s": None,
-                         "speedup_vs_trl_bf16": None, "device": result.get("device"), "date": result.get("date"),
+                         "speedup_vs_trl_bf16": None, "rollout_s_by_rank": None, "device": result.get("device"), "date": result.get("date"),
                          "failed": True, "failure": result.get("failures", {}).get(name)})  # fmt: skip
     single = {row["flow"]: row["completions_per_s"] for row in rows if row["gpus"] == 1 and not row["failed"]}
     for row in rows:
@@ -103,14 +115,17 @@ def table(scaling: dict) -> str:
     def speedup(value) -> str:  # (no TRL BF16 beside the flow: no ratio, rather than "-x")
         return "-" if value is None else f"{value:.2f}x"
 
-    lines = ["| GPUs | launch | flow | optimizer | step s | rollout s | training s | completions/s | vs TRL BF16 | "
-             "weak scaling |", "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    def spread(values) -> str:  # each rank's own rollout, fastest to slowest
+        return "-" if not values else f"{min(values):.1f}-{max(values):.1f}"
+
+    lines = ["| GPUs | launch | flow | optimizer | step s | rollout s | rollout s by rank | training s | completions/s | "
+             "vs TRL BF16 | weak scaling |", "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in scaling["rows"]:
         if r["failed"]:
-            lines.append(f"| {r['gpus']} | {r['launch']} | {r['flow']} | {r['optim']} | failed | | | | | |")
+            lines.append(f"| {r['gpus']} | {r['launch']} | {r['flow']} | {r['optim']} | failed | | | | | | |")
             continue
         lines.append(f"| {r['gpus']} | {r['launch']} | {r['flow']} | {r['optim']} | {r['step_s']:.1f} | "
-                     f"{r['rollout_s']:.1f} | {r['training_s']:.1f} | {r['completions_per_s']:.2f} | "
+                     f"{r['rollout_s']:.1f} | {spread(r.get('rollout_s_by_rank'))} | {r['training_s']:.1f} | {r['completions_per_s']:.2f} | "
                      f"{speedup(r['speedup_vs_trl_bf16'])} | {num(r['weak_scaling_efficiency'], '.2f')} |")  # fmt: skip
     return "\n".join(lines)
 

@@ -13,6 +13,7 @@ import collections
 import contextlib
 import datetime
 import json
+import re
 import shlex
 import subprocess
 import sys
@@ -135,6 +136,22 @@ def module_command(module: str, launcher: list[str] | None = None) -> list[str]:
 
 
 FAILURE_TAIL_LINES = 40  # of a failed child's stderr, kept in the results file: why it failed, without the log
+FAILURE_ERROR_LINES = 30  # the distinct error lines of both streams (a launcher's summary ends stderr, not the cause)
+_ERROR_LINE = re.compile(r"(Error|Exception|Failed:|CUDA error|out of memory|Killed)")
+# torchrun's own summary of a failed launch: its lines name no cause
+_LAUNCHER_LINE = re.compile(r"(ChildFailedError|error_file|To enable traceback|elastic/multiprocessing)")
+
+
+def error_lines(*streams: str) -> list[str]:
+    """The distinct lines of `streams` that say what went wrong (exceptions, CUDA and vLLM failures), in order, each
+    rank's `[rankN]: ` prefix dropped so that the ranks' copies of one error count once."""
+    seen: dict[str, None] = {}
+    for text in streams:
+        for line in text.splitlines():
+            line = re.sub(r"^\[rank\d+\]:\s*", "", line.strip())[-500:]
+            if _ERROR_LINE.search(line) and not _LAUNCHER_LINE.search(line) and line not in seen:
+                seen[line] = None
+    return list(seen)[:FAILURE_ERROR_LINES]
 
 
 def run_child(
@@ -146,7 +163,8 @@ def run_child(
     failure: dict | None = None,
 ) -> list[dict] | None:
     """Run `python -m module flag name argv...` and return its JSON lines; on failure print its stdout's tail, return
-    None and, if `failure` is given, fill it with the exit code and the last lines of the child's stderr.
+    None and, if `failure` is given, fill it with the exit code, the error lines of both streams (`error_lines`) and
+    the last lines of the child's stderr.
 
     `launcher` replaces the plain interpreter (e.g. `accelerate launch ... --num_processes 2`): then only the main
     process should print JSON. The child's stderr (progress lines, tracebacks) is passed on to ours line by line, so
@@ -155,12 +173,15 @@ def run_child(
     cmd = [*module_command(module, launcher), flag, name, *argv]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace")
     tail: collections.deque[str] = collections.deque(maxlen=FAILURE_TAIL_LINES)
+    errors: list[str] = []
 
     def relay() -> None:
         for line in proc.stderr:
             sys.stderr.write(line)
             sys.stderr.flush()
             tail.append(line.rstrip("\n")[-500:])  # (a progress bar's carriage returns make one long line)
+            if _ERROR_LINE.search(line):
+                errors.append(line)
 
     relay_thread = threading.Thread(target=relay, daemon=True)
     relay_thread.start()
@@ -172,7 +193,7 @@ def run_child(
         print(stdout[-6000:])
         print(f"{name} failed (exit {returncode})", flush=True)
         if failure is not None:
-            failure.update(exit=returncode, stderr_tail=list(tail))
+            failure.update(exit=returncode, errors=error_lines("".join(errors), stdout), stderr_tail=list(tail))
         return None
     return rows
 

@@ -844,4 +844,20 @@ def test_a_failed_run_leaves_its_exit_code_and_stderr_tail_in_the_results_file(t
     failure = written["failures"]["bad"]
     assert failure["exit"] == 1 and failure["stderr_tail"] == ["starting bad", "torch.OutOfMemoryError: CUDA out of "
                                                                "memory. Tried to allocate 2.00 GiB"]  # fmt: skip
+    assert failure["errors"] == ["torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"]
     assert "starting good" in capsys.readouterr().err  # the children's stderr still reaches the log as they run
+
+
+def test_a_failed_launch_keeps_the_causes_not_the_launchers_summary():
+    """vLLM's C++ failures print to stdout and each rank prefixes its traceback; torchrun's summary ends stderr."""
+    from benchmarks.common import error_lines
+
+    stdout = "{'not': 'json'}\nFailed: Cuda error /workspace/csrc/custom_all_reduce.cuh:455 'invalid argument'\n"
+    stderr = ("[rank0]: RuntimeError: CUDA error: CUBLAS_STATUS_INTERNAL_ERROR\n"
+              "[rank1]: RuntimeError: CUDA error: CUBLAS_STATUS_INTERNAL_ERROR\n"
+              "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+              "  error_file: <N/A>\n  exitcode  : 1 (pid: 1512)\n")  # fmt: skip
+    assert error_lines(stderr, stdout) == [
+        "RuntimeError: CUDA error: CUBLAS_STATUS_INTERNAL_ERROR",
+        "Failed: Cuda error /workspace/csrc/custom_all_reduce.cuh:455 'invalid argument'",
+    ]

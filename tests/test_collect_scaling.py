@@ -35,8 +35,20 @@ def test_speedups_within_a_file_and_efficiency_against_one_gpu():
     assert rows[(4, "FSDP2", "unified_fp8kv")]["weak_scaling_efficiency"] == pytest.approx(80 / 100)
     assert rows[(1, "1 GPU", "trl_bf16")]["weak_scaling_efficiency"] == pytest.approx(1.0)
     text = table(collect([one, fsdp2]))
-    assert "| 4 | FSDP2 | unified_fp8kv | adamw_torch_fused | 100.0 |" in text and "| - |" not in text.split("\n")[2]
+    assert "| 4 | FSDP2 | unified_fp8kv | adamw_torch_fused | 100.0 |" in text
+    assert text.split("\n")[3].endswith("| 1.50x | 1.00 |")  # (after TRL BF16, the baseline)
     assert text.endswith("| 5.12 | - | 0.80 |")  # no TRL BF16 beside it: no ratio
+
+
+def test_each_ranks_rollout_is_shown_as_a_range_over_the_timed_steps():
+    ddp = result(4, "multi_gpu", "adamw_bnb_8bit", {"unified_fp8kv": 80.0})
+    ddp["settings"]["median_steps"] = [1, 2]  # step 0 is the warm-up: never in the range
+    ddp["results"][0]["by_rank"] = [{"per_step": {"rollout_s": [99.0, r, r + 2]}} for r in (30.0, 31.0, 36.0, 32.0)]
+    row = collect([ddp])["rows"][0]
+    assert row["rollout_s_by_rank"] == [31.0, 32.0, 37.0, 33.0]
+    assert "| 40.0 | 31.0-37.0 | 40.0 |" in table(collect([ddp]))
+    one = result(1, "multi_gpu", "adamw_bnb_8bit", {"unified_fp8kv": 80.0})  # one process: no ranks to compare
+    assert "| 40.0 | - | 40.0 |" in table(collect([one]))
 
 
 def test_other_per_gpu_workloads_are_refused():

@@ -56,8 +56,27 @@ def test_experts_split_below_whole_blocks_run_expert_parallel():
 
 
 def test_allreduce_norm_fusion_is_off_where_nvlink_multicast_is_off():
+    def values(environ, tp=2):
+        return {name: value for name, (value, _why) in tensor_parallel_overrides(tp, environ).items()}
+
     off = {"compilation_config": {"pass_config": {"fuse_allreduce_rms": False}}}
-    assert tensor_parallel_overrides(2, {"NCCL_NVLS_ENABLE": "0"}) == off
-    assert tensor_parallel_overrides(2, {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}) == off
-    assert tensor_parallel_overrides(2, {}) == {}  # multicast available: vLLM's choice stands
-    assert tensor_parallel_overrides(1, {"NCCL_NVLS_ENABLE": "0"}) == {}  # one rank: no all-reduce
+    assert values({"NCCL_NVLS_ENABLE": "0"}) == off
+    assert values({"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}) == off
+    assert values({}) == {}  # multicast available: vLLM's choice stands
+    assert values({"NCCL_NVLS_ENABLE": "0"}, tp=1) == {}  # one rank: no all-reduce
+
+
+def test_custom_allreduce_is_off_where_the_allocator_runs_on_expandable_segments():
+    """FP8GRPOTrainer turns expandable segments on in sleep mode; vLLM's custom all-reduce then exits the engine
+    after its CUDA graphs are captured (cudaIpcGetMemHandle refuses that memory), so NCCL all-reduces instead."""
+    expandable = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512,expandable_segments: True"}
+    overrides = tensor_parallel_overrides(2, expandable)
+    assert (
+        overrides["disable_custom_all_reduce"][0] is True
+        and "expandable segments" in overrides["disable_custom_all_reduce"][1]
+    )
+    assert "compilation_config" not in overrides  # multicast on: the fusion stays
+    assert tensor_parallel_overrides(2, {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}) == {}
+    assert tensor_parallel_overrides(1, expandable) == {}  # one rank: no all-reduce
+    both = tensor_parallel_overrides(4, {**expandable, "NCCL_NVLS_ENABLE": "0"})
+    assert set(both) == {"compilation_config", "disable_custom_all_reduce"}

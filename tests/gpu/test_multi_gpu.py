@@ -1,5 +1,5 @@
 """FP8 GRPO on two GPUs of one host: DDP and FSDP2 through accelerate, vLLM colocated on each rank (TP=1), and DDP
-with one vLLM engine across both GPUs (TP=2).
+with one vLLM engine across both GPUs (TP=2, in sleep mode).
 
 Needs two SM90 GPUs of one machine (the first two of the session's GPUs); skipped elsewhere. Per launch config:
 the ranks agree on their logs (timings aside), their parameters and the FP8 tensors for vLLM; each engine holds its

@@ -3,7 +3,8 @@
     accelerate launch --config_file <TRL's multi_gpu.yaml | fsdp2.yaml> --num_processes 2 \
         tests/workers/multi_gpu_worker.py MODEL_DIR OUT_DIR [VLLM_TP [fp8_kv|bf16_kv [levers|plain]]]
 
-VLLM_TP=2 makes the two ranks one tensor-parallel vLLM engine (TRL's `vllm_tensor_parallel_size`); fp8_kv turns on
+VLLM_TP=2 makes the two ranks one tensor-parallel vLLM engine (TRL's `vllm_tensor_parallel_size`), which sleeps
+between rollouts (`vllm_enable_sleep_mode`, with the expandable segments it brings); fp8_kv turns on
 the FP8 KV cache (its scales measured before the first rollout); levers (FSDP2 only) sets fsdp2_prefetch_layers=2,
 logprob_batch_size=32 and fp8_fuse_sibling_gemms.
 After training, every rank checks that its own engine holds the trainer's FP8 weights bit for bit (under FSDP2 each
@@ -49,6 +50,9 @@ def main():
         model_init_kwargs={"dtype": "bfloat16"}, use_vllm=True, vllm_mode="colocate",
         vllm_gpu_memory_utilization=0.25, tis="token", save_bf16_master_weights=True,
         vllm_tensor_parallel_size=vllm_tp, fp8_kv_cache=fp8_kv,
+        # the engine over both GPUs sleeps between rollouts: with the expandable segments that sleep mode turns on,
+        # vLLM's custom all-reduce must be off (tensor_parallel_overrides), or the engine exits after its graphs
+        vllm_enable_sleep_mode=vllm_tp > 1,
         vllm_fp8_backend=os.environ.get("TRL_FP8_TEST_FP8_BACKEND", "auto"),  # a kernel to compare, by hand
         **lever_args,
     )  # fmt: skip

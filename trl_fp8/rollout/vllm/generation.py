@@ -148,9 +148,9 @@ class FP8VLLMGeneration(VLLMGeneration):
             self.engine_dir, self.rollout_precision, self.kv_observer is not None, self.kernel
         )
         overrides.update(check_tensor_parallel(self.model, self.fp8_modules, self.tensor_parallel_size))
-        if tp_overrides := tensor_parallel_overrides(self.tensor_parallel_size):
-            logger.info("vLLM tensor parallel with NVLink multicast off: %s", tp_overrides)
-            overrides.update(tp_overrides)
+        for name, (value, why) in tensor_parallel_overrides(self.tensor_parallel_size).items():
+            logger.info("vLLM tensor parallel: %s=%s (%s)", name, value, why)
+            overrides[name] = value
         apply_engine_env(self.rollout_precision, self.kernel)
         start = time.perf_counter()
         self._precompile_deepgemm()

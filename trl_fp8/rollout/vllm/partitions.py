@@ -18,7 +18,14 @@ from torch import nn
 from trl_fp8.config import BLOCK
 from trl_fp8.nn.adapters import unwrap_model
 
-__all__ = ["ROW_PARALLEL", "check_tensor_parallel", "multicast_off", "partition_shape", "tensor_parallel_overrides"]
+__all__ = [
+    "ROW_PARALLEL",
+    "check_tensor_parallel",
+    "expandable_segments_on",
+    "multicast_off",
+    "partition_shape",
+    "tensor_parallel_overrides",
+]
 
 # Layers vLLM splits along their inputs (the rest of a decoder's linear layers split along their outputs).
 ROW_PARALLEL = frozenset({"o_proj", "down_proj", "out_proj", "dense_4h_to_h", "fc2", "w2", "wo"})
@@ -97,11 +104,35 @@ def multicast_off(environ=os.environ) -> bool:
     return environ.get("NCCL_NVLS_ENABLE") == "0" or environ.get("TORCH_SYMM_MEM_DISABLE_MULTICAST") == "1"
 
 
-def tensor_parallel_overrides(tp: int, environ=os.environ) -> dict:
-    """`LLM(...)` arguments a `tp`-rank colocated engine needs here. vLLM 0.26 fuses each all-reduce with the next
-    RMSNorm through FlashInfer's TRT-LLM all-reduce, whose workspace is NVLink multicast memory: with multicast off
-    (`multicast_off`) its first call fails with an illegal memory access. The fusion pass is then turned off and vLLM
-    runs its own all-reduce and RMSNorm, which give the same values."""
-    if tp <= 1 or not multicast_off(environ):
+def expandable_segments_on(environ=os.environ) -> bool:
+    """Whether PyTorch's allocator runs on expandable segments here (`PYTORCH_CUDA_ALLOC_CONF`, which FP8GRPOTrainer
+    sets for a colocated engine in sleep mode: `engine.sleep_mode_allocator`)."""
+    return "expandable_segments:true" in environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower()
+
+
+def tensor_parallel_overrides(tp: int, environ=os.environ) -> dict[str, tuple[object, str]]:
+    """`LLM(...)` arguments a `tp`-rank colocated engine needs on this host, each with the reason, as
+    `{argument: (value, why)}` (`{}` where vLLM's own choices work).
+
+    - With NVLink multicast off (`multicast_off`): vLLM 0.26 fuses each all-reduce with the next RMSNorm through
+      FlashInfer's TRT-LLM all-reduce, whose workspace is multicast memory, and its first call fails with an illegal
+      memory access. The fusion pass is turned off; vLLM's own all-reduce and RMSNorm give the same values.
+    - With expandable segments (`expandable_segments_on`): vLLM's custom all-reduce shares the buffers of its CUDA
+      graphs between the ranks with `cudaIpcGetMemHandle`, which refuses memory from expandable segments, and the
+      engine exits right after capturing its graphs (vllm-project/vllm#42609). It is turned off; NCCL all-reduces
+      instead.
+    """
+    if tp <= 1:
         return {}
-    return {"compilation_config": {"pass_config": {"fuse_allreduce_rms": False}}}
+    overrides: dict[str, tuple[object, str]] = {}
+    if multicast_off(environ):
+        overrides["compilation_config"] = (
+            {"pass_config": {"fuse_allreduce_rms": False}},
+            "NVLink multicast is off here, which the fused all-reduce + RMSNorm needs",
+        )
+    if expandable_segments_on(environ):
+        overrides["disable_custom_all_reduce"] = (
+            True,
+            "vLLM's custom all-reduce cannot share CUDA-graph buffers from PyTorch's expandable segments (NCCL instead)",
+        )
+    return overrides
