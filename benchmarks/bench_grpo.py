@@ -630,6 +630,7 @@ def measurement(args) -> dict:
             "deep_gemm_warmup": os.environ.get("VLLM_DEEP_GEMM_WARMUP", "full"),
             "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
             "sync_each_batch": getattr(args, "sync_each_batch", False),
+            "cpu_affinity": getattr(args, "cpu_affinity", False),
             "vllm_tensor_parallel_size": getattr(args, "vllm_tensor_parallel_size", 1)}  # fmt: skip
 
 
@@ -696,15 +697,17 @@ def print_summary(result: dict) -> None:
             print(f"{r['name']} trainer vs rollout: mean |dlogp| {m['sampling/sampling_logp_difference/mean']:.4f}")
 
 
-def launcher(num_processes: int, config: str, port: int) -> list[str] | None:
-    """`accelerate launch` with TRL's shipped config `config` (multi_gpu, fsdp2, ...) for several processes."""
+def launcher(num_processes: int, config: str, port: int, cpu_affinity: bool = False) -> list[str] | None:
+    """`accelerate launch` with TRL's shipped config `config` (multi_gpu, fsdp2, ...) for several processes;
+    `cpu_affinity`: accelerate's `--enable_cpu_affinity` (each rank on the CPU cores of its GPU's NUMA node)."""
     if num_processes == 1:
         return None
     import trl
 
     config_file = Path(trl.__file__).parent / "accelerate_configs" / f"{config}.yaml"
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_file),
-            "--num_processes", str(num_processes), "--main_process_port", str(port)]  # fmt: skip
+            "--num_processes", str(num_processes), "--main_process_port", str(port),
+            *(["--enable_cpu_affinity"] if cpu_affinity else [])]  # fmt: skip
 
 
 def main():
@@ -728,6 +731,9 @@ def main():
     parser.add_argument("--vllm_tensor_parallel_size", type=int, default=1,
                         help="GPUs per colocated vLLM engine (TRL's vllm_tensor_parallel_size; divides "
                         "--num_processes)")  # fmt: skip
+    parser.add_argument("--cpu_affinity", action="store_true",
+                        help="with --num_processes > 1: accelerate's --enable_cpu_affinity, each rank on the cores of "
+                        "its GPU's NUMA node (the rollout engines' scheduling runs on the host)")  # fmt: skip
     parser.add_argument("--sync_each_batch", action="store_true",
                         help="accelerate's sync_each_batch: every micro-batch reduces its gradients (under FSDP2 they "
                         "then stay sharded instead of whole between micro-batches)")  # fmt: skip
@@ -788,7 +794,7 @@ def main():
         result["results"] = previous_rows(out, result, tuple(f"settings.{k}" for k in REGIME), "name", args.runs)
     port = int(os.environ.get("MASTER_PORT", "29610"))
     failed = run_all(__spec__.name, "--run", args.runs, sys.argv[1:], result, out, "name", list(RUNS),
-                     launcher(args.num_processes, args.launch_config, port))  # fmt: skip
+                     launcher(args.num_processes, args.launch_config, port, args.cpu_affinity))  # fmt: skip
     print_summary(result)
     print(f"wrote {out}")
     if failed:

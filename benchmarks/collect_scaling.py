@@ -37,6 +37,8 @@ def launch_of(settings: dict) -> tuple[str, int]:
         launch += f", vLLM TP={tp}"
     if settings.get("sync_each_batch"):
         launch += ", sync_each_batch"
+    if settings.get("cpu_affinity"):
+        launch += ", CPU affinity"
     return launch, n
 
 

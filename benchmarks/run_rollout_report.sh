@@ -255,6 +255,7 @@ scaling)  # 8B at TRL's colocate defaults per GPU: TRL BF16 vs unified FP8 + FP8
   # SCALING_SYNC_EACH_BATCH=1: accelerate's sync_each_batch (gradients reduced at every micro-batch; under FSDP2 they
   # then stay sharded: without it each GPU holds the whole model's gradients in BF16, which 14B on 4 GPUs cannot).
   # SCALING_VLLM_TP=2: each colocated engine spans 2 GPUs (TRL's vllm_tensor_parallel_size), half its weights a GPU.
+  # SCALING_CPU_AFFINITY=1: accelerate's --enable_cpu_affinity (each rank on its GPU's NUMA node's cores).
   shape=${SCALING_SHAPE:-8b} share=${SCALING_SHARE:-0.3}
   read -r -a runs <<<"${SCALING_RUNS:-trl_bf16 unified_fp8kv}"
   machine_gpus=$(nvidia-smi -L | grep -c '^GPU ')
@@ -268,7 +269,7 @@ scaling)  # 8B at TRL's colocate defaults per GPU: TRL BF16 vs unified FP8 + FP8
       ${SCALING_PROFILE_STEP:+--profile_step "$SCALING_PROFILE_STEP"}
       ${SCALING_PROFILE_MICRO_BATCHES:+--profile_micro_batches "$SCALING_PROFILE_MICRO_BATCHES"}
       ${SCALING_PROFILE_SCORING:+--profile_scoring} ${SCALING_SYNC_EACH_BATCH:+--sync_each_batch}
-      ${SCALING_VLLM_TP:+--vllm_tensor_parallel_size "$SCALING_VLLM_TP"})
+      ${SCALING_VLLM_TP:+--vllm_tensor_parallel_size "$SCALING_VLLM_TP"} ${SCALING_CPU_AFFINITY:+--cpu_affinity})
     if [ -n "${SCALING_AT_ONCE:-}" ] && [ $((n * ${#runs[@]})) -le "$machine_gpus" ]; then
       files=()
       for i in "${!runs[@]}"; do  # a workdir each: the random model is written once per workdir

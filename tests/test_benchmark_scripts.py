@@ -861,3 +861,16 @@ def test_a_failed_launch_keeps_the_causes_not_the_launchers_summary():
         "RuntimeError: CUDA error: CUBLAS_STATUS_INTERNAL_ERROR",
         "Failed: Cuda error /workspace/csrc/custom_all_reduce.cuh:455 'invalid argument'",
     ]
+
+
+def test_cpu_affinity_is_accelerates_own_launch_option():
+    """`--cpu_affinity` pins each rank to its GPU's NUMA node with accelerate's option (one process: no launcher)."""
+    from accelerate.commands.launch import launch_command_parser
+
+    from benchmarks.bench_grpo import launcher
+
+    assert launcher(1, "multi_gpu", 29500, cpu_affinity=True) is None
+    plain, pinned = launcher(4, "multi_gpu", 29500), launcher(4, "multi_gpu", 29500, cpu_affinity=True)
+    assert pinned == [*plain, "--enable_cpu_affinity"]
+    parsed = launch_command_parser().parse_args([*pinned[3:], "train.py"])  # after `python -m accelerate.commands.launch`
+    assert parsed.enable_cpu_affinity and parsed.num_processes == 4

@@ -121,3 +121,6 @@ def test_split_engines_and_per_micro_batch_reduction_name_their_launch():
     rows = collect([fsdp2])["rows"]
     assert {row["launch"] for row in rows} == {"FSDP2, vLLM TP=2, sync_each_batch"}
     assert rows[1]["speedup_vs_trl_bf16"] == pytest.approx(1.5)
+    ddp = result(4, "multi_gpu", "adamw_bnb_8bit", {"unified_fp8kv": 80.0})
+    ddp["settings"]["cpu_affinity"] = True  # accelerate's --enable_cpu_affinity: ranks pinned to their GPU's cores
+    assert collect([ddp])["rows"][0]["launch"] == "DDP, CPU affinity"
