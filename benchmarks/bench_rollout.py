@@ -373,7 +373,9 @@ def summary(rows: list[dict]) -> str:
             parts = ", ".join(f"{c} {ms:.0f}" for c, ms in prof["kernel_ms_by_category"].items())
             floor = prof.get("attention_kv_floor_ms")
             kv_floor = f" (attention's KV floor {floor:.0f})" if floor else ""
-            lines.append(f"{r['engine']} {prof['seqs']}x{prof['new_tokens']} kernel ms: {parts}{kv_floor}")
+            timeline = prof.get("timeline")  # no kernel running: the GPU waiting on the host (scheduling, sampling)
+            idle = f"; GPU idle {timeline['idle_ms']:.0f} of {timeline['span_ms']:.0f} ms" if timeline else ""
+            lines.append(f"{r['engine']} {prof['seqs']}x{prof['new_tokens']} kernel ms: {parts}{kv_floor}{idle}")
     return "\n".join(lines)
 
 

@@ -91,11 +91,12 @@ rollout)
     --points 64x1024 256x1024 1024x1024 64x4096 --append --out "$work/rollout_$device.json"
   ;;
 capacity)  # matched memory: every engine gets the same share of the GPU ($CAPACITY_SHARES, one results file each)
+  # CAPACITY_PROFILE=SxN: one more rollout per engine under the profiler (kernel time by category, GPU idle time)
   for share in ${CAPACITY_SHARES:-0.3}; do
     # shellcheck disable=SC2086
     timed "capacity_mem$share" python -m benchmarks.bench_rollout --engines ${CAPACITY_ENGINES:-bf16 fp8_deepgemm fp8_deepgemm_kv} \
       --points ${CAPACITY_POINTS:-256x2048 128x4096} --prompt_len 256 --gpu_memory_utilization "$share" --append \
-      --out "$work/rollout_capacity_mem${share}_$device.json"
+      ${CAPACITY_PROFILE:+--profile_point "$CAPACITY_PROFILE"} --out "$work/rollout_capacity_mem${share}_$device.json"
   done
   ;;
 concurrency)  # matched concurrency: the same share, and every engine capped at $CAPACITY_SEQS sequences at once

@@ -115,8 +115,8 @@ def test_rollout_plot_reads_both_result_formats(tmp_path):
 
 
 def test_rollout_summary_gives_each_profiled_engine_its_kernel_time_and_attention_floor():
-    """`bench_rollout --profile_point SxN`: the summary adds, per profiled engine, the kernel milliseconds by category
-    and attention's KV-read floor (absent without a known device)."""
+    """`bench_rollout --profile_point SxN`: the summary adds, per profiled engine, the kernel milliseconds by category,
+    attention's KV-read floor (absent without a known device) and the time no kernel ran."""
     from benchmarks.bench_rollout import parse_point, summary
 
     assert parse_point("128x4096") == (128, 4096)
@@ -129,6 +129,8 @@ def test_rollout_summary_gives_each_profiled_engine_its_kernel_time_and_attentio
     assert lines[-2] == "fp8_cutlass_kv 128x1024 kernel ms: attention 900, gemm, fp8 300 (attention's KV floor 450)"
     assert lines[-1] == "fp8_cutlass 128x1024 kernel ms: attention 900, gemm, fp8 300"
     assert sum("kernel ms" in line for line in lines) == 2
+    timed = profile | {"timeline": {"span_ms": 1500.0, "idle_ms": 240.0}}  # the GPU waiting on the host
+    assert summary([row | {"engine": "fp8_deepgemm_kv", "profile": timed}]).endswith("; GPU idle 240 of 1500 ms")
 
 
 def test_linear_and_gemm_benchmarks_run_at_smoke_size(tmp_path):
@@ -872,5 +874,6 @@ def test_cpu_affinity_is_accelerates_own_launch_option():
     assert launcher(1, "multi_gpu", 29500, cpu_affinity=True) is None
     plain, pinned = launcher(4, "multi_gpu", 29500), launcher(4, "multi_gpu", 29500, cpu_affinity=True)
     assert pinned == [*plain, "--enable_cpu_affinity"]
-    parsed = launch_command_parser().parse_args([*pinned[3:], "train.py"])  # after `python -m accelerate.commands.launch`
+    # (the arguments after `python -m accelerate.commands.launch`)
+    parsed = launch_command_parser().parse_args([*pinned[3:], "train.py"])
     assert parsed.enable_cpu_affinity and parsed.num_processes == 4
