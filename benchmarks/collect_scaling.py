@@ -87,9 +87,9 @@ def collect(results: list[dict]) -> dict:
         for name, row in by_name.items():
             step = row["step_time"]
             rows.append({
-                "rollout_s_by_rank": rank_rollouts(row, result["settings"]),
                 "flow": name, "launch": launch, "gpus": gpus, "optim": result["settings"].get("optim"),
                 "step_s": step["step_s"], "rollout_s": step["rollout_s"], "training_s": step["training_s"],
+                "rollout_s_by_rank": rank_rollouts(row, result["settings"]),
                 "completions_per_s": row["completions_per_s"],
                 "speedup_vs_trl_bf16": baseline["step_time"]["step_s"] / step["step_s"] if baseline else None,
                 "device": result.get("device"), "date": result.get("date"), "failed": False,
@@ -97,8 +97,9 @@ def collect(results: list[dict]) -> dict:
         for name in result.get("failed_runs", []):
             rows.append({"flow": name, "launch": launch, "gpus": gpus, "optim": result["settings"].get("optim"),
                          "step_s": None, "rollout_s": None, "training_s": None, "completions_per_s": None,
-                         "speedup_vs_trl_bf16": None, "rollout_s_by_rank": None, "device": result.get("device"), "date": result.get("date"),
-                         "failed": True, "failure": result.get("failures", {}).get(name)})  # fmt: skip
+                         "rollout_s_by_rank": None, "speedup_vs_trl_bf16": None, "device": result.get("device"),
+                         "date": result.get("date"), "failed": True,
+                         "failure": result.get("failures", {}).get(name)})  # fmt: skip
     single = {row["flow"]: row["completions_per_s"] for row in rows if row["gpus"] == 1 and not row["failed"]}
     for row in rows:
         one = single.get(row["flow"])
@@ -127,8 +128,9 @@ def table(scaling: dict) -> str:
             lines.append(f"| {r['gpus']} | {r['launch']} | {r['flow']} | {r['optim']} | failed | | | | | | |")
             continue
         lines.append(f"| {r['gpus']} | {r['launch']} | {r['flow']} | {r['optim']} | {r['step_s']:.1f} | "
-                     f"{r['rollout_s']:.1f} | {spread(r.get('rollout_s_by_rank'))} | {r['training_s']:.1f} | {r['completions_per_s']:.2f} | "
-                     f"{speedup(r['speedup_vs_trl_bf16'])} | {num(r['weak_scaling_efficiency'], '.2f')} |")  # fmt: skip
+                     f"{r['rollout_s']:.1f} | {spread(r.get('rollout_s_by_rank'))} | {r['training_s']:.1f} | "
+                     f"{r['completions_per_s']:.2f} | {speedup(r['speedup_vs_trl_bf16'])} | "
+                     f"{num(r['weak_scaling_efficiency'], '.2f')} |")  # fmt: skip
     return "\n".join(lines)
 
 
