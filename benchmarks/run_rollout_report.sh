@@ -31,6 +31,8 @@
 #   bash benchmarks/run_rollout_report.sh multi     # two GPUs: tests/gpu/test_multi_gpu.py, GRPO on 1 GPU vs 2 (FSDP2)
 #   bash benchmarks/run_rollout_report.sh scaling   # 1, 2 and 4 GPUs (DDP, FSDP2): 8B TRL BF16 vs FP8 + FP8 KV per GPU
 #                                                   # count, then benchmarks.collect_scaling's table ($SCALING_SPECS)
+#   bash benchmarks/run_rollout_report.sh contention # one 8B run per GPU, all at once: the host's share of the
+#                                                   # several-GPU slowdown, without NCCL ($CONTENTION_RUN)
 #
 # A later host can start `chain` from the base of an earlier one (the same model for every lease, and 6-7 minutes
 # saved): bring the parts back (four files of 15 MB per call), keep them in git-ignored folders of three (.gpu/cb1 ...),
@@ -292,6 +294,30 @@ scaling)  # 8B at TRL's colocate defaults per GPU: TRL BF16 vs unified FP8 + FP8
   python -m benchmarks.collect_scaling "${inputs[@]}" --out "$work/grpo_scaling_${shape}_$device.json" \
     --plot "$work/grpo_scaling_${shape}_$device.png"
   ;;
+contention)  # the same one-GPU run on every GPU of the machine at once, with nothing shared but the host: does a busy
+  # host slow each FP8 engine as four DDP or FSDP2 ranks were slowed? ($CONTENTION_RUN, TRL's colocate defaults at 8B)
+  run=${CONTENTION_RUN:-unified_fp8kv_liger}
+  files=()
+  for i in $(seq 0 $(($(nvidia-smi -L | grep -c '^GPU ') - 1))); do  # a workdir each: the model is written once per workdir
+    out="$work/grpo_contention_${run}_gpu${i}_$device.json"
+    CUDA_VISIBLE_DEVICES=$i MASTER_PORT=$((29700 + 10 * i)) timed "contention_${run}_gpu$i" python -m benchmarks.bench_grpo \
+      --shape 8b --optim adamw_bnb_8bit --sleep_mode --vllm_memory 0.3 --completion_len 2048 --generation_batch 128 \
+      --micro_batch 4 --steps 2 --warmup 1 --runs "$run" --workdir "$work/bench_contention_$i" --out "$out" &
+    files+=("$out")
+  done
+  wait
+  python - "${files[@]}" <<'PY'  # each copy's timed step: an engine slowed by the host shows in its rollout
+import json, sys
+for path in sys.argv[1:]:
+    try:
+        row = json.load(open(path))["results"][0]
+    except (OSError, IndexError, KeyError, ValueError):
+        print(f"{path}: no result")
+        continue
+    t = row["step_time"]
+    print(f"{path}: step {t['step_s']:.1f} s, rollout {t['rollout_s']:.1f} s, training {t['training_s']:.1f} s")
+PY
+  ;;
 multi)  # a 4B shape with stock fused AdamW: one step fits one GPU beside its engine, so 1 and 2 GPUs compare
   gpu_tests multi_gpu_tests tests/gpu/test_multi_gpu.py
   for runs in "1 multi_gpu" "2 fsdp2" "2 multi_gpu"; do
@@ -304,7 +330,7 @@ multi)  # a 4B shape with stock fused AdamW: one step fits one GPU beside its en
 *)
   echo "usage: $0 PHASE... (kernels rollout capacity concurrency colocate bestfit pack suite checks linear gemm quant" \
     "train grpo four long kvprofile fp8kv" \
-    "chain chainbase multi scaling)" >&2
+    "chain chainbase multi scaling contention)" >&2
   exit 2
   ;;
 esac
