@@ -170,6 +170,11 @@ def _columns_footnote(several: bool) -> str:
             "97% of each GPU, and the share holds one whole sequence.")  # fmt: skip
 
 
+def _replaced(args: argparse.Namespace, **changes) -> argparse.Namespace:
+    """The same plan's arguments with `changes` (another GPU count, another gradient reduction)."""
+    return argparse.Namespace(**{**vars(args), **changes})
+
+
 def _accumulation_steps(args) -> int:
     """Micro-batches per optimizer step: as given, or TRL's default coupling (one step per rollout)."""
     return args.gradient_accumulation_steps or max(1, args.generation_batch // args.micro_batch)
@@ -184,7 +189,7 @@ def _keeps_gradients(args) -> bool:
 def _sync_each_batch_line(args, shape, total: int, seq_len: int, rows: list) -> str:
     """Under FSDP2 with gradient accumulation: what the unsharded gradients cost each GPU, and the peaks and fits
     with accelerate's sync_each_batch, which reduce-scatters every micro-batch instead."""
-    synced = argparse.Namespace(**{**vars(args), "sync_each_batch": True})
+    synced = _replaced(args, sync_each_batch=True)
     other = [_flow_row(shape, total, seq_len, synced, "fsdp2", fetch_best=False, fp8_weights=w, fp8_kv=kv)
              for _, w, kv in FLOWS]  # fmt: skip
     unsharded = rows[0][1].get("unsharded_gradients", 0)
@@ -361,7 +366,7 @@ def _fewest_fsdp2_gpus(args, shape, total: int, seq_len: int, rows: list, most: 
         fewest = _fewest_gpus(args, shape, total, seq_len, most, fp8_weights=fp8_weights, fp8_kv=fp8_kv)
         text = f"{name} from {fewest} GPUs" if fewest else f"{name} not within {most} GPUs"
         if _keeps_gradients(args):  # whole gradients on every GPU: more GPUs shrink only the rest
-            synced = argparse.Namespace(**{**vars(args), "sync_each_batch": True})
+            synced = _replaced(args, sync_each_batch=True)
             if (with_sync := _fewest_gpus(synced, shape, total, seq_len, most, fp8_weights=fp8_weights,
                                           fp8_kv=fp8_kv)) != fewest:  # fmt: skip
                 text += f" ({with_sync} with sync_each_batch)" if with_sync else ""
@@ -375,7 +380,7 @@ def _fewest_gpus(args, shape, total: int, seq_len: int, most: int, *, fp8_weight
     """The fewest GPUs, doubling from twice `args.num_processes` up to `most`, over which FSDP2 fits the flow."""
     n = args.num_processes * 2
     while n <= most:
-        more = argparse.Namespace(**{**vars(args), "num_processes": n})
+        more = _replaced(args, num_processes=n)
         _, _, _, fits, _ = _flow_row(shape, total, seq_len, more, "fsdp2", fp8_weights=fp8_weights, fp8_kv=fp8_kv,
                                      fetch_best=False)  # fmt: skip
         if fits:

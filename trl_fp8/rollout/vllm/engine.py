@@ -37,6 +37,7 @@ __all__ = [
     "apply_engine_env",
     "engine_env",
     "engine_overrides",
+    "expandable_segments_on",
     "push_to_engine",
     "rollout_weight_tensors",
     "sleep_mode_allocator",
@@ -147,10 +148,9 @@ def sleep_mode_allocator(args, environ=os.environ) -> tuple[int, str] | None:
     if not (args.use_vllm and args.vllm_mode == "colocate" and args.vllm_enable_sleep_mode):
         return None
     conf = environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
-    setting = conf.replace(" ", "").lower()
-    if "expandable_segments:true" in setting:
+    if expandable_segments_on(environ):
         return None
-    if "expandable_segments:false" in setting:
+    if "expandable_segments:false" in _allocator_setting(environ):
         return logging.WARNING, (
             "vllm_enable_sleep_mode=True with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False: PyTorch keeps freed "
             "training memory pinned while vLLM wakes into its share (gigabytes at an 8B model), so a run out of "
@@ -176,6 +176,16 @@ def sleep_mode_allocator(args, environ=os.environ) -> tuple[int, str] | None:
 
 # What vLLM looks for in PYTORCH_CUDA_ALLOC_CONF (this exact spelling) before it builds its sleep-mode pool.
 EXPANDABLE_SEGMENTS = "expandable_segments:True"
+
+
+def _allocator_setting(environ) -> str:
+    return environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower()
+
+
+def expandable_segments_on(environ=os.environ) -> bool:
+    """Whether PyTorch's allocator runs on expandable segments here (`PYTORCH_CUDA_ALLOC_CONF`, which
+    `sleep_mode_allocator` sets for a colocated engine in sleep mode)."""
+    return "expandable_segments:true" in _allocator_setting(environ)
 
 
 def set_allocator_settings(settings: str) -> None:

@@ -17,11 +17,11 @@ from torch import nn
 
 from trl_fp8.config import BLOCK
 from trl_fp8.nn.adapters import unwrap_model
+from trl_fp8.rollout.vllm.engine import expandable_segments_on
 
 __all__ = [
     "ROW_PARALLEL",
     "check_tensor_parallel",
-    "expandable_segments_on",
     "multicast_off",
     "partition_shape",
     "tensor_parallel_overrides",
@@ -102,12 +102,6 @@ def check_tensor_parallel(
 def multicast_off(environ=os.environ) -> bool:
     """Whether this host's NVLink multicast is switched off (NCCL's NVLS or torch's symmetric-memory multicast)."""
     return environ.get("NCCL_NVLS_ENABLE") == "0" or environ.get("TORCH_SYMM_MEM_DISABLE_MULTICAST") == "1"
-
-
-def expandable_segments_on(environ=os.environ) -> bool:
-    """Whether PyTorch's allocator runs on expandable segments here (`PYTORCH_CUDA_ALLOC_CONF`, which FP8GRPOTrainer
-    sets for a colocated engine in sleep mode: `engine.sleep_mode_allocator`)."""
-    return "expandable_segments:true" in environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower()
 
 
 def tensor_parallel_overrides(tp: int, environ=os.environ) -> dict[str, tuple[object, str]]:
