@@ -86,19 +86,33 @@ ENGINES = {  # engine: (trainer in FP8, rollout precision, FP8 KV cache, vLLM bl
     "fp8_deepgemm": (True, "fp8", False, "deepgemm"),
     "fp8_deepgemm_kv": (True, "fp8", True, "deepgemm"),
     "fp8_cutlass_kv": (True, "fp8", True, "cutlass"),  # no DeepGEMM JIT compile: a fresh host starts in a minute
-    "fp8_deepgemm_fused": (True, "fp8", False, "deepgemm"),
-    "fp8_deepgemm_kv_fused": (True, "fp8", True, "deepgemm"),
+    # Variants of the default DeepGEMM engines, each one setting changed (ENGINE_LLM_KWARGS), to find where a decode
+    # step's time goes and what wins it back.
+    "fp8_deepgemm_inductor_quant": (True, "fp8", False, "deepgemm"),
+    "fp8_deepgemm_kv_inductor_quant": (True, "fp8", True, "deepgemm"),
+    "fp8_deepgemm_kv_triton_attn": (True, "fp8", True, "deepgemm"),
+    "fp8_deepgemm_kv_flashinfer": (True, "fp8", True, "deepgemm"),
 }
-# vLLM's own fusions of the activation quantizer into the op before it (RMSNorm + 1x128 group quant, SiLU-mul +
-# group quant: `rms_norm_per_block_quant` and friends), which its default settings leave to Inductor. The rollout
-# floors put our FP8 engines further from their floor than BF16; the quantizer passes are the suspected gap.
-FUSED_QUANT = {
+# For block-FP8 weights vLLM turns its CUDA activation quantizer on (`+quant_fp8`) and then fuses it into the op
+# before it: `rms_norm_per_block_quant` and `silu_and_mul_per_block_quant`. On one H200 at 256 sequences these ran at
+# 10-30 us a call, 7-9x their bytes (results/rollout_capacity_mem0.3_NVIDIA_H200.json, the profiled row). With
+# `-quant_fp8` the quantizer is vLLM's PyTorch one, which Inductor fuses with the norm or SiLU-mul itself.
+INDUCTOR_QUANT = {
     "compilation_config": {
-        "custom_ops": ["+quant_fp8", "+rms_norm", "+silu_and_mul"],
-        "pass_config": {"fuse_norm_quant": True, "fuse_act_quant": True},
+        "custom_ops": ["-quant_fp8"],
+        "pass_config": {"fuse_norm_quant": False, "fuse_act_quant": False},
     }
 }
-ENGINE_LLM_KWARGS = {"fp8_deepgemm_fused": FUSED_QUANT, "fp8_deepgemm_kv_fused": FUSED_QUANT}
+ENGINE_LLM_KWARGS = {
+    "fp8_deepgemm_inductor_quant": INDUCTOR_QUANT,
+    "fp8_deepgemm_kv_inductor_quant": INDUCTOR_QUANT,
+    # Triton's unified attention reads the FP8 cache's q/k/v scales from the layer's tensors at every call, as FA3
+    # does, so the scales of every sync reach it: a candidate for the trainer's engines.
+    "fp8_deepgemm_kv_triton_attn": {"attention_backend": "TRITON_ATTN"},
+    # FlashInfer copies the scales into Python floats at its first forward, so later syncs' scales would not reach it
+    # (trl_fp8.rollout.vllm.kernels): a speed reference only, never a rollout engine of the trainer.
+    "fp8_deepgemm_kv_flashinfer": {"attention_backend": "FLASHINFER"},
+}
 DEFAULT_POINTS = ["64x1024", "256x1024", "1024x1024", "64x4096", "256x4096", "16x16384"]
 HEAD_DIM = 128  # every SHAPES entry
 # Data-sheet peaks (SXM): HBM bytes/s, dense BF16 and FP8 tensor-core FLOP/s.

@@ -8,6 +8,8 @@
 #   bash benchmarks/run_rollout_report.sh capacity  # bench_rollout at matched memory: bf16 / FP8 / FP8 + FP8 KV at
 #                                                   # $CAPACITY_SHARES (default 0.3) of the GPU, 256x2048 and 128x4096
 #   bash benchmarks/run_rollout_report.sh concurrency # the same engines capped at $CAPACITY_SEQS sequences at once
+#   bash benchmarks/run_rollout_report.sh decode    # where a decode step's time goes: every engine variant at 0.3,
+#                                                   # 256x2048, each profiled at 256x512 ($DECODE_ENGINES)
 #   bash benchmarks/run_rollout_report.sh colocate  # bench_grpo at TRL's colocate defaults (8B, 0.3, sleep mode, 8-bit
 #                                                   # AdamW, 128 x 2048): $COLOCATE_RUNS, one call each, one file
 #   bash benchmarks/run_rollout_report.sh bestfit   # the same, each of $BESTFIT_RUNS at growing $BESTFIT_SHARES until
@@ -87,7 +89,7 @@ kernels)
   timed kernel_tests python -m pytest -m gpu tests/gpu/test_kernels_gpu.py -p no:cacheprovider
   ;;
 rollout)
-  engines=${ROLLOUT_ENGINES:-fp8_deepgemm_kv fp8_deepgemm_kv_fused fp8_deepgemm fp8_deepgemm_fused bf16 vllm_fp8}
+  engines=${ROLLOUT_ENGINES:-fp8_deepgemm_kv fp8_deepgemm_kv_inductor_quant fp8_deepgemm fp8_deepgemm_inductor_quant bf16 vllm_fp8}
   # shellcheck disable=SC2086
   timed "rollout_${engines// /+}" python -m benchmarks.bench_rollout --engines $engines \
     --points 64x1024 256x1024 1024x1024 64x4096 --append --out "$work/rollout_$device.json"
@@ -100,6 +102,12 @@ capacity)  # matched memory: every engine gets the same share of the GPU ($CAPAC
       --points ${CAPACITY_POINTS:-256x2048 128x4096} --prompt_len 256 --gpu_memory_utilization "$share" --append \
       ${CAPACITY_PROFILE:+--profile_point "$CAPACITY_PROFILE"} --out "$work/rollout_capacity_mem${share}_$device.json"
   done
+  ;;
+decode)  # the default engines and one-setting variants (bench_rollout.ENGINE_LLM_KWARGS: the activation quantizers
+  # Inductor's, Triton's attention, FlashInfer's as a speed reference), each profiled: what wins a decode step back
+  CAPACITY_POINTS=${CAPACITY_POINTS:-256x2048} CAPACITY_PROFILE=${CAPACITY_PROFILE:-256x512} \
+    CAPACITY_ENGINES=${DECODE_ENGINES:-bf16 fp8_deepgemm fp8_deepgemm_kv fp8_deepgemm_kv_inductor_quant \
+    fp8_deepgemm_kv_triton_attn fp8_deepgemm_inductor_quant fp8_deepgemm_kv_flashinfer} bash benchmarks/run_rollout_report.sh capacity
   ;;
 concurrency)  # matched concurrency: the same share, and every engine capped at $CAPACITY_SEQS sequences at once
   share=${CAPACITY_SHARES:-0.3}

@@ -114,6 +114,23 @@ def test_rollout_plot_reads_both_result_formats(tmp_path):
     assert plot_rollout(new, tmp_path, plt).exists()
 
 
+def test_every_engine_variant_and_decode_phase_engine_is_a_bench_rollout_engine():
+    """The one-setting engine variants (`ENGINE_LLM_KWARGS`) are engines `bench_rollout` knows, the variants of the
+    FP8 KV cache keep their cache, and `run_rollout_report.sh decode` runs only engines it knows."""
+    import re
+
+    from benchmarks.bench_rollout import ENGINE_LLM_KWARGS, ENGINES
+
+    assert set(ENGINE_LLM_KWARGS) <= set(ENGINES)
+    for name, kwargs in ENGINE_LLM_KWARGS.items():
+        assert ENGINES[name][2] == ("attention_backend" in kwargs or "_kv_" in name), name
+    script = (Path(__file__).parents[1] / "benchmarks" / "run_rollout_report.sh").read_text()
+    phase = script[script.index("\ndecode)") : script.index("\n  ;;", script.index("\ndecode)"))]
+    engines = re.search(r"DECODE_ENGINES:-([^}]*)}", phase).group(1).replace("\\", " ").split()
+    assert len(engines) >= 5 and set(engines) <= set(ENGINES), engines
+    assert set(ENGINE_LLM_KWARGS) <= set(engines)  # every variant is measured by the phase
+
+
 def test_rollout_summary_gives_each_profiled_engine_its_kernel_time_and_attention_floor():
     """`bench_rollout --profile_point SxN`: the summary adds, per profiled engine, the kernel milliseconds by category,
     attention's KV-read floor (absent without a known device) and the time no kernel ran."""

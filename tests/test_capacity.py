@@ -62,7 +62,7 @@ def test_parameter_counts_are_the_models_own(kind):
 
 def measured_rows():
     """(device, shape, share, max_num_seqs, engine, vLLM's KV tokens) of every committed bench_rollout row."""
-    from benchmarks.bench_rollout import ENGINES, SHAPES
+    from benchmarks.bench_rollout import SHAPES
 
     rows = []
     for path in sorted(RESULTS.glob("rollout*_NVIDIA_*.json")):
@@ -73,7 +73,8 @@ def measured_rows():
             seqs = max([p["seqs"] for p in row["points"]] + [row.get("profile", {}).get("seqs", 0)])
             seqs = row.get("max_num_seqs", seqs)  # recorded in newer rows
             device = next(k for k in GPU_MEMORY_BYTES if k in data["device"])
-            train_fp8, precision, fp8_kv, _ = ENGINES[row["engine"]]
+            # (what the row ran, from its own fields: engines of earlier benchmark versions keep their names there)
+            precision, fp8_kv = row["rollout_precision"], row["fp8_kv_cache"]
             shape = ModelShape.from_config({**SHAPES[data["shape"]["name"]], "head_dim": 128})
             total = row.get("gpu_total_bytes", GPU_MEMORY_BYTES[device])  # recorded in newer rows
             rows.append((path.name, total, shape, row.get("gpu_memory_utilization", data["gpu_memory_utilization"]),

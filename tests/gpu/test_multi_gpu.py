@@ -68,6 +68,14 @@ def test_two_gpu_grpo_with_colocated_engines(tmp_path, launch, vllm_tp, fp8_kv, 
     for a, b in zip(r0["log_history"], r1["log_history"], strict=True):
         assert {k: v for k, v in a.items() if k not in TIMINGS} == {k: v for k, v in b.items() if k not in TIMINGS}
     assert r0["params"] == r1["params"] and r0["pushed_fp8"] == r1["pushed_fp8"]
+    # One engine over both GPUs sleeps between rollouts, on expandable segments, so its custom all-reduce is off
+    # (vLLM cannot share that memory between processes).
+    assert r0["engine"] == r1["engine"]
+    if vllm_tp == 2:
+        assert r0["engine"] == {"tensor_parallel_size": 2, "disable_custom_all_reduce": True, "sleep_mode": True,
+                                "expandable_segments": True}  # fmt: skip
+    else:
+        assert r0["engine"]["tensor_parallel_size"] == 1 and not r0["engine"]["sleep_mode"]
 
     master = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "fp8" / "bf16_master", dtype=torch.bfloat16)
     convert_to_fp8(master)

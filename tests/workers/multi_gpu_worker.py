@@ -37,7 +37,7 @@ def main():
 
     from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer
     from trl_fp8.demo.toy_task import GRPO_SETTINGS, say_letter_dataset, say_letter_reward
-    from trl_fp8.rollout.vllm.engine import rollout_weight_tensors
+    from trl_fp8.rollout.vllm.engine import expandable_segments_on, rollout_weight_tensors
 
     model_dir, out = sys.argv[1], Path(sys.argv[2])
     vllm_tp = int(sys.argv[3]) if len(sys.argv) > 3 else 1
@@ -60,6 +60,7 @@ def main():
     trainer.train()
     model = trainer.accelerator.unwrap_model(trainer.model)
     assert_engine_holds_trainer_fp8(trainer)
+    parallel = trainer.vllm_generation.llm.llm_engine.vllm_config.parallel_config
     record = {
         "rank": trainer.accelerator.process_index,
         "distributed_type": str(trainer.accelerator.distributed_type),
@@ -70,6 +71,13 @@ def main():
         "log_history": trainer.state.log_history,
         "params": tensor_digest(model.named_parameters()),
         "pushed_fp8": tensor_digest(rollout_weight_tensors(model, "fp8")),
+        # what the engine ran with: over both GPUs in sleep mode, expandable segments on and the custom all-reduce off
+        "engine": {
+            "tensor_parallel_size": parallel.tensor_parallel_size,
+            "disable_custom_all_reduce": parallel.disable_custom_all_reduce,
+            "sleep_mode": bool(args.vllm_enable_sleep_mode),
+            "expandable_segments": expandable_segments_on(),
+        },
     }
     trainer.save_model(str(out / "fp8"))
     (out / f"rank{record['rank']}.json").write_text(json.dumps(record, indent=1))
