@@ -83,6 +83,8 @@ RUNS = {  # run: (trainer, fp8_recipe, rollout_precision, fp8 KV cache, training
     "unified_ckpt2": ("trl_fp8", "blockwise", "fp8", False, "auto", None),
     "unified_ckpt4": ("trl_fp8", "blockwise", "fp8", False, "auto", None),
     "unified_liger_nocache": ("trl_fp8", "blockwise", "fp8", False, "auto", False),  # Liger, BF16's peak memory
+    # the FP8 weight cache kept through the micro-batches too (the default holds it for scoring and the sync only)
+    "unified_fp8kv_liger_cache": ("trl_fp8", "blockwise", "fp8", True, "auto", True),
     # MoE: every sync takes vLLM's layerwise reload for the experts too (the in-place expert write off), to compare
     "unified_experts_reload": ("trl_fp8", "blockwise", "fp8", False, "auto", None),
     "fp8_defaults": ("trl_fp8", "blockwise", "fp8", False, "auto", None),  # + use_liger_kernel left unset
@@ -115,6 +117,7 @@ RUN_OPTIONS = {  # further (FP8)GRPOConfig fields of a run
     "unified_ckpt2": {"gradient_checkpointing_kwargs": {"every_n_layers": 2}},
     "unified_ckpt4": {"gradient_checkpointing_kwargs": {"every_n_layers": 4}},
     "unified_liger_nocache": LIGER,
+    "unified_fp8kv_liger_cache": LIGER,
     "fp8_defaults": {"use_liger_kernel": None},  # FP8GRPOTrainer's own start-up choice
     "unified_fp8kv_liger_prefetch2": {"fsdp2_prefetch_layers": 2, **LIGER},
     "unified_fp8kv_liger_logprob16": {"logprob_batch_size": 16, **LIGER},
@@ -203,6 +206,13 @@ class DeviceMemorySampler:
 def model_dir(args) -> Path:
     """One random model per shape and context length under `--workdir`, shared by the runs (and by later calls)."""
     return Path(args.workdir) / f"model_{args.shape}_{model_positions(args.prompt_len, args.completion_len)}"
+
+
+def fp8_cache_with_grad(model) -> bool | None:
+    """Whether the model's FP8 layers keep their weight cache through the micro-batches (False: held for scoring and
+    the sync only; None: no blockwise FP8 layer)."""
+    configs = [m.fp8_config for m in model.modules() if hasattr(getattr(m, "fp8_config", None), "cache_with_grad")]
+    return configs[0].cache_with_grad if configs else None
 
 
 def run_one(args) -> None:
@@ -435,6 +445,8 @@ def run_one(args) -> None:
         "peak_device_memory_by_phase_gib": {phase: b / 2**30 for phase, b in device_peaks.items()},
         "gpu_memory_gib": torch.cuda.mem_get_info()[1] / 2**30,
         "fp8_weight_cache_gib": fp8_weight_cache_bytes(trainer.model) / 2**30,
+        # whether the FP8 layers kept their cache through the micro-batches (False: held for scoring and the sync)
+        "fp8_cache_with_grad": fp8_cache_with_grad(trainer.model),
         # sleep mode: the FP8 weight copies let go while the last rollout generated (vllm_sync)
         "fp8_cache_released_gib": getattr(generation, "released_cache_bytes", 0) / 2**30,
         "memory_at_generation_gib": memory_at_generation,  # trainer tensors, allocator and device as vLLM generates

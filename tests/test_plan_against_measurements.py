@@ -48,7 +48,10 @@ def planned_peak(settings: dict, row: dict) -> float:
     shape = ModelShape.from_config(config(**SHAPES[settings["shape"]], head_dim=128))
     processes = settings.get("num_processes") or 1
     launch = "fsdp2" if settings.get("launch_config") == "fsdp2" and processes > 1 else "ddp"
-    cache = {None: "auto", True: "on", False: "off"}[row.get("fp8_cache_weights")]
+    recorded = row.get("fp8_cache_weights")
+    if recorded is None and "fp8_cache_with_grad" not in row and row.get("fp8_weight_cache_gib"):
+        recorded = True  # measured before the default cache served scoring only: it stayed through the micro-batches
+    cache = {None: "auto", True: "on", False: "off"}[recorded]
     parser = argparse.ArgumentParser()
     plan.add_arguments(parser)
     args = parser.parse_args([

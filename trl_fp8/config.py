@@ -87,6 +87,11 @@ class FP8LinearConfig:
         cache_quantized_weight: keep the FP8 copy of each weight between calls until the weight changes
             (optimizer step), so micro-batches, log-prob passes and the vLLM weight sync quantize once per step.
             Costs one byte per parameter.
+        cache_with_grad: with the cache on, keep it through forwards that record gradients for a trainable weight.
+            `False`: such a forward lets go of the layer's cached copy and quantizes the weight for itself, so the
+            memory peak of a training step (gradients, activations) holds no FP8 copies, while the forwards without
+            gradients (scoring rollouts, evaluation) and the vLLM sync still share one quantization per optimizer
+            step. Frozen weights (a LoRA base) stay cached either way.
         fuse_sibling_gemms: run layers that read one input and that vLLM fuses (q/k/v, gate/up) as one FP8 GEMM
             per pass on their stacked weight blocks (`trl_fp8.nn.sibling_gemms`): a third of the kernel launches for
             q/k/v, the same values per layer up to fp32 summation order, the same FP8 bytes synced and exported.
@@ -103,6 +108,7 @@ class FP8LinearConfig:
     power_of_two_scales: bool = False
     backend: str = "auto"
     cache_quantized_weight: bool = True
+    cache_with_grad: bool = True
     fuse_sibling_gemms: bool = False
     fuse_swiglu: bool = False
     experts_gemm: str = "auto"
@@ -149,6 +155,11 @@ class FP8LinearConfig:
             raise ValueError(
                 f"cache_quantized_weight=False turns off the blockwise layers' FP8 weight cache; torchao's "
                 f"{self.recipe!r} layers keep no such cache. Drop cache_quantized_weight, or use recipe='blockwise'."
+            )
+        if not self.cache_with_grad and not self.cache_quantized_weight:
+            raise ValueError(
+                "cache_with_grad=False limits the FP8 weight cache to forwards without gradients, but "
+                "cache_quantized_weight=False keeps no cache at all. Drop cache_with_grad."
             )
         if self.backend == "emulated" and self.experts_gemm != "auto":
             raise ValueError(

@@ -272,7 +272,10 @@ def quantized_experts(
     an `FP8Experts` layer's own scale rounding."""
     if isinstance(module, FP8Experts):
         if weight is getattr(module, leaf):
-            return module.quantized_expert_weight(leaf)
+            with (
+                torch.no_grad()
+            ):  # not a forward: the layer's cache serves it whatever the grad mode (cache_with_grad)
+                return module.quantized_expert_weight(leaf)
         power_of_two_scales = module.fp8_config.power_of_two_scales
     e, n, k = weight.shape
     q = torch.empty(weight.shape, dtype=FP8_DTYPE, device=weight.device)

@@ -33,6 +33,7 @@ from trl_fp8.rollout.capacity import (
     keeps_fp8_weight_cache,
     rollout_capacity,
     trainer_memory_per_gpu,
+    trainer_peak_bytes,
     training_phase_bytes,
 )
 from trl_fp8.trainer.requirements import is_bitsandbytes_optimizer
@@ -106,10 +107,12 @@ def run(args: argparse.Namespace) -> int:
     print(_header(args, shape, total))
     print(f"{'':<14}{'vLLM weights':>13}{'KV B/token':>11}{'KV tokens':>11}{'seqs at once':>13}{'waves':>6}"
           f"{'trainer':>9}" + (f"{'peak':>9}" if several else "") + f"{'fits':>6}")  # fmt: skip
+    cache_with_grad = args.fp8_cache_weights == "on"
     for (name, _, _), (cap, parts, peak, fits, _) in zip(FLOWS, rows, strict=True):
         waves = cap.waves(_engine_batch(args)) if cap.sequences else "-"
+        trainer = trainer_peak_bytes(parts, cache_with_grad=cache_with_grad)
         print(f"{name:<14}{cap.weight_bytes / GiB:>11.1f}Gi{cap.kv_bytes_per_token:>11,}{cap.kv_tokens:>11,}"
-              f"{cap.sequences:>13}{waves:>6}{sum(parts.values()) / GiB:>7.1f}Gi"
+              f"{cap.sequences:>13}{waves:>6}{trainer / GiB:>7.1f}Gi"
               + (f"{peak / GiB:>7.1f}Gi" if several else "") + f"{'yes' if fits else 'no':>6}")  # fmt: skip
     print(_columns_footnote(several))
     if split:
@@ -162,9 +165,10 @@ def _header(args, shape, total: int) -> str:
 def _columns_footnote(several: bool) -> str:
     """What the table's columns hold (one GPU: as it always read)."""
     if not several:
-        return ("KV tokens: vLLM 0.26's sizing, estimated; trainer: BF16 masters, gradients, optimizer, FP8 weight "
-                "cache, one micro-batch's activations and logits (rough); fits: trainer + vLLM's share within 97% of "
-                "the GPU, and the share holds one whole sequence.")  # fmt: skip
+        return ("KV tokens: vLLM 0.26's sizing, estimated; trainer: BF16 masters, gradients, optimizer, one "
+                "micro-batch's activations and logits, or while scoring the FP8 weight cache in their place, whichever "
+                "is more (rough; with --fp8_cache_weights on the cache stays beside them); fits: trainer + vLLM's "
+                "share within 97% of the GPU, and the share holds one whole sequence.")  # fmt: skip
     return ("KV tokens: vLLM 0.26's sizing, estimated; trainer: one GPU's part of the training (below), one "
             "micro-batch's activations and logits (rough); peak: the most one GPU holds at once; fits: peak within "
             "97% of each GPU, and the share holds one whole sequence.")  # fmt: skip
@@ -291,8 +295,10 @@ def peak_bytes(parts: dict[str, int], shape, share_bytes: float, args) -> float:
     runs beside what vLLM cannot release, and vLLM wakes into its whole share beside what the trainer holds between
     steps: weights and optimizer states, and DDP's buckets and NCCL's buffers on several GPUs (gradients and
     activations freed, the FP8 weight cache released before the KV cache wakes)."""
+    # (fp8_cache_weights=None holds the cache while scoring and lets it go in the micro-batches; True keeps it)
     training = training_phase_bytes(parts, shape, share_bytes, sleep_mode=args.sleep_mode,
-                                    max_num_seqs=_engine_batch(args))  # fmt: skip
+                                    max_num_seqs=_engine_batch(args),
+                                    cache_with_grad=args.fp8_cache_weights == "on")  # fmt: skip
     if not args.sleep_mode:
         return training
     return max(training, sum(parts.get(key, 0) for key in HELD_BETWEEN_STEPS) + share_bytes)

@@ -38,7 +38,7 @@ from torch import nn
 from trl_fp8.config import BLOCK, BLOCKWISE, FP8LinearConfig
 from trl_fp8.distributed import gather_quantized, is_sharded
 from trl_fp8.nn.linear import blockwise_backward
-from trl_fp8.nn.weight_cache import FP8WeightCacheMixin, is_own_parameter, weight_cache_key
+from trl_fp8.nn.weight_cache import FP8WeightCacheMixin, caches_now, is_own_parameter, weight_cache_key
 from trl_fp8.ops import backend_name, select_ops
 
 __all__ = ["FP8Experts", "expert_layout_problem", "is_experts_module"]
@@ -131,14 +131,15 @@ class FP8Experts(FP8WeightCacheMixin, nn.Module):
             return gather_quantized(weight, self._quantize_stack, rows_per_block=1)
         # Only the module's own parameter is cached: LoRA's `target_parameters` hands each forward a new `W + BA`
         # tensor, which a new adapter state may get at the address of the last one (`nn.weight_cache.is_own_parameter`).
-        cache = self.fp8_config.cache_quantized_weight and is_own_parameter(self, name, weight)
+        if not (self.fp8_config.cache_quantized_weight and is_own_parameter(self, name, weight)):
+            return self._quantize_stack(weight)
         key = weight_cache_key(weight, self._fp8_invalidations)
-        cached = self._fp8_weight_cache.get(name) if cache else None
-        if cached is not None and cached[0] == key:
-            return cached[1]
-        value = self._quantize_stack(weight)
-        if cache:
+        cached = self._fp8_weight_cache.get(name)
+        value = cached[1] if cached is not None and cached[0] == key else self._quantize_stack(weight)
+        if caches_now(self.fp8_config, weight):
             self._fp8_weight_cache[name] = (key, value)
+        else:  # a forward recording gradients with cache_with_grad=False: the training step's peak holds no copy
+            self._fp8_weight_cache.pop(name, None)
         return value
 
     def _quantize_stack(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

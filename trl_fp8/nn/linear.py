@@ -35,6 +35,7 @@ from trl_fp8.nn.weight_cache import (  # noqa: F401 (the cache's functions lived
     FP8WeightCacheMixin,
     cache_hit,
     cached_fp8_layers,
+    caches_now,
     fp8_weight_cache_bytes,
     invalidate_fp8_weights,
     is_own_parameter,
@@ -238,7 +239,8 @@ class FP8Linear(FP8WeightCacheMixin, nn.Linear):
                 return fp8_weight.q, fp8_weight.scale_inv
 
             return gather_quantized(weight, quantize)
-        fp8_weight = self._fp8_weight()
+        with torch.no_grad():  # not a forward: the cache serves it whatever the caller's grad mode (cache_with_grad)
+            fp8_weight = self._fp8_weight()
         return fp8_weight.q, fp8_weight.scale_inv
 
     def _cache_key(self) -> tuple:
@@ -261,17 +263,23 @@ class FP8Linear(FP8WeightCacheMixin, nn.Linear):
             # forward): its address, version and the step count cannot tell one adapter state from the next (a new
             # tensor at a reused address, an adapter written in place), so it is quantized fresh and never cached.
             return self._quantize(w)
+        keep = caches_now(cfg, w)
         key = self._cache_key()
         if (hit := cache_hit(self._fp8_weight_cache, key)) is not None:
-            return hit
-        if self._fp8_group is not None and cfg.cache_quantized_weight:
+            if keep:
+                return hit
+            # A forward recording gradients with `cache_with_grad=False`: the copy's last use; the layer lets go of it,
+            # and the backward does not keep it (`cached` False), so the training step's peak holds no FP8 copies.
+            self.release_cache()
+            return FP8Weight.of(hit.q, hit.scale_inv, hit.ops, hit.power_of_two_scales)
+        if self._fp8_group is not None and keep:
             # One cached copy per group: its stack, of which this layer's cache holds a view (a copy of its own
             # beside the stack would hold these bytes twice).
             self._fp8_group[0].fp8_weight()
             return self._fp8_weight_cache[1]
         fp8_weight = self._quantize(w)
-        fp8_weight.cached = cfg.cache_quantized_weight
-        self._fp8_weight_cache = (key, fp8_weight) if fp8_weight.cached else None
+        fp8_weight.cached = keep
+        self._fp8_weight_cache = (key, fp8_weight) if keep else None
         return fp8_weight
 
     def _reset_weight_cache(self) -> None:

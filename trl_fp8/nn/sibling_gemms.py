@@ -28,7 +28,7 @@ from torch import nn
 from trl_fp8.config import BLOCK
 from trl_fp8.distributed import is_sharded
 from trl_fp8.nn.linear import FP8Linear, FP8Weight, InputEntry, _BlockwiseFP8Matmul
-from trl_fp8.nn.weight_cache import cache_hit, is_own_parameter, optimizer_steps, tensor_bytes
+from trl_fp8.nn.weight_cache import cache_hit, caches_now, is_own_parameter, optimizer_steps, tensor_bytes
 
 __all__ = ["FUSED_GROUPS", "FP8SiblingGroup", "group_fp8_siblings", "sibling_group_problem"]
 
@@ -97,13 +97,17 @@ class FP8SiblingGroup:
         if not all(is_own_parameter(m, "weight", w) for m, w in zip(members, weights, strict=True)):
             # A weight computed at each call is never cached (`FP8Linear._fp8_weight`). (`forward_member` stacks no
             # such weight; this is for any other caller.)
-            return self._quantize_stacked(members, weights)
+            return self._quantize_stacked(members, weights, cached=False)
+        keep = all(caches_now(m.fp8_config, w) for m, w in zip(members, weights, strict=True))
         key = tuple(m._cache_key() for m in members)
         if (hit := cache_hit(self._cache, key)) is not None:
-            return hit
+            if keep:
+                return hit
+            self.release_cache()  # a forward recording gradients with cache_with_grad=False: the copy's last use
+            return FP8Weight.of(hit.q, hit.scale_inv, hit.ops, hit.power_of_two_scales)
         self.release_cache()  # the old stack (and the members' views of it) go before the new one is built
-        stacked = self._quantize_stacked(members, weights)
-        if members[0].fp8_config.cache_quantized_weight:
+        stacked = self._quantize_stacked(members, weights, cached=keep)
+        if keep:
             stacked.cached = True
             rows = [m.out_features for m in members]
             for member, member_key, q, s in zip(
@@ -116,13 +120,13 @@ class FP8SiblingGroup:
         return stacked
 
     @staticmethod
-    def _quantize_stacked(members: list[FP8Linear], weights: list[torch.Tensor]) -> FP8Weight:
+    def _quantize_stacked(members: list[FP8Linear], weights: list[torch.Tensor], cached: bool) -> FP8Weight:
         """The members' weights quantized into one stack: the same blocks as each weight alone (their rows are
-        multiples of 128). Quantized at every forward (no cache, as under FSDP2), the weights are stacked first and
+        multiples of 128). Not cached (quantized at every forward, as under FSDP2), the weights are stacked first and
         quantized by one kernel: two launches, not one quantization and two copies per member. Cached (once per
         optimizer step), each is quantized alone and written into its rows: at most one member's copy beside the
         stack."""
-        if not members[0].fp8_config.cache_quantized_weight:
+        if not cached:
             return members[0]._quantize(torch.cat([w.detach() for w in weights]))
         total = sum(m.out_features for m in members)
         q = scale_inv = first = None

@@ -22,6 +22,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 __all__ = [
     "FP8WeightCacheMixin",
+    "caches_now",
     "cached_fp8_layers",
     "fp8_weight_cache_bytes",
     "invalidate_fp8_weights",
@@ -57,6 +58,15 @@ def cache_hit(cached: tuple | None, key: tuple):
     if cached is None or cached[0] != key:
         return None
     return cached[1] if torch.is_inference_mode_enabled() or not cached[1].q.is_inference() else None
+
+
+def caches_now(config, weight: torch.Tensor) -> bool:
+    """Whether a layer with `config` (`FP8LinearConfig`) keeps the FP8 copy of `weight` that this call quantizes:
+    never without the cache; with `cache_with_grad=False`, not in a forward that records gradients for `weight`
+    (a training micro-batch), so that a training step's memory peak holds no FP8 copies."""
+    if not config.cache_quantized_weight:
+        return False
+    return config.cache_with_grad or not (torch.is_grad_enabled() and weight.requires_grad)
 
 
 def is_own_parameter(module: nn.Module, name: str, weight: torch.Tensor) -> bool:

@@ -20,6 +20,7 @@ has it (not fitted for T > 1); it decodes the sequences of its T ranks.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -39,6 +40,7 @@ __all__ = [
     "fsdp2_gathered_params",
     "trainer_memory_bytes",
     "trainer_memory_per_gpu",
+    "trainer_peak_bytes",
     "training_phase_bytes",
     "vllm_overhead_bytes",
     "weight_bytes",
@@ -273,21 +275,50 @@ def optimizer_state_bytes(shape: ModelShape, optim: str, trainable: int, master_
 
 
 def training_phase_bytes(
-    parts: dict[str, int], shape: ModelShape, share_bytes: float, *, sleep_mode: bool, max_num_seqs: int
+    parts: dict[str, int],
+    shape: ModelShape,
+    share_bytes: float,
+    *,
+    sleep_mode: bool,
+    max_num_seqs: int,
+    cache_with_grad: bool = True,
 ) -> float:
     """What one GPU holds while the trainer trains: its `parts` beside vLLM's whole share, or beside what vLLM keeps
-    while it sleeps (sleep mode)."""
+    while it sleeps (sleep mode). With `cache_with_grad=False` (FP8GRPOTrainer's default cache) the FP8 weight cache
+    is held while the rollouts are scored and let go when the micro-batches start: the larger of the two."""
     vllm = vllm_overhead_bytes(shape, max_num_seqs) if sleep_mode else share_bytes
-    return sum(parts.values()) + vllm
+    return trainer_peak_bytes(parts, cache_with_grad=cache_with_grad) + vllm
+
+
+def trainer_peak_bytes(parts: dict[str, int], *, cache_with_grad: bool = True) -> int:
+    """The most the trainer itself holds while it trains (its `parts` at once, but see `training_phase_bytes` for an
+    FP8 weight cache held for scoring only)."""
+    if cache_with_grad or not parts.get("fp8_weight_cache"):
+        return sum(parts.values())
+    micro_batches = sum(v for k, v in parts.items() if k != "fp8_weight_cache")
+    # Scoring: no gradients are recorded, so neither a micro-batch's activations nor the gradients (freed after each
+    # optimizer step; DDP's buckets stay) are held; one chunk of logits is.
+    scoring = sum(v for k, v in parts.items() if k not in ("gradients", "activations"))
+    return max(micro_batches, scoring)
 
 
 def keeps_fp8_weight_cache(
-    parts: dict[str, int], shape: ModelShape, total: int, share_bytes: float, *, sleep_mode: bool, max_num_seqs: int
+    parts: dict[str, int],
+    shape: ModelShape,
+    total: int,
+    share_bytes: float,
+    *,
+    sleep_mode: bool,
+    max_num_seqs: int,
+    cache_with_grad: bool = False,
 ) -> bool:
-    """Whether FP8GRPOTrainer keeps its FP8 weight cache (`fp8_cache_weights=None`) for a trainer whose memory with
-    the cache is `parts`, on a GPU of `total` bytes: the training phase stays under `FP8_CACHE_HEADROOM` of it."""
-    training = training_phase_bytes(parts, shape, share_bytes, sleep_mode=sleep_mode, max_num_seqs=max_num_seqs)
-    return training <= FP8_CACHE_HEADROOM * total
+    """Whether FP8GRPOTrainer keeps its FP8 weight cache (`fp8_cache_weights=None`, which holds it for scoring only:
+    `cache_with_grad=False`) for a trainer whose memory with the cache is `parts`, on a GPU of `total` bytes: the
+    training phase with it stays under `FP8_CACHE_HEADROOM` of the GPU, or no higher than without it."""
+    phase = functools.partial(training_phase_bytes, shape=shape, share_bytes=share_bytes, sleep_mode=sleep_mode,
+                              max_num_seqs=max_num_seqs, cache_with_grad=cache_with_grad)  # fmt: skip
+    without = phase({**parts, "fp8_weight_cache": 0})
+    return phase(parts) <= max(FP8_CACHE_HEADROOM * total, without)
 
 
 def trainer_memory_per_gpu(

@@ -46,9 +46,12 @@ class FP8TrainingArguments:
             training GEMMs' shapes in the first step.
         fp8_cache_weights (bool | None): Keep each layer's FP8 weight between forwards until the optimizer changes
             it (one byte per parameter), so micro-batches, scoring passes and the vLLM sync quantize once per step.
-            `False` quantizes at every forward instead (one read of the weights per forward) and saves that memory,
-            for a peak no higher than BF16's. `None`: chosen at start-up, on unless the memory planner puts one GPU's
-            training peak with it above 90% of the GPU; off under FSDP2, whose point is not to hold whole weights.
+            `False` quantizes at every forward instead (one read of the weights per forward). `None` (default): kept
+            for the forwards without gradients (scoring the rollouts) and the vLLM sync, let go as the training
+            micro-batches start, which quantize at every forward: the training peak then holds no FP8 copy, for a
+            peak no higher than BF16's (`FP8LinearConfig.cache_with_grad=False`). Off under FSDP2, whose point is
+            not to hold whole weights, and where the memory planner puts one GPU's training peak with the cache above
+            90% of the GPU. `True` keeps it through the training micro-batches too.
         fp8_fuse_sibling_gemms (bool): Run q/k/v and gate/up, which read one input, as one FP8 GEMM per pass on their
             stacked weight blocks (fewer, larger kernels; the same FP8 bytes synced and exported). Off by default:
             it pays where separate small layers are host-bound, not yet in a whole training step.
@@ -152,9 +155,10 @@ class FP8TrainingArguments:
         default=None,
         metadata={
             "help": "Keep each layer's FP8 weight until the optimizer changes it (1 byte per parameter); False "
-            "quantizes at every forward and saves that memory. Default: on where the memory planner puts one GPU's "
-            "training peak with it under 90% of the GPU, off under FSDP2 or above that (the start-up log says "
-            "which, and why).",
+            "quantizes at every forward. Default: kept for scoring passes and the vLLM sync, let go during training "
+            "micro-batches (a training peak no higher than BF16's); off under FSDP2 or where the memory planner puts "
+            "the training peak with it above 90% of the GPU (the start-up log says which, and why). True keeps it "
+            "through the micro-batches too.",
         },
     )
     fp8_fuse_sibling_gemms: bool = field(
@@ -351,11 +355,14 @@ class FP8TrainingArguments:
         cache = self.fp8_cache_weights
         if cache is None:
             cache = weight_sharding(self) != "FSDP2" if cache_weights is None else cache_weights
+        cache = self.fp8_recipe != BLOCKWISE or cache
+        # The default cache serves forwards without gradients only: a training micro-batch lets go of it.
+        cache_with_grad = not (cache and self.fp8_cache_weights is None and self.fp8_recipe == BLOCKWISE)
         try:
             return FP8LinearConfig(
                 recipe=self.fp8_recipe, power_of_two_scales=self.fp8_power_of_two_scales, backend=self.fp8_backend,
                 fuse_sibling_gemms=self.fp8_fuse_sibling_gemms, fuse_swiglu=self.fp8_fuse_swiglu,
-                experts_gemm=self.fp8_experts_gemm, cache_quantized_weight=self.fp8_recipe != BLOCKWISE or cache,
+                experts_gemm=self.fp8_experts_gemm, cache_quantized_weight=cache, cache_with_grad=cache_with_grad,
             )  # fmt: skip
         except ValueError as exc:
             message = re.sub(r"\b(recipe|backend|experts_gemm|power_of_two_scales|fuse_sibling_gemms|fuse_swiglu)=",

@@ -87,11 +87,14 @@ def _gpu_bytes(args) -> int | None:
     return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
 
 
-def _planned_training(shape, args, total_bytes: int, processes: int, **launch) -> tuple[dict, dict, float, str]:
+def _planned_training(
+    shape, args, total_bytes: int, processes: int, cache_with_grad: bool = True, **launch
+) -> tuple[dict, dict, float, str]:
     """The planner's account of one GPU's training phase for this run (`trl_fp8.rollout.capacity`, as `trl-fp8 plan`
     prints it): `(the trainer's parts, what vLLM holds beside them, the phase's bytes, the optimizer counted)`.
     `launch`: `trainer_memory_per_gpu`'s launch options. An optimizer the planner does not model counts as
-    adamw_torch; beside the trainer, vLLM's share, or what it keeps asleep in sleep mode."""
+    adamw_torch; beside the trainer, vLLM's share, or what it keeps asleep in sleep mode. `cache_with_grad`: whether
+    the FP8 weight cache stays through the micro-batches (`capacity.training_phase_bytes`)."""
     from trl_fp8.rollout import capacity
 
     optim = str(getattr(args.optim, "value", args.optim))
@@ -105,17 +108,20 @@ def _planned_training(shape, args, total_bytes: int, processes: int, **launch) -
     vllm = {"share_bytes": args.vllm_gpu_memory_utilization * total_bytes if colocated else 0.0,
             "sleep_mode": colocated and args.vllm_enable_sleep_mode,
             "max_num_seqs": max(1, args.generation_batch_size // processes) if colocated else 0}  # fmt: skip
-    return parts, vllm, capacity.training_phase_bytes(parts, shape, **vllm), counted
+    training = capacity.training_phase_bytes(parts, shape, **vllm, cache_with_grad=cache_with_grad)
+    return parts, vllm, training, counted
 
 
 def choose_fp8_weight_cache(model_config, args, *, lora: bool = False, total_bytes: int | None = None):
-    """The FP8 weight cache for this run: the user's `fp8_cache_weights` if set; else on unless it would push the
+    """The FP8 weight cache for this run: the user's `fp8_cache_weights` if set; else on, for the scoring passes and
+    the vLLM sync only (`FP8LinearConfig.cache_with_grad=False`), unless holding it while scoring would push the
     training phase of one GPU past `FP8_CACHE_HEADROOM` of its memory by the planner's account
     (`trl_fp8.rollout.capacity`, the numbers `trl-fp8 plan` prints).
 
-    The cache costs 1 byte per FP8 weight and saves re-quantizing each weight at every forward, recompute and
-    backward of a micro-batch: 1-4% of the training phase at the 8B shape (H200, bench_grpo `unified_nocache`),
-    while its 6.5 GiB there are 8% of an 80 GB GPU. Under FSDP2 it is never kept (it would undo the
+    The cache costs 1 byte per FP8 weight and saves re-quantizing each weight at every forward. Kept through the
+    micro-batches as well (`fp8_cache_weights=True`) it saved 1-4% of the training phase at the 8B shape (H200,
+    bench_grpo `unified_nocache`) for 6.5 GiB more at the training peak, above BF16's; held for scoring only, the
+    micro-batches' peak is BF16's. Under FSDP2 it is never kept (it would undo the
     sharding). `total_bytes`: the GPU's memory (read from `args.device` when None; no GPU: no limit to respect)."""
     from trl_fp8.distributed import weight_sharding
     from trl_fp8.rollout import capacity
@@ -132,17 +138,18 @@ def choose_fp8_weight_cache(model_config, args, *, lora: bool = False, total_byt
     except ValueError as exc:
         return WeightCacheChoice(True, f"kept: the memory planner cannot size this model ({exc})")
     parts, vllm, peak, counted = _planned_training(
-        shape, args, total_bytes, max(1, args.world_size), launch="ddp",
+        shape, args, total_bytes, max(1, args.world_size), cache_with_grad=False, launch="ddp",
         grads_in_ddp_buckets=args.ddp_gradient_as_bucket_view, fp8_training=True, fp8_weight_cache=True, lora=lora,
     )  # fmt: skip
     optim = str(getattr(args.optim, "value", args.optim))
     gib, cache = capacity.GiB, parts["fp8_weight_cache"]
-    numbers = f"the planner puts one GPU's training at {peak / gib:.1f} GiB with the cache ({cache / gib:.1f} GiB) "
-    numbers += f"of {total_bytes / gib:.1f} GiB" + ("" if counted == optim else f", {optim} counted as adamw_torch")
+    numbers = (f"the planner puts one GPU's training phase at {peak / gib:.1f} GiB with the cache "
+               f"({cache / gib:.1f} GiB) held while scoring the rollouts and let go in the micro-batches, of "
+               f"{total_bytes / gib:.1f} GiB" + ("" if counted == optim else f", {optim} counted as adamw_torch"))  # fmt: skip
     if capacity.keeps_fp8_weight_cache(parts, shape, total_bytes, **vllm):
-        # the trade, for a user who needs the memory more than the time (measured at 8B: docs/benchmarks.md)
-        return WeightCacheChoice(True, f"{numbers}; fp8_cache_weights=False gives it back (BF16's peak) for 1-4% "
-                                 "more training time")  # fmt: skip
+        # the micro-batches quantize every weight at each forward; the trade the other way is one byte a weight
+        return WeightCacheChoice(True, f"{numbers}; fp8_cache_weights=True keeps it through the micro-batches too "
+                                 "(fewer quantizations, that much more memory at the training peak)")  # fmt: skip
     return WeightCacheChoice(
         False,
         f"{numbers}, above {capacity.FP8_CACHE_HEADROOM:.0%}: weights are quantized at every forward instead (a "
