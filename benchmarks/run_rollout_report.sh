@@ -305,6 +305,11 @@ scaling)  # 8B at TRL's colocate defaults per GPU: TRL BF16 vs unified FP8 + FP8
 contention)  # the same one-GPU run on every GPU of the machine at once, with nothing shared but the host: does a busy
   # host slow each FP8 engine as four DDP or FSDP2 ranks were slowed? ($CONTENTION_RUN, TRL's colocate defaults at 8B)
   run=${CONTENTION_RUN:-unified_fp8kv_liger}
+  # every GPU's SM clock, power and temperature each second: a slowdown shared by all GPUs may be power or heat, not
+  # the host
+  nvidia-smi --query-gpu=timestamp,index,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu \
+    --format=csv -l 1 >"$work/contention_gpu_clocks.csv" 2>&1 &
+  clocks=$!
   files=()
   for i in $(seq 0 $(($(nvidia-smi -L | grep -c '^GPU ') - 1))); do  # a workdir each: the model is written once per workdir
     out="$work/grpo_contention_${run}_gpu${i}_$device.json"
@@ -325,6 +330,7 @@ for path in sys.argv[1:]:
     t = row["step_time"]
     print(f"{path}: step {t['step_s']:.1f} s, rollout {t['rollout_s']:.1f} s, training {t['training_s']:.1f} s")
 PY
+  kill "$clocks" 2>/dev/null
   ;;
 multi)  # a 4B shape with stock fused AdamW: one step fits one GPU beside its engine, so 1 and 2 GPUs compare
   gpu_tests multi_gpu_tests tests/gpu/test_multi_gpu.py

@@ -272,9 +272,8 @@ def quantized_experts(
     an `FP8Experts` layer's own scale rounding."""
     if isinstance(module, FP8Experts):
         if weight is getattr(module, leaf):
-            with (
-                torch.no_grad()
-            ):  # not a forward: the layer's cache serves it whatever the grad mode (cache_with_grad)
+            # not a forward: the layer's cache serves it whatever the grad mode (cache_with_grad)
+            with torch.no_grad():
                 return module.quantized_expert_weight(leaf)
         power_of_two_scales = module.fp8_config.power_of_two_scales
     e, n, k = weight.shape

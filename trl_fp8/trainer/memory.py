@@ -152,8 +152,9 @@ def choose_fp8_weight_cache(model_config, args, *, lora: bool = False, total_byt
                                  "(fewer quantizations, that much more memory at the training peak)")  # fmt: skip
     return WeightCacheChoice(
         False,
-        f"{numbers}, above {capacity.FP8_CACHE_HEADROOM:.0%}: weights are quantized at every forward instead (a "
-        "few percent of the training phase); set fp8_cache_weights=True to keep it anyway",
+        f"{numbers}: scoring with it would pass {capacity.FP8_CACHE_HEADROOM:.0%} of the GPU and set the peak, so "
+        "weights are quantized at every forward instead (a few percent of the training phase); set "
+        "fp8_cache_weights=True to keep it anyway",
     )
 
 
