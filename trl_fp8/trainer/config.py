@@ -51,7 +51,8 @@ class FP8TrainingArguments:
             micro-batches start, which quantize at every forward: the training peak then holds no FP8 copy, for a
             peak no higher than BF16's (`FP8LinearConfig.cache_with_grad=False`). Off under FSDP2, whose point is
             not to hold whole weights, and where the memory planner puts one GPU's training peak with the cache above
-            90% of the GPU. `True` keeps it through the training micro-batches too.
+            90% of the GPU; kept through the micro-batches off a GPU, which has no GPU memory to spare. `True`
+            keeps it through the training micro-batches too.
         fp8_fuse_sibling_gemms (bool): Run q/k/v and gate/up, which read one input, as one FP8 GEMM per pass on their
             stacked weight blocks (fewer, larger kernels; the same FP8 bytes synced and exported). Off by default:
             it pays where separate small layers are host-bound, not yet in a whole training step.
@@ -342,10 +343,13 @@ class FP8TrainingArguments:
         if self.use_liger_kernel:
             check_liger_installed()
 
-    def fp8_linear_config(self, cache_weights: bool | None = None) -> FP8LinearConfig | None:
+    def fp8_linear_config(
+        self, cache_weights: bool | None = None, cache_with_grad: bool | None = None
+    ) -> FP8LinearConfig | None:
         """The FP8 layers' config of this run (None for BF16 training), validated by `FP8LinearConfig` itself; its
-        errors name this config's fields (`fp8_backend`, not `backend`). `cache_weights`: the trainer's choice
-        where `fp8_cache_weights` is None (`trl_fp8.trainer.memory.choose_fp8_weight_cache`)."""
+        errors name this config's fields (`fp8_backend`, not `backend`). `cache_weights` and `cache_with_grad`: the
+        trainer's choice where `fp8_cache_weights` is None (`trl_fp8.trainer.memory.choose_fp8_weight_cache`; off a
+        GPU the cache stays through the micro-batches)."""
         if self.fp8_recipe is None:
             return None
         from trl_fp8.distributed import weight_sharding
@@ -356,8 +360,10 @@ class FP8TrainingArguments:
         if cache is None:
             cache = weight_sharding(self) != "FSDP2" if cache_weights is None else cache_weights
         cache = self.fp8_recipe != BLOCKWISE or cache
-        # The default cache serves forwards without gradients only: a training micro-batch lets go of it.
-        cache_with_grad = not (cache and self.fp8_cache_weights is None and self.fp8_recipe == BLOCKWISE)
+        if not cache or self.fp8_recipe != BLOCKWISE or self.fp8_cache_weights is not None:
+            cache_with_grad = True  # nothing to limit (torchao's recipes keep their own), or kept on purpose
+        elif cache_with_grad is None:
+            cache_with_grad = False  # the default: held for scoring and the sync, let go in the micro-batches
         try:
             return FP8LinearConfig(
                 recipe=self.fp8_recipe, power_of_two_scales=self.fp8_power_of_two_scales, backend=self.fp8_backend,

@@ -74,11 +74,14 @@ def memory_breakdown(model: nn.Module, optimizer=None, wrapped: nn.Module | None
 
 @dataclass(frozen=True)
 class WeightCacheChoice:
-    """Whether FP8 layers keep their quantized weights between forwards (`cache`), and why (`reason`, for the log)."""
+    """Whether FP8 layers keep their quantized weights between forwards (`cache`), and why (`reason`, for the log);
+    `with_grad`: whether they keep them through the training micro-batches too (`FP8LinearConfig.cache_with_grad`;
+    None: as `fp8_cache_weights` says)."""
 
     cache: bool
     reason: str
     automatic: bool = True
+    with_grad: bool | None = None
 
 
 def _gpu_bytes(args) -> int | None:
@@ -131,8 +134,9 @@ def choose_fp8_weight_cache(model_config, args, *, lora: bool = False, total_byt
     if weight_sharding(args) == "FSDP2":
         return WeightCacheChoice(False, "FSDP2 shards the weights; a whole FP8 copy on every rank would undo it")
     total_bytes = total_bytes or _gpu_bytes(args)
-    if total_bytes is None:
-        return WeightCacheChoice(True, f"training on {torch.device(args.device).type}, no GPU memory to keep")
+    if total_bytes is None:  # (off a GPU the cache costs no GPU memory: kept through the micro-batches too)
+        return WeightCacheChoice(True, f"training on {torch.device(args.device).type}, no GPU memory to keep",
+                                 with_grad=True)  # fmt: skip
     try:
         shape = capacity.ModelShape.from_config(model_config)
     except ValueError as exc:

@@ -215,7 +215,8 @@ class FP8TrainerMixin:
             )
             if choice.automatic and args.fp8_recipe == BLOCKWISE and args.device.type == "cuda":
                 say_start_up_choice(args, "FP8 weight cache", choice.cache, choice.reason)
-        config = args.fp8_linear_config(cache_weights=self.fp8_weight_cache.cache)
+        choice = self.fp8_weight_cache
+        config = args.fp8_linear_config(cache_weights=choice.cache, cache_with_grad=choice.with_grad)
         # device: where it will train; a model loaded on CPU would make torchao emulate
         return convert_to_fp8(model, selection=self._layer_selection(args), config=config, device=args.device)
 
