@@ -133,12 +133,6 @@ def test_weight_cache_is_dropped_where_the_planner_says_scoring_with_it_would_cr
         assert scoring < micro_batches
 
 
-def linear_params_8b() -> int:
-    from trl_fp8.rollout.capacity import ModelShape
-
-    return ModelShape.from_config(qwen3_8b_config()).linear_params
-
-
 def test_weight_cache_set_by_the_user_or_off_under_fsdp2_or_on_without_a_gpu(tmp_path, monkeypatch):
     from trl_fp8.trainer.memory import choose_fp8_weight_cache
 
