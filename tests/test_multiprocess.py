@@ -28,7 +28,8 @@ def torchrun_two(*args, processes: int = 2) -> subprocess.CompletedProcess:
     """`torchrun --nproc_per_node 2 ARGS...` (or `processes`) from the repository root, asserting it succeeded."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port",
            str(free_port()), *map(str, args)]  # fmt: skip
-    env = {**clean_subprocess_env(), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    # PYTHONFAULTHANDLER: a rank that aborts in native code (SIGABRT, once seen here) prints every thread's stack
+    env = {**clean_subprocess_env(), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
