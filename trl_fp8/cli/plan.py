@@ -107,10 +107,9 @@ def run(args: argparse.Namespace) -> int:
     print(_header(args, shape, total))
     print(f"{'':<14}{'vLLM weights':>13}{'KV B/token':>11}{'KV tokens':>11}{'seqs at once':>13}{'waves':>6}"
           f"{'trainer':>9}" + (f"{'peak':>9}" if several else "") + f"{'fits':>6}")  # fmt: skip
-    cache_with_grad = args.fp8_cache_weights == "on"
     for (name, _, _), (cap, parts, peak, fits, _) in zip(FLOWS, rows, strict=True):
         waves = cap.waves(_engine_batch(args)) if cap.sequences else "-"
-        trainer = trainer_peak_bytes(parts, cache_with_grad=cache_with_grad)
+        trainer = trainer_peak_bytes(parts, cache_with_grad=_cache_with_grad(args))
         print(f"{name:<14}{cap.weight_bytes / GiB:>11.1f}Gi{cap.kv_bytes_per_token:>11,}{cap.kv_tokens:>11,}"
               f"{cap.sequences:>13}{waves:>6}{trainer / GiB:>7.1f}Gi"
               + (f"{peak / GiB:>7.1f}Gi" if several else "") + f"{'yes' if fits else 'no':>6}")  # fmt: skip
@@ -172,6 +171,12 @@ def _columns_footnote(several: bool) -> str:
     return ("KV tokens: vLLM 0.26's sizing, estimated; trainer: one GPU's part of the training (below), one "
             "micro-batch's activations and logits (rough); peak: the most one GPU holds at once; fits: peak within "
             "97% of each GPU, and the share holds one whole sequence.")  # fmt: skip
+
+
+def _cache_with_grad(args) -> bool:
+    """Whether the FP8 rows' weight cache stays through the micro-batches: only `on` (fp8_cache_weights=True);
+    `auto` holds it while scoring and lets it go in the micro-batches, as FP8GRPOTrainer does."""
+    return args.fp8_cache_weights == "on"
 
 
 def _replaced(args: argparse.Namespace, **changes) -> argparse.Namespace:
@@ -295,10 +300,8 @@ def peak_bytes(parts: dict[str, int], shape, share_bytes: float, args) -> float:
     runs beside what vLLM cannot release, and vLLM wakes into its whole share beside what the trainer holds between
     steps: weights and optimizer states, and DDP's buckets and NCCL's buffers on several GPUs (gradients and
     activations freed, the FP8 weight cache released before the KV cache wakes)."""
-    # (fp8_cache_weights=None holds the cache while scoring and lets it go in the micro-batches; True keeps it)
     training = training_phase_bytes(parts, shape, share_bytes, sleep_mode=args.sleep_mode,
-                                    max_num_seqs=_engine_batch(args),
-                                    cache_with_grad=args.fp8_cache_weights == "on")  # fmt: skip
+                                    max_num_seqs=_engine_batch(args), cache_with_grad=_cache_with_grad(args))  # fmt: skip
     if not args.sleep_mode:
         return training
     return max(training, sum(parts.get(key, 0) for key in HELD_BETWEEN_STEPS) + share_bytes)

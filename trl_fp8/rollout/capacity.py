@@ -310,13 +310,12 @@ def keeps_fp8_weight_cache(
     *,
     sleep_mode: bool,
     max_num_seqs: int,
-    cache_with_grad: bool = False,
 ) -> bool:
-    """Whether FP8GRPOTrainer keeps its FP8 weight cache (`fp8_cache_weights=None`, which holds it for scoring only:
-    `cache_with_grad=False`) for a trainer whose memory with the cache is `parts`, on a GPU of `total` bytes: the
-    training phase with it stays under `FP8_CACHE_HEADROOM` of the GPU, or no higher than without it."""
+    """Whether FP8GRPOTrainer keeps its FP8 weight cache (`fp8_cache_weights=None`, which holds it for scoring only)
+    for a trainer whose memory with the cache is `parts`, on a GPU of `total` bytes: the training phase with it
+    stays under `FP8_CACHE_HEADROOM` of the GPU, or no higher than without it."""
     phase = functools.partial(training_phase_bytes, shape=shape, share_bytes=share_bytes, sleep_mode=sleep_mode,
-                              max_num_seqs=max_num_seqs, cache_with_grad=cache_with_grad)  # fmt: skip
+                              max_num_seqs=max_num_seqs, cache_with_grad=False)  # fmt: skip
     without = phase({**parts, "fp8_weight_cache": 0})
     return phase(parts) <= max(FP8_CACHE_HEADROOM * total, without)
 
