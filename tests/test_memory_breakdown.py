@@ -1,6 +1,8 @@
 """`memory_breakdown`: each kind of training memory counted once, from the tensors themselves (gradients that are
 views of DDP's buckets count as buckets)."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -149,3 +151,58 @@ def test_weight_cache_set_by_the_user_or_off_under_fsdp2_or_on_without_a_gpu(tmp
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     monkeypatch.setenv("FSDP_VERSION", "2")
     assert not choose_fp8_weight_cache(qwen3_8b_config(), run_args(tmp_path, 2), total_bytes=H100_BYTES).cache
+
+
+def engine_args(tmp_path, world_size=1, **fields):
+    """`run_args` with the FP8 rollouts its vLLM settings imply, and `fields` set as the trainer would read them."""
+    return SimpleNamespace(**{**vars(run_args(tmp_path, world_size)), "rollout_precision": "fp8", **fields})
+
+
+def test_fp8_kv_cache_where_a_bf16_cache_would_not_hold_the_rollout(tmp_path):
+    """`fp8_kv_cache=None`: FP8 where the planner puts a rollout's sequences beyond what a BF16 KV cache holds at once
+    (TRL's colocate defaults at 8B: 128 sequences of 2,048 tokens at 0.3 of an 80 GB GPU), BF16 where they fit."""
+    from trl_fp8.rollout.capacity import ModelShape, rollout_capacity
+    from trl_fp8.trainer.memory import choose_fp8_kv_cache
+
+    hopper = {"total_bytes": H100_BYTES, "capability": (9, 0)}
+    shape = ModelShape.from_config(qwen3_8b_config())
+
+    def room(args, fp8_kv):
+        return rollout_capacity(shape, H100_BYTES, 0.3, fp8_weights=True, fp8_kv=fp8_kv, seq_len=2048,
+                                max_num_seqs=args.generation_batch_size // args.world_size).sequences  # fmt: skip
+
+    for world_size in (1, 2):  # each rank's engine decodes its own 128
+        args = engine_args(tmp_path, world_size)
+        choice = choose_fp8_kv_cache(qwen3_8b_config(), args, **hopper)
+        assert choice.on and choice.automatic, choice.reason
+        assert room(args, False) < 128 and 2 * room(args, False) <= room(args, True) <= 2 * room(args, False) + 1
+        assert f"room for {room(args, False)} of a rollout's 128 sequences of 2,048 tokens" in choice.reason
+        assert f"{room(args, True)} with an FP8 one" in choice.reason and "fp8_kv_cache=False" in choice.reason
+    # 16 sequences a rollout fit the BF16 cache: kept BF16
+    choice = choose_fp8_kv_cache(qwen3_8b_config(), engine_args(tmp_path, generation_batch_size=16), **hopper)
+    assert not choice.on and "every sequence fits" in choice.reason
+
+
+def test_fp8_kv_cache_kept_bf16_outside_the_colocated_fp8_flow_on_hopper(tmp_path):
+    from trl_fp8.trainer.memory import choose_fp8_kv_cache
+
+    hopper = {"total_bytes": H100_BYTES, "capability": (9, 0)}
+    args = engine_args(tmp_path)
+    binds = choose_fp8_kv_cache(qwen3_8b_config(), args, **hopper)
+    assert binds.on
+    for change, says in (
+        ({"fp8_kv_cache": False}, "set by fp8_kv_cache"),
+        ({"use_vllm": False}, "no vLLM rollouts"),
+        ({"fp8_recipe": None}, "BF16 baseline"),
+        ({"vllm_mode": "server"}, "--kv_cache_dtype fp8 and set fp8_kv_cache=True"),
+        ({"vllm_importance_sampling_correction": False}, "no importance-sampling correction"),
+    ):
+        choice = choose_fp8_kv_cache(qwen3_8b_config(), engine_args(tmp_path, **change), **hopper)
+        assert not choice.on and says in choice.reason, (change, choice.reason)
+    ampere = choose_fp8_kv_cache(qwen3_8b_config(), args, total_bytes=H100_BYTES, capability=(8, 0))
+    assert not ampere.on and "sm80" in ampere.reason
+    assert "training on cpu" in choose_fp8_kv_cache(qwen3_8b_config(), args).reason
+    mla = {**qwen3_8b_config(), "kv_lora_rank": 512}
+    assert "cannot size" in choose_fp8_kv_cache(mla, args, **hopper).reason
+    user = choose_fp8_kv_cache(qwen3_8b_config(), engine_args(tmp_path, fp8_kv_cache=True), **hopper)
+    assert (user.on, user.automatic) == (True, False)

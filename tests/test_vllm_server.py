@@ -56,7 +56,11 @@ def test_server_checks_name_the_fix(tmp_path):
         else:
             with pytest.raises(ValueError, match=f"attention backend is '{backend}'.*--attention-backend FLASH_ATTN"):
                 check_server_config(info, model, "fp8", fp8_kv_cache=True)
-        check_server_config(info, model, "fp8", fp8_kv_cache=False)  # a BF16 KV cache: any attention will do
+        # An FP8 cache without the trainer's K/V scales would scale by 1.0: refused with the fix.
+        with pytest.raises(ValueError, match="keeps its KV cache in 'fp8'.*Set fp8_kv_cache=True"):
+            check_server_config(info, model, "fp8", fp8_kv_cache=False)
+    info = {**_server_info(tmp_path, model), "attention_config": {"backend": "TRITON_ATTN"}}
+    check_server_config(info, model, "fp8", fp8_kv_cache=False)  # a BF16 KV cache: any attention will do
     # FP8 kernel settings: E8M0 with DeepGEMM enabled changes our scales; any kernel without it keeps them.
     deepgemm = {"VLLM_USE_DEEP_GEMM": True, "VLLM_USE_DEEP_GEMM_E8M0": False}
     check_server_config(_server_info(tmp_path, model), model, "fp8", False, server_env=deepgemm)

@@ -127,6 +127,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"{' and '.join(dropped)}: without the FP8 weight cache ({shape.linear_params / GiB:.1f} GiB), which "
               f"FP8GRPOTrainer drops where the training phase with it would pass {FP8_CACHE_HEADROOM:.0%} of the GPU "
               "(fp8_cache_weights=None; True keeps it).")  # fmt: skip
+    fp8_weights_only = rows[[(w, kv) for _, w, kv in FLOWS].index((True, False))][0]
+    print(_default_kv_cache_line(fp8_weights_only, _engine_batch(args), seq_len))
     best_fits = [f"{name} {fit[0]:.2f} ({fit[1].kv_tokens:,} KV tokens, {fit[1].sequences} sequences at once)" if fit
                  else f"{name}: none (no share holds one sequence beside the trainer)"
                  for (name, _, _), (*_, fit) in zip(FLOWS, rows, strict=True)]  # fmt: skip
@@ -293,6 +295,17 @@ def _flow_row(
         best = best_fit_share(parts, shape, total, seq_len, args, fp8_weights=fp8_weights, fp8_kv=fp8_kv)
     # vLLM refuses to start an engine whose KV cache cannot hold one whole sequence (its max_model_len)
     return cap, parts, peak, peak <= 0.97 * total and cap.sequences > 0, best
+
+
+def _default_kv_cache_line(fp8_weights_only, sequences: int, seq_len: int) -> str:
+    """The KV cache FP8GRPOTrainer chooses with `fp8_kv_cache` unset (`trainer.memory.choose_fp8_kv_cache`, on
+    Hopper, colocated, with importance sampling): FP8 where a BF16 cache beside FP8 weights cannot hold a rollout's
+    sequences at once. (The trainer, which does not know the prompts at start-up, counts the completions alone.)"""
+    held = f"a BF16 KV cache beside FP8 weights holds {fp8_weights_only.sequences} sequences of {seq_len:,} tokens"
+    if fp8_weights_only.sequences >= sequences:
+        return f"KV cache with fp8_kv_cache unset: BF16 ({held}: a rollout's {sequences} all fit at once)."
+    return (f"KV cache with fp8_kv_cache unset: FP8 on Hopper with importance sampling ({held} at once, a rollout "
+            f"{sequences}; fp8_kv_cache=False keeps BF16).")  # fmt: skip
 
 
 def peak_bytes(parts: dict[str, int], shape, share_bytes: float, args) -> float:

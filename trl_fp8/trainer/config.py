@@ -105,10 +105,12 @@ class FP8TrainingArguments:
             colocated engine starts, into `vllm_jit_cache_dir` (vLLM's own warm-up compiles them one at a time:
             minutes for an 8B model on a cold cache). `None`: one per CPU core, at most 16; `0`: leave it all to
             vLLM's warm-up. A cache that already holds them is not compiled again.
-        fp8_kv_cache (bool): vLLM `kv_cache_dtype="fp8"`, with the q/k/v scales measured on the trainer's forward and
-            pushed at every sync (Hopper only). Off by default: it pays when the rollouts do not fit the BF16 KV
-            cache (the first rollout's log line says so), for a larger trainer-vs-rollout mismatch, which TIS
-            corrects (the documentation's "When FP8 pays" page).
+        fp8_kv_cache (bool | None): vLLM `kv_cache_dtype="fp8"`, with the q/k/v scales measured on the trainer's
+            forward and pushed at every sync (Hopper only). `None`: on for a colocated engine on Hopper in the FP8 flow
+            with importance sampling on, where a rollout's sequences would not all fit a BF16 KV cache at once by the
+            memory planner's account (`trl-fp8 plan`); there it pays (about twice the sequences decode at once), for
+            a larger trainer-vs-rollout mismatch, which TIS corrects. The start-up log says which, and why (the
+            documentation's "When FP8 pays" page).
 
     **Saving.**
 
@@ -247,9 +249,15 @@ class FP8TrainingArguments:
             "cache only). Unset: one per CPU core, at most 16; 0: vLLM's own one-at-a-time warm-up only.",
         },
     )
-    fp8_kv_cache: bool = field(
-        default=False,
-        metadata={"help": "FP8 KV cache in vLLM, with q/k/v scales measured on the trainer's forward every step."},
+    fp8_kv_cache: bool | None = field(
+        default=None,
+        metadata={
+            "help": "FP8 KV cache in vLLM, with q/k/v scales measured on the trainer's forward every step. Unset: on "
+            "for a colocated engine on Hopper in the FP8 flow with importance sampling, where a rollout's sequences "
+            "would not all fit a BF16 KV cache at once (the start-up log says which, and why).",
+            "nargs": "?",
+            "const": True,
+        },
     )
     save_fp8_checkpoint: bool | None = field(
         default=None,

@@ -17,7 +17,9 @@ from trl_fp8.nn.weight_cache import fp8_weight_cache_bytes
 
 __all__ = [
     "GradientSyncChoice",
+    "KVCacheChoice",
     "WeightCacheChoice",
+    "choose_fp8_kv_cache",
     "choose_fp8_weight_cache",
     "choose_fsdp2_gradient_sync",
     "memory_breakdown",
@@ -214,4 +216,79 @@ def choose_fsdp2_gradient_sync(
         True,
         f"{numbers}, above {capacity.FSDP2_GRADIENTS_HEADROOM:.0%}: every micro-batch reduce-scatters them instead (set "
         "accelerator_config={'gradient_accumulation_kwargs': {'sync_each_batch': False}} to keep accelerate's default)",
+    )
+
+
+@dataclass(frozen=True)
+class KVCacheChoice:
+    """Whether the colocated vLLM engine keeps its KV cache in FP8 (`fp8_kv_cache`), and why (`reason`, for the log)."""
+
+    on: bool
+    reason: str
+    automatic: bool = True
+
+
+def choose_fp8_kv_cache(
+    model_config, args, *, total_bytes: int | None = None, capability: tuple[int, int] | None = None
+) -> KVCacheChoice:
+    """The KV cache of the colocated engine: the user's `fp8_kv_cache` if set; else FP8 where a rollout's sequences
+    would not all fit a BF16 KV cache at once, by the planner's account (`trl_fp8.rollout.capacity`, as
+    `trl-fp8 plan` prints it), and BF16 where they fit.
+
+    Measured (docs/when-fp8-pays.md): where the BF16 cache binds, the FP8 cache holds about twice the sequences and a
+    GRPO step at TRL's colocate defaults ran 1.54x against 1.36x without it; where every sequence fits, it gave
+    0.96-1.06x, for 7-9x the trainer-vs-rollout KL. So it is chosen only where it pays, on Hopper (vLLM's FP8
+    attention is FlashAttention-3's), in the FP8 flow with TRL's importance-sampling correction on. Sequences count
+    `vllm_max_model_length` tokens, else `max_completion_length` (the prompts are not known before the first
+    rollout, whose log line says whether the cache bound). `total_bytes` and `capability`: the GPU's memory and
+    compute capability (read from `args.device` when None)."""
+    from trl_fp8.rollout import capacity
+
+    if args.fp8_kv_cache is not None:
+        return KVCacheChoice(bool(args.fp8_kv_cache), "set by fp8_kv_cache", automatic=False)
+    if not args.use_vllm:
+        return KVCacheChoice(False, "no vLLM rollouts")
+    if args.fp8_recipe is None:
+        return KVCacheChoice(False, "the BF16 baseline (fp8_recipe=None) keeps TRL's BF16 KV cache")
+    if args.vllm_mode != "colocate":
+        return KVCacheChoice(False, "the vLLM server's own --kv_cache_dtype sets it; for an FP8 KV cache start it "
+                             "with --kv_cache_dtype fp8 and set fp8_kv_cache=True")  # fmt: skip
+    if not getattr(args, "vllm_importance_sampling_correction", False):  # (RLOO's config has none)
+        return KVCacheChoice(False, "no importance-sampling correction of the rollouts, which the FP8 KV cache's "
+                             "larger trainer-vs-rollout mismatch needs; set fp8_kv_cache=True to use it anyway")  # fmt: skip
+    if capability is None:
+        device = torch.device(args.device)
+        if device.type != "cuda":
+            return KVCacheChoice(False, f"training on {device.type}: vLLM's FP8 attention needs a Hopper GPU")
+        capability = torch.cuda.get_device_capability(device)
+    if tuple(capability) != (9, 0):
+        return KVCacheChoice(False, f"vLLM's FP8 attention (FlashAttention-3) runs on Hopper (sm90), this GPU is "
+                             f"sm{capability[0]}{capability[1]}")  # fmt: skip
+    try:
+        shape = capacity.ModelShape.from_config(model_config)
+    except (ValueError, AttributeError) as exc:
+        return KVCacheChoice(False, f"kept BF16: the memory planner cannot size this model ({exc})")
+    total_bytes = total_bytes or _gpu_bytes(args)
+    tp = args.vllm_tensor_parallel_size
+    sequences = max(1, args.generation_batch_size // max(1, args.world_size)) * tp  # one engine's, per rollout
+    seq_len = args.vllm_max_model_length or args.max_completion_length
+    share = args.vllm_gpu_memory_utilization
+
+    def room(fp8_kv: bool) -> int:
+        return capacity.rollout_capacity(
+            shape, total_bytes, share, fp8_weights=args.rollout_precision != "bf16", fp8_kv=fp8_kv, seq_len=seq_len,
+            max_num_seqs=sequences, tensor_parallel_size=tp,
+        ).sequences  # fmt: skip
+
+    bf16 = room(False)
+    numbers = (f"by the planner's account vLLM's {share:.0%} of the GPU has room for {bf16} of a rollout's "
+               f"{sequences} sequences of {seq_len:,} tokens at once with a BF16 KV cache")  # fmt: skip
+    if bf16 >= sequences:
+        return KVCacheChoice(False, f"{numbers}: every sequence fits, so an FP8 cache would add mismatch for little "
+                             "speed (set fp8_kv_cache=True to use it anyway)")  # fmt: skip
+    return KVCacheChoice(
+        True,
+        f"{numbers}, {room(True)} with an FP8 one, whose keys and values round to FP8 with scales measured on the "
+        "trainer's forward (a larger trainer-vs-rollout mismatch, which importance sampling corrects); set "
+        "fp8_kv_cache=False to keep BF16",
     )

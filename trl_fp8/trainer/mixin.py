@@ -50,7 +50,12 @@ from trl_fp8.rollout.kv_scales import AttentionScaleObserver, observe_prompts
 from trl_fp8.rollout.stats import capacity_line
 from trl_fp8.trainer.layer_checkpointing import keep_layer_options
 from trl_fp8.trainer.liger import LigerChoice, choose_liger_kernels, liger_patches_kept_on_the_model
-from trl_fp8.trainer.memory import GradientSyncChoice, choose_fp8_weight_cache, choose_fsdp2_gradient_sync
+from trl_fp8.trainer.memory import (
+    GradientSyncChoice,
+    choose_fp8_kv_cache,
+    choose_fp8_weight_cache,
+    choose_fsdp2_gradient_sync,
+)
 from trl_fp8.trainer.regional_compile import compile_decoder_layers, eager_generation
 from trl_fp8.trainer.requirements import check_reward_dependencies
 
@@ -126,7 +131,7 @@ class FP8TrainerMixin:
         self.fp8_export_report = self._plan_fp8_outside_training(model, args)
         self._saving_training_checkpoint = False
         self._capacity_reported = False
-        self._kv_observer = AttentionScaleObserver(model) if args.use_vllm and args.fp8_kv_cache else None
+        self._kv_observer = self._choose_fp8_kv_cache(model, args)
         with self._fp8_vllm_generation(args), warnings.catch_warnings():
             if self.liger_kernels.automatic:  # TRL's deprecation of the option speaks to a user who set it
                 warnings.filterwarnings("ignore", r"`use_liger_kernel=True` is deprecated", FutureWarning)
@@ -194,6 +199,24 @@ class FP8TrainerMixin:
             say_start_up_choice(args, "FSDP2 gradient reduction at every micro-batch", choice.sync_each_batch,
                                 choice.reason)  # fmt: skip
         return choice
+
+    @staticmethod
+    def _choose_fp8_kv_cache(model: nn.Module, args) -> AttentionScaleObserver | None:
+        """Settle `fp8_kv_cache=None` (`trainer.memory.choose_fp8_kv_cache`), said once with its reason; the observer
+        that measures the K/V scales to push where the cache is FP8, else None."""
+        choice = choose_fp8_kv_cache(getattr(model, "config", None), args)
+        observer = None
+        if choice.on:
+            try:
+                observer = AttentionScaleObserver(model)
+            except ValueError as exc:
+                if not choice.automatic:
+                    raise
+                choice = type(choice)(False, f"kept BF16, as its K/V scales cannot be measured on this model ({exc})")
+        args.fp8_kv_cache = choice.on
+        if choice.automatic and args.use_vllm:
+            say_start_up_choice(args, "FP8 KV cache", choice.on, choice.reason)
+        return observer
 
     @staticmethod
     def _load_model(model_id: str, args, quantization_config):

@@ -203,6 +203,12 @@ def check_server_config(
             f"`trl vllm-serve ... --kv_cache_dtype fp8 --attention-backend {FP8_KV_ATTENTION_BACKEND}`, or set "
             "fp8_kv_cache=False."
         )
+    if not fp8_kv_cache and str(cache_dtype).startswith("fp8"):
+        raise ValueError(
+            f"The vLLM server keeps its KV cache in {cache_dtype!r}, but fp8_kv_cache is off, so the trainer would "
+            "not push the K/V scales measured on its forward and the server would scale keys and values by 1.0. Set "
+            "fp8_kv_cache=True, or restart the server without --kv_cache_dtype."
+        )
     attention = (server_config.get("attention_config") or {}).get("backend")  # None: vLLM's pick, FA3 on Hopper
     if fp8_kv_cache and attention is not None and str(attention).rsplit(".", 1)[-1] != FP8_KV_ATTENTION_BACKEND:
         raise ValueError(
