@@ -25,7 +25,8 @@ Runs (one child process each, vLLM colocated, same model, prompts, batch and 1k-
 - `unified_fused`: `unified` with q/k/v and gate/up as one FP8 GEMM per pass and SiLU·mul fused into
   `down_proj`'s input quantization (`fp8_fuse_sibling_gemms=True, fp8_fuse_swiglu=True`);
 - `fp8_defaults`: `FP8GRPOConfig` left to its defaults (what a user who sets nothing gets: Liger's kernels where
-  installed, the FP8 weight cache as the planner chooses it); every other run sets `use_liger_kernel` itself.
+  installed, the FP8 weight cache and the FP8 KV cache as the planner chooses them); every other run sets
+  `use_liger_kernel` and `fp8_kv_cache` itself.
 
 Peak allocated memory is recorded per phase (rollout: sync + generate; training: the rest), with the size of the
 FP8 weight cache at the end.
@@ -87,7 +88,7 @@ RUNS = {  # run: (trainer, fp8_recipe, rollout_precision, fp8 KV cache, training
     "unified_fp8kv_liger_cache": ("trl_fp8", "blockwise", "fp8", True, "auto", True),
     # MoE: every sync takes vLLM's layerwise reload for the experts too (the in-place expert write off), to compare
     "unified_experts_reload": ("trl_fp8", "blockwise", "fp8", False, "auto", None),
-    "fp8_defaults": ("trl_fp8", "blockwise", "fp8", False, "auto", None),  # + use_liger_kernel left unset
+    "fp8_defaults": ("trl_fp8", "blockwise", "fp8", None, "auto", None),  # + use_liger_kernel left unset
     # FSDP2's all-gathers and the host: gathered two layers ahead, old log-probs scored 16 sequences a forward, and
     # both with q/k/v and gate/up as one GEMM each (fewer launches per layer where the host bounds the step)
     "unified_fp8kv_liger_prefetch2": ("trl_fp8", "blockwise", "fp8", True, "auto", None),
@@ -425,7 +426,8 @@ def run_one(args) -> None:
         "trainer": trainer_kind,
         "fp8_recipe": recipe,
         "rollout_precision": precision,
-        "fp8_kv_cache": fp8_kv,
+        # as the trainer settled it where the run leaves it unset (fp8_defaults)
+        "fp8_kv_cache": bool(trainer.args.fp8_kv_cache) if fp8_kv is None else fp8_kv,
         "fp8_backend": gemm_backend,
         "fp8_cache_weights": cache_weights,
         # the trainer's choice where fp8_cache_weights is None (FP8GRPOTrainer.fp8_weight_cache)
