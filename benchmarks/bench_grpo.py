@@ -519,15 +519,19 @@ def engine_experts_state(generation) -> dict:
 
 def rollout_floor(row: dict, settings: dict, device: str) -> dict | None:
     """The rollout phase's floor (`bench_rollout.floor_tokens_per_s`: one engine's generation batch, every
-    completion at full length, the engine's KV cache) and the share of it the measured median reached."""
+    completion at full length, the engine's KV cache) and the share of it the measured median reached. An engine over
+    `tp` GPUs decodes its `tp` ranks' sequences, each GPU reading and computing `1/tp` of every weight and cached
+    token (heads, columns and the vocabulary split); its all-reduces are not counted."""
     hw, kv_tokens = hardware(device), row.get("kv_cache_tokens")
-    if hw is None or not kv_tokens or settings.get("vllm_tensor_parallel_size", 1) > 1:
-        return None  # (an engine split over GPUs: its floor is not modelled here)
+    if hw is None or not kv_tokens:
+        return None
     fp8 = row["rollout_precision"] != "bf16"
+    tp = settings.get("vllm_tensor_parallel_size", 1)
     sizes = model_bytes(SHAPES[settings["shape"]], fp8_linear=fp8, fp8_kv=row["fp8_kv_cache"])
-    floor = floor_tokens_per_s(sizes, hw, fp8, settings["generation_batch"], settings["prompt_len"],
-                               settings["completion_len"], kv_tokens)  # fmt: skip
-    seconds = settings["generation_batch"] * settings["completion_len"] / floor["floor_tokens_per_s"]
+    sizes = {key: value / tp for key, value in sizes.items()}
+    seqs = settings["generation_batch"] * tp
+    floor = floor_tokens_per_s(sizes, hw, fp8, seqs, settings["prompt_len"], settings["completion_len"], kv_tokens)
+    seconds = seqs * settings["completion_len"] / floor["floor_tokens_per_s"]
     return {**floor, "floor_s": seconds, "of_floor": seconds / row["step_time"]["rollout_s"]}
 
 

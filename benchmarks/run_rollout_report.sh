@@ -310,27 +310,19 @@ contention)  # the same one-GPU run on every GPU of the machine at once, with no
   nvidia-smi --query-gpu=timestamp,index,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu \
     --format=csv -l 1 >"$work/contention_gpu_clocks.csv" 2>&1 &
   clocks=$!
-  files=()
+  files=() runs_pids=()
   for i in $(seq 0 $(($(nvidia-smi -L | grep -c '^GPU ') - 1))); do  # a workdir each: the model is written once per workdir
     out="$work/grpo_contention_${run}_gpu${i}_$device.json"
     CUDA_VISIBLE_DEVICES=$i MASTER_PORT=$((29700 + 10 * i)) timed "contention_${run}_gpu$i" python -m benchmarks.bench_grpo \
       --shape 8b --optim adamw_bnb_8bit --sleep_mode --vllm_memory 0.3 --completion_len 2048 --generation_batch 128 \
       --micro_batch 4 --steps 2 --warmup 1 --runs "$run" --workdir "$work/bench_contention_$i" --out "$out" &
-    files+=("$out")
+    files+=("$out") runs_pids+=($!)
   done
-  wait
-  python - "${files[@]}" <<'PY'  # each copy's timed step: an engine slowed by the host shows in its rollout
-import json, sys
-for path in sys.argv[1:]:
-    try:
-        row = json.load(open(path))["results"][0]
-    except (OSError, IndexError, KeyError, ValueError):
-        print(f"{path}: no result")
-        continue
-    t = row["step_time"]
-    print(f"{path}: step {t['step_s']:.1f} s, rollout {t['rollout_s']:.1f} s, training {t['training_s']:.1f} s")
-PY
+  wait "${runs_pids[@]}"  # the runs only: the clock logger runs until killed
   kill "$clocks" 2>/dev/null
+  # one file: each copy's row (an engine slowed by the host shows in its rollout) and every GPU's clocks
+  python -m benchmarks.collect_contention "${files[@]}" --clocks "$work/contention_gpu_clocks.csv" \
+    --out "$work/grpo_contention_8b_$device.json"
   ;;
 multi)  # a 4B shape with stock fused AdamW: one step fits one GPU beside its engine, so 1 and 2 GPUs compare
   gpu_tests multi_gpu_tests tests/gpu/test_multi_gpu.py

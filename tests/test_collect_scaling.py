@@ -124,3 +124,42 @@ def test_split_engines_and_per_micro_batch_reduction_name_their_launch():
     ddp = result(4, "multi_gpu", "adamw_bnb_8bit", {"unified_fp8kv": 80.0})
     ddp["settings"]["cpu_affinity"] = True  # accelerate's --enable_cpu_affinity: ranks pinned to their GPU's cores
     assert collect([ddp])["rows"][0]["launch"] == "DDP, CPU affinity"
+
+
+def test_collect_contention_gathers_each_gpus_row_and_its_clocks_at_work(tmp_path):
+    """One file from the per-GPU runs of `run_rollout_report.sh contention`: each row tagged with its GPU, a run that
+    wrote nothing left out, and per GPU the SM clock and power over the samples with the GPU at work."""
+    from benchmarks import collect_contention
+
+    header = {"device": "NVIDIA H100 80GB HBM3", "gpus": 1, "date": "2026-11-27", "versions": {"vllm": "0.26.0"},
+              "command": "python -m benchmarks.bench_grpo ...", "settings": {"shape": "8b"}}  # fmt: skip
+    paths = []
+    for gpu, step in ((0, 69.0), (1, 70.5)):
+        path = tmp_path / f"grpo_contention_run_gpu{gpu}_NVIDIA_H100_80GB_HBM3.json"
+        row = {"name": "run", "step_time": {"step_s": step, "rollout_s": 34.0, "training_s": 35.0}}
+        path.write_text(json.dumps({**header, "results": [row]}))
+        paths.append(path)
+    paths.append(tmp_path / "grpo_contention_run_gpu2_NVIDIA_H100_80GB_HBM3.json")  # never written
+    clocks = tmp_path / "clocks.csv"
+    clocks.write_text(
+        "timestamp, index, clocks.current.sm [MHz], clocks.current.memory [MHz], power.draw [W], temperature.gpu, "
+        "utilization.gpu [%]\n"
+        "t, 0, 345 MHz, 2619 MHz, 74.39 W, 51, 0 %\n"  # idle: not counted at work
+        "t, 0, 1965 MHz, 2619 MHz, 650.00 W, 70, 100 %\n"
+        "t, 0, 1425 MHz, 2619 MHz, 699.00 W, 75, 98 %\n"
+        "t, 1, 1980 MHz, 2619 MHz, 600.00 W, 60, 90 %\n"
+        "t, 1, 1980 MHz, 26\n"  # cut off when the logger stopped
+    )
+    out = tmp_path / "out.json"
+    collect_contention.main([*map(str, paths), "--clocks", str(clocks), "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert [(r["gpu"], r["step_time"]["step_s"]) for r in result["results"]] == [(0, 69.0), (1, 70.5)]
+    assert (result["device"], result["date"], result["runs_command"]) == (
+        header["device"],
+        "2026-11-27",
+        header["command"],
+    )
+    gpu0 = result["gpu_clocks"]["0"]
+    assert (gpu0["samples"], gpu0["busy_samples"], gpu0["temperature_c_max"]) == (3, 2, 75.0)
+    assert gpu0["sm_clock_mhz_busy"] == {"median": 1695.0, "min": 1425.0, "max": 1965.0}
+    assert gpu0["power_w_busy"]["max"] == 699.0 and result["gpu_clocks"]["1"]["busy_samples"] == 1

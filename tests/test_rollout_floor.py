@@ -92,6 +92,14 @@ def test_grpo_rollout_floor_is_one_engines_generation_batch_at_full_length():
     assert floor["floor_s"] == pytest.approx(128 * 2048 / direct["floor_tokens_per_s"])
     assert floor["of_floor"] == pytest.approx(floor["floor_s"] / 30.0)
     assert rollout_floor(row, settings, "some other GPU") is None  # no data-sheet peaks: no floor claimed
+    # An engine over two GPUs decodes both ranks' 256 sequences, each GPU holding half of every weight and cached
+    # token: every term of the floor halves, against one GPU decoding the 256 with the same cache.
+    tp2 = rollout_floor(row, settings | {"vllm_tensor_parallel_size": 2}, "NVIDIA H100 80GB HBM3")
+    halves = {key: value / 2 for key, value in model_bytes(SHAPES["8b"], True, True).items()}
+    direct = floor_tokens_per_s(halves, H100, True, 256, 128, 2048, 201_504)
+    assert tp2["floor_s"] == pytest.approx(256 * 2048 / direct["floor_tokens_per_s"])
+    one_gpu = floor_tokens_per_s(model_bytes(SHAPES["8b"], True, True), H100, True, 256, 128, 2048, 201_504)
+    assert tp2["floor_s"] == pytest.approx(0.5 * 256 * 2048 / one_gpu["floor_tokens_per_s"])
 
 
 def test_grpo_rows_carry_the_planners_kv_estimate_for_their_engine():
