@@ -104,10 +104,12 @@ capacity)  # matched memory: every engine gets the same share of the GPU ($CAPAC
   done
   ;;
 decode)  # the default engines and one-setting variants (bench_rollout.ENGINE_LLM_KWARGS: the activation quantizers
-  # Inductor's, Triton's attention, FlashInfer's as a speed reference), each profiled: what wins a decode step back
+  # Inductor's, Triton's attention, KV pages of 64 tokens, FlashInfer's as a speed reference), each profiled: what wins
+  # a decode step back
   CAPACITY_POINTS=${CAPACITY_POINTS:-256x2048} CAPACITY_PROFILE=${CAPACITY_PROFILE:-256x512} \
     CAPACITY_ENGINES=${DECODE_ENGINES:-bf16 fp8_deepgemm fp8_deepgemm_kv fp8_deepgemm_kv_inductor_quant \
-    fp8_deepgemm_kv_triton_attn fp8_deepgemm_inductor_quant fp8_deepgemm_kv_flashinfer} bash benchmarks/run_rollout_report.sh capacity
+    fp8_deepgemm_kv_triton_attn fp8_deepgemm_kv_block64 fp8_deepgemm_inductor_quant fp8_deepgemm_kv_flashinfer} \
+    bash benchmarks/run_rollout_report.sh capacity
   ;;
 concurrency)  # matched concurrency: the same share, and every engine capped at $CAPACITY_SEQS sequences at once
   share=${CAPACITY_SHARES:-0.3}
