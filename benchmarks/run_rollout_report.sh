@@ -30,6 +30,8 @@
 #   bash benchmarks/run_rollout_report.sh chain     # pre-train the long-completion model, GRPO x 5 settings x 2 seeds
 #                                                   (one GPU or two: a seed per GPU)
 #   bash benchmarks/run_rollout_report.sh chainbase # pre-train it alone; a BF16 copy in 15 MB parts, $WORK/chain_base.part.*
+#   bash benchmarks/run_rollout_report.sh chainkv   # the FP8 KV cache at 860-1,436-token completions: pre-train, then GRPO
+#                                                   # BF16 / FP8 + TIS / FP8 + TIS + FP8 KV at once (one GPU, one seed)
 #   bash benchmarks/run_rollout_report.sh multi     # two GPUs: tests/gpu/test_multi_gpu.py, GRPO on 1 GPU vs 2 (FSDP2)
 #   bash benchmarks/run_rollout_report.sh scaling   # 1, 2 and 4 GPUs (DDP, FSDP2): 8B TRL BF16 vs FP8 + FP8 KV per GPU
 #                                                   # count, then benchmarks.collect_scaling's table ($SCALING_SPECS)
@@ -243,6 +245,21 @@ chain)  # the long-completion study: pre-train the 101M addition-chain model, th
     --eval_batch "$eval_batch" --vllm_memory 0.05 --vllm_fp8_backend cutlass --results_dir "$work/convergence_chain" \
     --workdir "$work/chain_grpo"  # seed 1: *_seed1
   ;;
+chainkv)  # the FP8 KV cache's fidelity at over a thousand tokens a completion (addition_chain_long): pre-train the
+  # 101M model on 16-160-term chains, then GRPO in BF16, unified FP8 + token TIS and the same with the FP8 KV cache, the
+  # three at once on one GPU, one seed; training ends CHAINKV_PHASE_MIN (default 27) after the phase began, less 2.5 min
+  # for the final evaluation. vLLM gets 0.08 of the GPU each: 64 sequences of up to 1,761 tokens in BF16 need 1.9 GB.
+  phase_end=$(($(date +%s) + ${CHAINKV_PHASE_MIN:-27} * 60 - 150))
+  timed chainkv_pretrain python -m benchmarks.convergence.pretrain --task chain_long --size medium \
+    --out "$work/chain-long-base" --batch_size 64 --eval_every 50 --eval_problems 128 \
+    --target_accuracy "${CHAIN_TARGET:-0.3}" --max_minutes "${CHAINKV_PRETRAIN_MIN:-10}" \
+    --results "$work/convergence_chain_long/pretrain_$device.json"
+  timed chainkv_grpo python -m benchmarks.convergence.run_grpo --task chain_long --model "$work/chain-long-base" \
+    --setting bf16 fp8_tis fp8_tis_fp8kv --parallel --seeds 0 --gpus 0 --steps "${CHAIN_STEPS:-100}" \
+    --stop_at "$phase_end" --lr 5e-5 --batch_size 64 --micro_batch 8 --gradient_checkpointing --eval_every 20 \
+    --eval_problems 128 --eval_batch 64 --vllm_memory 0.08 --vllm_fp8_backend cutlass \
+    --results_dir "$work/convergence_chain_long" --workdir "$work/chain_long_grpo"
+  ;;
 chainbase)  # the chain's base for later hosts: GRPO trains in BF16 on CUDA, so a BF16 copy loses nothing it uses
   chain_pretrain
   python -c "import sys, torch; from transformers import AutoModelForCausalLM as M
@@ -338,7 +355,7 @@ multi)  # a 4B shape with stock fused AdamW: one step fits one GPU beside its en
 *)
   echo "usage: $0 PHASE... (kernels rollout capacity concurrency colocate bestfit pack suite checks linear gemm quant" \
     "train grpo four long kvprofile fp8kv" \
-    "chain chainbase multi scaling contention)" >&2
+    "chain chainbase chainkv multi scaling contention)" >&2
   exit 2
   ;;
 esac

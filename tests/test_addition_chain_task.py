@@ -67,3 +67,46 @@ def test_bad_input_is_refused():
 )
 def test_reward_is_the_exact_final_answer(text, reward):
     assert task.exact_answer_reward([text], ["5"]) == [reward]
+
+
+def test_the_long_variant_scores_completions_of_860_words_or_more_in_a_256_word_vocabulary():
+    """`addition_chain_long`: GRPO and held-out problems of 96-160 terms (every completion at least 860 words, one
+    token each, within the model's 2,048 positions with its prompt), pre-training problems of 16-160 terms, term
+    numbers up to L160, and the same running sum and reward as the short task."""
+    from benchmarks.convergence import addition_chain_long as long
+
+    pairs = long.problems(200, seed=1)
+    tok = long.tokenizer()
+    for prompt, completion in pairs:
+        terms = long.terms_of(prompt)
+        assert long.TERMS[0] <= len(terms) <= long.TERMS[1] and len(completion.split()) >= 860
+        assert completion == task.completion(terms)  # the short task's running sum, word for word
+        words = len(prompt.split()) + long.max_completion_length() + 1
+        assert words <= long.MODEL_KWARGS["max_position_embeddings"]
+    prompt, completion = pairs[0]
+    ids = tok(f"{prompt} {completion}", add_special_tokens=False)["input_ids"]
+    assert len(ids) == len(f"{prompt} {completion}".split()) and tok.unk_token_id not in ids
+    assert long.VOCAB_SIZE == 256 and len(tok) <= long.VOCAB_SIZE and "L160" in long.VOCAB
+    short = long.problems(200, seed=2, steps=long.PRETRAIN_TERMS)
+    assert min(len(long.terms_of(p)) for p, _ in short) < long.TERMS[0]  # pre-training sees the short chains too
+    with pytest.raises(ValueError, match="up to 160"):
+        long.problems(1, seed=0, steps=(10, 161))
+    assert long.exact_answer_reward([completion], [completion.split()[-1]]) == [1.0]
+
+
+def test_pretraining_draws_a_tasks_own_pretraining_lengths(monkeypatch):
+    """pretrain.py asks a task with `PRETRAIN_TERMS` for problems of those lengths, and any other task for its own
+    default ones."""
+    from benchmarks.convergence import addition_chain_long as long
+    from benchmarks.convergence import pretrain
+
+    asked = []
+    monkeypatch.setattr(long, "problems", lambda n, seed, **kw: asked.append(kw) or task.problems(n, seed, (2, 3)))
+    monkeypatch.setattr(long, "greedy_accuracy", lambda *a, **k: 1.0)
+    monkeypatch.setattr("sys.argv", ["pretrain", "--task", "chain_long", "--size", "smoke", "--out", "/tmp/_unused",
+                                     "--max_steps", "1", "--batch_size", "2", "--eval_problems", "1"])  # fmt: skip
+    monkeypatch.setattr(pretrain, "write_json", lambda *a, **k: None)
+    monkeypatch.setattr("transformers.PreTrainedModel.save_pretrained", lambda *a, **k: None)
+    monkeypatch.setattr("transformers.PreTrainedTokenizerBase.save_pretrained", lambda *a, **k: None)
+    pretrain.main()
+    assert asked == [{}, {"steps": long.PRETRAIN_TERMS}]  # the held-out set at GRPO's lengths, training at its own

@@ -30,7 +30,14 @@ TERMS = (16, 96)  # terms per problem, inclusive
 MAX_TERMS = 96  # term numbers L1 .. L96 in the vocabulary
 WORDS = (":", "+", "=", ";", "sum", "answer")
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
-VOCAB = (*SPECIAL_TOKENS, *WORDS, *(str(n) for n in range(MODULUS)), *(f"L{i}" for i in range(1, MAX_TERMS + 1)))
+
+
+def vocabulary(max_terms: int) -> tuple[str, ...]:
+    """The task's words with term numbers `L1 .. L<max_terms>`."""
+    return (*SPECIAL_TOKENS, *WORDS, *(str(n) for n in range(MODULUS)), *(f"L{i}" for i in range(1, max_terms + 1)))
+
+
+VOCAB = vocabulary(MAX_TERMS)
 VOCAB_SIZE = (len(VOCAB) + 127) // 128 * 128  # 128
 MODEL_KWARGS = dict(vocab_size=VOCAB_SIZE, max_position_embeddings=2048)
 
@@ -61,11 +68,11 @@ def completion(terms: list[int]) -> str:
     return " ".join(word for word, _ in written_steps(terms))
 
 
-def problems(n: int, seed: int, steps: tuple[int, int] = TERMS) -> list[tuple[str, str]]:
-    """`n` (prompt, full reference completion) pairs; `steps` bounds the number of terms. The answer is the
-    completion's last word."""
-    if steps[1] > MAX_TERMS:
-        raise ValueError(f"{steps[1]} terms: the vocabulary numbers terms up to {MAX_TERMS}")
+def problems(n: int, seed: int, steps: tuple[int, int] = TERMS, max_terms: int = MAX_TERMS) -> list[tuple[str, str]]:
+    """`n` (prompt, full reference completion) pairs; `steps` bounds the number of terms, `max_terms` is the largest
+    term number the vocabulary has. The answer is the completion's last word."""
+    if steps[1] > max_terms:
+        raise ValueError(f"{steps[1]} terms: the vocabulary numbers terms up to {max_terms}")
     rng = random.Random(seed)
     out = []
     for _ in range(n):

@@ -20,6 +20,7 @@ from benchmarks.common import RESULTS, arg_parser, device_name, metadata, write_
 TASKS = {  # --task: the module of benchmarks.convergence that defines it
     "addition": "arithmetic",  # multi-digit addition, answers of at most 7 characters
     "chain": "addition_chain",  # a running sum written out term by term: completions of 140-860 words
+    "chain_long": "addition_chain_long",  # the same with 96-160 terms: completions of 860-1,436 words
 }
 
 
@@ -109,8 +110,10 @@ def main():
     batcher = task.Batcher(tokenizer)
     log, start = [], time.time()
     step = 0
+    # a task may pre-train on a wider range of lengths than it is judged on (`PRETRAIN_TERMS`)
+    lengths = {"steps": task.PRETRAIN_TERMS} if hasattr(task, "PRETRAIN_TERMS") else {}
     for step in range(1, args.max_steps + 1):
-        ids, labels = batcher(task.problems(args.batch_size, seed=args.seed * 1_000_003 + step), device)
+        ids, labels = batcher(task.problems(args.batch_size, seed=args.seed * 1_000_003 + step, **lengths), device)
         loss = train_step(model, optimizer, schedule, ids, labels)
         out_of_time = time.time() - start > 60 * args.max_minutes
         if step % args.eval_every == 0 or step == args.max_steps or out_of_time:
