@@ -59,7 +59,9 @@ def planned_peak(settings: dict, row: dict) -> float:
         str(settings["micro_batch"]), "--generation_batch", str(settings["generation_batch"]), "--optim",
         settings["optim"], "--num_processes", str(processes), "--launch", launch, "--fp8_cache_weights", cache,
         "--fsdp2_prefetch_layers", str((row.get("fp8_options") or {}).get("fsdp2_prefetch_layers", 1)),
+        "--vllm_tensor_parallel_size", str(settings.get("vllm_tensor_parallel_size") or 1),
         *(["--sleep_mode"] if settings["sleep_mode"] else []),
+        *(["--sync_each_batch"] if settings.get("sync_each_batch") else []),
     ])  # fmt: skip
     total = GPU_MEMORY_BYTES["H200" if "H200" in settings["device"] else "H100"]
     fp8 = row["trainer"] == "trl_fp8"

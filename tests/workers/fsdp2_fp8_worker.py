@@ -40,6 +40,13 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 
+def finish_distributed() -> None:
+    """Every rank done before any closes its connections: a rank tearing down gloo beside a peer's last exchange
+    aborted natively, rarely, in CI."""
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def main():
     from ddp_grpo_worker import tensor_digest
     from torch.distributed.fsdp import fully_shard
@@ -106,7 +113,7 @@ def main():
     if rank == 0:
         save_fp8_checkpoint(replica, out / "replica", progress=False)
     (out / f"fsdp2_rank{rank}.json").write_text(json.dumps(record, indent=1))
-    dist.destroy_process_group()
+    finish_distributed()
 
 
 def tiny_moe(seed: int):
@@ -251,7 +258,7 @@ def mixed_precision(out: Path, moe: bool = False, hsdp: bool = False):
     if rank == 0:
         save_fp8_checkpoint(copies[str(torch.bfloat16)], out / f"one_{tag}", progress=False)
     (out / f"fsdp2_{tag}_rank{rank}.json").write_text(json.dumps(record_, indent=1))
-    dist.destroy_process_group()
+    finish_distributed()
 
 
 def compiled_layers(out: Path):
@@ -289,7 +296,7 @@ def compiled_layers(out: Path):
 
     record["graphs"] = counters["stats"]["unique_graphs"]  # Dynamo really traced the layers
     (out / f"fsdp2_compiled_rank{rank}.json").write_text(json.dumps(record, indent=1))
-    dist.destroy_process_group()
+    finish_distributed()
 
 
 if __name__ == "__main__":
