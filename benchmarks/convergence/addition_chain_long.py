@@ -18,15 +18,11 @@ MAX_TERMS = 160
 MODULUS = chain.MODULUS
 VOCAB = chain.vocabulary(MAX_TERMS)
 VOCAB_SIZE = (len(VOCAB) + 127) // 128 * 128  # 256
-MODEL_KWARGS = dict(
-    vocab_size=VOCAB_SIZE, max_position_embeddings=2048
-)  # prompts of up to 321 words, completions 1,437
-terms_of, written_steps, completion, step_roles = (
-    chain.terms_of,
-    chain.written_steps,
-    chain.completion,
-    chain.step_roles,
-)
+# prompts of up to 321 words and completions of up to 1,437 tokens fit 2,048 positions
+MODEL_KWARGS = dict(vocab_size=VOCAB_SIZE, max_position_embeddings=2048)
+# the short task's words and roles, unchanged
+terms_of, written_steps = chain.terms_of, chain.written_steps
+completion, step_roles = chain.completion, chain.step_roles
 
 
 def problems(n: int, seed: int, steps: tuple[int, int] = TERMS) -> list[tuple[str, str]]:
