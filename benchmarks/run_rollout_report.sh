@@ -121,8 +121,10 @@ concurrency)  # matched concurrency: the same share, and every engine capped at 
     --gpu_memory_utilization "$share" --max_num_seqs "${CAPACITY_SEQS:-22}" --append \
     --out "$work/rollout_capacity_mem${share}_seqs${CAPACITY_SEQS:-22}_$device.json"
   ;;
-colocate)  # TRL's colocate defaults on one GPU; each run in a child of its own, rows appended to one file
-  for run in ${COLOCATE_RUNS:-trl_bf16 unified_fp8kv unified}; do
+colocate)  # TRL's colocate defaults on one GPU; each run in a child of its own, rows appended to one file. By default
+  # TRL BF16 with and without Liger's kernels against FP8GRPOTrainer left to its defaults (Liger, the FP8 KV cache and
+  # the weight cache as it chooses them) and the same with compiled decoder layers and TRL's Liger loss
+  for run in ${COLOCATE_RUNS:-trl_bf16 trl_bf16_liger fp8_defaults unified_fp8kv_compiled_liger}; do
     MASTER_PORT=29650 timed "colocate_$run" python -m benchmarks.bench_grpo --shape 8b --optim adamw_bnb_8bit \
       --sleep_mode --vllm_memory "${COLOCATE_SHARE:-0.3}" --completion_len 2048 --generation_batch 128 --steps 3 \
       --warmup 1 --runs "$run" --append --out "$work/grpo_colocate_8b_$device.json"
