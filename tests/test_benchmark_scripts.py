@@ -114,6 +114,13 @@ def test_rollout_plot_reads_both_result_formats(tmp_path):
     assert plot_rollout(new, tmp_path, plt).exists()
 
 
+def report_phase(name: str) -> str:
+    """The body of one phase of `benchmarks/run_rollout_report.sh` (its `case` branch)."""
+    script = (Path(__file__).parents[1] / "benchmarks" / "run_rollout_report.sh").read_text()
+    start = script.index(f"\n{name})")
+    return script[start : script.index("\n  ;;", start)]
+
+
 def test_every_engine_variant_and_decode_phase_engine_is_a_bench_rollout_engine():
     """The one-setting engine variants (`ENGINE_LLM_KWARGS`) are engines `bench_rollout` knows, the variants of the
     FP8 KV cache keep their cache, and `run_rollout_report.sh decode` runs only engines it knows."""
@@ -124,11 +131,25 @@ def test_every_engine_variant_and_decode_phase_engine_is_a_bench_rollout_engine(
     assert set(ENGINE_LLM_KWARGS) <= set(ENGINES)
     for name, kwargs in ENGINE_LLM_KWARGS.items():
         assert ENGINES[name][2] == ("attention_backend" in kwargs or "_kv_" in name), name
-    script = (Path(__file__).parents[1] / "benchmarks" / "run_rollout_report.sh").read_text()
-    phase = script[script.index("\ndecode)") : script.index("\n  ;;", script.index("\ndecode)"))]
-    engines = re.search(r"DECODE_ENGINES:-([^}]*)}", phase).group(1).replace("\\", " ").split()
+    engines = re.search(r"DECODE_ENGINES:-([^}]*)}", report_phase("decode")).group(1).replace("\\", " ").split()
     assert len(engines) >= 5 and set(engines) <= set(ENGINES), engines
     assert set(ENGINE_LLM_KWARGS) <= set(engines)  # every variant is measured by the phase
+
+
+def test_the_colocate_and_chainkv_phases_name_runs_settings_and_tasks_that_exist():
+    """A misspelt run, setting or task in `run_rollout_report.sh` would fail only on the GPU host, after staging."""
+    import re
+
+    from benchmarks.bench_grpo import RUNS
+    from benchmarks.convergence.pretrain import TASKS
+    from benchmarks.convergence.run_grpo import SETTINGS
+
+    runs = re.search(r"COLOCATE_RUNS:-([^}]*)}", report_phase("colocate")).group(1).split()
+    assert {"trl_bf16", "fp8_defaults"} <= set(runs) <= set(RUNS), runs
+    chainkv = report_phase("chainkv").replace("\\\n", " ")
+    settings = re.search(r"--setting ((?:\w+ )+)--", chainkv).group(1).split()
+    assert settings == ["bf16", "fp8_tis", "fp8_tis_fp8kv"] and set(settings) <= set(SETTINGS)
+    assert set(re.findall(r"--task (\w+)", chainkv)) == {"chain_long"} <= set(TASKS)
 
 
 def test_rollout_summary_gives_each_profiled_engine_its_kernel_time_and_attention_floor():
