@@ -664,14 +664,14 @@ def test_the_trainer_settles_fp8_kv_cache_with_an_observer_where_on_and_says_why
     """`fp8_kv_cache=None` becomes the planner's choice before TRL builds the engine: on, with the observer that
     measures the K/V scales; off, with none; on for a model whose scales cannot be measured, off with that reason,
     where a user's own True raises."""
-    from trl_fp8.trainer.memory import KVCacheChoice
+    from trl_fp8.trainer.choice import StartUpChoice
 
     model = tiny_qwen3()
     for on in (True, False):
         args = make_args(tmp_path)
         args.use_vllm = True  # (after the config: no vLLM on this machine)
         monkeypatch.setattr("trl_fp8.trainer.mixin.choose_fp8_kv_cache",
-                            lambda config, a, on=on: KVCacheChoice(on, "because"))  # fmt: skip
+                            lambda config, a, on=on: StartUpChoice(on, "because"))  # fmt: skip
         observer = FP8GRPOTrainer._choose_fp8_kv_cache(model, args)
         assert (observer is not None) is on and args.fp8_kv_cache is on
         assert f"[trl-fp8] FP8 KV cache {'on' if on else 'off'}: because." in capsys.readouterr().out
@@ -679,11 +679,11 @@ def test_the_trainer_settles_fp8_kv_cache_with_an_observer_where_on_and_says_why
     args.use_vllm = True
     no_attention = torch.nn.Sequential(torch.nn.Linear(128, 128))
     no_attention.config = model.config
-    monkeypatch.setattr("trl_fp8.trainer.mixin.choose_fp8_kv_cache", lambda config, a: KVCacheChoice(True, "because"))
+    monkeypatch.setattr("trl_fp8.trainer.mixin.choose_fp8_kv_cache", lambda config, a: StartUpChoice(True, "because"))
     assert FP8GRPOTrainer._choose_fp8_kv_cache(no_attention, args) is None and args.fp8_kv_cache is False
     assert "[trl-fp8] FP8 KV cache off: kept BF16, as its K/V scales cannot be measured" in capsys.readouterr().out
     monkeypatch.setattr("trl_fp8.trainer.mixin.choose_fp8_kv_cache",
-                        lambda config, a: KVCacheChoice(True, "set by fp8_kv_cache", automatic=False))  # fmt: skip
+                        lambda config, a: StartUpChoice(True, "set by fp8_kv_cache", automatic=False))  # fmt: skip
     with pytest.raises(ValueError, match="found no attention layers"):
         FP8GRPOTrainer._choose_fp8_kv_cache(no_attention, args)
 

@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from dataclasses import dataclass
 from types import ModuleType
 
 from torch import nn
 
 from trl_fp8.config import BLOCKWISE
 from trl_fp8.nn.adapters import unwrap_model
+from trl_fp8.trainer.choice import StartUpChoice
 
-__all__ = ["LIGER_DENSE_MODEL_TYPES", "LigerChoice", "choose_liger_kernels", "liger_patches_kept_on_the_model"]
+__all__ = ["LIGER_DENSE_MODEL_TYPES", "choose_liger_kernels", "liger_patches_kept_on_the_model"]
 
 # Dense decoders whose RMSNorm, RoPE and SwiGLU MLP Liger replaces (liger_kernel.transformers'
 # `apply_liger_kernel_to_*`), with the MLP's gate/up/down projections kept as modules our FP8 layers replace.
@@ -29,46 +29,36 @@ __all__ = ["LIGER_DENSE_MODEL_TYPES", "LigerChoice", "choose_liger_kernels", "li
 LIGER_DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
-@dataclass(frozen=True)
-class LigerChoice:
-    """Whether Liger's kernels go on the model (`on`), why (`reason`, for the start-up log), and whether the trainer
-    chose it (`automatic`) or the user did."""
-
-    on: bool
-    reason: str
-    automatic: bool = True
-
-
-def choose_liger_kernels(model_type: str | None, args, *, cuda: bool) -> LigerChoice:
+def choose_liger_kernels(model_type: str | None, args, *, cuda: bool) -> StartUpChoice:
     """The run's `use_liger_kernel`: the user's where set; else on for a dense model of `LIGER_DENSE_MODEL_TYPES`
     trained on a CUDA GPU (`cuda`) with liger-kernel installed, in blockwise FP8 or BF16, outside compiled decoder
     layers (torchao's recipes and compiled layers are not yet measured with them)."""
     from transformers.utils import is_liger_kernel_available
 
     if args.use_liger_kernel is not None:
-        return LigerChoice(bool(args.use_liger_kernel), "set by use_liger_kernel", automatic=False)
+        return StartUpChoice(bool(args.use_liger_kernel), "set by use_liger_kernel", automatic=False)
     if not cuda:
-        return LigerChoice(False, "no CUDA GPU to train on (Liger's kernels are Triton kernels)")
+        return StartUpChoice(False, "no CUDA GPU to train on (Liger's kernels are Triton kernels)")
     if model_type not in LIGER_DENSE_MODEL_TYPES:
-        return LigerChoice(
+        return StartUpChoice(
             False,
             f"model type {model_type!r} is not one of the dense decoders they are used on "
             f"({', '.join(LIGER_DENSE_MODEL_TYPES)}); use_liger_kernel=True puts them on anyway",
         )
     if args.fp8_recipe not in (BLOCKWISE, None):
-        return LigerChoice(False, f"torchao's {args.fp8_recipe!r} recipe is not measured with them yet")
+        return StartUpChoice(False, f"torchao's {args.fp8_recipe!r} recipe is not measured with them yet")
     if args.compile_decoder_layers:
-        return LigerChoice(
+        return StartUpChoice(
             False, "compile_decoder_layers compiles the layers instead (the two are not measured together yet)"
         )
     if not is_liger_kernel_available():
-        return LigerChoice(
+        return StartUpChoice(
             False, "liger-kernel is not installed: pip install 'trl-fp8[liger]' for a faster training phase"
         )
     reason = "their fused RMSNorm, RoPE and SwiGLU take the training phase's BF16 work beside the FP8 GEMMs"
     if args.fp8_fuse_swiglu:
         reason += " (SwiGLU left to fp8_fuse_swiglu)"
-    return LigerChoice(True, reason + "; use_liger_kernel=False turns them off")
+    return StartUpChoice(True, reason + "; use_liger_kernel=False turns them off")
 
 
 def modeling_module(model: nn.Module) -> ModuleType | None:

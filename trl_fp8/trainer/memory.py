@@ -14,10 +14,10 @@ import torch
 from torch import nn
 
 from trl_fp8.nn.weight_cache import fp8_weight_cache_bytes
+from trl_fp8.trainer.choice import StartUpChoice
 
 __all__ = [
     "GradientSyncChoice",
-    "KVCacheChoice",
     "WeightCacheChoice",
     "choose_fp8_kv_cache",
     "choose_fp8_weight_cache",
@@ -219,18 +219,9 @@ def choose_fsdp2_gradient_sync(
     )
 
 
-@dataclass(frozen=True)
-class KVCacheChoice:
-    """Whether the colocated vLLM engine keeps its KV cache in FP8 (`fp8_kv_cache`), and why (`reason`, for the log)."""
-
-    on: bool
-    reason: str
-    automatic: bool = True
-
-
 def choose_fp8_kv_cache(
     model_config, args, *, total_bytes: int | None = None, capability: tuple[int, int] | None = None
-) -> KVCacheChoice:
+) -> StartUpChoice:
     """The KV cache of the colocated engine: the user's `fp8_kv_cache` if set; else FP8 where a rollout's sequences
     would not all fit a BF16 KV cache at once, by the planner's account (`trl_fp8.rollout.capacity`, as
     `trl-fp8 plan` prints it), and BF16 where they fit.
@@ -245,29 +236,29 @@ def choose_fp8_kv_cache(
     from trl_fp8.rollout import capacity
 
     if args.fp8_kv_cache is not None:
-        return KVCacheChoice(bool(args.fp8_kv_cache), "set by fp8_kv_cache", automatic=False)
+        return StartUpChoice(bool(args.fp8_kv_cache), "set by fp8_kv_cache", automatic=False)
     if not args.use_vllm:
-        return KVCacheChoice(False, "no vLLM rollouts")
+        return StartUpChoice(False, "no vLLM rollouts")
     if args.fp8_recipe is None:
-        return KVCacheChoice(False, "the BF16 baseline (fp8_recipe=None) keeps TRL's BF16 KV cache")
+        return StartUpChoice(False, "the BF16 baseline (fp8_recipe=None) keeps TRL's BF16 KV cache")
     if args.vllm_mode != "colocate":
-        return KVCacheChoice(False, "the vLLM server's own --kv_cache_dtype sets it; for an FP8 KV cache start it "
+        return StartUpChoice(False, "the vLLM server's own --kv_cache_dtype sets it; for an FP8 KV cache start it "
                              "with --kv_cache_dtype fp8 and set fp8_kv_cache=True")  # fmt: skip
     if not getattr(args, "vllm_importance_sampling_correction", False):  # (RLOO's config has none)
-        return KVCacheChoice(False, "no importance-sampling correction of the rollouts, which the FP8 KV cache's "
+        return StartUpChoice(False, "no importance-sampling correction of the rollouts, which the FP8 KV cache's "
                              "larger trainer-vs-rollout mismatch needs; set fp8_kv_cache=True to use it anyway")  # fmt: skip
     if capability is None:
         device = torch.device(args.device)
         if device.type != "cuda":
-            return KVCacheChoice(False, f"training on {device.type}: vLLM's FP8 attention needs a Hopper GPU")
+            return StartUpChoice(False, f"training on {device.type}: vLLM's FP8 attention needs a Hopper GPU")
         capability = torch.cuda.get_device_capability(device)
     if tuple(capability) != (9, 0):
-        return KVCacheChoice(False, f"vLLM's FP8 attention (FlashAttention-3) runs on Hopper (sm90), this GPU is "
+        return StartUpChoice(False, f"vLLM's FP8 attention (FlashAttention-3) runs on Hopper (sm90), this GPU is "
                              f"sm{capability[0]}{capability[1]}")  # fmt: skip
     try:
         shape = capacity.ModelShape.from_config(model_config)
     except (ValueError, AttributeError) as exc:
-        return KVCacheChoice(False, f"kept BF16: the memory planner cannot size this model ({exc})")
+        return StartUpChoice(False, f"kept BF16: the memory planner cannot size this model ({exc})")
     total_bytes = total_bytes or _gpu_bytes(args)
     tp = args.vllm_tensor_parallel_size
     sequences = max(1, args.generation_batch_size // max(1, args.world_size)) * tp  # one engine's, per rollout
@@ -284,9 +275,9 @@ def choose_fp8_kv_cache(
     numbers = (f"by the planner's account vLLM's {share:.0%} of the GPU has room for {bf16} of a rollout's "
                f"{sequences} sequences of {seq_len:,} tokens at once with a BF16 KV cache")  # fmt: skip
     if bf16 >= sequences:
-        return KVCacheChoice(False, f"{numbers}: every sequence fits, so an FP8 cache would add mismatch for little "
+        return StartUpChoice(False, f"{numbers}: every sequence fits, so an FP8 cache would add mismatch for little "
                              "speed (set fp8_kv_cache=True to use it anyway)")  # fmt: skip
-    return KVCacheChoice(
+    return StartUpChoice(
         True,
         f"{numbers}, {room(True)} with an FP8 one, whose keys and values round to FP8 with scales measured on the "
         "trainer's forward (a larger trainer-vs-rollout mismatch, which importance sampling corrects); set "

@@ -48,8 +48,9 @@ from trl_fp8.nn.conversion import ConversionReport, convert_to_fp8, plan_fp8_con
 from trl_fp8.nn.linear import invalidate_fp8_weights
 from trl_fp8.rollout.kv_scales import AttentionScaleObserver, observe_prompts
 from trl_fp8.rollout.stats import capacity_line
+from trl_fp8.trainer.choice import StartUpChoice
 from trl_fp8.trainer.layer_checkpointing import keep_layer_options
-from trl_fp8.trainer.liger import LigerChoice, choose_liger_kernels, liger_patches_kept_on_the_model
+from trl_fp8.trainer.liger import choose_liger_kernels, liger_patches_kept_on_the_model
 from trl_fp8.trainer.memory import (
     GradientSyncChoice,
     choose_fp8_kv_cache,
@@ -174,7 +175,7 @@ class FP8TrainerMixin:
     # --- model ----------------------------------------------------------------------------------------------------
 
     @staticmethod
-    def _choose_liger_kernels(model: nn.Module, args) -> LigerChoice:
+    def _choose_liger_kernels(model: nn.Module, args) -> StartUpChoice:
         """Settle `use_liger_kernel=None` (`trainer.liger.choose_liger_kernels`) before TRL reads the option; an
         automatic choice on a GPU is said once, with its reason."""
         config = getattr(model, "config", None)
@@ -212,7 +213,7 @@ class FP8TrainerMixin:
             except ValueError as exc:
                 if not choice.automatic:
                     raise
-                choice = type(choice)(False, f"kept BF16, as its K/V scales cannot be measured on this model ({exc})")
+                choice = StartUpChoice(False, f"kept BF16, as its K/V scales cannot be measured on this model ({exc})")
         args.fp8_kv_cache = choice.on
         if choice.automatic and args.use_vllm:
             say_start_up_choice(args, "FP8 KV cache", choice.on, choice.reason)
