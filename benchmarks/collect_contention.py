@@ -33,13 +33,8 @@ def clock_summary(path: Path) -> dict[str, dict]:
     with path.open() as f:
         for row in csv.reader(f):
             try:
-                index, sm, power, temp, util = (
-                    int(row[1]),
-                    _number(row[2]),
-                    _number(row[4]),
-                    _number(row[5]),
-                    _number(row[6]),
-                )
+                index = int(row[1])
+                sm, power, temp, util = (_number(row[column]) for column in (2, 4, 5, 6))
             except (IndexError, ValueError):
                 continue  # the header, or a line cut off when the logger was stopped
             samples.setdefault(index, []).append((sm, power, temp, util))
