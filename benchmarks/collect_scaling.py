@@ -4,6 +4,8 @@ count, and each flow's weak-scaling efficiency.
     python -m benchmarks.collect_scaling RESULT.json [RESULT.json ...] --out benchmarks/results/grpo_scaling_8b_<device>.json \
         [--plot benchmarks/plots/grpo_scaling_8b.png]
 
+    python -m benchmarks.collect_scaling A.json+B.json --merge --out grpo_colocate_8b_<device>.json
+
 Each input is one `benchmarks.bench_grpo` results file (`--num_processes N --launch_config multi_gpu|fsdp2`), or several
 joined by `+` (`bf16.json+fp8.json`): flows that ran at the same time on disjoint GPUs of one machine (same launch, GPU
 count, GPU model and workload), taken as one side-by-side file. All inputs have the same per-GPU workload (shape, prompt
@@ -11,7 +13,8 @@ and completion lengths, completions per GPU, vLLM share, sleep mode); the optimi
 8-bit AdamW does not run under FSDP2). A speed-up is taken only between the flows of one file, which ran side by side;
 the weak-scaling efficiency of a flow at N GPUs is its completions per second over N times its own on one GPU (1.0: N
 GPUs do N times the work in the same time). A run that failed (bench_grpo's `failed_runs`: out of memory, a crash) gets
-a row marked failed, without figures.
+a row marked failed, without figures. `--merge` writes the one input's side-by-side files as one `bench_grpo` results
+file (its rows and `ran_at_once`), with no scaling table: the colocate phase's runs on one GPU each, at once.
 """
 
 from __future__ import annotations
@@ -174,8 +177,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("results", nargs="+", help="bench_grpo results files")
     parser.add_argument("--out", required=True, help="the scaling results file to write")
     parser.add_argument("--plot", default=None, help="also draw the step times and efficiencies to this PNG")
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="write the one input's side-by-side files as one bench_grpo results file, no table",
+    )
     args = parser.parse_args(argv)
     inputs = [merge_side_by_side([json.loads(Path(f).read_text()) for f in p.split("+")]) for p in args.results]
+    if args.merge:
+        if len(inputs) != 1:
+            parser.error("--merge takes one input (files joined by +)")
+        write_json(args.out, inputs[0])
+        print(f"wrote {args.out}: {', '.join(row['name'] for row in inputs[0]['results'])} side by side")
+        return
     scaling = collect(inputs)
     devices = sorted({r.get("device") for r in inputs if r.get("device")})
     out = {"benchmark": "GRPO weak scaling, vLLM colocated on every GPU", "devices": devices,

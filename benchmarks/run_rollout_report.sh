@@ -123,12 +123,28 @@ concurrency)  # matched concurrency: the same share, and every engine capped at 
   ;;
 colocate)  # TRL's colocate defaults on one GPU; each run in a child of its own, rows appended to one file. By default
   # TRL BF16 with and without Liger's kernels against FP8GRPOTrainer left to its defaults (Liger, the FP8 KV cache and
-  # the weight cache as it chooses them) and the same with compiled decoder layers and TRL's Liger loss
-  for run in ${COLOCATE_RUNS:-trl_bf16 trl_bf16_liger fp8_defaults unified_fp8kv_compiled_liger}; do
-    MASTER_PORT=29650 timed "colocate_$run" python -m benchmarks.bench_grpo --shape 8b --optim adamw_bnb_8bit \
-      --sleep_mode --vllm_memory "${COLOCATE_SHARE:-0.3}" --completion_len 2048 --generation_batch 128 --steps 3 \
-      --warmup 1 --runs "$run" --append --out "$work/grpo_colocate_8b_$device.json"
-  done
+  # the weight cache as it chooses them) and the same with compiled decoder layers and TRL's Liger loss.
+  # COLOCATE_AT_ONCE=1: where the machine has a GPU per run, the runs go at the same time, one GPU each (the same host
+  # load on every flow), into one file (collect_scaling --merge).
+  read -r -a runs <<<"${COLOCATE_RUNS:-trl_bf16 trl_bf16_liger fp8_defaults unified_fp8kv_compiled_liger}"
+  colocate=(python -m benchmarks.bench_grpo --shape 8b --optim adamw_bnb_8bit --sleep_mode
+    --vllm_memory "${COLOCATE_SHARE:-0.3}" --completion_len 2048 --generation_batch 128 --steps 3 --warmup 1)
+  if [ -n "${COLOCATE_AT_ONCE:-}" ] && [ "${#runs[@]}" -le "$(nvidia-smi -L | grep -c '^GPU ')" ]; then
+    files=()
+    for i in "${!runs[@]}"; do  # a workdir each: the random model is written once per workdir
+      CUDA_VISIBLE_DEVICES=$i MASTER_PORT=$((29650 + 10 * i)) timed "colocate_${runs[$i]}" "${colocate[@]}" \
+        --runs "${runs[$i]}" --workdir "$work/bench_${runs[$i]}" --out "$work/colocate_run_${runs[$i]}_$device.json" &
+    done
+    wait
+    files=()  # a run that crashed before writing its file is left out (its log says why)
+    for run in "${runs[@]}"; do [ -f "$work/colocate_run_${run}_$device.json" ] && files+=("$work/colocate_run_${run}_$device.json"); done
+    python -m benchmarks.collect_scaling "$(IFS=+; echo "${files[*]}")" --merge --out "$work/grpo_colocate_8b_$device.json"
+  else
+    for run in "${runs[@]}"; do
+      MASTER_PORT=29650 timed "colocate_$run" "${colocate[@]}" --runs "$run" --append \
+        --out "$work/grpo_colocate_8b_$device.json"
+    done
+  fi
   ;;
 bestfit)  # per run, shares in increasing order until one fails: a careful user's tuning (2 steps: one timed)
   for run in ${BESTFIT_RUNS:-trl_bf16 unified_fp8kv}; do
