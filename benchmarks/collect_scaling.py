@@ -4,8 +4,6 @@ count, and each flow's weak-scaling efficiency.
     python -m benchmarks.collect_scaling RESULT.json [RESULT.json ...] --out benchmarks/results/grpo_scaling_8b_<device>.json \
         [--plot benchmarks/plots/grpo_scaling_8b.png]
 
-    python -m benchmarks.collect_scaling A.json+B.json --merge --out grpo_colocate_8b_<device>.json
-
 Each input is one `benchmarks.bench_grpo` results file (`--num_processes N --launch_config multi_gpu|fsdp2`), or several
 joined by `+` (`bf16.json+fp8.json`): flows that ran at the same time on disjoint GPUs of one machine (same launch, GPU
 count, GPU model and workload), taken as one side-by-side file. All inputs have the same per-GPU workload (shape, prompt
@@ -13,8 +11,7 @@ and completion lengths, completions per GPU, vLLM share, sleep mode); the optimi
 8-bit AdamW does not run under FSDP2). A speed-up is taken only between the flows of one file, which ran side by side;
 the weak-scaling efficiency of a flow at N GPUs is its completions per second over N times its own on one GPU (1.0: N
 GPUs do N times the work in the same time). A run that failed (bench_grpo's `failed_runs`: out of memory, a crash) gets
-a row marked failed, without figures. `--merge` writes the one input's side-by-side files as one `bench_grpo` results
-file (its rows and `ran_at_once`), with no scaling table: the colocate phase's runs on one GPU each, at once.
+a row marked failed, without figures.
 """
 
 from __future__ import annotations
@@ -24,6 +21,7 @@ import statistics
 from pathlib import Path
 
 from benchmarks.common import arg_parser, command, write_json
+from benchmarks.merge_results import merge_at_once
 
 BASELINE = "trl_bf16"  # TRL's own GRPOTrainer: every speed-up is against it
 # The settings every input must share (the per-GPU workload); bench_grpo records them under "settings".
@@ -47,19 +45,8 @@ def launch_of(settings: dict) -> tuple[str, int]:
 
 def merge_side_by_side(results: list[dict]) -> dict:
     """One results file from files whose flows ran at the same time on disjoint GPUs of one machine."""
-    first = results[0]
-    for other in results[1:]:
-        for key in (*WORKLOAD, "num_processes", "launch_config"):
-            if other["settings"].get(key) != first["settings"].get(key):
-                raise ValueError(f"side-by-side files differ in {key}: {first['settings'].get(key)} vs "
-                                 f"{other['settings'].get(key)}")  # fmt: skip
-        if other.get("device") != first.get("device"):
-            raise ValueError(f"side-by-side files ran on other GPUs: {first.get('device')} vs {other.get('device')}")
-    merged = {**first, "results": [row for r in results for row in r["results"]]}
-    merged["failed_runs"] = [name for r in results for name in r.get("failed_runs", [])]
-    merged["failures"] = {name: why for r in results for name, why in r.get("failures", {}).items()}
-    merged["ran_at_once"] = [[row["name"] for row in r["results"]] + r.get("failed_runs", []) for r in results]
-    return merged
+    keys = [f"settings.{key}" for key in (*WORKLOAD, "num_processes", "launch_config")]
+    return merge_at_once(results, keys, id_key="name")
 
 
 def rank_rollouts(row: dict, settings: dict) -> list[float] | None:
@@ -177,19 +164,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("results", nargs="+", help="bench_grpo results files")
     parser.add_argument("--out", required=True, help="the scaling results file to write")
     parser.add_argument("--plot", default=None, help="also draw the step times and efficiencies to this PNG")
-    parser.add_argument(
-        "--merge",
-        action="store_true",
-        help="write the one input's side-by-side files as one bench_grpo results file, no table",
-    )
     args = parser.parse_args(argv)
     inputs = [merge_side_by_side([json.loads(Path(f).read_text()) for f in p.split("+")]) for p in args.results]
-    if args.merge:
-        if len(inputs) != 1:
-            parser.error("--merge takes one input (files joined by +)")
-        write_json(args.out, inputs[0])
-        print(f"wrote {args.out}: {', '.join(row['name'] for row in inputs[0]['results'])} side by side")
-        return
     scaling = collect(inputs)
     devices = sorted({r.get("device") for r in inputs if r.get("device")})
     out = {"benchmark": "GRPO weak scaling, vLLM colocated on every GPU", "devices": devices,

@@ -97,12 +97,34 @@ rollout)
     --points 64x1024 256x1024 1024x1024 64x4096 --append --out "$work/rollout_$device.json"
   ;;
 capacity)  # matched memory: every engine gets the same share of the GPU ($CAPACITY_SHARES, one results file each)
-  # CAPACITY_PROFILE=SxN: one more rollout per engine under the profiler (kernel time by category, GPU idle time)
+  # CAPACITY_PROFILE=SxN: one more rollout per engine under the profiler (kernel time by category, GPU idle time).
+  # CAPACITY_LANES=N: the engines dealt over N GPUs (engine i to GPU i mod N), the lanes at once, each lane's engines
+  # one after the other; the lanes' files merged into one (benchmarks.merge_results).
+  read -r -a engines <<<"${CAPACITY_ENGINES:-bf16 fp8_deepgemm fp8_deepgemm_kv}"
+  lanes=${CAPACITY_LANES:-1}
   for share in ${CAPACITY_SHARES:-0.3}; do
+    out="$work/rollout_capacity_mem${share}_$device.json"
     # shellcheck disable=SC2086
-    timed "capacity_mem$share" python -m benchmarks.bench_rollout --engines ${CAPACITY_ENGINES:-bf16 fp8_deepgemm fp8_deepgemm_kv} \
-      --points ${CAPACITY_POINTS:-256x2048 128x4096} --prompt_len 256 --gpu_memory_utilization "$share" --append \
-      ${CAPACITY_PROFILE:+--profile_point "$CAPACITY_PROFILE"} --out "$work/rollout_capacity_mem${share}_$device.json"
+    capacity=(python -m benchmarks.bench_rollout --points ${CAPACITY_POINTS:-256x2048 128x4096} --prompt_len 256
+      --gpu_memory_utilization "$share" --append ${CAPACITY_PROFILE:+--profile_point "$CAPACITY_PROFILE"})
+    if [ "$lanes" -gt 1 ]; then
+      files=()
+      for ((lane = 0; lane < lanes; lane++)); do
+        mine=()
+        for i in "${!engines[@]}"; do [ $((i % lanes)) -eq "$lane" ] && mine+=("${engines[$i]}"); done
+        [ "${#mine[@]}" -eq 0 ] && continue
+        CUDA_VISIBLE_DEVICES=$lane timed "capacity_mem${share}_lane$lane" "${capacity[@]}" --engines "${mine[@]}" \
+          --workdir "$work/rollout_lane$lane" --out "$work/capacity_lane${lane}_mem${share}_$device.json" &
+        files+=("$work/capacity_lane${lane}_mem${share}_$device.json")
+      done
+      wait
+      existing=()
+      for f in "${files[@]}"; do [ -f "$f" ] && existing+=("$f"); done
+      python -m benchmarks.merge_results "${existing[@]}" --same shape prompt_len gpu_memory_utilization max_num_seqs \
+        --id_key engine --out "$out"
+    else
+      timed "capacity_mem$share" "${capacity[@]}" --engines "${engines[@]}" --out "$out"
+    fi
   done
   ;;
 decode)  # the default engines and one-setting variants (bench_rollout.ENGINE_LLM_KWARGS: the activation quantizers
@@ -125,7 +147,7 @@ colocate)  # TRL's colocate defaults on one GPU; each run in a child of its own,
   # TRL BF16 with and without Liger's kernels against FP8GRPOTrainer left to its defaults (Liger, the FP8 KV cache and
   # the weight cache as it chooses them) and the same with compiled decoder layers and TRL's Liger loss.
   # COLOCATE_AT_ONCE=1: where the machine has a GPU per run, the runs go at the same time, one GPU each (the same host
-  # load on every flow), into one file (collect_scaling --merge).
+  # load on every flow), into one file (benchmarks.merge_results).
   read -r -a runs <<<"${COLOCATE_RUNS:-trl_bf16 trl_bf16_liger fp8_defaults unified_fp8kv_compiled_liger}"
   colocate=(python -m benchmarks.bench_grpo --shape 8b --optim adamw_bnb_8bit --sleep_mode
     --vllm_memory "${COLOCATE_SHARE:-0.3}" --completion_len 2048 --generation_batch 128 --steps 3 --warmup 1)
@@ -138,7 +160,7 @@ colocate)  # TRL's colocate defaults on one GPU; each run in a child of its own,
     wait
     files=()  # a run that crashed before writing its file is left out (its log says why)
     for run in "${runs[@]}"; do [ -f "$work/colocate_run_${run}_$device.json" ] && files+=("$work/colocate_run_${run}_$device.json"); done
-    python -m benchmarks.collect_scaling "$(IFS=+; echo "${files[*]}")" --merge --out "$work/grpo_colocate_8b_$device.json"
+    python -m benchmarks.merge_results "${files[@]}" --same settings --out "$work/grpo_colocate_8b_$device.json"
   else
     for run in "${runs[@]}"; do
       MASTER_PORT=29650 timed "colocate_$run" "${colocate[@]}" --runs "$run" --append \

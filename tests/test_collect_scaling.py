@@ -113,24 +113,6 @@ def test_flows_run_at_once_on_disjoint_gpus_count_as_one_side_by_side_file(tmp_p
             merge_side_by_side([bf16, other])
 
 
-def test_merge_writes_side_by_side_runs_as_one_results_file(tmp_path, capsys):
-    """`--merge` (the colocate phase's runs on one GPU each, at once): one bench_grpo file with every row and which
-    ran together, no scaling table; more than one input is refused."""
-    one = [result(1, "multi_gpu", "adamw_bnb_8bit", {name: s}) for name, s in (("trl_bf16", 120.0), ("fp8", 60.0))]
-    one[1]["failed_runs"], one[1]["failures"] = ["fp8_compiled"], {"fp8_compiled": "out of memory"}
-    paths = [tmp_path / "a.json", tmp_path / "b.json"]
-    for path, r in zip(paths, one, strict=True):
-        path.write_text(json.dumps(r))
-    main([f"{paths[0]}+{paths[1]}", "--merge", "--out", str(tmp_path / "merged.json")])
-    merged = json.loads((tmp_path / "merged.json").read_text())
-    assert [row["name"] for row in merged["results"]] == ["trl_bf16", "fp8"]
-    assert merged["ran_at_once"] == [["trl_bf16"], ["fp8", "fp8_compiled"]]
-    assert merged["failures"] == {"fp8_compiled": "out of memory"} and "rows" not in merged
-    assert "side by side" in capsys.readouterr().out
-    with pytest.raises(SystemExit):
-        main([str(paths[0]), str(paths[1]), "--merge", "--out", str(tmp_path / "x.json")])
-
-
 def test_split_engines_and_per_micro_batch_reduction_name_their_launch():
     """A run with engines over two GPUs each and accelerate's sync_each_batch is another launch than plain FSDP2:
     its label says so, and its speed-up is still against the TRL BF16 run beside it."""
