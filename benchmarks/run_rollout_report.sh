@@ -12,6 +12,7 @@
 #                                                   # 256x2048, each profiled at 256x512 ($DECODE_ENGINES)
 #   bash benchmarks/run_rollout_report.sh colocate  # bench_grpo at TRL's colocate defaults (8B, 0.3, sleep mode, 8-bit
 #                                                   # AdamW, 128 x 2048): $COLOCATE_RUNS, one call each, one file
+#                                                   # (COLOCATE_GPUS="0 1 2 3": dealt over those GPUs, at once)
 #   bash benchmarks/run_rollout_report.sh bestfit   # the same, each of $BESTFIT_RUNS at growing $BESTFIT_SHARES until
 #                                                   # one fails (out of memory): the largest share each flow runs at
 #   bash benchmarks/run_rollout_report.sh pack      # DeepGEMM's JIT cache into $WORK/dg_cache.tgz.part*
@@ -72,6 +73,28 @@ timed() {  # name command...: run, log, record exit code and seconds
   echo "$name rc=$? seconds=$((SECONDS - start))" | tee -a "$work/status.txt"
 }
 
+in_lanes() {  # name "gpu ..." "item ..." out_prefix command...: item i on GPU i mod (number of GPUs), the GPUs at
+  # once, each GPU's items one after the other into one file per GPU ($out_prefix<gpu>.json); the files made are left
+  # in $lane_files. Each GPU's command gets its own --workdir and MASTER_PORT.
+  local name=$1 prefix=$4 g i
+  local -a gpus items mine
+  read -r -a gpus <<<"$2"
+  read -r -a items <<<"$3"
+  shift 4
+  for g in "${!gpus[@]}"; do
+    mine=()
+    for i in "${!items[@]}"; do [ $((i % ${#gpus[@]})) -eq "$g" ] && mine+=("${items[$i]}"); done
+    [ "${#mine[@]}" -eq 0 ] && continue
+    (for item in "${mine[@]}"; do
+      CUDA_VISIBLE_DEVICES=${gpus[$g]} MASTER_PORT=$((29700 + 10 * g)) timed "${name}_${item}" "$@" "$item" \
+        --workdir "$work/lane${gpus[$g]}" --append --out "$prefix${gpus[$g]}.json"
+    done) &
+  done
+  wait
+  lane_files=()
+  for g in "${gpus[@]}"; do [ -f "$prefix$g.json" ] && lane_files+=("$prefix$g.json"); done
+}
+
 chain_pretrain() {  # the 101M addition-chain model, pre-trained to $CHAIN_TARGET held-out accuracy, into $work/chain-base
   # Pre-training stops at its first evaluation >= CHAIN_TARGET: the 2026-11-23 models stayed at chance, then jumped
   # between steps 500 and 600 (5.5-6.7 min), so its time limit leaves room for a later jump.
@@ -98,32 +121,20 @@ rollout)
   ;;
 capacity)  # matched memory: every engine gets the same share of the GPU ($CAPACITY_SHARES, one results file each)
   # CAPACITY_PROFILE=SxN: one more rollout per engine under the profiler (kernel time by category, GPU idle time).
-  # CAPACITY_LANES=N: the engines dealt over N GPUs (engine i to GPU i mod N), the lanes at once, each lane's engines
-  # one after the other; the lanes' files merged into one (benchmarks.merge_results).
-  read -r -a engines <<<"${CAPACITY_ENGINES:-bf16 fp8_deepgemm fp8_deepgemm_kv}"
-  lanes=${CAPACITY_LANES:-1}
+  # CAPACITY_GPUS="0 1 2 3": the engines dealt over these GPUs, the GPUs at once (benchmarks.merge_results joins them).
   for share in ${CAPACITY_SHARES:-0.3}; do
     out="$work/rollout_capacity_mem${share}_$device.json"
     # shellcheck disable=SC2086
     capacity=(python -m benchmarks.bench_rollout --points ${CAPACITY_POINTS:-256x2048 128x4096} --prompt_len 256
-      --gpu_memory_utilization "$share" --append ${CAPACITY_PROFILE:+--profile_point "$CAPACITY_PROFILE"})
-    if [ "$lanes" -gt 1 ]; then
-      files=()
-      for ((lane = 0; lane < lanes; lane++)); do
-        mine=()
-        for i in "${!engines[@]}"; do [ $((i % lanes)) -eq "$lane" ] && mine+=("${engines[$i]}"); done
-        [ "${#mine[@]}" -eq 0 ] && continue
-        CUDA_VISIBLE_DEVICES=$lane timed "capacity_mem${share}_lane$lane" "${capacity[@]}" --engines "${mine[@]}" \
-          --workdir "$work/rollout_lane$lane" --out "$work/capacity_lane${lane}_mem${share}_$device.json" &
-        files+=("$work/capacity_lane${lane}_mem${share}_$device.json")
-      done
-      wait
-      existing=()
-      for f in "${files[@]}"; do [ -f "$f" ] && existing+=("$f"); done
-      python -m benchmarks.merge_results "${existing[@]}" --same shape prompt_len gpu_memory_utilization max_num_seqs \
+      --gpu_memory_utilization "$share" ${CAPACITY_PROFILE:+--profile_point "$CAPACITY_PROFILE"})
+    engines=${CAPACITY_ENGINES:-bf16 fp8_deepgemm fp8_deepgemm_kv}
+    if [ -n "${CAPACITY_GPUS:-}" ]; then
+      in_lanes "capacity_mem$share" "$CAPACITY_GPUS" "$engines" "$work/capacity_mem${share}_gpu" "${capacity[@]}" --engines
+      python -m benchmarks.merge_results "${lane_files[@]}" --same shape prompt_len gpu_memory_utilization max_num_seqs \
         --id_key engine --out "$out"
     else
-      timed "capacity_mem$share" "${capacity[@]}" --engines "${engines[@]}" --out "$out"
+      # shellcheck disable=SC2086
+      timed "capacity_mem$share" "${capacity[@]}" --engines $engines --append --out "$out"
     fi
   done
   ;;
@@ -146,23 +157,16 @@ concurrency)  # matched concurrency: the same share, and every engine capped at 
 colocate)  # TRL's colocate defaults on one GPU; each run in a child of its own, rows appended to one file. By default
   # TRL BF16 with and without Liger's kernels against FP8GRPOTrainer left to its defaults (Liger, the FP8 KV cache and
   # the weight cache as it chooses them) and the same with compiled decoder layers and TRL's Liger loss.
-  # COLOCATE_AT_ONCE=1: where the machine has a GPU per run, the runs go at the same time, one GPU each (the same host
-  # load on every flow), into one file (benchmarks.merge_results).
-  read -r -a runs <<<"${COLOCATE_RUNS:-trl_bf16 trl_bf16_liger fp8_defaults unified_fp8kv_compiled_liger}"
+  # COLOCATE_GPUS="0 1 2 3": the runs dealt over these GPUs, the GPUs at once (the same host load on every flow; one
+  # file by benchmarks.merge_results).
+  runs=${COLOCATE_RUNS:-trl_bf16 trl_bf16_liger fp8_defaults unified_fp8kv_compiled_liger}
   colocate=(python -m benchmarks.bench_grpo --shape 8b --optim adamw_bnb_8bit --sleep_mode
     --vllm_memory "${COLOCATE_SHARE:-0.3}" --completion_len 2048 --generation_batch 128 --steps 3 --warmup 1)
-  if [ -n "${COLOCATE_AT_ONCE:-}" ] && [ "${#runs[@]}" -le "$(nvidia-smi -L | grep -c '^GPU ')" ]; then
-    files=()
-    for i in "${!runs[@]}"; do  # a workdir each: the random model is written once per workdir
-      CUDA_VISIBLE_DEVICES=$i MASTER_PORT=$((29650 + 10 * i)) timed "colocate_${runs[$i]}" "${colocate[@]}" \
-        --runs "${runs[$i]}" --workdir "$work/bench_${runs[$i]}" --out "$work/colocate_run_${runs[$i]}_$device.json" &
-    done
-    wait
-    files=()  # a run that crashed before writing its file is left out (its log says why)
-    for run in "${runs[@]}"; do [ -f "$work/colocate_run_${run}_$device.json" ] && files+=("$work/colocate_run_${run}_$device.json"); done
-    python -m benchmarks.merge_results "${files[@]}" --same settings --out "$work/grpo_colocate_8b_$device.json"
+  if [ -n "${COLOCATE_GPUS:-}" ]; then
+    in_lanes colocate "$COLOCATE_GPUS" "$runs" "$work/colocate_gpu" "${colocate[@]}" --runs
+    python -m benchmarks.merge_results "${lane_files[@]}" --same settings --out "$work/grpo_colocate_8b_$device.json"
   else
-    for run in "${runs[@]}"; do
+    for run in $runs; do
       MASTER_PORT=29650 timed "colocate_$run" "${colocate[@]}" --runs "$run" --append \
         --out "$work/grpo_colocate_8b_$device.json"
     done
@@ -289,13 +293,14 @@ chainkv)  # the FP8 KV cache's fidelity at over a thousand tokens a completion (
   # 101M model on 16-160-term chains, then GRPO in BF16, unified FP8 + token TIS and the same with the FP8 KV cache, the
   # three at once on one GPU, one seed; training ends CHAINKV_PHASE_MIN (default 27) after the phase began, less 2.5 min
   # for the final evaluation. vLLM gets 0.08 of the GPU each: 64 sequences of up to 1,761 tokens in BF16 need 1.9 GB.
+  # CHAINKV_GPU: the GPU it all runs on (default 0), so other phases can use the others at the same time.
   phase_end=$(($(date +%s) + ${CHAINKV_PHASE_MIN:-27} * 60 - 150))
-  timed chainkv_pretrain python -m benchmarks.convergence.pretrain --task chain_long --size medium \
-    --out "$work/chain-long-base" --batch_size 64 --eval_every 50 --eval_problems 128 \
+  CUDA_VISIBLE_DEVICES=${CHAINKV_GPU:-0} timed chainkv_pretrain python -m benchmarks.convergence.pretrain \
+    --task chain_long --size medium --out "$work/chain-long-base" --batch_size 64 --eval_every 50 --eval_problems 128 \
     --target_accuracy "${CHAIN_TARGET:-0.3}" --max_minutes "${CHAINKV_PRETRAIN_MIN:-10}" \
     --results "$work/convergence_chain_long/pretrain_$device.json"
   timed chainkv_grpo python -m benchmarks.convergence.run_grpo --task chain_long --model "$work/chain-long-base" \
-    --setting bf16 fp8_tis fp8_tis_fp8kv --parallel --seeds 0 --gpus 0 --steps "${CHAIN_STEPS:-100}" \
+    --setting bf16 fp8_tis fp8_tis_fp8kv --parallel --seeds 0 --gpus "${CHAINKV_GPU:-0}" --steps "${CHAIN_STEPS:-100}" \
     --stop_at "$phase_end" --lr 5e-5 --batch_size 64 --micro_batch 8 --gradient_checkpointing --eval_every 20 \
     --eval_problems 128 --eval_batch 64 --vllm_memory 0.08 --vllm_fp8_backend cutlass \
     --results_dir "$work/convergence_chain_long" --workdir "$work/chain_long_grpo"

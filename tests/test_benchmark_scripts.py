@@ -152,6 +152,79 @@ def test_the_colocate_and_chainkv_phases_name_runs_settings_and_tasks_that_exist
     assert set(re.findall(r"--task (\w+)", chainkv)) == {"chain_long"} <= set(TASKS)
 
 
+FAKE_PYTHON = r"""#!/usr/bin/env bash
+# Stands in for `python` in run_rollout_report.sh: the GPU name, and bench_* calls logged with the GPU they were
+# given and written as results files (rows appended, as --append does); anything else runs in the real Python.
+if [ "$1" = -c ]; then echo GPU_X; exit 0; fi
+case "$2" in
+benchmarks.bench_grpo|benchmarks.bench_rollout)
+  echo "$CUDA_VISIBLE_DEVICES $*" >>"$FAKE_LOG"
+  exec "$REAL_PYTHON" - "$@" <<'PY'
+import json, sys
+from pathlib import Path
+args = sys.argv[1:]
+def value(flag):
+    return args[args.index(flag) + 1]
+grpo = args[1] == "benchmarks.bench_grpo"
+out, key = Path(value("--out")), "name" if grpo else "engine"
+rest = args[args.index("--runs" if grpo else "--engines") + 1 :]
+names = rest[: next((i for i, a in enumerate(rest) if a.startswith("-")), len(rest))]
+result = json.loads(out.read_text()) if out.exists() else {"device": "GPU X", "settings": {"shape": "8b"},
+    "shape": "8b", "prompt_len": 256, "gpu_memory_utilization": 0.3, "max_num_seqs": None, "results": []}
+result["results"] += [{key: name} for name in names]
+out.write_text(json.dumps(result))
+PY
+  ;;
+*) exec "$REAL_PYTHON" "$@" ;;
+esac
+"""
+
+
+def run_phase(tmp_path, phase: str, **env) -> tuple[list[str], Path]:
+    """`run_rollout_report.sh phase` with a fake `python` (FAKE_PYTHON): the bench calls it made, and its $WORK."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    bin_dir, work = tmp_path / "bin", tmp_path / "work"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "python").write_text(FAKE_PYTHON)
+    (bin_dir / "python").chmod(0o755)
+    assert shutil.which("bash")
+    script = Path(__file__).parents[1] / "benchmarks" / "run_rollout_report.sh"
+    environment = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "WORK": str(work),
+                   "REAL_PYTHON": sys.executable, "FAKE_LOG": str(tmp_path / "calls.log"), **env}  # fmt: skip
+    environment["PYTHONPATH"] = str(script.parents[1])
+    subprocess.run(["bash", str(script), phase], env=environment, check=True, capture_output=True, timeout=120)
+    return (tmp_path / "calls.log").read_text().splitlines(), work
+
+
+def test_phases_deal_their_runs_over_the_gpus_given_and_merge_one_file(tmp_path):
+    """`COLOCATE_GPUS` / `CAPACITY_GPUS`: run i on GPU i mod n, each GPU's runs one after the other into its own file,
+    the GPUs at once; then one merged results file with which runs ran together. Unset: one GPU, one file."""
+    import json
+
+    calls, work = run_phase(tmp_path, "colocate", COLOCATE_GPUS="2 3 1", COLOCATE_RUNS="a b c d")
+    gpu_of = {call.split("--runs ")[1].split()[0]: call.split()[0] for call in calls}
+    assert gpu_of == {"a": "2", "b": "3", "c": "1", "d": "2"}
+    assert all("--append" in call and f"lane{call.split()[0]}" in call for call in calls)
+    merged = json.loads((work / "grpo_colocate_8b_GPU_X.json").read_text())
+    assert sorted(row["name"] for row in merged["results"]) == ["a", "b", "c", "d"]
+    assert sorted(map(sorted, merged["ran_at_once"])) == [["a", "d"], ["b"], ["c"]]
+
+    calls, work = run_phase(tmp_path / "capacity", "capacity", CAPACITY_GPUS="0 1", CAPACITY_ENGINES="e1 e2 e3")
+    assert sorted((call.split()[0], call.split("--engines ")[1].split()[0]) for call in calls) == [
+        ("0", "e1"), ("0", "e3"), ("1", "e2")]  # fmt: skip
+    merged = json.loads((work / "rollout_capacity_mem0.3_GPU_X.json").read_text())
+    assert sorted(map(sorted, merged["ran_at_once"])) == [["e1", "e3"], ["e2"]]
+
+    calls, work = run_phase(tmp_path / "one", "colocate", COLOCATE_RUNS="a b")
+    assert len(calls) == 2 and all("CUDA" not in call and "lane" not in call for call in calls)
+    rows = json.loads((work / "grpo_colocate_8b_GPU_X.json").read_text())["results"]
+    assert [row["name"] for row in rows] == ["a", "b"]
+
+
 def test_rollout_summary_gives_each_profiled_engine_its_kernel_time_and_attention_floor():
     """`bench_rollout --profile_point SxN`: the summary adds, per profiled engine, the kernel milliseconds by category,
     attention's KV-read floor (absent without a known device) and the time no kernel ran."""
