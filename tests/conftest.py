@@ -1,5 +1,7 @@
+import contextlib
 import os
 import socket
+import subprocess
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests build every model and tokenizer locally
@@ -126,6 +128,34 @@ def clean_subprocess_env() -> dict[str, str]:
     launch = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
               "PYTEST_VERSION", "TRL_FP8_TEST_GPUS")  # fmt: skip
     return {**{k: v for k, v in os.environ.items() if k not in launch}, "MASTER_PORT": str(free_port())}
+
+
+def run_child(cmd: list[str], *, timeout: float, env: dict[str, str], cwd=None) -> subprocess.CompletedProcess:
+    """`cmd` run to its end, its stdout and stderr together in `.stdout` (unbuffered, in the order printed). A child
+    that outlives `timeout` fails the test with its output and, for every Python process it started, the stack of
+    each thread at that moment (faulthandler, dumped on SIGABRT), so a hang says where it hangs."""
+    import signal
+    import tempfile
+
+    env = {**env, "PYTHONFAULTHANDLER": "1", "PYTHONUNBUFFERED": "1"}
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGABRT)  # every process of the group prints its Python stacks
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            log.seek(0)
+            pytest.fail(f"{' '.join(map(str, cmd[:4]))} ... ran past {timeout:.0f} s; its output, with the stacks "
+                        f"of its processes at that moment:\n{launch_failure(log.read(), tail=20000)}")  # fmt: skip
+        log.seek(0)
+        return subprocess.CompletedProcess(cmd, proc.returncode, log.read(), "")
 
 
 def session_gpus() -> list[str]:

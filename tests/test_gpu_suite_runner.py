@@ -168,3 +168,19 @@ def test_only_pytests_own_process_keeps_one_gpu(monkeypatch):
     monkeypatch.setenv("TRL_FP8_TEST_GPUS", "2,3")
     launched_rank = {**clean_subprocess_env(), "CUDA_VISIBLE_DEVICES": "2,3"}
     assert "PYTEST_VERSION" not in launched_rank and _pinned(launched_rank) == "2,3 None"
+
+
+def test_a_child_that_hangs_fails_the_test_with_where_it_hangs(tmp_path):
+    """`conftest.run_child`: a child past its time fails the test with its output and each thread's Python stack at
+    that moment (faulthandler), not with a bare timeout; one that ends returns its stdout and stderr together."""
+    from conftest import run_child
+
+    done = run_child([sys.executable, "-c", "import sys; print('out'); print('err', file=sys.stderr)"], timeout=60,
+                     env=dict(os.environ))  # fmt: skip
+    assert done.returncode == 0 and done.stdout.split() == ["out", "err"]
+    hang = "import time\ndef wait_for_the_engine():\n    print('starting', flush=True); time.sleep(600)\nwait_for_the_engine()"
+    with pytest.raises(pytest.fail.Exception) as failure:
+        run_child([sys.executable, "-c", hang], timeout=3, env=dict(os.environ))
+    message = str(failure.value)
+    assert "ran past 3 s" in message and "starting" in message
+    assert "wait_for_the_engine" in message  # the stack faulthandler printed

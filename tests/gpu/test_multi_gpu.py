@@ -8,14 +8,13 @@ trainer's FP8 weights bit for bit; the export written by rank 0 equals a one-pro
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import WORKERS, clean_subprocess_env, free_port, launch_failure, session_gpus
+from conftest import WORKERS, clean_subprocess_env, free_port, launch_failure, run_child, session_gpus
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,8 +54,8 @@ def test_two_gpu_grpo_with_colocated_engines(tmp_path, launch, vllm_tp, fp8_kv, 
            "levers" if levers else "plain"]  # fmt: skip
     gpus = session_gpus()[:2]
     env = {**clean_subprocess_env(), "CUDA_VISIBLE_DEVICES": ",".join(gpus)}  # the NVLink multicast settings stay
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, launch_failure(proc.stdout + proc.stderr)
+    proc = run_child(cmd, env=env, cwd=ROOT, timeout=900)
+    assert proc.returncode == 0, launch_failure(proc.stdout)
     r0, r1 = (json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in (0, 1))
     print(
         f"{launch}, vLLM TP={vllm_tp}: {r0['distributed_type']}, sharded={r0['sharded']}, last step {r0['log_history'][-2]}"

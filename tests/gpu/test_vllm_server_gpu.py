@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import WORKERS, clean_subprocess_env, free_port, launch_failure, session_gpus
+from conftest import WORKERS, clean_subprocess_env, free_port, launch_failure, run_child, session_gpus
 from workers.vllm_weight_digest import tensor_digest
 
 pytestmark = pytest.mark.gpu
@@ -199,8 +199,8 @@ def test_two_trainer_ranks_push_fp8_to_a_two_gpu_server(tmp_path_factory):
                "2", "--main_process_port", str(free_port()), str(WORKERS / "server_trainer_worker.py"),
                str(root / "model"), str(root / "out"), str(port)]  # fmt: skip
         env = {**clean_subprocess_env(), "CUDA_VISIBLE_DEVICES": ",".join(gpus[:2])}
-        proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
-        assert proc.returncode == 0, launch_failure(proc.stdout + proc.stderr)
+        proc = run_child(cmd, env=env, cwd=ROOT, timeout=900)
+        assert proc.returncode == 0, launch_failure(proc.stdout)
     record = json.loads((root / "out" / "rank0.json").read_text())
     rewards = [log["reward"] for log in record["log_history"] if "reward" in log]
     print(
