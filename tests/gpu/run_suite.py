@@ -90,6 +90,9 @@ def run_jobs(
             job.assigned, free = free[: job.gpus], free[job.gpus :]
             env = {**os.environ, "TRL_FP8_TEST_GPUS": ",".join(job.assigned)}
             env.pop("MASTER_PORT", None)  # each GPU test picks one of its own (tests/conftest.py)
+            # The machine's cores shared between the processes running at once (one per GPU at most): left alone, each
+            # takes them all for its CPU work (a demo's warm start, compiles), and the GPUs' processes contend for them.
+            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(len(gpus), 1))))
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "tests"), env.get("PYTHONPATH")]))
             log = open(logs / f"{job.name}.log", "w")  # noqa: SIM115 (closed when the process ends)
             basetemp = Path(tempfile.gettempdir()) / f"trl_fp8_gpu_suite_{job.name}"  # none shared: pytest wipes it
