@@ -269,6 +269,38 @@ def test_k_grouped_gemm_matches_a_loop_over_experts(out_dtype):
         _check(got[expert], emu.double(), a[:, lo:hi].abs() @ b[:, lo:hi].abs().t(), hi - lo, factor=2.0)
 
 
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_k_grouped_gemm_accumulates_into_a_gradient_in_place(out_dtype):
+    """`accumulate_into`: each expert's product added to the tensor given (a weight's `.grad`), in fp32 and rounded
+    once; an expert without tokens keeps what it held. Bound: the product's fp32 summation bound plus one rounding of
+    the sum to `out_dtype`."""
+    n, k = 256, 384
+    rows, x, _ = _operands(k, n, k)
+    dy = kernels.quantize_act(rows.pad(torch.randn(rows.num_rows, n, device=_device())), rows=False, cols=True)
+    before = torch.randn(len(COUNTS), n, k, device=_device()).to(out_dtype)
+    grad = before.clone()
+    got = k_grouped_gemm(dy.qt, dy.scale_inv_t, x.qt, x.scale_inv_t, rows, out_dtype, accumulate_into=grad)
+    assert got is grad
+    a = dequantize_groups(dy.qt, dy.scale_inv_t, dtype=F64)
+    b = dequantize_groups(x.qt, x.scale_inv_t, dtype=F64)
+    offsets = rows.offsets.tolist()
+    for expert in range(len(COUNTS)):
+        lo, hi = offsets[expert], offsets[expert + 1]
+        if lo == hi:
+            assert torch.equal(got[expert], before[expert])
+            continue
+        ref = before[expert].double() + a[:, lo:hi] @ b[:, lo:hi].t()
+        if CUDA:
+            assert rel_err(got[expert], ref) < 4e-3
+            continue
+        rounding = 2**-8 if out_dtype == torch.bfloat16 else 2**-24  # the sum's one rounding to out_dtype
+        bound = (hi - lo) * 2**-23 * (a[:, lo:hi].abs() @ b[:, lo:hi].abs().t()) + rounding * ref.abs()
+        assert ((got[expert].double() - ref).abs() <= bound).all()
+    with pytest.raises(ValueError, match="contiguous"):
+        k_grouped_gemm(dy.qt, dy.scale_inv_t, x.qt, x.scale_inv_t, rows, out_dtype,
+                       accumulate_into=grad.transpose(1, 2).contiguous().transpose(1, 2))  # fmt: skip
+
+
 def test_grouped_autograd_function_with_no_rows_at_all():
     from trl_fp8.nn.experts import _GroupedExpertsFP8Matmul
 
@@ -372,6 +404,69 @@ def test_grouped_experts_equal_the_loop_over_experts(tokens=200):
         assert g.shape == r.shape and g.dtype == r.dtype, name
         assert rel_err(g.cpu(), r) < (4e-3 if CUDA else 1e-4), (name, rel_err(g.cpu(), r))
     assert not grouped.gate_up_proj.grad[2].any()  # expert 2 received no token: zero gradient
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_gradients_added_in_place_equal_autograds_accumulation(grouped):
+    """`fuse_wgrad_accumulation`: over three micro-batches the experts' weight gradients are the ones autograd
+    accumulates, bit for bit in fp32 (the kernel adds its fp32 product to the fp32 gradient, as autograd adds the
+    returned one); the first micro-batch, whose `.grad` does not exist yet, returns its gradient as before. A weight
+    with a gradient hook keeps autograd's accumulation, and its hook runs at every backward."""
+    import dataclasses
+
+    from trl_fp8.nn import experts as experts_module
+
+    looped, on_gpu, x, index, weights = _experts_pair(tokens=60)
+    layers, device = (on_gpu, _device()) if grouped else (looped, "cpu")
+    x, index, weights = x.to(device), index.to(device), weights.to(device)
+    g = torch.Generator().manual_seed(4)
+    grads = [torch.randn(x.shape, generator=g).to(device) for _ in range(3)]
+
+    def accumulate(fused: bool, hook: bool = False):
+        import copy
+
+        layer = copy.deepcopy(layers)
+        layer.fp8_config = dataclasses.replace(layer.fp8_config, fuse_wgrad_accumulation=fused)
+        calls = []
+        if hook:
+            layer.down_proj.register_post_accumulate_grad_hook(lambda p: calls.append(1))
+        added = []
+        real = experts_module.gradient_to_add_into
+        experts_module.gradient_to_add_into = lambda w: added.append(t := real(w)) or t
+        try:
+            for grad in grads:
+                layer(x, index, weights).backward(grad)
+        finally:
+            experts_module.gradient_to_add_into = real
+        return layer.gate_up_proj.grad.cpu(), layer.down_proj.grad.cpu(), added, calls
+
+    *autograds, none_asked, _ = accumulate(fused=False)
+    *fused, added, _ = accumulate(fused=True)
+    assert none_asked == [] and [t is not None for t in added] == [False, False, True, True, True, True]
+    for got, ref in zip(fused, autograds, strict=True):
+        assert torch.equal(got, ref)
+    *hooked, added, calls = accumulate(fused=True, hook=True)
+    assert len(calls) == 3  # autograd accumulated down_proj's gradient at each backward and ran its hook
+    # backward reaches down_proj first, then gate_up_proj: only gate_up's goes in place
+    assert [t is not None for t in added] == [False, False, False, True, False, True]
+    for got, ref in zip(hooked, autograds, strict=True):
+        assert torch.equal(got, ref)
+
+
+def test_the_trainer_adds_gradients_in_place_in_one_process_only(tmp_path):
+    """`FP8GRPOConfig.fp8_linear_config`: on for one process, off under DDP, FSDP and DeepSpeed (their gradient hooks
+    would not fire) and for torchao's recipes (no FP8 experts)."""
+    from types import SimpleNamespace
+
+    from trl_fp8 import FP8GRPOConfig
+
+    args = FP8GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False)
+    assert args.fp8_linear_config(cache_weights=True).fuse_wgrad_accumulation
+    for launch in ("MULTI_GPU", "FSDP", "DEEPSPEED"):
+        args.distributed_state = SimpleNamespace(distributed_type=launch)
+        assert not args.fp8_linear_config(cache_weights=True).fuse_wgrad_accumulation, launch
+    tensorwise = FP8GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, fp8_recipe="tensorwise")
+    assert not tensorwise.fp8_linear_config().fuse_wgrad_accumulation
 
 
 def test_grouped_experts_launch_a_fixed_number_of_kernels_whatever_the_expert_count(monkeypatch):

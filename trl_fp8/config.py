@@ -101,6 +101,12 @@ class FP8LinearConfig:
         experts_gemm: the grouped kernel of mixture-of-experts FProp and DGrad on the GPU: `"deepgemm"` (vLLM's
             bundled DeepGEMM m-grouped GEMM, SM90), `"triton"` (ours, `trl_fp8.kernels.grouped_gemm`), or `"auto"`
             (DeepGEMM where it can run, else Triton). Same FP8 operands either way; WGrad is always ours.
+        fuse_wgrad_accumulation: FP8 experts add their weight gradient into the weight's existing `.grad` in the
+            WGrad kernel (reading and writing it once) instead of returning it for autograd to add (written, then
+            both read and the sum written): the micro-batches after the first of a gradient accumulation. Only where
+            nothing else watches a parameter's gradient: one process, no DDP, FSDP or DeepSpeed, whose hooks would not
+            fire (`FP8GRPOTrainer` turns it on there). A weight whose `.grad` is missing or hooked gets its
+            gradient returned as usual.
     """
 
     recipe: str = BLOCKWISE
@@ -112,6 +118,7 @@ class FP8LinearConfig:
     fuse_sibling_gemms: bool = False
     fuse_swiglu: bool = False
     experts_gemm: str = "auto"
+    fuse_wgrad_accumulation: bool = False
 
     def __post_init__(self):
         if self.recipe not in RECIPES:

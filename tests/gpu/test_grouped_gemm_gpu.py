@@ -105,3 +105,41 @@ def test_grouped_experts_match_the_per_expert_loop_on_the_gpu(kernel):
     for name, got, ref in zip(("out", "dx", "d gate_up_proj", "d down_proj"), *results, strict=True):
         print(f"grouped ({kernel}) vs loop {name}: rel diff {rel_err(got, ref):.2e}")
         assert got.dtype == ref.dtype and rel_err(got, ref) < 4e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gradients_added_in_place_on_the_gpu(dtype):
+    """`fuse_wgrad_accumulation` on Hopper: two micro-batches, the second's WGrad added into `.grad` by the kernel,
+    against autograd's accumulation of the same layer: equal in fp32 (both add the fp32 product to the fp32
+    gradient); in BF16 within one BF16 rounding of the sum (the kernel rounds once, autograd twice)."""
+    import dataclasses
+
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    from trl_fp8.nn.experts import FP8Experts
+
+    config = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=INTER, num_experts=E, num_experts_per_tok=TOP_K,
+                            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
+                            vocab_size=128)  # fmt: skip
+    torch.manual_seed(0)
+    experts = Qwen3MoeExperts(config).to("cuda", dtype)
+    with torch.no_grad():
+        experts.gate_up_proj.normal_(0, 0.02)
+        experts.down_proj.normal_(0, 0.02)
+    unfused = FP8Experts.convert_(experts, FP8LinearConfig(backend="scaled_mm"))
+    fused = copy.deepcopy(unfused)
+    fused.fp8_config = dataclasses.replace(fused.fp8_config, fuse_wgrad_accumulation=True)
+    index, weights = _routing(2048)
+    x = torch.randn(2048, H, device="cuda", dtype=dtype)
+    grads = [torch.randn_like(x) for _ in range(2)]
+    for module in (unfused, fused):
+        for dy in grads:
+            module(x, index, weights.to(dtype)).backward(dy)
+    for name in ("gate_up_proj", "down_proj"):
+        got, ref = getattr(fused, name).grad, getattr(unfused, name).grad
+        print(f"{dtype} {name}: in place vs autograd's sum, rel diff {rel_err(got, ref):.2e}")
+        if dtype == torch.float32:
+            assert torch.equal(got, ref)
+        else:
+            assert ((got.float() - ref.float()).abs() <= 2**-7 * ref.float().abs() + 1e-30).all()

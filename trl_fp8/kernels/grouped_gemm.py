@@ -201,7 +201,7 @@ def _k_grouped_kernel(
     stride_an, stride_at, stride_asn, stride_asg,
     stride_bk, stride_bt, stride_bsk, stride_bsg,
     stride_ce, stride_cn, stride_ck,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)  # the output tile within the expert: consecutive programs share the expert's tokens
     e = tl.program_id(1)
@@ -229,7 +229,11 @@ def _k_grouped_kernel(
         a_ptrs += BLOCK_T * stride_at
         b_ptrs += BLOCK_T * stride_bt
     c_ptrs = c_ptr + e.to(tl.int64) * stride_ce + rn[:, None] * stride_cn + rk[None, :] * stride_ck
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty))
+    if ACCUMULATE:  # c += acc, rounded once; an expert without tokens leaves its tile as it is
+        if num_steps > 0:
+            tl.store(c_ptrs, (tl.load(c_ptrs).to(tl.float32) + acc).to(c_ptr.dtype.element_ty))
+    else:
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty))
 
 
 def m_grouped_gemm(
@@ -284,13 +288,19 @@ def k_grouped_gemm(
     block_n: int = BLOCK,
     num_warps: int = 8,
     num_stages: int = 4,
+    accumulate_into: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`out[e] = a[:, tokens of e] @ b[:, tokens of e].T` for every expert e: WGrad `dW_e = dy_e.T @ x_e`.
 
     `a_qt [N, m_pad]` and `b_qt [K, m_pad]` float8_e4m3fn with `a_st [N, m_pad/128]`, `b_st [K, m_pad/128]` (1x128
     groups along tokens: `quantize_act`'s `cols` layout of the padded `dy` and `x`), any strides. Returns
     `out [E, N, K]` in `out_dtype`, zeros for experts without tokens. `num_warps` and `num_stages` change only how
-    it runs, as does `block_n` (the output tile's height: 128, or 64 for less register pressure)."""
+    it runs, as does `block_n` (the output tile's height: 128, or 64 for less register pressure).
+
+    `accumulate_into`: a contiguous `[E, N, K]` tensor (a weight's `.grad`) that each expert's product is added to in
+    place, in fp32 and rounded once to its dtype, and which is returned; experts without tokens leave theirs as it
+    is. It reads and writes the gradient once, where returning the product for autograd to add writes it, then reads
+    both and writes the sum."""
     n, m = a_qt.shape
     k, mb = b_qt.shape
     if mb != m or m != rows.m_pad or n % BLOCK or k % BLOCK:
@@ -298,9 +308,14 @@ def k_grouped_gemm(
             f"k_grouped_gemm: a {tuple(a_qt.shape)} and b {tuple(b_qt.shape)} do not fit a {rows.m_pad}-row layout "
             f"(N and K multiples of {BLOCK})."
         )
+    shape = (rows.num_experts, n, k)
+    if accumulate_into is not None and (tuple(accumulate_into.shape) != shape or not accumulate_into.is_contiguous()):
+        raise ValueError(f"k_grouped_gemm: accumulate_into must be a contiguous {shape} tensor, got "
+                         f"{tuple(accumulate_into.shape)} with strides {accumulate_into.stride()}")  # fmt: skip
     if not m:  # no tokens at all (and no operand memory to point the kernel at)
-        return torch.zeros(rows.num_experts, n, k, device=a_qt.device, dtype=out_dtype)
-    out = torch.empty(rows.num_experts, n, k, device=a_qt.device, dtype=out_dtype)
+        return accumulate_into if accumulate_into is not None else torch.zeros(shape, device=a_qt.device,
+                                                                                dtype=out_dtype)  # fmt: skip
+    out = accumulate_into if accumulate_into is not None else torch.empty(shape, device=a_qt.device, dtype=out_dtype)
     if out.numel():
         grid = ((n // block_n) * (k // BLOCK), rows.num_experts)
         _k_grouped_kernel[grid](
@@ -309,6 +324,7 @@ def k_grouped_gemm(
             a_qt.stride(0), a_qt.stride(1), a_st.stride(0), a_st.stride(1),
             b_qt.stride(0), b_qt.stride(1), b_st.stride(0), b_st.stride(1),
             out.stride(0), out.stride(1), out.stride(2),
-            BLOCK_N=block_n, BLOCK_K=BLOCK, BLOCK_T=BLOCK, num_warps=num_warps, num_stages=num_stages,
+            BLOCK_N=block_n, BLOCK_K=BLOCK, BLOCK_T=BLOCK, ACCUMULATE=accumulate_into is not None,
+            num_warps=num_warps, num_stages=num_stages,
         )  # fmt: skip
     return out

@@ -13,7 +13,8 @@ one layout (`kernels.grouped_gemm.GroupedRows`, each expert's segment padded to 
 layer call by one kernel from the routing counts, which never leave the GPU (no host sync in a MoE layer); the
 quantizer reads the sorted rows straight into that layout, in both layouts; FProp and DGrad run on DeepGEMM's
 m-grouped GEMM (or `kernels.grouped_gemm.m_grouped_gemm`: `FP8LinearConfig.experts_gemm`), WGrad on
-`kernels.grouped_gemm.k_grouped_gemm`; DGrad's weights are re-quantized per expert in the transposed layout. Per
+`kernels.grouped_gemm.k_grouped_gemm` (with `FP8LinearConfig.fuse_wgrad_accumulation`, adding into an existing
+`.grad` in place: `gradient_to_add_into`); DGrad's weights are re-quantized per expert in the transposed layout. Per
 projection that is 2 launches forward and 4 backward, plus a gather of the real rows out of each padded output,
 whatever the number of experts. The FP8 operands are the loop's bit for bit (a 128-row group never spans two
 experts), so only the fp32 summation order differs. Speed against BF16: docs/moe.md.
@@ -183,15 +184,36 @@ class FP8Experts(FP8WeightCacheMixin, nn.Module):
         `counts` (host integers; with `rows` they are not read)."""
         weight = getattr(self, name)
         q, s = self.quantized_expert_weight(name)
-        pow2 = self.fp8_config.power_of_two_scales
+        cfg = self.fp8_config
+        pow2, grad, into_grad = cfg.power_of_two_scales, torch.is_grad_enabled(), cfg.fuse_wgrad_accumulation
         if rows is not None:
-            kernel = grouped_gemm_kernel(self.fp8_config.experts_gemm, x)
-            return _GroupedExpertsFP8Matmul.apply(x, weight, q, s, rows, kernel, pow2, torch.is_grad_enabled())
-        ops = select_ops(self.fp8_config, weight.device)
-        return _ExpertsFP8Matmul.apply(x, weight, q, s, tuple(counts), ops, pow2, torch.is_grad_enabled())
+            kernel = grouped_gemm_kernel(cfg.experts_gemm, x)
+            return _GroupedExpertsFP8Matmul.apply(x, weight, q, s, rows, kernel, pow2, grad, into_grad)
+        ops = select_ops(cfg, weight.device)
+        return _ExpertsFP8Matmul.apply(x, weight, q, s, tuple(counts), ops, pow2, grad, into_grad)
 
     def extra_repr(self) -> str:
         return f"{self.num_experts} experts, fp8={self.fp8_config.recipe}"
+
+
+def gradient_to_add_into(weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight.grad`, where a backward may add the weight's gradient to it in place and return None instead of the
+    gradient (`FP8LinearConfig.fuse_wgrad_accumulation`): a dense tensor of the weight's shape, dtype and device,
+    contiguous, on a weight that no Python hook watches, in one process, outside double backward and compiled graphs.
+    None elsewhere: the gradient is returned, and autograd adds it (and runs whatever hooks it has)."""
+    grad = weight.grad
+    if grad is None or torch.is_grad_enabled() or torch.compiler.is_compiling() or is_sharded(weight):
+        return None
+    if grad.layout != torch.strided or grad.shape != weight.shape or grad.dtype != weight.dtype:
+        return None
+    if grad.device != weight.device or not grad.is_contiguous():
+        return None
+    if getattr(weight, "_post_accumulate_grad_hooks", None) or getattr(weight, "_backward_hooks", None):
+        return None
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:  # DDP's hooks are not visible
+        return None
+    return grad
 
 
 class _ExpertsFP8Matmul(torch.autograd.Function):
@@ -200,7 +222,7 @@ class _ExpertsFP8Matmul(torch.autograd.Function):
     `blockwise_backward`): 1x128 groups of the expert's own rows, its 128x128 weight blocks `q[e]`, `s[e]`."""
 
     @staticmethod
-    def forward(ctx, x, weight, q, s, counts, ops, pow2: bool, grad_enabled: bool):
+    def forward(ctx, x, weight, q, s, counts, ops, pow2: bool, grad_enabled: bool, add_into_grad: bool = False):
         # (grad mode is off inside forward, so the caller says whether a backward can follow)
         wgrad = grad_enabled and ctx.needs_input_grad[1]
         outs, saved, start = [], [], 0
@@ -213,7 +235,7 @@ class _ExpertsFP8Matmul(torch.autograd.Function):
                 saved += [act.qt, act.scale_inv_t]
             start += n
         ctx.save_for_backward(weight, *saved)
-        ctx.counts, ctx.ops, ctx.pow2, ctx.x_dtype = counts, ops, pow2, x.dtype
+        ctx.counts, ctx.ops, ctx.pow2, ctx.x_dtype, ctx.add_into_grad = counts, ops, pow2, x.dtype, add_into_grad
         return torch.cat(outs) if outs else x.new_zeros((0, weight.shape[1]))
 
     @staticmethod
@@ -221,7 +243,9 @@ class _ExpertsFP8Matmul(torch.autograd.Function):
         weight, *saved = ctx.saved_tensors
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_xs = []
-        grad_w = torch.zeros_like(weight) if need_w else None  # experts without tokens get no gradient
+        into = gradient_to_add_into(weight) if need_w and ctx.add_into_grad else None
+        # experts without tokens get no gradient
+        grad_w = into if into is not None else torch.zeros_like(weight) if need_w else None
         start = 0
         for e, n in enumerate(ctx.counts):
             if not n:
@@ -232,10 +256,13 @@ class _ExpertsFP8Matmul(torch.autograd.Function):
             if need_x:
                 grad_xs.append(grad_x)
             if need_w:
-                grad_w[e] = grad_we
+                if into is not None:
+                    grad_w[e] += grad_we  # as autograd would add it
+                else:
+                    grad_w[e] = grad_we
             start += n
         grad_x = (torch.cat(grad_xs) if grad_xs else grad_out.new_zeros((0, weight.shape[2]))) if need_x else None
-        return grad_x, grad_w, None, None, None, None, None, None
+        return grad_x, None if into is not None else grad_w, None, None, None, None, None, None, None
 
 
 def _on_device(t: torch.Tensor):
@@ -287,7 +314,7 @@ class _GroupedExpertsFP8Matmul(torch.autograd.Function):
     DGrad run on `kernel` (`grouped_gemm_kernel`), WGrad on `kernels.grouped_gemm.k_grouped_gemm`."""
 
     @staticmethod
-    def forward(ctx, x, weight, q, s, rows, kernel: str, pow2: bool, grad_enabled: bool):
+    def forward(ctx, x, weight, q, s, rows, kernel: str, pow2: bool, grad_enabled: bool, add_into_grad: bool = False):
         from trl_fp8.kernels import quantize_act
 
         wgrad = grad_enabled and ctx.needs_input_grad[1]
@@ -295,7 +322,7 @@ class _GroupedExpertsFP8Matmul(torch.autograd.Function):
             act = quantize_act(x, source_rows=rows.source, rows=True, cols=wgrad, power_of_two_scales=pow2)
             out = rows.unpad(_m_grouped(act, q, s, rows, kernel, x.dtype))
         ctx.save_for_backward(weight, *((act.qt, act.scale_inv_t) if wgrad else ()))  # FP8 x.T, not the BF16 rows
-        ctx.rows, ctx.kernel, ctx.pow2, ctx.x_dtype = rows, kernel, pow2, x.dtype
+        ctx.rows, ctx.kernel, ctx.pow2, ctx.x_dtype, ctx.add_into_grad = rows, kernel, pow2, x.dtype, add_into_grad
         return out
 
     @staticmethod
@@ -316,8 +343,12 @@ class _GroupedExpertsFP8Matmul(torch.autograd.Function):
                 w_q, w_s = quantize_expert_weights_t(weight.detach(), power_of_two_scales=pow2)
                 grad_x = rows.unpad(_m_grouped(dy, w_q, w_s, rows, ctx.kernel, ctx.x_dtype))
             if need_w:
-                grad_w = k_grouped_gemm(dy.qt, dy.scale_inv_t, *saved_x, rows, weight.dtype, **WGRAD_LAUNCH)
-        return grad_x, grad_w, None, None, None, None, None, None
+                into = gradient_to_add_into(weight) if ctx.add_into_grad else None
+                grad_w = k_grouped_gemm(dy.qt, dy.scale_inv_t, *saved_x, rows, weight.dtype, **WGRAD_LAUNCH,
+                                        accumulate_into=into)  # fmt: skip
+                if into is not None:  # added to weight.grad in place: nothing for autograd to add
+                    grad_w = None
+        return grad_x, grad_w, None, None, None, None, None, None, None
 
 
 # k_grouped_gemm's launch for WGrad: 64-row output tiles, 4 warps, 3 stages instead of the kernel's defaults (128 rows,

@@ -372,11 +372,16 @@ class FP8TrainingArguments:
             cache_with_grad = True  # nothing to limit (torchao's recipes keep their own), or kept on purpose
         elif cache_with_grad is None:
             cache_with_grad = False  # the default: held for scoring and the sync, let go in the micro-batches
+        # One process with no DDP, FSDP or DeepSpeed (whose gradient hooks would not fire): FP8 experts add their
+        # weight gradients into `.grad` in place (FP8LinearConfig.fuse_wgrad_accumulation).
+        state = getattr(self, "distributed_state", None)
+        one_process = state is not None and state.distributed_type == "NO"
         try:
             return FP8LinearConfig(
                 recipe=self.fp8_recipe, power_of_two_scales=self.fp8_power_of_two_scales, backend=self.fp8_backend,
                 fuse_sibling_gemms=self.fp8_fuse_sibling_gemms, fuse_swiglu=self.fp8_fuse_swiglu,
                 experts_gemm=self.fp8_experts_gemm, cache_quantized_weight=cache, cache_with_grad=cache_with_grad,
+                fuse_wgrad_accumulation=one_process and self.fp8_recipe == BLOCKWISE,
             )  # fmt: skip
         except ValueError as exc:
             message = re.sub(r"\b(recipe|backend|experts_gemm|power_of_two_scales|fuse_sibling_gemms|fuse_swiglu)=",
