@@ -387,10 +387,10 @@ def _experts_pair(**routing):
 
 
 def _fwd_bwd(experts, x, index, weights, grad):
-    xg = x.clone().requires_grad_()
-    out = experts(xg, index, weights)
+    xg, wg = x.clone().requires_grad_(), weights.clone().requires_grad_()
+    out = experts(xg, index, wg)
     out.backward(grad)
-    return out, xg.grad, experts.gate_up_proj.grad, experts.down_proj.grad
+    return out, xg.grad, experts.gate_up_proj.grad, experts.down_proj.grad, wg.grad
 
 
 def test_grouped_experts_equal_the_loop_over_experts(tokens=200):
@@ -400,7 +400,7 @@ def test_grouped_experts_equal_the_loop_over_experts(tokens=200):
     grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(3))
     ref = _fwd_bwd(looped, x, index, weights, grad)
     got = _fwd_bwd(grouped, x.to(_device()), index.to(_device()), weights.to(_device()), grad.to(_device()))
-    for name, g, r in zip(("out", "dx", "d gate_up_proj", "d down_proj"), got, ref, strict=True):
+    for name, g, r in zip(("out", "dx", "d gate_up_proj", "d down_proj", "d router weights"), got, ref, strict=True):
         assert g.shape == r.shape and g.dtype == r.dtype, name
         assert rel_err(g.cpu(), r) < (4e-3 if CUDA else 1e-4), (name, rel_err(g.cpu(), r))
     assert not grouped.gate_up_proj.grad[2].any()  # expert 2 received no token: zero gradient
@@ -470,8 +470,9 @@ def test_the_trainer_adds_gradients_in_place_in_one_process_only(tmp_path):
 
 
 def test_grouped_experts_launch_a_fixed_number_of_kernels_whatever_the_expert_count(monkeypatch):
-    """fwd + bwd of both projections: one launch for the layout they share, and per projection 2 Triton launches
-    forward (quantize, FProp) and 4 backward (quantize dy, re-quantize W, DGrad, WGrad), for 4 experts as for 8."""
+    """fwd + bwd of both projections: one launch for the layout they share, per projection 2 Triton launches
+    forward (quantize, FProp) and 4 backward (quantize dy, re-quantize W, DGrad, WGrad), and one each way for the
+    weighted sum of each token's rows, for 4 experts as for 8."""
     if CUDA:
         pytest.skip("counts interpreter launches")
     from triton.runtime.interpreter import InterpretedFunction
@@ -498,4 +499,5 @@ def test_grouped_experts_launch_a_fixed_number_of_kernels_whatever_the_expert_co
         launches.clear()
         experts(x.requires_grad_(), index, torch.full((64, 2), 0.5)).sum().backward()
         counts.append(sorted(launches))
-    assert counts[0] == counts[1] and len(counts[0]) == 13 and counts[0].count("_layout_kernel") == 1, counts
+    assert counts[0] == counts[1] and len(counts[0]) == 15 and counts[0].count("_layout_kernel") == 1, counts
+    assert counts[0].count("_combine_kernel") == counts[0].count("_combine_backward_kernel") == 1

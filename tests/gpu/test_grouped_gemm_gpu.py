@@ -98,11 +98,12 @@ def test_grouped_experts_match_the_per_expert_loop_on_the_gpu(kernel):
     dy = torch.randn_like(x)
     results = []
     for module in (grouped, looped):
-        xg = x.clone().requires_grad_()
-        out = module(xg, index, weights)
+        xg, wg = x.clone().requires_grad_(), weights.clone().requires_grad_()
+        out = module(xg, index, wg)
         out.backward(dy)
-        results.append((out, xg.grad, module.gate_up_proj.grad, module.down_proj.grad))
-    for name, got, ref in zip(("out", "dx", "d gate_up_proj", "d down_proj"), *results, strict=True):
+        results.append((out, xg.grad, module.gate_up_proj.grad, module.down_proj.grad, wg.grad))
+    names = ("out", "dx", "d gate_up_proj", "d down_proj", "d router weights")
+    for name, got, ref in zip(names, *results, strict=True):
         print(f"grouped ({kernel}) vs loop {name}: rel diff {rel_err(got, ref):.2e}")
         assert got.dtype == ref.dtype and rel_err(got, ref) < 4e-3
 

@@ -10,6 +10,8 @@ reference quantizers in `trl_fp8.quantization` (tests run them on the GPU, and o
 - `grouped_gemm.m_grouped_gemm` / `k_grouped_gemm`: a mixture-of-experts projection's FProp and DGrad (rows grouped
   by expert) and WGrad (tokens grouped by expert) for all experts in one launch each, on the layout `GroupedRows`
   (each expert's rows padded to a multiple of 128). Equal to the emulation up to fp32 rounding, not bit for bit.
+- `moe_combine.combine_rows`: each token's k expert rows weighted by the router and summed, forward and backward in
+  one pass each (the eager chain's values; the router weights' gradient summed in fp32).
 
 Each has one fixed launch configuration (quantization is a single memory-bound pass, so there is nothing to
 autotune; the grouped GEMMs pick their tile height from the padding), and a new token count costs no tuning run.
@@ -17,7 +19,17 @@ autotune; the grouped GEMMs pick their tile height from the padding), and a new 
 
 from trl_fp8.kernels.act_quant import quantize_act
 from trl_fp8.kernels.grouped_gemm import GroupedRows, k_grouped_gemm, m_grouped_gemm
+from trl_fp8.kernels.moe_combine import combine_rows, combine_rows_backward
 from trl_fp8.kernels.swiglu_quant import quantize_swiglu
 from trl_fp8.kernels.weight_quant import quantize_weight
 
-__all__ = ["GroupedRows", "k_grouped_gemm", "m_grouped_gemm", "quantize_act", "quantize_swiglu", "quantize_weight"]
+__all__ = [
+    "GroupedRows",
+    "combine_rows",
+    "combine_rows_backward",
+    "k_grouped_gemm",
+    "m_grouped_gemm",
+    "quantize_act",
+    "quantize_swiglu",
+    "quantize_weight",
+]

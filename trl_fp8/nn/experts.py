@@ -173,6 +173,10 @@ class FP8Experts(FP8WeightCacheMixin, nn.Module):
         gate, up = gate_up.chunk(2, dim=-1)
         h = self.act_fn(gate) * up
         out = self._experts_linear(h, "down_proj", counts, rows)
+        if rows is not None:  # the weighted sum of each token's k rows in one pass each way (kernels.moe_combine)
+            pos = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=order.device))
+            slots = top_k_weights.reshape(num_tokens, top_k)
+            return _CombineExperts.apply(out, slots.contiguous(), pos.view(num_tokens, top_k), hidden_states.dtype)
         out = out * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
         # Back to token order, then the sum over each token's k experts in fp32 (as transformers' grouped path does).
         unsorted = torch.empty_like(out).index_copy_(0, order, out)
@@ -349,6 +353,29 @@ class _GroupedExpertsFP8Matmul(torch.autograd.Function):
                 if into is not None:  # added to weight.grad in place: nothing for autograd to add
                     grad_w = None
         return grad_x, grad_w, None, None, None, None, None, None, None
+
+
+class _CombineExperts(torch.autograd.Function):
+    """`out[t] = sum_j w[t, j] * y[pos[t, j]]`: each token's k expert rows (sorted by expert), weighted and summed in
+    fp32 as the eager chain does it (`kernels.moe_combine`), one pass forward and one backward."""
+
+    @staticmethod
+    def forward(ctx, y, weights, pos, out_dtype: torch.dtype):
+        from trl_fp8.kernels.moe_combine import combine_rows
+
+        with _on_device(y):
+            out = combine_rows(y, pos, weights, out_dtype)
+        ctx.save_for_backward(y if ctx.needs_input_grad[1] else None, weights, pos)  # y only for the weights' grad
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        from trl_fp8.kernels.moe_combine import combine_rows_backward
+
+        y, weights, pos = ctx.saved_tensors
+        with _on_device(grad_out):
+            dy, dw = combine_rows_backward(grad_out, y, pos, weights, ctx.needs_input_grad[1])
+        return dy if ctx.needs_input_grad[0] else None, dw, None, None
 
 
 # k_grouped_gemm's launch for WGrad: 64-row output tiles, 4 warps, 3 stages instead of the kernel's defaults (128 rows,
