@@ -70,7 +70,7 @@ def test_unweighted_sum_is_each_tokens_rows_added_and_its_gradient_a_copy():
 
 def test_operands_that_do_not_fit_are_refused_and_no_tokens_is_empty():
     y, order, pos, weights = routed(4, 2, 128)
-    with pytest.raises(ValueError, match="one row per"):
+    with pytest.raises(ValueError, match="a row for every"):
         combine_rows(y[:-1], pos, weights, torch.bfloat16)
     with pytest.raises(ValueError, match="weights"):
         combine_rows(y, pos, weights.t(), torch.bfloat16)

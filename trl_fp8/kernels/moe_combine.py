@@ -70,9 +70,9 @@ def _combine_backward_kernel(
 
 def _check(y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor | None) -> tuple[int, int]:
     """(tokens, k) of a combine; refuses operands that do not fit."""
-    if y.ndim != 2 or y.stride(1) != 1 or pos.ndim != 2 or pos.numel() != y.shape[0]:
+    if y.ndim != 2 or y.stride(1) != 1 or pos.ndim != 2 or pos.numel() > y.shape[0]:
         raise ValueError(f"combine_rows: y {tuple(y.shape)} (rows contiguous) and pos {tuple(pos.shape)} [tokens, k] "
-                         "must hold one row per (token, slot)")  # fmt: skip
+                         "must hold a row for every (token, slot)")  # fmt: skip
     if weights is not None and (tuple(weights.shape) != tuple(pos.shape) or not weights.is_contiguous()):
         raise ValueError(f"combine_rows: weights {tuple(weights.shape)} must be contiguous, as pos {tuple(pos.shape)}")
     return pos.shape
@@ -82,7 +82,8 @@ def combine_rows(
     y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor | None, out_dtype: torch.dtype
 ) -> torch.Tensor:
     """`out [tokens, H]`: `out[t] = sum_j bf16(y[pos[t, j]] * bf16(weights[t, j]))` (or the plain sum of the rows,
-    `weights` None) in fp32, in slot order, rounded to `out_dtype`. `pos [tokens, k]`: the row of `y` of each slot."""
+    `weights` None) in fp32, in slot order, rounded to `out_dtype`. `pos [tokens, k]`: the row of `y` of each slot
+    (`y` may hold other rows, such as a padded layout's padding, which are not read)."""
     tokens, k = _check(y, pos, weights)
     h = y.shape[1]
     out = torch.empty(tokens, h, device=y.device, dtype=out_dtype)

@@ -158,41 +158,51 @@ class FP8Experts(FP8WeightCacheMixin, nn.Module):
         expert_ids = top_k_index.reshape(-1)
         order = torch.argsort(expert_ids, stable=True)  # token-expert pairs grouped by expert, token order kept
         counts = torch.bincount(expert_ids, minlength=self.num_experts)
-        x = hidden_states[order // top_k]
-        rows = None
-        if self._grouped_kernels or (
+        if not (self._grouped_kernels or (
             self._grouped_kernels is None and _runs_grouped(select_ops(self.fp8_config, self.gate_up_proj.device))
-        ):
-            from trl_fp8.kernels.grouped_gemm import GroupedRows
+        )):  # fmt: skip
+            return self._forward_loop(hidden_states, order, counts.tolist(), top_k, top_k_weights)
+        from trl_fp8.kernels.grouped_gemm import GroupedRows
 
-            # The padded layout both projections share, built on the device: the host never waits for the GPU here.
-            rows = GroupedRows(counts, x.device, num_rows=expert_ids.numel())
-        else:
-            counts = counts.tolist()  # the per-expert loop slices on the host
-        gate_up = self._experts_linear(x, "gate_up_proj", counts, rows)
+        # The padded layout both projections share, built on the device: the host never waits for the GPU here.
+        rows = GroupedRows(counts, hidden_states.device, num_rows=expert_ids.numel())
+        # Each (token, slot)'s row in sorted order, and in the padded layout; each padded row's token (-1: padding).
+        pos = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=order.device))
+        slot_rows = rows.dest[pos].view(num_tokens, top_k)
+        source = rows.source.long()
+        token_of_row = torch.where(source >= 0, (order // top_k)[source.clamp(min=0)], -1).to(torch.int32)
+        # gate_up reads the tokens through `token_of_row` (no gathered copy) and sums each token's k rows of its input
+        # gradient in one pass; the weighted sum at the end is one pass each way too (kernels.moe_combine).
+        gate_up = self._experts_linear(hidden_states, "gate_up_proj", None, rows, gather=(token_of_row, slot_rows))
         gate, up = gate_up.chunk(2, dim=-1)
-        h = self.act_fn(gate) * up
-        out = self._experts_linear(h, "down_proj", counts, rows)
-        if rows is not None:  # the weighted sum of each token's k rows in one pass each way (kernels.moe_combine)
-            pos = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=order.device))
-            slots = top_k_weights.reshape(num_tokens, top_k)
-            return _CombineExperts.apply(out, slots.contiguous(), pos.view(num_tokens, top_k), hidden_states.dtype)
+        out = self._experts_linear(self.act_fn(gate) * up, "down_proj", None, rows)
+        weights = top_k_weights.reshape(num_tokens, top_k).contiguous()
+        return _CombineExperts.apply(out, weights, pos.view(num_tokens, top_k), hidden_states.dtype)
+
+    def _forward_loop(self, hidden_states, order, counts: list[int], top_k: int, top_k_weights) -> torch.Tensor:
+        """The experts as a loop over `counts` in one autograd node per projection: the exact reference (emulation)."""
+        num_tokens, hidden = hidden_states.shape
+        x = hidden_states[order // top_k]
+        gate_up = self._experts_linear(x, "gate_up_proj", counts)
+        gate, up = gate_up.chunk(2, dim=-1)
+        out = self._experts_linear(self.act_fn(gate) * up, "down_proj", counts)
         out = out * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
         # Back to token order, then the sum over each token's k experts in fp32 (as transformers' grouped path does).
         unsorted = torch.empty_like(out).index_copy_(0, order, out)
         return unsorted.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(hidden_states.dtype)
 
-    def _experts_linear(self, x: torch.Tensor, name: str, counts, rows=None) -> torch.Tensor:
+    def _experts_linear(self, x: torch.Tensor, name: str, counts, rows=None, gather=None) -> torch.Tensor:
         """`x[rows of e] @ W[e].T` for every expert e with tokens, in blockwise FP8; the gradient lands in the 3-D
         parameter. With `rows` (a `GroupedRows` layout of the counts) on the grouped kernels, else a loop over
-        `counts` (host integers; with `rows` they are not read)."""
+        `counts` (host integers; with `rows` they are not read). `gather`: `x` holds the tokens, read through
+        `(token of each padded row, padded row of each token's slot)` (`_GroupedExpertsFP8Matmul`)."""
         weight = getattr(self, name)
         q, s = self.quantized_expert_weight(name)
         cfg = self.fp8_config
         pow2, grad, into_grad = cfg.power_of_two_scales, torch.is_grad_enabled(), cfg.fuse_wgrad_accumulation
         if rows is not None:
             kernel = grouped_gemm_kernel(cfg.experts_gemm, x)
-            return _GroupedExpertsFP8Matmul.apply(x, weight, q, s, rows, kernel, pow2, grad, into_grad)
+            return _GroupedExpertsFP8Matmul.apply(x, weight, q, s, rows, kernel, pow2, grad, into_grad, gather)
         ops = select_ops(cfg, weight.device)
         return _ExpertsFP8Matmul.apply(x, weight, q, s, tuple(counts), ops, pow2, grad, into_grad)
 
@@ -318,15 +328,18 @@ class _GroupedExpertsFP8Matmul(torch.autograd.Function):
     DGrad run on `kernel` (`grouped_gemm_kernel`), WGrad on `kernels.grouped_gemm.k_grouped_gemm`."""
 
     @staticmethod
-    def forward(ctx, x, weight, q, s, rows, kernel: str, pow2: bool, grad_enabled: bool, add_into_grad: bool = False):
+    def forward(ctx, x, weight, q, s, rows, kernel: str, pow2: bool, grad_enabled: bool, add_into_grad: bool = False,
+                gather=None):  # fmt: skip
         from trl_fp8.kernels import quantize_act
 
         wgrad = grad_enabled and ctx.needs_input_grad[1]
+        source = rows.source if gather is None else gather[0]
         with _on_device(x):
-            act = quantize_act(x, source_rows=rows.source, rows=True, cols=wgrad, power_of_two_scales=pow2)
+            act = quantize_act(x, source_rows=source, rows=True, cols=wgrad, power_of_two_scales=pow2)
             out = rows.unpad(_m_grouped(act, q, s, rows, kernel, x.dtype))
         ctx.save_for_backward(weight, *((act.qt, act.scale_inv_t) if wgrad else ()))  # FP8 x.T, not the BF16 rows
         ctx.rows, ctx.kernel, ctx.pow2, ctx.x_dtype, ctx.add_into_grad = rows, kernel, pow2, x.dtype, add_into_grad
+        ctx.slot_rows = None if gather is None else gather[1]
         return out
 
     @staticmethod
@@ -345,14 +358,20 @@ class _GroupedExpertsFP8Matmul(torch.autograd.Function):
                 # Each expert's 128x128 blocks, the forward's FP8 values bit for bit, stored transposed ([E, K, N]):
                 # K-major for the reduction over N.
                 w_q, w_s = quantize_expert_weights_t(weight.detach(), power_of_two_scales=pow2)
-                grad_x = rows.unpad(_m_grouped(dy, w_q, w_s, rows, ctx.kernel, ctx.x_dtype))
+                grad_padded = _m_grouped(dy, w_q, w_s, rows, ctx.kernel, ctx.x_dtype)
+                if ctx.slot_rows is None:
+                    grad_x = rows.unpad(grad_padded)
+                else:  # the tokens' gradient: each token's k rows summed in fp32, in slot order
+                    from trl_fp8.kernels.moe_combine import combine_rows
+
+                    grad_x = combine_rows(grad_padded, ctx.slot_rows, None, ctx.x_dtype)
             if need_w:
                 into = gradient_to_add_into(weight) if ctx.add_into_grad else None
                 grad_w = k_grouped_gemm(dy.qt, dy.scale_inv_t, *saved_x, rows, weight.dtype, **WGRAD_LAUNCH,
                                         accumulate_into=into)  # fmt: skip
                 if into is not None:  # added to weight.grad in place: nothing for autograd to add
                     grad_w = None
-        return grad_x, grad_w, None, None, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None, None, None
 
 
 class _CombineExperts(torch.autograd.Function):
