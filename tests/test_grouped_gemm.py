@@ -301,6 +301,27 @@ def test_k_grouped_gemm_accumulates_into_a_gradient_in_place(out_dtype):
                        accumulate_into=grad.transpose(1, 2).contiguous().transpose(1, 2))  # fmt: skip
 
 
+def test_token_maps_invert_the_sort_and_name_each_padded_rows_token():
+    """`token_maps`: each (token, slot)'s sorted row (the inverse of the sort), its padded row, and each padded row's
+    token (-1 for padding), against the same maps built with torch indexing."""
+    from trl_fp8.kernels.grouped_gemm import token_maps
+
+    g = torch.Generator().manual_seed(2)
+    top_k, tokens = 2, (sum(COUNTS)) // 2
+    experts = torch.cat([torch.full((c,), e) for e, c in enumerate(COUNTS)])[torch.randperm(2 * tokens, generator=g)]
+    order = torch.argsort(experts, stable=True).to(_device())
+    rows = _rows([int((experts == e).sum()) for e in range(len(COUNTS))])
+    pos, slot_rows, token_of_row = token_maps(rows, order, top_k)
+    inverse = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=order.device))
+    assert torch.equal(pos.reshape(-1), inverse) and pos.shape == (tokens, top_k)
+    assert torch.equal(slot_rows.reshape(-1), rows.dest[inverse])
+    source = rows.source.long()
+    expected = torch.where(source >= 0, (order // top_k)[source.clamp(min=0)], -1)
+    assert token_of_row.dtype == torch.int32 and torch.equal(token_of_row.long(), expected)
+    with pytest.raises(ValueError, match="top-2"):
+        token_maps(rows, order[:-1], top_k)
+
+
 def test_grouped_autograd_function_with_no_rows_at_all():
     from trl_fp8.nn.experts import _GroupedExpertsFP8Matmul
 
@@ -472,8 +493,8 @@ def test_the_trainer_adds_gradients_in_place_in_one_process_only(tmp_path):
 def test_grouped_experts_launch_a_fixed_number_of_kernels_whatever_the_expert_count(monkeypatch):
     """fwd + bwd of both projections: one launch for the layout they share, per projection 2 Triton launches
     forward (quantize, FProp) and 4 backward (quantize dy, re-quantize W, DGrad, WGrad), one each way for the
-    weighted sum of each token's rows, and one summing each token's rows of gate_up's input gradient, for 4 experts
-    as for 8."""
+    weighted sum of each token's rows, one summing each token's rows of gate_up's input gradient, and one for the
+    maps between tokens and rows, for 4 experts as for 8."""
     if CUDA:
         pytest.skip("counts interpreter launches")
     from triton.runtime.interpreter import InterpretedFunction
@@ -500,5 +521,6 @@ def test_grouped_experts_launch_a_fixed_number_of_kernels_whatever_the_expert_co
         launches.clear()
         experts(x.requires_grad_(), index, torch.full((64, 2), 0.5)).sum().backward()
         counts.append(sorted(launches))
-    assert counts[0] == counts[1] and len(counts[0]) == 16 and counts[0].count("_layout_kernel") == 1, counts
+    assert counts[0] == counts[1] and len(counts[0]) == 17 and counts[0].count("_layout_kernel") == 1, counts
+    assert counts[0].count("_token_maps_kernel") == 1
     assert counts[0].count("_combine_kernel") == 2 and counts[0].count("_combine_backward_kernel") == 1

@@ -49,7 +49,7 @@ import triton.language as tl
 
 from trl_fp8.kernels._common import BLOCK  # the scale granularity; expert segments are padded to it
 
-__all__ = ["GroupedRows", "k_grouped_gemm", "m_grouped_gemm"]
+__all__ = ["GroupedRows", "k_grouped_gemm", "m_grouped_gemm", "token_maps"]
 
 
 @triton.jit
@@ -148,6 +148,34 @@ class GroupedRows:
     def unpad(self, y: torch.Tensor) -> torch.Tensor:
         """The real rows of a padded `y [m_pad, N]`, in sorted order."""
         return y.index_select(0, self.dest)
+
+
+@triton.jit
+def _token_maps_kernel(order_ptr, dest_ptr, pos_ptr, slot_rows_ptr, token_ptr, R, TOP_K, BLOCK: tl.constexpr):
+    s = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    real = s < R
+    pair = tl.load(order_ptr + s, mask=real, other=0).to(tl.int64)  # the (token, slot) pair of sorted row s
+    row = tl.load(dest_ptr + s, mask=real, other=0)
+    tl.store(pos_ptr + pair, s, mask=real)
+    tl.store(slot_rows_ptr + pair, row, mask=real)
+    tl.store(token_ptr + row, (pair // TOP_K).to(tl.int32), mask=real)
+
+
+def token_maps(rows: GroupedRows, order: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where each routed row sits, for rows sorted by expert as `order` sorts the (token, slot) pairs (`order[s] = t *
+    top_k + j` for sorted row s): `(pos [tokens, top_k]` its sorted row, `slot_rows [tokens, top_k]` its row in the
+    padded layout, `token_of_row [m_pad]` int32 the token of each padded row, -1 for padding`)`, in two launches."""
+    n = rows.num_rows
+    if order.numel() != n or n % top_k:
+        raise ValueError(f"token_maps: {order.numel()} pairs for {n} rows of top-{top_k} routing")
+    pos = torch.empty(n, device=order.device, dtype=torch.int64)
+    slot_rows = torch.empty(n, device=order.device, dtype=torch.int64)
+    token_of_row = torch.full((rows.m_pad,), -1, device=order.device, dtype=torch.int32)
+    if n:
+        _token_maps_kernel[(triton.cdiv(n, 1024),)](
+            order, rows.dest, pos, slot_rows, token_of_row, n, top_k, BLOCK=1024, num_warps=4
+        )
+    return pos.view(-1, top_k), slot_rows.view(-1, top_k), token_of_row
 
 
 @triton.jit

@@ -162,22 +162,20 @@ class FP8Experts(FP8WeightCacheMixin, nn.Module):
             self._grouped_kernels is None and _runs_grouped(select_ops(self.fp8_config, self.gate_up_proj.device))
         )):  # fmt: skip
             return self._forward_loop(hidden_states, order, counts.tolist(), top_k, top_k_weights)
-        from trl_fp8.kernels.grouped_gemm import GroupedRows
+        from trl_fp8.kernels.grouped_gemm import GroupedRows, token_maps
 
         # The padded layout both projections share, built on the device: the host never waits for the GPU here.
         rows = GroupedRows(counts, hidden_states.device, num_rows=expert_ids.numel())
-        # Each (token, slot)'s row in sorted order, and in the padded layout; each padded row's token (-1: padding).
-        pos = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=order.device))
-        slot_rows = rows.dest[pos].view(num_tokens, top_k)
-        source = rows.source.long()
-        token_of_row = torch.where(source >= 0, (order // top_k)[source.clamp(min=0)], -1).to(torch.int32)
+        # Each (token, slot)'s row in sorted order and in the padded layout; each padded row's token (-1: padding).
+        with _on_device(hidden_states):
+            pos, slot_rows, token_of_row = token_maps(rows, order, top_k)
         # gate_up reads the tokens through `token_of_row` (no gathered copy) and sums each token's k rows of its input
         # gradient in one pass; the weighted sum at the end is one pass each way too (kernels.moe_combine).
         gate_up = self._experts_linear(hidden_states, "gate_up_proj", None, rows, gather=(token_of_row, slot_rows))
         gate, up = gate_up.chunk(2, dim=-1)
         out = self._experts_linear(self.act_fn(gate) * up, "down_proj", None, rows)
         weights = top_k_weights.reshape(num_tokens, top_k).contiguous()
-        return _CombineExperts.apply(out, weights, pos.view(num_tokens, top_k), hidden_states.dtype)
+        return _CombineExperts.apply(out, weights, pos, hidden_states.dtype)
 
     def _forward_loop(self, hidden_states, order, counts: list[int], top_k: int, top_k_weights) -> torch.Tensor:
         """The experts as a loop over `counts` in one autograd node per projection: the exact reference (emulation)."""
