@@ -15,8 +15,10 @@ quantizer reads the sorted rows straight into that layout, in both layouts; FPro
 m-grouped GEMM (or `kernels.grouped_gemm.m_grouped_gemm`: `FP8LinearConfig.experts_gemm`), WGrad on
 `kernels.grouped_gemm.k_grouped_gemm` (with `FP8LinearConfig.fuse_wgrad_accumulation`, adding into an existing
 `.grad` in place: `gradient_to_add_into`); DGrad's weights are re-quantized per expert in the transposed layout. Per
-projection that is 2 launches forward and 4 backward, plus a gather of the real rows out of each padded output,
-whatever the number of experts. The FP8 operands are the loop's bit for bit (a 128-row group never spans two
+projection that is 2 launches forward and 4 backward, whatever the number of experts. gate_up's quantizer reads the
+tokens themselves (`kernels.grouped_gemm.token_maps` names each padded row's token), its input gradient sums each
+token's rows in one pass, and the router-weighted sum of each token's expert outputs is one pass each way
+(`kernels.moe_combine`). The FP8 operands are the loop's bit for bit (a 128-row group never spans two
 experts), so only the fp32 summation order differs. Speed against BF16: docs/moe.md.
 
 Elsewhere (the emulation on CPU) all experts of a projection run as a loop in one autograd node
@@ -153,7 +155,7 @@ class FP8Experts(FP8WeightCacheMixin, nn.Module):
         return q.reshape(e, n, k), s.reshape(e, n // BLOCK, k // BLOCK)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        num_tokens, hidden = hidden_states.shape
+        num_tokens = hidden_states.shape[0]
         top_k = top_k_index.shape[-1]
         expert_ids = top_k_index.reshape(-1)
         order = torch.argsort(expert_ids, stable=True)  # token-expert pairs grouped by expert, token order kept
