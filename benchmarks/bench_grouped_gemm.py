@@ -214,6 +214,9 @@ def bench_kernels(counts: list[int], n: int, k: int, device: str, reps: int, p: 
     if sweep:
         wconfigs += [dict(block_n=bn, num_warps=w, num_stages=st) for bn in (64, 128) for w in (4, 8)
                      for st in (2, 3, 4) if not (bn == 128 and w == 4)]  # fmt: skip
+        # one program per output tile over every group (k_grouped_gemm's `persistent`)
+        wconfigs += [dict(block_n=bn, num_warps=w, num_stages=st, persistent=True) for bn in (64, 128)
+                     for w in (4, 8) for st in (3, 4) if not (bn == 128 and w == 4)]  # fmt: skip
     for cfg in wconfigs:
         add("k_grouped WGrad", lambda cfg=cfg: k_grouped_gemm(da.qt, da.scale_inv_t, xa.qt, xa.scale_inv_t, rows,
             torch.bfloat16, **cfg), mp * (n + k), 2 * e * n * k, flops, **cfg)  # fmt: skip

@@ -301,6 +301,34 @@ def test_k_grouped_gemm_accumulates_into_a_gradient_in_place(out_dtype):
                        accumulate_into=grad.transpose(1, 2).contiguous().transpose(1, 2))  # fmt: skip
 
 
+@pytest.mark.parametrize("counts_on_device", [False, True])
+def test_persistent_wgrad_equals_a_program_per_expert(counts_on_device):
+    """`k_grouped_gemm(persistent=True)`: one program per output tile looping over every group sums each expert's
+    groups in the same order as a program per tile and expert, so both give the same values bit for bit, written or
+    accumulated; experts without tokens get zeros (written) or keep theirs (accumulated), also in a layout built from
+    counts on the device, whose trailing groups hold no rows."""
+    n, k = 256, 384
+    g = torch.Generator().manual_seed(7)
+    counts = [0, 3, 130, 0, 128]
+    if counts_on_device:
+        rows = GroupedRows(torch.tensor(counts, device=_device()), torch.device(_device()), num_rows=sum(counts))
+        assert rows.m_pad > 128 * sum((c + 127) // 128 for c in counts)  # trailing groups without rows
+    else:
+        rows = GroupedRows(counts, torch.device(_device()))
+    x = kernels.quantize_act(torch.randn(rows.num_rows, k, generator=g).to(_device()), source_rows=rows.source,
+                             rows=False, cols=True)  # fmt: skip
+    dy = kernels.quantize_act(torch.randn(rows.num_rows, n, generator=g).to(_device()), source_rows=rows.source,
+                              rows=False, cols=True)  # fmt: skip
+    args = (dy.qt, dy.scale_inv_t, x.qt, x.scale_inv_t, rows, torch.float32)
+    launch = dict(block_n=64, num_warps=4, num_stages=3)
+    assert torch.equal(k_grouped_gemm(*args, persistent=True, **launch), k_grouped_gemm(*args, **launch))
+    before = torch.randn(len(counts), n, k, generator=g).to(_device())
+    into = [before.clone(), before.clone()]
+    k_grouped_gemm(*args, accumulate_into=into[0], persistent=True, **launch)
+    k_grouped_gemm(*args, accumulate_into=into[1], **launch)
+    assert torch.equal(into[0], into[1]) and torch.equal(into[0][[0, 3]], before[[0, 3]])
+
+
 def test_token_maps_invert_the_sort_and_name_each_padded_rows_token():
     """`token_maps`: each (token, slot)'s sorted row (the inverse of the sort), its padded row, and each padded row's
     token (-1 for padding), against the same maps built with torch indexing."""

@@ -264,6 +264,56 @@ def _k_grouped_kernel(
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty))
 
 
+@triton.jit
+def _k_grouped_persistent_kernel(
+    a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, group_expert_ptr, group_rows_ptr,
+    N, K, G,
+    stride_an, stride_at, stride_asn, stride_asg,
+    stride_bk, stride_bt, stride_bsk, stride_bsg,
+    stride_ce, stride_cn, stride_ck,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, ACCUMULATE: tl.constexpr,
+):  # fmt: skip
+    """One program per output tile, for every expert: one loop over all 128-token groups (long enough to keep the
+    loads pipelined, where a program per expert sums 2-4 groups), storing the tile at each expert's last group."""
+    pid = tl.program_id(0)
+    num_pid_k = K // BLOCK_K
+    pid_n = pid // num_pid_k
+    pid_k = pid % num_pid_k
+    rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    rk = (pid_k * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
+    rt = tl.arange(0, BLOCK_T).to(tl.int64)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for g in range(0, G):
+        tokens = g * BLOCK_T + rt  # int64, as rt
+        a = tl.load(a_ptr + rn[:, None] * stride_an + tokens[None, :] * stride_at)
+        b = tl.load(b_ptr + tokens[:, None] * stride_bt + rk[None, :] * stride_bk)
+        a_s = tl.load(as_ptr + rn * stride_asn + g * stride_asg)
+        b_s = tl.load(bs_ptr + rk * stride_bsk + g * stride_bsg)
+        acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+        e = tl.load(group_expert_ptr + g)
+        # The expert's last group: the next group is another expert's, or holds no rows (the layout's trailing
+        # groups, past the last expert), or there is none.
+        last = g + 1 >= G
+        if not last:
+            last = (tl.load(group_expert_ptr + g + 1) != e) | (tl.load(group_rows_ptr + g + 1) == 0)
+        if last & (tl.load(group_rows_ptr + g) > 0):
+            c_ptrs = c_ptr + e.to(tl.int64) * stride_ce + rn[:, None] * stride_cn + rk[None, :] * stride_ck
+            if ACCUMULATE:
+                tl.store(c_ptrs, (tl.load(c_ptrs).to(tl.float32) + acc).to(c_ptr.dtype.element_ty))
+            else:
+                tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty))
+            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+
+
+@triton.jit
+def _zero_empty_experts_kernel(c_ptr, offsets_ptr, NK, BLOCK: tl.constexpr):
+    """Zeros of the experts without tokens (a segment of length 0), which the persistent WGrad never visits."""
+    e = tl.program_id(0)
+    if tl.load(offsets_ptr + e + 1) == tl.load(offsets_ptr + e):
+        i = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(c_ptr + e.to(tl.int64) * NK + i, tl.zeros((BLOCK,), dtype=c_ptr.dtype.element_ty), mask=i < NK)
+
+
 def m_grouped_gemm(
     a_q: torch.Tensor,
     a_s: torch.Tensor,
@@ -317,6 +367,7 @@ def k_grouped_gemm(
     num_warps: int = 8,
     num_stages: int = 4,
     accumulate_into: torch.Tensor | None = None,
+    persistent: bool = False,
 ) -> torch.Tensor:
     """`out[e] = a[:, tokens of e] @ b[:, tokens of e].T` for every expert e: WGrad `dW_e = dy_e.T @ x_e`.
 
@@ -328,7 +379,11 @@ def k_grouped_gemm(
     `accumulate_into`: a contiguous `[E, N, K]` tensor (a weight's `.grad`) that each expert's product is added to in
     place, in fp32 and rounded once to its dtype, and which is returned; experts without tokens leave theirs as it
     is. It reads and writes the gradient once, where returning the product for autograd to add writes it, then reads
-    both and writes the sum."""
+    both and writes the sum.
+
+    `persistent`: one program per output tile looping over every 128-token group, storing at each expert's last
+    (`_k_grouped_persistent_kernel`), instead of a program per tile and expert: the same sums in the same order, so
+    the same values; which runs faster is measured (`benchmarks/bench_grouped_gemm.py --sweep`)."""
     n, m = a_qt.shape
     k, mb = b_qt.shape
     if mb != m or m != rows.m_pad or n % BLOCK or k % BLOCK:
@@ -344,7 +399,21 @@ def k_grouped_gemm(
         return accumulate_into if accumulate_into is not None else torch.zeros(shape, device=a_qt.device,
                                                                                 dtype=out_dtype)  # fmt: skip
     out = accumulate_into if accumulate_into is not None else torch.empty(shape, device=a_qt.device, dtype=out_dtype)
-    if out.numel():
+    if out.numel() and persistent:
+        if accumulate_into is None:
+            _zero_empty_experts_kernel[(rows.num_experts, triton.cdiv(n * k, 4096))](
+                out, rows.offsets, n * k, BLOCK=4096, num_warps=4
+            )
+        _k_grouped_persistent_kernel[((n // block_n) * (k // BLOCK),)](
+            a_qt, a_st, b_qt, b_st, out, rows.group_expert, rows.group_rows,
+            n, k, m // BLOCK,
+            a_qt.stride(0), a_qt.stride(1), a_st.stride(0), a_st.stride(1),
+            b_qt.stride(0), b_qt.stride(1), b_st.stride(0), b_st.stride(1),
+            out.stride(0), out.stride(1), out.stride(2),
+            BLOCK_N=block_n, BLOCK_K=BLOCK, BLOCK_T=BLOCK, ACCUMULATE=accumulate_into is not None,
+            num_warps=num_warps, num_stages=num_stages,
+        )  # fmt: skip
+    elif out.numel():
         grid = ((n // block_n) * (k // BLOCK), rows.num_experts)
         _k_grouped_kernel[grid](
             a_qt, a_st, b_qt, b_st, out, rows.offsets,
