@@ -293,12 +293,13 @@ chainkv)  # the FP8 KV cache's fidelity at over a thousand tokens a completion (
   # 101M model on 16-160-term chains, then GRPO in BF16, unified FP8 + token TIS and the same with the FP8 KV cache, the
   # three at once on one GPU, one seed; training ends CHAINKV_PHASE_MIN (default 27) after the phase began, less 2.5 min
   # for the final evaluation. vLLM gets 0.08 of the GPU each: 64 sequences of up to 1,761 tokens in BF16 need 1.9 GB.
-  # CHAINKV_GPU: the GPU it all runs on (default 0), so other phases can use the others at the same time.
+  # CHAINKV_GPU: the GPU it all runs on (default: the first visible), so other phases can use the others meanwhile.
   phase_end=$(($(date +%s) + ${CHAINKV_PHASE_MIN:-27} * 60 - 150))
-  CUDA_VISIBLE_DEVICES=${CHAINKV_GPU:-0} timed chainkv_pretrain python -m benchmarks.convergence.pretrain \
-    --task chain_long --size medium --out "$work/chain-long-base" --batch_size 64 --eval_every 50 --eval_problems 128 \
+  (if [ -n "${CHAINKV_GPU:-}" ]; then export CUDA_VISIBLE_DEVICES=$CHAINKV_GPU; fi
+  timed chainkv_pretrain python -m benchmarks.convergence.pretrain --task chain_long --size medium \
+    --out "$work/chain-long-base" --batch_size 64 --eval_every 50 --eval_problems 128 \
     --target_accuracy "${CHAIN_TARGET:-0.3}" --max_minutes "${CHAINKV_PRETRAIN_MIN:-10}" \
-    --results "$work/convergence_chain_long/pretrain_$device.json"
+    --results "$work/convergence_chain_long/pretrain_$device.json")
   timed chainkv_grpo python -m benchmarks.convergence.run_grpo --task chain_long --model "$work/chain-long-base" \
     --setting bf16 fp8_tis fp8_tis_fp8kv --parallel --seeds 0 --gpus "${CHAINKV_GPU:-0}" --steps "${CHAIN_STEPS:-100}" \
     --stop_at "$phase_end" --lr 5e-5 --batch_size 64 --micro_batch 8 --gradient_checkpointing --eval_every 20 \
