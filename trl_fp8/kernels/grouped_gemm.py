@@ -399,29 +399,32 @@ def k_grouped_gemm(
         return accumulate_into if accumulate_into is not None else torch.zeros(shape, device=a_qt.device,
                                                                                 dtype=out_dtype)  # fmt: skip
     out = accumulate_into if accumulate_into is not None else torch.empty(shape, device=a_qt.device, dtype=out_dtype)
-    if out.numel() and persistent:
-        if accumulate_into is None:
+    if not out.numel():
+        return out
+    strides = (
+        a_qt.stride(0),
+        a_qt.stride(1),
+        a_st.stride(0),
+        a_st.stride(1),
+        b_qt.stride(0),
+        b_qt.stride(1),
+        b_st.stride(0),
+        b_st.stride(1),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+    )
+    meta = dict(BLOCK_N=block_n, BLOCK_K=BLOCK, BLOCK_T=BLOCK, ACCUMULATE=accumulate_into is not None,
+                num_warps=num_warps, num_stages=num_stages)  # fmt: skip
+    tiles = (n // block_n) * (k // BLOCK)
+    if persistent:
+        if accumulate_into is None:  # the experts without tokens, which the persistent loop never visits
             _zero_empty_experts_kernel[(rows.num_experts, triton.cdiv(n * k, 4096))](
                 out, rows.offsets, n * k, BLOCK=4096, num_warps=4
             )
-        _k_grouped_persistent_kernel[((n // block_n) * (k // BLOCK),)](
-            a_qt, a_st, b_qt, b_st, out, rows.group_expert, rows.group_rows,
-            n, k, m // BLOCK,
-            a_qt.stride(0), a_qt.stride(1), a_st.stride(0), a_st.stride(1),
-            b_qt.stride(0), b_qt.stride(1), b_st.stride(0), b_st.stride(1),
-            out.stride(0), out.stride(1), out.stride(2),
-            BLOCK_N=block_n, BLOCK_K=BLOCK, BLOCK_T=BLOCK, ACCUMULATE=accumulate_into is not None,
-            num_warps=num_warps, num_stages=num_stages,
-        )  # fmt: skip
-    elif out.numel():
-        grid = ((n // block_n) * (k // BLOCK), rows.num_experts)
-        _k_grouped_kernel[grid](
-            a_qt, a_st, b_qt, b_st, out, rows.offsets,
-            n, k,
-            a_qt.stride(0), a_qt.stride(1), a_st.stride(0), a_st.stride(1),
-            b_qt.stride(0), b_qt.stride(1), b_st.stride(0), b_st.stride(1),
-            out.stride(0), out.stride(1), out.stride(2),
-            BLOCK_N=block_n, BLOCK_K=BLOCK, BLOCK_T=BLOCK, ACCUMULATE=accumulate_into is not None,
-            num_warps=num_warps, num_stages=num_stages,
-        )  # fmt: skip
+        _k_grouped_persistent_kernel[(tiles,)](
+            a_qt, a_st, b_qt, b_st, out, rows.group_expert, rows.group_rows, n, k, m // BLOCK, *strides, **meta
+        )
+    else:
+        _k_grouped_kernel[(tiles, rows.num_experts)](a_qt, a_st, b_qt, b_st, out, rows.offsets, n, k, *strides, **meta)
     return out
