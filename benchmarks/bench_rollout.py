@@ -93,6 +93,11 @@ ENGINES = {  # engine: (trainer in FP8, rollout precision, FP8 KV cache, vLLM bl
     "fp8_deepgemm_kv_triton_attn": (True, "fp8", True, "deepgemm"),
     "fp8_deepgemm_kv_flashinfer": (True, "fp8", True, "deepgemm"),
     "fp8_deepgemm_kv_block64": (True, "fp8", True, "deepgemm"),
+    # Mixture-of-experts shapes: the dense layers on DeepGEMM, the experts on each of vLLM's block-FP8 MoE backends
+    # (MOE_ENGINE_LLM_KWARGS); "fp8_deepgemm" is vLLM's own choice, Triton's fused MoE on Hopper at TP 1.
+    "fp8_deepgemm_moe_deepgemm": (True, "fp8", False, "deepgemm"),
+    "fp8_deepgemm_moe_flashinfer_cutlass": (True, "fp8", False, "deepgemm"),
+    "fp8_deepgemm_moe_cutlass": (True, "fp8", False, "deepgemm"),
 }
 # For block-FP8 weights vLLM turns its CUDA activation quantizer on (`+quant_fp8`) and then fuses it into the op
 # before it: `rms_norm_per_block_quant` and `silu_and_mul_per_block_quant`. On one H200 at 256 sequences these ran at
@@ -117,6 +122,14 @@ ENGINE_LLM_KWARGS = {
     # cache that decode attention streams (35% of its floor at 256 sequences, the profiled row above).
     "fp8_deepgemm_kv_block64": {"block_size": 64},
 }
+# vLLM's `moe_backend` for the experts (its names); DeepGEMM's grouped GEMM also needs VLLM_MOE_USE_DEEP_GEMM=1, which
+# the trainer leaves at 0 (trl_fp8.rollout.vllm.kernels.moe_kernel_env) and which also runs vLLM's grouped warm-up.
+MOE_ENGINE_LLM_KWARGS = {
+    "fp8_deepgemm_moe_deepgemm": {"moe_backend": "deep_gemm"},
+    "fp8_deepgemm_moe_flashinfer_cutlass": {"moe_backend": "flashinfer_cutlass"},
+    "fp8_deepgemm_moe_cutlass": {"moe_backend": "cutlass"},
+}
+ENGINE_ENV = {"fp8_deepgemm_moe_deepgemm": {"VLLM_MOE_USE_DEEP_GEMM": "1"}}
 DEFAULT_POINTS = ["64x1024", "256x1024", "1024x1024", "64x4096", "256x4096", "16x16384"]
 HEAD_DIM = 128  # every SHAPES entry
 # Data-sheet peaks (SXM): HBM bytes/s, dense BF16 and FP8 tensor-core FLOP/s.
@@ -249,6 +262,10 @@ def run_engine(args):
     from trl_fp8.rollout.vllm.kernels import rollout_kernel
 
     train_fp8, precision, fp8_kv, backend = ENGINES[args.engine]
+    if args.engine in MOE_ENGINE_LLM_KWARGS and args.shape not in MOE_SHAPES:
+        raise SystemExit(f"{args.engine} picks a mixture-of-experts kernel: use a MoE --shape ({sorted(MOE_SHAPES)})")
+    os.environ.update(ENGINE_ENV.get(args.engine, {}))  # before the engine's settings are applied (a child per engine)
+    llm_kwargs = {**ENGINE_LLM_KWARGS, **MOE_ENGINE_LLM_KWARGS}.get(args.engine, {})
     model = build_trainer_model(args.shape)
     if train_fp8:
         convert_to_fp8(model)
@@ -291,11 +308,13 @@ def run_engine(args):
         gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=max_len,
         max_num_seqs=max_num_seqs, max_num_batched_tokens=TRL_MAX_NUM_BATCHED_TOKENS,  # TRL's colocate setting
         deepgemm_workers=args.deepgemm_workers,
-        **ENGINE_LLM_KWARGS.get(args.engine, {}),
+        **llm_kwargs,
     )  # fmt: skip
     stats = RolloutStats.attach(llm)
-    if args.engine in ENGINE_LLM_KWARGS:
-        row["llm_kwargs"] = ENGINE_LLM_KWARGS[args.engine]
+    if llm_kwargs:
+        row["llm_kwargs"] = llm_kwargs
+    if args.engine in ENGINE_ENV:
+        row["env"] = ENGINE_ENV[args.engine]
     row["engine_start_s"] = time.perf_counter() - start  # the DeepGEMM pre-compilation included
     if llm.trl_fp8_precompile is not None:
         row["deepgemm_precompile"] = vars(llm.trl_fp8_precompile)

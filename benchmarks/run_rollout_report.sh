@@ -8,6 +8,7 @@
 #   bash benchmarks/run_rollout_report.sh capacity  # bench_rollout at matched memory: bf16 / FP8 / FP8 + FP8 KV at
 #                                                   # $CAPACITY_SHARES (default 0.3) of the GPU, 256x2048 and 128x4096
 #   bash benchmarks/run_rollout_report.sh concurrency # the same engines capped at $CAPACITY_SEQS sequences at once
+#   bash benchmarks/run_rollout_report.sh moedecode # Qwen3-30B-A3B's experts on each of vLLM's MoE backends ($MOE_ENGINES)
 #   bash benchmarks/run_rollout_report.sh decode    # where a decode step's time goes: every engine variant at 0.3,
 #                                                   # 256x2048, each profiled at 256x512 ($DECODE_ENGINES)
 #   bash benchmarks/run_rollout_report.sh colocate  # bench_grpo at TRL's colocate defaults (8B, 0.3, sleep mode, 8-bit
@@ -122,11 +123,13 @@ rollout)
 capacity)  # matched memory: every engine gets the same share of the GPU ($CAPACITY_SHARES, one results file each)
   # CAPACITY_PROFILE=SxN: one more rollout per engine under the profiler (kernel time by category, GPU idle time).
   # CAPACITY_GPUS="0 1 2 3": the engines dealt over these GPUs, the GPUs at once (benchmarks.merge_results joins them).
+  # CAPACITY_SHAPE: another bench_rollout shape than 8B (its name joins the file's).
   for share in ${CAPACITY_SHARES:-0.3}; do
-    out="$work/rollout_capacity_mem${share}_$device.json"
+    out="$work/rollout_capacity${CAPACITY_SHAPE:+_$CAPACITY_SHAPE}_mem${share}_$device.json"
     # shellcheck disable=SC2086
     capacity=(python -m benchmarks.bench_rollout --points ${CAPACITY_POINTS:-256x2048 128x4096} --prompt_len 256
-      --gpu_memory_utilization "$share" ${CAPACITY_PROFILE:+--profile_point "$CAPACITY_PROFILE"})
+      --gpu_memory_utilization "$share" ${CAPACITY_PROFILE:+--profile_point "$CAPACITY_PROFILE"}
+      ${CAPACITY_SHAPE:+--shape "$CAPACITY_SHAPE"})
     engines=${CAPACITY_ENGINES:-bf16 fp8_deepgemm fp8_deepgemm_kv}
     if [ -n "${CAPACITY_GPUS:-}" ]; then
       in_lanes "capacity_mem$share" "$CAPACITY_GPUS" "$engines" "$work/capacity_mem${share}_gpu" "${capacity[@]}" --engines
@@ -145,6 +148,14 @@ decode)  # the default engines and one-setting variants (bench_rollout.ENGINE_LL
     CAPACITY_ENGINES=${DECODE_ENGINES:-bf16 fp8_deepgemm fp8_deepgemm_kv fp8_deepgemm_kv_inductor_quant \
     fp8_deepgemm_kv_triton_attn fp8_deepgemm_kv_block64 fp8_deepgemm_inductor_quant fp8_deepgemm_kv_flashinfer} \
     bash benchmarks/run_rollout_report.sh capacity
+  ;;
+moedecode)  # the Qwen3-30B-A3B shape's experts on each of vLLM's block-FP8 MoE backends (Triton, vLLM's choice; DeepGEMM's
+  # grouped GEMM with its warm-up; FlashInfer's and vLLM's CUTLASS), dense layers on DeepGEMM, beside BF16, each profiled:
+  # decode speed against the floor and engine start-up (warm-ups included). At 0.9 of an H100 every FP8 engine holds
+  # 256 sequences of 1,280 tokens; BF16 does not (114k tokens). An engine vLLM cannot build is a row that did not start.
+  CAPACITY_SHAPE=30b-a3b CAPACITY_SHARES=${MOE_SHARE:-0.9} CAPACITY_POINTS=${MOE_POINTS:-64x1024 256x1024} \
+    CAPACITY_PROFILE=${MOE_PROFILE:-256x256} CAPACITY_ENGINES=${MOE_ENGINES:-fp8_deepgemm fp8_deepgemm_moe_deepgemm \
+    fp8_deepgemm_moe_flashinfer_cutlass fp8_deepgemm_moe_cutlass bf16} bash benchmarks/run_rollout_report.sh capacity
   ;;
 concurrency)  # matched concurrency: the same share, and every engine capped at $CAPACITY_SEQS sequences at once
   share=${CAPACITY_SHARES:-0.3}

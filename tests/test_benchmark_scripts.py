@@ -136,6 +136,26 @@ def test_every_engine_variant_and_decode_phase_engine_is_a_bench_rollout_engine(
     assert set(ENGINE_LLM_KWARGS) <= set(engines)  # every variant is measured by the phase
 
 
+def test_the_moedecode_phase_runs_every_moe_backend_variant_at_a_moe_shape():
+    """`run_rollout_report.sh moedecode`: engines bench_rollout knows, every MoE backend variant among them, at a
+    mixture-of-experts shape; a MoE variant at a dense shape is refused before any engine starts."""
+    import re
+    import sys
+
+    from benchmarks.bench_rollout import ENGINE_ENV, ENGINES, MOE_ENGINE_LLM_KWARGS, MOE_SHAPES
+
+    phase = report_phase("moedecode").replace("\\\n", " ")
+    engines = re.search(r"MOE_ENGINES:-([^}]*)}", phase).group(1).replace("\\", " ").split()
+    assert set(engines) <= set(ENGINES) and set(MOE_ENGINE_LLM_KWARGS) <= set(engines), engines
+    assert re.search(r"CAPACITY_SHAPE=(\S+)", phase).group(1) in MOE_SHAPES
+    assert set(ENGINE_ENV) <= set(MOE_ENGINE_LLM_KWARGS)
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_rollout", "--engine", "fp8_deepgemm_moe_deepgemm",
+                           "--shape", "8b"], capture_output=True, text=True, cwd=Path(__file__).parents[1])  # fmt: skip
+    assert proc.returncode != 0 and "use a MoE --shape" in proc.stderr
+
+
 def test_the_colocate_and_chainkv_phases_name_runs_settings_and_tasks_that_exist():
     """A misspelt run, setting or task in `run_rollout_report.sh` would fail only on the GPU host, after staging."""
     import re
