@@ -291,11 +291,11 @@ def _k_grouped_persistent_kernel(
         b_s = tl.load(bs_ptr + rk * stride_bsk + g * stride_bsg)
         acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
         e = tl.load(group_expert_ptr + g)
-        # The expert's last group: the next group is another expert's, or holds no rows (the layout's trailing
-        # groups, past the last expert), or there is none.
-        last = g + 1 >= G
-        if not last:
-            last = (tl.load(group_expert_ptr + g + 1) != e) | (tl.load(group_rows_ptr + g + 1) == 0)
+        # The expert's last group: there is no next group, or it is another expert's, or it holds no rows (the
+        # layout's trailing groups, past the last expert). (The next group's index is clamped: always a valid load.)
+        following = tl.minimum(g + 1, G - 1)
+        next_e, next_rows = tl.load(group_expert_ptr + following), tl.load(group_rows_ptr + following)
+        last = (g + 1 >= G) | (next_e != e) | (next_rows == 0)
         if last & (tl.load(group_rows_ptr + g) > 0):
             c_ptrs = c_ptr + e.to(tl.int64) * stride_ce + rn[:, None] * stride_cn + rk[None, :] * stride_ck
             if ACCUMULATE:
