@@ -198,6 +198,13 @@ def run_child(
     return rows
 
 
+def dotted(d: dict, key: str):
+    """`d`'s value at a dotted key ("settings.shape": `d["settings"]["shape"]`), None where a part is missing."""
+    for part in key.split("."):
+        d = d.get(part) if isinstance(d, dict) else None
+    return d
+
+
 def previous_rows(out: Path, result: dict, same: tuple[str, ...], id_key: str, rerun: list[str]) -> list[dict]:
     """Rows of an earlier results file to keep under `--append`, those not re-run now. The file must hold the same
     device and `same` keys (dotted for nested ones, "settings.shape"): rows of another regime are refused, not
@@ -205,14 +212,8 @@ def previous_rows(out: Path, result: dict, same: tuple[str, ...], id_key: str, r
     if not out.exists():
         return []
     previous = json.loads(out.read_text())
-
-    def get(d: dict, key: str):
-        for part in key.split("."):
-            d = d.get(part) if isinstance(d, dict) else None
-        return d
-
-    differ = [f"{key}: {get(previous, key)!r} there, {get(result, key)!r} now"
-              for key in ("device", *same) if get(previous, key) != get(result, key)]  # fmt: skip
+    differ = [f"{key}: {dotted(previous, key)!r} there, {dotted(result, key)!r} now"
+              for key in ("device", *same) if dotted(previous, key) != dotted(result, key)]  # fmt: skip
     if differ:
         raise SystemExit(f"--append: {out} was measured otherwise ({'; '.join(differ)}); write to another --out")
     return [row for row in previous["results"] if row[id_key] not in rerun]

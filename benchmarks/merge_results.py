@@ -14,13 +14,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks.common import arg_parser, write_json
-
-
-def dotted(d: dict, key: str):
-    for part in key.split("."):
-        d = d.get(part) if isinstance(d, dict) else None
-    return d
+from benchmarks.common import arg_parser, dotted, write_json
 
 
 def merge_at_once(results: list[dict], same: Sequence[str], id_key: str = "name") -> dict:
