@@ -335,10 +335,12 @@ def test_token_maps_invert_the_sort_and_name_each_padded_rows_token():
     from trl_fp8.kernels.grouped_gemm import token_maps
 
     g = torch.Generator().manual_seed(2)
-    top_k, tokens = 2, (sum(COUNTS)) // 2
-    experts = torch.cat([torch.full((c,), e) for e, c in enumerate(COUNTS)])[torch.randperm(2 * tokens, generator=g)]
+    top_k, tokens = 3, sum(COUNTS) // 3  # 261 routed rows: 87 tokens of 3 slots
+    assert top_k * tokens == sum(COUNTS)
+    # COUNTS' rows in a random (token, slot) order, sorted back by expert as the layer sorts them
+    experts = torch.cat([torch.full((c,), e) for e, c in enumerate(COUNTS)])[torch.randperm(sum(COUNTS), generator=g)]
     order = torch.argsort(experts, stable=True).to(_device())
-    rows = _rows([int((experts == e).sum()) for e in range(len(COUNTS))])
+    rows = _rows()
     pos, slot_rows, token_of_row = token_maps(rows, order, top_k)
     inverse = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=order.device))
     assert torch.equal(pos.reshape(-1), inverse) and pos.shape == (tokens, top_k)
@@ -346,7 +348,7 @@ def test_token_maps_invert_the_sort_and_name_each_padded_rows_token():
     source = rows.source.long()
     expected = torch.where(source >= 0, (order // top_k)[source.clamp(min=0)], -1)
     assert token_of_row.dtype == torch.int32 and torch.equal(token_of_row.long(), expected)
-    with pytest.raises(ValueError, match="top-2"):
+    with pytest.raises(ValueError, match="260 pairs for 261 rows of top-3"):
         token_maps(rows, order[:-1], top_k)
 
 
