@@ -93,7 +93,7 @@ def main() -> None:
     parser.add_argument("--loop", action="store_true", help="also time the FP8 per-expert loop")
     args = parser.parse_args()
     from trl_fp8 import FP8LinearConfig
-    from trl_fp8.nn.experts import FP8Experts
+    from trl_fp8.nn.experts import FP8Experts, grouped_gemm_kernel
 
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
@@ -118,7 +118,9 @@ def main() -> None:
         dy = torch.randn_like(x)
         outs = {}
         row = {"tokens": t, "routed_tokens": t * dims["num_experts_per_tok"],
-               "experts_with_tokens": int(index.unique().numel())}  # fmt: skip
+               "experts_with_tokens": int(index.unique().numel()),
+               # which kernel ran FProp and DGrad ("auto": DeepGEMM where vLLM's bundled copy runs, else Triton)
+               "fp8_fprop_dgrad_kernel": grouped_gemm_kernel(fp8.fp8_config.experts_gemm, x) if cuda else "emulation"}  # fmt: skip
         for name, module in variants:
 
             def step(module=module, x=x, index=index, weights=weights, dy=dy):
@@ -139,7 +141,8 @@ def main() -> None:
             row["fp8_rel_diff_vs_loop"] = float((outs["fp8"] - outs["fp8_loop"]).norm() / outs["fp8_loop"].norm())
         rows.append(row)
         print(f"{t:>6} tokens ({row['routed_tokens']} routed): bf16 {row['bf16_ms']:.2f} ms, fp8 {row['fp8_ms']:.2f} ms "
-              f"({row['speedup']:.2f}x), fp8 vs bf16 output rel err {row['fp8_rel_err_vs_bf16']:.3f}")  # fmt: skip
+              f"({row['speedup']:.2f}x, FProp/DGrad on {row['fp8_fprop_dgrad_kernel']}), fp8 vs bf16 output rel err "
+              f"{row['fp8_rel_err_vs_bf16']:.3f}")  # fmt: skip
         if "in_place_add_speedup" in row:
             print(f"{'':>6} gradients added by autograd {row['fp8_autograd_add_ms']:.2f} ms: the in-place add "
                   f"{row['in_place_add_speedup']:.2f}x")  # fmt: skip
