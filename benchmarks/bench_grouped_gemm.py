@@ -159,7 +159,7 @@ def bench_kernels(counts: list[int], n: int, k: int, device: str, reps: int, p: 
     """The FP8 projection's kernels one by one, each against its floor (and, with `sweep`, WGrad's launch
     configurations)."""
     from trl_fp8.kernels import GroupedRows, k_grouped_gemm, quantize_act, quantize_weight
-    from trl_fp8.kernels.weight_quant import quantize_expert_weights_t
+    from trl_fp8.kernels.weight_quant import quantize_expert_weights_t, transpose_expert_weights
     from trl_fp8.nn.experts import _m_grouped, grouped_gemm_kernel
 
     cuda = device == "cuda"
@@ -192,6 +192,8 @@ def bench_kernels(counts: list[int], n: int, k: int, device: str, reps: int, p: 
         lambda: quantize_act(dy, source_rows=rows.source, rows=True, cols=True), 2 * m * n, 2 * mp * n)  # fmt: skip
     add("quantize_weight row-major", lambda: quantize_weight(weight.reshape(e * n, k)), 2 * e * n * k, e * n * k)
     add("quantize_expert_weights_t (DGrad)", lambda: quantize_expert_weights_t(weight), 2 * e * n * k, e * n * k)
+    # DGrad's operand from the blocks the weight cache holds (what the layer does where the cache is on)
+    add("transpose_expert_weights (DGrad, cached)", lambda: transpose_expert_weights(q, s), e * n * k, e * n * k)
     add("unpad (gather real rows)", lambda: rows.unpad(torch.empty(mp, n, device=device, dtype=torch.bfloat16)),
         2 * m * n, 2 * m * n)  # fmt: skip
     flops = 2.0 * rows.num_rows * n * k
@@ -205,6 +207,14 @@ def bench_kernels(counts: list[int], n: int, k: int, device: str, reps: int, p: 
             lambda kernel=kernel: _m_grouped(da, wq_t, ws_t, rows, kernel, torch.bfloat16),
             mp * n + e * n * k, 2 * mp * k, flops)  # fmt: skip
         results[("dgrad", kernel)] = _m_grouped(da, wq_t, ws_t, rows, kernel, torch.bfloat16)[rows.dest].float()
+    # DGrad reading the row-major blocks through strides (no transposed copy at all; Hopper's FP8 tensor cores read
+    # K-major operands, so Triton has to transpose the tiles on the way): is it faster than the copy plus the GEMM?
+    add("triton m_grouped DGrad, row-major blocks (strided)",
+        lambda: _m_grouped(da, q.transpose(1, 2), s.transpose(1, 2), rows, "triton", torch.bfloat16),
+        mp * n + e * n * k, 2 * mp * k, flops)  # fmt: skip
+    strided = _m_grouped(da, q.transpose(1, 2), s.transpose(1, 2), rows, "triton", torch.bfloat16)[rows.dest].float()
+    out.append({"kernel": "strided vs transposed triton dgrad", "max_rel_diff": float(
+        (strided - results[("dgrad", "triton")]).abs().max() / results[("dgrad", "triton")].abs().max())})  # fmt: skip
     if len(kernels) > 1:
         for gemm in ("fprop", "dgrad"):
             ref, got = results[(gemm, "triton")], results[(gemm, "deepgemm")]

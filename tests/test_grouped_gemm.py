@@ -199,6 +199,24 @@ def test_expert_weights_transposed_per_expert_are_the_row_major_blocks_bit_for_b
         quantize_expert_weights_t(w[:, :200])
 
 
+def test_cached_expert_blocks_transposed_equal_the_requantized_dgrad_operand():
+    """DGrad's operand moved from the cached row-major blocks (`transpose_expert_weights`) is the re-quantized one,
+    bit for bit: FP8 bytes and scales."""
+    from trl_fp8.kernels.weight_quant import quantize_expert_weights_t, transpose_expert_weights
+
+    e, n, k = 3, 256, 384
+    w = torch.randn(e, n, k, device=_device())
+    w[1] *= 100
+    w[2, :128, :128] = 0  # an all-zero block
+    q, s = kernels.quantize_weight(w.reshape(e * n, k))
+    q_t, s_t = transpose_expert_weights(q.view(e, n, k), s.view(e, n // 128, k // 128))
+    ref_q, ref_s = quantize_expert_weights_t(w)
+    assert q_t.shape == (e, k, n) and q_t.is_contiguous() and s_t.is_contiguous()
+    assert torch.equal(_bits(q_t), _bits(ref_q)) and torch.equal(s_t, ref_s)
+    with pytest.raises(ValueError, match="contiguous"):
+        transpose_expert_weights(q.view(e, n, k)[:, :, :256], s.view(e, n // 128, k // 128))
+
+
 def _operands(a_cols, n, k, seed=0):
     """The layout, the padded rows `[num_rows, a_cols]` quantized in both layouts, and the weights `[E * n, k]`."""
     g = torch.Generator().manual_seed(seed)
@@ -455,6 +473,42 @@ def test_grouped_experts_equal_the_loop_over_experts(tokens=200):
         assert g.shape == r.shape and g.dtype == r.dtype, name
         assert rel_err(g.cpu(), r) < (4e-3 if CUDA else 1e-4), (name, rel_err(g.cpu(), r))
     assert not grouped.gate_up_proj.grad[2].any()  # expert 2 received no token: zero gradient
+
+
+def test_dgrad_moves_the_cached_blocks_and_computes_what_requantizing_computes():
+    """With the weight cache holding the forward's FP8 experts (the default outside a trainer's memory-tight
+    micro-batches), DGrad moves those blocks into its layout instead of re-quantizing the weight: every output and
+    gradient is bit for bit the uncached layer's. A forward that records gradients with `cache_with_grad=False`
+    holds no cache, and re-quantizes as before."""
+    import copy
+    import dataclasses
+
+    from trl_fp8.kernels import weight_quant
+
+    _, grouped, x, index, weights = _experts_pair(tokens=60)
+    x, index, weights = x.to(_device()), index.to(_device()), weights.to(_device())
+    grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(5)).to(_device())
+    moved, requantized = [], []
+    real_move, real_quant = weight_quant.transpose_expert_weights, weight_quant.quantize_expert_weights_t
+
+    def run(**config):
+        layer = copy.deepcopy(grouped)
+        layer.fp8_config = dataclasses.replace(layer.fp8_config, **config)
+        moved.clear(), requantized.clear()
+        weight_quant.transpose_expert_weights = lambda *a: moved.append(1) or real_move(*a)
+        weight_quant.quantize_expert_weights_t = lambda *a, **k: requantized.append(1) or real_quant(*a, **k)
+        try:
+            out = _fwd_bwd(layer, x, index, weights, grad)
+        finally:
+            weight_quant.transpose_expert_weights, weight_quant.quantize_expert_weights_t = real_move, real_quant
+        return out, (len(moved), len(requantized))
+
+    cached, calls_cached = run()
+    uncached, calls_uncached = run(cache_quantized_weight=False, cache_with_grad=True)
+    dropped, calls_dropped = run(cache_with_grad=False)
+    assert calls_cached == (2, 0) and calls_uncached == (0, 2) and calls_dropped == (0, 2)
+    for got, ref, also in zip(cached, uncached, dropped, strict=True):
+        assert torch.equal(got, ref) and torch.equal(also, ref)
 
 
 @pytest.mark.parametrize("grouped", [False, True])

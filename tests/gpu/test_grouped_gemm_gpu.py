@@ -39,7 +39,7 @@ def _kernels():
 @pytest.mark.parametrize("tokens", [1024, 8192])
 def test_grouped_kernels_match_the_emulation_per_expert(tokens, kernel):
     from trl_fp8.kernels import GroupedRows, k_grouped_gemm, quantize_act, quantize_weight
-    from trl_fp8.kernels.weight_quant import quantize_expert_weights_t
+    from trl_fp8.kernels.weight_quant import quantize_expert_weights_t, transpose_expert_weights
     from trl_fp8.nn.experts import _m_grouped
 
     if kernel not in _kernels():
@@ -55,6 +55,8 @@ def test_grouped_kernels_match_the_emulation_per_expert(tokens, kernel):
     q, s = quantize_weight(w.reshape(E * 2 * INTER, H))
     b = (q.view(E, 2 * INTER, H), s.view(E, 2 * INTER // 128, H // 128))
     bt = quantize_expert_weights_t(w)
+    moved = transpose_expert_weights(*b)  # DGrad's operand from the cached blocks: the same bytes
+    assert torch.equal(moved[0].view(torch.uint8), bt[0].view(torch.uint8)) and torch.equal(moved[1], bt[1])
     y = _m_grouped(xa, *b, rows, kernel, torch.bfloat16)
     dx = _m_grouped(dya, *bt, rows, kernel, torch.bfloat16)
     dw = k_grouped_gemm(dya.qt, dya.scale_inv_t, xa.qt, xa.scale_inv_t, rows, torch.bfloat16)

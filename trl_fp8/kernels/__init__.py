@@ -6,7 +6,8 @@ reference quantizers in `trl_fp8.quantization` (tests run them on the GPU, and o
 - `swiglu_quant.quantize_swiglu`: the gated MLP's `silu(gate) * up`, quantized like `act_quant` for `down_proj`,
   without writing the product.
 - `weight_quant.quantize_weight`: 128x128 blocks of a weight, row-major (FProp, vLLM sync, export) or
-  column-major (DGrad's operand).
+  column-major (DGrad's operand); `transpose_expert_weights` moves experts' cached row-major blocks into DGrad's
+  layout (the same bytes as re-quantizing).
 - `grouped_gemm.m_grouped_gemm` / `k_grouped_gemm`: a mixture-of-experts projection's FProp and DGrad (rows grouped
   by expert) and WGrad (tokens grouped by expert) for all experts in one launch each, on the layout `GroupedRows`
   (each expert's rows padded to a multiple of 128). Equal to the emulation up to fp32 rounding, not bit for bit.

@@ -2,7 +2,9 @@
 
 Row-major `q [N, K]` is FProp's operand and what the vLLM sync and the exporter send; column-major (storage `[K, N]`)
 is the operand of DGrad's `dy @ W`, which Hopper's FP8 tensor cores read K-major. Re-quantizing the weight for DGrad
-costs one read of the weight and keeps no second FP8 copy alive between forward and backward. Scales are
+costs one read of the weight and keeps no second FP8 copy alive between forward and backward. Where the row-major
+blocks are kept anyway (the layer's weight cache), `transpose_expert_weights` moves them into DGrad's layout instead:
+the same bytes, reading one byte per weight where re-quantizing reads two. Scales are
 `[N/128, K/128]` float32, row-major for the row layout and column-major for the other (cuBLAS's layouts).
 Edge blocks may be partial (zero padding changes no amax).
 """
@@ -90,3 +92,34 @@ def quantize_expert_weights_t(
             COL_MAJOR=True, POW2=power_of_two_scales, BLOCK=BLOCK, num_warps=8, num_stages=1,
         )  # fmt: skip
     return q, s
+
+
+@triton.jit
+def _transpose_blocks_kernel(q_ptr, qt_ptr, N, K, BLOCK: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    base = tl.program_id(2).to(tl.int64) * N * K  # the expert's matrix
+    rn = (pid_n * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    rk = (pid_k * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    tile = tl.load(q_ptr + base + rn[:, None] * K + rk[None, :])
+    tl.store(qt_ptr + base + rk[:, None] * N + rn[None, :], tl.trans(tile))
+
+
+def transpose_expert_weights(q: torch.Tensor, scale_inv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_expert_weights_t`'s result from the row-major blocks `q [E, N, K]`, `scale_inv [E, N/128, K/128]`
+    that quantized them (`quantize_weight` of the stacked weight): each expert's FP8 bytes and scales transposed,
+    `(q [E, K, N], scale_inv [E, K/128, N/128])`, both contiguous. A 128x128 block's amax, so its scale and its FP8
+    values, do not depend on which way it is stored: this equals re-quantizing the weight, bit for bit, from one byte
+    read per weight instead of two."""
+    e, n, k = q.shape
+    if n % BLOCK or k % BLOCK or not q.is_contiguous() or scale_inv.shape != (e, n // BLOCK, k // BLOCK):
+        raise ValueError(
+            f"transpose_expert_weights: q must be a contiguous [E, N, K] with N and K multiples of {BLOCK} and "
+            f"scale_inv [E, N/{BLOCK}, K/{BLOCK}]; got {tuple(q.shape)} and {tuple(scale_inv.shape)}"
+        )
+    qt = torch.empty(e, k, n, device=q.device, dtype=q.dtype)
+    if q.numel():  # moved as bytes: the kernel does no float8 arithmetic
+        _transpose_blocks_kernel[(n // BLOCK, k // BLOCK, e)](
+            q.view(torch.uint8), qt.view(torch.uint8), n, k, BLOCK=BLOCK, num_warps=8, num_stages=1
+        )
+    return qt, scale_inv.transpose(1, 2).contiguous()

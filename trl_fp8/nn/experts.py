@@ -202,7 +202,10 @@ class FP8Experts(FP8WeightCacheMixin, nn.Module):
         pow2, grad, into_grad = cfg.power_of_two_scales, torch.is_grad_enabled(), cfg.fuse_wgrad_accumulation
         if rows is not None:
             kernel = grouped_gemm_kernel(cfg.experts_gemm, x)
-            return _GroupedExpertsFP8Matmul.apply(x, weight, q, s, rows, kernel, pow2, grad, into_grad, gather)
+            # Blocks the weight cache holds anyway may be kept for DGrad at no cost in memory (transposed there).
+            cached = self._fp8_weight_cache.get(name, (None, None))[1]
+            held = cached is not None and cached[0] is q
+            return _GroupedExpertsFP8Matmul.apply(x, weight, q, s, rows, kernel, pow2, grad, into_grad, gather, held)
         ops = select_ops(cfg, weight.device)
         return _ExpertsFP8Matmul.apply(x, weight, q, s, tuple(counts), ops, pow2, grad, into_grad)
 
@@ -325,11 +328,12 @@ class _GroupedExpertsFP8Matmul(torch.autograd.Function):
     experts. `x` holds the rows sorted by expert (`rows.counts`); the quantizer reads them straight into `rows`'
     padded layout (each expert's segment a multiple of 128 rows, zero rows between), which makes one quantization of
     all rows equal each expert's own and lets WGrad's 1x128 groups along tokens stay within one expert. FProp and
-    DGrad run on `kernel` (`grouped_gemm_kernel`), WGrad on `kernels.grouped_gemm.k_grouped_gemm`."""
+    DGrad run on `kernel` (`grouped_gemm_kernel`), WGrad on `kernels.grouped_gemm.k_grouped_gemm`. `cached`: the
+    layer's weight cache holds `q` and `s`, so DGrad moves them into its layout instead of re-quantizing the weight."""
 
     @staticmethod
     def forward(ctx, x, weight, q, s, rows, kernel: str, pow2: bool, grad_enabled: bool, add_into_grad: bool = False,
-                gather=None):  # fmt: skip
+                gather=None, cached: bool = False):  # fmt: skip
         from trl_fp8.kernels import quantize_act
 
         wgrad = grad_enabled and ctx.needs_input_grad[1]
@@ -340,13 +344,14 @@ class _GroupedExpertsFP8Matmul(torch.autograd.Function):
         ctx.save_for_backward(weight, *((act.qt, act.scale_inv_t) if wgrad else ()))  # FP8 x.T, not the BF16 rows
         ctx.rows, ctx.kernel, ctx.pow2, ctx.x_dtype, ctx.add_into_grad = rows, kernel, pow2, x.dtype, add_into_grad
         ctx.slot_rows = None if gather is None else gather[1]
+        ctx.dgrad_blocks = (q, s) if cached and grad_enabled and ctx.needs_input_grad[0] else None
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         from trl_fp8.kernels import quantize_act
         from trl_fp8.kernels.grouped_gemm import k_grouped_gemm
-        from trl_fp8.kernels.weight_quant import quantize_expert_weights_t
+        from trl_fp8.kernels.weight_quant import quantize_expert_weights_t, transpose_expert_weights
 
         weight, *saved_x = ctx.saved_tensors
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -356,8 +361,12 @@ class _GroupedExpertsFP8Matmul(torch.autograd.Function):
             dy = quantize_act(grad_out, source_rows=rows.source, rows=need_x, cols=need_w, power_of_two_scales=pow2)
             if need_x:
                 # Each expert's 128x128 blocks, the forward's FP8 values bit for bit, stored transposed ([E, K, N]):
-                # K-major for the reduction over N.
-                w_q, w_s = quantize_expert_weights_t(weight.detach(), power_of_two_scales=pow2)
+                # K-major for the reduction over N. Moved from the cached blocks where the cache holds them.
+                if ctx.dgrad_blocks is not None:
+                    w_q, w_s = transpose_expert_weights(*ctx.dgrad_blocks)
+                else:
+                    w_q, w_s = quantize_expert_weights_t(weight.detach(), power_of_two_scales=pow2)
+                ctx.dgrad_blocks = None
                 grad_padded = _m_grouped(dy, w_q, w_s, rows, ctx.kernel, ctx.x_dtype)
                 if ctx.slot_rows is None:
                     grad_x = rows.unpad(grad_padded)
@@ -371,7 +380,7 @@ class _GroupedExpertsFP8Matmul(torch.autograd.Function):
                                         accumulate_into=into)  # fmt: skip
                 if into is not None:  # added to weight.grad in place: nothing for autograd to add
                     grad_w = None
-        return grad_x, grad_w, None, None, None, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None, None, None, None
 
 
 class _CombineExperts(torch.autograd.Function):
