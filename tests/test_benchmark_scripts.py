@@ -655,6 +655,8 @@ def test_experts_benchmark_runs_at_smoke_size(tmp_path):
     _run("benchmarks.bench_experts", "--quick", "--out", tmp_path / "experts.json")
     (row,) = json.loads((tmp_path / "experts.json").read_text())["results"]
     assert row["bf16_ms"] > 0 and row["fp8_ms"] > 0 and row["experts_with_tokens"] > 1
+    assert row["fp8_autograd_add_ms"] > 0 and row["fp8_no_cache_in_training_ms"] > 0
+    assert row["fp8_fprop_dgrad_kernel"] == "emulation"
     assert 0 < row["fp8_rel_err_vs_bf16"] < 0.15
 
 
