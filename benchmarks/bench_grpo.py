@@ -250,6 +250,8 @@ def run_one(args) -> None:
         trainer_cls = FP8GRPOTrainer
         # Liger's kernels only in the runs named for them (FP8GRPOTrainer would otherwise choose them on a GPU)
         options = {"use_liger_kernel": False, **RUN_OPTIONS.get(args.run, {})}
+        if precision == "fp8" and args.vllm_fp8_moe_backend != "auto":  # the experts' kernel in FP8 rollouts only
+            options.setdefault("vllm_fp8_moe_backend", args.vllm_fp8_moe_backend)
         config = FP8GRPOConfig(**common, fp8_recipe=recipe, rollout_precision=precision, fp8_kv_cache=fp8_kv,
                                fp8_backend=gemm_backend, fp8_cache_weights=cache_weights, tis="token", tis_cap=2.0,
                                save_fp8_checkpoint=False, **options)  # fmt: skip
@@ -649,7 +651,8 @@ def measurement(args) -> dict:
             "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
             "sync_each_batch": getattr(args, "sync_each_batch", False),
             "cpu_affinity": getattr(args, "cpu_affinity", False),
-            "vllm_tensor_parallel_size": getattr(args, "vllm_tensor_parallel_size", 1)}  # fmt: skip
+            "vllm_tensor_parallel_size": getattr(args, "vllm_tensor_parallel_size", 1),
+            "vllm_fp8_moe_backend": getattr(args, "vllm_fp8_moe_backend", "auto")}  # fmt: skip
 
 
 def resummarize(path: Path, keep: list[int]) -> None:
@@ -752,6 +755,9 @@ def main():
     parser.add_argument("--cpu_affinity", action="store_true",
                         help="with --num_processes > 1: accelerate's --enable_cpu_affinity, each rank on the cores of "
                         "its GPU's NUMA node (the rollout engines' scheduling runs on the host)")  # fmt: skip
+    parser.add_argument("--vllm_fp8_moe_backend", default="auto",
+                        help="vLLM's kernel for the FP8 experts in the runs with FP8 rollouts (FP8GRPOConfig's "
+                        "vllm_fp8_moe_backend; 'auto': vLLM's choice)")  # fmt: skip
     parser.add_argument("--sync_each_batch", action="store_true",
                         help="accelerate's sync_each_batch: every micro-batch reduces its gradients (under FSDP2 they "
                         "then stay sharded instead of whole between micro-batches)")  # fmt: skip

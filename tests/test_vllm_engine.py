@@ -142,3 +142,12 @@ def test_the_trainer_logs_what_the_allocator_check_says(fake_vllm, tmp_path, cap
     with caplog.at_level(logging.INFO):
         tiny_trainer(tmp_path / "a", vllm_enable_sleep_mode=True)
     assert [r.getMessage() for r in caplog.records].count("allocator: said once") == 1
+
+
+def test_the_engine_gets_the_moe_kernel_and_a_model_without_fp8_experts_is_refused(fake_vllm, tmp_path):
+    from test_fp8_experts import tiny_moe
+
+    tiny_trainer(tmp_path / "moe", model=tiny_moe(), vllm_fp8_moe_backend="triton")
+    assert fake_vllm.instances[-1].kwargs["moe_backend"] == "triton"
+    with pytest.raises(ValueError, match="has no FP8 experts layer .*Drop vllm_fp8_moe_backend"):
+        tiny_trainer(tmp_path / "dense", vllm_fp8_moe_backend="triton")

@@ -85,6 +85,40 @@ def test_explicit_backends_keep_deepgemm_off(backend):
     assert kernel.env == {"VLLM_USE_DEEP_GEMM": "0", "VLLM_USE_DEEP_GEMM_E8M0": "0"}
 
 
+@pytest.mark.parametrize("moe", ["triton", "cutlass", "flashinfer_cutlass", "deepgemm"])
+def test_moe_backend_reaches_the_engine_beside_the_linear_kernel(hopper, moe):
+    """`vllm_fp8_moe_backend`: vLLM's `moe_backend` next to the linear kernel's settings, the reason saying it was
+    asked for; DeepGEMM's grouped MoE also needs vLLM's switch for it. "auto" passes nothing (vLLM's choice)."""
+    kernel = rollout_kernel("auto", moe_backend=moe)
+    vllm_name = {"deepgemm": "deep_gemm"}.get(moe, moe)
+    assert kernel.llm_kwargs == {"linear_backend": "deep_gemm", "moe_backend": vllm_name}
+    assert kernel.env["VLLM_MOE_USE_DEEP_GEMM"] == ("1" if moe == "deepgemm" else "0")
+    assert kernel.env["VLLM_USE_DEEP_GEMM_E8M0"] == "0" and f"experts on {moe} (requested)" in kernel.reason
+    assert rollout_kernel("auto", moe_backend="auto") == rollout_kernel("auto")
+
+
+def test_deepgemm_experts_need_deepgemm_linear_layers_and_unknown_names_are_refused(hopper):
+    with pytest.raises(ValueError, match="linear layers run on cutlass.*vllm_fp8_backend='deepgemm'"):
+        rollout_kernel("cutlass", moe_backend="deepgemm")
+    assert rollout_kernel("cutlass", moe_backend="triton").llm_kwargs == {"linear_backend": "cutlass",
+                                                                          "moe_backend": "triton"}  # fmt: skip
+    with pytest.raises(ValueError, match="vllm_fp8_moe_backend='marlin' is unknown"):
+        rollout_kernel("auto", moe_backend="marlin")
+
+
+def test_config_refuses_a_moe_backend_where_it_would_do_nothing():
+    base = dict(output_dir="unused", use_cpu=True, bf16=False)
+    with pytest.raises(ValueError, match="unknown"):
+        FP8GRPOConfig(**base, vllm_fp8_moe_backend="marlin")
+    with pytest.raises(ValueError, match="vllm_fp8_moe_backend='triton' sets up vLLM rollouts, but use_vllm=False"):
+        FP8GRPOConfig(**base, vllm_fp8_moe_backend="triton")
+    with pytest.raises(ValueError, match="rollout_precision='bf16'. Drop vllm_fp8_moe_backend"):
+        FP8GRPOConfig(**base, use_vllm=True, rollout_precision="bf16", vllm_fp8_moe_backend="triton")
+    with pytest.raises(ValueError, match="`trl vllm-serve` server runs the kernel it was started with"):
+        FP8GRPOConfig(**base, use_vllm=True, vllm_mode="server", vllm_fp8_moe_backend="triton")
+    assert FP8GRPOConfig(**base).vllm_fp8_moe_backend == "auto"
+
+
 def test_server_command_names_the_kernel_settings():
     assert server_command() == (
         "VLLM_USE_DEEP_GEMM=1 VLLM_USE_DEEP_GEMM_E8M0=0 VLLM_MOE_USE_DEEP_GEMM=0 trl vllm-serve --model <fp8_dir> "

@@ -24,6 +24,9 @@ BACKENDS = ("auto", "scaled_mm", "deepgemm", "emulated")
 ROLLOUT_PRECISIONS = ("fp8", "bf16", "fp8_online")
 # vLLM kernels for the rollout engine's block-FP8 linear layers ("auto": DeepGEMM on Hopper when it can run).
 VLLM_FP8_BACKENDS = ("auto", "deepgemm", "cutlass", "triton")
+# vLLM kernels for the rollout engine's block-FP8 experts ("auto": vLLM's own choice, Triton's fused MoE on Hopper at
+# tensor parallel 1), by our names; `rollout.vllm.kernels.VLLM_MOE_BACKEND` maps them to vLLM's `moe_backend`.
+VLLM_FP8_MOE_BACKENDS = ("auto", "triton", "deepgemm", "cutlass", "flashinfer_cutlass")
 # Kernels of the mixture-of-experts FProp and DGrad ("auto": DeepGEMM's grouped GEMM on Hopper when it can run).
 EXPERTS_GEMMS = ("auto", "deepgemm", "triton")
 

@@ -16,6 +16,7 @@ from trl_fp8.config import (
     EXPERTS_GEMMS,
     RECIPES,
     VLLM_FP8_BACKENDS,
+    VLLM_FP8_MOE_BACKENDS,
     FP8LinearConfig,
     check_rollout_precision,
 )
@@ -99,6 +100,12 @@ class FP8TrainingArguments:
             Cutlass, with the reason logged. All keep the trainer's weights and scales bit for bit (vLLM's E8M0
             rounding is switched off). In server mode, start the server with the same kernel (the trainer checks it
             and prints the command).
+        vllm_fp8_moe_backend (str): vLLM kernel for the FP8 experts of a mixture of experts in a colocated engine
+            (vLLM's `moe_backend`): `"triton"` (vLLM's fused MoE), `"deepgemm"` (DeepGEMM's grouped GEMM; needs the
+            linear layers on DeepGEMM too; its warm-up compiles many kernels on a cold cache), `"cutlass"` or
+            `"flashinfer_cutlass"`. `"auto"`: vLLM's own choice (Triton on Hopper at tensor parallel 1). Only Triton
+            is GPU-tested with the trainer's experts; the sync checks every engine's expert tensors against the
+            trainer's either way. A `trl vllm-serve` server chooses its own.
         vllm_jit_cache_dir (str | None): Where DeepGEMM keeps its compiled kernels across runs. `None`:
             `DG_JIT_CACHE_DIR`, else vLLM's `~/.cache/vllm/deep_gemm`.
         vllm_deepgemm_workers (int | None): Processes that compile DeepGEMM's kernels side by side before the
@@ -238,6 +245,13 @@ class FP8TrainingArguments:
             "'cutlass', 'triton', or 'auto' (DeepGEMM on SM90 with nvcc, else Cutlass).",
         },
     )
+    vllm_fp8_moe_backend: str = field(
+        default="auto",
+        metadata={
+            "help": "vLLM kernel for the FP8 experts of a mixture of experts in a colocated engine: 'triton', "
+            "'deepgemm', 'cutlass', 'flashinfer_cutlass', or 'auto' (vLLM's own choice).",
+        },
+    )
     vllm_jit_cache_dir: str | None = field(
         default=None,
         metadata={"help": "DeepGEMM's compiled-kernel cache. Unset: DG_JIT_CACHE_DIR, else ~/.cache/vllm/deep_gemm."},
@@ -301,6 +315,9 @@ class FP8TrainingArguments:
             )
         if self.vllm_fp8_backend not in VLLM_FP8_BACKENDS:
             raise ValueError(f"vllm_fp8_backend={self.vllm_fp8_backend!r} is unknown; use one of {VLLM_FP8_BACKENDS}.")
+        if self.vllm_fp8_moe_backend not in VLLM_FP8_MOE_BACKENDS:
+            raise ValueError(f"vllm_fp8_moe_backend={self.vllm_fp8_moe_backend!r} is unknown; use one of "
+                             f"{VLLM_FP8_MOE_BACKENDS}.")  # fmt: skip
         if self.vllm_deepgemm_workers is not None and self.vllm_deepgemm_workers < 0:
             raise ValueError(
                 f"vllm_deepgemm_workers={self.vllm_deepgemm_workers} must be >= 0 (0: no parallel compilation; "
@@ -327,10 +344,17 @@ class FP8TrainingArguments:
                 )
         if self.rollout_precision is None and self.use_vllm:
             self.rollout_precision = "fp8" if self.fp8_recipe == BLOCKWISE else "bf16"
-        if self.vllm_fp8_backend != "auto" and self.rollout_precision != "fp8":
+        for name in ("vllm_fp8_backend", "vllm_fp8_moe_backend"):
+            if getattr(self, name) != "auto" and self.rollout_precision != "fp8":
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r} picks a kernel of rollout_precision='fp8' rollouts, but "
+                    f"rollout_precision={self.rollout_precision!r}. Drop {name} or use rollout_precision='fp8'."
+                )
+        if self.vllm_fp8_moe_backend != "auto" and self.use_vllm and self.vllm_mode == "server":
             raise ValueError(
-                f"vllm_fp8_backend={self.vllm_fp8_backend!r} picks the kernel of rollout_precision='fp8' rollouts, "
-                f"but rollout_precision={self.rollout_precision!r}. Drop vllm_fp8_backend or use rollout_precision='fp8'."
+                f"vllm_fp8_moe_backend={self.vllm_fp8_moe_backend!r} picks the MoE kernel of a colocated engine; a "
+                "`trl vllm-serve` server runs the kernel it was started with. Drop vllm_fp8_moe_backend, or use "
+                "vllm_mode='colocate'."
             )
         if self.fp8_kv_cache and not self.use_vllm:
             raise ValueError("fp8_kv_cache sets vLLM's KV cache dtype; it needs use_vllm=True.")
@@ -396,7 +420,7 @@ class FP8TrainingArguments:
     def _refuse_settings_without_effect(self) -> None:
         """Raise for a setting that this combination would silently ignore, naming the fix (warn where harmless)."""
         if not self.use_vllm:
-            for name, default in (("rollout_precision", None), ("vllm_fp8_backend", "auto"),
+            for name, default in (("rollout_precision", None), ("vllm_fp8_backend", "auto"), ("vllm_fp8_moe_backend", "auto"),
                                   ("vllm_jit_cache_dir", None), ("vllm_deepgemm_workers", None)):  # fmt: skip
                 if getattr(self, name) != default:
                     raise ValueError(

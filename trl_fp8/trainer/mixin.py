@@ -295,6 +295,7 @@ class FP8TrainerMixin:
             power_of_two_scales=args.fp8_power_of_two_scales,
             kv_observer=self._kv_observer,
             fp8_backend=args.vllm_fp8_backend,
+            fp8_moe_backend=args.vllm_fp8_moe_backend,
             jit_cache_dir=args.vllm_jit_cache_dir,
             deepgemm_workers=args.vllm_deepgemm_workers,
         )

@@ -29,9 +29,11 @@ import torch
 from trl.generation.vllm_generation import VLLMGeneration
 
 from trl_fp8.checkpoint.save import (
+    fp8_experts_layers,
     fp8_module_names,
 )
 from trl_fp8.config import check_rollout_precision, check_vllm_version
+from trl_fp8.nn.adapters import unwrap_model
 from trl_fp8.nn.linear import release_fp8_weight_caches
 from trl_fp8.rollout.kv_scales import AttentionScaleObserver
 from trl_fp8.rollout.stats import RolloutStats, engine_kv_cache_tokens
@@ -75,6 +77,7 @@ class FP8VLLMGeneration(VLLMGeneration):
             cache is FP8. None: KV cache in the model dtype.
         fp8_backend: vLLM's kernel for the FP8 linear layers ("auto", "deepgemm", "cutlass", "triton"; see
             `vllm_kernels.rollout_kernel`). In server mode it only names what the server is expected to run.
+        fp8_moe_backend: vLLM's kernel for FP8 experts in a colocated engine (`vllm_kernels.with_moe_backend`).
         jit_cache_dir: DeepGEMM's compiled-kernel cache (default `vllm_kernels.default_jit_cache_dir()`).
         deepgemm_workers: processes compiling DeepGEMM's kernels before a colocated engine starts
             (`deepgemm_warmup.precompile_deepgemm`; None: one per CPU core, 0: none).
@@ -88,12 +91,13 @@ class FP8VLLMGeneration(VLLMGeneration):
         power_of_two_scales: bool = False,
         kv_observer: AttentionScaleObserver | None = None,
         fp8_backend: str = "auto",
+        fp8_moe_backend: str = "auto",
         jit_cache_dir: str | None = None,
         deepgemm_workers: int | None = None,
         **kwargs,
     ):
         self.rollout_precision = check_rollout_precision(rollout_precision)
-        self.fp8_backend = fp8_backend
+        self.fp8_backend, self.fp8_moe_backend = fp8_backend, fp8_moe_backend
         self.jit_cache_dir = jit_cache_dir
         self.deepgemm_workers = deepgemm_workers
         self.deepgemm_precompile: PrecompileResult | None = None  # what the parallel compilation did at start-up
@@ -139,8 +143,16 @@ class FP8VLLMGeneration(VLLMGeneration):
 
         llm_class = trl_vllm.LLM
         if self.rollout_precision == "fp8":
+            if self.fp8_moe_backend != "auto" and not fp8_experts_layers(unwrap_model(self.model)):
+                raise ValueError(
+                    f"vllm_fp8_moe_backend={self.fp8_moe_backend!r} picks the kernel of FP8 experts, but this model "
+                    "has no FP8 experts layer (a dense model, or experts kept in BF16). Drop vllm_fp8_moe_backend."
+                )
             self.kernel = rollout_kernel(
-                self.fp8_backend, jit_cache_dir=self.jit_cache_dir, device=self.accelerator.device
+                self.fp8_backend,
+                moe_backend=self.fp8_moe_backend,
+                jit_cache_dir=self.jit_cache_dir,
+                device=self.accelerator.device,
             )
             log = logger.warning if self.fp8_backend == "auto" and self.kernel.backend != "deepgemm" else logger.info
             log("vLLM block-FP8 kernel for rollouts: %s (%s)", self.kernel.backend, self.kernel.reason)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from trl_fp8.config import VLLM_FP8_BACKENDS
+from trl_fp8.config import VLLM_FP8_BACKENDS, VLLM_FP8_MOE_BACKENDS
 
 logger = logging.getLogger(__name__)
 
@@ -41,11 +41,15 @@ __all__ = [
     "rollout_kernel",
     "server_command",
     "server_kernel",
+    "with_moe_backend",
 ]
 
 # `--linear-backend` / `LLM(linear_backend=...)` names; an explicit name makes vLLM fail loudly if that kernel cannot
 # take a layer instead of silently picking another one.
 VLLM_LINEAR_BACKEND = {"deepgemm": "deep_gemm", "cutlass": "cutlass", "triton": "triton"}
+# `LLM(moe_backend=...)` names of `vllm_fp8_moe_backend`'s choices ("auto" passes nothing: vLLM chooses).
+VLLM_MOE_BACKEND = {"triton": "triton", "deepgemm": "deep_gemm", "cutlass": "cutlass",
+                    "flashinfer_cutlass": "flashinfer_cutlass"}  # fmt: skip
 # Never E8M0: it changes our scales (weights) and rounds vLLM's activation scales up to powers of two.
 NO_E8M0 = {"VLLM_USE_DEEP_GEMM_E8M0": "0"}
 
@@ -156,15 +160,46 @@ def check_fp8_kv_attention(device: torch.device | int | None = None) -> None:
 
 
 def rollout_kernel(
-    backend: str = "auto", *, jit_cache_dir: str | Path | None = None, device: torch.device | int | None = None
+    backend: str = "auto",
+    *,
+    moe_backend: str = "auto",
+    jit_cache_dir: str | Path | None = None,
+    device: torch.device | int | None = None,
 ) -> RolloutKernel:
-    """Resolve `backend` ("auto", "deepgemm", "cutlass", "triton") for this machine.
+    """Resolve `backend` ("auto", "deepgemm", "cutlass", "triton") for this machine, and with it `moe_backend`, the
+    kernel of the experts of a mixture of experts (`with_moe_backend`).
 
     "auto" takes DeepGEMM when `deepgemm_unavailable_reason` finds nothing against it, else Cutlass, and says why
     in `reason` (the caller logs it). An explicit "deepgemm" that cannot run raises, naming the fix.
     """
     if backend not in VLLM_FP8_BACKENDS:
         raise ValueError(f"vllm_fp8_backend={backend!r} is unknown; use one of {VLLM_FP8_BACKENDS}.")
+    return with_moe_backend(_linear_kernel(backend, jit_cache_dir, device), moe_backend)
+
+
+def with_moe_backend(kernel: RolloutKernel, moe_backend: str) -> RolloutKernel:
+    """`kernel` with vLLM's MoE kernel `moe_backend` for block-FP8 experts: "auto" leaves vLLM's own choice; the
+    others pass `moe_backend` to `LLM(...)`, "deepgemm" (DeepGEMM's grouped GEMM, with its warm-up) only where the
+    linear layers run on DeepGEMM too. Every one runs on the FP8 experts the trainer pushes (the sync checks the
+    engine's tensors against them, `rollout.vllm.experts`)."""
+    if moe_backend not in VLLM_FP8_MOE_BACKENDS:
+        raise ValueError(f"vllm_fp8_moe_backend={moe_backend!r} is unknown; use one of {VLLM_FP8_MOE_BACKENDS}.")
+    if moe_backend == "auto":
+        return kernel
+    env = dict(kernel.env)
+    if moe_backend == "deepgemm":
+        if kernel.backend != "deepgemm":
+            raise ValueError(
+                f"vllm_fp8_moe_backend='deepgemm' runs the experts on DeepGEMM, which this engine does not use: its "
+                f"linear layers run on {kernel.backend} ({kernel.reason}). Use vllm_fp8_backend='deepgemm' where "
+                "DeepGEMM runs, or another vllm_fp8_moe_backend."
+            )
+        env["VLLM_MOE_USE_DEEP_GEMM"] = "1"  # vLLM's DeepGEMM MoE needs it besides `moe_backend`
+    return RolloutKernel(kernel.backend, f"{kernel.reason}; experts on {moe_backend} (requested)", env,
+                         {**kernel.llm_kwargs, "moe_backend": VLLM_MOE_BACKEND[moe_backend]})  # fmt: skip
+
+
+def _linear_kernel(backend: str, jit_cache_dir, device) -> RolloutKernel:
     if backend in ("auto", "deepgemm"):
         why_not = deepgemm_unavailable_reason(device)
         if why_not is None:
