@@ -194,7 +194,9 @@ def with_moe_backend(kernel: RolloutKernel, moe_backend: str) -> RolloutKernel:
                 f"linear layers run on {kernel.backend} ({kernel.reason}). Use vllm_fp8_backend='deepgemm' where "
                 "DeepGEMM runs, or another vllm_fp8_moe_backend."
             )
-        env["VLLM_MOE_USE_DEEP_GEMM"] = "1"  # vLLM's DeepGEMM MoE needs it besides `moe_backend`
+        # `moe_backend` picks the kernel; this switch also has vLLM's warm-up compile the grouped kernels at start-up
+        # (one at a time: minutes on a cold cache) instead of in the middle of the first rollout
+        env["VLLM_MOE_USE_DEEP_GEMM"] = "1"
     return RolloutKernel(kernel.backend, f"{kernel.reason}; experts on {moe_backend} (requested)", env,
                          {**kernel.llm_kwargs, "moe_backend": VLLM_MOE_BACKEND[moe_backend]})  # fmt: skip
 
