@@ -14,7 +14,8 @@ layer call by one kernel from the routing counts, which never leave the GPU (no 
 quantizer reads the sorted rows straight into that layout, in both layouts; FProp and DGrad run on DeepGEMM's
 m-grouped GEMM (or `kernels.grouped_gemm.m_grouped_gemm`: `FP8LinearConfig.experts_gemm`), WGrad on
 `kernels.grouped_gemm.k_grouped_gemm` (with `FP8LinearConfig.fuse_wgrad_accumulation`, adding into an existing
-`.grad` in place: `gradient_to_add_into`); DGrad's weights are re-quantized per expert in the transposed layout. Per
+`.grad` in place: `gradient_to_add_into`); DGrad's weights are moved per expert into the transposed layout from the
+blocks the weight cache holds (`kernels.weight_quant.transpose_expert_weights`), or re-quantized there without it. Per
 projection that is 2 launches forward and 4 backward, whatever the number of experts. gate_up's quantizer reads the
 tokens themselves (`kernels.grouped_gemm.token_maps` names each padded row's token), its input gradient sums each
 token's rows in one pass, and the router-weighted sum of each token's expert outputs is one pass each way
