@@ -475,7 +475,7 @@ def test_grouped_experts_equal_the_loop_over_experts(tokens=200):
     assert not grouped.gate_up_proj.grad[2].any()  # expert 2 received no token: zero gradient
 
 
-def test_dgrad_moves_the_cached_blocks_and_computes_what_requantizing_computes():
+def test_dgrad_moves_the_cached_blocks_and_computes_what_requantizing_computes(monkeypatch):
     """With the weight cache holding the forward's FP8 experts (the default outside a trainer's memory-tight
     micro-batches), DGrad moves those blocks into its layout instead of re-quantizing the weight: every output and
     gradient is bit for bit the uncached layer's. A forward that records gradients with `cache_with_grad=False`
@@ -488,25 +488,22 @@ def test_dgrad_moves_the_cached_blocks_and_computes_what_requantizing_computes()
     _, grouped, x, index, weights = _experts_pair(tokens=60)
     x, index, weights = x.to(_device()), index.to(_device()), weights.to(_device())
     grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(5)).to(_device())
-    moved, requantized = [], []
+    calls = []  # which route each DGrad took
     real_move, real_quant = weight_quant.transpose_expert_weights, weight_quant.quantize_expert_weights_t
+    monkeypatch.setattr(weight_quant, "transpose_expert_weights", lambda *a: calls.append("moved") or real_move(*a))
+    monkeypatch.setattr(weight_quant, "quantize_expert_weights_t",
+                        lambda *a, **k: calls.append("requantized") or real_quant(*a, **k))  # fmt: skip
 
     def run(**config):
         layer = copy.deepcopy(grouped)
         layer.fp8_config = dataclasses.replace(layer.fp8_config, **config)
-        moved.clear(), requantized.clear()
-        weight_quant.transpose_expert_weights = lambda *a: moved.append(1) or real_move(*a)
-        weight_quant.quantize_expert_weights_t = lambda *a, **k: requantized.append(1) or real_quant(*a, **k)
-        try:
-            out = _fwd_bwd(layer, x, index, weights, grad)
-        finally:
-            weight_quant.transpose_expert_weights, weight_quant.quantize_expert_weights_t = real_move, real_quant
-        return out, (len(moved), len(requantized))
+        calls.clear()
+        return _fwd_bwd(layer, x, index, weights, grad), list(calls)
 
     cached, calls_cached = run()
     uncached, calls_uncached = run(cache_quantized_weight=False, cache_with_grad=True)
     dropped, calls_dropped = run(cache_with_grad=False)
-    assert calls_cached == (2, 0) and calls_uncached == (0, 2) and calls_dropped == (0, 2)
+    assert calls_cached == ["moved"] * 2 and calls_uncached == calls_dropped == ["requantized"] * 2
     for got, ref, also in zip(cached, uncached, dropped, strict=True):
         assert torch.equal(got, ref) and torch.equal(also, ref)
 
