@@ -257,20 +257,24 @@ def run_one(args) -> None:
                                save_fp8_checkpoint=False, **options)  # fmt: skip
 
     timings = {"rollout": [], "sync": [], "step": [], "score": [], "optimizer": []}
-    # Peak allocated bytes by phase: "rollout" covers sync + generate, "training" the rest of the step (scoring,
-    # forward/backward, optimizer). The allocator's peak is read and reset at each phase boundary.
-    peaks = {"rollout": 0, "training": 0}
+    # Peak allocated bytes by phase: "rollout" covers sync + generate, "training" the rest of the step, split into
+    # "scoring" (rewards, old and reference log-probs) and "micro_batches" (forward/backward, optimizer): which of them
+    # sets a flow's peak, and by how much. The allocator's peak is read and reset at each boundary.
+    peaks = {"rollout": 0, "training": 0, "scoring": 0, "micro_batches": 0}
 
     # The allocator's figure counts what vLLM's sleep mode has unmapped (its pool's tensors stay allocated while their
     # memory is released), so it can exceed the GPU. The device's own use (total - free, sampled every 20 ms: this
     # process, vLLM's engine and CUDA contexts) is what must fit.
-    device_peaks = {"rollout": 0, "training": 0}
+    device_peaks = {"rollout": 0, "training": 0, "scoring": 0, "micro_batches": 0}
     sampler = DeviceMemorySampler()
 
     def close_phase(phase: str) -> None:
-        peaks[phase] = max(peaks[phase], torch.cuda.max_memory_allocated())
+        """`phase`: "rollout", "scoring" or "micro_batches" (the last two also count as "training")."""
+        allocated, device = torch.cuda.max_memory_allocated(), sampler.take_peak()
         torch.cuda.reset_peak_memory_stats()
-        device_peaks[phase] = max(device_peaks[phase], sampler.take_peak())
+        for name in (phase, "training") if phase != "rollout" else (phase,):
+            peaks[name] = max(peaks[name], allocated)
+            device_peaks[name] = max(device_peaks[name], device)
 
     class StepTimer(TrainerCallback):
         """Optimizer-step wall times: the time between consecutive step ends (step begin fires per micro-step)."""
@@ -284,7 +288,7 @@ def run_one(args) -> None:
             now = time.perf_counter()
             timings["step"].append(now - self.last)
             self.last = now
-            close_phase("training")
+            close_phase("micro_batches")
 
         def on_pre_optimizer_step(self, args, state, control, **k):
             torch.cuda.synchronize()
@@ -335,7 +339,7 @@ def run_one(args) -> None:
         def wrapper(*a, **k):
             torch.cuda.synchronize()
             if key == "sync":  # the sync opens the rollout phase
-                close_phase("training")
+                close_phase("micro_batches")
             start = time.perf_counter()
             try:
                 return fn(*a, **k)
@@ -345,6 +349,7 @@ def run_one(args) -> None:
                 if key == "rollout":
                     close_phase("rollout")
                 elif key == "score":
+                    close_phase("scoring")
                     segment_end("scoring")  # a profile that covers the scoring splits there
 
         return wrapper
@@ -415,7 +420,7 @@ def run_one(args) -> None:
             totals[step] += seconds
         return totals
 
-    close_phase("training")
+    close_phase("micro_batches")
     sampler.stop()
     rollout_s, sync_s = per_step("rollout"), per_step("sync")
     per_step_s = {"step_s": timings["step"], "rollout_s": rollout_s, "weight_sync_s": sync_s,

@@ -7,11 +7,17 @@ three `mm`s; at 1.7B-8B training sizes this host time is what the GPU waits for 
 
     python -m benchmarks.bench_host                  # on the GPU host
     python -m benchmarks.bench_host --quick          # CPU: only the rows that run without CUDA
+    python -m benchmarks.bench_host --profile DIR    # and where the layers' host time goes, op by op
+
+`--profile` runs the layer rows (`PROFILED`) again under the torch profiler: each op's calls and self CPU time per
+layer call land in the row (`host_ops`) and the profiler's table in DIR, so the gap between an FP8 layer's host time
+and the sum of its kernels' launches is named op by op.
 """
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -44,6 +50,35 @@ class _Identity(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return g
+
+
+PROFILED = ("nn.Linear fwd+bwd", "FP8Linear fwd+bwd (cached W)", "3 x FP8Linear as one sibling GEMM fwd+bwd")
+
+
+def host_ops(fn, calls: int, cuda: bool, table_path=None, top: int = 25) -> dict:
+    """`fn` under the torch profiler: `{"ops_per_call", "self_cpu_us_per_call", "ops": [{name, calls_per_call,
+    self_cpu_us_per_call}, ...]}`, the `top` ops by self CPU time (ops as the profiler names them: ATen ops,
+    `autograd::engine` nodes, Triton and cuBLAS launches); `table_path`: the profiler's own table there."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    for _ in range(min(20, calls)):
+        fn()
+    with profile(activities=activities) as prof:
+        for _ in range(calls):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    events.sort(key=lambda e: -e.self_cpu_time_total)
+    if table_path is not None:
+        table_path.write_text(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=60))
+    return {
+        "ops_per_call": sum(e.count for e in events) / calls,
+        "self_cpu_us_per_call": sum(e.self_cpu_time_total for e in events) / calls,
+        "ops": [{"name": e.key, "calls_per_call": e.count / calls, "self_cpu_us_per_call": e.self_cpu_time_total / calls}
+                for e in events[:top]],
+    }  # fmt: skip
 
 
 def cases(m: int, k: int, n: int, device: str) -> dict:
@@ -131,6 +166,7 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=256)
     parser.add_argument("--n", type=int, default=256)
     parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--profile", type=Path, help="also profile the layer rows (PROFILED); tables into this folder")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
@@ -138,10 +174,18 @@ def main() -> None:
     name = device_name()
     rows = []
     print(f"host microseconds per call, m={args.m} k={args.k} n={args.n}, {name}")
+    if args.profile:
+        args.profile.mkdir(parents=True, exist_ok=True)
     for label, fn in cases(args.m, args.k, args.n, device).items():
         us = host_us(fn, calls, cuda)
         rows.append({"case": label, "host_us": us})
         print(f"{label:<48} {us:9.1f}")
+        if args.profile and label in PROFILED:
+            table = args.profile / f"{label.split(' fwd')[0].replace(' ', '_')}.txt"
+            rows[-1]["host_ops"] = ops = host_ops(fn, min(calls, 200), cuda, table)
+            top = ", ".join(f"{o['name']} {o['self_cpu_us_per_call']:.0f}" for o in ops["ops"][:5])
+            print(f"{'':<4}profiled: {ops['ops_per_call']:.0f} ops a call, {ops['self_cpu_us_per_call']:.0f} us self CPU "
+                  f"(under the profiler); top: {top}")  # fmt: skip
     result = {
         "benchmark": "host cost per call of an FP8 linear layer's pieces (host-bound loop)",
         **metadata(name),

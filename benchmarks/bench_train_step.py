@@ -32,7 +32,8 @@ from benchmarks.common import (
 )
 
 FLOWS = {  # flow: FP8 conversion options (None: BF16), Liger's layer kernels, checkpoint every n-th layer (0: none)
-    # (a "_compiled" flow also compiles each decoder layer: torch.compile, the FP8 ops as custom ops)
+    # (a "_compiled" flow also compiles each decoder layer: torch.compile, the FP8 ops as custom ops; with Liger's
+    # kernels applied first where it says "liger")
     "bf16": (None, False, 1),
     "fp8": ({}, False, 1),
     "fp8_fused": ({"fuse_sibling_gemms": True, "fuse_swiglu": True}, False, 1),
@@ -43,6 +44,9 @@ FLOWS = {  # flow: FP8 conversion options (None: BF16), Liger's layer kernels, c
     # Memory into speed: transformers' `gradient_checkpointing_kwargs={"every_n_layers": n}` (TrainingArguments)
     "bf16_compiled": (None, False, 1),
     "fp8_compiled": ({}, False, 1),
+    # Liger's kernels inside the compiled layers (Dynamo traces their Triton kernels) against Inductor's own fusions
+    "bf16_compiled_liger": (None, True, 1),
+    "fp8_compiled_liger": ({}, True, 1),
     "fp8_ckpt2": ({}, False, 2),
     "fp8_nockpt": ({}, False, 0),
     "bf16_liger_ckpt2": (None, True, 2),
@@ -75,7 +79,7 @@ def build(shape: str, layers: int | None, flow: str, device: str):
         # later versions name the method activation_checkpointing_enable, the older name still works there)
         enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
         enable({"use_reentrant": False}, every_n_layers=every_n)
-    if flow.endswith("_compiled"):
+    if "_compiled" in flow:
         for layer in model.model.layers:  # regional compilation: one graph per decoder layer, compiled once
             layer.compile()
     model.config.use_cache = False

@@ -641,12 +641,15 @@ def test_training_phase_and_host_benchmarks_run_at_smoke_size(tmp_path):
         "activation_checkpointing_enable" in rows["fp8_ckpt2"].get("error", "")
         or rows["fp8_ckpt2"]["loss"] == rows["fp8"]["loss"]
     )
-    _run("benchmarks.bench_host", "--quick", "--out", tmp_path / "host.json")
-    host = {r["case"]: r["host_us"] for r in json.loads((tmp_path / "host.json").read_text())["results"]}
-    assert {"nn.Linear fwd+bwd", "FP8Linear fwd+bwd (cached W)", "3 x FP8Linear as one sibling GEMM fwd+bwd"} <= set(
-        host
-    )
-    assert all(us > 0 for us in host.values())
+    _run("benchmarks.bench_host", "--quick", "--profile", tmp_path / "host_prof", "--out", tmp_path / "host.json")
+    rows = {r["case"]: r for r in json.loads((tmp_path / "host.json").read_text())["results"]}
+    profiled = {"nn.Linear fwd+bwd", "FP8Linear fwd+bwd (cached W)", "3 x FP8Linear as one sibling GEMM fwd+bwd"}
+    assert profiled <= set(rows) and all(r["host_us"] > 0 for r in rows.values())
+    # the profiled rows name their ops: an FP8 layer issues more of them than nn.Linear (its quantizers at least)
+    ops = {case: rows[case]["host_ops"] for case in profiled}
+    assert ops["FP8Linear fwd+bwd (cached W)"]["ops_per_call"] > ops["nn.Linear fwd+bwd"]["ops_per_call"] > 0
+    assert any(o["name"] == "aten::mm" for o in ops["nn.Linear fwd+bwd"]["ops"])
+    assert len(list((tmp_path / "host_prof").glob("*.txt"))) == 3
 
 
 def test_experts_benchmark_runs_at_smoke_size(tmp_path):
