@@ -20,16 +20,16 @@ Runs (one child process each, vLLM colocated, same model, prompts, batch and 1k-
   memory that copy costs, against the time it saves);
 - `bf16_compiled`, `unified_compiled`, `unified_fp8kv_compiled`: BF16 training (FP8GRPOTrainer without FP8 layers,
   BF16 rollouts) and the unified flows with every decoder layer compiled (`compile_decoder_layers=True`);
-  `unified_fp8kv_compiled_liger` adds TRL's Liger GRPO loss (lm_head and loss fused) and leaves the norms, RoPE and
-  SwiGLU inside the layers to the compiler (`liger_kernel_config`);
+  `unified_fp8kv_compiled_liger` puts Liger's RMSNorm, RoPE and SwiGLU kernels inside the compiled layers;
 - `unified_fused`: `unified` with q/k/v and gate/up as one FP8 GEMM per pass and SiLU·mul fused into
   `down_proj`'s input quantization (`fp8_fuse_sibling_gemms=True, fp8_fuse_swiglu=True`);
 - `fp8_defaults`: `FP8GRPOConfig` left to its defaults (what a user who sets nothing gets: Liger's kernels where
-  installed, the FP8 weight cache and the FP8 KV cache as the planner chooses them); every other run sets
-  `use_liger_kernel` and `fp8_kv_cache` itself.
+  installed, the FP8 weight cache and the FP8 KV cache as the planner chooses them, the rollouts scored in the
+  micro-batches' own forwards); every other run sets `use_liger_kernel` and `fp8_kv_cache` itself;
+  `fp8_defaults_scoring_pass` keeps TRL's scoring pass before the micro-batches (`score_in_training_forward=False`).
 
-Peak allocated memory is recorded per phase (rollout: sync + generate; training: the rest), with the size of the
-FP8 weight cache at the end.
+Peak allocated memory is recorded per phase (rollout: sync + generate; training: the rest, split into scoring and
+micro-batches), with the size of the FP8 weight cache at the end.
 
 Each step is split into rollout (vLLM generate), weight sync, and training (everything else: scoring log-probs,
 rewards, forward/backward, optimizer). Medians are reported over the steps after the first `--warmup` and before
@@ -89,6 +89,7 @@ RUNS = {  # run: (trainer, fp8_recipe, rollout_precision, fp8 KV cache, training
     # MoE: every sync takes vLLM's layerwise reload for the experts too (the in-place expert write off), to compare
     "unified_experts_reload": ("trl_fp8", "blockwise", "fp8", False, "auto", None),
     "fp8_defaults": ("trl_fp8", "blockwise", "fp8", None, "auto", None),  # + use_liger_kernel left unset
+    "fp8_defaults_scoring_pass": ("trl_fp8", "blockwise", "fp8", None, "auto", None),
     # FSDP2's all-gathers and the host: gathered two layers ahead, old log-probs scored 16 sequences a forward, and
     # both with q/k/v and gate/up as one GEMM each (fewer launches per layer where the host bounds the step)
     "unified_fp8kv_liger_prefetch2": ("trl_fp8", "blockwise", "fp8", True, "auto", None),
@@ -108,18 +109,16 @@ RUN_OPTIONS = {  # further (FP8)GRPOConfig fields of a run
     "bf16_compiled": {"compile_decoder_layers": True},
     "unified_compiled": {"compile_decoder_layers": True},
     "unified_fp8kv_compiled": {"compile_decoder_layers": True},
-    # Liger's loss outside the compiled layers; inside them Inductor fuses what Liger's kernels would
-    "unified_fp8kv_compiled_liger": {
-        "compile_decoder_layers": True,
-        **LIGER,
-        "liger_kernel_config": {"rope": False, "rms_norm": False, "swiglu": False},
-    },
+    # Liger's kernels traced inside the compiled layers, against Inductor fusing the same ops itself
+    "unified_fp8kv_compiled_liger": {"compile_decoder_layers": True, **LIGER},
     "bf16_ckpt2": {"gradient_checkpointing_kwargs": {"every_n_layers": 2}},
     "unified_ckpt2": {"gradient_checkpointing_kwargs": {"every_n_layers": 2}},
     "unified_ckpt4": {"gradient_checkpointing_kwargs": {"every_n_layers": 4}},
     "unified_liger_nocache": LIGER,
     "unified_fp8kv_liger_cache": LIGER,
     "fp8_defaults": {"use_liger_kernel": None},  # FP8GRPOTrainer's own start-up choice
+    # the defaults, with TRL's scoring pass of every rollout before the micro-batches kept (what skipping it gains)
+    "fp8_defaults_scoring_pass": {"use_liger_kernel": None, "score_in_training_forward": False},
     "unified_fp8kv_liger_prefetch2": {"fsdp2_prefetch_layers": 2, **LIGER},
     "unified_fp8kv_liger_logprob16": {"logprob_batch_size": 16, **LIGER},
     "unified_fp8kv_liger_fsdp2": {

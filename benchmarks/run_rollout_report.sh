@@ -167,7 +167,7 @@ concurrency)  # matched concurrency: the same share, and every engine capped at 
   ;;
 colocate)  # TRL's colocate defaults on one GPU; each run in a child of its own, rows appended to one file. By default
   # TRL BF16 with and without Liger's kernels against FP8GRPOTrainer left to its defaults (Liger, the FP8 KV cache and
-  # the weight cache as it chooses them) and the same with compiled decoder layers and TRL's Liger loss.
+  # the weight cache as it chooses them) and the same with Liger's kernels inside compiled decoder layers.
   # COLOCATE_GPUS="0 1 2 3": the runs dealt over these GPUs, the GPUs at once (the same host load on every flow; one
   # file by benchmarks.merge_results).
   runs=${COLOCATE_RUNS:-trl_bf16 trl_bf16_liger fp8_defaults unified_fp8kv_compiled_liger}

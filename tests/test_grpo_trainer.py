@@ -18,6 +18,7 @@ from transformers import TrainerCallback
 from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, FP8Linear, dequantize_blocks, quantize_blocks
 from trl_fp8.demo.tiny_model import tiny_char_tokenizer, tiny_qwen3, tiny_qwen3_config
 from trl_fp8.demo.toy_task import GRPO_SETTINGS, say_letter_dataset, say_letter_reward
+from trl_fp8.trainer.importance_sampling import token_tis_ratio
 from trl_fp8.trainer.mixin import fp8_model_card_section
 
 from conftest import assert_fp8_equal, layer_names, rel_err
@@ -392,12 +393,12 @@ def test_push_to_hub_pushes_the_fp8_checkpoint_with_a_model_card(model_dir, tmp_
     )
 
 
-def test_token_tis_applies_to_rollouts_with_their_own_logprobs(model_dir, tmp_path):
-    """A rollout_func sampling from a BF16 copy (vLLM-less off-policy rollouts): mismatch is logged, and TRL's loss
-    is weighted by our token ratio."""
+def bf16_twin_rollout_func(model_dir):
+    """A `rollout_func` sampling 8 tokens from a BF16 copy of the model (it differs from the FP8 policy), returning
+    the sampled tokens' log-probs: off-policy rollouts without vLLM."""
     from transformers import AutoModelForCausalLM
 
-    rollout_model = AutoModelForCausalLM.from_pretrained(model_dir)  # BF16-style twin: differs from the FP8 policy
+    rollout_model = AutoModelForCausalLM.from_pretrained(model_dir)
     tokenizer = tiny_char_tokenizer()
 
     def rollout_func(prompts, trainer):
@@ -416,24 +417,78 @@ def test_token_tis_applies_to_rollouts_with_their_own_logprobs(model_dir, tmp_pa
             out["logprobs"].append(logps)
         return out
 
-    trainer = make_trainer(model_dir, tmp_path, tis="token", tis_cap=2.0, rollout_func=rollout_func)
-    assert trainer._tis_without_vllm
+    return rollout_func
+
+
+@pytest.mark.parametrize("in_training_forward", [False, True])
+def test_token_tis_applies_to_rollouts_with_their_own_logprobs(model_dir, tmp_path, in_training_forward):
+    """A rollout_func sampling from a BF16 copy (vLLM-less off-policy rollouts): mismatch is logged, and TRL's loss
+    is weighted by our token ratio. With `score_in_training_forward` (the default here) no forward scores the rollout
+    before the micro-batches: the loss's own forward gives the ratio, the one the scoring pass gives."""
+    trainer = make_trainer(model_dir, tmp_path, tis="token", tis_cap=2.0, rollout_func=bf16_twin_rollout_func(model_dir),
+                           score_in_training_forward=None if in_training_forward else False)  # fmt: skip
+    assert trainer._tis_without_vllm and trainer.scoring_in_training_forward.on is in_training_forward
     trainer.model.train()
+    scoring = []  # grad mode of each forward that computes the policy's log-probs
+    real = trainer._get_per_token_logps_and_entropies
+    trainer._get_per_token_logps_and_entropies = lambda *a, **k: scoring.append(torch.is_grad_enabled()) or real(
+        *a, **k)  # fmt: skip
     batch = trainer._generate_and_score_completions([trainer.train_dataset[i] for i in (0, 1) for _ in range(8)])
+    assert scoring == ([] if in_training_forward else [False])
+    trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train(); we call the loss directly
+    batch["advantages"] = torch.linspace(-1.0, 2.0, len(batch["advantages"]))  # group-centred ones sum to 0
+    if in_training_forward:
+        assert "importance_sampling_ratio" not in batch
+        trainer._compute_loss(trainer.model, batch)  # the one forward, with gradients, puts the ratio in the batch
+        assert scoring == [True]
+        with torch.no_grad():  # what a scoring pass gives: the same ratio
+            logps = real(trainer.model, torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1),
+                         torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1),
+                         batch["completion_ids"].size(1))[0]  # fmt: skip
+        expected = token_tis_ratio(logps, batch["sampling_per_token_logps"], batch["completion_mask"], 2.0)
+        torch.testing.assert_close(batch["importance_sampling_ratio"], expected, rtol=1e-5, atol=1e-6)
+        assert trainer._metrics["train"]["sampling/importance_sampling_ratio/max"][-1] <= 2.0
     ratio = batch["importance_sampling_ratio"]
     assert ratio.shape == batch["completion_ids"].shape and (ratio <= 2.0).all() and (ratio != 1).any()
     stats = trainer._metrics["train"]
     assert stats["fp8/mismatch/abs_logp_diff_mean"][-1] > 1e-3  # FP8 policy vs BF16 sampler do differ
 
     # TRL's own loss code applies the ratio: halving it halves the (KL-free) loss.
-    trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train(); we call the loss directly
-    batch["advantages"] = torch.linspace(-1.0, 2.0, len(batch["advantages"]))  # group-centred ones sum to 0
     half = dict(batch, importance_sampling_ratio=torch.full_like(ratio, 0.5))
     ones = dict(batch, importance_sampling_ratio=torch.ones_like(ratio))
     loss_half = trainer._compute_loss(trainer.model, half)
     loss_ones = trainer._compute_loss(trainer.model, ones)
     assert torch.allclose(loss_half, 0.5 * loss_ones, rtol=1e-4, atol=1e-7) and loss_ones.abs() > 0
     assert trainer.use_vllm is False  # restored after the loss
+
+
+def test_training_scores_off_policy_rollouts_in_its_micro_batches(model_dir, tmp_path):
+    """Two optimizer steps of four micro-batches each, every rollout scored by its micro-batches' own forwards (TRL's
+    buffering and shuffling of the batch around them): each step logs the ratio and the mismatch, and trains."""
+    trainer = make_trainer(model_dir, tmp_path, tis="token", rollout_func=bf16_twin_rollout_func(model_dir),
+                           per_device_train_batch_size=4, gradient_accumulation_steps=4)  # fmt: skip
+    assert trainer.scoring_in_training_forward.on
+    before = trainer.model.model.layers[0].mlp.up_proj.weight.detach().clone()
+    trainer.train()
+    logs = [log for log in trainer.state.log_history if "loss" in log]
+    assert len(logs) == 2
+    for log in logs:
+        assert 0 < log["sampling/importance_sampling_ratio/mean"] <= 2.0 and log["fp8/mismatch/kl_k3"] > 0
+        assert math.isfinite(log["loss"])
+    assert not torch.equal(before, trainer.model.model.layers[0].mlp.up_proj.weight)
+
+
+def test_rollouts_trained_on_after_an_update_are_scored_before_the_micro_batches(model_dir, tmp_path):
+    """Two optimizer steps per rollout (steps_per_generation=2, no gradient accumulation): the second micro-batch
+    runs on updated weights, so its training forward is not the rollout's log-probs. Asked for, that is an error; by
+    default the trainer keeps TRL's scoring pass and says why."""
+    with pytest.raises(ValueError, match=r"gradient_accumulation_steps=1 must be a multiple of steps_per_generation "
+                                         r"x num_iterations = 2 x 1"):  # fmt: skip
+        make_args(tmp_path, tis="token", score_in_training_forward=True, steps_per_generation=2)
+    trainer = make_trainer(model_dir, tmp_path, tis="token", steps_per_generation=2,
+                           rollout_func=lambda prompts, trainer: None)  # fmt: skip
+    choice = trainer.scoring_in_training_forward
+    assert not choice.on and choice.automatic and "updated weights" in choice.reason
 
 
 def test_config_round_trips_through_trl_parser(tmp_path):

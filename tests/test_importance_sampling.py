@@ -102,3 +102,48 @@ def test_mismatch_is_also_reported_by_completion_position():
     buckets = {k.split("/")[0] for k in stats if k.startswith("pos_")}
     assert buckets == {"pos_0_63", "pos_256_511", "pos_1024_2047"}  # empty buckets are not logged
     assert stats["abs_logp_diff_mean"] == pytest.approx((0.5 + 0.5 + 1.0 + 2.0) / 4)
+
+
+def test_importance_sampling_ratio_in_each_of_trls_modes():
+    """Per token: exp of the token's log-ratio; per sequence: exp of their sum; truncated to [clip_min, clip_max] or
+    masked to 0 outside; padding and NaN rollout log-probs count as a log-ratio of 0."""
+    from trl_fp8.trainer.importance_sampling import importance_sampling_ratio
+
+    train = torch.tensor([[-1.0, -2.0, -0.5], [-1.0, -1.0, -3.0]])
+    rollout = torch.tensor([[-1.5, -1.0, float("nan")], [-0.5, -1.2, -9.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    token_log = torch.tensor([[0.5, -1.0, 0.0], [-0.5, 0.2, 0.0]])
+    seq_log = token_log.sum(-1, keepdim=True)  # [-0.5, -0.3]
+
+    def ratio(mode, low=None, high=None):
+        return importance_sampling_ratio(train, rollout, mask, mode, low, high)
+
+    torch.testing.assert_close(ratio("token_truncate", 0.5, 1.5), token_log.exp().clamp(0.5, 1.5))
+    torch.testing.assert_close(ratio("token_mask", 0.5, 1.5), torch.where(
+        (token_log.exp() < 0.5) | (token_log.exp() > 1.5), 0.0, token_log.exp()))  # fmt: skip
+    torch.testing.assert_close(ratio("sequence_truncate", 0.7, 3.0), seq_log.exp().clamp(0.7, 3.0))
+    torch.testing.assert_close(ratio("sequence_mask", 0.7, 3.0), torch.tensor([[0.0], [math.exp(-0.3)]]))
+    torch.testing.assert_close(ratio("sequence_mask", None, 3.0), seq_log.exp())
+    with pytest.raises(ValueError, match="Unknown importance sampling mode 'token'"):
+        ratio("token")
+
+
+def test_sampling_metrics_are_trls_over_scored_tokens():
+    from trl_fp8.trainer.importance_sampling import importance_sampling_ratio, sampling_metrics
+
+    train = torch.tensor([[-1.0, -2.0, -0.5], [-1.0, -1.0, -3.0]])
+    rollout = torch.tensor([[-1.5, -1.0, float("nan")], [-0.5, -1.2, -9.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    ratio = importance_sampling_ratio(train, rollout, mask, "token_truncate", None, 2.0)
+    got = sampling_metrics(train, rollout, mask, ratio)
+    # |delta| of the scored tokens 0.5, 1.0, 0.5, 0.2 (the NaN and the padded token left out); the ratio over the
+    # five completion tokens: e^0.5, e^-1, 1 (NaN: log-ratio 0), e^-0.5, e^0.2
+    values = [math.exp(0.5), math.exp(-1.0), 1.0, math.exp(-0.5), math.exp(0.2)]
+    assert got["sampling/sampling_logp_difference/mean"] == pytest.approx(2.2 / 4)
+    assert got["sampling/sampling_logp_difference/max"] == pytest.approx(1.0)
+    assert got["sampling/importance_sampling_ratio/min"] == pytest.approx(math.exp(-1.0))
+    assert got["sampling/importance_sampling_ratio/max"] == pytest.approx(math.exp(0.5))
+    assert got["sampling/importance_sampling_ratio/mean"] == pytest.approx(sum(values) / 5)
+    sequence = importance_sampling_ratio(train, rollout, mask, "sequence_truncate", None, 3.0)
+    per_sequence = sampling_metrics(train, rollout, mask, sequence, per_sequence=True)
+    assert per_sequence["sampling/importance_sampling_ratio/mean"] == pytest.approx(sequence.mean().item())

@@ -84,6 +84,28 @@ def test_the_batch_keys_we_read_and_write_are_trls():
     assert 'inputs["importance_sampling_ratio"]' in loss and "self.use_vllm" in loss
 
 
+def test_scoring_in_the_training_forward_fits_trls_loss_and_scoring():
+    """`score_in_training_forward` relies on TRL's loss computing the policy's log-probs (one call of
+    `_get_per_token_logps_and_entropies`) before it reads the ratio from the batch, on the scoring pass being left out
+    when importance sampling is off and rollouts train within one step, and on TRL's importance-sampling modes being
+    the ones `importance_sampling_ratio` computes."""
+    from trl_fp8.trainer.importance_sampling import IMPORTANCE_SAMPLING_MODES
+
+    loss = inspect.getsource(GRPOTrainer._compute_loss)
+    logps_at = loss.index("self._get_per_token_logps_and_entropies(")
+    assert loss.count("self._get_per_token_logps_and_entropies(") == 1
+    assert (
+        logps_at
+        < loss.index('inputs.get("importance_sampling_ratio")')
+        < loss.index('inputs["importance_sampling_ratio"]')
+    )
+    produce = inspect.getsource(GRPOTrainer._generate_and_score_completions)
+    assert "self.args.gradient_accumulation_steps % generate_every != 0 or (" in produce
+    assert "self.use_vllm and self.vllm_importance_sampling_correction" in produce
+    for mode in IMPORTANCE_SAMPLING_MODES:
+        assert f'"{mode}"' in produce, mode
+
+
 def test_the_config_fields_we_set_exist():
     grpo = {f.name: f for f in dataclasses.fields(GRPOConfig)}
     for name in ("vllm_importance_sampling_correction", "vllm_importance_sampling_mode",

@@ -237,6 +237,45 @@ def test_no_tis_and_no_mismatch_logging_leave_trls_importance_sampling_off(fake_
     assert trainer.vllm_importance_sampling_correction is False
 
 
+@pytest.mark.parametrize("tis", [None, "token"])
+def test_vllm_rollouts_are_scored_in_the_training_forward(fake_vllm, tmp_path, model_batch, monkeypatch, tis):
+    """TRL's importance sampling (its own default mode, or tis='token'), every rollout trained on within one optimizer
+    step: TRL builds the batch with its correction switched off (so without its scoring pass), and the loss's own
+    forward puts TRL's ratio of that mode in the batch before TRL's loss multiplies by it, and logs the metrics."""
+    from trl import GRPOTrainer
+
+    from trl_fp8.trainer.importance_sampling import importance_sampling_ratio
+
+    trainer = tiny_trainer(tmp_path, tis=tis)
+    assert trainer.scoring_in_training_forward.on and trainer.vllm_importance_sampling_correction is True
+    switch = []
+    monkeypatch.setattr(GRPOTrainer, "_generate_and_score_completions",
+                        lambda self, inputs: switch.append(self.vllm_importance_sampling_correction) or {})  # fmt: skip
+    trainer._generate_and_score_completions([])
+    assert switch == [False] and trainer.vllm_importance_sampling_correction is True
+
+    trainer.model.train()
+    batch = dict(model_batch)
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    with torch.no_grad():  # what TRL's scoring pass would have given
+        train = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, batch["completion_ids"].size(1))[
+            0
+        ]
+    noise = 0.3 * torch.randn(train.shape, generator=torch.Generator().manual_seed(0))
+    batch["sampling_per_token_logps"] = (train + noise).masked_fill(torch.rand(train.shape) < 0.05, float("nan"))
+    trainer.current_gradient_accumulation_steps = 1
+    trainer._compute_loss(trainer.model, batch)
+    expected = importance_sampling_ratio(train, batch["sampling_per_token_logps"], batch["completion_mask"],
+                                         trainer.vllm_importance_sampling_mode,
+                                         trainer.vllm_importance_sampling_clip_min,
+                                         trainer.vllm_importance_sampling_clip_max)  # fmt: skip
+    torch.testing.assert_close(batch["importance_sampling_ratio"], expected, rtol=1e-4, atol=1e-6)
+    assert (expected != 1).any()
+    metrics = trainer._metrics["train"]
+    assert metrics["sampling/sampling_logp_difference/mean"][-1] > 0.1 and metrics["fp8/mismatch/kl_k3"][-1] > 0
+
+
 @pytest.fixture
 def model_batch(tmp_path):
     """A scored GRPO batch from a trainer without vLLM (the same model and tokenizer as `tiny_trainer`)."""

@@ -77,7 +77,9 @@ class FP8TrainingArguments:
             and reference log-probs, the mismatch metrics), as NeMo RL's `logprob_batch_size` and veRL's
             `log_prob_micro_batch_size_per_gpu`. `None`: TRL's `per_device_train_batch_size`. Nothing is kept for
             backward and TRL's log-prob head never holds whole logits, so a larger batch costs little memory; it runs
-            fewer, larger GEMMs and, under FSDP2, gathers every weight fewer times.
+            fewer, larger GEMMs and, under FSDP2, gathers every weight fewer times. (Where GRPO's
+            `score_in_training_forward` leaves the old log-probs and the metrics to the micro-batches, only the
+            reference model scores this way.)
         ddp_gradient_as_bucket_view (bool): Under DDP, let each gradient live in DDP's all-reduce bucket instead of
             beside a copy of it (PyTorch's `gradient_as_bucket_view`): two bytes per BF16 parameter given back, 16 GB
             at 8B, the same gradients.
@@ -518,6 +520,13 @@ class FP8GRPOConfig(FP8TrainingArguments, GRPOConfig):
             `token_truncate` mode with vLLM; applied by this trainer to any other rollout that returns its own
             log-probs). `"off"`: no correction. `None`: leave TRL's `vllm_importance_sampling_*` fields as they are.
         tis_cap (float): Upper clip of the token ratio (veRL and NeMo RL use 2.0 for FP8 rollouts).
+        score_in_training_forward (bool | None): Take the trainer's log-probs of the rollout tokens (for the
+            importance-sampling ratio and the mismatch metrics) from each micro-batch's own training forward, detached,
+            instead of a no-grad forward over the whole rollout before the micro-batches (TRL's scoring pass): one
+            forward pass fewer per step, the same values where every rollout is trained on within one optimizer step
+            (`gradient_accumulation_steps` a multiple of `steps_per_generation` x `num_iterations`, TRL's default),
+            since the weights are then the same in both forwards. `None`: on there. The metrics are then logged per
+            micro-batch and averaged, as TRL logs its loss-side metrics.
     """
 
     log_rollout_mismatch: bool = field(
@@ -533,6 +542,14 @@ class FP8GRPOConfig(FP8TrainingArguments, GRPOConfig):
     )
     tis_cap: float = field(
         default=2.0, metadata={"help": "Upper clip of the token-level importance ratio (veRL/NeMo RL use 2.0)."}
+    )
+    score_in_training_forward: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Take the trainer's log-probs of the rollout tokens (importance sampling, mismatch metrics) from "
+            "each micro-batch's training forward instead of a separate scoring pass: one forward fewer per step. "
+            "None: on where every rollout is trained on within one optimizer step.",
+        },
     )
 
     def __post_init__(self):
@@ -554,6 +571,19 @@ class FP8GRPOConfig(FP8TrainingArguments, GRPOConfig):
         elif self.tis == "off":
             self.vllm_importance_sampling_correction = False
         self._finish_post_init()
+        if self.score_in_training_forward and not self.rollouts_train_within_one_step():
+            raise ValueError(
+                "score_in_training_forward=True takes the trainer's log-probs of a rollout from the training forward, "
+                "which equals a scoring pass before the micro-batches only if every rollout is trained on within one "
+                f"optimizer step: gradient_accumulation_steps={self.gradient_accumulation_steps} must be a multiple "
+                f"of steps_per_generation x num_iterations = {self.steps_per_generation} x {self.num_iterations}. "
+                "Align them, or set score_in_training_forward=False (the scoring pass)."
+            )
+
+    def rollouts_train_within_one_step(self) -> bool:
+        """Whether every rollout is trained on within one optimizer step (TRL's condition for not scoring old
+        log-probs), so that the weights a rollout was sampled with are the weights of all its micro-batches."""
+        return self.gradient_accumulation_steps % (self.steps_per_generation * self.num_iterations) == 0
 
     def _refuse_tis_conflicts(self) -> None:
         """Raise where TRL's own importance-sampling fields say otherwise than `tis`; warn on a cap nothing uses."""

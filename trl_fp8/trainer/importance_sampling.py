@@ -1,21 +1,60 @@
 """Token-level truncated importance sampling (TIS) and trainer-vs-rollout mismatch statistics.
 
-The ratio is TRL's own `token_truncate` formula, `clamp(exp(logp_train - logp_rollout), clip_min, cap)`, with
-padding and unscored (NaN) tokens at exactly 1; we compute it ourselves only where TRL does not (rollouts that
-carry their own log-probs without vLLM). The statistics are what NeMo RL and veRL users watch.
+The ratio is TRL's own formula (`GRPOTrainer._generate_and_score_completions`, `vllm_importance_sampling_mode`), for
+instance `token_truncate`'s `clamp(exp(logp_train - logp_rollout), clip_min, cap)`, with padding and unscored (NaN)
+tokens at a log-ratio of 0. We compute it ourselves where TRL does not: rollouts that carry their own log-probs without
+vLLM, and micro-batches that take the trainer's log-probs from their own training forward instead of TRL's scoring
+pass (`FP8GRPOConfig.score_in_training_forward`). The statistics are what NeMo RL and veRL users watch, and the
+`sampling/*` ones TRL logs.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
 
-__all__ = ["token_tis_ratio", "mismatch_stats", "POSITION_BUCKETS"]
+__all__ = [
+    "IMPORTANCE_SAMPLING_MODES",
+    "importance_sampling_ratio",
+    "token_tis_ratio",
+    "mismatch_stats",
+    "sampling_metrics",
+    "POSITION_BUCKETS",
+]
+
+# TRL's `vllm_importance_sampling_mode` values, each of which `importance_sampling_ratio` computes as TRL does.
+IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 # Completion-token positions at which mismatch is also reported per bucket: does it compound with length? Doubling
 # widths from 64 tokens, so that completions of a few hundred tokens get several buckets too.
 POSITION_BUCKETS = (0, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+def importance_sampling_ratio(
+    train_logps: torch.Tensor,
+    rollout_logps: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    clip_min: float | None = None,
+    clip_max: float | None = None,
+) -> torch.Tensor:
+    """TRL's vLLM importance-sampling ratio `pi_train / pi_rollout` of the sampled tokens in `mode`: per token
+    (`[B, T]`) or per sequence (`[B, 1]`, from the sum of its tokens' log-ratios); `*_truncate` clamps it to
+    `[clip_min, clip_max]`, `*_mask` sets it to 0 outside. A token where `mask` is 0 or the rollout log-prob is NaN
+    has a log-ratio of 0."""
+    if mode not in IMPORTANCE_SAMPLING_MODES:
+        raise ValueError(f"Unknown importance sampling mode {mode!r}; TRL's are {IMPORTANCE_SAMPLING_MODES}.")
+    diff = torch.nan_to_num((train_logps - rollout_logps) * mask, nan=0.0)
+    if mode.startswith("sequence"):
+        diff = diff.sum(dim=-1, keepdim=True)
+    ratio = torch.exp(diff)
+    if mode.endswith("truncate"):
+        return torch.clamp(ratio, min=clip_min, max=clip_max)
+    low = clip_min if clip_min is not None else -math.inf
+    high = clip_max if clip_max is not None else math.inf
+    return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
 
 
 def token_tis_ratio(
@@ -26,8 +65,40 @@ def token_tis_ratio(
     clip_min: float | None = None,
 ) -> torch.Tensor:
     """Per-token `clamp(pi_train / pi_rollout, clip_min, cap)`; 1 where `mask` is 0 or the rollout log-prob is NaN."""
-    diff = torch.nan_to_num((train_logps - rollout_logps) * mask, nan=0.0)
-    return torch.clamp(torch.exp(diff), min=clip_min, max=cap)
+    return importance_sampling_ratio(train_logps, rollout_logps, mask, "token_truncate", clip_min, cap)
+
+
+def sampling_metrics(
+    train_logps: torch.Tensor,
+    rollout_logps: torch.Tensor,
+    mask: torch.Tensor,
+    ratio: torch.Tensor,
+    per_sequence: bool = False,
+    gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> dict[str, float]:
+    """TRL's `sampling/*` metrics of a batch and its importance-sampling `ratio` (per token, or `[B, 1]` with
+    `per_sequence`): `|logp_train - logp_rollout|` over the scored completion tokens (mean, max) and the ratio (min, mean,
+    max), over every process with one `gather`; means weighted by tokens (sequences for a per-sequence ratio)."""
+    valid = mask.bool()
+    delta = (train_logps - rollout_logps).abs()[valid & ~torch.isnan(rollout_logps)].double()
+    flat = (ratio.flatten() if per_sequence else ratio[valid]).double()
+
+    def extreme(t: torch.Tensor) -> torch.Tensor:
+        return t.max() if t.numel() else t.new_tensor(-math.inf)
+
+    local = torch.stack([delta.new_tensor(float(delta.numel())), delta.sum(), extreme(delta),
+                         delta.new_tensor(float(flat.numel())), flat.sum(), extreme(flat), extreme(-flat)])  # fmt: skip
+    rows = (gather(local) if gather is not None else local).reshape(-1, local.numel()).cpu()
+    sums, maxima = rows[:, [0, 1, 3, 4]].sum(0), rows[:, [2, 5, 6]].amax(0)
+    out = {}
+    if sums[0] > 0:
+        out["sampling/sampling_logp_difference/mean"] = (sums[1] / sums[0]).item()
+        out["sampling/sampling_logp_difference/max"] = maxima[0].item()
+    if sums[2] > 0:
+        out["sampling/importance_sampling_ratio/min"] = -maxima[2].item()
+        out["sampling/importance_sampling_ratio/mean"] = (sums[3] / sums[2]).item()
+        out["sampling/importance_sampling_ratio/max"] = maxima[1].item()
+    return out
 
 
 def mismatch_stats(
