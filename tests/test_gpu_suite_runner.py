@@ -71,10 +71,11 @@ def test_no_gpu_runs_two_processes_at_once_and_none_is_overtaken(tmp_path, monke
         "import json, os, sys, time; start = time.time(); name, secs = sys.argv[-1].split('=')\n"
         "time.sleep(float(secs))\n"
         f"open({str(record)!r}, 'a').write(json.dumps([name, os.environ['TRL_FP8_TEST_GPUS'], start, time.time(), "
-        "os.environ['OMP_NUM_THREADS']]) + '\\n')"
+        "os.environ['OMP_NUM_THREADS'], os.environ['TRL_FP8_ARTIFACTS']]) + '\\n')"
     )
     monkeypatch.setattr(run_suite, "PYTEST", [sys.executable, "-c", stand_in])
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("TRL_FP8_ARTIFACTS", raising=False)
     widths = {"w4": 4, "a2": 2, "b2": 2, "c2": 2, "l0": 1, "l1": 1, "l2": 1, "l3": 1, "l4": 1}
     seconds = {"w4": 0.4, "a2": 1.2, "b2": 0.3, "c2": 0.3, "l0": 0.1, "l1": 0.2, "l2": 0.3, "l3": 0.4, "l4": 0.5}
     jobs = [run_suite.Job(name, [f"{name}={seconds[name]}"], n, 0.0) for name, n in widths.items()]
@@ -82,9 +83,14 @@ def test_no_gpu_runs_two_processes_at_once_and_none_is_overtaken(tmp_path, monke
     codes = run_suite.run_jobs(jobs, ["0", "1", "2", "3"], tmp_path, [], poll_s=0.05, on_done=lambda: ended.append(1))
     assert codes == [0] * len(jobs) and len(ended) == len(jobs)
     lines = [json.loads(line) for line in record.open()]
-    runs = {name: (gpus.split(","), start, end) for name, gpus, start, end, _ in lines}
+    runs = {name: (gpus.split(","), start, end) for name, gpus, start, end, *_ in lines}
     # the cores shared among the (at most four) processes running at once
-    assert {threads for *_, threads in lines} == {str(max(1, (os.cpu_count() or 1) // 4))}
+    assert {threads for *_, threads, _ in lines} == {str(max(1, (os.cpu_count() or 1) // 4))}
+    # each process keeps what its tests save in a folder of its own beside its log
+    assert {name: folder for name, *_, folder in lines} == {
+        name: str(tmp_path / f"{name}_artifacts") for name in widths
+    }
+    assert all((tmp_path / f"{name}_artifacts").is_dir() for name in widths)
     assert sorted(runs) == sorted(widths)
     assert all(len(runs[name][0]) == n for name, n in widths.items())
     started = [line.split()[1] for line in capsys.readouterr().out.splitlines() if line.startswith("[start]")]

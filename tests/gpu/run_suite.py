@@ -6,7 +6,9 @@ Tests that need several GPUs (`@pytest.mark.gpus(n)`) run first, each in a pytes
 (two two-GPU tests side by side on four GPUs). Then the one-GPU tests, split into one pytest process per GPU by
 their recorded durations (`tests/gpu/durations.json`; every run writes fresh ones to its log folder). On one GPU
 that is a single pytest process, and tests needing more GPUs report themselves skipped. Each process writes its
-log and JUnit file to the log folder; the last line sums them up, as pytest's own summary does.
+log and JUnit file to the log folder, and what its tests keep (`TRL_FP8_ARTIFACTS`: vLLM server logs, a run's log
+history) to `<process>_artifacts/` there, unless that variable names a folder already; the last line sums them up,
+as pytest's own summary does.
 """
 
 from __future__ import annotations
@@ -89,6 +91,9 @@ def run_jobs(
             job = jobs[queue[0]]
             job.assigned, free = free[: job.gpus], free[job.gpus :]
             env = {**os.environ, "TRL_FP8_TEST_GPUS": ",".join(job.assigned)}
+            if "TRL_FP8_ARTIFACTS" not in env:  # each process's own: two servers' logs never overwrite each other
+                (artifacts := logs / f"{job.name}_artifacts").mkdir(exist_ok=True)
+                env["TRL_FP8_ARTIFACTS"] = str(artifacts)
             env.pop("MASTER_PORT", None)  # each GPU test picks one of its own (tests/conftest.py)
             # The machine's cores shared between the processes running at once (one per GPU at most): left alone, each
             # takes them all for its CPU work (a demo's warm start, compiles), and the GPUs' processes contend for them.
