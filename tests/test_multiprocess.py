@@ -61,6 +61,24 @@ def test_ranks_agree_on_metrics_weights_and_pushed_fp8_tensors(two_rank_run):
     assert r0["pushed_fp8"] == r1["pushed_fp8"]
 
 
+def test_ranks_score_their_rollouts_in_the_micro_batches_together(tmp_path):
+    """DDP on rollouts with their own log-probs and token TIS, scored in each micro-batch's training forward: every
+    micro-batch's metrics are reduced over both ranks (one collective each, paired on every rank), so the ranks log
+    the same values, and they train the same weights."""
+    tokenizer = tiny_char_tokenizer()
+    tiny_qwen3(vocab_size=128, eos_token_id=tokenizer.eos_token_id, pad_token_id=0).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    torchrun_two(WORKERS / "ddp_grpo_worker.py", tmp_path / "model", tmp_path / "out", "ddp_tis")
+    r0, r1 = (json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in (0, 1))
+    steps = [log for log in r0["log_history"] if "loss" in log]
+    assert len(steps) == 2
+    for log in steps:
+        assert 0 < log["sampling/importance_sampling_ratio/mean"] <= 2.0 and "fp8/mismatch/kl_k3" in log
+    for a, b in zip(r0["log_history"], r1["log_history"], strict=True):
+        assert {k: v for k, v in a.items() if k not in TIMINGS} == {k: v for k, v in b.items() if k not in TIMINGS}
+    assert r0["params"] == r1["params"]
+
+
 def test_rank0_export_equals_a_one_process_export_of_the_same_weights(two_rank_run, tmp_path):
     out, (r0, _) = two_rank_run
     assert_export_is_a_one_process_export(out, r0, tmp_path)

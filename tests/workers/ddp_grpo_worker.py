@@ -1,8 +1,9 @@
 """One rank of a multi-process FP8 GRPO run on CPU, launched by tests/test_multiprocess.py through `torchrun`.
 
-    torchrun --nproc_per_node 2 tests/workers/ddp_grpo_worker.py MODEL_DIR OUT_DIR [ddp|fsdp2|zero2]
+    torchrun --nproc_per_node 2 tests/workers/ddp_grpo_worker.py MODEL_DIR OUT_DIR [ddp|fsdp2|zero2|ddp_tis]
 
-Trains the tiny Qwen3 for a few steps under DDP, FSDP2 or DeepSpeed ZeRO-2 (gloo), exports the block-FP8 checkpoint (rank 0 writes it), and
+Trains the tiny Qwen3 for a few steps under DDP, FSDP2 or DeepSpeed ZeRO-2 (gloo; `ddp_tis`: DDP on rollouts that a
+`rollout_func` samples with their log-probs, corrected by token TIS scored in the micro-batches' forwards), exports the block-FP8 checkpoint (rank 0 writes it), and
 writes `OUT_DIR/rank<r>.json` with what every rank must agree on: its log history, a digest of its parameters and a
 digest of the FP8 tensors it would push to vLLM.
 """
@@ -28,6 +29,34 @@ def tensor_digest(pairs) -> str:
         h.update(str(t.dtype).encode())
         h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
+
+
+def sampled_with_logprobs(model_dir):
+    """A `rollout_func` sampling each prompt's completion from the trainer's own model (without gradients, one prompt
+    at a time) and returning the sampled tokens' log-probs, as an engine would."""
+    from transformers import AutoTokenizer
+
+    from trl_fp8.demo.toy_task import ANSWER_LENGTH
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+
+    def rollout_func(prompts, trainer):
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        out = {"prompt_ids": [], "completion_ids": [], "logprobs": []}
+        for prompt in prompts:
+            ids = tokenizer(tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True))
+            ids = ids["input_ids"]
+            with torch.no_grad():
+                gen = model.generate(torch.tensor([ids]), max_new_tokens=ANSWER_LENGTH, do_sample=True,
+                                     output_scores=True, return_dict_in_generate=True, pad_token_id=0)  # fmt: skip
+            completion = gen.sequences[0, len(ids) :].tolist()
+            out["prompt_ids"].append(ids)
+            out["completion_ids"].append(completion)
+            out["logprobs"].append([torch.log_softmax(score[0].float(), -1)[t].item()
+                                    for score, t in zip(gen.scores, completion, strict=False)])  # fmt: skip
+        return out
+
+    return rollout_func
 
 
 def main():
@@ -58,9 +87,11 @@ def main():
             "save_bf16_master_weights": True,
             "report_to": "none",
             **sharding,
+            **({"tis": "token"} if mode == "ddp_tis" else {}),
         }
     )
-    trainer = FP8GRPOTrainer(model_dir, say_letter_reward, args, train_dataset=say_letter_dataset(256))
+    rollouts = {"rollout_func": sampled_with_logprobs(model_dir)} if mode == "ddp_tis" else {}
+    trainer = FP8GRPOTrainer(model_dir, say_letter_reward, args, train_dataset=say_letter_dataset(256), **rollouts)
     trainer.train()
     trainer.save_model(str(out_dir / "fp8"))
     model = trainer.accelerator.unwrap_model(trainer.model)
