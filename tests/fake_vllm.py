@@ -10,7 +10,7 @@ import torch
 
 from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, convert_to_fp8
 from trl_fp8.demo.tiny_model import tiny_char_tokenizer, tiny_qwen3
-from trl_fp8.demo.toy_task import GRPO_SETTINGS, say_letter_dataset, say_letter_reward
+from trl_fp8.demo.toy_task import ANSWER_LENGTH, GRPO_SETTINGS, say_letter_dataset, say_letter_reward
 
 
 def fp8_model(**kwargs):
@@ -51,6 +51,29 @@ class FakeLLM:
 
     def wake_up(self, tags=None):
         self.asleep = False
+
+
+def sampling_rollout_func(tokenizer, sampler):
+    """A `rollout_func` that samples each prompt's completion (one prompt at a time, `ANSWER_LENGTH` tokens) from the
+    model `sampler(trainer)` gives and returns the sampled tokens' log-probs, as an engine does: rollouts that carry
+    their own log-probs, without vLLM."""
+
+    def rollout_func(prompts, trainer):
+        model = sampler(trainer)
+        out = {"prompt_ids": [], "completion_ids": [], "logprobs": []}
+        for prompt in prompts:  # prompts arrive already repeated num_generations times
+            ids = tokenizer(tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True))
+            ids = ids["input_ids"]
+            gen = model.generate(torch.tensor([ids]), max_new_tokens=ANSWER_LENGTH, do_sample=True,
+                                 output_scores=True, return_dict_in_generate=True, pad_token_id=0)  # fmt: skip
+            completion = gen.sequences[0, len(ids) :].tolist()
+            out["prompt_ids"].append(ids)
+            out["completion_ids"].append(completion)
+            out["logprobs"].append([torch.log_softmax(score[0].float(), -1)[t].item()
+                                    for score, t in zip(gen.scores, completion, strict=False)])  # fmt: skip
+        return out
+
+    return rollout_func
 
 
 def install_fake_vllm(monkeypatch) -> type[FakeLLM]:

@@ -394,30 +394,14 @@ def test_push_to_hub_pushes_the_fp8_checkpoint_with_a_model_card(model_dir, tmp_
 
 
 def bf16_twin_rollout_func(model_dir):
-    """A `rollout_func` sampling 8 tokens from a BF16 copy of the model (it differs from the FP8 policy), returning
-    the sampled tokens' log-probs: off-policy rollouts without vLLM."""
+    """A `rollout_func` sampling from a BF16 copy of the model (it differs from the FP8 policy), returning the sampled
+    tokens' log-probs: off-policy rollouts without vLLM."""
     from transformers import AutoModelForCausalLM
 
+    from fake_vllm import sampling_rollout_func
+
     rollout_model = AutoModelForCausalLM.from_pretrained(model_dir)
-    tokenizer = tiny_char_tokenizer()
-
-    def rollout_func(prompts, trainer):
-        texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
-        prompt_ids = [tokenizer(t)["input_ids"] for t in texts]
-        out = {"prompt_ids": [], "completion_ids": [], "logprobs": []}
-        for ids in prompt_ids:  # prompts arrive already repeated num_generations times
-            gen = rollout_model.generate(
-                torch.tensor([ids]), max_new_tokens=8, do_sample=True, output_scores=True,
-                return_dict_in_generate=True, pad_token_id=0,
-            )  # fmt: skip
-            completion = gen.sequences[0, len(ids) :].tolist()
-            logps = [torch.log_softmax(s[0], -1)[t].item() for s, t in zip(gen.scores, completion, strict=False)]
-            out["prompt_ids"].append(ids)
-            out["completion_ids"].append(completion)
-            out["logprobs"].append(logps)
-        return out
-
-    return rollout_func
+    return sampling_rollout_func(tiny_char_tokenizer(), lambda trainer: rollout_model)
 
 
 @pytest.mark.parametrize("in_training_forward", [False, True])

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]
 
 import torch  # noqa: E402
 
@@ -32,31 +32,13 @@ def tensor_digest(pairs) -> str:
 
 
 def sampled_with_logprobs(model_dir):
-    """A `rollout_func` sampling each prompt's completion from the trainer's own model (without gradients, one prompt
-    at a time) and returning the sampled tokens' log-probs, as an engine would."""
+    """A `rollout_func` sampling from the trainer's own model and returning the sampled tokens' log-probs."""
     from transformers import AutoTokenizer
 
-    from trl_fp8.demo.toy_task import ANSWER_LENGTH
+    from fake_vllm import sampling_rollout_func
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-
-    def rollout_func(prompts, trainer):
-        model = trainer.accelerator.unwrap_model(trainer.model)
-        out = {"prompt_ids": [], "completion_ids": [], "logprobs": []}
-        for prompt in prompts:
-            ids = tokenizer(tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True))
-            ids = ids["input_ids"]
-            with torch.no_grad():
-                gen = model.generate(torch.tensor([ids]), max_new_tokens=ANSWER_LENGTH, do_sample=True,
-                                     output_scores=True, return_dict_in_generate=True, pad_token_id=0)  # fmt: skip
-            completion = gen.sequences[0, len(ids) :].tolist()
-            out["prompt_ids"].append(ids)
-            out["completion_ids"].append(completion)
-            out["logprobs"].append([torch.log_softmax(score[0].float(), -1)[t].item()
-                                    for score, t in zip(gen.scores, completion, strict=False)])  # fmt: skip
-        return out
-
-    return rollout_func
+    return sampling_rollout_func(AutoTokenizer.from_pretrained(model_dir),
+                                 lambda trainer: trainer.accelerator.unwrap_model(trainer.model))  # fmt: skip
 
 
 def main():

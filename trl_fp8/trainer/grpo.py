@@ -118,10 +118,7 @@ class FP8GRPOTrainer(FP8TrainerMixin, GRPOTrainer):
             if self._tis_without_vllm:
                 output["old_per_token_logps"] = train_logps
         mask = output["completion_mask"] * output.get("tool_mask", 1)
-        cap = self.args.tis_cap if self.args.tis == "token" else None
-        stats = mismatch_stats(train_logps, rollout_logps, mask, cap, gather=self.accelerator.gather)
-        for key, value in stats.items():
-            self._metrics[mode][f"fp8/mismatch/{key}"].append(value)
+        self._log_mismatch(train_logps, rollout_logps, mask, mode)
         if self._tis_without_vllm:
             output["importance_sampling_ratio"] = token_tis_ratio(
                 train_logps, rollout_logps, mask, self.args.tis_cap, self.args.vllm_importance_sampling_clip_min
@@ -168,7 +165,6 @@ class FP8GRPOTrainer(FP8TrainerMixin, GRPOTrainer):
         rollout_logps = batch["sampling_per_token_logps"]
         mask = batch["completion_mask"] * batch.get("tool_mask", 1)
         mode = "train" if self.model.training else "eval"
-        gather = self.accelerator.gather
         if self.vllm_importance_sampling_correction or self._tis_without_vllm:
             is_mode = self.vllm_importance_sampling_mode
             ratio = importance_sampling_ratio(train_logps, rollout_logps, mask, is_mode,
@@ -176,12 +172,18 @@ class FP8GRPOTrainer(FP8TrainerMixin, GRPOTrainer):
                                               self.vllm_importance_sampling_clip_max)  # fmt: skip
             batch["importance_sampling_ratio"] = ratio
             per_sequence = is_mode.startswith("sequence")
-            for key, value in sampling_metrics(train_logps, rollout_logps, mask, ratio, per_sequence, gather).items():
+            metrics = sampling_metrics(train_logps, rollout_logps, mask, ratio, per_sequence, self.accelerator.gather)
+            for key, value in metrics.items():
                 self._metrics[mode][key].append(value)
         if self.args.log_rollout_mismatch or self._tis_without_vllm:
-            cap = self.args.tis_cap if self.args.tis == "token" else None
-            for key, value in mismatch_stats(train_logps, rollout_logps, mask, cap, gather=gather).items():
-                self._metrics[mode][f"fp8/mismatch/{key}"].append(value)
+            self._log_mismatch(train_logps, rollout_logps, mask, mode)
+
+    def _log_mismatch(self, train_logps: torch.Tensor, rollout_logps: torch.Tensor, mask: torch.Tensor, mode: str):
+        """`fp8/mismatch/*` of these rollout tokens, over every process (with the TIS clipping where TIS is on)."""
+        cap = self.args.tis_cap if self.args.tis == "token" else None
+        stats = mismatch_stats(train_logps, rollout_logps, mask, cap, gather=self.accelerator.gather)
+        for key, value in stats.items():
+            self._metrics[mode][f"fp8/mismatch/{key}"].append(value)
 
 
 @contextlib.contextmanager
