@@ -253,6 +253,10 @@ def plot_capacity(device: str, points: dict, out: Path, plt, name: str = "rollou
 
 RUN_ORDER = (
     "trl_bf16",
+    "trl_bf16_liger",
+    "fp8_defaults",
+    "fp8_defaults_scoring_pass",
+    "unified_fp8kv_compiled_liger",
     "fp8_rollout",
     "unified",
     "unified_fp8kv",
@@ -261,7 +265,15 @@ RUN_ORDER = (
 )  # bench_grpo.RUNS, baseline first
 
 
-RUN_LABELS = {"trl_bf16": "TRL BF16", "unified": "unified FP8", "unified_fp8kv": "unified FP8\n+ FP8 KV"}
+RUN_LABELS = {
+    "trl_bf16": "TRL BF16",
+    "unified": "unified FP8",
+    "unified_fp8kv": "unified FP8\n+ FP8 KV",
+    "trl_bf16_liger": "TRL BF16\n+ Liger",
+    "fp8_defaults": "FP8GRPOTrainer\ndefaults",
+    "fp8_defaults_scoring_pass": "defaults,\nscoring pass",
+    "unified_fp8kv_compiled_liger": "compiled\n+ Liger",
+}
 LABELED_STEMS = ("grpo_colocate_step_time",)  # plots read beside prose (docs/when-fp8-pays.md): readable run names
 
 

@@ -307,8 +307,9 @@ chainkv)  # the FP8 KV cache's fidelity at over a thousand tokens a completion (
   # CHAINKV_GPU: the GPU it all runs on (default: the first visible), so other phases can use the others meanwhile.
   phase_end=$(($(date +%s) + ${CHAINKV_PHASE_MIN:-27} * 60 - 150))
   (if [ -n "${CHAINKV_GPU:-}" ]; then export CUDA_VISIBLE_DEVICES=$CHAINKV_GPU; fi
+  # batches of 64 sequences of up to 1,761 tokens in slices of 16: the whole batch at once needs more than an H100's 80 GB
   timed chainkv_pretrain python -m benchmarks.convergence.pretrain --task chain_long --size medium \
-    --out "$work/chain-long-base" --batch_size 64 --eval_every 50 --eval_problems 128 \
+    --out "$work/chain-long-base" --batch_size 64 --micro_batch 16 --eval_every 50 --eval_problems 128 \
     --target_accuracy "${CHAIN_TARGET:-0.3}" --max_minutes "${CHAINKV_PRETRAIN_MIN:-10}" \
     --results "$work/convergence_chain_long/pretrain_$device.json")
   timed chainkv_grpo python -m benchmarks.convergence.run_grpo --task chain_long --model "$work/chain-long-base" \

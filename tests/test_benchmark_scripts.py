@@ -45,6 +45,30 @@ def test_pretrain_grpo_and_plots_run_at_smoke_size(tmp_path):
     assert "convergence_accuracy.png" in out and (tmp_path / "plots" / "convergence_reward.png").stat().st_size > 0
 
 
+def test_pretraining_in_micro_batches_takes_the_whole_batchs_step():
+    """`--micro_batch`: slices of a batch whose token-weighted losses add up to the whole batch's mean, so the step is
+    the same one (fp32 on CPU: only the summation order differs, so the bound is a few float32 ulps of the update)."""
+    import torch
+
+    from benchmarks.convergence.pretrain import build, load_task, train_step
+
+    task = load_task("chain")
+    updated = []
+    for micro_batch in (None, 3):
+        model, tokenizer = build(task, "smoke", seed=0)
+        ids, labels = task.Batcher(tokenizer)(task.problems(7, seed=1), "cpu")  # 7 rows: slices of 3, 3 and 1
+        assert (labels[:, 1:] != -100).sum(dim=1).unique().numel() > 1  # rows of different lengths: weights matter
+        before = [p.detach().clone() for p in model.parameters()]
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+        loss = train_step(model, optimizer, schedule, ids, labels, micro_batch)
+        updated.append((loss, [p.detach() - b for p, b in zip(model.parameters(), before, strict=True)]))
+    (loss_whole, step_whole), (loss_sliced, step_sliced) = updated
+    torch.testing.assert_close(loss_sliced, loss_whole, rtol=1e-5, atol=0)
+    for sliced, whole in zip(step_sliced, step_whole, strict=True):
+        torch.testing.assert_close(sliced, whole, rtol=1e-4, atol=1e-6 * whole.abs().max().item())
+
+
 def test_long_completion_task_pretrains_and_runs_grpo_at_smoke_size(tmp_path):
     """`--task chain`: word-level tokenizer, completions up to 864 tokens, through the same pre-training and GRPO
     scripts; its results stay out of the addition plots."""

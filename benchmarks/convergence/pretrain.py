@@ -63,19 +63,28 @@ def build(task, size: str, seed: int):
     return model, tokenizer
 
 
-def train_step(model, optimizer, schedule, ids, labels):
-    """One supervised step (BF16 autocast on CUDA, gradients clipped at 1); returns the loss, detached."""
+def train_step(model, optimizer, schedule, ids, labels, micro_batch: int | None = None):
+    """One supervised step (BF16 autocast on CUDA, gradients clipped at 1); returns the loss, detached. With
+    `micro_batch`, the batch runs in slices of that many rows whose gradients add up to the whole batch's: each slice's
+    mean loss is weighted by its share of the batch's labelled tokens, so long sequences fit a smaller GPU."""
     import torch
 
     device = ids.device.type
-    with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
-        loss = model(input_ids=ids, labels=labels).loss
-    loss.backward()
+    counted = (labels[:, 1:] != -100).sum()  # the tokens the causal LM loss averages over (labels shift by one)
+    total = ids.new_zeros((), dtype=torch.float32)
+    rows = micro_batch or ids.shape[0]
+    for start in range(0, ids.shape[0], rows):
+        part_ids, part_labels = ids[start : start + rows], labels[start : start + rows]
+        share = (part_labels[:, 1:] != -100).sum() / counted.clamp(min=1)
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+            loss = model(input_ids=part_ids, labels=part_labels).loss * share
+        loss.backward()
+        total += loss.detach().float()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
     schedule.step()
     optimizer.zero_grad(set_to_none=True)
-    return loss.detach()
+    return total
 
 
 def main():
@@ -87,6 +96,12 @@ def main():
     parser.add_argument("--size", choices=list(SIZES), default="base")
     parser.add_argument("--max_steps", type=int, default=6000)
     parser.add_argument("--batch_size", type=int, default=512)
+    parser.add_argument(
+        "--micro_batch",
+        type=int,
+        default=None,
+        help="rows per forward/backward, the gradients of a step added up (default: the whole batch)",
+    )
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--eval_every", type=int, default=250)
     parser.add_argument("--eval_problems", type=int, default=512)
@@ -114,7 +129,7 @@ def main():
     lengths = {"steps": task.PRETRAIN_TERMS} if hasattr(task, "PRETRAIN_TERMS") else {}
     for step in range(1, args.max_steps + 1):
         ids, labels = batcher(task.problems(args.batch_size, seed=args.seed * 1_000_003 + step, **lengths), device)
-        loss = train_step(model, optimizer, schedule, ids, labels)
+        loss = train_step(model, optimizer, schedule, ids, labels, args.micro_batch)
         out_of_time = time.time() - start > 60 * args.max_minutes
         if step % args.eval_every == 0 or step == args.max_steps or out_of_time:
             accuracy = task.greedy_accuracy(model, tokenizer, held_out)

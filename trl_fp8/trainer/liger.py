@@ -32,7 +32,7 @@ LIGER_DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 def choose_liger_kernels(model_type: str | None, args, *, cuda: bool) -> StartUpChoice:
     """The run's `use_liger_kernel`: the user's where set; else on for a dense model of `LIGER_DENSE_MODEL_TYPES`
     trained on a CUDA GPU (`cuda`) with liger-kernel installed, in blockwise FP8 or BF16, outside compiled decoder
-    layers (torchao's recipes and compiled layers are not yet measured with them)."""
+    layers (torchao's recipes are not yet measured with them; compiled layers with them were slower)."""
     from transformers.utils import is_liger_kernel_available
 
     if args.use_liger_kernel is not None:
@@ -49,7 +49,9 @@ def choose_liger_kernels(model_type: str | None, args, *, cuda: bool) -> StartUp
         return StartUpChoice(False, f"torchao's {args.fp8_recipe!r} recipe is not measured with them yet")
     if args.compile_decoder_layers:
         return StartUpChoice(
-            False, "compile_decoder_layers compiles the layers instead (the two are not measured together yet)"
+            False,
+            "compile_decoder_layers compiles the layers instead (Liger's kernels inside compiled layers ran "
+            "the 8B GRPO step slower than Liger's alone: docs/when-fp8-pays.md)",
         )
     if not is_liger_kernel_available():
         return StartUpChoice(
