@@ -1,6 +1,7 @@
 """Forward+backward time of one linear layer at Qwen3-8B shapes: BF16 vs FP8 recipes, side by side in one run.
 
     python -m benchmarks.bench_linear            # on an SM90 GPU; writes benchmarks/results/linear_<device>.json
+    python -m benchmarks.bench_linear --shape 1.7b   # Qwen3-1.7B's layers: results/linear_1.7b_<device>.json
     python -m benchmarks.bench_linear --quick    # CPU smoke run of the same code (emulated FP8, tiny shapes)
 
 Variants: BF16 `nn.Linear`; trl_fp8 blockwise (`FP8Linear`, weight re-quantized every call as after each optimizer
@@ -31,6 +32,14 @@ QWEN3_8B = [
     (4096, 24576, "gate_up_proj"),
     (12288, 4096, "down_proj"),
 ]
+QWEN3_1_7B = [  # hidden 2048, 16 query and 8 KV heads of 128, intermediate 6144
+    (2048, 4096, "qkv_proj"),
+    (2048, (2048, 1024, 1024), "q,k,v (3 layers)"),
+    (2048, 2048, "o_proj"),
+    (2048, 12288, "gate_up_proj"),
+    (6144, 2048, "down_proj"),
+]
+SHAPES = {"8b": QWEN3_8B, "1.7b": QWEN3_1_7B}
 
 
 def bench(fn, reps: int, cuda: bool, grad_to_none=()) -> float:
@@ -172,6 +181,7 @@ def profile_step(mod, x, dy, cuda, out_dir, label, name, iters=20):
 def main():
     parser = arg_parser(__doc__, out="benchmarks/results/linear_<device>.json; with --quick, only with --out",
                         quick="tiny shapes, for a CPU smoke run")  # fmt: skip
+    parser.add_argument("--shape", choices=list(SHAPES), default="8b", help="the Qwen3 model whose layers are timed")
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--reps", type=int, default=200, help="milliseconds of timed repeats per case (GPU)")
     parser.add_argument(
@@ -186,7 +196,11 @@ def main():
     device = "cuda" if cuda else "cpu"
     torch._dynamo.config.recompile_limit = 64  # every shape's compiled variants are new modules: one compile each
     dtype = torch.bfloat16
-    shapes = [(256, 384, "tiny_a"), (512, 256, "tiny_b"), (256, (128, 256), "tiny_ab")] if args.quick else QWEN3_8B
+    shapes = (
+        [(256, 384, "tiny_a"), (512, 256, "tiny_b"), (256, (128, 256), "tiny_ab")]
+        if args.quick
+        else SHAPES[args.shape]
+    )
     m = 256 if args.quick else args.tokens
     device_label = device_name()
 
@@ -230,6 +244,7 @@ def main():
         "benchmark": "linear fwd+bwd",
         **metadata(device_label),
         "dtype": str(dtype),
+        "shape": "tiny" if args.quick else args.shape,
         "tokens": m,
         "results": rows,
         "trl_fp8_breakdown_ms": breakdowns,
@@ -262,7 +277,8 @@ def main():
 
     # (written last, so the JSON holds the unaccounted-time column computed above)
     if not args.quick or args.out:
-        print(f"wrote {write_json(results_path(args.out, 'linear', device_label), result)}")
+        stem = "linear" if args.shape == "8b" else f"linear_{args.shape}"
+        print(f"wrote {write_json(results_path(args.out, stem, device_label), result)}")
 
 
 if __name__ == "__main__":
