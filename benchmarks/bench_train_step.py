@@ -8,12 +8,17 @@ engine start-ups, for comparing training-side options (the opt-in fusions, Liger
 
 The loss is the LM cross-entropy over every token (a BF16 `lm_head`, the same in every flow); the optimizer is SGD
 with a zero learning rate, so weights keep their values but FP8 flows requantize them once per step, as in training.
+
+Each flow runs in a process of its own: Liger's `apply_liger_kernel_to_*` replaces the model type's RoPE function and
+its RMSNorm and MLP classes module-wide even when given one model, so a flow built after a Liger flow in the same
+process would run Liger's kernels too; compiled flows would share Dynamo's caches.
 """
 
 from __future__ import annotations
 
-import gc
+import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -28,6 +33,7 @@ from benchmarks.common import (
     kernel_breakdown,
     metadata,
     results_path,
+    run_child,
     write_json,
 )
 
@@ -156,14 +162,29 @@ def run_flow(args, flow: str, device: str) -> dict:
         "step_s": statistics.median(times),
         "per_step_s": times,
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        "pid": os.getpid(),  # the process it ran in: one per flow (see the module doc)
     }
     if args.profile:
         row["profile"] = profiled
-    del model, optimizer
-    gc.collect()  # whatever reference cycles a flow's model has, its memory must not count in the next flow's peak
-    if cuda:
-        torch.cuda.empty_cache()
     return row
+
+
+def flow_row(args, flow: str, device: str) -> dict:
+    """`run_flow`'s row, or the flow and why it could not run here (a result too: the other flows go on)."""
+    try:
+        return run_flow(args, flow, device)
+    except Exception as error:  # noqa: BLE001
+        return {"flow": flow, "error": f"{type(error).__name__}: {error}"[:500]}
+
+
+def child_argv(args) -> list[str]:
+    """The settings a flow's child process runs with: the parent's, less the flows and the output file."""
+    argv = ["--shape", args.shape, "--micro_batch", args.micro_batch, "--seq_len", args.seq_len,
+            "--micro_batches", args.micro_batches, "--steps", args.steps, "--warmup", args.warmup]  # fmt: skip
+    argv += ["--layers", args.layers] if args.layers else []
+    argv += ["--profile", args.profile] if args.profile else []
+    argv += ["--quick"] if args.quick else []
+    return [str(a) for a in argv]
 
 
 def main() -> None:
@@ -180,6 +201,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--profile", default=None, metavar="DIR", help="profile one more step per flow, tables to DIR")
+    parser.add_argument("--one_flow", choices=list(FLOWS), default=None, help=argparse.SUPPRESS)  # (a child's flow)
     args = parser.parse_args()
     if args.quick:
         args.micro_batch, args.seq_len, args.micro_batches, args.steps, args.warmup = 1, 128, 1, 1, 0
@@ -191,14 +213,14 @@ def main() -> None:
         "settings": {k: v for k, v in vars(args).items() if k not in ("flows", "out", "quick", "profile")},
         "results": [],
     }
+    if args.one_flow:  # a child of the loop below: this flow's row on stdout
+        print(json.dumps(flow_row(args, args.one_flow, device)), flush=True)
+        return
     for flow in args.flows:
-        try:
-            row = run_flow(args, flow, device)
-        except Exception as error:  # noqa: BLE001  (a flow that cannot run here is a result: record why, go on)
-            row = {"flow": flow, "error": f"{type(error).__name__}: {error}"[:500]}
-            gc.collect()  # an out-of-memory flow leaves its model in the traceback's frames: free it for the next
-            if device == "cuda":
-                torch.cuda.empty_cache()
+        failure: dict = {}
+        rows = run_child("benchmarks.bench_train_step", "--one_flow", flow, child_argv(args), failure=failure)
+        row = rows[-1] if rows else {"flow": flow, "error": "; ".join(failure.get("errors", []))[-500:] or
+                                     f"exit {failure.get('exit')}"}  # fmt: skip
         result["results"].append(row)
         print(json.dumps(row), flush=True)
     base = next((r for r in result["results"] if r["flow"] == "bf16" and "step_s" in r), None)

@@ -428,7 +428,7 @@ SEPARATE_STUDIES = ("convergence_fp8kv",)  # one question each, settings side by
 
 
 SETTING_ORDER = ("bf16", "bf16_fp8rollout", "bf16_fp8rollout_tis", "fp8", "fp8_tis", "fp8_tis_fp8kv")
-LONG_TASKS = ("chain",)  # the long-completion tasks (`run_grpo.py --task`): their own tables and plots
+LONG_TASKS = ("chain", "chain_long")  # the long-completion tasks (`run_grpo.py --task`): their own tables and plots
 
 
 def tables(results: Path) -> str:

@@ -650,7 +650,9 @@ def test_speed_regimes_and_long_task_runs_get_their_own_tables_and_plots(tmp_pat
 def test_training_phase_and_host_benchmarks_run_at_smoke_size(tmp_path):
     """bench_train_step on CPU: BF16 and the FP8 flows train the same tiny model on the same batches (learning rate
     0), so their losses agree to FP8 noise; a flow that cannot run here (Liger: GPU kernels, maybe not installed)
-    is recorded with its error and the others go on. bench_host times every piece that runs without CUDA."""
+    is recorded with its error and the others go on. Each flow runs in a process of its own (Liger patches the model
+    type module-wide: a later flow in the same process would run its kernels). bench_host times every piece that
+    runs without CUDA."""
     _run("benchmarks.bench_train_step", "--shape", "tiny", "--quick",
          "--flows", "bf16", "fp8", "fp8_fused", "fp8_ckpt2", "fp8_nockpt", "fp8_liger", "--profile", tmp_path / "prof", "--out", tmp_path / "ts.json")  # fmt: skip
     rows = {r["flow"]: r for r in json.loads((tmp_path / "ts.json").read_text())["results"]}
@@ -659,6 +661,8 @@ def test_training_phase_and_host_benchmarks_run_at_smoke_size(tmp_path):
         assert rows[flow]["step_s"] > 0 and rows[flow]["profile"]["wall_ms"] > 0
         assert abs(rows[flow]["loss"] - rows["bf16"]["loss"]) < 0.02 * rows["bf16"]["loss"]
     assert rows["fp8"]["loss"] != rows["bf16"]["loss"]  # the FP8 flow did run in FP8
+    pids = [r["pid"] for r in rows.values() if "pid" in r]
+    assert len(pids) >= 5 and len(set(pids)) == len(pids)
     assert rows["fp8_fused"]["loss"] == rows["fp8"]["loss"]  # the fusions change no forward value
     assert rows["fp8_nockpt"]["loss"] == rows["fp8"]["loss"]  # nor does checkpointing no layer, or every 2nd one
     # (transformers before `every_n_layers` records that it lacks it)
