@@ -210,7 +210,7 @@ def main() -> None:
     result = {
         "benchmark": "training phase alone: fwd+bwd (gradient checkpointing) + optimizer step",
         **metadata(name),
-        "settings": {k: v for k, v in vars(args).items() if k not in ("flows", "out", "quick", "profile")},
+        "settings": {k: v for k, v in vars(args).items() if k not in ("flows", "out", "quick", "profile", "one_flow")},
         "results": [],
     }
     if args.one_flow:  # a child of the loop below: this flow's row on stdout

@@ -662,7 +662,7 @@ def test_training_phase_and_host_benchmarks_run_at_smoke_size(tmp_path):
         assert abs(rows[flow]["loss"] - rows["bf16"]["loss"]) < 0.02 * rows["bf16"]["loss"]
     assert rows["fp8"]["loss"] != rows["bf16"]["loss"]  # the FP8 flow did run in FP8
     pids = [r["pid"] for r in rows.values() if "pid" in r]
-    assert len(pids) >= 5 and len(set(pids)) == len(pids)
+    assert len(pids) >= 4 and len(set(pids)) == len(pids)
     assert rows["fp8_fused"]["loss"] == rows["fp8"]["loss"]  # the fusions change no forward value
     assert rows["fp8_nockpt"]["loss"] == rows["fp8"]["loss"]  # nor does checkpointing no layer, or every 2nd one
     # (transformers before `every_n_layers` records that it lacks it)
