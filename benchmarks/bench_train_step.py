@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -177,16 +178,6 @@ def flow_row(args, flow: str, device: str) -> dict:
         return {"flow": flow, "error": f"{type(error).__name__}: {error}"[:500]}
 
 
-def child_argv(args) -> list[str]:
-    """The settings a flow's child process runs with: the parent's, less the flows and the output file."""
-    argv = ["--shape", args.shape, "--micro_batch", args.micro_batch, "--seq_len", args.seq_len,
-            "--micro_batches", args.micro_batches, "--steps", args.steps, "--warmup", args.warmup]  # fmt: skip
-    argv += ["--layers", args.layers] if args.layers else []
-    argv += ["--profile", args.profile] if args.profile else []
-    argv += ["--quick"] if args.quick else []
-    return [str(a) for a in argv]
-
-
 def main() -> None:
     parser = arg_parser(__doc__, out="benchmarks/results/train_step_<shape>_<device>.json",
                         quick="tiny sizes, for a CPU smoke run")  # fmt: skip
@@ -218,7 +209,7 @@ def main() -> None:
         return
     for flow in args.flows:
         failure: dict = {}
-        rows = run_child("benchmarks.bench_train_step", "--one_flow", flow, child_argv(args), failure=failure)
+        rows = run_child(__spec__.name, "--one_flow", flow, sys.argv[1:], failure=failure)
         row = rows[-1] if rows else {"flow": flow, "error": "; ".join(failure.get("errors", []))[-500:] or
                                      f"exit {failure.get('exit')}"}  # fmt: skip
         result["results"].append(row)

@@ -3,9 +3,9 @@
     torchrun --nproc_per_node 2 tests/workers/ddp_grpo_worker.py MODEL_DIR OUT_DIR [ddp|fsdp2|zero2|ddp_tis]
 
 Trains the tiny Qwen3 for a few steps under DDP, FSDP2 or DeepSpeed ZeRO-2 (gloo; `ddp_tis`: DDP on rollouts that a
-`rollout_func` samples with their log-probs, corrected by token TIS scored in the micro-batches' forwards), exports the block-FP8 checkpoint (rank 0 writes it), and
-writes `OUT_DIR/rank<r>.json` with what every rank must agree on: its log history, a digest of its parameters and a
-digest of the FP8 tensors it would push to vLLM.
+`rollout_func` samples with their log-probs, corrected by token TIS scored in the micro-batches' forwards), exports
+the block-FP8 checkpoint (rank 0 writes it), and writes `OUT_DIR/rank<r>.json` with what every rank must agree on:
+its log history, a digest of its parameters and a digest of the FP8 tensors it would push to vLLM.
 """
 
 import hashlib
