@@ -57,6 +57,7 @@ from trl_fp8.trainer.memory import (
     choose_fp8_weight_cache,
     choose_fsdp2_gradient_sync,
 )
+from trl_fp8.trainer.micro_batch import dense_hidden_size, small_micro_batch_note
 from trl_fp8.trainer.regional_compile import compile_decoder_layers, eager_generation
 from trl_fp8.trainer.requirements import check_reward_dependencies
 
@@ -125,6 +126,7 @@ class FP8TrainerMixin:
         if isinstance(model, str):
             model = self._load_model(model, args, trainer_kwargs.get("quantization_config"))
         self.liger_kernels = self._choose_liger_kernels(model, args)
+        self._note_small_micro_batches(model, args)
         self.fsdp2_gradient_sync = self._choose_fsdp2_gradient_sync(model, args)  # before TRL builds the accelerator
         self._fp8_filter = fp8_module_filter_fn
         self._peft_config = trainer_kwargs.get("peft_config")
@@ -187,6 +189,14 @@ class FP8TrainerMixin:
         if choice.automatic and cuda:
             say_start_up_choice(args, "Liger's kernels", choice.on, choice.reason)
         return choice
+
+    @staticmethod
+    def _note_small_micro_batches(model: nn.Module, args) -> None:
+        """Say once, on a GPU, where FP8 training would wait for the host at this micro-batch size
+        (`trainer.micro_batch`), and what to change."""
+        note = small_micro_batch_note(dense_hidden_size(getattr(model, "config", None)), args)
+        if note is not None and args.device.type == "cuda" and args.process_index == 0:
+            print(f"[trl-fp8] {note}.", flush=True)
 
     @staticmethod
     def _choose_fsdp2_gradient_sync(model: nn.Module, args) -> GradientSyncChoice | None:

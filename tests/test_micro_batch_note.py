@@ -1,0 +1,82 @@
+"""The start-up note where blockwise FP8 training of a narrow model would wait for the host (`trainer.micro_batch`):
+said for the measured host-bound case, silent where it was measured to pay or was not measured."""
+
+import types
+
+import pytest
+
+from trl_fp8.trainer.micro_batch import dense_hidden_size, small_micro_batch_note
+
+
+def options(**overrides):
+    return types.SimpleNamespace(**{"fp8_recipe": "blockwise", "per_device_train_batch_size": 8,
+                                    "gradient_accumulation_steps": 8, "vllm_max_model_length": None,
+                                    "max_completion_length": 1152, **overrides})  # fmt: skip
+
+
+def test_the_measured_host_bound_case_gets_the_note_with_the_micro_batch_that_paid():
+    note = small_micro_batch_note(2048, options())
+    assert "at most 8 x 1152 tokens" in note and "hidden size 2048" in note
+    # 16 x 1152 tokens: the measured break-even; 64 sequences a step in 4 micro-batches of 16 instead of 8 of 8
+    assert "per_device_train_batch_size=16 with gradient_accumulation_steps=4" in note and "--micro_batch 16" in note
+
+
+@pytest.mark.parametrize(
+    "micro_batch, steps, seq_len, suggested, remaining",
+    [
+        (4, 8, 256, 32, 1),  # 72 sequences would reach it: the whole step of 32 in one micro-batch
+        (8, 24, 512, 48, 4),  # 36 would: the smallest divisor of 192 from there is 48
+        (6, 10, 1152, 20, 3),  # 16 would: 20 divides the step's 60 sequences, 16 does not
+    ],
+)
+def test_the_suggestion_keeps_the_steps_sequences(micro_batch, steps, seq_len, suggested, remaining):
+    note = small_micro_batch_note(
+        1024, options(per_device_train_batch_size=micro_batch, gradient_accumulation_steps=steps,
+                      max_completion_length=seq_len)
+    )  # fmt: skip
+    assert f"per_device_train_batch_size={suggested} with gradient_accumulation_steps={remaining} " in note
+    assert f"keeps the {micro_batch * steps} sequences" in note
+
+
+def test_the_engine_length_bounds_the_sequences_where_it_is_set():
+    assert small_micro_batch_note(2048, options(vllm_max_model_length=4096)) is None  # 8 x 4096 tokens: enough
+    assert "at most 8 x 2048 tokens" in small_micro_batch_note(2048, options(vllm_max_model_length=2048))
+
+
+@pytest.mark.parametrize(
+    "hidden_size, overrides",
+    [
+        (4096, {}),  # 8B's width: FP8 trained 1.16x BF16 at 8 x 1152
+        (2560, {}),  # not measured
+        (2048, {"per_device_train_batch_size": 16}),  # the measured break-even
+        (2048, {"fp8_recipe": None}),  # BF16 training
+        (2048, {"fp8_recipe": "tensorwise"}),  # torchao's recipes: not measured here
+        (None, {}),  # a config without a hidden size
+        (2048, {"max_completion_length": None}),  # no length to bound the micro-batch with
+        (2048, {"gradient_accumulation_steps": 1}),  # one micro-batch a step: no larger one keeps the step
+    ],
+)
+def test_no_note_where_fp8_training_was_measured_to_pay_or_was_not_measured(hidden_size, overrides):
+    assert small_micro_batch_note(hidden_size, options(**overrides)) is None
+
+
+@pytest.mark.parametrize("device, process_index, said", [("cuda", 0, True), ("cpu", 0, False), ("cuda", 1, False)])
+def test_the_trainer_says_it_once_on_a_gpu(capsys, device, process_index, said):
+    import torch
+    from transformers import Qwen3Config
+
+    from trl_fp8.trainer.mixin import FP8TrainerMixin
+
+    model = types.SimpleNamespace(config=Qwen3Config(hidden_size=2048))
+    args = options(device=torch.device(device), process_index=process_index)
+    FP8TrainerMixin._note_small_micro_batches(model, args)
+    out = capsys.readouterr().out
+    assert ("[trl-fp8] micro-batches of at most 8 x 1152 tokens" in out) == said
+
+
+def test_mixture_of_experts_models_get_no_hidden_size_to_judge_by():
+    from transformers import Qwen3Config, Qwen3MoeConfig
+
+    assert dense_hidden_size(Qwen3Config(hidden_size=2048)) == 2048
+    assert dense_hidden_size(Qwen3MoeConfig(hidden_size=2048, num_experts=128)) is None
+    assert dense_hidden_size(None) is None

@@ -1,0 +1,61 @@
+"""A start-up note where blockwise FP8 training would be bound by the host: narrow layers in small micro-batches.
+
+An FP8 linear layer costs the host about the same time at every call (quantizer launches, three blockwise GEMM
+calls, autograd glue), while its GEMMs grow with the tokens of the micro-batch. Where the layers are narrow and the
+micro-batches small, the GPU waits for the host and FP8 trains slower than BF16. Measured (docs/benchmarks.md, "The
+training phase alone", one H200, 2026-11-28, FP8 + Liger against BF16 + Liger): at Qwen3-1.7B's hidden size of 2048,
+0.74x in micro-batches of 8 x 1152 tokens and 1.02x in micro-batches of 16 x 1152; at Qwen3-8B's 4096, 1.16x in
+micro-batches of 8 x 1152. Wider models, unmeasured sizes and mixture-of-experts models (whose expert layers were
+measured apart, docs/moe.md) get no note.
+"""
+
+from __future__ import annotations
+
+from trl_fp8.config import BLOCKWISE
+
+__all__ = ["HOST_BOUND_HIDDEN_SIZE", "MEASURED_BREAK_EVEN_TOKENS", "dense_hidden_size", "small_micro_batch_note"]
+
+HOST_BOUND_HIDDEN_SIZE = 2048  # the widest hidden size measured host-bound (Qwen3-1.7B)
+MEASURED_BREAK_EVEN_TOKENS = 16 * 1152  # micro-batch tokens at which FP8 training matched BF16's at that size
+
+
+_EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")  # transformers' names across MoE families
+
+
+def dense_hidden_size(config) -> int | None:
+    """The hidden size of a dense decoder's config (a multimodal config's text model), or None for a
+    mixture-of-experts model or a config without one."""
+    if config is None:
+        return None
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if any(getattr(text_config, name, None) for name in _EXPERT_COUNTS):
+        return None
+    return getattr(text_config, "hidden_size", None)
+
+
+def small_micro_batch_note(hidden_size: int | None, args) -> str | None:
+    """What to change where blockwise FP8 training of a model of `hidden_size` would be host-bound at `args`'
+    micro-batch, or None. The micro-batch's tokens are bounded by `per_device_train_batch_size` sequences of
+    `vllm_max_model_length` tokens, else of the completion length (the prompts are not known at start-up). The
+    remedy keeps a step's sequences: fewer, larger micro-batches (a divisor of the step's sequences, the smallest that
+    reaches the measured break-even, else all of them); where the step is one micro-batch already, there is none."""
+    if args.fp8_recipe != BLOCKWISE or hidden_size is None or hidden_size > HOST_BOUND_HIDDEN_SIZE:
+        return None
+    seq_len = args.vllm_max_model_length or args.max_completion_length
+    micro_batch, steps = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    if not seq_len or micro_batch * seq_len >= MEASURED_BREAK_EVEN_TOKENS:
+        return None
+    sequences = micro_batch * steps  # per process and optimizer step
+    target = -(-MEASURED_BREAK_EVEN_TOKENS // seq_len)
+    larger = [n for n in range(micro_batch + 1, sequences + 1) if sequences % n == 0]
+    if not larger:
+        return None
+    suggested = next((n for n in larger if n >= target), sequences)
+    return (
+        f"micro-batches of at most {micro_batch} x {seq_len} tokens are small for FP8 training at hidden size "
+        f"{hidden_size}: the GPU waits for the host, which issues each FP8 layer's launches. At hidden size 2048, "
+        f"with Liger's kernels in both, FP8 trained 0.74x as fast as BF16 in micro-batches of 8 x 1152 tokens and "
+        f"1.02x in micro-batches of 16 x 1152 (docs/benchmarks.md). per_device_train_batch_size={suggested} with "
+        f"gradient_accumulation_steps={sequences // suggested} keeps the {sequences} sequences of a step in fewer, "
+        f"larger micro-batches; `trl-fp8 plan MODEL --micro_batch {suggested}` gives the memory they take"
+    )
