@@ -663,7 +663,10 @@ def test_training_phase_and_host_benchmarks_run_at_smoke_size(tmp_path):
     assert rows["fp8"]["loss"] != rows["bf16"]["loss"]  # the FP8 flow did run in FP8
     pids = [r["pid"] for r in rows.values() if "pid" in r]
     assert len(pids) >= 4 and len(set(pids)) == len(pids)
-    assert rows["fp8_fused"]["loss"] == rows["fp8"]["loss"]  # the fusions change no forward value
+    # The fusions multiply the same FP8 operands; only the emulated fp32 GEMM's summation order may differ between a
+    # stacked and a separate weight (the CPU BLAS picks its blocking by shape), which can flip a BF16 rounding of an
+    # output. Bound: one BF16 ulp of the loss (a wrong slice of the stacked GEMM would move it by far more).
+    assert abs(rows["fp8_fused"]["loss"] - rows["fp8"]["loss"]) <= 2**-8 * abs(rows["fp8"]["loss"])
     assert rows["fp8_nockpt"]["loss"] == rows["fp8"]["loss"]  # nor does checkpointing no layer, or every 2nd one
     # (transformers before `every_n_layers` records that it lacks it)
     assert (
