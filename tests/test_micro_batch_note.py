@@ -80,3 +80,40 @@ def test_mixture_of_experts_models_get_no_hidden_size_to_judge_by():
     assert dense_hidden_size(Qwen3Config(hidden_size=2048)) == 2048
     assert dense_hidden_size(Qwen3MoeConfig(hidden_size=2048, num_experts=128)) is None
     assert dense_hidden_size(None) is None
+
+
+QWEN3_1_7B = {"model_type": "qwen3", "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28,
+              "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+              "tie_word_embeddings": True}  # fmt: skip
+
+
+def plan(tmp_path, capsys, config: dict, *argv: str) -> str:
+    import json
+
+    from trl_fp8.cli.main import main as cli
+
+    folder = tmp_path / config["model_type"]
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    assert cli(["plan", str(folder), "--gpu", "H100", "--prompt_len", "128", "--completion_len", "1024", *argv]) == 0
+    return capsys.readouterr().out
+
+
+def test_the_planner_names_the_larger_micro_batch_and_plans_it(tmp_path, capsys):
+    out = plan(tmp_path, capsys, QWEN3_1_7B, "--generation_batch", "64")
+    line = next(line for line in out.splitlines() if line.startswith("FP8 training at hidden size 2048"))
+    assert "micro-batches of 8 x 1,152 tokens" in line
+    assert "--micro_batch 16 --gradient_accumulation_steps 4 keeps the 64 sequences of a step" in line
+    # what it says the FP8 rows hold there is the planner's own table for that micro-batch
+    table = plan(tmp_path, capsys, QWEN3_1_7B, "--generation_batch", "64", "--micro_batch", "16",
+                 "--gradient_accumulation_steps", "4")  # fmt: skip
+    fp8_trainer = next(row.split()[-2] for row in table.splitlines() if row.startswith("FP8  "))
+    assert f"FP8 {fp8_trainer[:-2]} GiB (fits)" in line
+    assert "FP8 training at hidden size" not in table  # 16 x 1,152 tokens: the measured break-even
+
+
+def test_the_planner_says_nothing_where_the_note_does_not_apply(tmp_path, capsys):
+    wide = {**QWEN3_1_7B, "hidden_size": 4096, "intermediate_size": 12288, "num_attention_heads": 32}
+    assert "FP8 training at hidden size" not in plan(tmp_path, capsys, wide, "--generation_batch", "64")
+    one_step = plan(tmp_path, capsys, QWEN3_1_7B, "--generation_batch", "8")  # one micro-batch a step
+    assert "FP8 training at hidden size" not in one_step

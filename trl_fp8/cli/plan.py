@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from types import SimpleNamespace
 
 from trl_fp8.cli.argtypes import memory_share, non_negative_int, positive_float, positive_int
 from trl_fp8.cli.hub import load_model_config
+from trl_fp8.config import BLOCKWISE
 from trl_fp8.rollout.capacity import (
     FP8_CACHE_HEADROOM,
     GPU_MEMORY_BYTES,
@@ -36,6 +38,7 @@ from trl_fp8.rollout.capacity import (
     trainer_peak_bytes,
     training_phase_bytes,
 )
+from trl_fp8.trainer.micro_batch import MEASURED_SPEEDS, dense_hidden_size, larger_micro_batch
 from trl_fp8.trainer.requirements import is_bitsandbytes_optimizer
 
 # (name, FP8 weights, FP8 KV cache). The BF16 flow is TRL's own GRPOTrainer, the FP8 flows trl-fp8's FP8GRPOTrainer.
@@ -129,6 +132,8 @@ def run(args: argparse.Namespace) -> int:
               "(fp8_cache_weights=None; True keeps it).")  # fmt: skip
     fp8_weights_only = rows[[(w, kv) for _, w, kv in FLOWS].index((True, False))][0]
     print(_default_kv_cache_line(fp8_weights_only, _engine_batch(args), seq_len))
+    if line := _micro_batch_line(args, model_config, shape, total, seq_len):
+        print(line)
     best_fits = [f"{name} {fit[0]:.2f} ({fit[1].kv_tokens:,} KV tokens, {fit[1].sequences} sequences at once)" if fit
                  else f"{name}: none (no share holds one sequence beside the trainer)"
                  for (name, _, _), (*_, fit) in zip(FLOWS, rows, strict=True)]  # fmt: skip
@@ -295,6 +300,32 @@ def _flow_row(
         best = best_fit_share(parts, shape, total, seq_len, args, fp8_weights=fp8_weights, fp8_kv=fp8_kv)
     # vLLM refuses to start an engine whose KV cache cannot hold one whole sequence (its max_model_len)
     return cap, parts, peak, peak <= 0.97 * total and cap.sequences > 0, best
+
+
+def _micro_batch_line(args, model_config, shape, total: int, seq_len: int) -> str:
+    """Where FP8 training of this model would wait for the host at --micro_batch (`trainer.micro_batch`, the note
+    FP8GRPOTrainer prints at start-up): the larger micro-batch that keeps a step's sequences, and what the FP8 flows
+    hold with it. Empty where the note does not apply."""
+    steps = _accumulation_steps(args)
+    sequences = args.micro_batch * steps
+    bound = SimpleNamespace(fp8_recipe=BLOCKWISE, per_device_train_batch_size=args.micro_batch,
+                            gradient_accumulation_steps=steps, vllm_max_model_length=seq_len,
+                            max_completion_length=args.completion_len)  # fmt: skip
+    hidden_size = dense_hidden_size(model_config)
+    larger = larger_micro_batch(hidden_size, bound)
+    if larger is None:
+        return ""
+    bigger = _replaced(args, micro_batch=larger, gradient_accumulation_steps=sequences // larger)
+    rows = [(name, _flow_row(shape, total, seq_len, bigger, args.launch, fp8_weights=w, fp8_kv=kv, fetch_best=False))
+            for name, w, kv in FLOWS if w]  # fmt: skip
+    held = " and ".join(
+        f"{name} {trainer_peak_bytes(row[1], cache_with_grad=_cache_with_grad(bigger)) / GiB:.1f} GiB "
+        f"({'fits' if row[3] else 'does not fit'})"
+        for name, row in rows
+    )
+    return (f"FP8 training at hidden size {hidden_size}: micro-batches of {args.micro_batch} x {seq_len:,} tokens "
+            f"leave it waiting for the host. {MEASURED_SPEEDS}. --micro_batch {larger} --gradient_accumulation_steps "
+            f"{sequences // larger} keeps the {sequences} sequences of a step; trainer there: {held}.")  # fmt: skip
 
 
 def _default_kv_cache_line(fp8_weights_only, sequences: int, seq_len: int) -> str:

@@ -13,10 +13,21 @@ from __future__ import annotations
 
 from trl_fp8.config import BLOCKWISE
 
-__all__ = ["HOST_BOUND_HIDDEN_SIZE", "MEASURED_BREAK_EVEN_TOKENS", "dense_hidden_size", "small_micro_batch_note"]
+__all__ = [
+    "HOST_BOUND_HIDDEN_SIZE",
+    "MEASURED_BREAK_EVEN_TOKENS",
+    "MEASURED_SPEEDS",
+    "dense_hidden_size",
+    "larger_micro_batch",
+    "small_micro_batch_note",
+]
 
 HOST_BOUND_HIDDEN_SIZE = 2048  # the widest hidden size measured host-bound (Qwen3-1.7B)
 MEASURED_BREAK_EVEN_TOKENS = 16 * 1152  # micro-batch tokens at which FP8 training matched BF16's at that size
+MEASURED_SPEEDS = (  # said with the advice, by the trainer and by `trl-fp8 plan`
+    "At hidden size 2048, with Liger's kernels in both, FP8 trained 0.74x as fast as BF16 in micro-batches of "
+    "8 x 1152 tokens and 1.02x in micro-batches of 16 x 1152 (docs/benchmarks.md)"
+)
 
 
 _EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")  # transformers' names across MoE families
@@ -33,29 +44,37 @@ def dense_hidden_size(config) -> int | None:
     return getattr(text_config, "hidden_size", None)
 
 
-def small_micro_batch_note(hidden_size: int | None, args) -> str | None:
-    """What to change where blockwise FP8 training of a model of `hidden_size` would be host-bound at `args`'
-    micro-batch, or None. The micro-batch's tokens are bounded by `per_device_train_batch_size` sequences of
-    `vllm_max_model_length` tokens, else of the completion length (the prompts are not known at start-up). The
-    remedy keeps a step's sequences: fewer, larger micro-batches (a divisor of the step's sequences, the smallest that
-    reaches the measured break-even, else all of them); where the step is one micro-batch already, there is none."""
+def larger_micro_batch(hidden_size: int | None, args) -> int | None:
+    """The micro-batch that takes blockwise FP8 training of a dense model of `hidden_size` to the measured
+    break-even, where `args`' micro-batch would leave it host-bound; None where it would not, or where no larger
+    micro-batch keeps a step's sequences. The micro-batch's tokens are bounded by `per_device_train_batch_size`
+    sequences of `vllm_max_model_length` tokens, else of the completion length (the prompts are not known at
+    start-up). The answer divides the step's sequences (`per_device_train_batch_size` x
+    `gradient_accumulation_steps`): the smallest such that reaches the break-even, else all of them."""
     if args.fp8_recipe != BLOCKWISE or hidden_size is None or hidden_size > HOST_BOUND_HIDDEN_SIZE:
         return None
     seq_len = args.vllm_max_model_length or args.max_completion_length
-    micro_batch, steps = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    micro_batch = args.per_device_train_batch_size
     if not seq_len or micro_batch * seq_len >= MEASURED_BREAK_EVEN_TOKENS:
         return None
-    sequences = micro_batch * steps  # per process and optimizer step
+    sequences = micro_batch * args.gradient_accumulation_steps  # per process and optimizer step
     target = -(-MEASURED_BREAK_EVEN_TOKENS // seq_len)
     larger = [n for n in range(micro_batch + 1, sequences + 1) if sequences % n == 0]
-    if not larger:
+    return next((n for n in larger if n >= target), sequences) if larger else None
+
+
+def small_micro_batch_note(hidden_size: int | None, args) -> str | None:
+    """The start-up note where `larger_micro_batch` has an answer: what is host-bound, what was measured, and the
+    `per_device_train_batch_size` / `gradient_accumulation_steps` pair that keeps a step's sequences."""
+    suggested = larger_micro_batch(hidden_size, args)
+    if suggested is None:
         return None
-    suggested = next((n for n in larger if n >= target), sequences)
+    micro_batch, seq_len = args.per_device_train_batch_size, args.vllm_max_model_length or args.max_completion_length
+    sequences = micro_batch * args.gradient_accumulation_steps
     return (
         f"micro-batches of at most {micro_batch} x {seq_len} tokens are small for FP8 training at hidden size "
-        f"{hidden_size}: the GPU waits for the host, which issues each FP8 layer's launches. At hidden size 2048, "
-        f"with Liger's kernels in both, FP8 trained 0.74x as fast as BF16 in micro-batches of 8 x 1152 tokens and "
-        f"1.02x in micro-batches of 16 x 1152 (docs/benchmarks.md). per_device_train_batch_size={suggested} with "
-        f"gradient_accumulation_steps={sequences // suggested} keeps the {sequences} sequences of a step in fewer, "
-        f"larger micro-batches; `trl-fp8 plan MODEL --micro_batch {suggested}` gives the memory they take"
+        f"{hidden_size}: the GPU waits for the host, which issues each FP8 layer's launches. {MEASURED_SPEEDS}. "
+        f"per_device_train_batch_size={suggested} with gradient_accumulation_steps={sequences // suggested} keeps "
+        f"the {sequences} sequences of a step in fewer, larger micro-batches; `trl-fp8 plan MODEL --micro_batch "
+        f"{suggested}` gives the memory they take"
     )
