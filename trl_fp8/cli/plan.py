@@ -18,11 +18,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from types import SimpleNamespace
 
 from trl_fp8.cli.argtypes import memory_share, non_negative_int, positive_float, positive_int
 from trl_fp8.cli.hub import load_model_config
-from trl_fp8.config import BLOCKWISE
 from trl_fp8.rollout.capacity import (
     FP8_CACHE_HEADROOM,
     GPU_MEMORY_BYTES,
@@ -308,11 +306,8 @@ def _micro_batch_line(args, model_config, shape, total: int, seq_len: int) -> st
     hold with it. Empty where the note does not apply."""
     steps = _accumulation_steps(args)
     sequences = args.micro_batch * steps
-    bound = SimpleNamespace(fp8_recipe=BLOCKWISE, per_device_train_batch_size=args.micro_batch,
-                            gradient_accumulation_steps=steps, vllm_max_model_length=seq_len,
-                            max_completion_length=args.completion_len)  # fmt: skip
     hidden_size = dense_hidden_size(model_config)
-    larger = larger_micro_batch(hidden_size, bound)
+    larger = larger_micro_batch(hidden_size, args.micro_batch, steps, seq_len)
     if larger is None:
         return ""
     bigger = _replaced(args, micro_batch=larger, gradient_accumulation_steps=sequences // larger)

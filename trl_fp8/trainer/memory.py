@@ -23,7 +23,14 @@ __all__ = [
     "choose_fp8_weight_cache",
     "choose_fsdp2_gradient_sync",
     "memory_breakdown",
+    "start_up_sequence_tokens",
 ]
+
+
+def start_up_sequence_tokens(args) -> int | None:
+    """The tokens a sequence is sized at before the first rollout: `vllm_max_model_length`, else
+    `max_completion_length` (the prompts are not known at start-up)."""
+    return args.vllm_max_model_length or args.max_completion_length
 
 
 def _storages(tensors) -> dict[int, int]:
@@ -106,7 +113,7 @@ def _planned_training(
     counted = optim if optim in capacity.OPTIMIZER_STATE_BYTES else "adamw_torch"
     parts = capacity.trainer_memory_per_gpu(
         shape, num_processes=processes, optim=counted, micro_batch=args.per_device_train_batch_size,
-        seq_len=args.vllm_max_model_length or args.max_completion_length,
+        seq_len=start_up_sequence_tokens(args),
         gradient_checkpointing=bool(args.gradient_checkpointing), **launch,
     )  # fmt: skip
     colocated = args.use_vllm and args.vllm_mode == "colocate"
@@ -262,7 +269,7 @@ def choose_fp8_kv_cache(
     total_bytes = total_bytes or _gpu_bytes(args)
     tp = args.vllm_tensor_parallel_size
     sequences = max(1, args.generation_batch_size // max(1, args.world_size)) * tp  # one engine's, per rollout
-    seq_len = args.vllm_max_model_length or args.max_completion_length
+    seq_len = start_up_sequence_tokens(args)
     share = args.vllm_gpu_memory_utilization
 
     def room(fp8_kv: bool) -> int:

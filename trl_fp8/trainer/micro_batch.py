@@ -12,6 +12,7 @@ measured apart, docs/moe.md) get no note.
 from __future__ import annotations
 
 from trl_fp8.config import BLOCKWISE
+from trl_fp8.trainer.memory import start_up_sequence_tokens
 
 __all__ = [
     "HOST_BOUND_HIDDEN_SIZE",
@@ -44,33 +45,34 @@ def dense_hidden_size(config) -> int | None:
     return getattr(text_config, "hidden_size", None)
 
 
-def larger_micro_batch(hidden_size: int | None, args) -> int | None:
+def larger_micro_batch(hidden_size: int | None, micro_batch: int, steps: int, seq_len: int | None) -> int | None:
     """The micro-batch that takes blockwise FP8 training of a dense model of `hidden_size` to the measured
-    break-even, where `args`' micro-batch would leave it host-bound; None where it would not, or where no larger
-    micro-batch keeps a step's sequences. The micro-batch's tokens are bounded by `per_device_train_batch_size`
-    sequences of `vllm_max_model_length` tokens, else of the completion length (the prompts are not known at
-    start-up). The answer divides the step's sequences (`per_device_train_batch_size` x
-    `gradient_accumulation_steps`): the smallest such that reaches the break-even, else all of them."""
-    if args.fp8_recipe != BLOCKWISE or hidden_size is None or hidden_size > HOST_BOUND_HIDDEN_SIZE:
+    break-even, where micro-batches of `micro_batch` sequences of up to `seq_len` tokens would leave it host-bound;
+    None where they would not, or where no larger micro-batch keeps a step's sequences (`micro_batch` x `steps`,
+    the gradient accumulation steps). The answer divides the step's sequences: the smallest such that reaches the
+    break-even, else all of them."""
+    if hidden_size is None or hidden_size > HOST_BOUND_HIDDEN_SIZE:
         return None
-    seq_len = args.vllm_max_model_length or args.max_completion_length
-    micro_batch = args.per_device_train_batch_size
     if not seq_len or micro_batch * seq_len >= MEASURED_BREAK_EVEN_TOKENS:
         return None
-    sequences = micro_batch * args.gradient_accumulation_steps  # per process and optimizer step
+    sequences = micro_batch * steps  # per process and optimizer step
     target = -(-MEASURED_BREAK_EVEN_TOKENS // seq_len)
     larger = [n for n in range(micro_batch + 1, sequences + 1) if sequences % n == 0]
     return next((n for n in larger if n >= target), sequences) if larger else None
 
 
 def small_micro_batch_note(hidden_size: int | None, args) -> str | None:
-    """The start-up note where `larger_micro_batch` has an answer: what is host-bound, what was measured, and the
+    """The start-up note of a blockwise FP8 run where `larger_micro_batch` has an answer (sequences sized as the
+    memory planner sizes them at start-up): what is host-bound, what was measured, and the
     `per_device_train_batch_size` / `gradient_accumulation_steps` pair that keeps a step's sequences."""
-    suggested = larger_micro_batch(hidden_size, args)
+    if args.fp8_recipe != BLOCKWISE:
+        return None
+    micro_batch, steps = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    seq_len = start_up_sequence_tokens(args)
+    suggested = larger_micro_batch(hidden_size, micro_batch, steps, seq_len)
     if suggested is None:
         return None
-    micro_batch, seq_len = args.per_device_train_batch_size, args.vllm_max_model_length or args.max_completion_length
-    sequences = micro_batch * args.gradient_accumulation_steps
+    sequences = micro_batch * steps
     return (
         f"micro-batches of at most {micro_batch} x {seq_len} tokens are small for FP8 training at hidden size "
         f"{hidden_size}: the GPU waits for the host, which issues each FP8 layer's launches. {MEASURED_SPEEDS}. "

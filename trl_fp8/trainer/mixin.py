@@ -77,10 +77,15 @@ __all__ = [
 ROLLOUT_STATS_REDUCTION = {"preemptions": "sum", "kv_cache_tokens": "min"}
 
 
-def say_start_up_choice(args, what: str, on: bool, reason: str) -> None:
-    """A start-up choice the user did not make, said once (by the first process) with its reason."""
+def say_start_up(args, text: str) -> None:
+    """A start-up line, said once (by the first process)."""
     if args.process_index == 0:
-        print(f"[trl-fp8] {what} {'on' if on else 'off'}: {reason}.", flush=True)
+        print(f"[trl-fp8] {text}.", flush=True)
+
+
+def say_start_up_choice(args, what: str, on: bool, reason: str) -> None:
+    """A start-up choice the user did not make, said once with its reason."""
+    say_start_up(args, f"{what} {'on' if on else 'off'}: {reason}")
 
 
 class FP8TrainerMixin:
@@ -194,9 +199,10 @@ class FP8TrainerMixin:
     def _note_small_micro_batches(model: nn.Module, args) -> None:
         """Say once, on a GPU, where FP8 training would wait for the host at this micro-batch size
         (`trainer.micro_batch`), and what to change."""
-        note = small_micro_batch_note(dense_hidden_size(getattr(model, "config", None)), args)
-        if note is not None and args.device.type == "cuda" and args.process_index == 0:
-            print(f"[trl-fp8] {note}.", flush=True)
+        if args.device.type != "cuda":
+            return
+        if (note := small_micro_batch_note(dense_hidden_size(getattr(model, "config", None)), args)) is not None:
+            say_start_up(args, note)
 
     @staticmethod
     def _choose_fsdp2_gradient_sync(model: nn.Module, args) -> GradientSyncChoice | None:
