@@ -26,7 +26,9 @@ Runs (one child process each, vLLM colocated, same model, prompts, batch and 1k-
 - `fp8_defaults`: `FP8GRPOConfig` left to its defaults (what a user who sets nothing gets: Liger's kernels where
   installed, the FP8 weight cache and the FP8 KV cache as the planner chooses them, the rollouts scored in the
   micro-batches' own forwards); every other run sets `use_liger_kernel` and `fp8_kv_cache` itself;
-  `fp8_defaults_scoring_pass` keeps TRL's scoring pass before the micro-batches (`score_in_training_forward=False`).
+  `fp8_defaults_scoring_pass` keeps TRL's scoring pass before the micro-batches (`score_in_training_forward=False`),
+  `fp8_defaults_vllm_act_quant` keeps vLLM's own fused SiLU-and-mul + FP8 quantization kernel
+  (`vllm_act_quant_kernel="vllm"`).
 
 Peak allocated memory is recorded per phase (rollout: sync + generate; training: the rest, split into scoring and
 micro-batches), with the size of the FP8 weight cache at the end.
@@ -90,6 +92,7 @@ RUNS = {  # run: (trainer, fp8_recipe, rollout_precision, fp8 KV cache, training
     "unified_experts_reload": ("trl_fp8", "blockwise", "fp8", False, "auto", None),
     "fp8_defaults": ("trl_fp8", "blockwise", "fp8", None, "auto", None),  # + use_liger_kernel left unset
     "fp8_defaults_scoring_pass": ("trl_fp8", "blockwise", "fp8", None, "auto", None),
+    "fp8_defaults_vllm_act_quant": ("trl_fp8", "blockwise", "fp8", None, "auto", None),
     # FSDP2's all-gathers and the host: gathered two layers ahead, old log-probs scored 16 sequences a forward, and
     # both with q/k/v and gate/up as one GEMM each (fewer launches per layer where the host bounds the step)
     "unified_fp8kv_liger_prefetch2": ("trl_fp8", "blockwise", "fp8", True, "auto", None),
@@ -119,6 +122,8 @@ RUN_OPTIONS = {  # further (FP8)GRPOConfig fields of a run
     "fp8_defaults": {"use_liger_kernel": None},  # FP8GRPOTrainer's own start-up choice
     # the defaults, with TRL's scoring pass of every rollout before the micro-batches kept (what skipping it gains)
     "fp8_defaults_scoring_pass": {"use_liger_kernel": None, "score_in_training_forward": False},
+    # the defaults with vLLM's own fused SiLU-and-mul + FP8 quantization kernel (what trl-fp8's kernel gains)
+    "fp8_defaults_vllm_act_quant": {"use_liger_kernel": None, "vllm_act_quant_kernel": "vllm"},
     "unified_fp8kv_liger_prefetch2": {"fsdp2_prefetch_layers": 2, **LIGER},
     "unified_fp8kv_liger_logprob16": {"logprob_batch_size": 16, **LIGER},
     "unified_fp8kv_liger_fsdp2": {
@@ -464,6 +469,7 @@ def run_one(args) -> None:
         "deepgemm_precompile": vars(generation.deepgemm_precompile)
         if getattr(generation, "deepgemm_precompile", None)
         else None,  # fmt: skip
+        "act_quant": vars(generation.act_quant_choice) if getattr(generation, "act_quant_choice", None) else None,
         "rollout_stats": rollout_stats,  # per rollout: most sequences at once, preemptions, peak KV-cache use
         "mismatch": mismatch_medians(trainer.state.log_history, keep),  # trainer vs rollout, TIS clipping
         **engine_experts_state(generation),

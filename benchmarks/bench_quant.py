@@ -7,9 +7,12 @@ second, K-major read of the tile) and per launch width (`num_warps`), neither of
 prints the share of the floor each reaches: what the quantization inside `bench_linear`'s FP8 layer could still
 give back. Also the gated MLP's `silu(gate) * up` quantized for `down_proj` (`quantize_swiglu`, one read of gate
 and up, both layouts written, no BF16 product) against eager's silu, product and quantization passes, each against
-its own floor.
+its own floor. And vLLM's fused `silu_and_mul_per_block_quant` (what a block-FP8 engine runs before `down_proj`)
+against trl-fp8's kernel of the same bits (`trl_fp8.kernels.vllm_silu_mul_quant`), at decode batches of the 8B and
+1.7B MLPs and the routed rows of Qwen3-30B-A3B's experts (where vLLM is installed; `--vllm_act_quant_only` for these
+rows alone).
 
-    python -m benchmarks.bench_quant [--tokens 8192] [--num_warps 4 8 16] [--out results.json]
+    python -m benchmarks.bench_quant [--tokens 8192] [--num_warps 4 8 16] [--vllm_act_quant_only] [--out results.json]
 """
 
 from __future__ import annotations
@@ -62,6 +65,9 @@ def main():
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--num_warps", type=int, nargs="+", default=[4, 8, 16])
     parser.add_argument("--reps", type=int, default=100)
+    parser.add_argument(
+        "--vllm_act_quant_only", action="store_true", help="only vLLM's SiLU-and-mul quantization rows"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit(
@@ -84,7 +90,7 @@ def main():
                        ("cols/2nd", False, True, True), ("both/2nd", True, True, True)],
                "weight": [("row-major", False, None, None), ("col-major", True, None, None)]}  # fmt: skip
     rows = []
-    for (kind, a, b), label in operands.items():
+    for (kind, a, b), label in ({} if args.vllm_act_quant_only else operands).items():
         t = torch.randn(a, b, device="cuda", dtype=torch.bfloat16)
         for layout, first, second, second_read in layouts[kind]:
             for warps in args.num_warps:
@@ -99,7 +105,9 @@ def main():
                     nbytes = weight_bytes(a, b)
                 rows.append(timed_row(row, fn, nbytes, args.reps, hbm))
         del t
-    rows += swiglu_rows(m, hbm, args.reps)
+    if not args.vllm_act_quant_only:
+        rows += swiglu_rows(m, hbm, args.reps)
+    rows += vllm_act_quant_rows(hbm, args.reps)
     print(f"\nQuantization kernels, M={m}, {device}: microseconds, TB/s, share of the HBM floor")
     print(f"{'tensor':<22}{'shape':>14}{'layout':>11}{'warps':>6}{'us':>9}{'TB/s':>7}{'floor us':>9}{'of floor':>9}")
     for r in rows:
@@ -140,6 +148,46 @@ def swiglu_rows(m: int, hbm: float | None, reps: int) -> list[dict]:
         row = {"tensor": "silu(gate)*up of down_proj", "kind": "swiglu", "shape": [m, inter], "layout": layout,
                "num_warps": 4}  # fmt: skip
         rows.append(timed_row(row, fn, swiglu_bytes(m, inter, fused), reps, hbm))
+    return rows
+
+
+# (label, tokens, MLP width): decode steps of 64-512 sequences at Qwen3-8B's and 1.7B's MLP widths, a prefill chunk
+# of TRL's 4096 tokens, and Qwen3-30B-A3B's experts (8 routed rows per token, width 768).
+VLLM_ACT_QUANT_SHAPES = [("8b decode", m, 12288) for m in (64, 128, 256, 512)] + [
+    ("8b prefill", 4096, 12288), ("1.7b decode", 256, 6144), ("30b-a3b experts", 8 * 256, 768),
+]  # fmt: skip
+
+
+def vllm_act_quant_rows(hbm: float | None, reps: int) -> list[dict]:
+    """vLLM's `silu_and_mul_per_block_quant` against trl-fp8's kernel of the same bits, scales in DeepGEMM's
+    transposed layout as the DeepGEMM engine asks for them, each timed in a CUDA graph (`act_quant.graph_time_us`:
+    the GPU's time, not the host's launches, as in a decode step); the bytes are the same for both (gate and up
+    read, FP8 values and fp32 scales written). Rows are skipped without vLLM, or where the two differ in a bit."""
+    try:
+        from trl_fp8.rollout.vllm.act_quant import OP_NAME, first_difference, graph_time_us, run_op, vllm_kernel_op
+    except ImportError:
+        return []
+    vllm_op = vllm_kernel_op()
+    if vllm_op is None:
+        print(f"vLLM's {OP_NAME} is not here: its rows are skipped")
+        return []
+    from trl_fp8.kernels.vllm_silu_mul_quant import silu_and_mul_per_block_quant
+
+    rows = []
+    hbm_s = (hbm or 0) / 1e6
+    for label, m, n in VLLM_ACT_QUANT_SHAPES:
+        x = torch.randn(m, 2 * n, device="cuda", dtype=torch.bfloat16)
+        same = first_difference("ieee", vllm_op, [(x, 128, None, True)])
+        kernels = {"vllm": vllm_op, "trl_fp8": partial(silu_and_mul_per_block_quant, numerics="ieee")}
+        for name, op in kernels.items():
+            row = {"tensor": f"silu_and_mul_per_block_quant, {label}", "kind": "vllm_act_quant", "shape": [m, n],
+                   "layout": name, "num_warps": 4, "same_bits": same is None}  # fmt: skip
+            nbytes = 5 * m * n + 4 * m * n // 128
+            row["us"] = graph_time_us(partial(run_op, op, x, 128, None, True), reps)  # GPU time, as in a decode step
+            row.update(bytes=nbytes, tb_per_s=nbytes / row["us"] / 1e6)
+            if hbm:
+                row.update(floor_us=nbytes / hbm_s, of_floor=nbytes / hbm_s / row["us"])
+            rows.append(row)
     return rows
 
 

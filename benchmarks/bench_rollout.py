@@ -93,6 +93,9 @@ ENGINES = {  # engine: (trainer in FP8, rollout precision, FP8 KV cache, vLLM bl
     "fp8_deepgemm_kv_triton_attn": (True, "fp8", True, "deepgemm"),
     "fp8_deepgemm_kv_flashinfer": (True, "fp8", True, "deepgemm"),
     "fp8_deepgemm_kv_block64": (True, "fp8", True, "deepgemm"),
+    # vLLM's fused SiLU-and-mul + FP8 quantization on trl-fp8's kernel, as the trainer's colocated engines run it
+    "fp8_deepgemm_trl_act_quant": (True, "fp8", False, "deepgemm"),
+    "fp8_deepgemm_kv_trl_act_quant": (True, "fp8", True, "deepgemm"),
     # Mixture-of-experts shapes: the dense layers on DeepGEMM, the experts on each of vLLM's block-FP8 MoE backends
     # (MOE_ENGINE_LLM_KWARGS); "fp8_deepgemm" is vLLM's own choice, Triton's fused MoE on Hopper at TP 1.
     "fp8_deepgemm_moe_deepgemm": (True, "fp8", False, "deepgemm"),
@@ -130,6 +133,9 @@ MOE_ENGINE_LLM_KWARGS = {
     "fp8_deepgemm_moe_cutlass": {"moe_backend": "cutlass"},
 }
 ENGINE_ENV = {"fp8_deepgemm_moe_deepgemm": {"VLLM_MOE_USE_DEEP_GEMM": "1"}}
+# Engines whose `silu_and_mul_per_block_quant` runs on trl-fp8's kernel (`trl_fp8.rollout.vllm.act_quant`); the
+# others keep vLLM's, so each pair differs in that kernel alone.
+TRL_ACT_QUANT = {"fp8_deepgemm_trl_act_quant", "fp8_deepgemm_kv_trl_act_quant"}
 DEFAULT_POINTS = ["64x1024", "256x1024", "1024x1024", "64x4096", "256x4096", "16x16384"]
 HEAD_DIM = 128  # every SHAPES entry
 # Data-sheet peaks (SXM): HBM bytes/s, dense BF16 and FP8 tensor-core FLOP/s.
@@ -303,6 +309,12 @@ def run_engine(args):
     max_len = args.prompt_len + max(n for _, n in sized) + 16
     # --max_num_seqs: matched concurrency (every engine decodes at most that many); else every point's S at once.
     max_num_seqs = args.max_num_seqs or max(s for s, _ in sized)
+    if args.engine in TRL_ACT_QUANT:
+        from trl_fp8.rollout.vllm.act_quant import install_for_model
+
+        choice = install_for_model(model, torch.device("cuda", torch.cuda.current_device()))
+        row["act_quant"] = vars(choice)
+        print(f"[{args.engine}] SiLU-and-mul + FP8 quantization: {choice.reason}", flush=True)
     llm = start_engine(
         model, precision, Path(args.workdir), fp8_kv_cache=fp8_kv, backend=backend or "auto",
         gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=max_len,

@@ -106,19 +106,6 @@ def test_deepgemm_experts_need_deepgemm_linear_layers_and_unknown_names_are_refu
         rollout_kernel("auto", moe_backend="marlin")
 
 
-def test_config_refuses_a_moe_backend_where_it_would_do_nothing():
-    base = dict(output_dir="unused", use_cpu=True, bf16=False)
-    with pytest.raises(ValueError, match="unknown"):
-        FP8GRPOConfig(**base, vllm_fp8_moe_backend="marlin")
-    with pytest.raises(ValueError, match="vllm_fp8_moe_backend='triton' sets up vLLM rollouts, but use_vllm=False"):
-        FP8GRPOConfig(**base, vllm_fp8_moe_backend="triton")
-    with pytest.raises(ValueError, match="rollout_precision='bf16'. Drop vllm_fp8_moe_backend"):
-        FP8GRPOConfig(**base, use_vllm=True, rollout_precision="bf16", vllm_fp8_moe_backend="triton")
-    with pytest.raises(ValueError, match="`trl vllm-serve` server runs the kernel it was started with"):
-        FP8GRPOConfig(**base, use_vllm=True, vllm_mode="server", vllm_fp8_moe_backend="triton")
-    assert FP8GRPOConfig(**base).vllm_fp8_moe_backend == "auto"
-
-
 def test_server_command_names_the_kernel_settings():
     assert server_command() == (
         "VLLM_USE_DEEP_GEMM=1 VLLM_USE_DEEP_GEMM_E8M0=0 VLLM_MOE_USE_DEEP_GEMM=0 trl vllm-serve --model <fp8_dir> "

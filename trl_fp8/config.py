@@ -27,6 +27,8 @@ VLLM_FP8_BACKENDS = ("auto", "deepgemm", "cutlass", "triton")
 # vLLM kernels for the rollout engine's block-FP8 experts ("auto": vLLM's own choice, Triton's fused MoE on Hopper at
 # tensor parallel 1), by our names; `rollout.vllm.kernels.VLLM_MOE_BACKEND` maps them to vLLM's `moe_backend`.
 VLLM_FP8_MOE_BACKENDS = ("auto", "triton", "deepgemm", "cutlass", "flashinfer_cutlass")
+# Kernel of the engine's fused SiLU-and-mul + FP8 quantization ("auto": trl-fp8's where it gives vLLM's bits faster).
+VLLM_ACT_QUANT_KERNELS = ("auto", "vllm")
 # Kernels of the mixture-of-experts FProp and DGrad ("auto": DeepGEMM's grouped GEMM on Hopper when it can run).
 EXPERTS_GEMMS = ("auto", "deepgemm", "triton")
 

@@ -11,6 +11,9 @@ reference quantizers in `trl_fp8.quantization` (tests run them on the GPU, and o
 - `grouped_gemm.m_grouped_gemm` / `k_grouped_gemm`: a mixture-of-experts projection's FProp and DGrad (rows grouped
   by expert) and WGrad (tokens grouped by expert) for all experts in one launch each, on the layout `GroupedRows`
   (each expert's rows padded to a multiple of 128). Equal to the emulation up to fp32 rounding, not bit for bit.
+- `vllm_silu_mul_quant.silu_and_mul_per_block_quant`: vLLM's fused SiLU-and-mul + 1x128 FP8 quantization, vLLM's
+  bits from a kernel that runs near its bytes, for the rollout engine (`trl_fp8.rollout.vllm.act_quant`), not for
+  training.
 - `moe_combine.combine_rows`: each token's k expert rows weighted by the router and summed, forward and backward in
   one pass each (the eager chain's values; the router weights' gradient summed in fp32).
 

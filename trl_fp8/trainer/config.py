@@ -15,6 +15,7 @@ from trl_fp8.config import (
     BLOCKWISE,
     EXPERTS_GEMMS,
     RECIPES,
+    VLLM_ACT_QUANT_KERNELS,
     VLLM_FP8_BACKENDS,
     VLLM_FP8_MOE_BACKENDS,
     FP8LinearConfig,
@@ -108,6 +109,11 @@ class FP8TrainingArguments:
             `"flashinfer_cutlass"`. `"auto"`: vLLM's own choice (Triton on Hopper at tensor parallel 1). Only Triton
             is GPU-tested with the trainer's experts; the sync checks every engine's expert tensors against the
             trainer's either way. A `trl vllm-serve` server chooses its own.
+        vllm_act_quant_kernel (str): Which kernel runs a colocated FP8 engine's fused SiLU-and-mul + FP8 activation
+            quantization (`down_proj`'s input, dense and expert MLPs): `"auto"` runs trl-fp8's Triton kernel where,
+            checked on the GPU at engine start, it writes vLLM's own kernel's bits and takes less time (the start-up
+            log says which, with both times), else vLLM's; `"vllm"` always keeps vLLM's. The values are the same
+            either way. A `trl vllm-serve` server runs vLLM's.
         vllm_jit_cache_dir (str | None): Where DeepGEMM keeps its compiled kernels across runs. `None`:
             `DG_JIT_CACHE_DIR`, else vLLM's `~/.cache/vllm/deep_gemm`.
         vllm_deepgemm_workers (int | None): Processes that compile DeepGEMM's kernels side by side before the
@@ -254,6 +260,13 @@ class FP8TrainingArguments:
             "'deepgemm', 'cutlass', 'flashinfer_cutlass', or 'auto' (vLLM's own choice).",
         },
     )
+    vllm_act_quant_kernel: str = field(
+        default="auto",
+        metadata={
+            "help": "Kernel of a colocated FP8 engine's fused SiLU-and-mul + FP8 quantization: 'auto' (trl-fp8's "
+            "Triton kernel where it gives vLLM's bits faster, checked at engine start) or 'vllm' (vLLM's own).",
+        },
+    )
     vllm_jit_cache_dir: str | None = field(
         default=None,
         metadata={"help": "DeepGEMM's compiled-kernel cache. Unset: DG_JIT_CACHE_DIR, else ~/.cache/vllm/deep_gemm."},
@@ -320,6 +333,9 @@ class FP8TrainingArguments:
         if self.vllm_fp8_moe_backend not in VLLM_FP8_MOE_BACKENDS:
             raise ValueError(f"vllm_fp8_moe_backend={self.vllm_fp8_moe_backend!r} is unknown; use one of "
                              f"{VLLM_FP8_MOE_BACKENDS}.")  # fmt: skip
+        if self.vllm_act_quant_kernel not in VLLM_ACT_QUANT_KERNELS:
+            raise ValueError(f"vllm_act_quant_kernel={self.vllm_act_quant_kernel!r} is unknown; use one of "
+                             f"{VLLM_ACT_QUANT_KERNELS}.")  # fmt: skip
         if self.vllm_deepgemm_workers is not None and self.vllm_deepgemm_workers < 0:
             raise ValueError(
                 f"vllm_deepgemm_workers={self.vllm_deepgemm_workers} must be >= 0 (0: no parallel compilation; "
@@ -346,18 +362,18 @@ class FP8TrainingArguments:
                 )
         if self.rollout_precision is None and self.use_vllm:
             self.rollout_precision = "fp8" if self.fp8_recipe == BLOCKWISE else "bf16"
-        for name in ("vllm_fp8_backend", "vllm_fp8_moe_backend"):
+        for name in ("vllm_fp8_backend", "vllm_fp8_moe_backend", "vllm_act_quant_kernel"):
             if getattr(self, name) != "auto" and self.rollout_precision != "fp8":
                 raise ValueError(
                     f"{name}={getattr(self, name)!r} picks a kernel of rollout_precision='fp8' rollouts, but "
                     f"rollout_precision={self.rollout_precision!r}. Drop {name} or use rollout_precision='fp8'."
                 )
-        if self.vllm_fp8_moe_backend != "auto" and self.use_vllm and self.vllm_mode == "server":
-            raise ValueError(
-                f"vllm_fp8_moe_backend={self.vllm_fp8_moe_backend!r} picks the MoE kernel of a colocated engine; a "
-                "`trl vllm-serve` server runs the kernel it was started with. Drop vllm_fp8_moe_backend, or use "
-                "vllm_mode='colocate'."
-            )
+        for name in ("vllm_fp8_moe_backend", "vllm_act_quant_kernel"):
+            if getattr(self, name) != "auto" and self.use_vllm and self.vllm_mode == "server":
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r} picks a kernel of a colocated engine; a `trl vllm-serve` server "
+                    f"runs the kernels it was started with. Drop {name}, or use vllm_mode='colocate'."
+                )
         if self.fp8_kv_cache and not self.use_vllm:
             raise ValueError("fp8_kv_cache sets vLLM's KV cache dtype; it needs use_vllm=True.")
         if self.use_vllm:
@@ -423,7 +439,7 @@ class FP8TrainingArguments:
         """Raise for a setting that this combination would silently ignore, naming the fix (warn where harmless)."""
         if not self.use_vllm:
             for name, default in (("rollout_precision", None), ("vllm_fp8_backend", "auto"), ("vllm_fp8_moe_backend", "auto"),
-                                  ("vllm_jit_cache_dir", None), ("vllm_deepgemm_workers", None)):  # fmt: skip
+                                  ("vllm_act_quant_kernel", "auto"), ("vllm_jit_cache_dir", None), ("vllm_deepgemm_workers", None)):  # fmt: skip
                 if getattr(self, name) != default:
                     raise ValueError(
                         f"{name}={getattr(self, name)!r} sets up vLLM rollouts, but use_vllm=False: the trainer "

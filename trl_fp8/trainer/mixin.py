@@ -312,6 +312,7 @@ class FP8TrainerMixin:
             kv_observer=self._kv_observer,
             fp8_backend=args.vllm_fp8_backend,
             fp8_moe_backend=args.vllm_fp8_moe_backend,
+            act_quant_kernel=args.vllm_act_quant_kernel,
             jit_cache_dir=args.vllm_jit_cache_dir,
             deepgemm_workers=args.vllm_deepgemm_workers,
         )

@@ -48,3 +48,20 @@ def deepgemm_warmup_token_counts(max_tokens: int, n: int, device: torch.device) 
     from vllm.model_executor.warmup.deep_gemm_warmup import _generate_optimal_warmup_m_values
 
     return _generate_optimal_warmup_m_values(max_tokens, n, device)
+
+
+# vLLM's fused SiLU-and-mul + 1x128-group FP8 quantization op (`csrc/quantization/fused_kernels/`), which its compile
+# pass `fuse_act_quant` and its Triton fused MoE call; `rollout.vllm.act_quant` re-registers its CUDA kernel.
+SILU_MUL_QUANT_OP = ("_C", "silu_and_mul_per_block_quant")
+
+
+def silu_mul_quant_op():
+    """The op's overload (`torch.ops._C.silu_and_mul_per_block_quant.default`), or None where vLLM's compiled ops
+    are not here. No public API replaces an op's kernel; `torch.library` does it from its namespace and name."""
+    try:
+        import vllm._custom_ops  # noqa: F401 (loads vllm._C, which registers the op)
+    except ImportError:
+        return None
+    namespace, name = SILU_MUL_QUANT_OP
+    packet = getattr(getattr(torch.ops, namespace), name, None)
+    return None if packet is None else packet.default

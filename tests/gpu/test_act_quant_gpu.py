@@ -1,0 +1,72 @@
+"""trl-fp8's kernel for vLLM's fused `silu_and_mul_per_block_quant` against vLLM's own, bit for bit, and the op
+re-registered by `trl_fp8.rollout.vllm.act_quant.install` (SM90, vLLM installed)."""
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+
+def _vllm_op():
+    from trl_fp8.rollout.vllm.act_quant import vllm_kernel_op
+
+    op = vllm_kernel_op()
+    if op is None:
+        pytest.skip("vLLM's silu_and_mul_per_block_quant is not here")
+    return op
+
+
+def _kernel_names(fn) -> set[str]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {event.name for event in prof.events() if event.device_type.name == "CUDA"}
+
+
+def test_trl_fp8_kernel_writes_vllms_bits_at_engine_shapes():
+    """The probe cases and the engine's decode, prefill and expert shapes: one of the two numerics gives vLLM's
+    bytes everywhere (which one says how vLLM's kernel was compiled)."""
+    from trl_fp8.rollout.vllm.act_quant import first_difference, probe_inputs
+
+    vllm_op = _vllm_op()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    cases = probe_inputs(12288, "cuda") + probe_inputs(768, "cuda")
+    for m, n in [(256, 12288), (4096, 12288), (2048, 768), (3, 6144)]:
+        x = (torch.randn(m, 2 * n, device="cuda", generator=g) * 4).bfloat16()
+        cases += [(x, 128, None, True), (x, 128, None, False)]
+    differences = {numerics: first_difference(numerics, vllm_op, cases) for numerics in ("ieee", "fast")}
+    print(f"\nagainst vLLM's kernel: {differences}")
+    assert None in differences.values(), differences
+
+
+def test_install_runs_the_op_on_trl_fp8s_kernel_with_the_same_bits_and_uninstall_gives_it_back():
+    from vllm import _custom_ops as vllm_ops
+
+    from trl_fp8.rollout.vllm import act_quant
+
+    _vllm_op()
+    x = (torch.randn(256, 2 * 6144, device="cuda") * 3).bfloat16()
+
+    def call():
+        return vllm_ops.silu_and_mul_per_block_quant(x, 128, torch.float8_e4m3fn, None, True)  # vLLM's own wrapper
+
+    before = call()
+    assert "_silu_mul_quant_kernel" not in " ".join(_kernel_names(call))
+    try:
+        choice = act_quant.install(6144, torch.device("cuda"))
+        print(f"\n{choice.reason}")
+        if not choice.installed:
+            assert "not faster" in choice.reason, choice.reason  # the bits are the previous test's business
+            pytest.skip(choice.reason)
+        assert act_quant.installed() == choice and choice.trl_fp8_us < choice.vllm_us
+        assert act_quant.install(6144, torch.device("cuda")) is choice  # idempotent
+        after = call()
+        assert torch.equal(after[0].view(torch.uint8), before[0].view(torch.uint8))
+        assert torch.equal(after[1], before[1]) and after[1].stride() == before[1].stride()
+        assert any("_silu_mul_quant_kernel" in name for name in _kernel_names(call))
+    finally:
+        act_quant.uninstall()
+    assert act_quant.installed() is None
+    assert not any("_silu_mul_quant_kernel" in name for name in _kernel_names(call))

@@ -1,0 +1,133 @@
+"""trl-fp8's kernel for vLLM's fused `silu_and_mul_per_block_quant` (`trl_fp8.kernels.vllm_silu_mul_quant`), in
+Triton's CPU interpreter against the float32 reference of vLLM's arithmetic, and the start-up choice around it
+(`trl_fp8.rollout.vllm.act_quant`). On a GPU, tests/gpu/test_act_quant_gpu.py compares it with vLLM's own kernel
+bit for bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import Qwen3Config, Qwen3MoeConfig
+
+from trl_fp8 import FP8GRPOConfig
+from trl_fp8.kernels.vllm_silu_mul_quant import (
+    FP8_MAX,
+    MIN_SCALE,
+    silu_and_mul_per_block_quant,
+    silu_and_mul_per_block_quant_reference,
+)
+from trl_fp8.rollout.vllm import act_quant
+
+pytestmark = pytest.mark.usefixtures("exact_interpreter_casts")  # conftest: exact fp32 -> e4m3 casts
+
+
+@pytest.fixture(autouse=True)
+def _quiet_exp_overflow():
+    with np.errstate(over="ignore"):  # exp(-gate) overflows to inf for gates below -88, as on the GPU
+        yield
+
+
+def _inputs(m: int, n: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, 2 * n, generator=g)
+    x[:, : n // 4] *= 40.0  # gates deep in both tails of exp
+    x[:, n // 4 : n // 2] *= 1e-5  # groups at the scale floor
+    x[0, n // 2 : n // 2 + 64] = 0.0  # an all-zero group (of 64; half of one of 128)
+    return x.bfloat16()
+
+
+def _run(x, group_size, scale_ub, transposed, numerics="ieee"):
+    m, n = x.shape[0], x.shape[1] // 2
+    out = torch.empty(m, n, dtype=torch.float8_e4m3fn)
+    scales = torch.empty(n // group_size, m).t() if transposed else torch.empty(m, n // group_size)
+    silu_and_mul_per_block_quant(out, x, scales, group_size, scale_ub, transposed, numerics=numerics)
+    return out, scales
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "group_size", "transposed", "scale_ub"),
+    [(1, 256, 128, False, None), (37, 384, 128, True, None), (16, 256, 64, False, 0.05), (20, 128, 64, True, 0.05)],
+)
+def test_kernel_writes_the_reference_bits_in_both_scale_layouts(m, n, group_size, transposed, scale_ub):
+    x = _inputs(m, n)
+    ub = None if scale_ub is None else torch.tensor(scale_ub)
+    out, scales = _run(x, group_size, ub, transposed)
+    q_ref, s_ref = silu_and_mul_per_block_quant_reference(x, group_size, ub)
+    assert torch.equal(out.view(torch.uint8), q_ref.view(torch.uint8))
+    assert torch.equal(scales, s_ref)  # the logical [M, groups] view, whichever storage the flag asked for
+    storage = scales.t() if transposed else scales
+    assert storage.is_contiguous()
+
+
+def test_reference_follows_vllms_rules():
+    """scale = amax / 448 (capped, floored at 1 / (448 * 512)); values saturate at +-448; zero groups stay zero;
+    the dequantized values are the float32 products to FP8's rounding."""
+    x = _inputs(8, 256)
+    q, s = silu_and_mul_per_block_quant_reference(x, 128)
+    g, u = x.float().chunk(2, dim=-1)
+    r = torch.nn.functional.silu(g) * u  # torch's SiLU: within a few float32 ulps of vLLM's formula
+    amax = r.view(8, 2, 128).abs().amax(-1)
+    torch.testing.assert_close(s, (amax / FP8_MAX).clamp(min=MIN_SCALE), rtol=2**-20, atol=0)
+    assert MIN_SCALE == pytest.approx(1 / (448 * 512), rel=1e-7)
+    deq = q.float().view(8, 2, 128) * s[..., None]
+    big = r.view(8, 2, 128).abs() > s[..., None] * 2**-6  # normal FP8 range: 3 mantissa bits, rel. error <= 2^-4
+    rel = ((deq - r.view(8, 2, 128)).abs() / r.view(8, 2, 128).abs())[big]
+    assert rel.max() <= 2**-4 * 1.0001
+    q_cap, s_cap = silu_and_mul_per_block_quant_reference(x, 128, torch.tensor(1e-3))
+    assert s_cap.max() <= 1e-3 and q_cap.float().abs().max() == FP8_MAX  # capped scales saturate the large values
+    zero = torch.zeros(2, 256, dtype=torch.bfloat16)
+    qz, sz = silu_and_mul_per_block_quant_reference(zero, 128)
+    assert torch.all(sz == MIN_SCALE) and torch.all(qz.float() == 0)
+
+
+def test_fast_numerics_run_too():
+    """The "fast" variant (approximate exp and division on a GPU) is the same arithmetic in the interpreter."""
+    x = _inputs(5, 256, seed=1)
+    ieee, fast = _run(x, 128, None, False), _run(x, 128, None, False, numerics="fast")
+    assert torch.equal(ieee[0].view(torch.uint8), fast[0].view(torch.uint8)) and torch.equal(ieee[1], fast[1])
+    with pytest.raises(ValueError, match="numerics='exact'"):
+        _run(x, 128, None, False, numerics="exact")
+
+
+def test_kernel_refuses_what_vllms_op_would_not_hand_it_here():
+    x = _inputs(4, 256)
+    with pytest.raises(NotImplementedError, match="vllm_act_quant_kernel='vllm'"):
+        silu_and_mul_per_block_quant(torch.empty(4, 256, dtype=torch.int8), x, torch.empty(4, 2), 128)
+    with pytest.raises(ValueError, match="input \\[M, 2N\\] and out \\[M, N\\]"):
+        silu_and_mul_per_block_quant(torch.empty(4, 128, dtype=torch.float8_e4m3fn), x, torch.empty(4, 1), 128)
+    with pytest.raises(ValueError, match="group_size must be 64 or 128"):
+        silu_and_mul_per_block_quant(torch.empty(4, 256, dtype=torch.float8_e4m3fn), x, torch.empty(4, 8), 32)
+
+
+def test_mlp_shape_is_the_decode_steps_width_and_rows():
+    dense = Qwen3Config(hidden_size=256, intermediate_size=768, num_hidden_layers=1, num_attention_heads=2,
+                        num_key_value_heads=1, vocab_size=64)  # fmt: skip
+    assert act_quant.mlp_shape(dense) == (768, 256)
+    moe = Qwen3MoeConfig(hidden_size=256, intermediate_size=768, moe_intermediate_size=128, num_experts=8,
+                         num_experts_per_tok=2, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                         vocab_size=64)  # fmt: skip
+    assert act_quant.mlp_shape(moe, decode_sequences=64) == (128, 128)
+
+
+def test_install_keeps_vllms_kernel_where_vllms_op_is_not_here():
+    if act_quant.vllm_kernel_op() is not None:
+        pytest.skip("vLLM's ops are loaded here: tests/gpu/test_act_quant_gpu.py covers the install")
+    choice = act_quant.install(768, "cpu")
+    assert not choice.installed and "is not here" in choice.reason
+    assert act_quant.installed() is None
+
+
+@pytest.mark.parametrize("name", ["vllm_fp8_moe_backend", "vllm_act_quant_kernel"])
+def test_config_refuses_colocated_engine_kernels_where_they_would_do_nothing(name):
+    value = {"vllm_fp8_moe_backend": "triton", "vllm_act_quant_kernel": "vllm"}[name]
+    base = dict(output_dir="unused", use_cpu=True, bf16=False)
+    with pytest.raises(ValueError, match="unknown"):
+        FP8GRPOConfig(**base, **{name: "marlin"})
+    with pytest.raises(ValueError, match=f"{name}='{value}' sets up vLLM rollouts, but use_vllm=False"):
+        FP8GRPOConfig(**base, **{name: value})
+    with pytest.raises(ValueError, match=f"rollout_precision='bf16'. Drop {name}"):
+        FP8GRPOConfig(**base, use_vllm=True, rollout_precision="bf16", **{name: value})
+    with pytest.raises(ValueError, match="`trl vllm-serve` server runs the kernels it was started with"):
+        FP8GRPOConfig(**base, use_vllm=True, vllm_mode="server", **{name: value})
+    assert getattr(FP8GRPOConfig(**base), name) == "auto"

@@ -1,0 +1,199 @@
+"""vLLM's fused SiLU-and-mul + FP8 group quantization, run by trl-fp8's kernel where it gives the same bits, faster.
+
+vLLM's block-FP8 engines quantize `down_proj`'s input with one CUDA op, `torch.ops._C.silu_and_mul_per_block_quant`
+(the compile pass `fuse_act_quant` puts it in the dense MLP, and vLLM's Triton fused MoE calls it between the two
+expert GEMMs). vLLM 0.26 runs it at 15-20% of the speed its bytes allow. `install` re-registers the
+op's CUDA kernel with `trl_fp8.kernels.vllm_silu_mul_quant` through `torch.library`, so every caller (compiled
+graphs and their CUDA graphs included) runs it, but only after checking on this GPU, before the engine starts, that
+
+1. the two kernels write the same bytes (FP8 values and scales) on probe inputs covering both scale layouts,
+   scale caps, zero groups, saturating and underflowing values, and the token counts that select each compiled
+   variant of the Triton kernel (which also compiles them all before vLLM captures its CUDA graphs); and
+2. trl-fp8's kernel takes less GPU time at the engine's MLP width and a decode batch (both timed inside a CUDA
+   graph, as vLLM's decode steps run them).
+
+Otherwise vLLM's kernel stays, and the returned line says why. This is a small patch of vLLM's behaviour written
+so that it could go upstream as a kernel change: no value changes, only the time.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from trl_fp8.rollout.vllm._compat import SILU_MUL_QUANT_OP, silu_mul_quant_op
+
+__all__ = ["OP_NAME", "SiluQuantChoice", "first_difference", "graph_time_us", "install", "install_for_model", "installed",
+           "mlp_shape", "probe_inputs", "run_op", "uninstall", "vllm_kernel_op"]  # fmt: skip
+
+NAMESPACE, OP_NAME = SILU_MUL_QUANT_OP
+vllm_kernel_op = silu_mul_quant_op  # vLLM's op, or None where vLLM's compiled ops are not here
+_state: dict = {}  # "library": the torch.library.Library holding our kernel, "choice": the SiluQuantChoice
+
+
+@dataclass(frozen=True)
+class SiluQuantChoice:
+    """What `install` decided: whether trl-fp8's kernel now runs the op, with which numerics, and why."""
+
+    installed: bool
+    reason: str
+    numerics: str | None = None
+    vllm_us: float | None = None
+    trl_fp8_us: float | None = None
+
+
+def run_op(op, x: torch.Tensor, group_size: int, scale_ub, transposed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(out, scales)` of `op` (vLLM's op or ours, same signature) on `x [M, 2N]`, buffers allocated as vLLM's
+    wrapper allocates them (`vllm._custom_ops.silu_and_mul_per_block_quant`)."""
+    m, n = x.shape[0], x.shape[1] // 2
+    out = torch.empty(m, n, device=x.device, dtype=torch.float8_e4m3fn)
+    if transposed:
+        scales = torch.empty(n // group_size, m, device=x.device, dtype=torch.float32).t()
+    else:
+        scales = torch.empty(m, n // group_size, device=x.device, dtype=torch.float32)
+    op(out, x, scales, group_size, scale_ub, transposed)
+    return out, scales
+
+
+def probe_inputs(width: int, device) -> list[tuple[torch.Tensor, int, torch.Tensor | None, bool]]:
+    """`(x [M, 2 * N], group_size, scale_ub, transposed)` cases: token counts 1, 7, 16 and 200 (Triton's
+    specializations of M: one, a multiple of 16, neither), MLP widths 256 and `width`, both scale layouts, with and
+    without a scale cap, groups of 128 and 64; values of ordinary size, large (SiLU's exp over- and underflowing),
+    tiny (the scale floor), and all-zero groups."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    cases = []
+    for i, (m, n) in enumerate([(1, 256), (7, width), (16, 256), (200, width)]):
+        x = torch.randn(m, 2 * n, generator=g)
+        x[:, : n // 4] *= 40.0  # gates far into both tails of exp
+        x[:, n // 4 : n // 2] *= 1e-5  # groups whose scale is the floor
+        x[0, n // 2 : n // 2 + 128] = 0.0  # an all-zero group
+        x = x.to(device=device, dtype=torch.bfloat16)
+        ub = torch.tensor(0.05, device=device) if i % 2 else None
+        for transposed in (False, True):
+            cases.append((x, 128, ub, transposed))
+        cases.append((x, 64, None, bool(i % 2)))
+    return cases
+
+
+def first_difference(numerics: str, vllm_op, cases) -> str | None:
+    """None when trl-fp8's kernel with `numerics` writes `vllm_op`'s bytes on every case, else what differs first."""
+    from trl_fp8.kernels.vllm_silu_mul_quant import silu_and_mul_per_block_quant
+
+    def ours(out, x, scales, group_size, scale_ub, transposed):
+        silu_and_mul_per_block_quant(out, x, scales, group_size, scale_ub, transposed, numerics=numerics)
+
+    for x, group_size, ub, transposed in cases:
+        q_ref, s_ref = run_op(vllm_op, x, group_size, ub, transposed)
+        q, s = run_op(ours, x, group_size, ub, transposed)
+        bad_q = (q.view(torch.uint8) != q_ref.view(torch.uint8)).sum().item()
+        bad_s = (s.view(torch.int32) != s_ref.view(torch.int32)).sum().item()
+        if bad_q or bad_s:
+            return (f"{bad_q} of {q.numel()} FP8 values and {bad_s} of {s.numel()} scales differ at "
+                    f"{tuple(x.shape)}, groups of {group_size}, scale cap {ub is not None}, transposed {transposed}")  # fmt: skip
+    return None
+
+
+def graph_time_us(fn, reps: int = 20) -> float:
+    """GPU time of one `fn()` call as a decode step runs it: `reps` calls captured in one CUDA graph and replayed
+    (an eager loop would time the host's launches, which vLLM's CUDA graphs do not pay)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # compiled and loaded before capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1000.0 / (5 * reps)
+
+
+def install(width: int, device, *, decode_tokens: int = 256) -> SiluQuantChoice:
+    """Run vLLM's `silu_and_mul_per_block_quant` on trl-fp8's kernel in this process, where it gives vLLM's bits on
+    `device` and is faster at MLP width `width` (the model's `intermediate_size`) and `decode_tokens` tokens; call it
+    before the engine is built. Idempotent; `uninstall` gives vLLM its kernel back."""
+    if _state.get("choice") is not None and _state["choice"].installed:
+        return _state["choice"]
+    vllm_op = vllm_kernel_op()
+    if vllm_op is None:
+        return SiluQuantChoice(False, f"vLLM's torch.ops._C.{OP_NAME} is not here (no vLLM, or a vLLM without it)")
+    if width % 128:
+        return SiluQuantChoice(False, f"MLP width {width} is not a multiple of 128")
+    with torch.cuda.device(device):
+        cases = probe_inputs(width, device)
+        differences = {}
+        numerics = None
+        for candidate in ("ieee", "fast"):
+            differences[candidate] = first_difference(candidate, vllm_op, cases)
+            if differences[candidate] is None:
+                numerics = candidate
+                break
+        if numerics is None:
+            return SiluQuantChoice(
+                False,
+                "trl-fp8's kernel does not reproduce vLLM's bits on this GPU, so vLLM's stays ("
+                + "; ".join(f"{k} numerics: {v}" for k, v in differences.items())
+                + ")",
+            )
+        from trl_fp8.kernels.vllm_silu_mul_quant import silu_and_mul_per_block_quant
+
+        def ours(out, x, scales, group_size, scale_ub, is_scale_transposed):
+            silu_and_mul_per_block_quant(out, x, scales, group_size, scale_ub, is_scale_transposed, numerics=numerics)
+
+        x = torch.randn(decode_tokens, 2 * width, device=device, dtype=torch.bfloat16)
+        vllm_us = graph_time_us(lambda: run_op(vllm_op, x, 128, None, True))
+        ours_us = graph_time_us(lambda: run_op(ours, x, 128, None, True))
+    if ours_us >= vllm_us:
+        return SiluQuantChoice(
+            False, f"same bits, but not faster here: {ours_us:.1f} us against vLLM's {vllm_us:.1f} us at "
+            f"{decode_tokens} x {width}", numerics, vllm_us, ours_us,
+        )  # fmt: skip
+    library = torch.library.Library(NAMESPACE, "IMPL")  # noqa: TOR901 (an implementation of vLLM's op, not a new op)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*[Oo]verrid.*")  # torch says that it replaces vLLM's kernel
+        library.impl(OP_NAME, ours, "CUDA")
+    choice = SiluQuantChoice(
+        True, f"trl-fp8's Triton kernel, vLLM's bits on every probe ({numerics} numerics), {ours_us:.1f} us against "
+        f"vLLM's {vllm_us:.1f} us at {decode_tokens} x {width}", numerics, vllm_us, ours_us,
+    )  # fmt: skip
+    _state.update(library=library, choice=choice)
+    return choice
+
+
+def mlp_shape(config, decode_sequences: int = 256) -> tuple[int, int]:
+    """`(width, rows)` of the op's calls in a decode step of `decode_sequences` sequences of a model with this
+    (transformers) config: the experts' width and routed rows for a mixture of experts, else the MLP's."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
+    if experts and getattr(text, "moe_intermediate_size", None):
+        return text.moe_intermediate_size, decode_sequences * getattr(text, "num_experts_per_tok", 1)
+    return text.intermediate_size, decode_sequences
+
+
+def install_for_model(model, device) -> SiluQuantChoice:
+    """`install` at the shape of `model`'s decode steps (`mlp_shape`)."""
+    width, rows = mlp_shape(model.config)
+    return install(width, device, decode_tokens=rows)
+
+
+def installed() -> SiluQuantChoice | None:
+    """The kernel choice in force in this process, or None when `install` has not replaced vLLM's."""
+    choice = _state.get("choice")
+    return choice if choice is not None and choice.installed else None
+
+
+def uninstall() -> None:
+    """Give the op its vLLM kernel back (destroying our registration restores the one it covered)."""
+    library = _state.pop("library", None)
+    _state.pop("choice", None)
+    if library is not None:
+        library._destroy()
