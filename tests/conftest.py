@@ -99,9 +99,14 @@ def exact_interpreter_casts(monkeypatch):
 def fake_vllm(monkeypatch):
     """vLLM's `LLM` replaced by `fake_vllm.FakeLLM` for TRL's colocate code (no vLLM needed); returns the class, whose
     `instances` are the engines built since."""
+    import torch.distributed as dist
+
     from fake_vllm import install_fake_vllm
 
-    return install_fake_vllm(monkeypatch)
+    yield install_fake_vllm(monkeypatch)
+    # TRL's colocate set-up starts a one-process default group for vLLM; a later test starting its own would fail
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

@@ -47,6 +47,7 @@ def test_install_runs_the_op_on_trl_fp8s_kernel_with_the_same_bits_and_uninstall
     from trl_fp8.rollout.vllm import act_quant
 
     _vllm_op()
+    act_quant.uninstall()  # from vLLM's kernel, whatever an earlier engine test in this process installed
     x = (torch.randn(256, 2 * 6144, device="cuda") * 3).bfloat16()
 
     def call():
