@@ -131,3 +131,37 @@ def test_config_refuses_colocated_engine_kernels_where_they_would_do_nothing(nam
     with pytest.raises(ValueError, match="`trl vllm-serve` server runs the kernels it was started with"):
         FP8GRPOConfig(**base, use_vllm=True, vllm_mode="server", **{name: value})
     assert getattr(FP8GRPOConfig(**base), name) == "auto"
+
+
+def _reference_op(out, x, scales, group_size, scale_ub, transposed):
+    """A stand-in for vLLM's op on the CPU: the reference arithmetic, written into vLLM's buffers."""
+    q, s = silu_and_mul_per_block_quant_reference(x, group_size, scale_ub)
+    out.copy_(q)
+    scales.copy_(s)
+
+
+def test_install_keeps_vllms_kernel_where_the_bits_differ(monkeypatch):
+    def off_by_one_scale(out, x, scales, group_size, scale_ub, transposed):
+        _reference_op(out, x, scales, group_size, scale_ub, transposed)
+        scales.view(-1)[0] = torch.nextafter(scales.view(-1)[0], torch.tensor(1.0))
+
+    monkeypatch.setattr(act_quant, "vllm_kernel_op", lambda: off_by_one_scale)
+    choice = act_quant.install(256, "cpu")
+    assert not choice.installed and "does not reproduce vLLM's bits" in choice.reason
+    assert "ieee numerics: 0 of 256 FP8 values and 1 of 2 scales differ at (1, 512)" in choice.reason
+    assert act_quant.installed() is None
+
+
+def test_install_keeps_vllms_kernel_where_it_cannot_be_checked(monkeypatch):
+    """Same bits here, but no CUDA graph to time it in: any failure of a check leaves vLLM's kernel, saying why."""
+    monkeypatch.setattr(act_quant, "vllm_kernel_op", lambda: _reference_op)
+    choice = act_quant.install(256, "cpu")
+    assert not choice.installed and choice.reason.startswith("trl-fp8's kernel could not be checked here")
+    assert act_quant.installed() is None
+    timings = iter([1.0, 2.0])  # vLLM's kernel faster
+    monkeypatch.setattr(act_quant, "graph_time_us", lambda fn, reps=20: (fn(), next(timings))[1])
+    slower = act_quant.install(256, "cpu")
+    assert not slower.installed and slower.reason.startswith(
+        "same bits, but not faster here: 2.0 us against vLLM's 1.0"
+    )
+    assert slower.numerics == "ieee" and act_quant.installed() is None

@@ -12,12 +12,13 @@ graphs and their CUDA graphs included) runs it, but only after checking on this 
 2. trl-fp8's kernel takes less GPU time at the engine's MLP width and a decode batch (both timed inside a CUDA
    graph, as vLLM's decode steps run them).
 
-Otherwise vLLM's kernel stays, and the returned line says why. This is a small patch of vLLM's behaviour written
+Otherwise, or where a check fails to run, vLLM's kernel stays, and the returned line says why. This is a small patch of vLLM's behaviour written
 so that it could go upstream as a kernel change: no value changes, only the time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from dataclasses import dataclass
 
@@ -79,11 +80,7 @@ def probe_inputs(width: int, device) -> list[tuple[torch.Tensor, int, torch.Tens
 
 def first_difference(numerics: str, vllm_op, cases) -> str | None:
     """None when trl-fp8's kernel with `numerics` writes `vllm_op`'s bytes on every case, else what differs first."""
-    from trl_fp8.kernels.vllm_silu_mul_quant import silu_and_mul_per_block_quant
-
-    def ours(out, x, scales, group_size, scale_ub, transposed):
-        silu_and_mul_per_block_quant(out, x, scales, group_size, scale_ub, transposed, numerics=numerics)
-
+    ours = _kernel(numerics)
     for x, group_size, ub, transposed in cases:
         q_ref, s_ref = run_op(vllm_op, x, group_size, ub, transposed)
         q, s = run_op(ours, x, group_size, ub, transposed)
@@ -117,6 +114,29 @@ def graph_time_us(fn, reps: int = 20) -> float:
     return start.elapsed_time(end) * 1000.0 / (5 * reps)
 
 
+def _kernel(numerics: str):
+    """trl-fp8's kernel with vLLM's op's signature."""
+    from trl_fp8.kernels.vllm_silu_mul_quant import silu_and_mul_per_block_quant
+
+    def ours(out, x, scales, group_size, scale_ub, is_scale_transposed):
+        silu_and_mul_per_block_quant(out, x, scales, group_size, scale_ub, is_scale_transposed, numerics=numerics)
+
+    return ours
+
+
+def _matching_numerics(vllm_op, cases) -> tuple[str | None, dict[str, str | None]]:
+    """The first of the kernel's numerics that gives vLLM's bytes on every case (None if neither), and what
+    differed for those tried."""
+    from trl_fp8.kernels.vllm_silu_mul_quant import NUMERICS  # (Triton, imported where a check runs)
+
+    differences = {}
+    for candidate in NUMERICS:
+        differences[candidate] = first_difference(candidate, vllm_op, cases)
+        if differences[candidate] is None:
+            return candidate, differences
+    return None, differences
+
+
 def install(width: int, device, *, decode_tokens: int = 256) -> SiluQuantChoice:
     """Run vLLM's `silu_and_mul_per_block_quant` on trl-fp8's kernel in this process, where it gives vLLM's bits on
     `device` and is faster at MLP width `width` (the model's `intermediate_size`) and `decode_tokens` tokens; call it
@@ -128,30 +148,24 @@ def install(width: int, device, *, decode_tokens: int = 256) -> SiluQuantChoice:
         return SiluQuantChoice(False, f"vLLM's torch.ops._C.{OP_NAME} is not here (no vLLM, or a vLLM without it)")
     if width % 128:
         return SiluQuantChoice(False, f"MLP width {width} is not a multiple of 128")
-    with torch.cuda.device(device):
-        cases = probe_inputs(width, device)
-        differences = {}
-        numerics = None
-        for candidate in ("ieee", "fast"):
-            differences[candidate] = first_difference(candidate, vllm_op, cases)
-            if differences[candidate] is None:
-                numerics = candidate
-                break
-        if numerics is None:
-            return SiluQuantChoice(
-                False,
-                "trl-fp8's kernel does not reproduce vLLM's bits on this GPU, so vLLM's stays ("
-                + "; ".join(f"{k} numerics: {v}" for k, v in differences.items())
-                + ")",
-            )
-        from trl_fp8.kernels.vllm_silu_mul_quant import silu_and_mul_per_block_quant
-
-        def ours(out, x, scales, group_size, scale_ub, is_scale_transposed):
-            silu_and_mul_per_block_quant(out, x, scales, group_size, scale_ub, is_scale_transposed, numerics=numerics)
-
-        x = torch.randn(decode_tokens, 2 * width, device=device, dtype=torch.bfloat16)
-        vllm_us = graph_time_us(lambda: run_op(vllm_op, x, 128, None, True))
-        ours_us = graph_time_us(lambda: run_op(ours, x, 128, None, True))
+    try:
+        with torch.cuda.device(device) if torch.device(device).type == "cuda" else contextlib.nullcontext():
+            numerics, differences = _matching_numerics(vllm_op, probe_inputs(width, device))
+            if numerics is None:
+                return SiluQuantChoice(
+                    False,
+                    "trl-fp8's kernel does not reproduce vLLM's bits on this GPU, so vLLM's stays ("
+                    + "; ".join(f"{k} numerics: {v}" for k, v in differences.items())
+                    + ")",
+                )
+            ours = _kernel(numerics)
+            x = torch.randn(decode_tokens, 2 * width, device=device, dtype=torch.bfloat16)
+            vllm_us = graph_time_us(lambda: run_op(vllm_op, x, 128, None, True))
+            ours_us = graph_time_us(lambda: run_op(ours, x, 128, None, True))
+    except Exception as exc:  # noqa: BLE001 - any failure to check it (a GPU our Triton kernel cannot compile for, a
+        # vLLM whose op takes other arguments) leaves vLLM's own kernel in place, which is always correct
+        why = f"{type(exc).__name__}: {str(exc)[:200]}"
+        return SiluQuantChoice(False, f"trl-fp8's kernel could not be checked here, so vLLM's stays ({why})")
     if ours_us >= vllm_us:
         return SiluQuantChoice(
             False, f"same bits, but not faster here: {ours_us:.1f} us against vLLM's {vllm_us:.1f} us at "
