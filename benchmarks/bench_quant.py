@@ -46,10 +46,11 @@ def weight_bytes(n: int, k: int) -> int:
     return 2 * n * k + n * k + 4 * -(-n // 128) * -(-k // 128)
 
 
-def timed_row(row: dict, fn, nbytes: int, reps: int, hbm: float | None) -> dict:
-    """`row` with fn's time, its bandwidth and its share of the HBM floor (or the error, and the sweep goes on)."""
+def timed_row(row: dict, fn, nbytes: int, reps: int, hbm: float | None, timer=None) -> dict:
+    """`row` with fn's time, its bandwidth and its share of the HBM floor (or the error, and the sweep goes on).
+    `timer(fn, reps)` gives microseconds a call; default `bench_linear.bench`'s CUDA-event timing of eager calls."""
     try:
-        row["us"] = 1e3 * bench(fn, reps, True)
+        row["us"] = timer(fn, reps) if timer is not None else 1e3 * bench(fn, reps, True)
         row["bytes"] = nbytes
         row["tb_per_s"] = nbytes / row["us"] / 1e6
         if hbm:
@@ -174,7 +175,6 @@ def vllm_act_quant_rows(hbm: float | None, reps: int) -> list[dict]:
     from trl_fp8.kernels.vllm_silu_mul_quant import silu_and_mul_per_block_quant
 
     rows = []
-    hbm_s = (hbm or 0) / 1e6
     for label, m, n in VLLM_ACT_QUANT_SHAPES:
         x = torch.randn(m, 2 * n, device="cuda", dtype=torch.bfloat16)
         same = first_difference("ieee", vllm_op, [(x, 128, None, True)])
@@ -182,12 +182,8 @@ def vllm_act_quant_rows(hbm: float | None, reps: int) -> list[dict]:
         for name, op in kernels.items():
             row = {"tensor": f"silu_and_mul_per_block_quant, {label}", "kind": "vllm_act_quant", "shape": [m, n],
                    "layout": name, "num_warps": 4, "same_bits": same is None}  # fmt: skip
-            nbytes = 5 * m * n + 4 * m * n // 128
-            row["us"] = graph_time_us(partial(run_op, op, x, 128, None, True), reps)  # GPU time, as in a decode step
-            row.update(bytes=nbytes, tb_per_s=nbytes / row["us"] / 1e6)
-            if hbm:
-                row.update(floor_us=nbytes / hbm_s, of_floor=nbytes / hbm_s / row["us"])
-            rows.append(row)
+            fn, nbytes = partial(run_op, op, x, 128, None, True), 5 * m * n + 4 * m * n // 128
+            rows.append(timed_row(row, fn, nbytes, reps, hbm, timer=graph_time_us))  # GPU time, as in a decode step
     return rows
 
 

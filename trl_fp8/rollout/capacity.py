@@ -33,11 +33,13 @@ __all__ = [
     "LAUNCHES",
     "ModelShape",
     "RolloutCapacity",
+    "expert_count",
     "keeps_fp8_weight_cache",
     "kv_bytes_per_token",
     "optimizer_state_bytes",
     "rollout_capacity",
     "fsdp2_gathered_params",
+    "text_config",
     "trainer_memory_bytes",
     "trainer_memory_per_gpu",
     "trainer_peak_bytes",
@@ -78,6 +80,21 @@ FP8_CACHE_HEADROOM = 0.9
 # sync_each_batch) where keeping them whole would put the training phase above this share of the GPU (8B under FSDP2
 # on 4 x H100: measured device peaks 6 GiB above the planner's).
 FSDP2_GRADIENTS_HEADROOM = 0.9
+
+
+# How transformers' mixture-of-experts configs name their routed-expert count, across families
+EXPERT_COUNT_NAMES = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def text_config(config):
+    """The decoder's config: a multimodal config's text model's, else the config itself (transformers objects)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def expert_count(config) -> int:
+    """Routed experts per MoE layer of a transformers config object (its text model's), 0 for a dense decoder."""
+    text = text_config(config)
+    return next((n for name in EXPERT_COUNT_NAMES if (n := getattr(text, name, None))), 0)
 
 
 @dataclass(frozen=True)

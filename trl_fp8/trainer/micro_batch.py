@@ -12,6 +12,7 @@ measured apart, docs/moe.md) get no note.
 from __future__ import annotations
 
 from trl_fp8.config import BLOCKWISE
+from trl_fp8.rollout.capacity import expert_count, text_config
 from trl_fp8.trainer.memory import start_up_sequence_tokens
 
 __all__ = [
@@ -31,18 +32,12 @@ MEASURED_SPEEDS = (  # said with the advice, by the trainer and by `trl-fp8 plan
 )
 
 
-_EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")  # transformers' names across MoE families
-
-
 def dense_hidden_size(config) -> int | None:
     """The hidden size of a dense decoder's config (a multimodal config's text model), or None for a
     mixture-of-experts model or a config without one."""
-    if config is None:
+    if config is None or expert_count(config):
         return None
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if any(getattr(text_config, name, None) for name in _EXPERT_COUNTS):
-        return None
-    return getattr(text_config, "hidden_size", None)
+    return getattr(text_config(config), "hidden_size", None)
 
 
 def larger_micro_batch(hidden_size: int | None, micro_batch: int, steps: int, seq_len: int | None) -> int | None:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from trl_fp8.rollout.capacity import expert_count, text_config
 from trl_fp8.rollout.vllm._compat import SILU_MUL_QUANT_OP, silu_mul_quant_op
 
 __all__ = ["OP_NAME", "SiluQuantChoice", "first_difference", "graph_time_us", "install", "install_for_model", "installed",
@@ -186,9 +187,8 @@ def install(width: int, device, *, decode_tokens: int = 256) -> SiluQuantChoice:
 def mlp_shape(config, decode_sequences: int = 256) -> tuple[int, int]:
     """`(width, rows)` of the op's calls in a decode step of `decode_sequences` sequences of a model with this
     (transformers) config: the experts' width and routed rows for a mixture of experts, else the MLP's."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
-    if experts and getattr(text, "moe_intermediate_size", None):
+    text = text_config(config)
+    if expert_count(config) and getattr(text, "moe_intermediate_size", None):
         return text.moe_intermediate_size, decode_sequences * getattr(text, "num_experts_per_tok", 1)
     return text.intermediate_size, decode_sequences
 
