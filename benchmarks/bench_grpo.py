@@ -28,7 +28,9 @@ Runs (one child process each, vLLM colocated, same model, prompts, batch and 1k-
   micro-batches' own forwards); every other run sets `use_liger_kernel` and `fp8_kv_cache` itself;
   `fp8_defaults_scoring_pass` keeps TRL's scoring pass before the micro-batches (`score_in_training_forward=False`),
   `fp8_defaults_vllm_act_quant` keeps vLLM's own fused SiLU-and-mul + FP8 quantization kernel
-  (`vllm_act_quant_kernel="vllm"`).
+  (`vllm_act_quant_kernel="vllm"`), `fp8_defaults_vllm_text` vLLM's text and per-token log-prob dicts
+  (`vllm_token_ids_only=False`); `trl_bf16_token_ids` is TRL BF16 with the `SamplingParams` fields that
+  `vllm_token_ids_only` adds, passed through TRL's `generation_kwargs`.
 
 Peak allocated memory is recorded per phase (rollout: sync + generate; training: the rest, split into scoring and
 micro-batches), with the size of the FP8 weight cache at the end.
@@ -93,6 +95,8 @@ RUNS = {  # run: (trainer, fp8_recipe, rollout_precision, fp8 KV cache, training
     "fp8_defaults": ("trl_fp8", "blockwise", "fp8", None, "auto", None),  # + use_liger_kernel left unset
     "fp8_defaults_scoring_pass": ("trl_fp8", "blockwise", "fp8", None, "auto", None),
     "fp8_defaults_vllm_act_quant": ("trl_fp8", "blockwise", "fp8", None, "auto", None),
+    "fp8_defaults_vllm_text": ("trl_fp8", "blockwise", "fp8", None, "auto", None),
+    "trl_bf16_token_ids": ("trl", None, "bf16", False, None, None),
     # FSDP2's all-gathers and the host: gathered two layers ahead, old log-probs scored 16 sequences a forward, and
     # both with q/k/v and gate/up as one GEMM each (fewer launches per layer where the host bounds the step)
     "unified_fp8kv_liger_prefetch2": ("trl_fp8", "blockwise", "fp8", True, "auto", None),
@@ -124,6 +128,10 @@ RUN_OPTIONS = {  # further (FP8)GRPOConfig fields of a run
     "fp8_defaults_scoring_pass": {"use_liger_kernel": None, "score_in_training_forward": False},
     # the defaults with vLLM's own fused SiLU-and-mul + FP8 quantization kernel (what trl-fp8's kernel gains)
     "fp8_defaults_vllm_act_quant": {"use_liger_kernel": None, "vllm_act_quant_kernel": "vllm"},
+    # the defaults with vLLM's text and per-token log-prob dicts kept (what `vllm_token_ids_only` gains), and TRL
+    # BF16 given the same SamplingParams fields through its generation_kwargs (the part of it that is not FP8's)
+    "fp8_defaults_vllm_text": {"use_liger_kernel": None, "vllm_token_ids_only": False},
+    "trl_bf16_token_ids": {"generation_kwargs": {"detokenize": False, "flat_logprobs": True}},
     "unified_fp8kv_liger_prefetch2": {"fsdp2_prefetch_layers": 2, **LIGER},
     "unified_fp8kv_liger_logprob16": {"logprob_batch_size": 16, **LIGER},
     "unified_fp8kv_liger_fsdp2": {
@@ -249,7 +257,9 @@ def run_one(args) -> None:
     if args.sync_each_batch:
         common["accelerator_config"] = {"gradient_accumulation_kwargs": {"sync_each_batch": True}}
     if trainer_kind == "trl":
-        trainer_cls, config = GRPOTrainer, GRPOConfig(**common, **RUN_OPTIONS.get(args.run, {}))
+        options = dict(RUN_OPTIONS.get(args.run, {}))
+        options["generation_kwargs"] = {**common["generation_kwargs"], **options.get("generation_kwargs", {})}
+        trainer_cls, config = GRPOTrainer, GRPOConfig(**{**common, **options})
     else:
         trainer_cls = FP8GRPOTrainer
         # Liger's kernels only in the runs named for them (FP8GRPOTrainer would otherwise choose them on a GPU)

@@ -100,7 +100,6 @@ ENGINES = {  # engine: (trainer in FP8, rollout precision, FP8 KV cache, vLLM bl
     # (MOE_ENGINE_LLM_KWARGS); "fp8_deepgemm" is vLLM's own choice, Triton's fused MoE on Hopper at TP 1.
     "fp8_deepgemm_moe_deepgemm": (True, "fp8", False, "deepgemm"),
     "fp8_deepgemm_moe_flashinfer_cutlass": (True, "fp8", False, "deepgemm"),
-    "fp8_deepgemm_moe_cutlass": (True, "fp8", False, "deepgemm"),
 }
 # For block-FP8 weights vLLM turns its CUDA activation quantizer on (`+quant_fp8`) and then fuses it into the op
 # before it: `rms_norm_per_block_quant` and `silu_and_mul_per_block_quant`. On one H200 at 256 sequences these ran at
@@ -130,7 +129,6 @@ ENGINE_LLM_KWARGS = {
 MOE_ENGINE_LLM_KWARGS = {
     "fp8_deepgemm_moe_deepgemm": {"moe_backend": "deep_gemm"},
     "fp8_deepgemm_moe_flashinfer_cutlass": {"moe_backend": "flashinfer_cutlass"},
-    "fp8_deepgemm_moe_cutlass": {"moe_backend": "cutlass"},
 }
 ENGINE_ENV = {"fp8_deepgemm_moe_deepgemm": {"VLLM_MOE_USE_DEEP_GEMM": "1"}}
 # Engines whose `silu_and_mul_per_block_quant` runs on trl-fp8's kernel (`trl_fp8.rollout.vllm.act_quant`); the

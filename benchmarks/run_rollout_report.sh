@@ -151,12 +151,13 @@ decode)  # the default engines and one-setting variants (bench_rollout.ENGINE_LL
   ;;
 moedecode)  # the Qwen3-30B-A3B shape's experts on each of vLLM's block-FP8 MoE backends (Triton, vLLM's choice, also with
   # trl-fp8's SiLU-and-mul quantization kernel between its two GEMMs, as the trainer's engines run it; DeepGEMM's
-  # grouped GEMM with its warm-up; FlashInfer's and vLLM's CUTLASS), dense layers on DeepGEMM, beside BF16, each profiled:
+  # grouped GEMM with its warm-up; FlashInfer's CUTLASS; vLLM 0.26 runs no CUTLASS MoE of its own on block-FP8 experts),
+  # dense layers on DeepGEMM, beside BF16, each profiled:
   # decode speed against the floor and engine start-up (warm-ups included). At 0.9 of an H100 every FP8 engine holds
   # 256 sequences of 1,280 tokens; BF16 does not (114k tokens). An engine vLLM cannot build is a row that did not start.
   CAPACITY_SHAPE=30b-a3b CAPACITY_SHARES=${MOE_SHARE:-0.9} CAPACITY_POINTS=${MOE_POINTS:-64x1024 256x1024} \
     CAPACITY_PROFILE=${MOE_PROFILE:-256x256} CAPACITY_ENGINES=${MOE_ENGINES:-fp8_deepgemm fp8_deepgemm_trl_act_quant fp8_deepgemm_moe_deepgemm \
-    fp8_deepgemm_moe_flashinfer_cutlass fp8_deepgemm_moe_cutlass bf16} bash benchmarks/run_rollout_report.sh capacity
+    fp8_deepgemm_moe_flashinfer_cutlass bf16} bash benchmarks/run_rollout_report.sh capacity
   ;;
 concurrency)  # matched concurrency: the same share, and every engine capped at $CAPACITY_SEQS sequences at once
   share=${CAPACITY_SHARES:-0.3}

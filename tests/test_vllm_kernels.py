@@ -85,7 +85,7 @@ def test_explicit_backends_keep_deepgemm_off(backend):
     assert kernel.env == {"VLLM_USE_DEEP_GEMM": "0", "VLLM_USE_DEEP_GEMM_E8M0": "0"}
 
 
-@pytest.mark.parametrize("moe", ["triton", "cutlass", "flashinfer_cutlass", "deepgemm"])
+@pytest.mark.parametrize("moe", ["triton", "flashinfer_cutlass", "deepgemm"])
 def test_moe_backend_reaches_the_engine_beside_the_linear_kernel(hopper, moe):
     """`vllm_fp8_moe_backend`: vLLM's `moe_backend` next to the linear kernel's settings, the reason saying it was
     asked for; DeepGEMM's grouped MoE also needs vLLM's switch for it. "auto" passes nothing (vLLM's choice)."""
@@ -104,6 +104,17 @@ def test_deepgemm_experts_need_deepgemm_linear_layers_and_unknown_names_are_refu
                                                                           "moe_backend": "triton"}  # fmt: skip
     with pytest.raises(ValueError, match="vllm_fp8_moe_backend='marlin' is unknown"):
         rollout_kernel("auto", moe_backend="marlin")
+
+
+def test_cutlass_experts_which_vllm_will_not_run_are_refused_before_the_engine_starts(hopper):
+    """vLLM 0.26's block-FP8 MoE method disables its CUTLASS kernel: the engine stopped at start-up (4 x H200,
+    2026-11-28). The trainer says so, and what to use, before loading anything."""
+    from trl_fp8 import FP8GRPOConfig
+
+    with pytest.raises(ValueError, match="CUTLASS FP8 MoE kernel off for block-FP8 .* Use 'auto'"):
+        rollout_kernel("auto", moe_backend="cutlass")
+    with pytest.raises(ValueError, match="vllm_fp8_moe_backend='cutlass': vLLM 0.26 turns"):
+        FP8GRPOConfig(output_dir="unused", use_cpu=True, vllm_fp8_moe_backend="cutlass")
 
 
 def test_server_command_names_the_kernel_settings():

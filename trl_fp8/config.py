@@ -26,7 +26,13 @@ ROLLOUT_PRECISIONS = ("fp8", "bf16", "fp8_online")
 VLLM_FP8_BACKENDS = ("auto", "deepgemm", "cutlass", "triton")
 # vLLM kernels for the rollout engine's block-FP8 experts ("auto": vLLM's own choice, Triton's fused MoE on Hopper at
 # tensor parallel 1), by our names; `rollout.vllm.kernels.VLLM_MOE_BACKEND` maps them to vLLM's `moe_backend`.
-VLLM_FP8_MOE_BACKENDS = ("auto", "triton", "deepgemm", "cutlass", "flashinfer_cutlass")
+VLLM_FP8_MOE_BACKENDS = ("auto", "triton", "deepgemm", "flashinfer_cutlass")
+# vLLM MoE kernels that vLLM will not run on block-FP8 experts, and why.
+UNAVAILABLE_VLLM_FP8_MOE_BACKENDS = {
+    "cutlass": "vLLM 0.26 turns its CUTLASS FP8 MoE kernel off for block-FP8 models (its `Fp8MoEMethod` passes "
+    "`allow_vllm_cutlass=False`), and the engine would stop at start-up ('vLLM CUTLASS FP8 MoE backend is disabled "
+    "for this configuration')",
+}
 # Kernel of the engine's fused SiLU-and-mul + FP8 quantization ("auto": trl-fp8's where it gives vLLM's bits faster).
 VLLM_ACT_QUANT_KERNELS = ("auto", "vllm")
 # Kernels of the mixture-of-experts FProp and DGrad ("auto": DeepGEMM's grouped GEMM on Hopper when it can run).
@@ -35,6 +41,18 @@ EXPERTS_GEMMS = ("auto", "deepgemm", "triton")
 
 # vLLM whose workers can reload weights layer by layer into a running FP8 engine.
 MIN_VLLM_VERSION = (0, 26)
+
+
+def check_vllm_fp8_moe_backend(name: str) -> str:
+    """`name` if it is one of `VLLM_FP8_MOE_BACKENDS`; else raise naming the fix."""
+    if name in UNAVAILABLE_VLLM_FP8_MOE_BACKENDS:
+        raise ValueError(
+            f"vllm_fp8_moe_backend={name!r}: {UNAVAILABLE_VLLM_FP8_MOE_BACKENDS[name]}. Use 'auto' (vLLM's choice, its "
+            "Triton fused MoE on Hopper) or 'deepgemm'."
+        )
+    if name not in VLLM_FP8_MOE_BACKENDS:
+        raise ValueError(f"vllm_fp8_moe_backend={name!r} is unknown; use one of {VLLM_FP8_MOE_BACKENDS}.")
+    return name
 
 
 def check_vllm_version() -> str:

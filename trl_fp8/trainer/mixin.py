@@ -315,6 +315,7 @@ class FP8TrainerMixin:
             act_quant_kernel=args.vllm_act_quant_kernel,
             jit_cache_dir=args.vllm_jit_cache_dir,
             deepgemm_workers=args.vllm_deepgemm_workers,
+            token_ids_only=args.vllm_token_ids_only,
         )
         try:
             yield

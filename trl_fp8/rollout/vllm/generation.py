@@ -1,6 +1,6 @@
 """vLLM rollouts on the trainer's own FP8 weights and scales.
 
-`FP8VLLMGeneration` is TRL's `VLLMGeneration` with three changes, and nothing else copied:
+`FP8VLLMGeneration` is TRL's `VLLMGeneration` with four changes, and nothing else copied:
 
 - colocate start-up: vLLM is built from a config-only folder (`config.json` with the block-FP8
   `quantization_config`, tokenizer, generation config) with `load_format="dummy"`; TRL syncs weights before the
@@ -10,7 +10,8 @@
   rest; plus, with an FP8 KV cache, the q/k/v scales measured on the trainer's forward (`kv_scales.py`);
 - colocate sync: vLLM's layerwise `reload_weights` (the only refresh path that works on a running FP8 engine in
   vLLM 0.26; `model.load_weights`, which TRL calls, fails there). Server mode keeps TRL's own path (its client
-  streams the same tensors through vLLM's NCCL weight-transfer engine, which also reloads layerwise).
+  streams the same tensors through vLLM's NCCL weight-transfer engine, which also reloads layerwise);
+- colocated rollouts ask vLLM for token ids and log-probs only, through TRL's `generation_kwargs` (`sampling.py`).
 
 Rollout precisions: "fp8" (our quantizer makes weights and scales: the unified flow), "bf16", and "fp8_online"
 (BF16 weights pushed, vLLM quantizes them itself: the BF16-train / FP8-rollout baseline).
@@ -56,6 +57,7 @@ from trl_fp8.rollout.vllm.kernels import (
     server_kernel,
 )
 from trl_fp8.rollout.vllm.partitions import check_tensor_parallel, tensor_parallel_overrides
+from trl_fp8.rollout.vllm.sampling import with_token_ids_only
 from trl_fp8.rollout.vllm.server import check_server_config
 
 logger = logging.getLogger(__name__)
@@ -84,6 +86,7 @@ class FP8VLLMGeneration(VLLMGeneration):
         jit_cache_dir: DeepGEMM's compiled-kernel cache (default `vllm_kernels.default_jit_cache_dir()`).
         deepgemm_workers: processes compiling DeepGEMM's kernels before a colocated engine starts
             (`deepgemm_warmup.precompile_deepgemm`; None: one per CPU core, 0: none).
+        token_ids_only: a colocated engine returns token ids and log-probs only, no text (`sampling.py`).
     """
 
     def __init__(
@@ -98,6 +101,7 @@ class FP8VLLMGeneration(VLLMGeneration):
         act_quant_kernel: str = "auto",
         jit_cache_dir: str | None = None,
         deepgemm_workers: int | None = None,
+        token_ids_only: bool = True,
         **kwargs,
     ):
         self.rollout_precision = check_rollout_precision(rollout_precision)
@@ -120,6 +124,10 @@ class FP8VLLMGeneration(VLLMGeneration):
         # colocate: writes FP8 experts in place (None until the first sync decides; False: the reload for all)
         self.engine_experts: EngineExperts | None | bool = None
         super().__init__(*args, **kwargs)
+        if self.mode == "colocate" and token_ids_only:
+            # TRL merges these into each colocated rollout's SamplingParams (a server answers in OpenAI's format).
+            self.generation_kwargs, why = with_token_ids_only(self.generation_kwargs)
+            logger.info("vLLM rollout outputs: %s", why)
 
     @property
     def fp8_modules(self) -> set[str]:

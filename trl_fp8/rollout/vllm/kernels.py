@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from trl_fp8.config import VLLM_FP8_BACKENDS, VLLM_FP8_MOE_BACKENDS
+from trl_fp8.config import VLLM_FP8_BACKENDS, check_vllm_fp8_moe_backend
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +48,7 @@ __all__ = [
 # take a layer instead of silently picking another one.
 VLLM_LINEAR_BACKEND = {"deepgemm": "deep_gemm", "cutlass": "cutlass", "triton": "triton"}
 # `LLM(moe_backend=...)` names of `vllm_fp8_moe_backend`'s choices ("auto" passes nothing: vLLM chooses).
-VLLM_MOE_BACKEND = {"triton": "triton", "deepgemm": "deep_gemm", "cutlass": "cutlass",
-                    "flashinfer_cutlass": "flashinfer_cutlass"}  # fmt: skip
+VLLM_MOE_BACKEND = {"triton": "triton", "deepgemm": "deep_gemm", "flashinfer_cutlass": "flashinfer_cutlass"}
 # Never E8M0: it changes our scales (weights) and rounds vLLM's activation scales up to powers of two.
 NO_E8M0 = {"VLLM_USE_DEEP_GEMM_E8M0": "0"}
 
@@ -182,8 +181,7 @@ def with_moe_backend(kernel: RolloutKernel, moe_backend: str) -> RolloutKernel:
     others pass `moe_backend` to `LLM(...)`, "deepgemm" (DeepGEMM's grouped GEMM, with its warm-up) only where the
     linear layers run on DeepGEMM too. Every one runs on the FP8 experts the trainer pushes (the sync checks the
     engine's tensors against them, `rollout.vllm.experts`)."""
-    if moe_backend not in VLLM_FP8_MOE_BACKENDS:
-        raise ValueError(f"vllm_fp8_moe_backend={moe_backend!r} is unknown; use one of {VLLM_FP8_MOE_BACKENDS}.")
+    check_vllm_fp8_moe_backend(moe_backend)
     if moe_backend == "auto":
         return kernel
     env = dict(kernel.env)
