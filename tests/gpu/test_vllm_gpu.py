@@ -96,7 +96,8 @@ def assert_engine_holds_trainer_fp8(trainer, layer_index=1, sync=True):
 
 def test_colocate_fp8_rollouts_use_the_trainers_fp8_weights_and_kv_scales(tmp_path, monkeypatch):
     """30 GRPO steps on the trainer's FP8 weights and KV scales, the engine's SiLU-and-mul quantization on trl-fp8's
-    kernel (its timing check made to pass: at this tiny width either kernel may be faster; its bit check runs)."""
+    kernel (its timing check made to pass: at this tiny width either kernel may be faster; its bit check runs), and
+    the engine asked for token ids and log-probs only (`vllm_token_ids_only`, the default)."""
     pytest.importorskip("vllm")
     from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer
     from trl_fp8.demo.toy_task import GRPO_SETTINGS, say_letter_dataset, say_letter_reward
@@ -115,7 +116,20 @@ def test_colocate_fp8_rollouts_use_the_trainers_fp8_weights_and_kv_scales(tmp_pa
         trainer = FP8GRPOTrainer(
             str(_tiny_model_dir(tmp_path)), say_letter_reward, args, train_dataset=say_letter_dataset(2048)
         )
+        llm, rollouts = trainer.vllm_generation.llm, []
+        generate = llm.generate
+
+        def recorded_generate(*a, **k):  # what TRL asked of the engine, and what it got back
+            outputs = generate(*a, **k)
+            rollouts.append((k.get("sampling_params"), outputs[0].outputs[0]))
+            return outputs
+
+        monkeypatch.setattr(llm, "generate", recorded_generate)
         trainer.train()
+        params, completion = rollouts[0]
+        assert params.detokenize is False and params.flat_logprobs is True and params.logprobs == 0
+        assert completion.text == "" and type(completion.logprobs).__name__ == "FlatLogprobs"
+        assert len(completion.logprobs) == len(completion.token_ids)
         choice = trainer.vllm_generation.act_quant_choice
         assert choice is not None and choice.installed and act_quant.installed() == choice, choice
         assert any("_silu_mul_quant_kernel" in name for name in _engine_kernel_names(trainer.vllm_generation.llm))
