@@ -95,6 +95,7 @@ def test_moe_backend_reaches_the_engine_beside_the_linear_kernel(hopper, moe):
     assert kernel.env["VLLM_MOE_USE_DEEP_GEMM"] == ("1" if moe == "deepgemm" else "0")
     assert kernel.env["VLLM_USE_DEEP_GEMM_E8M0"] == "0" and f"experts on {moe} (requested)" in kernel.reason
     assert rollout_kernel("auto", moe_backend="auto") == rollout_kernel("auto")
+    assert ("many minutes to start" in kernel.reason) == (moe == "flashinfer_cutlass")  # said before the silent wait
 
 
 def test_deepgemm_experts_need_deepgemm_linear_layers_and_unknown_names_are_refused(hopper):

@@ -195,7 +195,13 @@ def with_moe_backend(kernel: RolloutKernel, moe_backend: str) -> RolloutKernel:
         # `moe_backend` picks the kernel; this switch also has vLLM's warm-up compile the grouped kernels at start-up
         # (one at a time: minutes on a cold cache) instead of in the middle of the first rollout
         env["VLLM_MOE_USE_DEEP_GEMM"] = "1"
-    return RolloutKernel(kernel.backend, f"{kernel.reason}; experts on {moe_backend} (requested)", env,
+    reason = f"{kernel.reason}; experts on {moe_backend} (requested)"
+    if moe_backend == "flashinfer_cutlass":
+        # Said before the wait: the engine logs nothing while it lasts.
+        reason += (", whose engine may take many minutes to start: an engine at the Qwen3-30B-A3B shape had logged "
+                   "nothing for 10 min after vLLM's torch.compile on an H200 (FlashInfer compiles its MoE kernels at "
+                   "first use, the likely wait)")  # fmt: skip
+    return RolloutKernel(kernel.backend, reason, env,
                          {**kernel.llm_kwargs, "moe_backend": VLLM_MOE_BACKEND[moe_backend]})  # fmt: skip
 
 
