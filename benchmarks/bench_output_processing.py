@@ -25,11 +25,12 @@ import time
 import numpy as np
 
 from benchmarks.common import arg_parser, metadata, results_path, write_json
+from trl_fp8.rollout.vllm.sampling import TOKEN_IDS_ONLY
 
 SETTINGS = {
     "vllm_defaults": {},
     "detokenize_off": {"detokenize": False},
-    "token_ids_only": None,  # trl_fp8.rollout.vllm.sampling.TOKEN_IDS_ONLY, what the trainer sets
+    "token_ids_only": TOKEN_IDS_ONLY,  # what the trainer sets
 }
 
 
@@ -146,7 +147,6 @@ def main(argv=None):
     import vllm
 
     from benchmarks.bench_grpo import vocab_tokenizer
-    from trl_fp8.rollout.vllm.sampling import TOKEN_IDS_ONLY
 
     tokenizer = vocab_tokenizer(args.vocab)
     device = f"{cpu_name()} (one thread)"
@@ -157,15 +157,14 @@ def main(argv=None):
         seqs, new_tokens = (int(v) for v in point.split("x"))
         rows = {}
         for name, sampling in SETTINGS.items():
-            rows[name] = rollout(tokenizer, seqs, new_tokens, args.prompt_len,
-                                 TOKEN_IDS_ONLY if sampling is None else sampling)  # fmt: skip
+            rows[name] = rollout(tokenizer, seqs, new_tokens, args.prompt_len, sampling)
         returned = {name: (row.pop("_completions"), row.pop("_logprobs")) for name, row in rows.items()}
         reference = rows["vllm_defaults"]
         for name, row in rows.items():
             same = returned[name] == returned["vllm_defaults"]
-            row.update(point=point, setting=name, sampling=TOKEN_IDS_ONLY if SETTINGS[name] is None else SETTINGS[name],
+            row.update(point=point, setting=name, sampling=SETTINGS[name],
                        same_tokens_and_logprobs=same,
-                       seconds_saved=reference["seconds"] - row["seconds"] if name != "vllm_defaults" else 0.0)  # fmt: skip
+                       seconds_saved=reference["seconds"] - row["seconds"])  # fmt: skip
             results.append(row)
             print(f"{point} {name:15s} {row['seconds']:.2f} s ({row['ms_per_step']:.2f} ms a step, worst "
                   f"{row['worst_step_ms']:.0f} ms; GC {row['gc_collections']} x, {row['gc_seconds']:.2f} s), "

@@ -107,8 +107,9 @@ class FP8TrainingArguments:
             linear layers on DeepGEMM too; its warm-up compiles many kernels on a cold cache) or
             `"flashinfer_cutlass"`. `"auto"`: vLLM's own choice (Triton on Hopper at tensor parallel 1), the fastest
             measured at the Qwen3-30B-A3B shape on an H200. vLLM 0.26 runs no CUTLASS MoE kernel on block-FP8
-            experts (`"cutlass"` is refused). Only Triton is GPU-tested with the trainer's experts; the sync checks every engine's expert tensors against the
-            trainer's either way. A `trl vllm-serve` server chooses its own.
+            experts (`"cutlass"` is refused). Only Triton is GPU-tested with the trainer's experts; the sync checks
+            every engine's expert tensors against the trainer's either way. A `trl vllm-serve` server chooses its
+            own.
         vllm_act_quant_kernel (str): Which kernel runs a colocated FP8 engine's fused SiLU-and-mul + FP8 activation
             quantization (`down_proj`'s input, dense and expert MLPs): `"auto"` runs trl-fp8's Triton kernel where,
             checked on the GPU at engine start, it writes vLLM's own kernel's bits and takes less time (the start-up
@@ -123,8 +124,8 @@ class FP8TrainingArguments:
         vllm_token_ids_only (bool): A colocated engine returns each sampled token's id and log-prob only, all that
             TRL reads: `detokenize=False` and `flat_logprobs=True` are added to `generation_kwargs` (which TRL passes
             to vLLM's `SamplingParams`), unless set there. vLLM's defaults also turn every token into text and keep
-            a dict per token, on the engine's thread between decode steps (2.6 s of a 128 x 2,048 rollout's host time on one CPU core).
-            The token ids and log-probs are the same either way. `stop` strings in `generation_kwargs` keep the
+            a dict per token, on the engine's thread between decode steps (2.6 s of a 128 x 2,048 rollout's host
+            time on one CPU core). The token ids and log-probs are the same either way. `stop` strings in `generation_kwargs` keep the
             text. A `trl vllm-serve` server answers in OpenAI's format, with text.
         fp8_kv_cache (bool | None): vLLM `kv_cache_dtype="fp8"`, with the q/k/v scales measured on the trainer's
             forward and pushed at every sync (Hopper only). `None`: on for a colocated engine on Hopper in the FP8 flow
@@ -263,7 +264,7 @@ class FP8TrainingArguments:
         default="auto",
         metadata={
             "help": "vLLM kernel for the FP8 experts of a mixture of experts in a colocated engine: 'triton', "
-            "'deepgemm', 'cutlass', 'flashinfer_cutlass', or 'auto' (vLLM's own choice).",
+            "'deepgemm', 'flashinfer_cutlass', or 'auto' (vLLM's own choice).",
         },
     )
     vllm_act_quant_kernel: str = field(
