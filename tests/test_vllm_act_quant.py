@@ -134,8 +134,9 @@ def test_config_refuses_colocated_engine_kernels_where_they_would_do_nothing(nam
     assert getattr(FP8GRPOConfig(**base), name) == "auto"
 
 
-def _reference_op(out, x, scales, group_size, scale_ub, transposed):
-    """A stand-in for vLLM's op on the CPU: the reference arithmetic, written into vLLM's buffers."""
+def _reference_op(out, x, scales, group_size, scale_ub=None, transposed=False):
+    """A stand-in for vLLM's op on the CPU: the reference arithmetic, written into vLLM's buffers (defaults as in
+    vLLM's schema: the CPU tests also register it as an op's kernel)."""
     q, s = silu_and_mul_per_block_quant_reference(x, group_size, scale_ub)
     out.copy_(q)
     scales.copy_(s)
@@ -144,7 +145,7 @@ def _reference_op(out, x, scales, group_size, scale_ub, transposed):
 def test_install_keeps_vllms_kernel_where_the_bits_differ(monkeypatch):
     def off_by_one_scale(out, x, scales, group_size, scale_ub, transposed):
         _reference_op(out, x, scales, group_size, scale_ub, transposed)
-        scales.view(-1)[0] = torch.nextafter(scales.view(-1)[0], torch.tensor(1.0))
+        scales[0, 0] = torch.nextafter(scales[0, 0], torch.tensor(1.0))
 
     monkeypatch.setattr(act_quant, "vllm_kernel_op", lambda: off_by_one_scale)
     choice = act_quant.install(256, "cpu")
@@ -166,3 +167,75 @@ def test_install_keeps_vllms_kernel_where_it_cannot_be_checked(monkeypatch):
         "same bits, but not faster here: 2.0 us against vLLM's 1.0"
     )
     assert slower.numerics == "ieee" and act_quant.installed() is None
+
+
+@pytest.fixture(scope="module")
+def op_with_vllms_schema():
+    """An op defined with vLLM's schema for `silu_and_mul_per_block_quant`, on the CPU: `_reference_op` is its
+    kernel, as vLLM's CUDA kernel is the real op's."""
+    from trl_fp8.rollout.vllm._compat import SILU_MUL_QUANT_SCHEMA
+
+    library = torch.library.Library("trl_fp8_test_vllm", "DEF")  # noqa: TOR901
+    library.define(f"silu_and_mul_per_block_quant{SILU_MUL_QUANT_SCHEMA}")
+    library.impl("silu_and_mul_per_block_quant", _reference_op, "CPU")
+    yield torch.ops.trl_fp8_test_vllm.silu_and_mul_per_block_quant.default
+    library._destroy()
+
+
+def _install_over(monkeypatch, op) -> act_quant.SiluQuantChoice:
+    """`install` over `op` (as over vLLM's), with timings that make trl-fp8's kernel the faster one."""
+    monkeypatch.setattr(act_quant, "vllm_kernel_op", lambda: op)
+    monkeypatch.setattr(act_quant, "NAMESPACE", "trl_fp8_test_vllm")
+    timings = iter([2.0, 1.0])  # vLLM's, then ours
+    monkeypatch.setattr(act_quant, "graph_time_us", lambda fn, reps=20: (fn(), next(timings))[1])
+    return act_quant.install(256, "cpu", decode_tokens=4, scale_transposed=False)
+
+
+def test_installed_kernel_runs_every_call_as_the_dispatcher_passes_it(monkeypatch, op_with_vllms_schema):
+    """The dispatcher leaves out trailing arguments equal to their schema defaults when it calls a Python kernel:
+    vLLM's Triton fused MoE (`scale_ub=None, is_scale_transposed=False`) reaches the kernel with four arguments, the
+    compiled dense MLP (`None, True`) with six. Every pattern gives the reference bits, from trl-fp8's kernel."""
+    from trl_fp8.kernels import vllm_silu_mul_quant
+
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args[4:6])
+        return silu_and_mul_per_block_quant(*args, **kwargs)
+
+    monkeypatch.setattr(vllm_silu_mul_quant, "silu_and_mul_per_block_quant", counted)
+    try:
+        choice = _install_over(monkeypatch, op_with_vllms_schema)
+        assert choice.installed, choice.reason
+        assert "4 x 256 (row-major scales)" in choice.reason
+        calls.clear()
+        x = _inputs(6, 256, seed=2)
+        for ub, transposed in [(None, False), (torch.tensor(0.05), False), (None, True)]:
+            out, scales = act_quant.run_op(op_with_vllms_schema, x, 128, ub, transposed)
+            q_ref, s_ref = silu_and_mul_per_block_quant_reference(x, 128, ub)
+            assert torch.equal(out.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(scales, s_ref)
+        assert len(calls) == 3 and calls[0] == (None, False) and calls[2] == (None, True)
+    finally:
+        act_quant.uninstall()
+    calls.clear()
+    act_quant.run_op(op_with_vllms_schema, _inputs(2, 256), 128, None, False)
+    assert calls == []  # the reference kernel again
+
+
+def test_install_keeps_vllms_kernel_where_the_op_calls_ours_otherwise(monkeypatch, op_with_vllms_schema):
+    """A kernel that needs all six arguments passes the direct checks but not the calls through the op: vLLM's
+    kernel stays, and the reason says what failed."""
+
+    def six_arguments_only(numerics):
+        def ours(out, x, scales, group_size, scale_ub, is_scale_transposed):
+            silu_and_mul_per_block_quant(out, x, scales, group_size, scale_ub, is_scale_transposed, numerics=numerics)
+
+        return ours
+
+    monkeypatch.setattr(act_quant, "_kernel", six_arguments_only)
+    choice = _install_over(monkeypatch, op_with_vllms_schema)
+    assert not choice.installed and act_quant.installed() is None
+    assert "failed the check through vLLM's op" in choice.reason and "missing 2 required positional" in choice.reason
+    x = _inputs(2, 256)
+    out, _ = act_quant.run_op(op_with_vllms_schema, x, 128, None, False)  # the reference kernel again
+    assert torch.equal(out.view(torch.uint8), silu_and_mul_per_block_quant_reference(x, 128)[0].view(torch.uint8))

@@ -25,6 +25,25 @@ def _kernel_names(fn) -> set[str]:
     return {event.name for event in prof.events() if event.device_type.name == "CUDA"}
 
 
+def test_vllms_op_has_the_schema_the_cpu_tests_call_it_with():
+    """The CPU tests call trl-fp8's kernel through an op defined with `SILU_MUL_QUANT_SCHEMA`, as the dispatcher
+    calls vLLM's: the loaded op's arguments (names, types, defaults) must be that schema's."""
+    from trl_fp8.rollout.vllm._compat import SILU_MUL_QUANT_SCHEMA
+
+    library = torch.library.Library("trl_fp8_gpu_test_schema", "DEF")  # noqa: TOR901
+    try:
+        library.define(f"silu_and_mul_per_block_quant{SILU_MUL_QUANT_SCHEMA}")
+        expected = torch.ops.trl_fp8_gpu_test_schema.silu_and_mul_per_block_quant.default
+
+        def arguments(op):
+            return [(arg.name, str(arg.type), arg.default_value, bool(arg.alias_info and arg.alias_info.is_write))
+                    for arg in op._schema.arguments]  # fmt: skip
+
+        assert arguments(_vllm_op()) == arguments(expected)
+    finally:
+        library._destroy()
+
+
 def test_trl_fp8_kernel_writes_vllms_bits_at_engine_shapes():
     """The probe cases and the engine's decode, prefill and expert shapes: one of the two numerics gives vLLM's
     bytes everywhere (which one says how vLLM's kernel was compiled)."""
@@ -53,7 +72,10 @@ def test_install_runs_the_op_on_trl_fp8s_kernel_with_the_same_bits_and_uninstall
     def call():
         return vllm_ops.silu_and_mul_per_block_quant(x, 128, torch.float8_e4m3fn, None, True)  # vLLM's own wrapper
 
-    before = call()
+    def call_as_fused_moe():  # row-major scales, as vLLM's Triton fused MoE asks (the op's trailing defaults)
+        return vllm_ops.silu_and_mul_per_block_quant(x, group_size=128, quant_dtype=torch.float8_e4m3fn)
+
+    before, before_moe = call(), call_as_fused_moe()
     assert "_silu_mul_quant_kernel" not in " ".join(_kernel_names(call))
     try:
         choice = act_quant.install(6144, torch.device("cuda"))
@@ -66,6 +88,10 @@ def test_install_runs_the_op_on_trl_fp8s_kernel_with_the_same_bits_and_uninstall
         after = call()
         assert torch.equal(after[0].view(torch.uint8), before[0].view(torch.uint8))
         assert torch.equal(after[1], before[1]) and after[1].stride() == before[1].stride()
+        after_moe = call_as_fused_moe()
+        assert torch.equal(after_moe[0].view(torch.uint8), before_moe[0].view(torch.uint8))
+        assert torch.equal(after_moe[1], before_moe[1]) and after_moe[1].stride() == before_moe[1].stride()
+        assert any("_silu_mul_quant_kernel" in name for name in _kernel_names(call_as_fused_moe))
         assert any("_silu_mul_quant_kernel" in name for name in _kernel_names(call))
     finally:
         act_quant.uninstall()

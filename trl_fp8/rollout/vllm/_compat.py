@@ -53,6 +53,12 @@ def deepgemm_warmup_token_counts(max_tokens: int, n: int, device: torch.device) 
 # vLLM's fused SiLU-and-mul + 1x128-group FP8 quantization op (`csrc/quantization/fused_kernels/`), which its compile
 # pass `fuse_act_quant` and its Triton fused MoE call; `rollout.vllm.act_quant` re-registers its CUDA kernel.
 SILU_MUL_QUANT_OP = ("_C", "silu_and_mul_per_block_quant")
+# Its schema in vLLM 0.26 (`csrc/torch_bindings.cpp`; the GPU suite checks the loaded op's arguments against it). The
+# CPU tests define an op with it, to call our kernel the way the dispatcher calls vLLM's.
+SILU_MUL_QUANT_SCHEMA = (
+    "(Tensor! out, Tensor input, Tensor! scales, int group_size, Tensor? scale_ub=None, "
+    "bool is_scale_transposed=False) -> ()"
+)
 
 
 def silu_mul_quant_op():

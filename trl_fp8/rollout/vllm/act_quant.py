@@ -9,11 +9,13 @@ graphs and their CUDA graphs included) runs it, but only after checking on this 
 1. the two kernels write the same bytes (FP8 values and scales) on probe inputs covering both scale layouts,
    scale caps, zero groups, saturating and underflowing values, and the token counts that select each compiled
    variant of the Triton kernel (which also compiles them all before vLLM captures its CUDA graphs); and
-2. trl-fp8's kernel takes less GPU time at the engine's MLP width and a decode batch (both timed inside a CUDA
-   graph, as vLLM's decode steps run them).
+2. trl-fp8's kernel takes less GPU time at the engine's MLP width, a decode batch and the engine's scale layout
+   (both timed inside a CUDA graph, as vLLM's decode steps run them);
 
-Otherwise, or where a check fails to run, vLLM's kernel stays, and the returned line says why. This is a small patch of vLLM's behaviour written
-so that it could go upstream as a kernel change: no value changes, only the time.
+and, once registered, the probes give vLLM's bytes again through the op itself (the dispatcher passes a Python
+kernel its arguments its own way). Otherwise, or where a check fails to run, vLLM's kernel stays, and the returned
+line says why. This is a small patch of vLLM's behaviour written so that it could go upstream as a kernel change:
+no value changes, only the time.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ import torch
 from trl_fp8.rollout.capacity import expert_count, text_config
 from trl_fp8.rollout.vllm._compat import SILU_MUL_QUANT_OP, silu_mul_quant_op
 
-__all__ = ["OP_NAME", "SiluQuantChoice", "first_difference", "graph_time_us", "install", "install_for_model", "installed",
-           "mlp_shape", "probe_inputs", "run_op", "uninstall", "vllm_kernel_op"]  # fmt: skip
+__all__ = ["OP_NAME", "SiluQuantChoice", "first_difference", "first_difference_between", "graph_time_us", "install",
+           "install_for_model", "installed", "mlp_shape", "probe_inputs", "run_op", "uninstall", "vllm_kernel_op"]  # fmt: skip
 
 NAMESPACE, OP_NAME = SILU_MUL_QUANT_OP
 vllm_kernel_op = silu_mul_quant_op  # vLLM's op, or None where vLLM's compiled ops are not here
@@ -81,10 +83,14 @@ def probe_inputs(width: int, device) -> list[tuple[torch.Tensor, int, torch.Tens
 
 def first_difference(numerics: str, vllm_op, cases) -> str | None:
     """None when trl-fp8's kernel with `numerics` writes `vllm_op`'s bytes on every case, else what differs first."""
-    ours = _kernel(numerics)
-    for x, group_size, ub, transposed in cases:
-        q_ref, s_ref = run_op(vllm_op, x, group_size, ub, transposed)
-        q, s = run_op(ours, x, group_size, ub, transposed)
+    return first_difference_between(_kernel(numerics), cases, [run_op(vllm_op, *case) for case in cases])
+
+
+def first_difference_between(op, cases, references) -> str | None:
+    """None when `op` writes the bytes of `references` (`run_op` results, one per case) on every case, else what
+    differs first."""
+    for (x, group_size, ub, transposed), (q_ref, s_ref) in zip(cases, references, strict=True):
+        q, s = run_op(op, x, group_size, ub, transposed)
         bad_q = (q.view(torch.uint8) != q_ref.view(torch.uint8)).sum().item()
         bad_s = (s.view(torch.int32) != s_ref.view(torch.int32)).sum().item()
         if bad_q or bad_s:
@@ -116,32 +122,40 @@ def graph_time_us(fn, reps: int = 20) -> float:
 
 
 def _kernel(numerics: str):
-    """trl-fp8's kernel with vLLM's op's signature."""
+    """trl-fp8's kernel with vLLM's op's signature, defaults included: the dispatcher hands a Python kernel only the
+    leading arguments up to the last one that differs from its schema default (vLLM's Triton fused MoE passes
+    `scale_ub=None, is_scale_transposed=False`, which arrive as nothing)."""
     from trl_fp8.kernels.vllm_silu_mul_quant import silu_and_mul_per_block_quant
 
-    def ours(out, x, scales, group_size, scale_ub, is_scale_transposed):
+    def ours(out, x, scales, group_size, scale_ub=None, is_scale_transposed=False):
         silu_and_mul_per_block_quant(out, x, scales, group_size, scale_ub, is_scale_transposed, numerics=numerics)
 
     return ours
 
 
-def _matching_numerics(vllm_op, cases) -> tuple[str | None, dict[str, str | None]]:
-    """The first of the kernel's numerics that gives vLLM's bytes on every case (None if neither), and what
-    differed for those tried."""
+def _matching_numerics(cases, references) -> tuple[str | None, dict[str, str | None]]:
+    """The first of the kernel's numerics that gives vLLM's bytes (`references`) on every case (None if neither),
+    and what differed for those tried."""
     from trl_fp8.kernels.vllm_silu_mul_quant import NUMERICS  # (Triton, imported where a check runs)
 
     differences = {}
     for candidate in NUMERICS:
-        differences[candidate] = first_difference(candidate, vllm_op, cases)
+        differences[candidate] = first_difference_between(_kernel(candidate), cases, references)
         if differences[candidate] is None:
             return candidate, differences
     return None, differences
 
 
-def install(width: int, device, *, decode_tokens: int = 256) -> SiluQuantChoice:
+def _on(device):
+    return torch.cuda.device(device) if torch.device(device).type == "cuda" else contextlib.nullcontext()
+
+
+def install(width: int, device, *, decode_tokens: int = 256, scale_transposed: bool = True) -> SiluQuantChoice:
     """Run vLLM's `silu_and_mul_per_block_quant` on trl-fp8's kernel in this process, where it gives vLLM's bits on
-    `device` and is faster at MLP width `width` (the model's `intermediate_size`) and `decode_tokens` tokens; call it
-    before the engine is built. Idempotent; `uninstall` gives vLLM its kernel back."""
+    `device` and is faster at MLP width `width` (the model's `intermediate_size`) and `decode_tokens` tokens with
+    the scales in the layout the engine asks for (`scale_transposed`: column-major, as vLLM's compiled dense MLPs
+    do; row-major, as its Triton fused MoE does); call it before the engine is built. Idempotent; `uninstall` gives
+    vLLM its kernel back."""
     if _state.get("choice") is not None and _state["choice"].installed:
         return _state["choice"]
     vllm_op = vllm_kernel_op()
@@ -150,8 +164,10 @@ def install(width: int, device, *, decode_tokens: int = 256) -> SiluQuantChoice:
     if width % 128:
         return SiluQuantChoice(False, f"MLP width {width} is not a multiple of 128")
     try:
-        with torch.cuda.device(device) if torch.device(device).type == "cuda" else contextlib.nullcontext():
-            numerics, differences = _matching_numerics(vllm_op, probe_inputs(width, device))
+        with _on(device):
+            cases = probe_inputs(width, device)
+            references = [run_op(vllm_op, *case) for case in cases]
+            numerics, differences = _matching_numerics(cases, references)
             if numerics is None:
                 return SiluQuantChoice(
                     False,
@@ -161,8 +177,8 @@ def install(width: int, device, *, decode_tokens: int = 256) -> SiluQuantChoice:
                 )
             ours = _kernel(numerics)
             x = torch.randn(decode_tokens, 2 * width, device=device, dtype=torch.bfloat16)
-            vllm_us = graph_time_us(lambda: run_op(vllm_op, x, 128, None, True))
-            ours_us = graph_time_us(lambda: run_op(ours, x, 128, None, True))
+            vllm_us = graph_time_us(lambda: run_op(vllm_op, x, 128, None, scale_transposed))
+            ours_us = graph_time_us(lambda: run_op(ours, x, 128, None, scale_transposed))
     except Exception as exc:  # noqa: BLE001 - any failure to check it (a GPU our Triton kernel cannot compile for, a
         # vLLM whose op takes other arguments) leaves vLLM's own kernel in place, which is always correct
         why = f"{type(exc).__name__}: {str(exc)[:200]}"
@@ -175,10 +191,24 @@ def install(width: int, device, *, decode_tokens: int = 256) -> SiluQuantChoice:
     library = torch.library.Library(NAMESPACE, "IMPL")  # noqa: TOR901 (an implementation of vLLM's op, not a new op)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*[Oo]verrid.*")  # torch says that it replaces vLLM's kernel
-        library.impl(OP_NAME, ours, "CUDA")
+        library.impl(OP_NAME, ours, torch.device(device).type.upper())
+    # The engine calls the op through torch's dispatcher, which hands our Python kernel its arguments its own way
+    # (trailing defaults left out): the probes again, through the op now, against vLLM's bytes.
+    try:
+        with _on(device):
+            why = first_difference_between(vllm_op, cases, references)
+    except Exception as exc:  # noqa: BLE001 - as above: vLLM's kernel back, and why
+        why = f"{type(exc).__name__}: {str(exc)[:200]}"
+    if why is not None:
+        library._destroy()
+        return SiluQuantChoice(
+            False, f"trl-fp8's kernel failed the check through vLLM's op, so vLLM's stays ({why})", numerics, vllm_us,
+            ours_us,
+        )  # fmt: skip
     choice = SiluQuantChoice(
         True, f"trl-fp8's Triton kernel, vLLM's bits on every probe ({numerics} numerics), {ours_us:.1f} us against "
-        f"vLLM's {vllm_us:.1f} us at {decode_tokens} x {width}", numerics, vllm_us, ours_us,
+        f"vLLM's {vllm_us:.1f} us at {decode_tokens} x {width} ({'column' if scale_transposed else 'row'}-major "
+        "scales)", numerics, vllm_us, ours_us,
     )  # fmt: skip
     _state.update(library=library, choice=choice)
     return choice
@@ -194,9 +224,10 @@ def mlp_shape(config, decode_sequences: int = 256) -> tuple[int, int]:
 
 
 def install_for_model(model, device) -> SiluQuantChoice:
-    """`install` at the shape of `model`'s decode steps (`mlp_shape`)."""
+    """`install` at the shape and scale layout of `model`'s decode steps (`mlp_shape`; vLLM's Triton fused MoE asks
+    for row-major scales)."""
     width, rows = mlp_shape(model.config)
-    return install(width, device, decode_tokens=rows)
+    return install(width, device, decode_tokens=rows, scale_transposed=not expert_count(model.config))
 
 
 def installed() -> SiluQuantChoice | None:
