@@ -182,13 +182,13 @@ def op_with_vllms_schema():
     library._destroy()
 
 
-def _install_over(monkeypatch, op) -> act_quant.SiluQuantChoice:
-    """`install` over `op` (as over vLLM's), with timings that make trl-fp8's kernel the faster one."""
+def _install_over(monkeypatch, op, timings=(2.0, 1.0), **kwargs) -> act_quant.SiluQuantChoice:
+    """`install` over `op` (as over vLLM's), with `timings` (vLLM's kernel's, then ours; by default ours faster)."""
     monkeypatch.setattr(act_quant, "vllm_kernel_op", lambda: op)
     monkeypatch.setattr(act_quant, "NAMESPACE", "trl_fp8_test_vllm")
-    timings = iter([2.0, 1.0])  # vLLM's, then ours
+    timings = iter(timings)
     monkeypatch.setattr(act_quant, "graph_time_us", lambda fn, reps=20: (fn(), next(timings))[1])
-    return act_quant.install(256, "cpu", decode_tokens=4, scale_transposed=False)
+    return act_quant.install(256, "cpu", decode_tokens=4, scale_transposed=False, **kwargs)
 
 
 def test_installed_kernel_runs_every_call_as_the_dispatcher_passes_it(monkeypatch, op_with_vllms_schema):
@@ -239,3 +239,18 @@ def test_install_keeps_vllms_kernel_where_the_op_calls_ours_otherwise(monkeypatc
     x = _inputs(2, 256)
     out, _ = act_quant.run_op(op_with_vllms_schema, x, 128, None, False)  # the reference kernel again
     assert torch.equal(out.view(torch.uint8), silu_and_mul_per_block_quant_reference(x, 128)[0].view(torch.uint8))
+
+
+def test_trl_fp8_choice_installs_the_kernel_where_the_bits_match_whatever_its_speed(monkeypatch, op_with_vllms_schema):
+    """`vllm_act_quant_kernel="trl_fp8"` (`require_faster=False`): installed although vLLM's kernel timed faster, and
+    only after the same bit checks, through the op too."""
+    try:
+        choice = _install_over(monkeypatch, op_with_vllms_schema, timings=(1.0, 2.0), require_faster=False)
+        assert choice.installed and act_quant.installed() == choice, choice.reason
+        assert "2.0 us against vLLM's 1.0 us" in choice.reason and "asked for whatever its speed" in choice.reason
+    finally:
+        act_quant.uninstall()
+    with pytest.raises(
+        ValueError, match="vllm_act_quant_kernel='trl_fp8' sets up vLLM rollouts"
+    ):  # known, not "unknown"
+        FP8GRPOConfig(output_dir="unused", use_cpu=True, bf16=False, vllm_act_quant_kernel="trl_fp8")

@@ -33,8 +33,9 @@ UNAVAILABLE_VLLM_FP8_MOE_BACKENDS = {
     "`allow_vllm_cutlass=False`), and the engine would stop at start-up ('vLLM CUTLASS FP8 MoE backend is disabled "
     "for this configuration')",
 }
-# Kernel of the engine's fused SiLU-and-mul + FP8 quantization ("auto": trl-fp8's where it gives vLLM's bits faster).
-VLLM_ACT_QUANT_KERNELS = ("auto", "vllm")
+# Kernel of the engine's fused SiLU-and-mul + FP8 quantization ("auto": trl-fp8's where it gives vLLM's bits faster;
+# "trl_fp8": trl-fp8's wherever it gives vLLM's bits; "vllm": vLLM's).
+VLLM_ACT_QUANT_KERNELS = ("auto", "trl_fp8", "vllm")
 # Kernels of the mixture-of-experts FProp and DGrad ("auto": DeepGEMM's grouped GEMM on Hopper when it can run).
 EXPERTS_GEMMS = ("auto", "deepgemm", "triton")
 

@@ -5,6 +5,7 @@ Trains a 2-layer Qwen3-MoE (layer 0: 4 experts of 128, top-2; layer 1: dense) wi
 for 3 steps, then checks that the engine's FusedMoE holds the trainer's FP8 expert blocks and scales bit for bit, in
 the layout of the MoE kernel vLLM chose (vLLM's own conversion for that backend, applied to the trainer's tensors),
 and that the in-place expert sync (`trl_fp8.rollout.vllm.experts`) writes what vLLM's reload of the same weights gives.
+The engine runs trl-fp8's SiLU-and-mul quantization kernel between the expert GEMMs (`vllm_act_quant_kernel="trl_fp8"`).
 """
 
 import sys
@@ -41,6 +42,9 @@ def main(root: Path) -> None:
         **GRPO_SETTINGS, output_dir=str(root / "out"), max_steps=3, logging_steps=1, bf16=True,
         disable_tqdm=True, model_init_kwargs={"dtype": "bfloat16"}, use_vllm=True, vllm_mode="colocate",
         vllm_gpu_memory_utilization=0.25, tis="token",
+        # trl-fp8's SiLU-and-mul kernel whatever its speed at this tiny width: vLLM's fused MoE calls it in every
+        # forward of the engine (profiling, CUDA graphs, decode), as it does where "auto" picks it at real widths
+        vllm_act_quant_kernel="trl_fp8",
     )  # fmt: skip
     trainer = FP8GRPOTrainer(str(tiny_moe_dir(root)), say_letter_reward, args, train_dataset=say_letter_dataset(256))
     assert trainer.fp8_report.experts == ["model.layers.0.mlp.experts"]
@@ -54,6 +58,9 @@ def main(root: Path) -> None:
     assert len(logs) == 3 and all(0 <= m < 0.5 for m in mismatch)
 
     generation = trainer.vllm_generation
+    choice = generation.act_quant_choice
+    print(f"[moe] vLLM SiLU-and-mul + FP8 quantization: {choice.reason}", flush=True)
+    assert choice.installed, choice.reason
     vmodel = generation.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
     routed = [m for n, m in vmodel.named_modules() if "layers.0." in n and hasattr(m, "w13_weight")]
     assert len(routed) == 1, [type(m).__name__ for m in routed]

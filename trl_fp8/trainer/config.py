@@ -113,8 +113,9 @@ class FP8TrainingArguments:
         vllm_act_quant_kernel (str): Which kernel runs a colocated FP8 engine's fused SiLU-and-mul + FP8 activation
             quantization (`down_proj`'s input, dense and expert MLPs): `"auto"` runs trl-fp8's Triton kernel where,
             checked on the GPU at engine start, it writes vLLM's own kernel's bits and takes less time (the start-up
-            log says which, with both times), else vLLM's; `"vllm"` always keeps vLLM's. The values are the same
-            either way. A `trl vllm-serve` server runs vLLM's.
+            log says which, with both times), else vLLM's; `"trl_fp8"` runs trl-fp8's wherever it writes vLLM's bits,
+            faster or not; `"vllm"` always keeps vLLM's. The values are the same either way. A `trl vllm-serve`
+            server runs vLLM's.
         vllm_jit_cache_dir (str | None): Where DeepGEMM keeps its compiled kernels across runs. `None`:
             `DG_JIT_CACHE_DIR`, else vLLM's `~/.cache/vllm/deep_gemm`.
         vllm_deepgemm_workers (int | None): Processes that compile DeepGEMM's kernels side by side before the
@@ -271,7 +272,8 @@ class FP8TrainingArguments:
         default="auto",
         metadata={
             "help": "Kernel of a colocated FP8 engine's fused SiLU-and-mul + FP8 quantization: 'auto' (trl-fp8's "
-            "Triton kernel where it gives vLLM's bits faster, checked at engine start) or 'vllm' (vLLM's own).",
+            "Triton kernel where it gives vLLM's bits faster, checked at engine start), 'trl_fp8' (trl-fp8's wherever "
+            "it gives vLLM's bits) or 'vllm' (vLLM's own).",
         },
     )
     vllm_jit_cache_dir: str | None = field(

@@ -150,12 +150,15 @@ def _on(device):
     return torch.cuda.device(device) if torch.device(device).type == "cuda" else contextlib.nullcontext()
 
 
-def install(width: int, device, *, decode_tokens: int = 256, scale_transposed: bool = True) -> SiluQuantChoice:
+def install(
+    width: int, device, *, decode_tokens: int = 256, scale_transposed: bool = True, require_faster: bool = True
+) -> SiluQuantChoice:
     """Run vLLM's `silu_and_mul_per_block_quant` on trl-fp8's kernel in this process, where it gives vLLM's bits on
     `device` and is faster at MLP width `width` (the model's `intermediate_size`) and `decode_tokens` tokens with
     the scales in the layout the engine asks for (`scale_transposed`: column-major, as vLLM's compiled dense MLPs
-    do; row-major, as its Triton fused MoE does); call it before the engine is built. Idempotent; `uninstall` gives
-    vLLM its kernel back."""
+    do; row-major, as its Triton fused MoE does); call it before the engine is built. `require_faster=False`
+    (`vllm_act_quant_kernel="trl_fp8"`) installs it wherever the bits match, faster or not. Idempotent; `uninstall`
+    gives vLLM its kernel back."""
     if _state.get("choice") is not None and _state["choice"].installed:
         return _state["choice"]
     vllm_op = vllm_kernel_op()
@@ -183,7 +186,7 @@ def install(width: int, device, *, decode_tokens: int = 256, scale_transposed: b
         # vLLM whose op takes other arguments) leaves vLLM's own kernel in place, which is always correct
         why = f"{type(exc).__name__}: {str(exc)[:200]}"
         return SiluQuantChoice(False, f"trl-fp8's kernel could not be checked here, so vLLM's stays ({why})")
-    if ours_us >= vllm_us:
+    if ours_us >= vllm_us and require_faster:
         return SiluQuantChoice(
             False, f"same bits, but not faster here: {ours_us:.1f} us against vLLM's {vllm_us:.1f} us at "
             f"{decode_tokens} x {width}", numerics, vllm_us, ours_us,
@@ -205,10 +208,11 @@ def install(width: int, device, *, decode_tokens: int = 256, scale_transposed: b
             False, f"trl-fp8's kernel failed the check through vLLM's op, so vLLM's stays ({why})", numerics, vllm_us,
             ours_us,
         )  # fmt: skip
+    asked = "" if require_faster else "; asked for whatever its speed"
     choice = SiluQuantChoice(
         True, f"trl-fp8's Triton kernel, vLLM's bits on every probe ({numerics} numerics), {ours_us:.1f} us against "
         f"vLLM's {vllm_us:.1f} us at {decode_tokens} x {width} ({'column' if scale_transposed else 'row'}-major "
-        "scales)", numerics, vllm_us, ours_us,
+        f"scales{asked})", numerics, vllm_us, ours_us,
     )  # fmt: skip
     _state.update(library=library, choice=choice)
     return choice
@@ -223,11 +227,14 @@ def mlp_shape(config, decode_sequences: int = 256) -> tuple[int, int]:
     return text.intermediate_size, decode_sequences
 
 
-def install_for_model(model, device) -> SiluQuantChoice:
+def install_for_model(model, device, *, require_faster: bool = True) -> SiluQuantChoice:
     """`install` at the shape and scale layout of `model`'s decode steps (`mlp_shape`; vLLM's Triton fused MoE asks
     for row-major scales)."""
     width, rows = mlp_shape(model.config)
-    return install(width, device, decode_tokens=rows, scale_transposed=not expert_count(model.config))
+    return install(
+        width, device, decode_tokens=rows, scale_transposed=not expert_count(model.config),
+        require_faster=require_faster,
+    )  # fmt: skip
 
 
 def installed() -> SiluQuantChoice | None:

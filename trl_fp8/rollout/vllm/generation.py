@@ -82,7 +82,8 @@ class FP8VLLMGeneration(VLLMGeneration):
             `vllm_kernels.rollout_kernel`). In server mode it only names what the server is expected to run.
         fp8_moe_backend: vLLM's kernel for FP8 experts in a colocated engine (`vllm_kernels.with_moe_backend`).
         act_quant_kernel: "auto" runs a colocated FP8 engine's fused SiLU-and-mul + FP8 quantization on trl-fp8's
-            kernel where it gives vLLM's bits faster (`act_quant.install`); "vllm" keeps vLLM's.
+            kernel where it gives vLLM's bits faster (`act_quant.install`); "trl_fp8" wherever it gives vLLM's bits;
+            "vllm" keeps vLLM's.
         jit_cache_dir: DeepGEMM's compiled-kernel cache (default `vllm_kernels.default_jit_cache_dir()`).
         deepgemm_workers: processes compiling DeepGEMM's kernels before a colocated engine starts
             (`deepgemm_warmup.precompile_deepgemm`; None: one per CPU core, 0: none).
@@ -178,8 +179,10 @@ class FP8VLLMGeneration(VLLMGeneration):
             logger.info("vLLM tensor parallel: %s=%s (%s)", name, value, why)
             overrides[name] = value
         apply_engine_env(self.rollout_precision, self.kernel)
-        if self.rollout_precision == "fp8" and self.act_quant_kernel == "auto" and torch.cuda.is_available():
-            self.act_quant_choice = install_for_model(unwrap_model(self.model), self.accelerator.device)
+        if self.rollout_precision == "fp8" and self.act_quant_kernel != "vllm" and torch.cuda.is_available():
+            self.act_quant_choice = install_for_model(
+                unwrap_model(self.model), self.accelerator.device, require_faster=self.act_quant_kernel == "auto"
+            )
             logger.info("vLLM SiLU-and-mul + FP8 quantization: %s", self.act_quant_choice.reason)
         start = time.perf_counter()
         self._precompile_deepgemm()
