@@ -176,9 +176,9 @@ def op_with_vllms_schema():
     from trl_fp8.rollout.vllm._compat import SILU_MUL_QUANT_SCHEMA
 
     library = torch.library.Library("trl_fp8_test_vllm", "DEF")  # noqa: TOR901
-    library.define(f"silu_and_mul_per_block_quant{SILU_MUL_QUANT_SCHEMA}")
-    library.impl("silu_and_mul_per_block_quant", _reference_op, "CPU")
-    yield torch.ops.trl_fp8_test_vllm.silu_and_mul_per_block_quant.default
+    library.define(f"{act_quant.OP_NAME}{SILU_MUL_QUANT_SCHEMA}")  # the name `install` registers its kernel under
+    library.impl(act_quant.OP_NAME, _reference_op, "CPU")
+    yield getattr(torch.ops.trl_fp8_test_vllm, act_quant.OP_NAME).default
     library._destroy()
 
 

@@ -150,6 +150,10 @@ def _on(device):
     return torch.cuda.device(device) if torch.device(device).type == "cuda" else contextlib.nullcontext()
 
 
+def _failure(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {str(exc)[:200]}"
+
+
 def install(
     width: int, device, *, decode_tokens: int = 256, scale_transposed: bool = True, require_faster: bool = True
 ) -> SiluQuantChoice:
@@ -184,8 +188,7 @@ def install(
             ours_us = graph_time_us(lambda: run_op(ours, x, 128, None, scale_transposed))
     except Exception as exc:  # noqa: BLE001 - any failure to check it (a GPU our Triton kernel cannot compile for, a
         # vLLM whose op takes other arguments) leaves vLLM's own kernel in place, which is always correct
-        why = f"{type(exc).__name__}: {str(exc)[:200]}"
-        return SiluQuantChoice(False, f"trl-fp8's kernel could not be checked here, so vLLM's stays ({why})")
+        return SiluQuantChoice(False, f"trl-fp8's kernel could not be checked here, so vLLM's stays ({_failure(exc)})")
     if ours_us >= vllm_us and require_faster:
         return SiluQuantChoice(
             False, f"same bits, but not faster here: {ours_us:.1f} us against vLLM's {vllm_us:.1f} us at "
@@ -201,7 +204,7 @@ def install(
         with _on(device):
             why = first_difference_between(vllm_op, cases, references)
     except Exception as exc:  # noqa: BLE001 - as above: vLLM's kernel back, and why
-        why = f"{type(exc).__name__}: {str(exc)[:200]}"
+        why = _failure(exc)
     if why is not None:
         library._destroy()
         return SiluQuantChoice(
