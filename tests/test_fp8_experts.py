@@ -95,6 +95,19 @@ def test_fp8_experts_equal_the_dense_fp8_math_applied_to_each_experts_tokens():
     assert not experts.gate_up_proj.grad[2].any()  # expert 2 received no token: no gradient, no error
 
 
+def test_expert_counts_equal_bincount_with_empty_experts_and_any_id_dtype():
+    """The routed rows per expert, counted without a host sync (`nn.experts.expert_counts`), are `torch.bincount`'s,
+    including experts no token chose and ids that are not int64."""
+    from trl_fp8.nn.experts import expert_counts
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 6, (300,), generator=g)  # experts 6 and 7 of 8 get no row
+    for dtype in (torch.int64, torch.int32):
+        counts = expert_counts(ids.to(dtype), 8)
+        assert counts.dtype == torch.int64 and torch.equal(counts, torch.bincount(ids, minlength=8))
+    assert torch.equal(expert_counts(ids[:0], 8), torch.zeros(8, dtype=torch.int64))
+
+
 def test_fp8_experts_total_error_against_the_unquantized_computation():
     experts, reference, x, index, weights = experts_and_routing(tokens=256)
     x1, x2 = x.clone().requires_grad_(), x.double().requires_grad_()

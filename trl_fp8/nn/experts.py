@@ -160,7 +160,7 @@ class FP8Experts(FP8WeightCacheMixin, nn.Module):
         top_k = top_k_index.shape[-1]
         expert_ids = top_k_index.reshape(-1)
         order = torch.argsort(expert_ids, stable=True)  # token-expert pairs grouped by expert, token order kept
-        counts = torch.bincount(expert_ids, minlength=self.num_experts)
+        counts = expert_counts(expert_ids, self.num_experts)
         if not (self._grouped_kernels or (
             self._grouped_kernels is None and _runs_grouped(select_ops(self.fp8_config, self.gate_up_proj.device))
         )):  # fmt: skip
@@ -212,6 +212,15 @@ class FP8Experts(FP8WeightCacheMixin, nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_experts} experts, fp8={self.fp8_config.recipe}"
+
+
+def expert_counts(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """How many routed rows each expert gets, `[num_experts]` int64 on the ids' device, without the host waiting for
+    the GPU: `torch.bincount` on CUDA copies the ids' minimum and maximum to the host (two syncs in every MoE layer,
+    which stop the host from queueing work ahead of the GPU). Ids must lie in `[0, num_experts)`, as top-k gives."""
+    return torch.zeros(num_experts, device=expert_ids.device, dtype=torch.int64).scatter_add_(
+        0, expert_ids.long(), torch.ones_like(expert_ids, dtype=torch.int64)
+    )
 
 
 def gradient_to_add_into(weight: torch.Tensor) -> torch.Tensor | None:
