@@ -29,7 +29,8 @@ Runs (one child process each, vLLM colocated, same model, prompts, batch and 1k-
   `fp8_defaults_scoring_pass` keeps TRL's scoring pass before the micro-batches (`score_in_training_forward=False`),
   `fp8_defaults_vllm_act_quant` keeps vLLM's own fused SiLU-and-mul + FP8 quantization kernel
   (`vllm_act_quant_kernel="vllm"`), `fp8_defaults_vllm_text` vLLM's text and per-token log-prob dicts
-  (`vllm_token_ids_only=False`); `trl_bf16_token_ids` is TRL BF16 with the `SamplingParams` fields that
+  (`vllm_token_ids_only=False`), `fp8_defaults_fused_siblings` runs q/k/v (and a dense MLP's gate/up) as one FP8 GEMM
+  per pass (`fp8_fuse_sibling_gemms=True`); `trl_bf16_token_ids` is TRL BF16 with the `SamplingParams` fields that
   `vllm_token_ids_only` adds, passed through TRL's `generation_kwargs`.
 
 Peak allocated memory is recorded per phase (rollout: sync + generate; training: the rest, split into scoring and
@@ -96,6 +97,7 @@ RUNS = {  # run: (trainer, fp8_recipe, rollout_precision, fp8 KV cache, training
     "fp8_defaults_scoring_pass": ("trl_fp8", "blockwise", "fp8", None, "auto", None),
     "fp8_defaults_vllm_act_quant": ("trl_fp8", "blockwise", "fp8", None, "auto", None),
     "fp8_defaults_vllm_text": ("trl_fp8", "blockwise", "fp8", None, "auto", None),
+    "fp8_defaults_fused_siblings": ("trl_fp8", "blockwise", "fp8", None, "auto", None),
     "trl_bf16_token_ids": ("trl", None, "bf16", False, None, None),
     # FSDP2's all-gathers and the host: gathered two layers ahead, old log-probs scored 16 sequences a forward, and
     # both with q/k/v and gate/up as one GEMM each (fewer launches per layer where the host bounds the step)
@@ -132,6 +134,9 @@ RUN_OPTIONS = {  # further (FP8)GRPOConfig fields of a run
     # BF16 given the same SamplingParams fields through its generation_kwargs (the part of it that is not FP8's)
     "fp8_defaults_vllm_text": {"use_liger_kernel": None, "vllm_token_ids_only": False},
     "trl_bf16_token_ids": {"generation_kwargs": {"detokenize": False, "flat_logprobs": True}},
+    # the defaults with q/k/v (and a dense MLP's gate/up) as one FP8 GEMM per pass: fewer launches where the host
+    # bounds the micro-batches
+    "fp8_defaults_fused_siblings": {"use_liger_kernel": None, "fp8_fuse_sibling_gemms": True},
     "unified_fp8kv_liger_prefetch2": {"fsdp2_prefetch_layers": 2, **LIGER},
     "unified_fp8kv_liger_logprob16": {"logprob_batch_size": 16, **LIGER},
     "unified_fp8kv_liger_fsdp2": {
