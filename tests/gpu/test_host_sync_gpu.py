@@ -52,29 +52,19 @@ def test_fp8_linear_forward_and_backward_never_sync(backend, cache_with_grad):
 
 
 def _experts(kernel):
-    """FP8 experts at Qwen3-30B-A3B's shape as the trainer runs them, a routing of 1,024 tokens, and one forward and
-    backward done (the compiles; `.grad` left for the next backward to add into)."""
-    from transformers import Qwen3MoeConfig
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
-
+    """FP8 experts at Qwen3-30B-A3B's shape as the trainer runs them (`bench_experts`' layer and routing), 1,024
+    tokens, and one forward and backward done (the compiles; `.grad` left for the next backward to add into)."""
+    from benchmarks.bench_experts import QWEN3_30B_A3B, make_experts, routing
     from trl_fp8.nn.experts import FP8Experts, grouped_gemm_kernel
 
     if kernel == "deepgemm" and grouped_gemm_kernel("auto", torch.zeros(1, device="cuda").bfloat16()) != "deepgemm":
         pytest.skip("no DeepGEMM here (vLLM's bundled copy on an SM90 GPU)")
-    config = Qwen3MoeConfig(hidden_size=2048, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
-                            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
-                            vocab_size=128)  # fmt: skip
-    experts = Qwen3MoeExperts(config).to("cuda", torch.bfloat16)
-    with torch.no_grad():
-        experts.gate_up_proj.normal_(0, 0.02)
-        experts.down_proj.normal_(0, 0.02)
     cfg = FP8LinearConfig(
         backend="scaled_mm", experts_gemm=kernel, fuse_wgrad_accumulation=True, cache_with_grad=False
     )
-    FP8Experts.convert_(experts, cfg)
-    x = torch.randn(1024, 2048, device="cuda", dtype=torch.bfloat16)
-    index = torch.topk(torch.randn(1024, 128, device="cuda"), 8, dim=-1).indices
-    weights = torch.full((1024, 8), 1 / 8, device="cuda", dtype=torch.bfloat16)
+    experts = FP8Experts.convert_(make_experts(QWEN3_30B_A3B, "cuda", "grouped_mm"), cfg)
+    x = torch.randn(1024, QWEN3_30B_A3B["hidden_size"], device="cuda", dtype=torch.bfloat16)
+    index, weights = routing(1024, QWEN3_30B_A3B, "cuda")
     _forward_backward(experts, x, index, weights)
     return experts, x, index, weights
 
@@ -89,12 +79,11 @@ def test_fp8_experts_forward_and_backward_never_sync(kernel):
     assert experts.gate_up_proj.grad is not None and experts.gate_up_proj.grad.abs().sum() > 0
 
 
-def test_the_check_catches_a_host_sync(monkeypatch):
+def test_the_check_catches_a_host_sync():
     """The check fails where the layer syncs: the rows per expert counted by `torch.bincount`, as up to 2026-11-28."""
-    from trl_fp8.nn import experts as experts_module
+    from benchmarks.bench_experts import host_syncing_counts
 
     experts, *inputs = _experts("triton")
-    monkeypatch.setattr(experts_module, "expert_counts", lambda ids, n: torch.bincount(ids, minlength=n))
-    with pytest.raises(RuntimeError, match="synchroniz"), host_never_waits():
+    with pytest.raises(RuntimeError, match="synchroniz"), host_syncing_counts(), host_never_waits():
         _forward_backward(experts, *inputs)
     torch.cuda.synchronize()

@@ -126,8 +126,8 @@ class FP8TrainingArguments:
             TRL reads: `detokenize=False` and `flat_logprobs=True` are added to `generation_kwargs` (which TRL passes
             to vLLM's `SamplingParams`), unless set there. vLLM's defaults also turn every token into text and keep
             a dict per token, on the engine's thread between decode steps (2.6 s of a 128 x 2,048 rollout's host
-            time on one CPU core). The token ids and log-probs are the same either way. `stop` strings in `generation_kwargs` keep the
-            text. A `trl vllm-serve` server answers in OpenAI's format, with text.
+            time on one CPU core). The token ids and log-probs are the same either way. `stop` strings in
+            `generation_kwargs` keep the text. A `trl vllm-serve` server answers in OpenAI's format, with text.
         fp8_kv_cache (bool | None): vLLM `kv_cache_dtype="fp8"`, with the q/k/v scales measured on the trainer's
             forward and pushed at every sync (Hopper only). `None`: on for a colocated engine on Hopper in the FP8 flow
             with importance sampling on, where a rollout's sequences would not all fit a BF16 KV cache at once by the
