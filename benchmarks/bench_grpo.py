@@ -272,7 +272,7 @@ def run_one(args) -> None:
         if precision == "fp8" and args.vllm_fp8_moe_backend != "auto":  # the experts' kernel in FP8 rollouts only
             options.setdefault("vllm_fp8_moe_backend", args.vllm_fp8_moe_backend)
         config = FP8GRPOConfig(**common, fp8_recipe=recipe, rollout_precision=precision, fp8_kv_cache=fp8_kv,
-                               fp8_backend=gemm_backend, fp8_cache_weights=cache_weights, tis="token", tis_cap=2.0,
+                               fp8_backend=gemm_backend, fp8_cache_weights=cache_weights,
                                save_fp8_checkpoint=False, **options)  # fmt: skip
 
     timings = {"rollout": [], "sync": [], "step": [], "score": [], "optimizer": []}

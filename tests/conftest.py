@@ -8,6 +8,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests build every model and toke
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
+# The timeout of the tests' subprocesses and notebooks: a guard against a hung process, not a bound on speed. A slow
+# or loaded machine makes a test slow, never red (a fixed 600 s failed a smoke run on a busy 2-core machine); a hang
+# still ends, well inside CI's 90 minutes.
+HANG_GUARD_S = 1800
+
 
 def _pin_to_one_gpu() -> None:
     """The GPUs this test session may use go to TRL_FP8_TEST_GPUS (from CUDA_VISIBLE_DEVICES, else every GPU of the

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import HANG_GUARD_S
+
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.benchmark_scripts  # `python -m pytest -m benchmark_scripts` runs these alone
 PRETRAIN, RUN_GRPO = "benchmarks.convergence.pretrain", "benchmarks.convergence.run_grpo"
@@ -18,7 +20,7 @@ PRETRAIN, RUN_GRPO = "benchmarks.convergence.pretrain", "benchmarks.convergence.
 def _run(module, *args):
     """`python -m module args...` from the repository root, as benchmarks/README.md runs the scripts."""
     proc = subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
+                          timeout=HANG_GUARD_S)  # fmt: skip
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     return proc.stdout
 

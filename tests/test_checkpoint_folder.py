@@ -18,7 +18,7 @@ from trl_fp8 import convert_to_fp8, save_fp8_checkpoint
 from trl_fp8.checkpoint.folder import drop_checkpoint_entries, holds_a_model, remove_leftovers, replace_checkpoint
 from trl_fp8.demo.tiny_model import tiny_qwen3
 
-from conftest import WORKERS, clean_subprocess_env
+from conftest import HANG_GUARD_S, WORKERS, clean_subprocess_env
 
 WORKER = WORKERS / "save_fault_worker.py"
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,7 +39,9 @@ def siblings(out: Path) -> list[str]:
 
 def run_worker(out: Path, seed: int, point: str) -> int:
     env = {**clean_subprocess_env(), "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, str(WORKER), str(out), str(seed), point], env=env, timeout=300).returncode
+    return subprocess.run(
+        [sys.executable, str(WORKER), str(out), str(seed), point], env=env, timeout=HANG_GUARD_S
+    ).returncode
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from trl_fp8.cli.main import main as cli
 from trl_fp8.cli.quantize import main as quantize_alias
 from trl_fp8.demo.tiny_model import tiny_char_tokenizer, tiny_qwen3
 
-from conftest import clean_subprocess_env
+from conftest import HANG_GUARD_S, clean_subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,9 +86,11 @@ def test_keep_in_bf16_and_fused_groups(model_dir, tmp_path):
 def test_one_command_with_subcommands_and_the_old_name(model_dir, tmp_path):
     env = {**clean_subprocess_env(), "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-m", "trl_fp8", "quantize", str(model_dir), str(tmp_path / "a")],
-                          capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+                          capture_output=True, text=True, env=env, timeout=HANG_GUARD_S)  # fmt: skip
     assert proc.returncode == 0 and "Wrote the block-FP8 checkpoint" in proc.stdout, proc.stderr
-    proc = subprocess.run([sys.executable, "-m", "trl_fp8"], capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "trl_fp8"], capture_output=True, text=True, env=env, timeout=HANG_GUARD_S
+    )
     assert proc.returncode == 2 and "quantize" in proc.stderr
     assert quantize_alias([str(model_dir), str(tmp_path / "b")]) == 0
     assert files(tmp_path / "a")["model.safetensors"] == files(tmp_path / "b")["model.safetensors"]
@@ -136,11 +138,11 @@ def test_custom_code_models_export_their_code(tmp_path):
     code = ("import sys; from transformers import AutoModelForCausalLM as A; "
             "m = A.from_pretrained(sys.argv[1], trust_remote_code=True); print(type(m).__name__)")  # fmt: skip
     proc = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True, env=env,
-                          timeout=300, cwd=tmp_path)  # fmt: skip
+                          timeout=HANG_GUARD_S, cwd=tmp_path)  # fmt: skip
     assert proc.returncode == 0 and "TinyCustomForCausalLM" in proc.stdout, proc.stderr[-2000:]
     os.remove(out / "modeling_tinycustom.py")  # and without it, that load fails: the test can tell
     proc = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True, env=env,
-                          timeout=300, cwd=tmp_path)  # fmt: skip
+                          timeout=HANG_GUARD_S, cwd=tmp_path)  # fmt: skip
     assert proc.returncode != 0
 
 
@@ -176,6 +178,57 @@ def test_importing_the_stack_prints_nothing_a_user_cannot_act_on():
         "logging.getLogger('torchao').warning('a torchao warning that stays')\n"
     )
     proc = subprocess.run([sys.executable, "-W", "default", "-c", code], capture_output=True, text=True,
-                          env={**clean_subprocess_env(), "PYTHONPATH": str(ROOT)}, timeout=300)  # fmt: skip
+                          env={**clean_subprocess_env(), "PYTHONPATH": str(ROOT)}, timeout=HANG_GUARD_S)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.strip() == "a torchao warning that stays", proc.stderr
+
+
+def weightless(model_dir: Path, folder: Path) -> Path:
+    """A copy of the model's folder without its weights: config.json (and the tokenizer) only."""
+    folder.mkdir()
+    for name, data in files(model_dir).items():
+        if not name.endswith(".safetensors"):
+            (folder / name).write_bytes(data)
+    return folder
+
+
+def cut_short(model_dir: Path, folder: Path, keep: int | None = None) -> Path:
+    """A copy of the model's folder whose model.safetensors stops after `keep` bytes (default: half of it)."""
+    weightless(model_dir, folder)
+    data = files(model_dir)["model.safetensors"]
+    (folder / "model.safetensors").write_bytes(data[: len(data) // 2 if keep is None else keep])
+    return folder
+
+
+def one_line_error(capsys) -> str:
+    captured = capsys.readouterr()
+    assert captured.err.count("\n") == 1 and "Traceback" not in captured.err, captured.err
+    assert captured.err.startswith("error: ") and "Wrote" not in captured.out
+    return captured.err
+
+
+def test_quantize_of_a_folder_without_weights_is_a_one_line_error(model_dir, tmp_path, capsys):
+    source = weightless(model_dir, tmp_path / "config_only")
+    assert cli(["quantize", str(source), str(tmp_path / "out")]) == 2
+    err = one_line_error(capsys)
+    assert f"{source} has config.json but no weights" in err and "model.safetensors" in err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("keep", [None, 100], ids=["data", "header"])
+def test_quantize_of_a_truncated_checkpoint_is_a_one_line_error(model_dir, tmp_path, capsys, keep):
+    source = cut_short(model_dir, tmp_path / "cut", keep)
+    assert cli(["quantize", str(source), str(tmp_path / "out")]) == 2
+    err = one_line_error(capsys)
+    assert f"cannot load the weights of {source}" in err and "SafetensorError" in err
+    assert "cut short or damaged" in err and "download or copy the model again" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_quantize_of_a_truncated_checkpoint_prints_no_traceback_from_the_shell(model_dir, tmp_path):
+    source = cut_short(model_dir, tmp_path / "cut")
+    env = {**clean_subprocess_env(), "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "trl_fp8", "quantize", str(source), str(tmp_path / "out")],
+                          capture_output=True, text=True, env=env, timeout=HANG_GUARD_S)  # fmt: skip
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert [line for line in proc.stderr.splitlines() if line.startswith("error: ")] == proc.stderr.splitlines()[-1:]

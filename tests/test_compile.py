@@ -16,7 +16,7 @@ from trl_fp8 import FP8Linear, FP8LinearConfig, convert_to_fp8
 from trl_fp8.demo.tiny_model import tiny_qwen3
 from trl_fp8.ops import emulated
 
-from conftest import rel_err
+from conftest import HANG_GUARD_S, rel_err
 
 
 @pytest.mark.parametrize("rows,cols", [(True, False), (True, True), (False, True)])
@@ -127,5 +127,5 @@ def test_gpu_backend_traces_as_triton_ops():
     process without Triton's interpreter, whose kernels cannot be traced)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, "-c", textwrap.dedent(_TRACE_GPU_BACKEND)], env=env, capture_output=True,
-                            text=True, timeout=600)  # fmt: skip
+                            text=True, timeout=HANG_GUARD_S)  # fmt: skip
     assert result.returncode == 0 and "traced" in result.stdout, result.stdout[-3000:] + result.stderr[-5000:]

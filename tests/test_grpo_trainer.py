@@ -21,7 +21,7 @@ from trl_fp8.demo.toy_task import GRPO_SETTINGS, say_letter_dataset, say_letter_
 from trl_fp8.trainer.importance_sampling import token_tis_ratio
 from trl_fp8.trainer.mixin import fp8_model_card_section
 
-from conftest import assert_fp8_equal, layer_names, rel_err
+from conftest import HANG_GUARD_S, assert_fp8_equal, layer_names, rel_err
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -360,6 +360,30 @@ def test_hub_pushes_upload_one_model_never_a_mix(model_dir, tmp_path, monkeypatc
     assert not [n for n in names if n.startswith(("model-", "adapter_", "bf16_master", ".")) or "tmp" in n]
 
 
+def test_a_failed_push_leaves_the_fp8_checkpoint_and_says_where(model_dir, tmp_path, monkeypatch):
+    """Offline (no Hub): transformers creates the repository before it saves, so the upload failed with no FP8
+    checkpoint written. The checkpoint is written first, saved once, and the error names the folder."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    trainer = make_trainer(model_dir, tmp_path, max_steps=1)
+    trainer.train()
+    import trl_fp8.trainer.mixin as mixin
+
+    writes = []
+    real_write = mixin.save_fp8_checkpoint
+    monkeypatch.setattr(mixin, "save_fp8_checkpoint", lambda *a, **k: writes.append(a[1]) or real_write(*a, **k))
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError, match=rf"The FP8 checkpoint is saved in {out}, but pushing it to the Hugging "
+                                           r"Face Hub failed .*hf upload <org/name> "):  # fmt: skip
+        trainer.push_to_hub()
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "fp8"
+    with safe_open(out / "model.safetensors", "pt") as f:
+        assert f.get_tensor("model.layers.0.mlp.up_proj.weight").dtype == torch.float8_e4m3fn
+    assert writes == [str(out)] and not trainer._checkpoint_saved_for_push
+    trainer.save_model()  # later saves write as before
+    assert writes == [str(out)] * 2
+
+
 def test_training_checkpoints_keep_bf16_masters(model_dir, tmp_path):
     trainer = make_trainer(model_dir, tmp_path, max_steps=2, save_strategy="steps", save_steps=2)
     trainer.train()
@@ -531,9 +555,40 @@ def test_bad_configs_name_the_fix(tmp_path, kwargs, message):
         make_args(tmp_path, **kwargs)
 
 
+def test_token_tis_is_the_default_unless_trls_own_fields_say_otherwise(tmp_path):
+    """`tis="auto"` (the default): token TIS, as every measured FP8 run used, mapped onto TRL's fields; TRL's own
+    importance-sampling settings, where a user set them, stand instead of being refused as with `tis="token"`."""
+    args = make_args(tmp_path)
+    assert args.tis == "auto" and args.token_tis and args.vllm_importance_sampling_mode == "token_truncate"
+    assert args.vllm_importance_sampling_clip_max == 2.0 and args.vllm_importance_sampling_correction
+    assert make_args(tmp_path, tis_cap=3.0).vllm_importance_sampling_clip_max == 3.0
+    theirs = make_args(tmp_path, vllm_importance_sampling_mode="sequence_truncate")
+    assert not theirs.token_tis and theirs.vllm_importance_sampling_mode == "sequence_truncate"
+    assert theirs.trl_is_fields_set() == ["vllm_importance_sampling_mode='sequence_truncate'"]
+    assert not make_args(tmp_path, vllm_importance_sampling_correction=False).token_tis
+    trls = make_args(tmp_path, tis=None)
+    assert not trls.token_tis and trls.vllm_importance_sampling_mode == "sequence_mask"  # TRL's default
+    again = make_args(tmp_path, **{k: getattr(args, k) for k in ("tis", "vllm_importance_sampling_mode",
+                                                                 "vllm_importance_sampling_clip_max")})  # fmt: skip
+    assert again.token_tis  # a saved config of a run reads back to the same choice
+
+
+def test_automatic_tis_is_said_at_start_up_and_asks_nothing_without_rollouts_to_correct(model_dir, tmp_path, capsys):
+    trainer = make_trainer(model_dir, tmp_path)  # no vLLM, no rollout_func: nothing to correct, no error
+    assert trainer.args.token_tis and not trainer._tis_without_vllm
+    assert not trainer.scoring_in_training_forward.on and "importance sampling" not in capsys.readouterr().out
+    trainer = make_trainer(model_dir, tmp_path, rollout_func=lambda prompts, trainer: None)
+    assert trainer._tis_without_vllm
+    assert "token-level truncated importance sampling on: " in capsys.readouterr().out
+    with pytest.raises(ValueError, match="tis='token' corrects rollouts sampled by another engine"):
+        make_trainer(model_dir, tmp_path, tis="token")  # asked for, with nothing to correct: refused
+
+
 def test_harmless_settings_without_effect_warn(tmp_path):
-    with pytest.warns(UserWarning, match="tis_cap=3.0 has no effect without tis='token'"):
-        make_args(tmp_path, tis_cap=3.0)
+    with pytest.warns(UserWarning, match="tis_cap=3.0 has no effect without token TIS"):
+        make_args(tmp_path, tis="off", tis_cap=3.0)
+    with pytest.warns(UserWarning, match="tis_cap=3.0 has no effect without token TIS"):
+        make_args(tmp_path, tis="auto", tis_cap=3.0, vllm_importance_sampling_mode="sequence_truncate")
     with pytest.warns(UserWarning, match="save_bf16_master_weights=True has no effect"):
         make_args(tmp_path, fp8_recipe=None, save_bf16_master_weights=True)
 
@@ -549,6 +604,30 @@ def test_a_bitsandbytes_optimizer_without_bitsandbytes_is_refused_at_config_time
     assert make_args(tmp_path, optim="adamw_bnb_8bit").optim == "adamw_bnb_8bit"
     monkeypatch.setattr(transformers.utils, "is_bitsandbytes_available", lambda: False)
     assert make_args(tmp_path, optim="adamw_torch").optim == "adamw_torch"  # other optimizers need nothing
+
+
+def test_a_model_path_that_is_not_there_is_refused_naming_the_fix(tmp_path):
+    """As the CLI says it, at once: not the Hub's repo-id validation error after asking the Hub for a typo."""
+    with pytest.raises(ValueError, match=r"no model folder at \./no-such-model, and it is not a Hub id"):
+        FP8GRPOTrainer("./no-such-model", say_letter_reward, make_args(tmp_path))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="is a folder without config.json"):
+        FP8GRPOTrainer(str(tmp_path / "empty"), say_letter_reward, make_args(tmp_path))
+
+
+def test_model_init_kwargs_applied_by_the_trainer_are_not_said_to_be_ignored(model_dir, tmp_path, caplog):
+    """trl-fp8 loads a model named by path itself (to convert it before TRL wraps it), with `model_init_kwargs`;
+    TRL, handed the loaded model, would warn that they are ignored."""
+    import logging
+
+    with caplog.at_level(logging.WARNING):
+        trainer = make_trainer(model_dir, tmp_path, model_init_kwargs={"attn_implementation": "eager"})
+    assert trainer.model.config._attn_implementation == "eager"  # applied
+    assert not [r for r in caplog.records if "model_init_kwargs" in r.getMessage()], caplog.text
+    with caplog.at_level(logging.WARNING):  # a model the user built: TRL's warning stands
+        FP8GRPOTrainer(tiny_qwen3(vocab_size=128), say_letter_reward, make_args(tmp_path, model_init_kwargs={}),
+                       train_dataset=say_letter_dataset(32), processing_class=tiny_char_tokenizer())  # fmt: skip
+    assert [r for r in caplog.records if "model_init_kwargs" in r.getMessage()]
 
 
 def test_plain_grpo_config_is_refused_with_the_fix(model_dir, tmp_path):
@@ -599,7 +678,7 @@ def test_sharded_launches_are_refused_before_loading_the_model(tmp_path, monkeyp
         monkeypatch.setenv(key, value)
     loads = []
     monkeypatch.setattr(FP8GRPOTrainer, "_load_model", staticmethod(lambda *a: loads.append(1)))
-    with pytest.raises(NotImplementedError, match=f"does not support {name}.*multi_gpu.yaml"):
+    with pytest.raises(NotImplementedError, match=f"do not support {name}.*multi_gpu.yaml"):
         FP8GRPOTrainer("some/model", say_letter_reward, args, train_dataset=say_letter_dataset(16))
     assert loads == []
     check_no_weight_sharding(bf16_args)  # plain BF16 GRPO: TRL's business
@@ -833,7 +912,8 @@ def test_bf16_training_with_fp8_export_honours_the_layer_choices(model_dir, tmp_
     with safe_open(tmp_path / "fp8" / "model.safetensors", "pt") as f:
         scales = f.get_tensor("model.layers.1.mlp.up_proj.weight_scale_inv")
     assert torch.equal(scales, torch.exp2(torch.log2(scales).round()))  # power-of-two scales, as asked
-    card = fp8_model_card_section(trainer.fp8_report, trainer.args, trainer.fp8_export_report)
+    card = fp8_model_card_section(trainer.fp8_report, trainer.args, trainer.fp8_export_report,
+                                  trainer_name="FP8GRPOTrainer")  # fmt: skip
     assert "in BF16 (`fp8_recipe=None`)" in card and "18 linear layers in FP8" in card
     assert "`model.layers.0.self_attn.q_proj` (first/last layers in bf16)" in card
 
@@ -893,7 +973,7 @@ def test_demo_without_vllm_stops_before_writing_anything(tmp_path):
     out = tmp_path / "demo"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "grpo_fp8.py"), "--use_vllm", "--output_dir", str(out)],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=HANG_GUARD_S,
     )  # fmt: skip
     assert proc.returncode != 0 and "use_vllm=True needs vLLM: pip install 'trl-fp8[vllm]'" in proc.stderr
     assert not out.exists()
@@ -980,7 +1060,7 @@ def test_example_resolves_reward_funcs_as_trl_and_runs_a_step(model_dir, tmp_pat
          "--max_steps", "1", "--per_device_train_batch_size", "8", "--num_generations", "4",
          "--max_completion_length", "4", "--use_cpu", "true", "--bf16", "false", "--report_to", "none",
          "--disable_tqdm", "true"],
-        capture_output=True, text=True, timeout=600, cwd=tmp_path / "work",
+        capture_output=True, text=True, timeout=HANG_GUARD_S, cwd=tmp_path / "work",
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -991,7 +1071,7 @@ def test_example_resolves_reward_funcs_as_trl_and_runs_a_step(model_dir, tmp_pat
         [sys.executable, str(ROOT / "examples" / "grpo_fp8.py"), "--model_name_or_path", model_dir,
          "--dataset_name", str(data), "--reward_funcs", "no_such_reward", "--output_dir", str(tmp_path / "x"),
          "--use_cpu", "true", "--bf16", "false"],
-        capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        capture_output=True, text=True, timeout=HANG_GUARD_S, env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )  # fmt: skip
     assert proc.returncode == 2 and "neither one of TRL's rewards" in proc.stderr
     assert not (tmp_path / "x").exists()

@@ -147,3 +147,38 @@ def test_sampling_metrics_are_trls_over_scored_tokens():
     sequence = importance_sampling_ratio(train, rollout, mask, "sequence_truncate", None, 3.0)
     per_sequence = sampling_metrics(train, rollout, mask, sequence, per_sequence=True)
     assert per_sequence["sampling/importance_sampling_ratio/mean"] == pytest.approx(sequence.mean().item())
+
+
+def test_sampling_metrics_reduce_over_processes_as_trls_scoring_pass():
+    """TRL reduces `sampling/*` per process first (its mean; 0 where it has no token), then over processes: the mean
+    of the means, the max of the maxima, the min of the minima. Micro-batches added up give the process's values."""
+    from trl_fp8.trainer.importance_sampling import importance_sampling_ratio, sampling_metrics_of, sampling_sums
+
+    g = torch.Generator().manual_seed(0)
+    train, rollout = -torch.rand(6, 5, generator=g), -torch.rand(6, 5, generator=g)
+    mask = (torch.rand(6, 5, generator=g) > 0.3).float()
+    ratio = importance_sampling_ratio(train, rollout, mask, "token_truncate", None, 2.0)
+    rank0 = sampling_sums(train[:2], rollout[:2], mask[:2], ratio[:2]) + sampling_sums(
+        train[2:4], rollout[2:4], mask[2:4], ratio[2:4])  # two micro-batches  # fmt: skip
+    rank1 = sampling_sums(train[4:], rollout[4:], mask[4:], ratio[4:])
+    other = rank1
+
+    def gather(local):  # this process is rank 0; rank 1 sends what `sampling_metrics_of` makes of `other`
+        rows = []
+        sampling_metrics_of(other, gather=lambda t: rows.append(t) or t)
+        return torch.cat([local, rows[0]])
+
+    got = sampling_metrics_of(rank0, gather)
+    delta = (train - rollout).abs()
+    per_rank = [slice(0, 4), slice(4, 6)]
+    means = [delta[r][mask[r].bool()].mean().item() for r in per_rank]
+    ratio_means = [ratio[r][mask[r].bool()].mean().item() for r in per_rank]
+    assert got["sampling/sampling_logp_difference/mean"] == pytest.approx(sum(means) / 2)
+    assert got["sampling/sampling_logp_difference/max"] == pytest.approx(delta[mask.bool()].max().item())
+    assert got["sampling/importance_sampling_ratio/mean"] == pytest.approx(sum(ratio_means) / 2)
+    assert got["sampling/importance_sampling_ratio/min"] == pytest.approx(ratio[mask.bool()].min().item())
+    assert got["sampling/importance_sampling_ratio/max"] == pytest.approx(ratio[mask.bool()].max().item())
+    other = sampling_sums(train[4:], rollout[4:], torch.zeros_like(mask[4:]), ratio[4:])  # rank 1 scored nothing
+    empty = sampling_metrics_of(rank0, gather)
+    assert empty["sampling/sampling_logp_difference/mean"] == pytest.approx(means[0] / 2)  # TRL counts its 0
+    assert empty["sampling/importance_sampling_ratio/min"] == 0.0  # as TRL logs it

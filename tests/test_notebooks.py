@@ -8,6 +8,8 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+from conftest import HANG_GUARD_S
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -18,7 +20,7 @@ def test_notebook_executes(name, tmp_path):
     os.environ.setdefault("QUICKSTART_STEPS", "12")  # executes end to end; learning is tested elsewhere
     try:
         NotebookClient(
-            nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+            nb, timeout=HANG_GUARD_S, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
         ).execute()
     finally:
         if env_steps is None:
@@ -37,7 +39,9 @@ def test_notebook_executes(name, tmp_path):
 
 def test_results_notebook_redraws_the_committed_results(tmp_path):
     nb = nbformat.read(ROOT / "notebooks" / "fp8_vs_bf16.ipynb", as_version=4)
-    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    NotebookClient(
+        nb, timeout=HANG_GUARD_S, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    ).execute()
     outputs = "".join(
         o.get("text", "") for cell in nb.cells if cell.cell_type == "code" for o in cell.get("outputs", [])
     )

@@ -37,14 +37,15 @@ def test_rloo_trains_in_fp8_and_saves_a_block_fp8_checkpoint(model_dir, tmp_path
     ours_q, ours_s = layer.quantized_weight()
     # the trained weights the forward used, bit for bit
     assert q.view(torch.uint8).equal(ours_q.view(torch.uint8)) and s.equal(ours_s)
-    card = fp8_model_card_section(trainer.fp8_report, trainer.args)
+    card = fp8_model_card_section(trainer.fp8_report, trainer.args, trainer_name=type(trainer).__name__)
     assert "recipe `blockwise` (28 linear layers in FP8)" in card and "TIS" not in card
+    assert "Trained with trl-fp8's `FP8RLOOTrainer`" in card and "GRPO" not in card and "http" not in card
 
 
 def test_rloo_refuses_what_it_cannot_do(model_dir, tmp_path):
     with pytest.raises(TypeError, match="FP8RLOOTrainer needs an FP8RLOOConfig, got FP8GRPOConfig"):
         FP8RLOOTrainer(model_dir, say_letter_reward, FP8GRPOConfig(str(tmp_path), use_cpu=True, bf16=False))
-    with pytest.raises(ValueError, match="input model's own folder"):
+    with pytest.raises(ValueError, match=r"input model's own folder.*another output_dir \(FP8RLOOConfig\(output_dir"):
         FP8RLOOTrainer(model_dir, say_letter_reward, rloo_args(tmp_path, output_dir=model_dir))
     with pytest.raises(TypeError, match="unexpected keyword argument 'tis'"):
         rloo_args(tmp_path, tis="token")  # RLOO has no rollout correction: the option does not exist

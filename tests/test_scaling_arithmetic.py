@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import HANG_GUARD_S
+
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.benchmark_scripts  # in the default run; `-m benchmark_scripts` runs them alone
 
@@ -19,7 +21,7 @@ def run(tmp_path_factory):
     """The script as the docs run it, from the repository root, into a temporary results file."""
     out = tmp_path_factory.mktemp("scaling") / "scaling.json"
     proc = subprocess.run([sys.executable, "-m", "benchmarks.scaling_arithmetic", "--out", str(out)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+                          capture_output=True, text=True, timeout=HANG_GUARD_S)  # fmt: skip
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     return json.loads(out.read_text()), proc.stdout
 

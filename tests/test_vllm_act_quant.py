@@ -254,3 +254,69 @@ def test_trl_fp8_choice_installs_the_kernel_where_the_bits_match_whatever_its_sp
         ValueError, match="vllm_act_quant_kernel='trl_fp8' sets up vLLM rollouts"
     ):  # known, not "unknown"
         FP8GRPOConfig(output_dir="unused", use_cpu=True, bf16=False, vllm_act_quant_kernel="trl_fp8")
+
+
+def _patch_vllm_op(monkeypatch, op) -> list:
+    """vLLM's op replaced by `op`, ours timed faster at every check; returns the list each timing appends to."""
+    timed = []
+    monkeypatch.setattr(act_quant, "vllm_kernel_op", lambda: op)
+    monkeypatch.setattr(act_quant, "NAMESPACE", "trl_fp8_test_vllm")
+    monkeypatch.setattr(
+        act_quant, "graph_time_us", lambda fn, reps=20: (fn(), timed.append(1), 1.0 + len(timed) % 2)[2]
+    )
+    return timed
+
+
+def test_each_engines_settings_are_checked_anew(monkeypatch, op_with_vllms_schema):
+    """The registration covers the whole process; a second engine of another width or scale layout gets its own
+    check (against vLLM's kernel), not the first engine's decision, and the same settings get the decision in force."""
+    timed = _patch_vllm_op(monkeypatch, op_with_vllms_schema)
+    try:
+        first = act_quant.install(256, "cpu", decode_tokens=4, scale_transposed=False)
+        assert first.installed and len(timed) == 2
+        assert act_quant.install(256, "cpu", decode_tokens=4, scale_transposed=False) is first and len(timed) == 2
+        other = act_quant.install(384, "cpu", decode_tokens=8, scale_transposed=True)
+        assert other.installed and len(timed) == 4 and "8 x 384 (column-major scales)" in other.reason
+        assert act_quant.installed() is other
+    finally:
+        act_quant.uninstall()
+
+
+def test_vllms_kernel_comes_back_when_the_installing_engine_is_gone(monkeypatch, op_with_vllms_schema):
+    import gc
+
+    class Engine:
+        pass
+
+    _patch_vllm_op(monkeypatch, op_with_vllms_schema)
+    try:
+        first, second = Engine(), Engine()
+        assert act_quant.install(256, "cpu", decode_tokens=4, scale_transposed=False, owner=first).installed
+        assert act_quant.install(384, "cpu", decode_tokens=4, scale_transposed=False, owner=second).installed
+        del first
+        gc.collect()
+        assert act_quant.installed() is not None  # the second engine's check installed it last: it stays
+        del second
+        gc.collect()
+        assert act_quant.installed() is None
+        x = _inputs(2, 256)  # the reference kernel again
+        out, _ = act_quant.run_op(op_with_vllms_schema, x, 128, None, False)
+        assert torch.equal(out.view(torch.uint8), silu_and_mul_per_block_quant_reference(x, 128)[0].view(torch.uint8))
+    finally:
+        act_quant.uninstall()
+
+
+def test_an_engine_asking_for_vllms_kernel_gets_it(monkeypatch, op_with_vllms_schema):
+    """`vllm_act_quant_kernel='vllm'` in a later engine of the process undoes an earlier engine's installation."""
+    from types import SimpleNamespace
+
+    from trl_fp8.rollout.vllm.generation import FP8VLLMGeneration
+
+    _patch_vllm_op(monkeypatch, op_with_vllms_schema)
+    try:
+        assert act_quant.install(256, "cpu", decode_tokens=4, scale_transposed=False).installed
+        engine = SimpleNamespace(rollout_precision="fp8", act_quant_kernel="vllm", act_quant_choice=None)
+        FP8VLLMGeneration._choose_act_quant_kernel(engine)
+        assert act_quant.installed() is None and engine.act_quant_choice is None
+    finally:
+        act_quant.uninstall()

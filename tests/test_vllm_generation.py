@@ -249,8 +249,9 @@ def test_vllm_rollouts_are_scored_in_the_training_forward(fake_vllm, tmp_path, m
     trainer = tiny_trainer(tmp_path, tis=tis)
     assert trainer.scoring_in_training_forward.on and trainer.vllm_importance_sampling_correction is True
     switch = []
+    rollout_batch = {"prompt_ids": model_batch["prompt_ids"]}  # (what the micro-batches below score: all of it)
     monkeypatch.setattr(GRPOTrainer, "_generate_and_score_completions",
-                        lambda self, inputs: switch.append(self.vllm_importance_sampling_correction) or {})  # fmt: skip
+                        lambda self, inputs: switch.append(self.vllm_importance_sampling_correction) or rollout_batch)  # fmt: skip
     trainer._generate_and_score_completions([])
     assert switch == [False] and trainer.vllm_importance_sampling_correction is True
 

@@ -26,6 +26,7 @@ __all__ = [
     "check_no_weight_sharding",
     "check_sharding_supports",
     "compute_dtype",
+    "drop_grads_of_unused_parameters",
     "fp8_shards_align",
     "gather_quantized",
     "gather_whole",
@@ -85,9 +86,9 @@ def check_no_weight_sharding(args) -> None:
     needs_whole_weights = args.fp8_recipe is not None or args.use_vllm or args.save_fp8_checkpoint
     if sharding not in (None, "FSDP2") and needs_whole_weights:
         raise NotImplementedError(
-            f"FP8GRPOTrainer does not support {sharding}: its layers, the vLLM sync and the FP8 export need whole "
-            "weights, which it does not give them. Shard with FSDP2 (TRL's accelerate_configs/fsdp2.yaml, or "
-            "fsdp_config={'version': 2}), or replicate with DDP (multi_gpu.yaml) or DeepSpeed ZeRO-1/2 "
+            f"trl-fp8's trainers do not support {sharding}: their FP8 layers, the vLLM sync and the FP8 export need "
+            f"whole weights, which {sharding} does not give them. Shard with FSDP2 (TRL's accelerate_configs/"
+            "fsdp2.yaml, or fsdp_config={'version': 2}), or replicate with DDP (multi_gpu.yaml) or DeepSpeed ZeRO-1/2 "
             "(zero2.yaml); or, for plain BF16 GRPO, set fp8_recipe=None, use_vllm=False and save_fp8_checkpoint=False."
         )
 
@@ -275,9 +276,53 @@ def zero_grads_in_buckets(wrapped) -> bool:
     transformers calls `model.zero_grad()` after each optimizer step, which sets gradients to None. The micro-batches
     of the next step run under `no_sync` (gradient accumulation), where DDP's reducer does not run: autograd then
     accumulates into new tensors, a second copy of every gradient beside the buckets until the last micro-batch
-    copies them in (15 GiB at the 8B shape: what ran a DDP rank out of memory). Zeroed in place they stay views."""
+    copies them in (15 GiB at the 8B shape: what ran a DDP rank out of memory). Zeroed in place they stay views.
+
+    A gradient kept as zeros would reach the optimizer for a parameter no rank used in a step (where plain DDP leaves
+    it None and the optimizer skips it): where DDP allows unused parameters, the parameters used in each step are
+    recorded, and `drop_grads_of_unused_parameters` gives the others None again before the optimizer runs."""
     if not isinstance(wrapped, nn.parallel.DistributedDataParallel) or not wrapped.gradient_as_bucket_view:
         return False
     if "zero_grad" not in vars(wrapped):  # an instance attribute, set once, shadows Module.zero_grad
         object.__setattr__(wrapped, "zero_grad", functools.partial(nn.Module.zero_grad, wrapped, False))
+        if wrapped.find_unused_parameters or getattr(wrapped, "static_graph", False):
+            object.__setattr__(wrapped, "_trl_fp8_used_parameters", _UsedParameters(wrapped.module))
     return True
+
+
+class _UsedParameters:
+    """The trainable parameters of a module that got a gradient on this process since the last `take`."""
+
+    def __init__(self, module: nn.Module):
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.used = [False] * len(self.params)
+        for i, p in enumerate(self.params):
+            p.register_post_accumulate_grad_hook(functools.partial(self._mark, i))
+
+    def _mark(self, index: int, _param) -> None:
+        self.used[index] = True
+
+    def take(self) -> list[bool]:
+        used, self.used = self.used, [False] * len(self.params)
+        return used
+
+
+def drop_grads_of_unused_parameters(wrapped) -> int:
+    """After a step's gradient reduction: set to None the gradients of the parameters that no process used in the
+    step (DDP left their zeroed bucket views untouched), as plain DDP leaves them; returns how many. One all-reduce
+    of a flag per parameter, where `zero_grads_in_buckets` records usage (DDP with unused parameters allowed)."""
+    tracker = vars(wrapped).get("_trl_fp8_used_parameters") if isinstance(wrapped, nn.Module) else None
+    if tracker is None:
+        return 0
+    used = tracker.take()
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        flags = torch.tensor(used, dtype=torch.int32, device=tracker.params[0].device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=wrapped.process_group)
+        used = [bool(f) for f in flags.tolist()]
+    dropped = 0
+    for param, was_used in zip(tracker.params, used, strict=True):
+        if not was_used and param.grad is not None:
+            param.grad = None
+            dropped += 1
+    return dropped

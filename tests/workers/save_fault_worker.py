@@ -33,8 +33,10 @@ def main(out: str, seed: int, point: str) -> None:
             die()
         return real_save_file(*args, **kwargs)
 
-    def link(src, dst):
-        real_link(src, dst)
+    def link(src, dst, *args, **kwargs):  # os.link's own signature: filelock passes follow_symlinks=False
+        real_link(src, dst, *args, **kwargs)
+        if not os.path.realpath(os.fspath(dst)).startswith(os.path.dirname(os.path.realpath(out)) + os.sep):
+            return  # not the save's (filelock's lock files, say)
         calls["link"] += 1
         if point == "carry" and calls["link"] == 2:
             die()
@@ -49,10 +51,10 @@ def main(out: str, seed: int, point: str) -> None:
             die()
         return done
 
-    def rename(src, dst):
+    def rename(src, dst, *args, **kwargs):
         if point == "fallback_between" and str(src).endswith(".new"):
             die()
-        real_rename(src, dst)
+        real_rename(src, dst, *args, **kwargs)
         if point == "fallback_after" and str(src).endswith(".new"):
             die()
 

@@ -50,7 +50,7 @@ def load_model_config(name: str, trust_remote_code: bool = False):
         return AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code, local_files_only=True)
     except (OSError, ValueError) as exc:
         if Path(name).expanduser().is_dir():
-            raise ValueError(f"cannot read the model config in {name}: {_first_line(exc)}") from exc
+            raise ValueError(f"cannot read the model config in {name}: {first_line(exc)}") from exc
     if unreachable := _hub_unreachable(name):
         raise ValueError(
             f"{name}'s config is not in the Hugging Face cache, and {unreachable}. Run once where the Hub is "
@@ -59,7 +59,7 @@ def load_model_config(name: str, trust_remote_code: bool = False):
     try:
         return AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
-        raise ValueError(f"cannot read a model config from {name!r}: {_first_line(exc)}") from exc
+        raise ValueError(f"cannot read a model config from {name!r}: {first_line(exc)}") from exc
 
 
 def _hub_unreachable(name: str) -> str | None:
@@ -81,6 +81,7 @@ def _hub_unreachable(name: str) -> str | None:
     return None
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (its type's name if it has none): what a one-line error quotes."""
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__

@@ -11,16 +11,20 @@ prompt + completion tokens that decode at once, a rough account of the trainer's
 largest share at which each flow fits (its best fit). With --num_processes N it plans one GPU of N, each with a
 training process and a vLLM engine (TRL's colocate mode), the trainer replicated (DDP) or sharded (FSDP2), and says
 which of the two fits; --vllm_tensor_parallel_size T plans one engine over each T of them (TRL's option of that
-name), whose FP8 partitions must hold whole 128x128 blocks as trl-fp8 checks before the engine starts.
+name), whose FP8 partitions must hold whole 128x128 blocks as trl-fp8 checks before the engine starts. The FP8 rows
+apply where trl-fp8 converts some layer (`plan_fp8_conversion` on the model built on the meta device); where it
+converts none, they are marked not applicable and the line below the table says why. Sequences longer than the model
+can position (its max_position_embeddings, as vLLM counts them) are refused.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections import Counter
 
 from trl_fp8.cli.argtypes import memory_share, non_negative_int, positive_float, positive_int
-from trl_fp8.cli.hub import load_model_config
+from trl_fp8.cli.hub import first_line, load_model_config
 from trl_fp8.rollout.capacity import (
     FP8_CACHE_HEADROOM,
     GPU_MEMORY_BYTES,
@@ -32,6 +36,7 @@ from trl_fp8.rollout.capacity import (
     ModelShape,
     keeps_fp8_weight_cache,
     rollout_capacity,
+    text_config,
     trainer_memory_per_gpu,
     trainer_peak_bytes,
     training_phase_bytes,
@@ -43,6 +48,7 @@ from trl_fp8.trainer.requirements import is_bitsandbytes_optimizer
 FLOWS = (("BF16", False, False), ("FP8", True, False), ("FP8 + FP8 KV", True, True))
 LAUNCH_NAMES = {"ddp": "DDP", "fsdp2": "FSDP2"}
 FSDP2_OPTIM = "adamw_torch_fused"  # what trl-fp8's refusal of bitsandbytes optimizers under FSDP2 names
+BF16_ONLY = "The FP8 flows do not apply: BF16 alone is planned."
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -95,12 +101,16 @@ def run(args: argparse.Namespace) -> int:
         total = _gpu_memory(args)
         model_config = load_model_config(args.model, args.trust_remote_code)
         shape = ModelShape.from_config(model_config)
+        _check_positions(args, model_config)
         _check_launch(args)
-        split = _check_tensor_parallel(args, model_config)
+        model, fp8_layers, no_fp8_layer = _conversion_plan(args, model_config)
+        split = _check_tensor_parallel(args, model, fp8_layers)
+        # Without an FP8 layer the FP8 flows would only repeat BF16's numbers under FP8's name: BF16 alone is planned.
+        flows = FLOWS[:1] if no_fp8_layer else FLOWS
         # Every flow's numbers first, under each launch compared: an error must come before any line of the table.
         compared = LAUNCHES if several and not args.lora else (args.launch,)
         by_launch = {launch: [_flow_row(shape, total, seq_len, args, launch, fp8_weights=w, fp8_kv=kv)
-                              for _, w, kv in FLOWS] for launch in compared}  # fmt: skip
+                              for _, w, kv in flows] for launch in compared}  # fmt: skip
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -108,33 +118,38 @@ def run(args: argparse.Namespace) -> int:
     print(_header(args, shape, total))
     print(f"{'':<14}{'vLLM weights':>13}{'KV B/token':>11}{'KV tokens':>11}{'seqs at once':>13}{'waves':>6}"
           f"{'trainer':>9}" + (f"{'peak':>9}" if several else "") + f"{'fits':>6}")  # fmt: skip
-    for (name, _, _), (cap, parts, peak, fits, _) in zip(FLOWS, rows, strict=True):
+    for (name, _, _), (cap, parts, peak, fits, _) in zip(flows, rows, strict=True):
         waves = cap.waves(_engine_batch(args)) if cap.sequences else "-"
         trainer = trainer_peak_bytes(parts, cache_with_grad=_cache_with_grad(args))
         print(f"{name:<14}{cap.weight_bytes / GiB:>11.1f}Gi{cap.kv_bytes_per_token:>11,}{cap.kv_tokens:>11,}"
               f"{cap.sequences:>13}{waves:>6}{trainer / GiB:>7.1f}Gi"
               + (f"{peak / GiB:>7.1f}Gi" if several else "") + f"{'yes' if fits else 'no':>6}")  # fmt: skip
+    for name, _, _ in (flow for flow in FLOWS if flow not in flows):
+        print(f"{name:<14}  not applicable: no FP8 layer")
+    if no_fp8_layer:
+        print(no_fp8_layer)
     print(_columns_footnote(several))
     if split:
         print(split)
-    if no_room := [name for (name, _, _), (cap, *_) in zip(FLOWS, rows, strict=True) if not cap.sequences]:
+    if no_room := [name for (name, _, _), (cap, *_) in zip(flows, rows, strict=True) if not cap.sequences]:
         print(f"{' and '.join(no_room)}: vLLM's share ({args.vllm_gpu_memory_utilization * total / GiB:.1f} GiB) holds "
               f"no whole sequence of {seq_len:,} tokens beside the weights: vLLM would refuse to start the engine. "
               "Raise --vllm_gpu_memory_utilization (see Best fit) or shorten the sequences.")  # fmt: skip
     if args.fp8_cache_weights == "auto" and (
-        dropped := [name for (name, w, _), (_, parts, *_) in zip(FLOWS, rows, strict=True)
+        dropped := [name for (name, w, _), (_, parts, *_) in zip(flows, rows, strict=True)
                     if w and parts.get("fp8_weight_cache") == 0 and not (several and args.launch == "fsdp2")]
     ):  # fmt: skip
         print(f"{' and '.join(dropped)}: without the FP8 weight cache ({shape.linear_params / GiB:.1f} GiB), which "
               f"FP8GRPOTrainer drops where the training phase with it would pass {FP8_CACHE_HEADROOM:.0%} of the GPU "
               "(fp8_cache_weights=None; True keeps it).")  # fmt: skip
-    fp8_weights_only = rows[[(w, kv) for _, w, kv in FLOWS].index((True, False))][0]
-    print(_default_kv_cache_line(fp8_weights_only, _engine_batch(args), seq_len))
-    if line := _micro_batch_line(args, model_config, shape, total, seq_len):
-        print(line)
+    if not no_fp8_layer:  # the FP8 flows' own notes
+        fp8_weights_only = rows[[(w, kv) for _, w, kv in FLOWS].index((True, False))][0]
+        print(_default_kv_cache_line(fp8_weights_only, _engine_batch(args), seq_len))
+        if line := _micro_batch_line(args, model_config, shape, total, seq_len):
+            print(line)
     best_fits = [f"{name} {fit[0]:.2f} ({fit[1].kv_tokens:,} KV tokens, {fit[1].sequences} sequences at once)" if fit
                  else f"{name}: none (no share holds one sequence beside the trainer)"
-                 for (name, _, _), (*_, fit) in zip(FLOWS, rows, strict=True)]  # fmt: skip
+                 for (name, _, _), (*_, fit) in zip(flows, rows, strict=True)]  # fmt: skip
     print("Best fit, the largest vLLM share that fits (steps of 0.05): " + "; ".join(best_fits) + ".")
     if args.sleep_mode:
         print(
@@ -146,10 +161,10 @@ def run(args: argparse.Namespace) -> int:
     if several:
         print(_several_gpus_footnote(args))
         if "fsdp2" in by_launch and _keeps_gradients(args):
-            print(_sync_each_batch_line(args, shape, total, seq_len, by_launch["fsdp2"]))
-        print(_launch_advice(args, shape, by_launch))
+            print(_sync_each_batch_line(args, shape, total, seq_len, by_launch["fsdp2"], flows))
+        print(_launch_advice(args, shape, by_launch, flows))
         if "fsdp2" in by_launch and not any(row[3] for rows in by_launch.values() for row in rows):
-            print(_fewest_fsdp2_gpus(args, shape, total, seq_len, by_launch["fsdp2"]))
+            print(_fewest_fsdp2_gpus(args, shape, total, seq_len, by_launch["fsdp2"], flows))
     return 0
 
 
@@ -200,21 +215,22 @@ def _keeps_gradients(args) -> bool:
     return _accumulation_steps(args) > 1 and not args.sync_each_batch
 
 
-def _sync_each_batch_line(args, shape, total: int, seq_len: int, rows: list) -> str:
+def _sync_each_batch_line(args, shape, total: int, seq_len: int, rows: list, flows) -> str:
     """Under FSDP2 with gradient accumulation: what the unsharded gradients cost each GPU, and the peaks and fits
     with accelerate's sync_each_batch, which reduce-scatters every micro-batch instead."""
     synced = _replaced(args, sync_each_batch=True)
     other = [_flow_row(shape, total, seq_len, synced, "fsdp2", fetch_best=False, fp8_weights=w, fp8_kv=kv)
-             for _, w, kv in FLOWS]  # fmt: skip
+             for _, w, kv in flows]  # fmt: skip
     unsharded = rows[0][1].get("unsharded_gradients", 0)
-    fitting = [name for (name, _, _), row in zip(FLOWS, other, strict=True) if row[3]]
+    fitting = [name for (name, _, _), row in zip(flows, other, strict=True) if row[3]]
     peaks = " / ".join(f"{row[2] / GiB:.1f}" for row in other)
     return (f"FSDP2 with {_accumulation_steps(args)} micro-batches a step: transformers' Trainer runs all but the "
             f"last under accelerate's no_sync, so each GPU keeps the whole model's gradients unsharded in BF16 "
             f"({unsharded / GiB:.1f} GiB) until the last one reduces them. With accelerate's sync_each_batch "
             "(FP8GRPOConfig(accelerator_config={'gradient_accumulation_kwargs': {'sync_each_batch': True}}), "
             f"--sync_each_batch here) every micro-batch reduce-scatters them instead: peak per GPU {peaks} GiB "
-            f"(fits: {_flow_list(fitting)}), for one reduce-scatter of the model's gradients per micro-batch.")  # fmt: skip
+            f"(fits: {_flow_list(fitting, flows)}), for one reduce-scatter of the model's gradients per "
+            "micro-batch.")  # fmt: skip
 
 
 def _engine_batch(args) -> int:
@@ -222,33 +238,117 @@ def _engine_batch(args) -> int:
     return args.generation_batch * args.vllm_tensor_parallel_size
 
 
-def _check_tensor_parallel(args, model_config) -> str:
+def _check_tensor_parallel(args, model, fp8_layers: set[str] | None) -> str:
     """Refuse a tensor-parallel size that TRL or trl-fp8 refuses; return the line that says how the engine splits
     (empty with one GPU per engine). The FP8 partitions are checked by `check_tensor_parallel`, the rule the trainer
-    applies before the engine starts, on the model built on the meta device (its FP8 layers as converted by default)."""
+    applies before the engine starts, on `model` built on the meta device and its FP8 layers (`_conversion_plan`)."""
     tp = args.vllm_tensor_parallel_size
     if tp == 1:
         return ""
     if args.num_processes % tp:
         raise ValueError(f"--vllm_tensor_parallel_size {tp} needs --num_processes to be a multiple of it (TRL groups "
                          f"consecutive ranks into engines of {tp} GPUs); got --num_processes {args.num_processes}.")  # fmt: skip
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from trl_fp8.nn.conversion import plan_fp8_conversion
     from trl_fp8.rollout.vllm.partitions import check_tensor_parallel
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_config, trust_remote_code=args.trust_remote_code)
-    _, planned = plan_fp8_conversion(model, warn=False)
-    split = check_tensor_parallel(model, {name for name, _ in planned}, tp, option="--vllm_tensor_parallel_size")
+    split = check_tensor_parallel(model, fp8_layers, tp, option="--vllm_tensor_parallel_size")
     experts = ""
     if split.get("enable_expert_parallel"):
         experts = " Experts would split below whole blocks: vLLM's expert parallelism gives each GPU whole experts "
         experts += "instead (trl-fp8 sets enable_expert_parallel)."
+    blocks = "every FP8 partition holds whole 128x128 blocks" if fp8_layers else "no FP8 layer to split in blocks"
     return (f"Tensor parallel: {args.num_processes // tp} engine(s) of {tp} GPUs; vLLM weights and KV B/token are one "
-            f"GPU's, KV tokens and sequences the engine's, waves for its {_engine_batch(args)} sequences; every FP8 "
-            f"partition holds whole 128x128 blocks.{experts}")  # fmt: skip
+            f"GPU's, KV tokens and sequences the engine's, waves for its {_engine_batch(args)} sequences; "
+            f"{blocks}.{experts}")  # fmt: skip
+
+
+def _conversion_plan(args, model_config) -> tuple[object, set[str] | None, str]:
+    """`(model, its FP8 layers, why it has none)`: the model built on the meta device (no weights read), the layers
+    FP8GRPOTrainer converts to FP8 with its default layer choices (`plan_fp8_conversion`), and where none converts,
+    the line that says why ("" otherwise). A model transformers cannot build from its config alone is planned as it is
+    sized, every linear layer in FP8 (`(None, None, "")`), unless a tensor-parallel split needs its layers."""
+    from trl_fp8.nn.conversion import plan_fp8_conversion
+
+    try:
+        model = _meta_model(args, model_config)
+    except ValueError:
+        if args.vllm_tensor_parallel_size > 1:
+            raise
+        return None, None, ""
+    try:
+        report, _ = plan_fp8_conversion(model, warn=False)
+    except ValueError as exc:  # a layout trl-fp8 refuses to run in FP8 unless told to keep it in BF16
+        return model, set(), f"No layer of {args.model} converts to FP8 with trl-fp8's defaults: {exc} {BF16_ONLY}"
+    if report.converted:
+        return model, set(report.converted), ""
+    return model, set(), f"No layer of {args.model} converts to FP8: {_kept_reasons(report.kept)}. {BF16_ONLY}"
+
+
+def _meta_model(args, model_config):
+    """The model built on the meta device from its config (no memory, no weights); ValueError where it cannot be."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(model_config, trust_remote_code=args.trust_remote_code)
+    except Exception as exc:  # noqa: BLE001 - whatever stops transformers, the planner can only say so
+        raise ValueError(f"transformers cannot build {args.model} from its config to plan its FP8 layers "
+                         f"({type(exc).__name__}: {first_line(exc)}).") from exc  # fmt: skip
+
+
+def _kept_reasons(kept: dict[str, str]) -> str:
+    """`its linear layers all stay in high precision (reason: count; ...)`, or that it has none to convert."""
+    if not kept:
+        return "it has no linear or expert layer"
+    counts = Counter(kept.values())
+    return f"its linear layers all stay in high precision ({'; '.join(f'{r}: {n}' for r, n in counts.items())})"
+
+
+def _check_positions(args, model_config) -> None:
+    """Refuse sequences longer than the model can position: vLLM and transformers refuse inputs past its length, so
+    the rollouts planned could not run."""
+    if (positions := model_positions(model_config)) is None:
+        return
+    limit, counted = positions
+    seq_len = args.prompt_len + args.completion_len
+    if seq_len <= limit:
+        return
+    fix = (f"--completion_len {limit - args.prompt_len} or less" if args.prompt_len < limit
+           else f"--prompt_len below {limit}")  # fmt: skip
+    raise ValueError(f"--prompt_len {args.prompt_len} + --completion_len {args.completion_len} = {seq_len:,} tokens, "
+                     f"past the {limit:,} positions of {args.model} ({counted}): the model cannot position them. "
+                     f"Pass {fix}, or plan a model with a longer context.")  # fmt: skip
+
+
+def model_positions(model_config) -> tuple[int, str] | None:
+    """`(the longest sequence the model positions, how it is counted)`, as vLLM derives its default max_model_len:
+    the text model's max_position_embeddings, stretched by its RoPE scaling (`_rope_scaling`). None where the config
+    names no length."""
+    text = text_config(model_config)
+    field = "max_position_embeddings" if text is model_config else "text_config's max_position_embeddings"
+    limit = getattr(text, "max_position_embeddings", None)
+    if not isinstance(limit, int):
+        return None
+    if (scaling := _rope_scaling(text)) is None:
+        return limit, field
+    factor, original = scaling
+    base, counted = (original, "YaRN's original_max_position_embeddings") if original else (limit, field)
+    return int(base * factor), f"{counted} {base:,} x RoPE scaling factor {factor:g}"
+
+
+def _rope_scaling(text) -> tuple[float, int | None] | None:
+    """`(factor, YaRN's original_max_position_embeddings or None)` of a RoPE scaling that stretches the positions past
+    max_position_embeddings, as vLLM counts it; None where none does (no scaling, or longrope, llama3 and Gemma 3
+    configs, whose max_position_embeddings already counts it)."""
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    if "gemma3" in str(getattr(text, "model_type", "")):
+        return None
+    per_layer_type = rope and all(isinstance(value, dict) for value in rope.values())  # e.g. full / sliding
+    for rp in rope.values() if per_layer_type else [rope]:  # (vLLM too takes every layer type to scale alike)
+        kind = rp.get("rope_type", rp.get("type", "default"))
+        if kind not in ("su", "longrope", "llama3") and rp.get("factor"):
+            return rp["factor"], rp.get("original_max_position_embeddings") if kind == "yarn" else None
+    return None
 
 
 def _check_launch(args) -> None:
@@ -383,12 +483,12 @@ def _several_gpus_footnote(args) -> str:
             f"{engines}.{wake_up}")  # fmt: skip
 
 
-def _launch_advice(args, shape, by_launch: dict) -> str:
+def _launch_advice(args, shape, by_launch: dict, flows) -> str:
     """One line: the flows that DDP and FSDP2 each fit on every GPU, their peaks, and the launch that fits more."""
     where = f"DDP vs FSDP2 at {shape.params / 1e9:.1f}B on {args.num_processes} GPUs"
     if "fsdp2" not in by_launch:
         return f"{where}: FSDP2 is no option with --lora (trl-fp8 refuses PEFT adapters under FSDP2 beside vLLM)."
-    fitting = {launch: [name for (name, _, _), row in zip(FLOWS, rows, strict=True) if row[3]]
+    fitting = {launch: [name for (name, _, _), row in zip(flows, rows, strict=True) if row[3]]
                for launch, rows in by_launch.items()}  # fmt: skip
     peaks = {launch: " / ".join(f"{row[2] / GiB:.1f}" for row in rows) for launch, rows in by_launch.items()}
     ddp, fsdp2 = len(fitting["ddp"]), len(fitting["fsdp2"])
@@ -397,17 +497,17 @@ def _launch_advice(args, shape, by_launch: dict) -> str:
     else:
         better = "ddp" if ddp > fsdp2 else "fsdp2"
         advice = f"{'keep' if better == args.launch else 'use'} --launch {better}"
-    flows = " / ".join(name for name, _, _ in FLOWS)
-    return (f"{where}: DDP fits {_flow_list(fitting['ddp'])} (peak per GPU {peaks['ddp']} GiB for {flows}), FSDP2 "
-            f"{_flow_list(fitting['fsdp2'])} ({peaks['fsdp2']} GiB): {advice}.")  # fmt: skip
+    names = " / ".join(name for name, _, _ in flows)
+    return (f"{where}: DDP fits {_flow_list(fitting['ddp'], flows)} (peak per GPU {peaks['ddp']} GiB for {names}), "
+            f"FSDP2 {_flow_list(fitting['fsdp2'], flows)} ({peaks['fsdp2']} GiB): {advice}.")  # fmt: skip
 
 
-def _fewest_fsdp2_gpus(args, shape, total: int, seq_len: int, rows: list, most: int = 64) -> str:
+def _fewest_fsdp2_gpus(args, shape, total: int, seq_len: int, rows: list, flows, most: int = 64) -> str:
     """Where no flow fits: the fewest GPUs (doubling, up to `most`) over which FSDP2 fits each flow at this share,
     since each GPU then holds a smaller part of FSDP2's float32 masters, gradients and optimizer states. An engine
     that holds no sequence (`rows`, the flows' rows under FSDP2) stays so on any number of GPUs."""
     found = []
-    for (name, fp8_weights, fp8_kv), (cap, *_) in zip(FLOWS, rows, strict=True):
+    for (name, fp8_weights, fp8_kv), (cap, *_) in zip(flows, rows, strict=True):
         if not cap.sequences:
             found.append(f"{name} on none (its engine holds no sequence: split it with --vllm_tensor_parallel_size)")
             continue
@@ -437,9 +537,9 @@ def _fewest_gpus(args, shape, total: int, seq_len: int, most: int, *, fp8_weight
     return None
 
 
-def _flow_list(names: list[str]) -> str:
-    """The names of `names`, or "every flow" / "no flow"."""
-    if len(names) == len(FLOWS):
+def _flow_list(names: list[str], flows) -> str:
+    """The names of `names`, or "every flow" (of several `flows` planned) / "no flow"."""
+    if len(names) == len(flows) > 1:
         return "every flow"
     return " and ".join(names) or "no flow"
 

@@ -17,9 +17,10 @@ import sys
 from pathlib import Path
 
 from trl_fp8.cli.argtypes import non_negative_int
-from trl_fp8.cli.hub import load_model_config, missing_local_model
+from trl_fp8.cli.hub import first_line, load_model_config, missing_local_model
 
 DTYPES = ("bfloat16", "float16", "float32", "auto")
+WEIGHT_FILE_TYPES = ("safetensors", "bin")  # what transformers loads a causal LM's weights from
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,61 +48,99 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    problem = missing_local_model(args.model) or _output_problem(args.model, args.output_dir, args.overwrite)
-    if problem is None:
-        try:
-            patterns = [re.compile(p) for p in args.keep_in_bf16]
-        except re.error as exc:
-            problem = f"--keep_in_bf16 {exc.pattern!r} is not a regular expression: {exc}."
-    if problem:
-        print(f"error: {problem}", file=sys.stderr)
+    try:
+        return _quantize(args)
+    except ValueError as exc:  # every refusal and load failure below, as one line naming the fix
+        print(f"error: {exc}", file=sys.stderr)
         return 2
 
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+def _quantize(args: argparse.Namespace) -> int:
+    """Check the input and the output first (before torch loads), then read, plan and write; raises ValueError."""
+    if problem := missing_local_model(args.model) or _missing_weights(args.model):
+        raise ValueError(problem)
+    if problem := _output_problem(args.model, args.output_dir, args.overwrite):
+        raise ValueError(problem)
+    patterns = _bf16_patterns(args.keep_in_bf16)
 
     from trl_fp8.checkpoint.save import save_fp8_checkpoint
     from trl_fp8.nn.conversion import plan_fp8_conversion
 
-    try:
-        config = load_model_config(args.model, args.trust_remote_code)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    config = load_model_config(args.model, args.trust_remote_code)
     if getattr(config, "quantization_config", None):
         method = dict(config.quantization_config).get("quant_method")
-        print(f"error: {args.model} is already quantized ({method}); pass the BF16 model.", file=sys.stderr)
-        return 2
-    dtype = "auto" if args.dtype == "auto" else getattr(torch, args.dtype)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, trust_remote_code=args.trust_remote_code)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
-    except (OSError, ValueError):
-        tokenizer = None  # a model without tokenizer files still quantizes
-    try:
-        report, _ = plan_fp8_conversion(
-            model,
-            num_first_layers_in_bf16=args.num_first_layers_in_bf16,
-            num_last_layers_in_bf16=args.num_last_layers_in_bf16,
-            module_filter_fn=(lambda mod, name: not any(p.search(name) for p in patterns)) if patterns else None,
-        )
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        raise ValueError(f"{args.model} is already quantized ({method}); pass the BF16 model.")
+    model, dtype = _load_model(args)
+    report, _ = plan_fp8_conversion(
+        model,
+        num_first_layers_in_bf16=args.num_first_layers_in_bf16,
+        num_last_layers_in_bf16=args.num_last_layers_in_bf16,
+        module_filter_fn=(lambda mod, name: not any(p.search(name) for p in patterns)) if patterns else None,
+    )
     if not report.converted:
-        print(f"error: no linear layer of {args.model} can be stored in FP8.\n{report.summary()}", file=sys.stderr)
-        return 2
+        raise ValueError(f"no linear layer of {args.model} can be stored in FP8.\n{report.summary()}")
     out = save_fp8_checkpoint(
         model,
         args.output_dir,
-        tokenizer,
+        _load_tokenizer(args),
         fp8_modules=set(report.converted),
-        dtype=None if dtype == "auto" else dtype,
+        dtype=dtype,
         power_of_two_scales=args.power_of_two_scales,
     )
     print(report.summary())
     print(f"Wrote the block-FP8 checkpoint to {out}")
     return 0
+
+
+def _bf16_patterns(expressions: list[str]) -> list[re.Pattern]:
+    try:
+        return [re.compile(p) for p in expressions]
+    except re.error as exc:
+        raise ValueError(f"--keep_in_bf16 {exc.pattern!r} is not a regular expression: {exc}.") from None
+
+
+def _load_model(args: argparse.Namespace):
+    """`(model, dtype to save its high-precision tensors in: None keeps the model's own)`. A weight file that does
+    not load (cut short by an interrupted download or copy, damaged, a shard missing) raises ValueError naming it."""
+    import pickle
+
+    import torch
+    from safetensors import SafetensorError
+    from transformers import AutoModelForCausalLM
+
+    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            args.model, dtype=dtype or "auto", trust_remote_code=args.trust_remote_code
+        )
+    except (OSError, SafetensorError, RuntimeError, EOFError, pickle.UnpicklingError) as exc:
+        raise ValueError(
+            f"cannot load the weights of {args.model} ({type(exc).__name__}: {first_line(exc)}): a weight file is "
+            "missing, cut short or damaged (an interrupted download or copy?); download or copy the model again."
+        ) from exc
+    return model, dtype
+
+
+def _load_tokenizer(args: argparse.Namespace):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+    except (OSError, ValueError):
+        return None  # a model without tokenizer files still quantizes
+
+
+def _missing_weights(model: str) -> str | None:
+    """Why the local folder `model` holds no weights to quantize (a config downloaded alone), or None. A Hub id is
+    left to the load."""
+    path = Path(model).expanduser()
+    if not path.is_dir() or any(f.suffix[1:] in WEIGHT_FILE_TYPES for f in path.iterdir()):
+        return None
+    return (
+        f"{model} has config.json but no weights (no model.safetensors, pytorch_model.bin or their shards): pass the "
+        "folder that holds the model's weights, or download them into it (e.g. hf download ORG/NAME --local-dir "
+        f"{model})."
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -192,7 +192,7 @@ def _plan_experts(model, config, report, selection, bf16_layers, warn):
             why = problem or f"FP8 experts need the blockwise recipe, not {config.recipe!r}"
             raise ValueError(
                 f"{name}: {why}, so its experts (most of the model's weights) cannot run in FP8. Keep them in BF16 "
-                "on purpose with keep_experts_in_bf16=True (FP8GRPOConfig(fp8_keep_experts_in_bf16=True)), or "
+                "on purpose with keep_experts_in_bf16=True (the trainer config's fp8_keep_experts_in_bf16=True), or "
                 "use the blockwise recipe on a model whose experts follow transformers' fused gate_up_proj / "
                 "down_proj layout."
             )
@@ -313,7 +313,7 @@ def convert_to_fp8(
     if not report.converted:
         raise ValueError(
             f"No linear layer of {type(model).__name__} can run in FP8:\n{report.summary()}\nAdjust "
-            "module_filter_fn (FP8GRPOTrainer's fp8_module_filter_fn) / num_*_layers_in_bf16, or train in BF16 on "
+            "module_filter_fn (the trainer's fp8_module_filter_fn) / num_*_layers_in_bf16, or train in BF16 on "
             "purpose with fp8_recipe=None."
         )
     if config.recipe == BLOCKWISE:

@@ -6,7 +6,9 @@ plus what GRPO adds: the trainer-vs-rollout mismatch and token-level TIS.
   `score_in_training_forward` it leaves out TRL's scoring pass (the trainer's log-probs of the whole rollout, without
   gradients, before the micro-batches), and all of this moves to the micro-batches:
 - `_compute_loss` / `_get_per_token_logps_and_entropies`: the micro-batch's own forward gives the trainer's log-probs
-  (detached), from which the ratio is put in the batch before TRL's loss reads it, and the metrics are logged;
+  (detached), from which the ratio is put in the batch before TRL's loss reads it; the metrics' token sums and
+  extremes add up over the rollout batch's micro-batches and are logged once, after its last, with the values TRL's
+  scoring pass would have logged (`_RolloutScoring`);
 - `_compute_loss`: lets TRL apply the ratio with its own code (and not apply it when TIS is off).
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -22,9 +25,13 @@ from trl import GRPOTrainer
 from trl_fp8.trainer.choice import StartUpChoice
 from trl_fp8.trainer.config import FP8GRPOConfig
 from trl_fp8.trainer.importance_sampling import (
+    TokenSums,
     importance_sampling_ratio,
     mismatch_stats,
-    sampling_metrics,
+    mismatch_stats_of,
+    mismatch_sums,
+    sampling_metrics_of,
+    sampling_sums,
     token_tis_ratio,
 )
 from trl_fp8.trainer.mixin import FP8TrainerMixin, check_output_dir, say_start_up_choice
@@ -67,11 +74,13 @@ class FP8GRPOTrainer(FP8TrainerMixin, GRPOTrainer):
         super().__init__(model, reward_funcs, args, *trainer_args, fp8_module_filter_fn=fp8_module_filter_fn,
                          **trainer_kwargs)  # fmt: skip
         # TRL weights the loss by the IS ratio only with vLLM; we extend token TIS to other rollouts with log-probs.
-        self._tis_without_vllm = self.args.tis == "token" and not self.use_vllm
+        self._tis_without_vllm = self.args.token_tis and not self.use_vllm and self.rollout_func is not None
+        self._say_automatic_tis()
         self.scoring_in_training_forward = self._choose_scoring()
         if (choice := self.scoring_in_training_forward).automatic:
             say_start_up_choice(self.args, "scoring the rollouts in the training forward", choice.on, choice.reason)
         self._batch_to_score: dict | None = None  # the micro-batch whose training forward gives its log-probs
+        self._rollout_scoring: dict[str, _RolloutScoring] = {}  # per mode: the rollout batch being scored
 
     def _choose_scoring(self) -> StartUpChoice:
         """Whether the micro-batches' own forwards give the trainer's log-probs of the rollouts
@@ -91,6 +100,24 @@ class FP8GRPOTrainer(FP8TrainerMixin, GRPOTrainer):
                              "would give (the same weights), one forward fewer per step; "
                              "score_in_training_forward=False keeps TRL's scoring pass")  # fmt: skip
 
+    def _say_automatic_tis(self) -> None:
+        """`tis="auto"` where rollouts come from another engine: say once what it chose, and why."""
+        args = self.args
+        if args.tis != "auto" or not (self.use_vllm or self.rollout_func is not None):
+            return
+        if args.token_tis:
+            say_start_up_choice(args, "token-level truncated importance sampling", True,
+                                f"the rollout engine's log-probs differ from the trainer's by its kernels' rounding; "
+                                f"each token's ratio pi_train / pi_rollout is capped at tis_cap={args.tis_cap} "
+                                "(tis='auto'; tis=None keeps TRL's own correction, tis='off' none)")  # fmt: skip
+        else:
+            say_start_up_choice(
+                args,
+                "token-level truncated importance sampling",
+                False,
+                f"TRL's importance sampling as set ({', '.join(args.trl_is_fields_set())})",
+            )
+
     def _check_start_up(self, args, trainer_kwargs: dict) -> None:
         if args.tis == "token" and not args.use_vllm and trainer_kwargs.get("rollout_func") is None:
             raise ValueError(
@@ -100,12 +127,15 @@ class FP8GRPOTrainer(FP8TrainerMixin, GRPOTrainer):
             )
 
     def _generate_and_score_completions(self, inputs):
+        mode = "train" if self.model.training else "eval"
         if self.scoring_in_training_forward.on:
+            self._log_rollout_scoring(mode)  # (a rollout batch not wholly scored: never in TRL's loop; log its part)
             # TRL leaves out its scoring pass, its ratio and its sampling/* metrics; the micro-batches make them.
             with _attribute_set(self, "vllm_importance_sampling_correction", False):
-                return super()._generate_and_score_completions(inputs)
+                output = super()._generate_and_score_completions(inputs)
+            self._rollout_scoring[mode] = _RolloutScoring(rows_left=len(output["prompt_ids"]))
+            return output
         output = super()._generate_and_score_completions(inputs)
-        mode = "train" if self.model.training else "eval"
         rollout_logps = output.get("sampling_per_token_logps")
         if rollout_logps is None:
             return output  # rollouts by the trainer's own FP8 model: nothing differs, nothing to correct
@@ -160,30 +190,72 @@ class FP8GRPOTrainer(FP8TrainerMixin, GRPOTrainer):
         return result
 
     def _score_in_training_forward(self, batch: dict, train_logps: torch.Tensor) -> None:
-        """The micro-batch's ratio (as TRL's scoring pass would have computed it, into `batch`) and its metrics, from
-        the trainer's log-probs of its own forward."""
+        """The micro-batch's ratio (as TRL's scoring pass would have computed it, into `batch`), and its part of the
+        rollout batch's metrics, from the trainer's log-probs of its own forward; after the rollout batch's last
+        micro-batch, its metrics are logged."""
         rollout_logps = batch["sampling_per_token_logps"]
         mask = batch["completion_mask"] * batch.get("tool_mask", 1)
         mode = "train" if self.model.training else "eval"
+        rows = len(batch["prompt_ids"])
+        # a batch scored outside TRL's loop (no rollout batch announced) is a rollout batch of its own
+        scoring = self._rollout_scoring.setdefault(mode, _RolloutScoring(rows_left=rows))
         if self.vllm_importance_sampling_correction or self._tis_without_vllm:
             is_mode = self.vllm_importance_sampling_mode
             ratio = importance_sampling_ratio(train_logps, rollout_logps, mask, is_mode,
                                               self.vllm_importance_sampling_clip_min,
                                               self.vllm_importance_sampling_clip_max)  # fmt: skip
             batch["importance_sampling_ratio"] = ratio
-            per_sequence = is_mode.startswith("sequence")
-            metrics = sampling_metrics(train_logps, rollout_logps, mask, ratio, per_sequence, self.accelerator.gather)
-            for key, value in metrics.items():
-                self._metrics[mode][key].append(value)
+            scoring.add_sampling(
+                sampling_sums(train_logps, rollout_logps, mask, ratio, is_mode.startswith("sequence"))
+            )
         if self.args.log_rollout_mismatch or self._tis_without_vllm:
-            self._log_mismatch(train_logps, rollout_logps, mask, mode)
+            scoring.add_mismatch(mismatch_sums(train_logps, rollout_logps, mask, self._tis_cap_logged))
+        scoring.rows_left -= rows
+        if scoring.rows_left <= 0:
+            self._log_rollout_scoring(mode)
+
+    def _log_rollout_scoring(self, mode: str) -> None:
+        """Log the metrics of the rollout batch the micro-batches scored (one collective each, on every process)."""
+        scoring = self._rollout_scoring.pop(mode, None)
+        if scoring is None:
+            return
+        if scoring.sampling is not None:
+            for key, value in sampling_metrics_of(scoring.sampling, self.accelerator.gather).items():
+                self._metrics[mode][key].append(value)
+        if scoring.mismatch is not None:
+            self._append_mismatch(mismatch_stats_of(scoring.mismatch, self._tis_cap_logged, self.accelerator.gather),
+                                  mode)  # fmt: skip
+
+    @property
+    def _tis_cap_logged(self) -> float | None:
+        """The cap whose clipped fraction `fp8/mismatch/is_ratio_clipped_frac` reports (token TIS on), else None."""
+        return self.args.tis_cap if self.args.token_tis else None
 
     def _log_mismatch(self, train_logps: torch.Tensor, rollout_logps: torch.Tensor, mask: torch.Tensor, mode: str):
         """`fp8/mismatch/*` of these rollout tokens, over every process (with the TIS clipping where TIS is on)."""
-        cap = self.args.tis_cap if self.args.tis == "token" else None
-        stats = mismatch_stats(train_logps, rollout_logps, mask, cap, gather=self.accelerator.gather)
+        stats = mismatch_stats(train_logps, rollout_logps, mask, self._tis_cap_logged, self.accelerator.gather)
+        self._append_mismatch(stats, mode)
+
+    def _append_mismatch(self, stats: dict[str, float], mode: str) -> None:
         for key, value in stats.items():
             self._metrics[mode][f"fp8/mismatch/{key}"].append(value)
+
+
+@dataclass
+class _RolloutScoring:
+    """A rollout batch scored by its micro-batches' training forwards: the rows not scored yet and what the scored
+    ones add to the `sampling/*` and `fp8/mismatch/*` metrics, so that they are computed over the whole rollout batch
+    as TRL's scoring pass computes them (a mean of micro-batch maxima is not a maximum)."""
+
+    rows_left: int
+    sampling: TokenSums | None = None
+    mismatch: TokenSums | None = None
+
+    def add_sampling(self, sums: TokenSums) -> None:
+        self.sampling = sums if self.sampling is None else self.sampling + sums
+
+    def add_mismatch(self, sums: TokenSums) -> None:
+        self.mismatch = sums if self.mismatch is None else self.mismatch + sums
 
 
 @contextlib.contextmanager

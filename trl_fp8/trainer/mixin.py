@@ -35,10 +35,12 @@ from trl.trainer.utils import create_model_from_path
 
 from trl_fp8.checkpoint.folder import drop_checkpoint_entries, is_checkpoint_entry, output_overwrites_model
 from trl_fp8.checkpoint.save import save_fp8_checkpoint, unwrap_model
+from trl_fp8.cli.hub import missing_local_model
 from trl_fp8.config import BLOCKWISE, LayerSelection
 from trl_fp8.distributed import (
     check_no_weight_sharding,
     check_sharding_supports,
+    drop_grads_of_unused_parameters,
     grads_in_ddp_buckets,
     prefetch_fsdp2_units,
     reduce_over_ranks,
@@ -120,7 +122,7 @@ class FP8TrainerMixin:
         warn_outside_tested_trl()
         check_no_weight_sharding(args)  # before loading a model that could not train
         check_sharding_supports(args, trainer_kwargs.get("peft_config"), model)
-        check_output_dir(model, args.output_dir)
+        check_output_dir(model, args.output_dir, config_class.__name__)
         check_reward_dependencies(reward_funcs)
         self._check_start_up(args, trainer_kwargs)
         if args.use_vllm:  # before the model loads: its memory lands in the allocator's new segments
@@ -128,7 +130,10 @@ class FP8TrainerMixin:
 
             if said := sleep_mode_allocator(args):
                 logger.log(*said)
-        if isinstance(model, str):
+        loaded_here = isinstance(model, str)
+        if loaded_here:
+            if problem := missing_local_model(model):
+                raise ValueError(problem)  # before transformers asks the Hub for a path that is a typo
             model = self._load_model(model, args, trainer_kwargs.get("quantization_config"))
         self.liger_kernels = self._choose_liger_kernels(model, args)
         self._note_small_micro_batches(model, args)
@@ -140,7 +145,10 @@ class FP8TrainerMixin:
         self._saving_training_checkpoint = False
         self._capacity_reported = False
         self._kv_observer = self._choose_fp8_kv_cache(model, args)
-        with self._fp8_vllm_generation(args), warnings.catch_warnings():
+        # TRL would say that model_init_kwargs / quantization_config are ignored: they were applied by `_load_model`
+        applied = dropped_log_records(self._trl_trainer_module, "You passed `model_init_kwargs`",
+                                      "You passed `quantization_config`") if loaded_here else contextlib.nullcontext()  # fmt: skip
+        with self._fp8_vllm_generation(args), warnings.catch_warnings(), applied:
             if self.liger_kernels.automatic:  # TRL's deprecation of the option speaks to a user who set it
                 warnings.filterwarnings("ignore", r"`use_liger_kernel=True` is deprecated", FutureWarning)
             super().__init__(model, reward_funcs, args, *trainer_args, **trainer_kwargs)
@@ -335,6 +343,12 @@ class FP8TrainerMixin:
         chunk, pad_id = self.args.per_device_train_batch_size, self._tokenizer.pad_token_id
         observe_prompts(model, prompt_ids, pad_id, chunk, self.accelerator.device)
 
+    def training_step(self, model, inputs, *args, **kwargs):
+        loss = super().training_step(model, inputs, *args, **kwargs)
+        if self.accelerator.sync_gradients:  # the step's gradients are reduced; the optimizer runs next
+            drop_grads_of_unused_parameters(self.model_wrapped)
+        return loss
+
     def _generate_and_score_completions(self, inputs):
         zero_grads_in_buckets(self.model_wrapped)  # before the step's micro-batches; DDP wraps the model in train()
         with keep_layer_options(self.model, self.args), warnings.catch_warnings():  # keep_layer_options: TRL's
@@ -393,8 +407,11 @@ class FP8TrainerMixin:
 
         With `save_fp8_checkpoint=False`, or for intermediate training checkpoints, this is `Trainer.save_model`.
         """
+        if _internal_call and output_dir is None and getattr(self, "_checkpoint_saved_for_push", False):
+            self._checkpoint_saved_for_push = False  # `push_to_hub` saved it already, before asking the Hub
+            return
         output_dir = output_dir or self.args.output_dir
-        check_output_dir(self.accelerator.unwrap_model(self.model), output_dir)
+        check_output_dir(self.accelerator.unwrap_model(self.model), output_dir, type(self.args).__name__)
         if not self.args.save_fp8_checkpoint or self._saving_training_checkpoint:
             return super().save_model(output_dir, _internal_call)
         model = self.accelerator.unwrap_model(self.model)
@@ -422,6 +439,22 @@ class FP8TrainerMixin:
             )
         self.accelerator.wait_for_everyone()
 
+    def push_to_hub(self, *args, **kwargs):
+        """`Trainer.push_to_hub` of the block-FP8 checkpoint, written to `output_dir` before any Hub call (transformers
+        creates the repository first): a failed upload leaves the checkpoint there, and the error says where."""
+        self.save_model(_internal_call=True)
+        self._checkpoint_saved_for_push = True  # transformers' own save in push_to_hub is this one
+        try:
+            return super().push_to_hub(*args, **kwargs)
+        except Exception as exc:
+            raise RuntimeError(
+                f"The FP8 checkpoint is saved in {self.args.output_dir}, but pushing it to the Hugging Face Hub failed "
+                f"({type(exc).__name__}: {exc}). Push that folder once the Hub is reachable: `hf upload "
+                f"<org/name> {self.args.output_dir}`, or trainer.push_to_hub() again."
+            ) from exc
+        finally:
+            self._checkpoint_saved_for_push = False
+
     def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
         # Transformers copies the checkpoint's model files over the output folder's one by one, then uploads the
         # folder; files of an earlier save that the checkpoint lacks (FP8 shards, adapters, bf16_master) would be
@@ -442,18 +475,37 @@ class FP8TrainerMixin:
             return
         path = os.path.join(self.args.output_dir, "README.md")
         with open(path, "a") as f:
-            f.write("\n" + fp8_model_card_section(self.fp8_report, self.args, self.fp8_export_report))
+            f.write("\n" + fp8_model_card_section(self.fp8_report, self.args, self.fp8_export_report,
+                                                   trainer_name=type(self).__name__))  # fmt: skip
 
 
-def check_output_dir(model, output_dir: str) -> None:
+def check_output_dir(model, output_dir: str, config_name: str = "FP8GRPOConfig") -> None:
     """Refuse, before anything is loaded or written, to save into the folder the model was loaded from (or into a
-    folder inside it): a block-FP8 checkpoint there would replace the user's weights."""
+    folder inside it): a block-FP8 checkpoint there would replace the user's weights. `config_name`: the config
+    class the error tells the user to give another output_dir."""
     source = model if isinstance(model, str) else getattr(model, "name_or_path", None)
     if problem := output_overwrites_model(source, output_dir):
         raise ValueError(
-            f"{problem} Give the trainer another output_dir (FP8GRPOConfig(output_dir=...)), e.g. "
+            f"{problem} Give the trainer another output_dir ({config_name}(output_dir=...)), e.g. "
             f"{Path(str(source).rstrip('/')).name}-fp8-grpo."
         )
+
+
+@contextlib.contextmanager
+def dropped_log_records(logger_name: str, *fragments: str):
+    """Leave out of logger `logger_name`'s output, within the block, the records whose message holds one of
+    `fragments` (a TRL message that does not hold for this trainer; accelerate's logger prefixes the rank)."""
+    log = logging.getLogger(logger_name)
+
+    def keep(record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(fragment in message for fragment in fragments)
+
+    log.addFilter(keep)
+    try:
+        yield
+    finally:
+        log.removeFilter(keep)
 
 
 class _PrefetchFSDP2Units(TrainerCallback):
@@ -487,9 +539,11 @@ class _InvalidateSyncedReference(TrainerCallback):
             invalidate_fp8_weights(self.ref_model)
 
 
-def fp8_model_card_section(report: ConversionReport, args, export_report: ConversionReport | None = None) -> str:
-    """The model card's FP8 section: the training recipe, how the weights are stored, the layers kept in high
-    precision (those of `export_report` for a BF16 run with an FP8 checkpoint)."""
+def fp8_model_card_section(
+    report: ConversionReport, args, export_report: ConversionReport | None = None, *, trainer_name: str
+) -> str:
+    """The model card's FP8 section: the trainer (`trainer_name`) and its training recipe, how the weights are stored,
+    the layers kept in high precision (those of `export_report` for a BF16 run with an FP8 checkpoint)."""
     stored = export_report or report
     kept = sorted(stored.kept.items())
     if report.recipe == "bf16":
@@ -500,8 +554,8 @@ def fp8_model_card_section(report: ConversionReport, args, export_report: Conver
     lines = [
         "## FP8",
         "",
-        f"Trained with [trl-fp8](https://pypi.org/project/trl-fp8/) `FP8GRPOTrainer` {trained}"
-        + (f", token TIS capped at {args.tis_cap}" if getattr(args, "tis", None) == "token" else "")
+        f"Trained with trl-fp8's `{trainer_name}` {trained}"
+        + (f", token TIS capped at {args.tis_cap}" if getattr(args, "token_tis", False) else "")
         + ".",
         "",
     ]

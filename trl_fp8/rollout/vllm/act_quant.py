@@ -14,7 +14,12 @@ graphs and their CUDA graphs included) runs it, but only after checking on this 
 
 and, once registered, the probes give vLLM's bytes again through the op itself (the dispatcher passes a Python
 kernel its arguments its own way). Otherwise, or where a check fails to run, vLLM's kernel stays, and the returned
-line says why. This is a small patch of vLLM's behaviour written so that it could go upstream as a kernel change:
+line says why.
+
+The registration covers the op in the whole process, so the decision is kept per engine: an engine of another
+device, width, scale layout or speed requirement is checked anew against vLLM's own kernel (`InstallKey`); an engine
+asking for vLLM's kernel gets it back (`uninstall`), and so does the process once the engine that installed ours is
+gone. This is a small patch of vLLM's behaviour written so that it could go upstream as a kernel change:
 no value changes, only the time.
 """
 
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -29,12 +35,26 @@ import torch
 from trl_fp8.rollout.capacity import expert_count, text_config
 from trl_fp8.rollout.vllm._compat import SILU_MUL_QUANT_OP, silu_mul_quant_op
 
-__all__ = ["OP_NAME", "SiluQuantChoice", "first_difference", "first_difference_between", "graph_time_us", "install",
-           "install_for_model", "installed", "mlp_shape", "probe_inputs", "run_op", "uninstall", "vllm_kernel_op"]  # fmt: skip
+__all__ = ["OP_NAME", "InstallKey", "SiluQuantChoice", "first_difference", "first_difference_between",
+           "graph_time_us", "install", "install_for_model", "installed", "mlp_shape", "probe_inputs", "run_op",
+           "uninstall", "vllm_kernel_op"]  # fmt: skip
 
 NAMESPACE, OP_NAME = SILU_MUL_QUANT_OP
 vllm_kernel_op = silu_mul_quant_op  # vLLM's op, or None where vLLM's compiled ops are not here
-_state: dict = {}  # "library": the torch.library.Library holding our kernel, "choice": the SiluQuantChoice
+# "library": the torch.library.Library holding our kernel, "choice": the SiluQuantChoice, "key": the InstallKey it
+# was checked for
+_state: dict = {}
+
+
+@dataclass(frozen=True)
+class InstallKey:
+    """What an engine's check of the kernel depends on: a decision holds for another engine only with the same key."""
+
+    device: str
+    width: int
+    decode_tokens: int
+    scale_transposed: bool
+    require_faster: bool
 
 
 @dataclass(frozen=True)
@@ -155,16 +175,27 @@ def _failure(exc: Exception) -> str:
 
 
 def install(
-    width: int, device, *, decode_tokens: int = 256, scale_transposed: bool = True, require_faster: bool = True
+    width: int,
+    device,
+    *,
+    decode_tokens: int = 256,
+    scale_transposed: bool = True,
+    require_faster: bool = True,
+    owner: object | None = None,
 ) -> SiluQuantChoice:
     """Run vLLM's `silu_and_mul_per_block_quant` on trl-fp8's kernel in this process, where it gives vLLM's bits on
     `device` and is faster at MLP width `width` (the model's `intermediate_size`) and `decode_tokens` tokens with
     the scales in the layout the engine asks for (`scale_transposed`: column-major, as vLLM's compiled dense MLPs
     do; row-major, as its Triton fused MoE does); call it before the engine is built. `require_faster=False`
-    (`vllm_act_quant_kernel="trl_fp8"`) installs it wherever the bits match, faster or not. Idempotent; `uninstall`
-    gives vLLM its kernel back."""
-    if _state.get("choice") is not None and _state["choice"].installed:
+    (`vllm_act_quant_kernel="trl_fp8"`) installs it wherever the bits match, faster or not.
+
+    The same engine settings (`InstallKey`) get the decision in force; other settings are checked anew, with vLLM's
+    kernel back first. With `owner` (the engine's rollout object), vLLM's kernel comes back once `owner` is gone,
+    unless another engine's check installed ours since. `uninstall` gives vLLM its kernel back."""
+    key = InstallKey(str(torch.device(device)), width, decode_tokens, scale_transposed, require_faster)
+    if installed() is not None and _state.get("key") == key:
         return _state["choice"]
+    uninstall()  # an engine of other settings is checked against vLLM's own kernel
     vllm_op = vllm_kernel_op()
     if vllm_op is None:
         return SiluQuantChoice(False, f"vLLM's torch.ops._C.{OP_NAME} is not here (no vLLM, or a vLLM without it)")
@@ -217,8 +248,16 @@ def install(
         f"vLLM's {vllm_us:.1f} us at {decode_tokens} x {width} ({'column' if scale_transposed else 'row'}-major "
         f"scales{asked})", numerics, vllm_us, ours_us,
     )  # fmt: skip
-    _state.update(library=library, choice=choice)
+    _state.update(library=library, choice=choice, key=key)
+    if owner is not None:
+        weakref.finalize(owner, _uninstall_if_current, library)
     return choice
+
+
+def _uninstall_if_current(library) -> None:
+    """`uninstall`, if `library` still holds the kernel in force (its engine installed it last)."""
+    if _state.get("library") is library:
+        uninstall()
 
 
 def mlp_shape(config, decode_sequences: int = 256) -> tuple[int, int]:
@@ -230,13 +269,13 @@ def mlp_shape(config, decode_sequences: int = 256) -> tuple[int, int]:
     return text.intermediate_size, decode_sequences
 
 
-def install_for_model(model, device, *, require_faster: bool = True) -> SiluQuantChoice:
+def install_for_model(model, device, *, require_faster: bool = True, owner: object | None = None) -> SiluQuantChoice:
     """`install` at the shape and scale layout of `model`'s decode steps (`mlp_shape`; vLLM's Triton fused MoE asks
-    for row-major scales)."""
+    for row-major scales), for the engine of `owner`."""
     width, rows = mlp_shape(model.config)
     return install(
         width, device, decode_tokens=rows, scale_transposed=not expert_count(model.config),
-        require_faster=require_faster,
+        require_faster=require_faster, owner=owner,
     )  # fmt: skip
 
 
@@ -250,5 +289,6 @@ def uninstall() -> None:
     """Give the op its vLLM kernel back (destroying our registration restores the one it covered)."""
     library = _state.pop("library", None)
     _state.pop("choice", None)
+    _state.pop("key", None)
     if library is not None:
         library._destroy()

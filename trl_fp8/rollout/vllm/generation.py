@@ -38,7 +38,7 @@ from trl_fp8.nn.adapters import unwrap_model
 from trl_fp8.nn.linear import release_fp8_weight_caches
 from trl_fp8.rollout.kv_scales import AttentionScaleObserver
 from trl_fp8.rollout.stats import RolloutStats, engine_kv_cache_tokens
-from trl_fp8.rollout.vllm.act_quant import SiluQuantChoice, install_for_model
+from trl_fp8.rollout.vllm import act_quant
 from trl_fp8.rollout.vllm.deepgemm_warmup import PrecompileResult, precompile_engine_kernels
 from trl_fp8.rollout.vllm.engine import (
     TRL_MAX_NUM_BATCHED_TOKENS,
@@ -108,7 +108,8 @@ class FP8VLLMGeneration(VLLMGeneration):
         self.rollout_precision = check_rollout_precision(rollout_precision)
         self.fp8_backend, self.fp8_moe_backend = fp8_backend, fp8_moe_backend
         self.act_quant_kernel = act_quant_kernel
-        self.act_quant_choice: SiluQuantChoice | None = None  # what a colocated FP8 engine's start-up decided
+        # what a colocated FP8 engine's start-up decided
+        self.act_quant_choice: act_quant.SiluQuantChoice | None = None
         self.jit_cache_dir = jit_cache_dir
         self.deepgemm_workers = deepgemm_workers
         self.deepgemm_precompile: PrecompileResult | None = None  # what the parallel compilation did at start-up
@@ -179,11 +180,7 @@ class FP8VLLMGeneration(VLLMGeneration):
             logger.info("vLLM tensor parallel: %s=%s (%s)", name, value, why)
             overrides[name] = value
         apply_engine_env(self.rollout_precision, self.kernel)
-        if self.rollout_precision == "fp8" and self.act_quant_kernel != "vllm" and torch.cuda.is_available():
-            self.act_quant_choice = install_for_model(
-                unwrap_model(self.model), self.accelerator.device, require_faster=self.act_quant_kernel == "auto"
-            )
-            logger.info("vLLM SiLU-and-mul + FP8 quantization: %s", self.act_quant_choice.reason)
+        self._choose_act_quant_kernel()
         start = time.perf_counter()
         self._precompile_deepgemm()
         trl_vllm.LLM = lambda *a, **kw: llm_class(*a, **{**kw, **overrides})
@@ -198,6 +195,23 @@ class FP8VLLMGeneration(VLLMGeneration):
         logger.info(
             "vLLM engine started in %.0f s, KV cache %s tokens", self.engine_start_seconds, self.kv_cache_tokens
         )
+
+    def _choose_act_quant_kernel(self) -> None:
+        """The kernel of vLLM's fused SiLU-and-mul + FP8 quantization for this engine (`act_quant`): a choice other
+        engines of the process made is never inherited, only re-checked or undone."""
+        if self.rollout_precision != "fp8":
+            return
+        if self.act_quant_kernel == "vllm":
+            if act_quant.installed() is not None:
+                act_quant.uninstall()
+                logger.info("vLLM SiLU-and-mul + FP8 quantization: vLLM's kernel again (vllm_act_quant_kernel='vllm')")
+            return
+        if torch.cuda.is_available():
+            self.act_quant_choice = act_quant.install_for_model(
+                unwrap_model(self.model), self.accelerator.device, require_faster=self.act_quant_kernel == "auto",
+                owner=self,
+            )  # fmt: skip
+            logger.info("vLLM SiLU-and-mul + FP8 quantization: %s", self.act_quant_choice.reason)
 
     def _precompile_deepgemm(self) -> None:
         """Compile the engine's DeepGEMM kernels in parallel processes (local main process; the others wait and
