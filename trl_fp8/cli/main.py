@@ -35,9 +35,20 @@ class _DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+class _PrintVersion(argparse.Action):
+    """`--version`: `version_line()` as written (argparse's own version action would reflow its lines)."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_line())
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trl-fp8", description="FP8 reinforcement learning on Hugging Face TRL.")
-    parser.add_argument("--version", action="version", version=version_line())
+    parser.add_argument("--version", action=_PrintVersion, help="print the versions a bug report needs and exit")
     subparsers = parser.add_subparsers(dest="command", required=True)
     for name, (module, help_text) in SUBCOMMANDS.items():
         sub = subparsers.add_parser(name, help=help_text, description=module.__doc__.split("\n\n")[0],
@@ -48,8 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def version_line() -> str:
-    """`trl-fp8 X (torch ..., transformers ..., ...)`: the versions a bug report needs."""
+    """`trl-fp8 X (torch ..., transformers ..., ...)`: the versions a bug report needs, then the tested releases and
+    any installed package outside them (`trl_fp8.stack`)."""
     from importlib.metadata import PackageNotFoundError, version
+
+    from trl_fp8.stack import TESTED, TESTED_ON, outside_tested_stack
 
     stack = []
     for package in ("torch", "transformers", "trl", "torchao", "vllm"):
@@ -57,7 +71,12 @@ def version_line() -> str:
             stack.append(f"{package} {version(package)}")
         except PackageNotFoundError:
             stack.append(f"{package} not installed")
-    return f"trl-fp8 {__version__} ({', '.join(stack)})"
+    tested = ", ".join(f"{name} {' / '.join(releases)}" for name, releases in TESTED.items())
+    lines = [f"trl-fp8 {__version__} ({', '.join(stack)})", f"Tested on: {tested} ({TESTED_ON})."]
+    if outside := outside_tested_stack():
+        lines.append(f"Outside the tested releases: {'; '.join(outside)}: trl-fp8 may not work with them; "
+                     "pip install -e '.[vllm]' installs the tested vLLM and torch.")  # fmt: skip
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -44,9 +44,29 @@ def keep_layer_options(model: nn.Module, args):
         yield
     finally:
         args.gradient_checkpointing_kwargs = original
-        if options and getattr(model, "is_gradient_checkpointing", False):
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs, **options)
+        if options and is_checkpointing(model):
+            enable_checkpointing(model, checkpoint_kwargs, options)
         drop_stale_input_grad_hooks(model)
+
+
+# transformers 5.24 renames `gradient_checkpointing*` to `activation_checkpointing*` (the old names warn and go in v6);
+# the GPU suite's 5.17 has only the old ones. TRL 1.16 calls the old methods around its no-grad passes: the warnings
+# of those calls, which no user can act on.
+RENAMED_CHECKPOINTING_CALLS = r"`(is_gradient_checkpointing|gradient_checkpointing_(enable|disable))` is deprecated"
+
+
+def is_checkpointing(model: nn.Module) -> bool:
+    """Whether transformers' activation checkpointing is on (PEFT forwards the attribute to the base model)."""
+    new = getattr(model, "is_activation_checkpointing", None)
+    return bool(new) if new is not None else bool(getattr(model, "is_gradient_checkpointing", False))
+
+
+def enable_checkpointing(model: nn.Module, checkpoint_kwargs: dict | None, options: dict) -> None:
+    """transformers' checkpointing on, with `torch.utils.checkpoint` arguments and its layer options."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpoint_kwargs, **options)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs, **options)
 
 
 def drop_stale_input_grad_hooks(model: nn.Module) -> int:

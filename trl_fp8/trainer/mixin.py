@@ -50,8 +50,9 @@ from trl_fp8.nn.conversion import ConversionReport, convert_to_fp8, plan_fp8_con
 from trl_fp8.nn.linear import invalidate_fp8_weights
 from trl_fp8.rollout.kv_scales import AttentionScaleObserver, observe_prompts
 from trl_fp8.rollout.stats import capacity_line
+from trl_fp8.stack import TESTED, warn_outside_tested_stack
 from trl_fp8.trainer.choice import StartUpChoice
-from trl_fp8.trainer.layer_checkpointing import keep_layer_options
+from trl_fp8.trainer.layer_checkpointing import RENAMED_CHECKPOINTING_CALLS, keep_layer_options
 from trl_fp8.trainer.liger import choose_liger_kernels, liger_patches_kept_on_the_model
 from trl_fp8.trainer.memory import (
     GradientSyncChoice,
@@ -71,7 +72,6 @@ __all__ = [
     "check_output_dir",
     "check_rollout_class",
     "fp8_model_card_section",
-    "warn_outside_tested_trl",
 ]
 
 
@@ -119,7 +119,7 @@ class FP8TrainerMixin:
                 f"{type(self).__name__} needs an {config_class.__name__}, got {type(args).__name__}. Build the same "
                 f"settings with trl_fp8.{config_class.__name__}(...): it takes every {trl_name} field."
             )
-        warn_outside_tested_trl()
+        warn_outside_tested_stack()
         check_no_weight_sharding(args)  # before loading a model that could not train
         check_sharding_supports(args, trainer_kwargs.get("peft_config"), model)
         check_output_dir(model, args.output_dir, config_class.__name__)
@@ -352,8 +352,8 @@ class FP8TrainerMixin:
     def _generate_and_score_completions(self, inputs):
         zero_grads_in_buckets(self.model_wrapped)  # before the step's micro-batches; DDP wraps the model in train()
         with keep_layer_options(self.model, self.args), warnings.catch_warnings():  # keep_layer_options: TRL's
-            # no-grad scoring would drop `every_n_layers`. The warning: TRL reads transformers' old property name.
-            warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+            # no-grad scoring would drop `every_n_layers`. The warnings: TRL calls transformers' old names for them.
+            warnings.filterwarnings("ignore", RENAMED_CHECKPOINTING_CALLS, FutureWarning)
             output = super()._generate_and_score_completions(inputs)
         mode = "train" if self.model.training else "eval"
         self._metrics[mode]["fp8/num_fp8_layers"].append(float(self.fp8_report.num_fp8_layers))
@@ -572,22 +572,7 @@ def fp8_model_card_section(
 
 
 # The TRL releases whose private hooks `tests/test_trl_contract.py` has checked (pyproject's range is wider).
-TESTED_TRL = ("1.16",)
-_warned_trl: list[str] = []
-
-
-def warn_outside_tested_trl() -> None:
-    """Once per process: a TRL outside the tested releases may have renamed a hook this trainer overrides."""
-    import trl
-
-    version = trl.__version__
-    if _warned_trl or any(version == v or version.startswith(v + ".") for v in TESTED_TRL):
-        return
-    _warned_trl.append(version)
-    logger.warning(
-        "trl %s is outside the TRL releases trl-fp8 was tested with (%s): run tests/test_trl_contract.py to check "
-        "that every TRL hook it overrides still exists.", version, ", ".join(TESTED_TRL),
-    )  # fmt: skip
+TESTED_TRL = TESTED["trl"]
 
 
 def check_rollout_class(generation) -> None:
