@@ -94,6 +94,9 @@ RUNS = {  # run: (trainer, fp8_recipe, rollout_precision, fp8 KV cache, training
     # MoE: every sync takes vLLM's layerwise reload for the experts too (the in-place expert write off), to compare
     "unified_experts_reload": ("trl_fp8", "blockwise", "fp8", False, "auto", None),
     "fp8_defaults": ("trl_fp8", "blockwise", "fp8", None, "auto", None),  # + use_liger_kernel left unset
+    # fp8_defaults' BF16 twin: the same trainer and defaults (Liger, scoring in the training forward, token ids only,
+    # token TIS) with nothing in FP8, so that FP8's own share of a speed-up is told apart from the trainer's
+    "bf16_defaults": ("trl_fp8", "none", "bf16", False, "auto", None),
     "fp8_defaults_scoring_pass": ("trl_fp8", "blockwise", "fp8", None, "auto", None),
     "fp8_defaults_vllm_act_quant": ("trl_fp8", "blockwise", "fp8", None, "auto", None),
     "fp8_defaults_vllm_text": ("trl_fp8", "blockwise", "fp8", None, "auto", None),
@@ -126,6 +129,7 @@ RUN_OPTIONS = {  # further (FP8)GRPOConfig fields of a run
     "unified_liger_nocache": LIGER,
     "unified_fp8kv_liger_cache": LIGER,
     "fp8_defaults": {"use_liger_kernel": None},  # FP8GRPOTrainer's own start-up choice
+    "bf16_defaults": {"use_liger_kernel": None},
     # the defaults, with TRL's scoring pass of every rollout before the micro-batches kept (what skipping it gains)
     "fp8_defaults_scoring_pass": {"use_liger_kernel": None, "score_in_training_forward": False},
     # the defaults with vLLM's own fused SiLU-and-mul + FP8 quantization kernel (what trl-fp8's kernel gains)
