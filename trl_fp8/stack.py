@@ -13,7 +13,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TESTED", "TESTED_ON", "outside_tested_stack", "release", "warn_outside_tested_stack"]
+__all__ = ["TESTED", "TESTED_ON", "installed_versions", "outside_tested_stack", "release", "warn_outside_tested_stack"]
 
 # package -> the releases (major.minor) the CPU suite, the GPU suite or both passed on. vLLM 0.26 pins torch 2.11
 # (the GPU suite's); torch 2.13 is the CPU suite's. transformers is a range (pyproject.toml): 5.17 on the GPU suite,
@@ -28,16 +28,22 @@ def release(package_version: str) -> str:
     return ".".join(package_version.split("+")[0].split(".")[:2])
 
 
+def installed_versions(packages) -> dict[str, str]:
+    """name -> installed version, for the `packages` that are installed."""
+    found = {}
+    for package in packages:
+        try:
+            found[package] = version(package)
+        except PackageNotFoundError:
+            pass
+    return found
+
+
 def outside_tested_stack(installed: dict[str, str] | None = None) -> list[str]:
     """`vllm 0.31.0 (tested: 0.26)` for each installed package of `TESTED` (or of `installed`, name -> version)
     whose release is not a tested one; empty when all are."""
     if installed is None:
-        installed = {}
-        for package in TESTED:
-            try:
-                installed[package] = version(package)
-            except PackageNotFoundError:
-                pass
+        installed = installed_versions(TESTED)
     return [f"{name} {found} (tested: {', '.join(TESTED[name])})" for name, found in installed.items()
             if name in TESTED and release(found) not in TESTED[name]]  # fmt: skip
 

@@ -61,16 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
 def version_line() -> str:
     """`trl-fp8 X (torch ..., transformers ..., ...)`: the versions a bug report needs, then the tested releases and
     any installed package outside them (`trl_fp8.stack`)."""
-    from importlib.metadata import PackageNotFoundError, version
+    from trl_fp8.stack import TESTED, TESTED_ON, installed_versions, outside_tested_stack
 
-    from trl_fp8.stack import TESTED, TESTED_ON, outside_tested_stack
-
-    stack = []
-    for package in ("torch", "transformers", "trl", "torchao", "vllm"):
-        try:
-            stack.append(f"{package} {version(package)}")
-        except PackageNotFoundError:
-            stack.append(f"{package} not installed")
+    packages = ("torch", "transformers", "trl", "torchao", "vllm")
+    found = installed_versions(packages)
+    stack = [f"{package} {found.get(package, 'not installed')}" for package in packages]
     tested = ", ".join(f"{name} {' / '.join(releases)}" for name, releases in TESTED.items())
     lines = [f"trl-fp8 {__version__} ({', '.join(stack)})", f"Tested on: {tested} ({TESTED_ON})."]
     if outside := outside_tested_stack():

@@ -604,9 +604,8 @@ class FP8GRPOConfig(FP8TrainingArguments, GRPOConfig):
             )
         self._check_fp8_fields()
         self._refuse_tis_conflicts()
-        self._token_tis = self.tis == "token" or (self.tis == "auto" and self.trl_is_fields_set() == [])
         # Map onto TRL's own fields before its __post_init__ validates them.
-        if self._token_tis:
+        if self.token_tis:
             self.vllm_importance_sampling_correction = True
             self.vllm_importance_sampling_mode = "token_truncate"
             self.vllm_importance_sampling_clip_max = self.tis_cap
@@ -624,8 +623,9 @@ class FP8GRPOConfig(FP8TrainingArguments, GRPOConfig):
 
     @property
     def token_tis(self) -> bool:
-        """Whether token-level TIS corrects the rollouts (`tis="token"`, or `"auto"` resolved to it)."""
-        return self._token_tis
+        """Whether token-level TIS corrects the rollouts (`tis="token"`, or `"auto"` resolved to it; TRL's fields as
+        token TIS sets them still count as unset, so the answer holds after the mapping)."""
+        return self.tis == "token" or (self.tis == "auto" and not self.trl_is_fields_set())
 
     def trl_is_fields_set(self) -> list[str]:
         """TRL's importance-sampling fields set to something else than TRL's defaults or what token TIS sets them to
@@ -633,8 +633,9 @@ class FP8GRPOConfig(FP8TrainingArguments, GRPOConfig):
         trl_defaults = {f.name: f.default for f in fields(GRPOConfig)}
         token = {"vllm_importance_sampling_correction": True, "vllm_importance_sampling_mode": "token_truncate",
                  "vllm_importance_sampling_clip_max": self.tis_cap}  # fmt: skip
-        return [f"{name}={getattr(self, name)!r}" for name in TRL_IS_FIELDS if hasattr(self, name)
-                and getattr(self, name) not in (trl_defaults.get(name), token.get(name, trl_defaults.get(name)))]  # fmt: skip
+        unset = {name: (trl_defaults.get(name), token.get(name, trl_defaults.get(name))) for name in TRL_IS_FIELDS}
+        return [f"{name}={getattr(self, name)!r}" for name in TRL_IS_FIELDS
+                if hasattr(self, name) and getattr(self, name) not in unset[name]]  # fmt: skip
 
     def rollouts_train_within_one_step(self) -> bool:
         """Whether every rollout is trained on within one optimizer step (TRL's condition for not scoring old
@@ -664,7 +665,7 @@ class FP8GRPOConfig(FP8TrainingArguments, GRPOConfig):
                         f"tis='token' clips the ratio at tis_cap={self.tis_cap}, but {name}={value} is set. Set "
                         f"tis_cap={value} instead."
                     )
-        elif self.tis_cap != 2.0 and not (self.tis == "auto" and self.trl_is_fields_set() == []):
+        elif self.tis_cap != 2.0 and not self.token_tis:
             warnings.warn(
                 f"tis_cap={self.tis_cap} has no effect without token TIS (TRL's own correction, if on, clips at "
                 "vllm_importance_sampling_clip_max).",

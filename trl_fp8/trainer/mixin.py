@@ -50,7 +50,7 @@ from trl_fp8.nn.conversion import ConversionReport, convert_to_fp8, plan_fp8_con
 from trl_fp8.nn.linear import invalidate_fp8_weights
 from trl_fp8.rollout.kv_scales import AttentionScaleObserver, observe_prompts
 from trl_fp8.rollout.stats import capacity_line
-from trl_fp8.stack import TESTED, warn_outside_tested_stack
+from trl_fp8.stack import warn_outside_tested_stack
 from trl_fp8.trainer.choice import StartUpChoice
 from trl_fp8.trainer.layer_checkpointing import RENAMED_CHECKPOINTING_CALLS, keep_layer_options
 from trl_fp8.trainer.liger import choose_liger_kernels, liger_patches_kept_on_the_model
@@ -67,7 +67,6 @@ from trl_fp8.trainer.requirements import check_reward_dependencies
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "TESTED_TRL",
     "FP8TrainerMixin",
     "check_output_dir",
     "check_rollout_class",
@@ -143,11 +142,14 @@ class FP8TrainerMixin:
         self.fp8_report = self._convert(model, args)
         self.fp8_export_report = self._plan_fp8_outside_training(model, args)
         self._saving_training_checkpoint = False
+        self._checkpoint_saved_for_push = False  # `push_to_hub` wrote the checkpoint before asking the Hub
         self._capacity_reported = False
         self._kv_observer = self._choose_fp8_kv_cache(model, args)
         # TRL would say that model_init_kwargs / quantization_config are ignored: they were applied by `_load_model`
-        applied = dropped_log_records(self._trl_trainer_module, "You passed `model_init_kwargs`",
-                                      "You passed `quantization_config`") if loaded_here else contextlib.nullcontext()  # fmt: skip
+        applied = contextlib.nullcontext()
+        if loaded_here:
+            applied = dropped_log_records(self._trl_trainer_module, "You passed `model_init_kwargs`",
+                                          "You passed `quantization_config`")  # fmt: skip
         with self._fp8_vllm_generation(args), warnings.catch_warnings(), applied:
             if self.liger_kernels.automatic:  # TRL's deprecation of the option speaks to a user who set it
                 warnings.filterwarnings("ignore", r"`use_liger_kernel=True` is deprecated", FutureWarning)
@@ -407,8 +409,8 @@ class FP8TrainerMixin:
 
         With `save_fp8_checkpoint=False`, or for intermediate training checkpoints, this is `Trainer.save_model`.
         """
-        if _internal_call and output_dir is None and getattr(self, "_checkpoint_saved_for_push", False):
-            self._checkpoint_saved_for_push = False  # `push_to_hub` saved it already, before asking the Hub
+        if _internal_call and output_dir is None and self._checkpoint_saved_for_push:
+            self._checkpoint_saved_for_push = False  # transformers' save inside `push_to_hub`: written already
             return
         output_dir = output_dir or self.args.output_dir
         check_output_dir(self.accelerator.unwrap_model(self.model), output_dir, type(self.args).__name__)
@@ -443,13 +445,13 @@ class FP8TrainerMixin:
         """`Trainer.push_to_hub` of the block-FP8 checkpoint, written to `output_dir` before any Hub call (transformers
         creates the repository first): a failed upload leaves the checkpoint there, and the error says where."""
         self.save_model(_internal_call=True)
-        self._checkpoint_saved_for_push = True  # transformers' own save in push_to_hub is this one
+        self._checkpoint_saved_for_push = True
         try:
             return super().push_to_hub(*args, **kwargs)
         except Exception as exc:
             raise RuntimeError(
-                f"The FP8 checkpoint is saved in {self.args.output_dir}, but pushing it to the Hugging Face Hub failed "
-                f"({type(exc).__name__}: {exc}). Push that folder once the Hub is reachable: `hf upload "
+                f"The FP8 checkpoint is saved in {self.args.output_dir}, but pushing it to the Hugging Face Hub "
+                f"failed ({type(exc).__name__}: {exc}). Push that folder once the Hub is reachable: `hf upload "
                 f"<org/name> {self.args.output_dir}`, or trainer.push_to_hub() again."
             ) from exc
         finally:
@@ -479,7 +481,7 @@ class FP8TrainerMixin:
                                                    trainer_name=type(self).__name__))  # fmt: skip
 
 
-def check_output_dir(model, output_dir: str, config_name: str = "FP8GRPOConfig") -> None:
+def check_output_dir(model, output_dir: str, config_name: str) -> None:
     """Refuse, before anything is loaded or written, to save into the folder the model was loaded from (or into a
     folder inside it): a block-FP8 checkpoint there would replace the user's weights. `config_name`: the config
     class the error tells the user to give another output_dir."""
@@ -569,10 +571,6 @@ def fp8_model_card_section(
     if kept:
         lines += ["Linear layers kept in high precision:", ""] + [f"- `{n}` ({why})" for n, why in kept] + [""]
     return "\n".join(lines)
-
-
-# The TRL releases whose private hooks `tests/test_trl_contract.py` has checked (pyproject's range is wider).
-TESTED_TRL = TESTED["trl"]
 
 
 def check_rollout_class(generation) -> None:
