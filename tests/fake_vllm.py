@@ -132,13 +132,23 @@ class FakeMoEEngine:
             self.layers[name] = layer
 
     def load(self, pushed):
+        reloaded = set()
         for name, tensor in pushed:
             prefix, sep, rest = name.partition(".experts.")
             layer = self.layers.get(prefix + ".experts")
             if layer is None or not sep:
                 continue
+            reloaded.add(prefix + ".experts")
             expert, proj, leaf = rest.split(".", 2)
             target = getattr(layer, ("w2" if proj == "down_proj" else "w13") + "_" + leaf)
             half = target.shape[1] // 2
             rows = {"gate_proj": slice(0, half), "up_proj": slice(half, 2 * half)}.get(proj, slice(None))
             target.data[int(expert), rows].copy_(tensor)
+        # vLLM's layerwise reload processes a layer on temporary tensors, builds the MoE kernel's quant config from
+        # them, then copies their values back into the layer's own storage: the config keeps the temporaries.
+        for name in reloaded:
+            layer = self.layers[name]
+            layer.quant_method.moe_quant_config = types.SimpleNamespace(
+                w1_scale=layer.w13_weight_scale_inv.detach().clone(),
+                w2_scale=layer.w2_weight_scale_inv.detach().clone(),
+            )

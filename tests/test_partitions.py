@@ -7,7 +7,12 @@ from trl_fp8 import convert_to_fp8
 from trl_fp8.checkpoint.save import fp8_module_names
 from trl_fp8.demo.tiny_model import tiny_qwen3
 from trl_fp8.rollout.vllm.deepgemm_warmup import engine_gemm_shapes
-from trl_fp8.rollout.vllm.partitions import check_tensor_parallel, partition_shape, tensor_parallel_overrides
+from trl_fp8.rollout.vllm.partitions import (
+    check_tensor_parallel,
+    partition_shape,
+    tensor_parallel_env,
+    tensor_parallel_overrides,
+)
 
 
 def test_partition_shapes_follow_vllms_column_and_row_splits():
@@ -64,6 +69,12 @@ def test_allreduce_norm_fusion_is_off_where_nvlink_multicast_is_off():
     assert values({"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}) == off
     assert values({}) == {}  # multicast available: vLLM's choice stands
     assert values({"NCCL_NVLS_ENABLE": "0"}, tp=1) == {}  # one rank: no all-reduce
+
+
+def test_flashinfer_allreduce_is_off_where_nvlink_multicast_is_off():
+    """vLLM 0.31 turns FlashInfer's all-reduce (multicast workspace first) on by default; 0.26 had it off."""
+    assert tensor_parallel_env(2, {"NCCL_NVLS_ENABLE": "0"})["VLLM_ALLREDUCE_USE_FLASHINFER"][0] == "0"
+    assert tensor_parallel_env(2, {}) == {} and tensor_parallel_env(1, {"NCCL_NVLS_ENABLE": "0"}) == {}
 
 
 def test_custom_allreduce_is_off_where_the_allocator_runs_on_expandable_segments():

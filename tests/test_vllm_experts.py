@@ -58,3 +58,7 @@ def test_fp8_experts_are_written_in_place_once_proven_bit_for_bit(fake_vllm, tmp
             q, s = experts.quantized_expert_weight(ours_name)
             assert torch.equal(getattr(layer, f"{key}_weight").view(torch.uint8), q.view(torch.uint8)), key
             assert torch.equal(getattr(layer, f"{key}_weight_scale_inv"), s.float()), key
+            # and the scales the MoE kernel reads outside CUDA graphs, which the last reload left in other storage
+            assert torch.equal(
+                getattr(layer.quant_method.moe_quant_config, {"w13": "w1_scale", "w2": "w2_scale"}[key]), s.float()
+            )

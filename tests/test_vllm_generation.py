@@ -288,3 +288,31 @@ def model_batch(tmp_path):
                              processing_class=tokenizer)  # fmt: skip
     trainer.model.train()
     return trainer._generate_and_score_completions([trainer.train_dataset[i] for i in (0, 1) for _ in range(8)])
+
+
+def test_an_unreachable_earlier_engine_shuts_down_before_the_next_engine_starts(fake_vllm, tmp_path, monkeypatch):
+    """vLLM keeps one distributed state per process and an engine's shutdown tears it down. An earlier trainer's
+    engine, unreachable but not yet collected, shuts down before the next engine starts: on vLLM 0.31 it was
+    collected in the middle of the next engine's start-up, which then lost its world group (GPU suite, 4 x H200)."""
+    import gc
+    import weakref
+
+    events = []
+
+    class EarlierEngine:
+        def __init__(self):
+            self.cycle = self  # only the cycle collector frees it, as a trainer and its engine are freed
+
+    earlier = EarlierEngine()
+    weakref.finalize(earlier, events.append, "earlier engine shut down")
+    del earlier
+    start = fake_vllm.__init__
+    monkeypatch.setattr(
+        fake_vllm, "__init__", lambda self, **kw: (events.append("engine started"), start(self, **kw))[1]
+    )
+    gc.disable()  # no collection but the trainer's own
+    try:
+        tiny_trainer(tmp_path)
+    finally:
+        gc.enable()
+    assert events == ["earlier engine shut down", "engine started"]

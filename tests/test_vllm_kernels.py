@@ -1,5 +1,7 @@
 """The rollout kernel choice: DeepGEMM on Hopper when it can run, Cutlass otherwise, E8M0 off in every case."""
 
+import shutil
+
 import pytest
 import torch
 
@@ -13,12 +15,13 @@ def hopper(monkeypatch, tmp_path):
     """A machine that looks like the GPU host: an SM90 GPU, vLLM with its bundled DeepGEMM, nvcc on CUDA_HOME."""
     vllm_pkg = tmp_path / "site" / "vllm"
     (vllm_pkg / "third_party" / "deep_gemm").mkdir(parents=True)
+    (vllm_pkg / "third_party" / "deep_gemm" / "__init__.py").write_text("__version__ = '2.8.0'\n")  # vLLM 0.31's
     (vllm_pkg / "__init__.py").write_text("")
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     monkeypatch.delitem(__import__("sys").modules, "vllm", raising=False)
     cuda = tmp_path / "cuda"
     (cuda / "bin").mkdir(parents=True)
-    (cuda / "bin" / "nvcc").write_text("")
+    fake_nvcc(cuda / "bin" / "nvcc", "13.0")
     monkeypatch.setenv("CUDA_HOME", str(cuda))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
@@ -26,6 +29,11 @@ def hopper(monkeypatch, tmp_path):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     return tmp_path
+
+
+def fake_nvcc(path, release: str) -> None:
+    path.write_text(f"#!/bin/sh\necho 'Cuda compilation tools, release {release}, V{release}.88'\n")
+    path.chmod(0o755)
 
 
 def test_auto_picks_deepgemm_on_hopper_with_e8m0_off_and_a_persistent_cache(hopper):
@@ -54,6 +62,7 @@ def test_user_settings_for_cache_and_warmup_are_kept(hopper, monkeypatch):
     "breakage, reason",
     [
         ("no_nvcc", "nvcc"),
+        ("old_nvcc", "nvcc >= 12.9"),
         ("ada", "sm_89"),
         ("blackwell", "sm_100"),
         ("no_deepgemm", "no bundled DeepGEMM"),
@@ -63,11 +72,13 @@ def test_user_settings_for_cache_and_warmup_are_kept(hopper, monkeypatch):
 def test_auto_falls_back_to_cutlass_with_the_reason_and_deepgemm_refuses(hopper, monkeypatch, breakage, reason):
     if breakage == "no_nvcc":
         monkeypatch.setenv("CUDA_HOME", str(hopper / "nowhere"))
+    elif breakage == "old_nvcc":  # DeepGEMM 2.8 (vLLM 0.31) compiles with nvcc 12.9 or newer
+        fake_nvcc(hopper / "cuda" / "bin" / "nvcc", "12.8")
     elif breakage in ("ada", "blackwell"):
         cap = (8, 9) if breakage == "ada" else (10, 0)
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
     elif breakage == "no_deepgemm":
-        (hopper / "site" / "vllm" / "third_party" / "deep_gemm").rmdir()
+        shutil.rmtree(hopper / "site" / "vllm" / "third_party" / "deep_gemm")
     else:
         monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     kernel = rollout_kernel("auto")
@@ -143,6 +154,10 @@ def test_nvcc_is_found_where_deepgemm_looks(monkeypatch, tmp_path):
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "nvcc").write_text("")
     assert vk._find_nvcc() == str(tmp_path / "bin" / "nvcc")
+    monkeypatch.setenv("DG_JIT_NVCC_COMPILER", str(tmp_path / "mine"))  # DeepGEMM 2.8's own setting comes first
+    assert vk._find_nvcc() is None
+    (tmp_path / "mine").write_text("")
+    assert vk._find_nvcc() == str(tmp_path / "mine")
 
 
 def test_fp8_kv_cache_needs_hopper_attention(hopper, monkeypatch):

@@ -88,6 +88,8 @@ def test_server_quantization_must_be_the_trainers_block_fp8_layout(tmp_path, cap
     with pytest.raises(ValueError, match="quantizes a BF16 checkpoint itself.*trl-fp8 quantize"):
         check_server_config(online, model, "fp8", fp8_kv_cache=False)
     check_server_config(online, model, "fp8_online", fp8_kv_cache=False)
+    # vLLM 0.31 spells its online FP8 `fp8_per_tensor` (it maps `--quantization fp8` of a BF16 model to it).
+    check_server_config(_server_info(tmp_path, model, "fp8_per_tensor", online=True), model, "fp8_online", False)
     with pytest.raises(ValueError, match="pushes BF16 weights for vLLM to quantize, but the server serves a 'fp8'"):
         check_server_config(_server_info(tmp_path, model), model, "fp8_online", fp8_kv_cache=False)
     # A checkpoint with other BF16 layers than the trainer's (made without its num_first_layers_in_bf16=1).
@@ -143,3 +145,18 @@ def test_server_kernel_check_reports_the_served_kernel_and_warns_on_another(capl
     with caplog.at_level("WARNING", logger="trl_fp8.rollout.vllm.generation"):
         assert check_server_kernel(config, None) is None  # an older server that does not report its settings
     assert "cannot be checked" in caplog.text
+
+
+def test_online_fp8_is_named_as_the_installed_vllm_names_it(tmp_path, monkeypatch):
+    """`--quantization fp8` on a BF16 model is deprecated from vLLM 0.31 for `fp8_per_tensor`; older releases know
+    only the first. The engine asks for, and a server's error message names, the installed release's spelling."""
+    from trl_fp8.rollout.vllm import _compat
+    from trl_fp8.rollout.vllm.engine import engine_overrides
+
+    model = fp8_model()
+    for release, name in (((0, 26), "fp8"), ((0, 31), "fp8_per_tensor")):
+        monkeypatch.setattr(_compat, "installed_vllm_release", lambda release=release: release)
+        assert _compat.online_fp8_quantization() == name
+        assert engine_overrides(str(tmp_path), "fp8_online", False)["quantization"] == name
+        with pytest.raises(ValueError, match=f"Restart `trl vllm-serve` with --quantization {name}"):
+            check_server_config(_server_info(tmp_path, model, None), model, "fp8_online", fp8_kv_cache=False)

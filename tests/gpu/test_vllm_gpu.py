@@ -27,6 +27,23 @@ def _tiny_model_dir(tmp_path):
     return model_dir
 
 
+def save_warm_model(model_dir: Path) -> float:
+    """Save a tiny Qwen3 after the demo's supervised warm start (`toy_task.warm_start`, on the GPU) and its tokenizer
+    to `model_dir`; return its expected reward (`sampled_reward`). About a third of its sampled answers are right, so
+    a 20-step run has a learning signal. From a random model's ~1% the sampler's seed decided whether the reward of
+    20 steps rose (RLOO and the server push: they rose on vLLM 0.26 and fell on 0.31, same tests, same weights)."""
+    from trl_fp8.demo.tiny_model import tiny_char_tokenizer, tiny_qwen3
+    from trl_fp8.demo.toy_task import sampled_reward, warm_start
+
+    tokenizer = tiny_char_tokenizer()
+    model = tiny_qwen3(vocab_size=128, eos_token_id=tokenizer.eos_token_id, pad_token_id=0).cuda()
+    warm_start(model, tokenizer)
+    before = sampled_reward(model, tokenizer)
+    model.cpu().save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    return before
+
+
 def _artifacts() -> Path | None:
     out = os.environ.get("TRL_FP8_ARTIFACTS")
     return Path(out) if out else None

@@ -41,14 +41,21 @@ def _wait_healthy(proc, url, timeout=420):
 
 @contextlib.contextmanager
 def serve_fp8(root: Path, gpus: str, *, port: int, tensor_parallel: int = 1, memory: float = 0.3,
-              kernel_name: str = "deepgemm"):  # fmt: skip
+              kernel_name: str = "deepgemm", warm: bool = False):  # fmt: skip
     """`trl vllm-serve` of a tiny Qwen3's FP8 checkpoint (made by `trl-fp8 quantize` in `root`) on `gpus`, as the
-    documented command runs it, plus a worker extension that lets a test read digests of the engine's weights."""
+    documented command runs it, plus a worker extension that lets a test read digests of the engine's weights.
+    `warm`: the model after the demo's warm start (`test_vllm_gpu.save_warm_model`); yields its expected reward then."""
     from trl_fp8.demo.tiny_model import tiny_char_tokenizer, tiny_qwen3
 
-    tokenizer = tiny_char_tokenizer()
-    tiny_qwen3(vocab_size=128, eos_token_id=tokenizer.eos_token_id, pad_token_id=0).save_pretrained(root / "model")
-    tokenizer.save_pretrained(root / "model")
+    before = None
+    if warm:
+        from test_vllm_gpu import save_warm_model
+
+        before = save_warm_model(root / "model")
+    else:
+        tokenizer = tiny_char_tokenizer()
+        tiny_qwen3(vocab_size=128, eos_token_id=tokenizer.eos_token_id, pad_token_id=0).save_pretrained(root / "model")
+        tokenizer.save_pretrained(root / "model")
     subprocess.run([sys.executable, "-m", "trl_fp8", "quantize", str(root / "model"), str(root / "fp8")], check=True)
     log = open(root / "server.log", "w")
     from trl.scripts.vllm_serve import ScriptArguments, build_command
@@ -72,7 +79,7 @@ def serve_fp8(root: Path, gpus: str, *, port: int, tensor_parallel: int = 1, mem
         print(
             f"vllm-serve (TP={tensor_parallel}) up in {_wait_healthy(proc, f'http://localhost:{port}/health'):.0f} s"
         )
-        yield
+        yield before
     finally:
         proc.terminate()
         try:
@@ -97,8 +104,10 @@ def fp8_server(tmp_path_factory):
         gc.collect()
         torch.cuda.empty_cache()
     server_gpu, kernel = (gpus[1], "deepgemm") if two_gpus else (gpus[0], "cutlass")
-    with serve_fp8(root, server_gpu, memory=0.3 if two_gpus else 0.1, kernel_name=kernel, port=port):
-        yield SimpleNamespace(root=root, two_gpus=two_gpus, port=port)
+    with serve_fp8(
+        root, server_gpu, memory=0.3 if two_gpus else 0.1, kernel_name=kernel, port=port, warm=True
+    ) as before:
+        yield SimpleNamespace(root=root, two_gpus=two_gpus, port=port, expected_reward=before)
 
 
 def _config(tmp_path, port, **kwargs):
@@ -106,9 +115,9 @@ def _config(tmp_path, port, **kwargs):
     from trl_fp8.demo.toy_task import GRPO_SETTINGS
 
     return FP8GRPOConfig(
-        **GRPO_SETTINGS, output_dir=str(tmp_path / "out"), logging_steps=1, bf16=True, disable_tqdm=True,
+        **{**GRPO_SETTINGS, **kwargs}, output_dir=str(tmp_path / "out"), logging_steps=1, bf16=True, disable_tqdm=True,
         model_init_kwargs={"dtype": "bfloat16"}, use_vllm=True, vllm_mode="server", vllm_server_port=port,
-        vllm_server_timeout=30, tis="token", **kwargs,
+        vllm_server_timeout=30, tis="token",
     )  # fmt: skip
 
 
@@ -131,17 +140,18 @@ def test_server_refuses_a_trainer_whose_weights_it_cannot_take(fp8_server, tmp_p
 
 @pytest.mark.gpus(2)
 def test_server_mode_grpo_with_fp8_weight_push(fp8_server, tmp_path):
+    from test_trainer_gpu import assert_learned
     from trl.generation.vllm_client import VLLMClient
     from vllm.model_executor.layers.quantization.utils.fp8_utils import deepgemm_post_process_fp8_weight_block
 
     from trl_fp8 import FP8GRPOTrainer
-    from trl_fp8.demo.toy_task import say_letter_dataset, say_letter_reward
+    from trl_fp8.demo.toy_task import DEMO_GRPO_SETTINGS, say_letter_dataset, say_letter_reward
 
     info = VLLMClient(base_url=f"http://localhost:{fp8_server.port}").get_server_info()
     artifacts = os.environ.get("TRL_FP8_ARTIFACTS")
     if artifacts:
         Path(artifacts, "server_info.json").write_text(json.dumps(info, indent=1, default=str))
-    args = _config(tmp_path, fp8_server.port, max_steps=20)
+    args = _config(tmp_path, fp8_server.port, max_steps=20, **DEMO_GRPO_SETTINGS)
     trainer = FP8GRPOTrainer(
         str(fp8_server.root / "model"), say_letter_reward, args, train_dataset=say_letter_dataset(2048)
     )
@@ -157,7 +167,6 @@ def test_server_mode_grpo_with_fp8_weight_push(fp8_server, tmp_path):
     )
     assert len(sync_ms) == len(logs)
     assert all(0 <= m < 0.5 for m in mismatch)
-    assert sum(rewards[-5:]) > sum(rewards[:5])
 
     # Identity: after a sync, the server's fused layers hold exactly the trainer's FP8 bits and scales.
     trainer.vllm_generation.sync_weights()
@@ -182,6 +191,7 @@ def test_server_mode_grpo_with_fp8_weight_push(fp8_server, tmp_path):
     (served,) = json.loads(urllib.request.urlopen(request, timeout=60).read())["results"]
     print(f"server identity: {len(ours)} tensors, digests equal: {served == ours}")
     assert served == ours, {k: (served.get(k, "")[:12], v[:12]) for k, v in ours.items()}
+    assert_learned(trainer, fp8_server.expected_reward, "server fp8")
 
 
 @pytest.mark.gpus(4)

@@ -1,4 +1,4 @@
-"""Every access to vLLM internals that no public API offers, in one place (tested against vLLM 0.26).
+"""Every access to vLLM internals that no public API offers, in one place (written against vLLM 0.26 and 0.31).
 
 When a vLLM release moves one of these, this file is what changes; each function says what it reaches and why no
 public path does.
@@ -41,6 +41,62 @@ def moe_kernel_format_converter() -> Callable:
     from vllm.model_executor.layers.fused_moe.oracle.fp8 import convert_to_fp8_moe_kernel_format
 
     return convert_to_fp8_moe_kernel_format
+
+
+def moe_kernel_scales(layer: nn.Module) -> dict[str, torch.Tensor]:
+    """The block scales vLLM's MoE kernel reads at call time (its quant config's `w1_scale`/`w2_scale`), under the
+    layer's names for them (`w13_weight_scale_inv`...); `{}` where the layer has no such config. A layerwise reload
+    builds that config from the tensors it processed and then copies their values into the layer's own (the storage
+    CUDA graphs captured), so after a reload the config can hold other storage than the layer: a forward outside the
+    graphs (a long prefill, eager mode) reads the config's."""
+    config = getattr(getattr(layer, "quant_method", None), "moe_quant_config", None)
+    if config is None:
+        return {}
+    name = getattr(layer.quant_method, "weight_scale_name", "weight_scale_inv")
+    return {f"w13_{name}": config.w1_scale, f"w2_{name}": config.w2_scale}
+
+
+def installed_vllm_release() -> tuple[int, int] | None:
+    """(major, minor) of the installed vLLM, read from its metadata (no import), or None."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return tuple(int(part) for part in version("vllm").split(".")[:2])  # type: ignore[return-value]
+    except (PackageNotFoundError, ValueError):
+        return None
+
+
+def online_fp8_quantization() -> str:
+    """vLLM's `quantization` name for its own online FP8 of a BF16 model (per-tensor weight scales): `"fp8"` up to
+    0.30; 0.31 deprecates that for `"fp8_per_tensor"`, which it maps `"fp8"` to."""
+    release = installed_vllm_release()
+    return "fp8_per_tensor" if release is not None and release >= (0, 31) else "fp8"
+
+
+# Names a server doing that online FP8 reports as its quantization (the older and the newer spelling).
+ONLINE_FP8_NAMES = ("fp8", "fp8_per_tensor")
+
+
+def bundled_deepgemm_version() -> tuple[int, ...] | None:
+    """The version of the DeepGEMM bundled in vLLM (`vllm/third_party/deep_gemm`), read from its `__init__.py`
+    without importing it (importing it initialises its compiled library), or None."""
+    import importlib.util
+    import re
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("vllm")
+    for root in (spec.submodule_search_locations or []) if spec is not None else []:
+        init = Path(root) / "third_party" / "deep_gemm" / "__init__.py"
+        if init.is_file() and (found := re.search(r"__version__\s*=\s*['\"]([\d.]+)", init.read_text())):
+            return tuple(int(part) for part in found.group(1).split(".") if part)
+    return None
+
+
+def deepgemm_min_nvcc() -> tuple[int, int]:
+    """The oldest nvcc the bundled DeepGEMM compiles its kernels with: 12.9 from DeepGEMM 2.8 (vLLM 0.31), 12.3
+    before."""
+    bundled = bundled_deepgemm_version()
+    return (12, 9) if bundled is not None and bundled >= (2, 8) else (12, 3)
 
 
 def deepgemm_warmup_token_counts(max_tokens: int, n: int, device: torch.device) -> list[int]:

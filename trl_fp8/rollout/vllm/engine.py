@@ -21,7 +21,7 @@ from trl_fp8.checkpoint.save import (
     unwrap_model,
 )
 from trl_fp8.config import check_rollout_precision
-from trl_fp8.rollout.vllm._compat import engine_worker
+from trl_fp8.rollout.vllm._compat import engine_worker, online_fp8_quantization
 from trl_fp8.rollout.vllm.kernels import (
     FP8_KV_ATTENTION_BACKEND,
     RolloutKernel,
@@ -33,7 +33,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "TRL_MAX_NUM_BATCHED_TOKENS",
-    "VLLM_ONLINE_FP8",
     "apply_engine_env",
     "engine_env",
     "engine_overrides",
@@ -46,9 +45,6 @@ __all__ = [
 
 # TRL builds its colocated engine with max_num_batched_tokens=4096: the largest GEMM the engine runs has that many rows.
 TRL_MAX_NUM_BATCHED_TOKENS = 4096
-
-# vLLM's own online FP8 (per-tensor weights, dynamic per-token activations): `vllm serve --quantization fp8`.
-VLLM_ONLINE_FP8 = "fp8"
 
 
 def rollout_weight_tensors(
@@ -109,7 +105,7 @@ def engine_overrides(
     # disable_log_stats=False: vLLM computes per-step scheduler statistics, which `RolloutStats` collects.
     overrides = {"model": str(engine_dir), "load_format": "dummy", "disable_log_stats": False}
     if rollout_precision == "fp8_online":
-        overrides["quantization"] = VLLM_ONLINE_FP8
+        overrides["quantization"] = online_fp8_quantization()  # vLLM's own online FP8 of the BF16 weights
     if rollout_precision == "fp8" and kernel is not None:
         overrides.update(kernel.llm_kwargs)
     if fp8_kv_cache:

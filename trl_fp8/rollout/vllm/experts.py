@@ -26,7 +26,12 @@ from trl_fp8.checkpoint.save import fp8_experts_layers, merged_fp8_experts
 from trl_fp8.distributed import is_sharded
 from trl_fp8.nn.adapters import hf_name, is_tuner_layer, unwrap_model
 from trl_fp8.nn.experts import EXPERT_WEIGHTS
-from trl_fp8.rollout.vllm._compat import LAYERWISE_RELOAD_LOGGER, engine_model, moe_kernel_format_converter
+from trl_fp8.rollout.vllm._compat import (
+    LAYERWISE_RELOAD_LOGGER,
+    engine_model,
+    moe_kernel_format_converter,
+    moe_kernel_scales,
+)
 
 __all__ = ["NO_FP8_EXPERTS", "EngineExperts", "engine_model", "quiet_skipped_layers"]
 
@@ -77,13 +82,17 @@ class EngineExperts:
                 pairs.append((name, module, found[0]))
             writer = cls(pairs, convert or _vllm_converter())
             for name, module, layer in pairs:
+                kernel_scales = moe_kernel_scales(layer)
                 for key, ours_t in writer.kernel_tensors(module, layer).items():
-                    theirs_t = getattr(layer, key)
-                    if theirs_t.dtype != ours_t.dtype or theirs_t.shape != ours_t.shape:
-                        return None, f"{name}.{key}: the engine holds {theirs_t.dtype} {tuple(theirs_t.shape)}, " \
-                                     f"the conversion gives {ours_t.dtype} {tuple(ours_t.shape)}"  # fmt: skip
-                    if not torch.equal(_bits(theirs_t), _bits(ours_t)):
-                        return None, f"{name}.{key}: the conversion's values differ from the reload's"
+                    for where, theirs_t in (("", getattr(layer, key)), (" (MoE kernel's)", kernel_scales.get(key))):
+                        if theirs_t is None:
+                            continue
+                        if theirs_t.dtype != ours_t.dtype or theirs_t.shape != ours_t.shape:
+                            return None, f"{name}.{key}{where}: the engine holds {theirs_t.dtype} " \
+                                         f"{tuple(theirs_t.shape)}, the conversion gives {ours_t.dtype} " \
+                                         f"{tuple(ours_t.shape)}"  # fmt: skip
+                        if not torch.equal(_bits(theirs_t), _bits(ours_t)):
+                            return None, f"{name}.{key}{where}: the conversion's values differ from the reload's"
         except Exception as exc:  # an engine layout this path does not know: the reload stays correct
             return None, f"{type(exc).__name__}: {exc}"
         return writer, f"{len(pairs)} MoE layers written in place"
@@ -103,10 +112,16 @@ class EngineExperts:
 
     @torch.no_grad()
     def write(self) -> None:
-        """Copy every pair's kernel-format tensors into the engine's own storage."""
+        """Copy every pair's kernel-format tensors into the engine's own storage: the layer's (which its CUDA graphs
+        read) and, where a reload left it other storage, the MoE kernel's scales (which a forward outside the graphs
+        reads: `_compat.moe_kernel_scales`)."""
         for _, module, layer in self.pairs:
+            kernel_scales = moe_kernel_scales(layer)
             for key, value in self.kernel_tensors(module, layer).items():
-                getattr(layer, key).copy_(value)
+                target = getattr(layer, key)
+                target.copy_(value)
+                if (other := kernel_scales.get(key)) is not None and other.data_ptr() != target.data_ptr():
+                    other.copy_(value)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

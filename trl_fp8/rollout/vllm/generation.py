@@ -19,7 +19,9 @@ Rollout precisions: "fp8" (our quantizer makes weights and scales: the unified f
 
 from __future__ import annotations
 
+import gc
 import logging
+import os
 import shutil
 import tempfile
 import time
@@ -56,7 +58,7 @@ from trl_fp8.rollout.vllm.kernels import (
     server_command,
     server_kernel,
 )
-from trl_fp8.rollout.vllm.partitions import check_tensor_parallel, tensor_parallel_overrides
+from trl_fp8.rollout.vllm.partitions import check_tensor_parallel, tensor_parallel_env, tensor_parallel_overrides
 from trl_fp8.rollout.vllm.sampling import with_token_ids_only
 from trl_fp8.rollout.vllm.server import check_server_config
 
@@ -179,10 +181,17 @@ class FP8VLLMGeneration(VLLMGeneration):
         for name, (value, why) in tensor_parallel_overrides(self.tensor_parallel_size).items():
             logger.info("vLLM tensor parallel: %s=%s (%s)", name, value, why)
             overrides[name] = value
+        for name, (value, why) in tensor_parallel_env(self.tensor_parallel_size).items():
+            logger.info("vLLM tensor parallel: %s=%s (%s)", name, value, why)
+            os.environ[name] = value
         apply_engine_env(self.rollout_precision, self.kernel)
         self._choose_act_quant_kernel()
         start = time.perf_counter()
         self._precompile_deepgemm()
+        # vLLM keeps one distributed state per process, and an engine's shutdown tears it down: an earlier trainer's
+        # engine that is unreachable but not yet collected must shut down now, not when vLLM's start-up collects
+        # garbage (0.31 does, mid start-up, and the new engine lost its world group).
+        gc.collect()
         trl_vllm.LLM = lambda *a, **kw: llm_class(*a, **{**kw, **overrides})
         try:
             super()._init_vllm()

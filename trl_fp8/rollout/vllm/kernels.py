@@ -19,7 +19,9 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import re
 import shutil
+import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +29,7 @@ from pathlib import Path
 import torch
 
 from trl_fp8.config import VLLM_FP8_BACKENDS, check_vllm_fp8_moe_backend
+from trl_fp8.rollout.vllm._compat import deepgemm_min_nvcc
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +111,9 @@ def default_jit_cache_dir() -> Path:
 
 
 def _find_nvcc() -> str | None:
-    # Where DeepGEMM looks for it (vllm/third_party/deep_gemm/__init__.py): CUDA_HOME, CUDA_PATH, PATH, /usr/local/cuda.
+    # Where DeepGEMM looks for it: DG_JIT_NVCC_COMPILER (2.8), then CUDA_HOME, CUDA_PATH, PATH, /usr/local/cuda.
+    if os.environ.get("DG_JIT_NVCC_COMPILER"):
+        return os.environ["DG_JIT_NVCC_COMPILER"] if Path(os.environ["DG_JIT_NVCC_COMPILER"]).exists() else None
     for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")):
         if home:
             return str(Path(home) / "bin" / "nvcc") if (Path(home) / "bin" / "nvcc").exists() else None
@@ -116,6 +121,16 @@ def _find_nvcc() -> str | None:
     if found:
         return found
     return "/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").exists() else None
+
+
+def nvcc_release(nvcc: str) -> tuple[int, int] | None:
+    """(major, minor) of `nvcc --version` ("Cuda compilation tools, release 13.0, V13.0.88"), or None."""
+    try:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    found = re.search(r"release (\d+)\.(\d+)", out)
+    return (int(found.group(1)), int(found.group(2))) if found else None
 
 
 def _has_bundled_deepgemm() -> bool:
@@ -136,10 +151,18 @@ def deepgemm_unavailable_reason(device: torch.device | int | None = None) -> str
         return f"DeepGEMM with float32 block scales runs on SM90 (Hopper); this GPU is sm_{major}{minor}"
     if not _has_bundled_deepgemm():
         return "this vLLM build has no bundled DeepGEMM (vllm/third_party/deep_gemm)"
-    if _find_nvcc() is None:
+    nvcc = _find_nvcc()
+    if nvcc is None:
         return (
             "DeepGEMM compiles its kernels at run time with nvcc, which was not found (install the CUDA toolkit, "
             "then set CUDA_HOME or put nvcc on PATH)"
+        )
+    needed, found = deepgemm_min_nvcc(), nvcc_release(nvcc)
+    if found is None or found < needed:
+        have = "an nvcc whose version could not be read" if found is None else f"nvcc {found[0]}.{found[1]}"
+        return (
+            f"vLLM's DeepGEMM compiles its kernels with nvcc >= {needed[0]}.{needed[1]}, and {nvcc} is {have} "
+            "(install a newer CUDA toolkit and set CUDA_HOME, or DG_JIT_NVCC_COMPILER to its nvcc)"
         )
     return None
 

@@ -24,6 +24,7 @@ __all__ = [
     "check_tensor_parallel",
     "multicast_off",
     "partition_shape",
+    "tensor_parallel_env",
     "tensor_parallel_overrides",
 ]
 
@@ -102,6 +103,18 @@ def check_tensor_parallel(
 def multicast_off(environ=os.environ) -> bool:
     """Whether this host's NVLink multicast is switched off (NCCL's NVLS or torch's symmetric-memory multicast)."""
     return environ.get("NCCL_NVLS_ENABLE") == "0" or environ.get("TORCH_SYMM_MEM_DISABLE_MULTICAST") == "1"
+
+
+def tensor_parallel_env(tp: int, environ=os.environ) -> dict[str, tuple[str, str]]:
+    """Environment a `tp`-rank colocated engine needs on this host, as `{variable: (value, why)}`, assigned before
+    vLLM reads it. With NVLink multicast off: vLLM 0.31 builds FlashInfer's all-reduce for every tensor-parallel
+    group by default (`VLLM_ALLREDUCE_USE_FLASHINFER=1`; 0.26's default was 0), whose workspace is multicast memory
+    first; it is kept off, as 0.26 had it."""
+    if tp <= 1 or not multicast_off(environ):
+        return {}
+    return {
+        "VLLM_ALLREDUCE_USE_FLASHINFER": ("0", "NVLink multicast is off here, which FlashInfer's all-reduce needs")
+    }
 
 
 def tensor_parallel_overrides(tp: int, environ=os.environ) -> dict[str, tuple[object, str]]:

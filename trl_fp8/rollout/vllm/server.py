@@ -17,7 +17,7 @@ from trl_fp8.checkpoint.save import (
     unwrap_model,
 )
 from trl_fp8.config import BLOCK
-from trl_fp8.rollout.vllm.engine import VLLM_ONLINE_FP8
+from trl_fp8.rollout.vllm._compat import ONLINE_FP8_NAMES, online_fp8_quantization
 from trl_fp8.rollout.vllm.kernels import (
     FP8_KV_ATTENTION_BACKEND,
     VLLM_LINEAR_BACKEND,
@@ -182,16 +182,17 @@ def check_server_config(
         f"`{server_command()}`"
     )
     quantization = server_config.get("model_config", {}).get("quantization")
-    wanted = {"fp8": "fp8", "fp8_online": VLLM_ONLINE_FP8, "bf16": None}[rollout_precision]
-    if quantization != wanted:
+    wanted = {"fp8": ("fp8",), "fp8_online": ONLINE_FP8_NAMES, "bf16": (None,)}[rollout_precision]
+    if quantization not in wanted:
         if rollout_precision == "fp8":
             raise ValueError(
                 f"rollout_precision='fp8' pushes FP8 weights and scales, but the vLLM server runs "
                 f"quantization={quantization!r}. {fix}."
             )
-        hint = "--quantization fp8" if wanted else "a BF16 checkpoint and no --quantization"
+        name = online_fp8_quantization() if rollout_precision == "fp8_online" else None
+        hint = f"--quantization {name}" if name else "a BF16 checkpoint and no --quantization"
         raise ValueError(
-            f"rollout_precision={rollout_precision!r} needs a server with quantization={wanted!r}, found "
+            f"rollout_precision={rollout_precision!r} needs a server with quantization={name!r}, found "
             f"{quantization!r}. Restart `trl vllm-serve` with {hint}."
         )
     if rollout_precision == "fp8":
