@@ -19,6 +19,8 @@ def test_the_measured_host_bound_case_gets_the_note_with_the_micro_batch_that_pa
     assert "at most 8 x 1152 tokens" in note and "hidden size 2048" in note
     # 16 x 1152 tokens: the measured break-even; 64 sequences a step in 4 micro-batches of 16 instead of 8 of 8
     assert "per_device_train_batch_size=16 with gradient_accumulation_steps=4" in note and "--micro_batch 16" in note
+    # the measured speeds stay in the documentation; the note names the page and section that hold them
+    assert "the Benchmarks page of the documentation, 'The training phase alone'" in note
 
 
 @pytest.mark.parametrize(
@@ -104,6 +106,7 @@ def test_the_planner_names_the_larger_micro_batch_and_plans_it(tmp_path, capsys)
     line = next(line for line in out.splitlines() if line.startswith("FP8 training at hidden size 2048"))
     assert "micro-batches of 8 x 1,152 tokens" in line
     assert "--micro_batch 16 --gradient_accumulation_steps 4 keeps the 64 sequences of a step" in line
+    assert "the Benchmarks page of the documentation, 'The training phase alone'" in line
     # what it says the FP8 rows hold there is the planner's own table for that micro-batch
     table = plan(tmp_path, capsys, QWEN3_1_7B, "--generation_batch", "64", "--micro_batch", "16",
                  "--gradient_accumulation_steps", "4")  # fmt: skip

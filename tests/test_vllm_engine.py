@@ -116,14 +116,18 @@ def test_sleep_mode_turns_on_expandable_segments_where_the_user_left_them_unset(
     level, line = engine.sleep_mode_allocator(sleeping, environ)
     assert level == logging.INFO and "turned on PyTorch's expandable segments" in line
     assert environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512,expandable_segments:True"
-    assert calls == ["expandable_segments:True"]
+    assert calls == ["max_split_size_mb:512,expandable_segments:True"]  # the setter resets what it is not given
     assert engine.sleep_mode_allocator(sleeping, environ) is None  # already on: once
     level, line = engine.sleep_mode_allocator(sleeping, {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments: False"})
+    assert level == logging.WARNING and "lower vllm_gpu_memory_utilization" in line
+    # PyTorch's newer PYTORCH_ALLOC_CONF wins over PYTORCH_CUDA_ALLOC_CONF, as PyTorch reads them
+    both = {"PYTORCH_ALLOC_CONF": "expandable_segments:False", "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64"}
+    level, line = engine.sleep_mode_allocator(sleeping, both)
     assert level == logging.WARNING and "lower vllm_gpu_memory_utilization" in line
     awake = SimpleNamespace(use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=False)
     assert engine.sleep_mode_allocator(awake, {}) is None
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert engine.sleep_mode_allocator(sleeping, {}) is None and calls == ["expandable_segments:True"]
+    assert engine.sleep_mode_allocator(sleeping, {}) is None and len(calls) == 1
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
 
     def cannot(settings):

@@ -41,7 +41,7 @@ from trl_fp8.rollout.capacity import (
     trainer_peak_bytes,
     training_phase_bytes,
 )
-from trl_fp8.trainer.micro_batch import MEASURED_SPEEDS, dense_hidden_size, larger_micro_batch
+from trl_fp8.trainer.micro_batch import SPEEDS_IN_THE_DOCS, dense_hidden_size, larger_micro_batch
 from trl_fp8.trainer.requirements import is_bitsandbytes_optimizer
 
 # (name, FP8 weights, FP8 KV cache). The BF16 flow is TRL's own GRPOTrainer, the FP8 flows trl-fp8's FP8GRPOTrainer.
@@ -155,8 +155,9 @@ def run(args: argparse.Namespace) -> int:
         print(
             "Sleep mode: fits also checks the wake-up (weights + optimizer states + vLLM's whole share), assuming "
             "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (FP8GRPOTrainer turns them on in sleep mode); without "
-            "them PyTorch kept 10-14 GiB of freed training memory beside vLLM at the 8B shape, and a share 0.05-0.1 "
-            "lower was the most that ran."
+            "them PyTorch keeps freed training memory pinned beside vLLM, and a lower share is the most that runs "
+            "(measured: the When FP8 pays page of the documentation, 'Best fit: the largest share a run can give "
+            "vLLM')."
         )
     if several:
         print(_several_gpus_footnote(args))
@@ -419,8 +420,9 @@ def _micro_batch_line(args, model_config, shape, total: int, seq_len: int) -> st
         for name, row in rows
     )
     return (f"FP8 training at hidden size {hidden_size}: micro-batches of {args.micro_batch} x {seq_len:,} tokens "
-            f"leave it waiting for the host. {MEASURED_SPEEDS}. --micro_batch {larger} --gradient_accumulation_steps "
-            f"{sequences // larger} keeps the {sequences} sequences of a step; trainer there: {held}.")  # fmt: skip
+            f"leave it waiting for the host. {SPEEDS_IN_THE_DOCS}. --micro_batch {larger} "
+            f"--gradient_accumulation_steps {sequences // larger} keeps the {sequences} sequences of a step; trainer "
+            f"there: {held}.")  # fmt: skip
 
 
 def _default_kv_cache_line(fp8_weights_only, sequences: int, seq_len: int) -> str:

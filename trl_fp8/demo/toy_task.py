@@ -33,17 +33,18 @@ GRPO_SETTINGS = dict(
     seed=0,
 )
 # From `warm_start`: the policy is sharpened, not rebuilt. A small learning rate, 8 prompts per step and a KL
-# anchor keep GRPO from collapsing onto one letter (2e-3, 4 prompts per step, no KL: one letter within 40 steps).
-# Measured on a CPU, FP8, seed 0: mean reward 0.37 -> 0.89, greedy accuracy 25% -> 87.5% in 60 steps.
+# anchor keep GRPO from collapsing onto one letter, as it does from there with GRPO_SETTINGS (4 prompts per step, no
+# KL; what each gave: docs/engineering-notes.md, "The demo's settings").
 WARM_START_GRPO_SETTINGS = dict(GRPO_SETTINGS, learning_rate=2e-4, per_device_train_batch_size=64, beta=0.04)
 
 # The demo's recipe (`examples/grpo_fp8.py`, the quickstart notebook, the learning test): 60 steps from `warm_start`
-# at twice that learning rate (2e-4 left seed 3 at 75% after 60 steps), with TRL's default seed.
+# at twice that learning rate (the lower one left a seed behind after 60 steps: docs/engineering-notes.md, "The
+# demo's settings"), with TRL's default seed.
 DEMO_GRPO_SETTINGS = dict(WARM_START_GRPO_SETTINGS, learning_rate=4e-4, seed=42)
 DEMO_MAX_STEPS = 60
-# What the demo printed (greedy accuracy over the 8 letters, warm start -> reloaded FP8 checkpoint) per seed, on one
-# 2-core x86-64 CPU with torch 2.13.0+cpu, 2026-11-25; 2 and 8 threads gave the same figures for every seed. Other CPUs
-# may round sums differently, and sampling amplifies that: a different figure is not a bug, no gain would be.
+# What the demo printed (greedy accuracy over the 8 letters, warm start -> reloaded FP8 checkpoint) per seed, as
+# docs/getting-started.md, "The demo's result", gives it with the CPU, threads and torch it was measured with. Other
+# CPUs may round sums differently, and sampling amplifies that: a different figure is not a bug, no gain would be.
 DEMO_MEASURED = {42: (0.25, 1.0), 0: (0.375, 0.625), 1: (0.375, 0.875), 2: (0.625, 1.0), 3: (0.625, 0.875),
                  4: (0.375, 1.0)}  # fmt: skip
 

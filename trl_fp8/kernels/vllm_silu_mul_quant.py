@@ -1,11 +1,11 @@
-"""vLLM's fused `silu_and_mul_per_block_quant`: the same bits, 2-3x faster.
+"""vLLM's fused `silu_and_mul_per_block_quant`: the same bits, faster.
 
 In vLLM's block-FP8 engines the gated MLP's `silu(gate) * up` and its 1x128-group FP8 quantization (`down_proj`'s
 input) are one CUDA op, `torch.ops._C.silu_and_mul_per_block_quant`. vLLM 0.26 launches it as one 128-thread block
-per (token, group), each reducing its group's amax through shared memory: 15-20% of the speed its bytes allow (17 us
-at 256 decoding sequences of an 8B model on an H200; `benchmarks/bench_quant.py`). Here one program quantizes a tile
-of `BLOCK_M` tokens x one group: 27-59% of that floor, bound by the float32 arithmetic (a correctly rounded division
-per element, as vLLM's) more than by its bytes.
+per (token, group), each reducing its group's amax through shared memory: far below the speed its bytes allow. Here
+one program quantizes a tile of `BLOCK_M` tokens x one group: nearer that floor, bound by the float32 arithmetic (a
+correctly rounded division per element, as vLLM's) more than by its bytes. The times of both against the floor:
+`benchmarks/bench_quant.py`, docs/engineering-notes.md, "The activation quantization kernel, in detail".
 
 The arithmetic is vLLM's, step for step, in float32: `s = gate * (1 / (1 + exp(-gate)))`, `r = s * up`;
 `scale = max(|r|) / 448`, capped by `scale_ub` when given, floored at `1 / (448 * 512)`; `q = e4m3(clamp(r / scale,

@@ -49,8 +49,9 @@ __all__ = [
 ]
 
 GiB = 2**30
-# Total memory as CUDA reports it (`torch.cuda.mem_get_info()[1]`, the figure vLLM multiplies by its share): H100
-# 80GB HBM3 measured; H200 is nvidia-smi's figure (CUDA reported 480 MiB less than nvidia-smi on the H100).
+# Total memory as CUDA reports it (`torch.cuda.mem_get_info()[1]`, the figure vLLM multiplies by its share): the
+# H100 80GB HBM3's as CUDA reported it; the H200's is nvidia-smi's figure (on the H100, CUDA reported a little less
+# than nvidia-smi: docs/engineering-notes.md, "The memory planner against the device").
 GPU_MEMORY_BYTES = {"H100": 85_017_493_504, "H200": 143771 * 2**20}
 KV_BLOCK_TOKENS = 16  # vLLM allocates the KV cache in blocks of 16 tokens
 # overhead = base + activations x activation_factor + sampler logits x logits_factor (see vllm_overhead_bytes)
@@ -74,11 +75,13 @@ NCCL_BUFFER_BYTES = 1 * GiB
 # and the FP8 weight cache released, but DDP's all-reduce buckets and NCCL's buffers stay.
 HELD_BETWEEN_STEPS = ("weights", "optimizer", "ddp_buckets", "nccl_buffers")
 # FP8GRPOTrainer keeps its FP8 weight cache only where the training phase with it stays under this share of the GPU
-# (`fp8_cache_weights=None`); the account is rough (8B under DDP on an H100: 74.0 GiB planned, 76.4 GiB measured).
+# (`fp8_cache_weights=None`); the rest of the GPU covers the account's roughness (a device peak above the planned
+# one: docs/engineering-notes.md, "The memory planner against the device").
 FP8_CACHE_HEADROOM = 0.9
-# Under FSDP2 with gradient accumulation, FP8GRPOTrainer has every micro-batch reduce-scatter its gradients (accelerate's
-# sync_each_batch) where keeping them whole would put the training phase above this share of the GPU (8B under FSDP2
-# on 4 x H100: measured device peaks 6 GiB above the planner's).
+# Under FSDP2 with gradient accumulation, FP8GRPOTrainer has every micro-batch reduce-scatter its gradients
+# (accelerate's sync_each_batch) where keeping them whole would put the training phase above this share of the GPU
+# (the device peaked above the planner's account there: docs/scaling.md, "Launching on one machine", FSDP2 and
+# gradient accumulation).
 FSDP2_GRADIENTS_HEADROOM = 0.9
 
 
@@ -384,8 +387,8 @@ def _fsdp2_rank(
     With gradient accumulation, transformers' Trainer runs every micro-batch but the last under accelerate's
     `no_sync`, which FSDP2 carries out as `set_requires_gradient_sync(False)`: no reduce-scatter, each unit's
     gradient kept whole in its reduce dtype (BF16 under accelerate's policy) until the last micro-batch reduces it.
-    Every rank then holds the whole model's gradients in BF16, 2 bytes a parameter as under DDP (measured at 8B on 4
-    x H100: 61.7 GiB device peak against 47.6 planned without them)."""
+    Every rank then holds the whole model's gradients in BF16, 2 bytes a parameter as under DDP (a device peak
+    against the plan without them: docs/scaling.md, "Launching on one machine", FSDP2 and gradient accumulation)."""
     parts = trainer_memory_bytes(shape, **{**memory, "fp8_weight_cache": False}, master_weight_bytes=4)
     shards = {key: math.ceil(parts[key] / num_processes) for key in ("weights", "gradients", "optimizer")}
     gathered = fsdp2_gathered_params(shape, prefetch_layers)

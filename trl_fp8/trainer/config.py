@@ -90,8 +90,9 @@ class FP8TrainingArguments:
         use_liger_kernel (bool | None): Liger's fused RMSNorm, RoPE and SwiGLU kernels on the model (transformers' and
             TRL's option). `None`: decided at start-up, on for a dense Llama, Mistral, Qwen2 or Qwen3 model trained on a
             CUDA GPU with liger-kernel installed, in blockwise FP8 or BF16, `compile_decoder_layers` off (they take the
-            BF16 part of the training phase beside the FP8 GEMMs: 8B GRPO 1.85x TRL BF16 with them, 1.54x without); the
-            start-up log says which, and why.
+            BF16 part of the training phase beside the FP8 GEMMs; the speeds with and without them: the documentation's
+            "Benchmarks" page, "GRPO with Liger's kernels, compiled layers and the fusions"); the start-up log says
+            which, and why.
 
     **vLLM rollouts** (with `use_vllm=True`).
 
@@ -110,10 +111,10 @@ class FP8TrainingArguments:
             (vLLM's `moe_backend`): `"triton"` (vLLM's fused MoE), `"deepgemm"` (DeepGEMM's grouped GEMM; needs the
             linear layers on DeepGEMM too; its warm-up compiles many kernels on a cold cache) or
             `"flashinfer_cutlass"`. `"auto"`: vLLM's own choice (Triton on Hopper at tensor parallel 1), the fastest
-            measured at the Qwen3-30B-A3B shape on an H200. vLLM 0.26 runs no CUTLASS MoE kernel on block-FP8
-            experts (`"cutlass"` is refused). Only Triton is GPU-tested with the trainer's experts; the sync checks
-            every engine's expert tensors against the trainer's either way. A `trl vllm-serve` server chooses its
-            own.
+            measured (the documentation's "Mixture of experts" page, "Which MoE kernel vLLM runs"). vLLM 0.26 runs no
+            CUTLASS MoE kernel on block-FP8 experts (`"cutlass"` is refused). Only Triton is GPU-tested with the
+            trainer's experts; the sync checks every engine's expert tensors against the trainer's either way. A
+            `trl vllm-serve` server chooses its own.
         vllm_act_quant_kernel (str): Which kernel runs a colocated FP8 engine's fused SiLU-and-mul + FP8 activation
             quantization (`down_proj`'s input, dense and expert MLPs): `"auto"` runs trl-fp8's Triton kernel where,
             checked on the GPU at engine start, it writes vLLM's own kernel's bits and takes less time (the start-up
@@ -129,9 +130,10 @@ class FP8TrainingArguments:
         vllm_token_ids_only (bool): A colocated engine returns each sampled token's id and log-prob only, all that
             TRL reads: `detokenize=False` and `flat_logprobs=True` are added to `generation_kwargs` (which TRL passes
             to vLLM's `SamplingParams`), unless set there. vLLM's defaults also turn every token into text and keep
-            a dict per token, on the engine's thread between decode steps (2.6 s of a 128 x 2,048 rollout's host
-            time on one CPU core). The token ids and log-probs are the same either way. `stop` strings in
-            `generation_kwargs` keep the text. A `trl vllm-serve` server answers in OpenAI's format, with text.
+            a dict per token, on the engine's thread between decode steps (the host time it takes: the
+            documentation's "vLLM rollouts on the trainer's FP8 weights" page, "Token ids and log-probs only"). The
+            token ids and log-probs are the same either way. `stop` strings in `generation_kwargs` keep the text. A
+            `trl vllm-serve` server answers in OpenAI's format, with text.
         fp8_kv_cache (bool | None): vLLM `kv_cache_dtype="fp8"`, with the q/k/v scales measured on the trainer's
             forward and pushed at every sync (Hopper only). `None`: on for a colocated engine on Hopper in the FP8 flow
             with importance sampling on, where a rollout's sequences would not all fit a BF16 KV cache at once by the

@@ -1,12 +1,14 @@
 """Liger's layer kernels by default: `use_liger_kernel=None` is decided at start-up, from the model and the machine.
 
-Liger's fused RMSNorm, RoPE and SwiGLU take the part of the training phase that FP8 layers leave in BF16 (~40% at the
-8B shape: elementwise kernels and reductions), so they pay most beside FP8 GEMMs. Measured with TRL's
-`use_liger_kernel=True` on Qwen3 shapes (docs/benchmarks.md): 8B GRPO at TRL's colocate defaults on one H100, 66.4 s
-a step against 79.9 s without (1.85x against 1.54x TRL BF16); at 1.7B the FP8 training phase 1.42x TRL BF16 with
-them, 1.00x without. They are put on the model exactly as that option does (transformers' `apply_liger_kernel` when
-training starts, TRL's `liger_kernel_config`), where that is what was measured: a dense decoder of a family whose
-layers Liger patches with these three kernels, trained on a CUDA GPU, with liger-kernel installed.
+Liger's fused RMSNorm, RoPE and SwiGLU take the part of the training phase that FP8 layers leave in BF16
+(elementwise kernels and reductions, a large share of it at the 8B shape: docs/benchmarks.md, "GRPO at 64 x 1k:
+backends, weight cache, profile"), so they pay most beside FP8 GEMMs. Measured with TRL's `use_liger_kernel=True` on
+Qwen3 shapes, with and without them: docs/benchmarks.md, "GRPO with Liger's kernels, compiled layers and the
+fusions", and for the 8B GRPO step at TRL's colocate defaults that chose the default, docs/engineering-notes.md,
+"One H100, 2026-11-26: with and without Liger's kernels". They are put on the model exactly as that option does
+(transformers' `apply_liger_kernel` when training starts, TRL's `liger_kernel_config`), where that is what was
+measured: a dense decoder of a family whose layers Liger patches with these three kernels, trained on a CUDA GPU,
+with liger-kernel installed.
 """
 
 from __future__ import annotations

@@ -131,10 +131,11 @@ def choose_fp8_weight_cache(model_config, args, *, lora: bool = False, total_byt
     (`trl_fp8.rollout.capacity`, the numbers `trl-fp8 plan` prints).
 
     The cache costs 1 byte per FP8 weight and saves re-quantizing each weight at every forward. Kept through the
-    micro-batches as well (`fp8_cache_weights=True`) it saved 1-4% of the training phase at the 8B shape (H200,
-    bench_grpo `unified_nocache`) for 6.5 GiB more at the training peak, above BF16's; held for scoring only, the
-    micro-batches' peak is BF16's. Under FSDP2 it is never kept (it would undo the
-    sharding). `total_bytes`: the GPU's memory (read from `args.device` when None; no GPU: no limit to respect)."""
+    micro-batches as well (`fp8_cache_weights=True`) it saves a little of the training phase's time and raises the
+    training peak above BF16's by its bytes (bench_grpo's `*_nocache` runs: docs/benchmarks.md, "GRPO at 64 x 1k:
+    backends, weight cache, profile" and "GRPO with Liger's kernels, compiled layers and the fusions"); held for
+    scoring only, the micro-batches' peak is BF16's. Under FSDP2 it is never kept (it would undo the sharding).
+    `total_bytes`: the GPU's memory (read from `args.device` when None; no GPU: no limit to respect)."""
     from trl_fp8.distributed import weight_sharding
     from trl_fp8.rollout import capacity
 
@@ -233,13 +234,14 @@ def choose_fp8_kv_cache(
     would not all fit a BF16 KV cache at once, by the planner's account (`trl_fp8.rollout.capacity`, as
     `trl-fp8 plan` prints it), and BF16 where they fit.
 
-    Measured (docs/when-fp8-pays.md): where the BF16 cache binds, the FP8 cache holds about twice the sequences and a
-    GRPO step at TRL's colocate defaults ran 1.54x against 1.36x without it; where every sequence fits, it gave
-    0.96-1.06x, for 7-9x the trainer-vs-rollout KL. So it is chosen only where it pays, on Hopper (vLLM's FP8
-    attention is FlashAttention-3's), in the FP8 flow with TRL's importance-sampling correction on. Sequences count
-    `vllm_max_model_length` tokens, else `max_completion_length` (the prompts are not known before the first
-    rollout, whose log line says whether the cache bound). `total_bytes` and `capability`: the GPU's memory and
-    compute capability (read from `args.device` when None)."""
+    Where the BF16 cache binds, the FP8 cache holds about twice the sequences, and a GRPO step runs clearly faster
+    with it; where every sequence fits, it runs about as fast as the BF16 cache, for several times the
+    trainer-vs-rollout KL (measured: docs/when-fp8-pays.md, "The FP8 KV cache: on where the BF16 cache would bind").
+    So it is chosen only where it pays, on Hopper (vLLM's FP8 attention is FlashAttention-3's), in the FP8 flow with
+    TRL's importance-sampling correction on. Sequences count `vllm_max_model_length` tokens, else
+    `max_completion_length` (the prompts are not known before the first rollout, whose log line says whether the
+    cache bound). `total_bytes` and `capability`: the GPU's memory and compute capability (read from `args.device`
+    when None)."""
     from trl_fp8.rollout import capacity
 
     if args.fp8_kv_cache is not None:

@@ -2,9 +2,10 @@
 
 vLLM's block-FP8 engines quantize `down_proj`'s input with one CUDA op, `torch.ops._C.silu_and_mul_per_block_quant`
 (the compile pass `fuse_act_quant` puts it in the dense MLP, and vLLM's Triton fused MoE calls it between the two
-expert GEMMs). vLLM 0.26 runs it at 15-20% of the speed its bytes allow. `install` re-registers the
-op's CUDA kernel with `trl_fp8.kernels.vllm_silu_mul_quant` through `torch.library`, so every caller (compiled
-graphs and their CUDA graphs included) runs it, but only after checking on this GPU, before the engine starts, that
+expert GEMMs). vLLM 0.26 runs it far below the speed its bytes allow (docs/engineering-notes.md, "The activation
+quantization kernel, in detail"). `install` re-registers the op's CUDA kernel with
+`trl_fp8.kernels.vllm_silu_mul_quant` through `torch.library`, so every caller (compiled graphs and their CUDA
+graphs included) runs it, but only after checking on this GPU, before the engine starts, that
 
 1. the two kernels write the same bytes (FP8 values and scales) on probe inputs covering both scale layouts,
    scale caps, zero groups, saturating and underflowing values, and the token counts that select each compiled

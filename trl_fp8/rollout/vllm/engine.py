@@ -135,15 +135,15 @@ def sleep_mode_allocator(args, environ=os.environ) -> tuple[int, str] | None:
     """For a colocated run in sleep mode, turn on PyTorch's expandable segments, and return `(log level, line)` to
     log (None: nothing to do). PyTorch's caching allocator otherwise keeps the training step's freed blocks in
     segments that a live tensor pins (optimizer states are born among them), `empty_cache` cannot return those, and
-    vLLM then wakes its whole share beside them: at the 8B shape 10-14 GiB, a share 0.05-0.1 lower (the
-    documentation's "When FP8 pays" page has the sizes).
+    vLLM then wakes its whole share beside them: gigabytes at an 8B model, which a lower share would have to leave
+    (the documentation's "When FP8 pays" page has the sizes).
 
     Both the allocator setting and `PYTORCH_CUDA_ALLOC_CONF` are set: vLLM (>= 0.26) reads the variable to turn
     expandable segments off around its own sleep-mode pool, which cannot use them. A user's explicit
     `expandable_segments:False` is kept, with a warning."""
     if not (args.use_vllm and args.vllm_mode == "colocate" and args.vllm_enable_sleep_mode):
         return None
-    conf = environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    conf = _allocator_conf(environ)
     if expandable_segments_on(environ):
         return None
     if "expandable_segments:false" in _allocator_setting(environ):
@@ -154,15 +154,17 @@ def sleep_mode_allocator(args, environ=os.environ) -> tuple[int, str] | None:
         )
     if not torch.cuda.is_available():
         return None
+    combined = ",".join(filter(None, [conf, EXPANDABLE_SEGMENTS]))
     try:
-        set_allocator_settings(EXPANDABLE_SEGMENTS)
+        # The whole string: the setter resets every option it is not given (a user's max_split_size_mb...).
+        set_allocator_settings(combined)
     except (AttributeError, RuntimeError) as exc:  # a PyTorch that cannot change it at run time: the user can
         return logging.WARNING, (
             f"vllm_enable_sleep_mode=True: could not turn on PyTorch's expandable segments ({exc}); set "
             "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before the run starts, or freed training memory stays "
             "pinned while vLLM wakes into its share (gigabytes at an 8B model)."
         )
-    environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(filter(None, [conf, EXPANDABLE_SEGMENTS]))
+    environ["PYTORCH_CUDA_ALLOC_CONF"] = combined
     return logging.INFO, (
         f"vllm_enable_sleep_mode=True: turned on PyTorch's expandable segments (PYTORCH_CUDA_ALLOC_CONF="
         f"{environ['PYTORCH_CUDA_ALLOC_CONF']}), so the memory a training step frees goes back before vLLM wakes "
@@ -174,13 +176,18 @@ def sleep_mode_allocator(args, environ=os.environ) -> tuple[int, str] | None:
 EXPANDABLE_SEGMENTS = "expandable_segments:True"
 
 
+def _allocator_conf(environ) -> str:
+    # PyTorch reads PYTORCH_ALLOC_CONF first, PYTORCH_CUDA_ALLOC_CONF where that is unset.
+    return environ.get("PYTORCH_ALLOC_CONF") or environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+
+
 def _allocator_setting(environ) -> str:
-    return environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower()
+    return _allocator_conf(environ).replace(" ", "").lower()
 
 
 def expandable_segments_on(environ=os.environ) -> bool:
-    """Whether PyTorch's allocator runs on expandable segments here (`PYTORCH_CUDA_ALLOC_CONF`, which
-    `sleep_mode_allocator` sets for a colocated engine in sleep mode)."""
+    """Whether PyTorch's allocator runs on expandable segments here (`PYTORCH_ALLOC_CONF`, else
+    `PYTORCH_CUDA_ALLOC_CONF`, which `sleep_mode_allocator` sets for a colocated engine in sleep mode)."""
     return "expandable_segments:true" in _allocator_setting(environ)
 
 

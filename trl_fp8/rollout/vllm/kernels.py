@@ -221,9 +221,9 @@ def with_moe_backend(kernel: RolloutKernel, moe_backend: str) -> RolloutKernel:
     reason = f"{kernel.reason}; experts on {moe_backend} (requested)"
     if moe_backend == "flashinfer_cutlass":
         # Said before the wait: the engine logs nothing while it lasts.
-        reason += (", whose engine may take many minutes to start: an engine at the Qwen3-30B-A3B shape had logged "
-                   "nothing for 10 min after vLLM's torch.compile on an H200 (FlashInfer compiles its MoE kernels at "
-                   "first use, the likely wait)")  # fmt: skip
+        reason += (", whose engine may take many minutes to start, logging nothing after vLLM's torch.compile "
+                   "(FlashInfer compiles its MoE kernels at first use, the likely wait; the documentation's Mixture "
+                   "of experts page, 'Which MoE kernel vLLM runs')")  # fmt: skip
     return RolloutKernel(kernel.backend, reason, env,
                          {**kernel.llm_kwargs, "moe_backend": VLLM_MOE_BACKEND[moe_backend]})  # fmt: skip
 
