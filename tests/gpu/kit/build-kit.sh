@@ -8,7 +8,8 @@
 # `source DEST/setup.sh` (see docs/tests.md).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
-stack=${1:?usage: build-kit.sh STACK [DEST], STACK one of: $(cd "$here" && ls wheels-*.txt | sed 's/wheels-//; s/.txt//' | tr '\n' ' ')}
+stacks=$(cd "$here" && ls wheels-*.txt | sed 's/wheels-//; s/.txt//' | tr '\n' ' ')
+stack=${1:?usage: build-kit.sh STACK [DEST], STACK one of: $stacks}
 dest=${2:-.gpu-$stack}
 list=$here/wheels-$stack.txt
 [ -f "$list" ] || { echo "build-kit.sh: no $list" >&2; exit 2; }
@@ -40,6 +41,7 @@ last=$dest/p$(printf %02d $((n - 1)))
 if [ "$(du -sm "$last" | cut -f1)" -le $((part_mib - 6)) ]; then cp "$tmp"/zstd/*.whl "$last/"
 else mkdir "$dest/p$(printf %02d "$n")" && cp "$tmp"/zstd/*.whl "$dest/p$(printf %02d "$n")/"; fi
 sed -e "s/@STACK@/$stack/g" -e "s/@PARTS@/$n/g" "$here/setup.sh" > "$dest/setup.sh"
-echo "kit: $(ls -d "$dest"/p[0-9][0-9] | wc -l) folders ($n parts) in $dest ($(du -sh "$dest" | cut -f1)); on the GPU host, one transfer each:"
+folders=$(ls -d "$dest"/p[0-9][0-9] | wc -l)
+echo "kit: $folders folders ($n parts) in $dest ($(du -sh "$dest" | cut -f1)); on the GPU host, one transfer each:"
 echo "  carry [\"$dest/pNN\", \"$dest/setup.sh\"], command: bash $dest/setup.sh stage"
 echo "  then: source $dest/setup.sh && <command>"

@@ -25,7 +25,8 @@ if [ ! -f "$site/.complete" ]; then
   # torch's libraries look (`$ORIGIN/../../nvidia/<lib>/lib`).
   image_site=$(python3 -c "import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))")
   rm -rf "$site" /tmp/zstd-@STACK@ && mkdir -p "$site"
-  python3 -m pip install -q --no-index --no-deps --target /tmp/zstd-@STACK@ "$stage"/zstandard-*.whl 2>&1 | grep -v -i warning
+  python3 -m pip install -q --no-index --no-deps --target /tmp/zstd-@STACK@ "$stage"/zstandard-*.whl 2>&1 \
+    | grep -v -i warning
   cat "$stage"/part* | PYTHONPATH=/tmp/zstd-@STACK@ python3 -c \
     "import sys, zstandard; zstandard.ZstdDecompressor().copy_stream(sys.stdin.buffer, sys.stdout.buffer)" \
     | tar -x -C "$site" && mkdir -p "$site/nvidia" \
@@ -35,8 +36,9 @@ if [ ! -f "$site/.complete" ]; then
 fi
 export PYTHONPATH=$PWD:$site${PYTHONPATH:+:$PYTHONPATH}
 export VLLM_USE_FLASHINFER_SAMPLER=0   # flashinfer's sampler JIT needs packages the image lacks
-export VLLM_USE_DEEP_GEMM=0            # a safe default (Cutlass block-FP8 GEMM); code that picks a backend assigns it itself
+export VLLM_USE_DEEP_GEMM=0  # a safe default (Cutlass block-FP8 GEMM); code that picks a backend assigns it itself
 # Multi-GPU hosts: NVLink multicast must stay off (it can take the shared host's GPUs out of service). Keep these set,
-# also in the environment of any subprocess you start; vLLM's symmetric-memory and FlashInfer's all-reduces are turned off with them.
+# also in the environment of any subprocess you start; vLLM's symmetric-memory all-reduce and FlashInfer's (on by
+# default from vLLM 0.31; its workspace is multicast memory first) are turned off with them.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 VLLM_ALLREDUCE_USE_SYMM_MEM=0
-export VLLM_ALLREDUCE_USE_FLASHINFER=0  # vLLM 0.31 turns FlashInfer's all-reduce on by default; its workspace is multicast memory
+export VLLM_ALLREDUCE_USE_FLASHINFER=0
