@@ -12,8 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
-import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -24,22 +22,23 @@ from torch import nn
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase, ProcessorMixin
 
+from trl_fp8.checkpoint.experts import all_finite, expert_tensors
 from trl_fp8.checkpoint.folder import replace_checkpoint
+from trl_fp8.checkpoint.names import BASE_LAYER_SUFFIX, checkpoint_names
 from trl_fp8.config import BLOCK
-from trl_fp8.distributed import compute_dtype, gather_whole, is_sharded, record_fsdp2_compute_dtypes
+from trl_fp8.distributed import gather_whole, is_sharded, record_fsdp2_compute_dtypes
 from trl_fp8.nn.adapters import (
     check_adapters_mergeable,
     hf_name,
     is_adapter_module,
-    is_tuner_layer,
     merged_base_parameters,
     tuner_layer_names,
     unwrap_model,
 )
 from trl_fp8.nn.conversion import FUSED_GROUPS, is_fp8_linear, plan_fp8_conversion, router_module_names
-from trl_fp8.nn.experts import EXPERT_WEIGHTS, FP8Experts, is_experts_module
+from trl_fp8.nn.experts import EXPERT_WEIGHTS, is_experts_module
 from trl_fp8.nn.linear import FP8Linear
-from trl_fp8.quantization import FP8_DTYPE, quantize_blocks
+from trl_fp8.quantization import quantize_blocks
 
 __all__ = [
     "QUANTIZATION_CONFIG",
@@ -55,7 +54,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 QUANTIZATION_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [BLOCK, BLOCK]}
-_BASE_LAYER_SUFFIX = re.compile(r"(?:\.base_layer)+$")
 
 
 def fp8_module_names(model: nn.Module) -> set[str]:
@@ -119,7 +117,7 @@ def fp8_checkpoint_tensors(
         experts = leaf in EXPERT_WEIGHTS and is_experts_module(modules[prefix])
         if experts and hf_name(prefix) in skip_experts:
             continue
-        tuner = _BASE_LAYER_SUFFIX.sub("", prefix) if _BASE_LAYER_SUFFIX.search(prefix) else None
+        tuner = BASE_LAYER_SUFFIX.sub("", prefix) if BASE_LAYER_SUFFIX.search(prefix) else None
         merged_tensor = None
         if tuner in tuners:
             if merged is None or merged[0] != tuner:
@@ -128,7 +126,7 @@ def fp8_checkpoint_tensors(
         if experts:  # LoRA's `target_parameters` on the experts: the merged weight, as for a linear layer
             weight = getattr(modules[prefix], leaf) if merged_tensor is None else merged_tensor
             fp8 = hf_name(prefix) in fp8_modules
-            yield from _expert_tensors(modules[prefix], name, leaf, weight, fp8, names, power_of_two_scales,
+            yield from expert_tensors(modules[prefix], name, leaf, weight, fp8, names, power_of_two_scales,
                                        check_finite, dtype)  # fmt: skip
             continue
         if leaf != "weight" or hf_name(prefix) not in fp8_modules:
@@ -155,155 +153,13 @@ def fp8_checkpoint_tensors(
             # An adapter-wrapped FP8 layer keeps its own scale rounding for the merged weight.
             pow2 = module.fp8_config.power_of_two_scales if isinstance(module, FP8Linear) else power_of_two_scales
             q, scale_inv = quantize_blocks(weight, power_of_two_scales=pow2)
-        if check_finite and not _all_finite(weight):
+        if check_finite and not all_finite(weight):
             raise ValueError(
                 f"{name} holds NaN or Inf values; refusing to write a corrupt FP8 checkpoint. The training run "
                 "diverged: lower the learning rate or resume from an earlier checkpoint."
             )
         yield names.tensor(name), q
         yield names.tensor(name) + "_scale_inv", scale_inv
-
-
-_CHECKPOINT_NAMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def checkpoint_names(hf_model: nn.Module) -> CheckpointNames:
-    """`CheckpointNames` of `hf_model` (adapters left out), worked out once per model and state-dict layout."""
-    tuners = tuner_layer_names(hf_model)
-    keys = [hf_name(k) for k in hf_model.state_dict() if not is_adapter_module(k, tuners)]
-    cached = _CHECKPOINT_NAMES.get(hf_model)
-    if cached is None or cached[0] != keys:
-        cached = (keys, CheckpointNames(hf_model, keys))
-        _CHECKPOINT_NAMES[hf_model] = cached
-    return cached[1]
-
-
-class CheckpointNames:
-    """The names transformers' `save_pretrained` gives each tensor on disk: its conversion mapping reverted (for MoE
-    models: fused `experts.gate_up_proj [E, 2I, H]` split into one tensor per expert and projection, named as the
-    family's Hub checkpoints name them, e.g. `mlp.experts.3.gate_proj.weight`, or Mixtral's `block_sparse_moe.
-    experts.3.w1.weight`). Learnt once per model by reverting a stand-in state dict whose every element (each
-    expert's each projection) carries a distinct code."""
-
-    def __init__(self, hf_model: nn.Module, keys: list[str]):
-        from transformers.core_model_loading import revert_weight_conversion
-
-        modules = _modules_by_hf_name(hf_model)
-        dummy, owner = {}, {}  # code -> (key, expert, part)
-        for key in keys:
-            prefix, _, leaf = key.rpartition(".")
-            experts = leaf in EXPERT_WEIGHTS and is_experts_module(modules.get(prefix, nn.Module()))
-            e, n = (getattr(modules[prefix], leaf).shape[0], len(EXPERT_CHECKPOINT_PARTS[leaf])) if experts else (1, 1)
-            codes = torch.arange(len(owner), len(owner) + e * n, dtype=torch.float64)
-            for code, (i, j) in zip(codes.tolist(), ((i, j) for i in range(e) for j in range(n)), strict=True):
-                owner[code] = (key, i, j) if experts else (key, None, None)
-            dummy[key] = codes.reshape(e, n, 1) if experts else codes
-        self._names, self._experts = {}, {}
-        try:
-            reverted = revert_weight_conversion(hf_model, dummy)
-        except Exception as exc:  # a model transformers cannot revert: its in-memory names, and say so
-            logger.warning("transformers could not name %s's checkpoint tensors (%s); in-memory names are used.",
-                           type(hf_model).__name__, exc)  # fmt: skip
-            reverted = dummy
-        for disk, tensor in reverted.items():
-            if tensor.numel() != 1 or tensor.dtype != torch.float64 or tensor.item() not in owner:
-                continue
-            key, expert, part = owner[tensor.item()]
-            if expert is None:
-                self._names[key] = disk
-            else:
-                self._experts[(key, expert, part)] = disk
-
-    def tensor(self, key: str) -> str:
-        return self._names.get(key, key)
-
-    def expert(self, key: str, expert: int, part: int) -> str:
-        prefix, _, leaf = key.rpartition(".")
-        default = f"{prefix}.{expert}.{EXPERT_CHECKPOINT_PARTS[leaf][part]}.weight"
-        return self._experts.get((key, expert, part), default)
-
-
-def _modules_by_hf_name(hf_model: nn.Module) -> dict[str, nn.Module]:
-    """Transformers name -> the module there; under PEFT tuners, the base layer they wrap (the innermost)."""
-    tuners = tuner_layer_names(hf_model)
-    return {hf_name(n): m for n, m in hf_model.named_modules() if not is_adapter_module(n, tuners)}
-
-
-# transformers 5 fuses each MoE layer's experts in memory; checkpoints (Hub releases, vLLM's loader) keep them apart.
-EXPERT_CHECKPOINT_PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
-
-
-def _expert_tensors(module, key, leaf, weight, fp8, names, power_of_two_scales, check_finite, dtype):
-    """`weight`, the `gate_up_proj [E, 2I, H]` or `down_proj [E, H, I]` of experts layer `module` (or it with adapters
-    merged), as per-expert checkpoint tensors (gate and up `[I, H]`, or down), named as the family's checkpoints name
-    them (`names`), each with its `weight_scale_inv` when FP8 (`quantized_experts`)."""
-    name = key.rpartition(".")[0]
-    if check_finite and not _all_finite(weight):
-        raise ValueError(
-            f"{name}.{leaf} holds NaN or Inf values; refusing to write a corrupt checkpoint. The training run "
-            "diverged: lower the learning rate or resume from an earlier checkpoint."
-        )
-    parts = EXPERT_CHECKPOINT_PARTS[leaf]
-    if is_sharded(weight) and not (fp8 and isinstance(module, FP8Experts) and weight is getattr(module, leaf)):
-        # FSDP2 (sharded by expert): an FP8Experts layer gathers its own FP8 blocks; anything else comes whole, one
-        # layer's stack at a time, in the dtype it is quantized from or written in.
-        weight = gather_whole(weight, compute_dtype(weight) if fp8 else dtype)
-    if fp8:
-        q, scale = quantized_experts(module, leaf, weight, power_of_two_scales)
-    weight = weight.detach()
-    for e in range(weight.shape[0]):
-        for i in range(len(parts)):
-            rows = slice(i * weight.shape[1] // len(parts), (i + 1) * weight.shape[1] // len(parts))
-            disk = names.expert(key, e, i)
-            if fp8:
-                yield disk, q[e, rows]
-                yield disk + "_scale_inv", scale[e, rows.start // BLOCK : rows.stop // BLOCK]
-            else:
-                yield disk, weight[e, rows].to(dtype) if dtype is not None else weight[e, rows]
-
-
-def quantized_experts(
-    module: nn.Module, leaf: str, weight: torch.Tensor, power_of_two_scales: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(q [E, N, K], scale_inv [E, N/128, K/128])` of `weight`, experts layer `module`'s `leaf` or that weight with
-    adapters merged. Its own parameter of an `FP8Experts` layer: the layer's own blocks, what its forward multiplies.
-    Otherwise (a merged weight, or a BF16 run's experts planned for FP8) the same quantizer's blocks, expert by expert
-    (no block spans two experts, so the bits are those of the whole stack; the temporaries are one expert's), with
-    an `FP8Experts` layer's own scale rounding."""
-    if isinstance(module, FP8Experts):
-        if weight is getattr(module, leaf):
-            # not a forward: the layer's cache serves it whatever the grad mode (cache_with_grad)
-            with torch.no_grad():
-                return module.quantized_expert_weight(leaf)
-        power_of_two_scales = module.fp8_config.power_of_two_scales
-    e, n, k = weight.shape
-    q = torch.empty(weight.shape, dtype=FP8_DTYPE, device=weight.device)
-    scale = torch.empty((e, n // BLOCK, k // BLOCK), dtype=torch.float32, device=weight.device)
-    with torch.no_grad():
-        for i in range(e):
-            q[i], scale[i] = quantize_blocks(weight[i].detach(), power_of_two_scales=power_of_two_scales)
-    return q, scale
-
-
-def fp8_experts_layers(hf_model: nn.Module) -> dict[str, nn.Module]:
-    """Transformers name -> the module `merged_fp8_experts` takes for each `FP8Experts` layer: the layer, or the PEFT
-    tuners wrapping it (LoRA's `target_parameters`: `experts.base_layer.base_layer`)."""
-    modules, tuners = dict(hf_model.named_modules()), tuner_layer_names(hf_model)
-    return {
-        hf_name(name): modules[_BASE_LAYER_SUFFIX.sub("", name)]
-        for name, module in modules.items()
-        if isinstance(module, FP8Experts) and not is_adapter_module(name, tuners)
-    }
-
-
-def merged_fp8_experts(layer: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """`{"gate_up_proj": (q, scale_inv), "down_proj": ...}` of the FP8 experts layer at a transformers name: an
-    `FP8Experts` layer, or the PEFT tuners wrapping one (LoRA's `target_parameters`), whose adapters are then merged
-    by PEFT's own merge before quantization, as `fp8_checkpoint_tensors` does."""
-    if not is_tuner_layer(layer):
-        return {leaf: quantized_experts(layer, leaf, getattr(layer, leaf)) for leaf in EXPERT_WEIGHTS}
-    base, merged = layer.get_base_layer(), merged_base_parameters(layer)
-    return {leaf: quantized_experts(base, leaf, merged[leaf]) for leaf in EXPERT_WEIGHTS}
 
 
 def check_fused_groups(fp8_modules: set[str], linear_names: set[str]) -> None:
@@ -369,16 +225,6 @@ def _disk_module_names(hf_model: nn.Module, modules: set[str]) -> set[str]:
                 found.add(disk.removesuffix(".weight"))
                 break
     return found - modules
-
-
-def _all_finite(t: torch.Tensor) -> bool:
-    """Whether every value is finite; for an FSDP2 shard, every rank gets the same answer (so all raise or none)."""
-    if not is_sharded(t):
-        return bool(torch.isfinite(t).all())
-    ok = torch.isfinite(t.to_local()).all().to(torch.float32).reshape(1)
-    for group in t.device_mesh.get_all_groups():  # every mesh dimension (HSDP's mesh has two)
-        torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN, group=group)
-    return bool(ok.item())
 
 
 def save_fp8_checkpoint(

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from trl_fp8.checkpoint.save import fp8_experts_layers, merged_fp8_experts
+from trl_fp8.checkpoint.experts import fp8_experts_layers, merged_fp8_experts
 from trl_fp8.distributed import is_sharded
 from trl_fp8.nn.adapters import hf_name, is_tuner_layer, unwrap_model
 from trl_fp8.nn.experts import EXPERT_WEIGHTS

@@ -31,10 +31,8 @@ from pathlib import Path
 import torch
 from trl.generation.vllm_generation import VLLMGeneration
 
-from trl_fp8.checkpoint.save import (
-    fp8_experts_layers,
-    fp8_module_names,
-)
+from trl_fp8.checkpoint.experts import fp8_experts_layers
+from trl_fp8.checkpoint.save import fp8_module_names
 from trl_fp8.config import check_rollout_precision, check_vllm_version
 from trl_fp8.nn.adapters import unwrap_model
 from trl_fp8.nn.linear import release_fp8_weight_caches
