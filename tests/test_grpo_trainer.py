@@ -20,7 +20,7 @@ from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, FP8Linear, dequantize_blocks,
 from trl_fp8.demo.tiny_model import tiny_char_tokenizer, tiny_qwen3, tiny_qwen3_config
 from trl_fp8.demo.toy_task import GRPO_SETTINGS, say_letter_dataset, say_letter_reward
 from trl_fp8.trainer.importance_sampling import token_tis_ratio
-from trl_fp8.trainer.mixin import fp8_model_card_section
+from trl_fp8.trainer.model_card import fp8_model_card_section
 
 from conftest import HANG_GUARD_S, assert_fp8_equal, layer_names, rel_err
 
@@ -824,10 +824,10 @@ def test_fsdp2_prefetch_layers_needs_an_fsdp2_launch_and_a_lead_of_one_or_more(t
     with pytest.raises(ValueError, match="fsdp2_prefetch_layers=0: give 1 or more"):
         make_args(tmp_path, fsdp2_prefetch_layers=0)
     assert make_args(tmp_path, fsdp2_prefetch_layers=2).fsdp2_prefetch_layers == 2
-    from trl_fp8.trainer.mixin import _PrefetchFSDP2Units
+    from trl_fp8.trainer.callbacks import PrefetchFSDP2Units
 
     with pytest.warns(UserWarning, match="has no effect: the model has no FSDP2 units"):  # e.g. accelerate on CPU
-        _PrefetchFSDP2Units(2).on_train_begin(None, SimpleNamespace(is_world_process_zero=True), None,
+        PrefetchFSDP2Units(2).on_train_begin(None, SimpleNamespace(is_world_process_zero=True), None,
                                               model=torch.nn.Linear(2, 2))  # fmt: skip
 
 

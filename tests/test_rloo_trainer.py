@@ -9,7 +9,7 @@ from safetensors import safe_open
 
 from trl_fp8 import FP8GRPOConfig, FP8Linear, FP8RLOOConfig, FP8RLOOTrainer
 from trl_fp8.demo.toy_task import GRPO_SETTINGS, say_letter_dataset, say_letter_reward
-from trl_fp8.trainer.mixin import fp8_model_card_section
+from trl_fp8.trainer.model_card import fp8_model_card_section
 
 
 def rloo_args(tmp_path, **kw):

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from trl import GRPOTrainer
 
-from trl_fp8.trainer.choice import StartUpChoice
+from trl_fp8.trainer.choice import StartUpChoice, say_start_up_choice
 from trl_fp8.trainer.config import FP8GRPOConfig
 from trl_fp8.trainer.importance_sampling import (
     TokenSums,
@@ -34,7 +34,7 @@ from trl_fp8.trainer.importance_sampling import (
     sampling_sums,
     token_tis_ratio,
 )
-from trl_fp8.trainer.mixin import FP8TrainerMixin, check_output_dir, say_start_up_choice
+from trl_fp8.trainer.mixin import FP8TrainerMixin, check_output_dir
 
 __all__ = ["FP8GRPOTrainer", "check_output_dir"]
 

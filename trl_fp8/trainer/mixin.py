@@ -29,7 +29,6 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import TrainerCallback
 from transformers.trainer import TRAINING_ARGS_NAME
 from trl.trainer.utils import create_model_from_path
 
@@ -42,16 +41,15 @@ from trl_fp8.distributed import (
     check_sharding_supports,
     drop_grads_of_unused_parameters,
     grads_in_ddp_buckets,
-    prefetch_fsdp2_units,
     reduce_over_ranks,
     zero_grads_in_buckets,
 )
 from trl_fp8.nn.conversion import ConversionReport, convert_to_fp8, plan_fp8_conversion
-from trl_fp8.nn.linear import invalidate_fp8_weights
 from trl_fp8.rollout.kv_scales import AttentionScaleObserver, observe_prompts
 from trl_fp8.rollout.stats import capacity_line
 from trl_fp8.stack import warn_outside_tested_stack
-from trl_fp8.trainer.choice import StartUpChoice
+from trl_fp8.trainer.callbacks import InvalidateSyncedReference, PrefetchFSDP2Units
+from trl_fp8.trainer.choice import StartUpChoice, say_start_up, say_start_up_choice
 from trl_fp8.trainer.layer_checkpointing import RENAMED_CHECKPOINTING_CALLS, keep_layer_options
 from trl_fp8.trainer.liger import choose_liger_kernels, liger_patches_kept_on_the_model
 from trl_fp8.trainer.memory import (
@@ -61,32 +59,17 @@ from trl_fp8.trainer.memory import (
     choose_fsdp2_gradient_sync,
 )
 from trl_fp8.trainer.micro_batch import dense_hidden_size, small_micro_batch_note
+from trl_fp8.trainer.model_card import fp8_model_card_section
 from trl_fp8.trainer.regional_compile import compile_decoder_layers, eager_generation
 from trl_fp8.trainer.requirements import check_reward_dependencies
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "FP8TrainerMixin",
-    "check_output_dir",
-    "check_rollout_class",
-    "fp8_model_card_section",
-]
+__all__ = ["FP8TrainerMixin", "check_output_dir"]
 
 
 # How each rollout statistic (`RolloutStats.read`, the engine's KV size) combines over the ranks' engines.
 ROLLOUT_STATS_REDUCTION = {"preemptions": "sum", "kv_cache_tokens": "min"}
-
-
-def say_start_up(args, text: str) -> None:
-    """A start-up line, said once (by the first process)."""
-    if args.process_index == 0:
-        print(f"[trl-fp8] {text}.", flush=True)
-
-
-def say_start_up_choice(args, what: str, on: bool, reason: str) -> None:
-    """A start-up choice the user did not make, said once with its reason."""
-    say_start_up(args, f"{what} {'on' if on else 'off'}: {reason}")
 
 
 class FP8TrainerMixin:
@@ -157,17 +140,19 @@ class FP8TrainerMixin:
         if args.ddp_gradient_as_bucket_view:
             grads_in_ddp_buckets(self.accelerator)  # before train() wraps the model in DDP
         if args.fsdp2_prefetch_layers is not None:
-            self.add_callback(_PrefetchFSDP2Units(args.fsdp2_prefetch_layers))
+            self.add_callback(PrefetchFSDP2Units(args.fsdp2_prefetch_layers))
         if self.ref_model is not None and args.fp8_recipe is not None:
             self._convert(unwrap_model(self.ref_model), args)
             # Never trained (TRL scores with it under no_grad): frozen, its FP8 weights are quantized once, not at
             # every optimizer step.
             unwrap_model(self.ref_model).requires_grad_(False)
             if args.sync_ref_model:  # TRL blends the policy into the reference through `.data`: requantize after
-                self.add_callback(_InvalidateSyncedReference(self.ref_model))
+                self.add_callback(InvalidateSyncedReference(self.ref_model))
         # After TRL's own wrapping (PEFT, Liger, gradient checkpointing): the graphs are traced at the first forward.
         self.compiled_decoder_layers = compile_decoder_layers(self.model) if args.compile_decoder_layers else 0
         if args.use_vllm:
+            from trl_fp8.rollout.vllm.generation import check_rollout_class
+
             check_rollout_class(self.vllm_generation)
 
     def train(self, *args, **kwargs):
@@ -508,79 +493,3 @@ def dropped_log_records(logger_name: str, *fragments: str):
         yield
     finally:
         log.removeFilter(keep)
-
-
-class _PrefetchFSDP2Units(TrainerCallback):
-    """`fsdp2_prefetch_layers`: set once accelerate has sharded the model (`fully_shard` works in place, so the
-    callback's `model` is the sharded one)."""
-
-    def __init__(self, ahead: int):
-        self.ahead = ahead
-
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
-        units = prefetch_fsdp2_units(model, self.ahead)
-        if units == 0:
-            warnings.warn(
-                f"fsdp2_prefetch_layers={self.ahead} has no effect: the model has no FSDP2 units (accelerate shards "
-                "with FSDP2 on GPUs only). Drop it, or launch with an FSDP2 config on GPUs.",
-                stacklevel=2,
-            )
-        elif state.is_world_process_zero:
-            logger.info("FSDP2: each of %d layers all-gathers the weights of the next %d ahead", units, self.ahead)
-
-
-class _InvalidateSyncedReference(TrainerCallback):
-    """TRL's `sync_ref_model` blends the policy into the reference model in place (`.data.mul_().add_()`), which
-    leaves the reference's cached FP8 weights stale; invalidate them on the steps where TRL syncs."""
-
-    def __init__(self, ref_model: nn.Module):
-        self.ref_model = ref_model
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step % args.ref_model_sync_steps == 0:
-            invalidate_fp8_weights(self.ref_model)
-
-
-def fp8_model_card_section(
-    report: ConversionReport, args, export_report: ConversionReport | None = None, *, trainer_name: str
-) -> str:
-    """The model card's FP8 section: the trainer (`trainer_name`) and its training recipe, how the weights are stored,
-    the layers kept in high precision (those of `export_report` for a BF16 run with an FP8 checkpoint)."""
-    stored = export_report or report
-    kept = sorted(stored.kept.items())
-    if report.recipe == "bf16":
-        trained = "in BF16 (`fp8_recipe=None`)"
-    else:
-        trained = f"with FP8 recipe `{report.recipe}` ({report.num_fp8_layers} linear layers in FP8"
-        trained += (", power-of-two scales" if args.fp8_power_of_two_scales else "") + ")"
-    lines = [
-        "## FP8",
-        "",
-        f"Trained with trl-fp8's `{trainer_name}` {trained}"
-        + (f", token TIS capped at {args.tis_cap}" if getattr(args, "token_tis", False) else "")
-        + ".",
-        "",
-    ]
-    if args.save_fp8_checkpoint:
-        lines += [
-            f"The weights are a block-FP8 checkpoint ({stored.num_fp8_layers} linear layers in FP8; `quant_method: "
-            "fp8`, 128x128 weight blocks, float32 `weight_scale_inv`, dynamic 1x128 activations): `vllm serve <this "
-            "repo>` or `AutoModelForCausalLM.from_pretrained(<this repo>)` load it as is.",
-            "",
-        ]
-    if kept:
-        lines += ["Linear layers kept in high precision:", ""] + [f"- `{n}` ({why})" for n, why in kept] + [""]
-    return "\n".join(lines)
-
-
-def check_rollout_class(generation) -> None:
-    """TRL has no factory hook for its rollout class: the trainer swaps the name in TRL's module while TRL builds it.
-    Should a TRL release build it another way, rollouts would run on BF16 weights without a word; say so instead."""
-    from trl_fp8.rollout.vllm.generation import FP8VLLMGeneration
-
-    if not isinstance(generation, FP8VLLMGeneration):
-        raise RuntimeError(
-            f"TRL built its vLLM rollouts as {type(generation).__name__}, not trl-fp8's FP8VLLMGeneration: this TRL "
-            "version builds them another way than the ones trl-fp8 supports (see pyproject.toml's trl range). "
-            "Install a supported TRL."
-        )

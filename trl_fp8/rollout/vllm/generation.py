@@ -62,7 +62,7 @@ from trl_fp8.rollout.vllm.server import check_server_config
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FP8VLLMGeneration"]
+__all__ = ["FP8VLLMGeneration", "check_rollout_class"]
 
 
 class FP8VLLMGeneration(VLLMGeneration):
@@ -311,3 +311,14 @@ class FP8VLLMGeneration(VLLMGeneration):
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self.last_sync_seconds = time.perf_counter() - start
+
+
+def check_rollout_class(generation) -> None:
+    """TRL has no factory hook for its rollout class: the trainer swaps the name in TRL's module while TRL builds it.
+    Should a TRL release build it another way, rollouts would run on BF16 weights without a word; say so instead."""
+    if not isinstance(generation, FP8VLLMGeneration):
+        raise RuntimeError(
+            f"TRL built its vLLM rollouts as {type(generation).__name__}, not trl-fp8's FP8VLLMGeneration: this TRL "
+            "version builds them another way than the ones trl-fp8 supports (see pyproject.toml's trl range). "
+            "Install a supported TRL."
+        )

@@ -1,0 +1,39 @@
+"""The FP8 section of the model card a trainer writes beside its checkpoint."""
+
+from __future__ import annotations
+
+from trl_fp8.nn.conversion import ConversionReport
+
+__all__ = ["fp8_model_card_section"]
+
+
+def fp8_model_card_section(
+    report: ConversionReport, args, export_report: ConversionReport | None = None, *, trainer_name: str
+) -> str:
+    """The model card's FP8 section: the trainer (`trainer_name`) and its training recipe, how the weights are stored,
+    the layers kept in high precision (those of `export_report` for a BF16 run with an FP8 checkpoint)."""
+    stored = export_report or report
+    kept = sorted(stored.kept.items())
+    if report.recipe == "bf16":
+        trained = "in BF16 (`fp8_recipe=None`)"
+    else:
+        trained = f"with FP8 recipe `{report.recipe}` ({report.num_fp8_layers} linear layers in FP8"
+        trained += (", power-of-two scales" if args.fp8_power_of_two_scales else "") + ")"
+    lines = [
+        "## FP8",
+        "",
+        f"Trained with trl-fp8's `{trainer_name}` {trained}"
+        + (f", token TIS capped at {args.tis_cap}" if getattr(args, "token_tis", False) else "")
+        + ".",
+        "",
+    ]
+    if args.save_fp8_checkpoint:
+        lines += [
+            f"The weights are a block-FP8 checkpoint ({stored.num_fp8_layers} linear layers in FP8; `quant_method: "
+            "fp8`, 128x128 weight blocks, float32 `weight_scale_inv`, dynamic 1x128 activations): `vllm serve <this "
+            "repo>` or `AutoModelForCausalLM.from_pretrained(<this repo>)` load it as is.",
+            "",
+        ]
+    if kept:
+        lines += ["Linear layers kept in high precision:", ""] + [f"- `{n}` ({why})" for n, why in kept] + [""]
+    return "\n".join(lines)
