@@ -194,3 +194,13 @@ def test_a_child_that_hangs_fails_the_test_with_where_it_hangs(tmp_path):
     message = str(failure.value)
     assert "ran past 3 s" in message and "starting" in message
     assert "wait_for_the_engine" in message  # the stack faulthandler printed
+
+
+def test_an_options_value_is_not_taken_for_a_path():
+    """`--deselect ID` (without `=`) ran only the deselected test: its value was read as a path."""
+    node = "tests/gpu/test_vllm_server_gpu.py::test_two_trainer_ranks_push_fp8_to_a_two_gpu_server"
+    assert run_suite.split_arguments(["--deselect", node, "-x"]) == ([], ["--deselect", node, "-x"])
+    assert run_suite.split_arguments(["tests/gpu/test_kernels_gpu.py", "-k", "deepgemm", "--deselect=" + node]) == (
+        ["tests/gpu/test_kernels_gpu.py"],
+        ["-k", "deepgemm", "--deselect=" + node],
+    )

@@ -46,6 +46,26 @@ class Job:
     assigned: list[str] = field(default_factory=list)
 
 
+# pytest options whose value may come as the next argument (`--deselect ID`, `-k EXPR`): that value is no path.
+VALUE_OPTIONS = {"-k", "-m", "-p", "-o", "-W", "--deselect", "--ignore", "--ignore-glob", "--maxfail", "--timeout",
+                 "--durations", "--override-ini", "--pythonwarnings", "--rootdir", "--basetemp"}  # fmt: skip
+
+
+def split_arguments(rest: list[str]) -> tuple[list[str], list[str]]:
+    """`(paths, pytest options)` of the arguments after run_suite's own: an option's separate value stays with it."""
+    paths, options, i = [], [], 0
+    while i < len(rest):
+        arg = rest[i]
+        if arg.startswith("-"):
+            takes_next = arg in VALUE_OPTIONS and i + 1 < len(rest)
+            options += rest[i : i + 2] if takes_next else [arg]
+            i += 2 if takes_next else 1
+        else:
+            paths.append(arg)
+            i += 1
+    return paths, options
+
+
 def function_of(nodeid: str) -> str:
     """`path::test_name` of a node id: the parametrizations of one test function share it."""
     return nodeid.split("[", 1)[0]
@@ -199,8 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--logs", default="gpu_suite_logs", help="folder for each process's log and JUnit file")
     parser.add_argument("--durations", default=str(DURATIONS), help="seconds per test function, to balance lanes")
     args, rest = parser.parse_known_args(argv)
-    paths = [a for a in rest if not a.startswith("-")] or [str(Path(__file__).parent.relative_to(ROOT))]
-    extra = [a for a in rest if a.startswith("-")]
+    paths, extra = split_arguments(rest)
+    paths = paths or [str(Path(__file__).parent.relative_to(ROOT))]
     gpus = args.gpus.split(",") if args.gpus else visible_gpus()
     logs = Path(args.logs).resolve()
     logs.mkdir(parents=True, exist_ok=True)
