@@ -1,4 +1,5 @@
-"""An option the trainer settles at start-up where the user left it unset (Liger's kernels, the FP8 KV cache)."""
+"""An option the trainer settles at start-up where the user left it unset (Liger's kernels, the FP8 KV cache), and
+the start-up lines that say it, once per run."""
 
 from __future__ import annotations
 
