@@ -7,6 +7,7 @@ public path does.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -58,11 +59,12 @@ def moe_kernel_scales(layer: nn.Module) -> dict[str, torch.Tensor]:
 
 def installed_vllm_release() -> tuple[int, int] | None:
     """(major, minor) of the installed vLLM, read from its metadata (no import), or None."""
-    from importlib.metadata import PackageNotFoundError, version
+    from trl_fp8.stack import installed_versions, release
 
+    found = installed_versions(("vllm",)).get("vllm")
     try:
-        return tuple(int(part) for part in version("vllm").split(".")[:2])  # type: ignore[return-value]
-    except (PackageNotFoundError, ValueError):
+        return tuple(int(part) for part in release(found).split(".")) if found else None  # type: ignore[return-value]
+    except ValueError:  # a version string that is no number
         return None
 
 
@@ -77,19 +79,28 @@ def online_fp8_quantization() -> str:
 ONLINE_FP8_NAMES = ("fp8", "fp8_per_tensor")
 
 
-def bundled_deepgemm_version() -> tuple[int, ...] | None:
-    """The version of the DeepGEMM bundled in vLLM (`vllm/third_party/deep_gemm`), read from its `__init__.py`
-    without importing it (importing it initialises its compiled library), or None."""
+def bundled_deepgemm_dir() -> Path | None:
+    """The DeepGEMM bundled in vLLM (`vllm/third_party/deep_gemm`), found without importing vLLM (whose settings must
+    be assigned before it loads), or None."""
     import importlib.util
-    import re
-    from pathlib import Path
 
     spec = importlib.util.find_spec("vllm")
     for root in (spec.submodule_search_locations or []) if spec is not None else []:
-        init = Path(root) / "third_party" / "deep_gemm" / "__init__.py"
-        if init.is_file() and (found := re.search(r"__version__\s*=\s*['\"]([\d.]+)", init.read_text())):
-            return tuple(int(part) for part in found.group(1).split(".") if part)
+        if (folder := Path(root) / "third_party" / "deep_gemm").is_dir():
+            return folder
     return None
+
+
+def bundled_deepgemm_version() -> tuple[int, ...] | None:
+    """The version of the bundled DeepGEMM, read from its `__init__.py` without importing it (importing it
+    initialises its compiled library), or None."""
+    import re
+
+    folder = bundled_deepgemm_dir()
+    if folder is None or not (init := folder / "__init__.py").is_file():
+        return None
+    found = re.search(r"__version__\s*=\s*['\"]([\d.]+)", init.read_text())
+    return tuple(int(part) for part in found.group(1).split(".") if part) if found else None
 
 
 def deepgemm_min_nvcc() -> tuple[int, int]:

@@ -16,7 +16,6 @@ only.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 import re
@@ -29,7 +28,7 @@ from pathlib import Path
 import torch
 
 from trl_fp8.config import VLLM_FP8_BACKENDS, check_vllm_fp8_moe_backend
-from trl_fp8.rollout.vllm._compat import deepgemm_min_nvcc
+from trl_fp8.rollout.vllm._compat import bundled_deepgemm_dir, deepgemm_min_nvcc
 
 logger = logging.getLogger(__name__)
 
@@ -133,14 +132,6 @@ def nvcc_release(nvcc: str) -> tuple[int, int] | None:
     return (int(found.group(1)), int(found.group(2))) if found else None
 
 
-def _has_bundled_deepgemm() -> bool:
-    # find_spec of the top-level package does not import vLLM (whose settings must be assigned before it loads).
-    spec = importlib.util.find_spec("vllm")
-    return spec is not None and any(
-        (Path(p) / "third_party" / "deep_gemm").is_dir() for p in (spec.submodule_search_locations or [])
-    )
-
-
 def deepgemm_unavailable_reason(device: torch.device | int | None = None) -> str | None:
     """Why DeepGEMM cannot run the trainer's FP8 rollouts here, or None when it can."""
     if not torch.cuda.is_available():
@@ -149,7 +140,7 @@ def deepgemm_unavailable_reason(device: torch.device | int | None = None) -> str
     if (major, minor) != (9, 0):
         # Blackwell's DeepGEMM takes E8M0 (power-of-two) scales only, which are not the trainer's.
         return f"DeepGEMM with float32 block scales runs on SM90 (Hopper); this GPU is sm_{major}{minor}"
-    if not _has_bundled_deepgemm():
+    if bundled_deepgemm_dir() is None:
         return "this vLLM build has no bundled DeepGEMM (vllm/third_party/deep_gemm)"
     nvcc = _find_nvcc()
     if nvcc is None:
