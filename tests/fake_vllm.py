@@ -31,8 +31,10 @@ class FakeLLM:
         self.pushed = []
         self.reloads = 0
         worker = types.SimpleNamespace(reload_weights=self._reload)
+        self.shutdowns = 0
         self.llm_engine = types.SimpleNamespace(
-            model_executor=types.SimpleNamespace(driver_worker=types.SimpleNamespace(worker=worker))
+            model_executor=types.SimpleNamespace(driver_worker=types.SimpleNamespace(worker=worker)),
+            engine_core=types.SimpleNamespace(shutdown=self._shutdown),
         )
         FakeLLM.instances.append(self)
 
@@ -42,6 +44,9 @@ class FakeLLM:
         self.reloads += 1
         if getattr(self, "on_reload", None):
             self.on_reload(self.pushed)
+
+    def _shutdown(self):
+        self.shutdowns += 1
 
     def reset_prefix_cache(self):
         pass

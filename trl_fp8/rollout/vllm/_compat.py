@@ -37,6 +37,17 @@ def engine_cache_config(llm):
     return llm.llm_engine.vllm_config.cache_config
 
 
+def shutdown_engine(llm) -> None:
+    """Shut an in-process `vllm.LLM` down now: its engine core frees its GPU memory and tears down vLLM's distributed
+    state (one per process). vLLM 0.31's in-process client also does this when it is collected, and that can be in
+    the middle of a later engine's start-up: vLLM freezes its start-up heap (`gc.freeze`), so an earlier engine's
+    garbage waits for a later `gc.unfreeze`. The client's own `shutdown` detaches that finalizer. No public API
+    shuts an `LLM` down."""
+    client = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if client is not None:
+        client.shutdown()
+
+
 def moe_kernel_format_converter() -> Callable:
     """vLLM's own conversion of stacked FP8 experts into its MoE kernel's layout (what its post-load runs)."""
     from vllm.model_executor.layers.fused_moe.oracle.fp8 import convert_to_fp8_moe_kernel_format

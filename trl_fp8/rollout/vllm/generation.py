@@ -39,6 +39,7 @@ from trl_fp8.nn.linear import release_fp8_weight_caches
 from trl_fp8.rollout.kv_scales import AttentionScaleObserver
 from trl_fp8.rollout.stats import RolloutStats, engine_kv_cache_tokens
 from trl_fp8.rollout.vllm import act_quant
+from trl_fp8.rollout.vllm._compat import shutdown_engine
 from trl_fp8.rollout.vllm.deepgemm_warmup import PrecompileResult, precompile_engine_kernels
 from trl_fp8.rollout.vllm.engine import (
     TRL_MAX_NUM_BATCHED_TOKENS,
@@ -61,6 +62,22 @@ from trl_fp8.rollout.vllm.sampling import with_token_ids_only
 from trl_fp8.rollout.vllm.server import check_server_config
 
 logger = logging.getLogger(__name__)
+
+# The colocated engines started in this process, until they shut down (see `shut_down_earlier_engines`).
+_STARTED_ENGINES: weakref.WeakSet = weakref.WeakSet()
+
+
+def shut_down_earlier_engines() -> None:
+    """Shut down the engines earlier trainers of this process started, before a new one starts. vLLM keeps one
+    distributed state per process and an engine's shutdown tears it down: left to the garbage collector, an earlier
+    engine's shutdown can come in the middle of the next engine's start-up (vLLM 0.31), which then loses its world
+    group. Also frees the earlier engine's GPU memory before the new engine measures what it may take."""
+    for llm in list(_STARTED_ENGINES):
+        _STARTED_ENGINES.discard(llm)
+        logger.info("Shutting down the vLLM engine an earlier trainer of this process started (one engine a process)")
+        shutdown_engine(llm)
+    gc.collect()
+
 
 __all__ = ["FP8VLLMGeneration", "check_rollout_class"]
 
@@ -186,10 +203,7 @@ class FP8VLLMGeneration(VLLMGeneration):
         self._choose_act_quant_kernel()
         start = time.perf_counter()
         self._precompile_deepgemm()
-        # vLLM keeps one distributed state per process, and an engine's shutdown tears it down: an earlier trainer's
-        # engine that is unreachable but not yet collected must shut down now, not when vLLM's start-up collects
-        # garbage (0.31 does, mid start-up, and the new engine lost its world group).
-        gc.collect()
+        shut_down_earlier_engines()
         trl_vllm.LLM = lambda *a, **kw: llm_class(*a, **{**kw, **overrides})
         try:
             super()._init_vllm()
@@ -197,6 +211,7 @@ class FP8VLLMGeneration(VLLMGeneration):
             trl_vllm.LLM = llm_class
         # DeepGEMM's kernels are compiled above or in vLLM's warm-up when the JIT cache is cold.
         self.engine_start_seconds = time.perf_counter() - start
+        _STARTED_ENGINES.add(self.llm)
         self.rollout_stats = RolloutStats.attach(self.llm)
         self.kv_cache_tokens = engine_kv_cache_tokens(self.llm)
         logger.info(
