@@ -84,7 +84,7 @@ def test_converting_twice_is_a_noop_and_another_recipe_raises():
 
 
 def test_bad_config_names_the_fix():
-    with pytest.raises(ValueError, match="choose one of"):
+    with pytest.raises(ValueError, match=r"recipe=.mxfp8. is unknown; use one of"):
         FP8LinearConfig(recipe="mxfp8")
     with pytest.raises(ValueError, match="block_size=128"):
         FP8LinearConfig(block_size=64)

@@ -534,7 +534,10 @@ def test_config_round_trips_through_trl_parser(tmp_path):
     [
         ({"fp8_recipe": "mxfp8"}, "fp8_recipe='mxfp8' is unknown"),
         ({"num_first_layers_in_bf16": -1}, "num_first_layers_in_bf16 must be >= 0"),
-        ({"fp8_recipe": "tensorwise", "fp8_power_of_two_scales": True}, "applies to fp8_recipe='blockwise' only"),
+        (
+            {"fp8_recipe": "tensorwise", "fp8_power_of_two_scales": True},
+            "fp8_power_of_two_scales applies to the blockwise recipe only",
+        ),
         ({"tis": "sequence"}, "tis='sequence' is unknown"),
         ({"tis": "token", "tis_cap": 1.0}, "tis_cap must be > 1"),
         ({"fp8_backend": "cuda"}, "fp8_backend='cuda' is unknown"),

@@ -26,7 +26,7 @@ from trl_fp8.rollout.capacity import ModelShape, rollout_capacity
 __version__ = "0.1.0"
 
 _LAZY = {  # these import trl (heavy); load them on first use
-    "FP8GRPOConfig": "trl_fp8.trainer.config",
+    "FP8GRPOConfig": "trl_fp8.trainer.grpo_config",
     "FP8GRPOTrainer": "trl_fp8.trainer.grpo",
     "FP8RLOOConfig": "trl_fp8.trainer.config",
     "FP8RLOOTrainer": "trl_fp8.trainer.rloo",

@@ -90,6 +90,63 @@ def check_rollout_precision(rollout_precision: str) -> str:
     return rollout_precision
 
 
+def check_layer_options(options, name: Callable[[str], str] = str) -> None:
+    """The rules of the FP8 layers' options, written once: `options` has `FP8LinearConfig`'s fields (the config, or
+    the trainer config's view of its own fields under those names); each error names an option `name(field)`, so the
+    trainer's config says `fp8_backend` where `FP8LinearConfig` says `backend`."""
+    recipe, backend, experts_gemm = options.recipe, options.backend, options.experts_gemm
+    for field_name, value, known in (("recipe", recipe, RECIPES), ("backend", backend, BACKENDS),
+                                     ("experts_gemm", experts_gemm, EXPERTS_GEMMS)):  # fmt: skip
+        if value not in known:
+            raise ValueError(f"{name(field_name)}={value!r} is unknown; use one of {known}.")
+    if recipe == BLOCKWISE and options.block_size != BLOCK:
+        raise ValueError(
+            f"block_size={options.block_size} is not supported: cuBLAS blockwise FP8 GEMMs and vLLM block-FP8 "
+            f"checkpoints use {BLOCK}. Set block_size={BLOCK}."
+        )
+    if backend == "emulated" and experts_gemm != "auto":
+        raise ValueError(
+            f"{name('experts_gemm')}={experts_gemm!r} picks a GPU kernel of the FP8 experts, but "
+            f"{name('backend')}='emulated' runs them one expert at a time in the emulation. Drop "
+            f"{name('experts_gemm')}, or use {name('backend')}='auto' or 'scaled_mm'."
+        )
+    if not options.cache_with_grad and not options.cache_quantized_weight:
+        raise ValueError(
+            "cache_with_grad=False limits the FP8 weight cache to forwards without gradients, but "
+            f"{name('cache_quantized_weight')}=False keeps no cache at all. Drop cache_with_grad."
+        )
+    if recipe == BLOCKWISE:
+        return
+    use_blockwise = f"use {name('recipe')}='blockwise'"
+    if backend in ("scaled_mm", "deepgemm"):
+        raise ValueError(
+            f"{name('backend')}={backend!r} picks the kernels of the blockwise recipe; torchao's {recipe!r} recipe "
+            f"runs its own. Use {name('backend')}='auto' (or 'emulated'), or {use_blockwise}."
+        )
+    for fusion in ("fuse_sibling_gemms", "fuse_swiglu"):
+        if getattr(options, fusion):
+            raise ValueError(
+                f"{name(fusion)} applies to the blockwise recipe only; torchao's {recipe!r} recipe runs each layer "
+                f"on its own. Drop {name(fusion)}, or {use_blockwise}."
+            )
+    if options.power_of_two_scales:
+        raise ValueError(
+            f"{name('power_of_two_scales')} applies to the blockwise recipe only; torchao's rowwise recipe already "
+            f"rounds its scales to powers of two. Drop {name('power_of_two_scales')}, or {use_blockwise}."
+        )
+    if experts_gemm != "auto":
+        raise ValueError(
+            f"{name('experts_gemm')}={experts_gemm!r} picks the kernel of the blockwise recipe's FP8 experts; "
+            f"torchao's {recipe!r} recipe has none (mixture-of-experts layers stay in BF16). Drop "
+            f"{name('experts_gemm')}, or {use_blockwise}."
+        )
+    if not options.cache_quantized_weight:
+        raise ValueError(
+            f"{name('cache_quantized_weight')}=False turns off the blockwise layers' FP8 weight cache; torchao's "
+            f"{recipe!r} layers keep no such cache. Drop {name('cache_quantized_weight')}, or {use_blockwise}."
+        )
+
+
 @dataclass(frozen=True)
 class FP8LinearConfig:
     """How an FP8 linear layer quantizes its GEMM operands.
@@ -145,59 +202,7 @@ class FP8LinearConfig:
     fuse_wgrad_accumulation: bool = False
 
     def __post_init__(self):
-        if self.recipe not in RECIPES:
-            raise ValueError(f"Unknown FP8 recipe {self.recipe!r}; choose one of {RECIPES}.")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"Unknown FP8 backend {self.backend!r}; choose one of {BACKENDS}.")
-        if self.experts_gemm not in EXPERTS_GEMMS:
-            raise ValueError(f"Unknown experts_gemm {self.experts_gemm!r}; choose one of {EXPERTS_GEMMS}.")
-        if self.recipe == BLOCKWISE and self.block_size != BLOCK:
-            raise ValueError(
-                f"block_size={self.block_size} is not supported: cuBLAS blockwise FP8 GEMMs and vLLM block-FP8 "
-                f"checkpoints use {BLOCK}. Set block_size={BLOCK}."
-            )
-        if self.recipe != BLOCKWISE and self.backend in ("scaled_mm", "deepgemm"):
-            raise ValueError(
-                f"backend={self.backend!r} picks the kernels of the blockwise recipe; torchao's {self.recipe!r} "
-                "recipe runs its own. Use backend='auto' (or 'emulated'), or recipe='blockwise'."
-            )
-        for fusion in ("fuse_sibling_gemms", "fuse_swiglu"):
-            if self.recipe != BLOCKWISE and getattr(self, fusion):
-                raise ValueError(
-                    f"{fusion} applies to the blockwise recipe only; torchao's {self.recipe!r} recipe runs each layer "
-                    f"on its own. Use recipe='blockwise' or drop {fusion}."
-                )
-        self._refuse_blockwise_options_without_effect()
-        if self.recipe != BLOCKWISE and self.power_of_two_scales:
-            raise ValueError(
-                "power_of_two_scales applies to the blockwise recipe only; torchao's rowwise recipe already "
-                "rounds its scales to powers of two. Use recipe='blockwise' or drop power_of_two_scales."
-            )
-
-    def _refuse_blockwise_options_without_effect(self) -> None:
-        """Raise for an option of our blockwise layers that this configuration would ignore, naming the fix."""
-        if self.recipe != BLOCKWISE and self.experts_gemm != "auto":
-            raise ValueError(
-                f"experts_gemm={self.experts_gemm!r} picks the kernel of the blockwise recipe's FP8 experts; "
-                f"torchao's {self.recipe!r} recipe has none (mixture-of-experts layers stay in BF16). Drop "
-                "experts_gemm, or use recipe='blockwise'."
-            )
-        if self.recipe != BLOCKWISE and not self.cache_quantized_weight:
-            raise ValueError(
-                f"cache_quantized_weight=False turns off the blockwise layers' FP8 weight cache; torchao's "
-                f"{self.recipe!r} layers keep no such cache. Drop cache_quantized_weight, or use recipe='blockwise'."
-            )
-        if not self.cache_with_grad and not self.cache_quantized_weight:
-            raise ValueError(
-                "cache_with_grad=False limits the FP8 weight cache to forwards without gradients, but "
-                "cache_quantized_weight=False keeps no cache at all. Drop cache_with_grad."
-            )
-        if self.backend == "emulated" and self.experts_gemm != "auto":
-            raise ValueError(
-                f"experts_gemm={self.experts_gemm!r} picks a GPU kernel of the FP8 experts, but backend='emulated' "
-                "runs them one expert at a time in the emulation. Drop experts_gemm, or use backend='auto' or "
-                "'scaled_mm'."
-            )
+        check_layer_options(self)
 
     @property
     def dim_multiple(self) -> int:

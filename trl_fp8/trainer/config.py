@@ -1,32 +1,31 @@
-"""The trainers' configs: `FP8TrainingArguments` (the FP8 fields every trainer shares) on top of TRL's `GRPOConfig`
-(`FP8GRPOConfig`, with TIS) and `RLOOConfig` (`FP8RLOOConfig`)."""
+"""`FP8TrainingArguments`, the FP8 fields every trainer's config shares, and `FP8RLOOConfig` (TRL's `RLOOConfig` with
+them); `FP8GRPOConfig`, which adds TIS, is in `grpo_config.py`."""
 
 from __future__ import annotations
 
-import re
 import warnings
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
+from types import SimpleNamespace
 
-from trl import GRPOConfig, RLOOConfig
+from trl import RLOOConfig
 
 from trl_fp8 import config as fp8_config
 from trl_fp8.config import (
-    BACKENDS,
+    BLOCK,
     BLOCKWISE,
-    EXPERTS_GEMMS,
-    RECIPES,
     VLLM_ACT_QUANT_KERNELS,
     VLLM_FP8_BACKENDS,
     FP8LinearConfig,
+    check_layer_options,
     check_rollout_precision,
 )
+from trl_fp8.trainer.field_docs import field_help
 from trl_fp8.trainer.requirements import check_liger_installed, check_optimizer_installed
 
-TIS_MODES = ("auto", "token", "off")
-# TRL's importance-sampling fields, which tis="token" sets and tis="auto" leaves to a user who set them
-TRL_IS_FIELDS = ("vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
-                 "vllm_importance_sampling_clip_min", "vllm_importance_sampling_clip_max",
-                 "vllm_importance_sampling_cap")  # fmt: skip
+# `FP8LinearConfig`'s fields as this config calls them.
+LAYER_OPTION_FIELDS = {"recipe": "fp8_recipe", "backend": "fp8_backend", "experts_gemm": "fp8_experts_gemm",
+                       "power_of_two_scales": "fp8_power_of_two_scales", "fuse_sibling_gemms": "fp8_fuse_sibling_gemms",
+                       "fuse_swiglu": "fp8_fuse_swiglu", "cache_quantized_weight": "fp8_cache_weights"}  # fmt: skip
 
 
 @dataclass
@@ -151,196 +150,47 @@ class FP8TrainingArguments:
         save_bf16_master_weights (bool): Also write the high-precision master weights to `<output_dir>/bf16_master`.
     """
 
-    fp8_recipe: str | None = field(
-        default=BLOCKWISE,
-        metadata={
-            "help": "FP8 training recipe: 'blockwise' (128x128 weights, 1x128 activations and gradients, the unified "
-            "flow rollouts share), torchao's 'tensorwise' or 'rowwise', or 'none' to train in BF16.",
-        },
-    )
-    num_first_layers_in_bf16: int = field(
-        default=0, metadata={"help": "Number of decoder layers at the input end kept in BF16."}
-    )
-    num_last_layers_in_bf16: int = field(
-        default=0, metadata={"help": "Number of decoder layers at the output end kept in BF16."}
-    )
-    fp8_keep_experts_in_bf16: bool = field(
-        default=False,
-        metadata={
-            "help": "Mixture-of-experts models: keep the expert layers in BF16 (needed for expert layouts "
-            "trl-fp8 cannot run in FP8, which otherwise raise)."
-        },  # fmt: skip
-    )
-    fp8_power_of_two_scales: bool = field(
-        default=False, metadata={"help": "Round blockwise FP8 scales down to powers of two (DeepSeek/NeMo style)."}
-    )
-    fp8_backend: str = field(
-        default="auto",
-        metadata={
-            "help": "FP8 GEMM backend: 'scaled_mm' (real FP8 kernels, needs an SM90 GPU), 'emulated' (exact "
-            "emulation on any device), 'auto' (scaled_mm on SM90, emulated elsewhere), or 'deepgemm' (SM90 with "
-            "vLLM's DeepGEMM for FProp and DGrad; opt-in: slightly faster training, for JIT compiles in the first "
-            "step).",
-        },
-    )
-    fp8_cache_weights: bool | None = field(
-        default=None,
-        metadata={
-            "help": "Keep each layer's FP8 weight until the optimizer changes it (1 byte per parameter); False "
-            "quantizes at every forward. Default: kept for scoring passes and the vLLM sync, let go during training "
-            "micro-batches (a training peak no higher than BF16's); off under FSDP2 or where the memory planner puts "
-            "the training peak with it above 90% of the GPU (the start-up log says which, and why). True keeps it "
-            "through the micro-batches too.",
-        },
-    )
-    fp8_fuse_sibling_gemms: bool = field(
-        default=False,
-        metadata={
-            "help": "Run q/k/v and gate/up (layers reading one input) as one FP8 GEMM per pass on their stacked "
-            "weight blocks: fewer, larger kernels, the same FP8 bytes synced and exported.",
-        },
-    )
-    fp8_fuse_swiglu: bool = field(
-        default=False,
-        metadata={
-            "help": "In gated SiLU MLPs, form silu(gate) * up and quantize it for down_proj in one kernel, without "
-            "writing it in BF16 or keeping silu(gate) for backward.",
-        },
-    )
-    fsdp2_prefetch_layers: int | None = field(
-        default=None,
-        metadata={
-            "help": "Under FSDP2: all-gather each decoder layer's weights this many layers before it runs, in forward "
-            "and backward. Unset: FSDP2's own prefetch (one layer ahead).",
-        },
-    )
-    logprob_batch_size: int | None = field(
-        default=None,
-        metadata={
-            "help": "Sequences per forward when scoring rollouts without gradients (old and reference log-probs). "
-            "Unset: per_device_train_batch_size, as TRL does.",
-        },
-    )
+    fp8_recipe: str | None = field(default=BLOCKWISE, metadata=field_help(__doc__, "fp8_recipe"))
+    num_first_layers_in_bf16: int = field(default=0, metadata=field_help(__doc__, "num_first_layers_in_bf16"))
+    num_last_layers_in_bf16: int = field(default=0, metadata=field_help(__doc__, "num_last_layers_in_bf16"))
+    fp8_keep_experts_in_bf16: bool = field(default=False, metadata=field_help(__doc__, "fp8_keep_experts_in_bf16"))
+    fp8_power_of_two_scales: bool = field(default=False, metadata=field_help(__doc__, "fp8_power_of_two_scales"))
+    fp8_backend: str = field(default="auto", metadata=field_help(__doc__, "fp8_backend"))
+    fp8_cache_weights: bool | None = field(default=None, metadata=field_help(__doc__, "fp8_cache_weights"))
+    fp8_fuse_sibling_gemms: bool = field(default=False, metadata=field_help(__doc__, "fp8_fuse_sibling_gemms"))
+    fp8_fuse_swiglu: bool = field(default=False, metadata=field_help(__doc__, "fp8_fuse_swiglu"))
+    fsdp2_prefetch_layers: int | None = field(default=None, metadata=field_help(__doc__, "fsdp2_prefetch_layers"))
+    logprob_batch_size: int | None = field(default=None, metadata=field_help(__doc__, "logprob_batch_size"))
     ddp_gradient_as_bucket_view: bool = field(
-        default=True,
-        metadata={
-            "help": "Under DDP, gradients live in DDP's all-reduce buckets instead of beside a copy (PyTorch's "
-            "gradient_as_bucket_view): 2 bytes per BF16 parameter given back, the same gradients.",
-        },
+        default=True, metadata=field_help(__doc__, "ddp_gradient_as_bucket_view")
     )
-    fp8_experts_gemm: str = field(
-        default="auto",
-        metadata={
-            "help": "Grouped kernel of mixture-of-experts FProp and DGrad: 'deepgemm' (vLLM's DeepGEMM, Hopper), "
-            "'triton' (ours) or 'auto' (DeepGEMM where it can run).",
-        },
-    )
+    fp8_experts_gemm: str = field(default="auto", metadata=field_help(__doc__, "fp8_experts_gemm"))
+    # argparse: a bare --use_liger_kernel still means True, as TRL's bool field had it (and --fp8_kv_cache alike)
     use_liger_kernel: bool | None = field(
-        default=None,
-        metadata={
-            "help": "Liger's RMSNorm, RoPE and SwiGLU kernels on the model. Unset: on for dense Llama, Mistral, "
-            "Qwen2 and Qwen3 models trained on a CUDA GPU with liger-kernel installed (the start-up log says which, "
-            "and why).",
-            # argparse: a bare --use_liger_kernel still means True, as TRL's bool field had it
-            "nargs": "?",
-            "const": True,
-        },
+        default=None, metadata=field_help(__doc__, "use_liger_kernel", nargs="?", const=True)
     )
-    compile_decoder_layers: bool = field(
-        default=False,
-        metadata={
-            "help": "Compile each decoder layer in place with torch.compile (one graph shared by the layers): the "
-            "FP8 ops run inside the graph instead of being issued one by one from Python.",
-        },
-    )
-    rollout_precision: str | None = field(
-        default=None,
-        metadata={
-            "help": "vLLM rollout weights: 'fp8' (the trainer's own block-FP8 weights and scales; default with the "
-            "blockwise recipe), 'bf16' (default otherwise) or 'fp8_online' (vLLM quantizes BF16 weights itself).",
-        },
-    )
-    vllm_fp8_backend: str = field(
-        default="auto",
-        metadata={
-            "help": "vLLM kernel for FP8 rollouts: 'deepgemm' (fastest on Hopper, JIT-compiled with nvcc), "
-            "'cutlass', 'triton', or 'auto' (DeepGEMM on SM90 with nvcc, else Cutlass).",
-        },
-    )
-    vllm_fp8_moe_backend: str = field(
-        default="auto",
-        metadata={
-            "help": "vLLM kernel for the FP8 experts of a mixture of experts in a colocated engine: 'triton', "
-            "'deepgemm', 'flashinfer_cutlass', or 'auto' (vLLM's own choice).",
-        },
-    )
-    vllm_act_quant_kernel: str = field(
-        default="auto",
-        metadata={
-            "help": "Kernel of a colocated FP8 engine's fused SiLU-and-mul + FP8 quantization: 'auto' (trl-fp8's "
-            "Triton kernel where it gives vLLM's bits faster, checked at engine start), 'trl_fp8' (trl-fp8's wherever "
-            "it gives vLLM's bits) or 'vllm' (vLLM's own).",
-        },
-    )
-    vllm_jit_cache_dir: str | None = field(
-        default=None,
-        metadata={"help": "DeepGEMM's compiled-kernel cache. Unset: DG_JIT_CACHE_DIR, else ~/.cache/vllm/deep_gemm."},
-    )
-    vllm_deepgemm_workers: int | None = field(
-        default=None,
-        metadata={
-            "help": "Processes compiling DeepGEMM's kernels in parallel before the colocated engine starts (a cold "
-            "cache only). Unset: one per CPU core, at most 16; 0: vLLM's own one-at-a-time warm-up only.",
-        },
-    )
-    vllm_token_ids_only: bool = field(
-        default=True,
-        metadata={
-            "help": "A colocated engine returns token ids and log-probs only (detokenize=False, flat_logprobs=True "
-            "in vLLM's SamplingParams, unless generation_kwargs sets them): the same tokens, less host work per "
-            "decode step. False keeps vLLM's text and per-token dicts.",
-        },
-    )
+    compile_decoder_layers: bool = field(default=False, metadata=field_help(__doc__, "compile_decoder_layers"))
+    rollout_precision: str | None = field(default=None, metadata=field_help(__doc__, "rollout_precision"))
+    vllm_fp8_backend: str = field(default="auto", metadata=field_help(__doc__, "vllm_fp8_backend"))
+    vllm_fp8_moe_backend: str = field(default="auto", metadata=field_help(__doc__, "vllm_fp8_moe_backend"))
+    vllm_act_quant_kernel: str = field(default="auto", metadata=field_help(__doc__, "vllm_act_quant_kernel"))
+    vllm_jit_cache_dir: str | None = field(default=None, metadata=field_help(__doc__, "vllm_jit_cache_dir"))
+    vllm_deepgemm_workers: int | None = field(default=None, metadata=field_help(__doc__, "vllm_deepgemm_workers"))
+    vllm_token_ids_only: bool = field(default=True, metadata=field_help(__doc__, "vllm_token_ids_only"))
     fp8_kv_cache: bool | None = field(
-        default=None,
-        metadata={
-            "help": "FP8 KV cache in vLLM, with q/k/v scales measured on the trainer's forward every step. Unset: on "
-            "for a colocated engine on Hopper in the FP8 flow with importance sampling, where a rollout's sequences "
-            "would not all fit a BF16 KV cache at once (the start-up log says which, and why).",
-            "nargs": "?",
-            "const": True,
-        },
+        default=None, metadata=field_help(__doc__, "fp8_kv_cache", nargs="?", const=True)
     )
-    save_fp8_checkpoint: bool | None = field(
-        default=None,
-        metadata={
-            "help": "Make save_model()/push_to_hub() write a block-FP8 checkpoint that vLLM and transformers load. "
-            "Unset: on when training in FP8, off for the BF16 baseline (fp8_recipe none).",
-        },
-    )
-    save_bf16_master_weights: bool = field(
-        default=False,
-        metadata={"help": "Also write the high-precision master weights to <output_dir>/bf16_master."},
-    )
+    save_fp8_checkpoint: bool | None = field(default=None, metadata=field_help(__doc__, "save_fp8_checkpoint"))
+    save_bf16_master_weights: bool = field(default=False, metadata=field_help(__doc__, "save_bf16_master_weights"))
 
     def _check_fp8_fields(self) -> None:
         """Validate and resolve the FP8 fields, before TRL's own `__post_init__` runs."""
         if isinstance(self.fp8_recipe, str) and self.fp8_recipe.lower() in ("none", "null", "bf16", ""):
             self.fp8_recipe = None  # the CLI and YAML pass strings
-        if self.fp8_recipe is not None and self.fp8_recipe not in RECIPES:
-            raise ValueError(f"fp8_recipe={self.fp8_recipe!r} is unknown; use one of {RECIPES} or None for BF16.")
-        if self.fp8_backend not in BACKENDS:
-            raise ValueError(f"fp8_backend={self.fp8_backend!r} is unknown; use one of {BACKENDS}.")
-        if self.fp8_experts_gemm not in EXPERTS_GEMMS:
-            raise ValueError(f"fp8_experts_gemm={self.fp8_experts_gemm!r} is unknown; use one of {EXPERTS_GEMMS}.")
         for name in ("num_first_layers_in_bf16", "num_last_layers_in_bf16"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}.")
-        if self.fp8_power_of_two_scales and self.fp8_recipe not in (BLOCKWISE, None):
-            raise ValueError(
-                "fp8_power_of_two_scales applies to fp8_recipe='blockwise' only (torchao's rowwise recipe already "
-                "uses power-of-two scales). Drop fp8_power_of_two_scales or use the blockwise recipe."
-            )
+        self._check_layer_options()
         if isinstance(self.rollout_precision, str) and self.rollout_precision.lower() in ("none", "null", ""):
             self.rollout_precision = None
         if self.rollout_precision is not None:
@@ -417,8 +267,8 @@ class FP8TrainingArguments:
     def fp8_linear_config(
         self, cache_weights: bool | None = None, cache_with_grad: bool | None = None
     ) -> FP8LinearConfig | None:
-        """The FP8 layers' config of this run (None for BF16 training), validated by `FP8LinearConfig` itself; its
-        errors name this config's fields (`fp8_backend`, not `backend`). `cache_weights` and `cache_with_grad`: the
+        """The FP8 layers' config of this run (None for BF16 training); `__post_init__` checked its options under this
+        config's names (`_check_layer_options`). `cache_weights` and `cache_with_grad`: the
         trainer's choice where `fp8_cache_weights` is None (`trl_fp8.trainer.memory.choose_fp8_weight_cache`; off a
         GPU the cache stays through the micro-batches)."""
         if self.fp8_recipe is None:
@@ -439,17 +289,22 @@ class FP8TrainingArguments:
         # weight gradients into `.grad` in place (FP8LinearConfig.fuse_wgrad_accumulation).
         state = getattr(self, "distributed_state", None)
         one_process = state is not None and state.distributed_type == "NO"
-        try:
-            return FP8LinearConfig(
-                recipe=self.fp8_recipe, power_of_two_scales=self.fp8_power_of_two_scales, backend=self.fp8_backend,
-                fuse_sibling_gemms=self.fp8_fuse_sibling_gemms, fuse_swiglu=self.fp8_fuse_swiglu,
-                experts_gemm=self.fp8_experts_gemm, cache_quantized_weight=cache, cache_with_grad=cache_with_grad,
-                fuse_wgrad_accumulation=one_process and self.fp8_recipe == BLOCKWISE,
-            )  # fmt: skip
-        except ValueError as exc:
-            message = re.sub(r"\b(recipe|backend|experts_gemm|power_of_two_scales|fuse_sibling_gemms|fuse_swiglu)=",
-                             r"fp8_\1=", str(exc))  # fmt: skip
-            raise ValueError(message.replace("cache_quantized_weight=", "fp8_cache_weights=")) from None
+        return FP8LinearConfig(
+            recipe=self.fp8_recipe, power_of_two_scales=self.fp8_power_of_two_scales, backend=self.fp8_backend,
+            fuse_sibling_gemms=self.fp8_fuse_sibling_gemms, fuse_swiglu=self.fp8_fuse_swiglu,
+            experts_gemm=self.fp8_experts_gemm, cache_quantized_weight=cache, cache_with_grad=cache_with_grad,
+            fuse_wgrad_accumulation=one_process and self.fp8_recipe == BLOCKWISE,
+        )  # fmt: skip
+
+    def _check_layer_options(self) -> None:
+        """The FP8 layers' own rules (`trl_fp8.config.check_layer_options`, shared with `FP8LinearConfig`), on this
+        config's fields and under their names; BF16 training refuses the layer options separately."""
+        if self.fp8_recipe is None:
+            return
+        options = {field: getattr(self, name) for field, name in LAYER_OPTION_FIELDS.items()}
+        options["cache_quantized_weight"] = options["cache_quantized_weight"] is not False
+        view = SimpleNamespace(**options, block_size=BLOCK, cache_with_grad=True)
+        check_layer_options(view, name=lambda field: LAYER_OPTION_FIELDS.get(field, field))
 
     @property
     def fp8_outside_training(self) -> bool:
@@ -486,29 +341,19 @@ class FP8TrainingArguments:
                 "later, would win: the fused FP8 path would never run. Keep Liger's other kernels with "
                 "liger_kernel_config={'swiglu': False}, or drop fp8_fuse_swiglu."
             )
-        elif self.fp8_recipe != BLOCKWISE and (self.fp8_fuse_sibling_gemms or self.fp8_fuse_swiglu):
-            raise ValueError(
-                f"fp8_fuse_sibling_gemms and fp8_fuse_swiglu apply to the blockwise recipe; torchao's "
-                f"{self.fp8_recipe!r} recipe runs each layer on its own. Drop them, or use fp8_recipe='blockwise'."
-            )
         self._refuse_fp8_options_without_effect()
 
     def _refuse_fp8_options_without_effect(self) -> None:
         """Raise for an option of the blockwise FP8 layers that the recipe, backend or compilation would ignore."""
-        if self.fp8_recipe not in (BLOCKWISE, None):
-            for name, default, what in (("fp8_experts_gemm", "auto", "kernel of FP8 experts"),
-                                        ("fp8_cache_weights", None, "cache of FP8 weights")):  # fmt: skip
-                if getattr(self, name) != default:
-                    raise ValueError(
-                        f"{name}={getattr(self, name)!r} sets the blockwise recipe's {what}; torchao's "
-                        f"{self.fp8_recipe!r} recipe has none. Drop {name}, or use fp8_recipe='blockwise'."
-                    )
-        if self.fp8_experts_gemm != "auto" and (self.fp8_keep_experts_in_bf16 or self.fp8_backend == "emulated"):
-            why = ("fp8_keep_experts_in_bf16=True keeps the experts in BF16" if self.fp8_keep_experts_in_bf16
-                   else "fp8_backend='emulated' runs them one expert at a time in the emulation")  # fmt: skip
+        if self.fp8_recipe not in (BLOCKWISE, None) and self.fp8_cache_weights:  # False: `_check_layer_options`
             raise ValueError(
-                f"fp8_experts_gemm={self.fp8_experts_gemm!r} picks the GPU kernel of FP8 experts, but {why}. "
-                "Drop fp8_experts_gemm."
+                f"fp8_cache_weights=True sets the blockwise recipe's cache of FP8 weights; torchao's "
+                f"{self.fp8_recipe!r} recipe has none. Drop fp8_cache_weights, or use fp8_recipe='blockwise'."
+            )
+        if self.fp8_experts_gemm != "auto" and self.fp8_keep_experts_in_bf16:
+            raise ValueError(
+                f"fp8_experts_gemm={self.fp8_experts_gemm!r} picks the GPU kernel of FP8 experts, but "
+                "fp8_keep_experts_in_bf16=True keeps the experts in BF16. Drop fp8_experts_gemm."
             )
         fusions = [name for name in ("fp8_fuse_sibling_gemms", "fp8_fuse_swiglu") if getattr(self, name)]
         if self.compile_decoder_layers and fusions:
@@ -543,135 +388,6 @@ class FP8TrainingArguments:
                 "trains in BF16, save_fp8_checkpoint=False saves BF16 and the rollouts are not rollout_precision="
                 "'fp8'. Drop it, or set save_fp8_checkpoint=True / rollout_precision='fp8' (BF16 training, FP8 "
                 "export or rollouts)."
-            )
-
-
-@dataclass
-class FP8GRPOConfig(FP8TrainingArguments, GRPOConfig):
-    r"""Configuration for `FP8GRPOTrainer`: every field of TRL's `GRPOConfig`, the FP8 fields of
-    `FP8TrainingArguments` (the precision flow, vLLM rollouts, saving), and the rollout corrections below.
-
-    Args:
-        log_rollout_mismatch (bool): With vLLM, always score the rollouts with the trainer (one extra forward when no
-            importance sampling needs it) and log the trainer-vs-rollout mismatch (`fp8/mismatch/*`).
-        tis (str | None): `"token"`: token-level TIS, `min(pi_train / pi_rollout, tis_cap)` per token (TRL's
-            `token_truncate` mode with vLLM; applied by this trainer to any other rollout that returns its own
-            log-probs). `"auto"` (default): token-level TIS, unless TRL's own `vllm_importance_sampling_*` fields are
-            set to something else, which then stands; unlike `"token"`, never refused for having nothing to correct.
-            `"off"`: no correction. `None`: TRL's `vllm_importance_sampling_*` fields as they are (TRL's default:
-            `sequence_mask`). Every FP8 run measured for trl-fp8's accuracy and speed used token TIS, as Jet-RL, NeMo
-            RL and veRL do for FP8 rollouts.
-        tis_cap (float): Upper clip of the token ratio (veRL and NeMo RL use 2.0 for FP8 rollouts).
-        score_in_training_forward (bool | None): Take the trainer's log-probs of the rollout tokens (for the
-            importance-sampling ratio and the mismatch metrics) from each micro-batch's own training forward, detached,
-            instead of a no-grad forward over the whole rollout before the micro-batches (TRL's scoring pass): one
-            forward pass fewer per step, the same values where every rollout is trained on within one optimizer step
-            (`gradient_accumulation_steps` a multiple of `steps_per_generation` x `num_iterations`, TRL's default),
-            since the weights are then the same in both forwards. `None`: on there. The metrics are then logged per
-            micro-batch and averaged, as TRL logs its loss-side metrics.
-    """
-
-    log_rollout_mismatch: bool = field(
-        default=True,
-        metadata={"help": "With vLLM, always log the trainer-vs-rollout log-prob mismatch (fp8/mismatch/*)."},
-    )
-    tis: str | None = field(
-        default="auto",
-        metadata={
-            "help": "Truncated importance sampling: 'token' (per-token ratio clipped at tis_cap), 'auto' (token, "
-            "unless TRL's vllm_importance_sampling_* fields are set otherwise), 'off', or none to keep TRL's "
-            "vllm_importance_sampling_* settings.",
-        },
-    )
-    tis_cap: float = field(
-        default=2.0, metadata={"help": "Upper clip of the token-level importance ratio (veRL/NeMo RL use 2.0)."}
-    )
-    score_in_training_forward: bool | None = field(
-        default=None,
-        metadata={
-            "help": "Take the trainer's log-probs of the rollout tokens (importance sampling, mismatch metrics) from "
-            "each micro-batch's training forward instead of a separate scoring pass: one forward fewer per step. "
-            "None: on where every rollout is trained on within one optimizer step.",
-        },
-    )
-
-    def __post_init__(self):
-        if isinstance(self.tis, str) and self.tis.lower() in ("none", "null", ""):
-            self.tis = None
-        if self.tis is not None and self.tis not in TIS_MODES:
-            raise ValueError(f"tis={self.tis!r} is unknown; use 'auto' (the default), 'token', 'off' or None.")
-        if not self.tis_cap > 1.0:
-            raise ValueError(
-                f"tis_cap must be > 1 (a cap at or below 1 down-weights every token), got {self.tis_cap}."
-            )
-        self._check_fp8_fields()
-        self._refuse_tis_conflicts()
-        # Map onto TRL's own fields before its __post_init__ validates them.
-        if self.token_tis:
-            self.vllm_importance_sampling_correction = True
-            self.vllm_importance_sampling_mode = "token_truncate"
-            self.vllm_importance_sampling_clip_max = self.tis_cap
-        elif self.tis == "off":
-            self.vllm_importance_sampling_correction = False
-        self._finish_post_init()
-        if self.score_in_training_forward and not self.rollouts_train_within_one_step():
-            raise ValueError(
-                "score_in_training_forward=True takes the trainer's log-probs of a rollout from the training forward, "
-                "which equals a scoring pass before the micro-batches only if every rollout is trained on within one "
-                f"optimizer step: gradient_accumulation_steps={self.gradient_accumulation_steps} must be a multiple "
-                f"of steps_per_generation x num_iterations = {self.steps_per_generation} x {self.num_iterations}. "
-                "Align them, or set score_in_training_forward=False (the scoring pass)."
-            )
-
-    @property
-    def token_tis(self) -> bool:
-        """Whether token-level TIS corrects the rollouts (`tis="token"`, or `"auto"` resolved to it; TRL's fields as
-        token TIS sets them still count as unset, so the answer holds after the mapping)."""
-        return self.tis == "token" or (self.tis == "auto" and not self.trl_is_fields_set())
-
-    def trl_is_fields_set(self) -> list[str]:
-        """TRL's importance-sampling fields set to something else than TRL's defaults or what token TIS sets them to
-        (`name=value` each): where `tis="auto"` leaves the user's settings."""
-        trl_defaults = {f.name: f.default for f in fields(GRPOConfig)}
-        token = {"vllm_importance_sampling_correction": True, "vllm_importance_sampling_mode": "token_truncate",
-                 "vllm_importance_sampling_clip_max": self.tis_cap}  # fmt: skip
-        unset = {name: (trl_defaults.get(name), token.get(name, trl_defaults.get(name))) for name in TRL_IS_FIELDS}
-        return [f"{name}={getattr(self, name)!r}" for name in TRL_IS_FIELDS
-                if hasattr(self, name) and getattr(self, name) not in unset[name]]  # fmt: skip
-
-    def rollouts_train_within_one_step(self) -> bool:
-        """Whether every rollout is trained on within one optimizer step (TRL's condition for not scoring old
-        log-probs), so that the weights a rollout was sampled with are the weights of all its micro-batches."""
-        return self.gradient_accumulation_steps % (self.steps_per_generation * self.num_iterations) == 0
-
-    def _refuse_tis_conflicts(self) -> None:
-        """Raise where TRL's own importance-sampling fields say otherwise than `tis`; warn on a cap nothing uses."""
-        if self.tis == "token":
-            trl_defaults = {f.name: f.default for f in fields(GRPOConfig)}
-            if self.vllm_importance_sampling_correction is False:
-                raise ValueError(
-                    "tis='token' turns TRL's importance-sampling correction on, but "
-                    "vllm_importance_sampling_correction=False turns it off. Drop one of them (tis='off' is the way "
-                    "to say off)."
-                )
-            mode = self.vllm_importance_sampling_mode
-            if mode not in (trl_defaults["vllm_importance_sampling_mode"], "token_truncate"):
-                raise ValueError(
-                    f"tis='token' is TRL's vllm_importance_sampling_mode='token_truncate', but "
-                    f"vllm_importance_sampling_mode={mode!r} is set. Drop one of them."
-                )
-            for name in ("vllm_importance_sampling_clip_max", "vllm_importance_sampling_cap"):
-                value = getattr(self, name, None)
-                if value not in (trl_defaults.get(name), self.tis_cap):
-                    raise ValueError(
-                        f"tis='token' clips the ratio at tis_cap={self.tis_cap}, but {name}={value} is set. Set "
-                        f"tis_cap={value} instead."
-                    )
-        elif self.tis_cap != 2.0 and not self.token_tis:
-            warnings.warn(
-                f"tis_cap={self.tis_cap} has no effect without token TIS (TRL's own correction, if on, clips at "
-                "vllm_importance_sampling_clip_max).",
-                stacklevel=3,
             )
 
 

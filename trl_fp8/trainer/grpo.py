@@ -23,7 +23,7 @@ from torch import nn
 from trl import GRPOTrainer
 
 from trl_fp8.trainer.choice import StartUpChoice, say_start_up_choice
-from trl_fp8.trainer.config import FP8GRPOConfig
+from trl_fp8.trainer.grpo_config import FP8GRPOConfig
 from trl_fp8.trainer.importance_sampling import (
     TokenSums,
     importance_sampling_ratio,

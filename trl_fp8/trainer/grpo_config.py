@@ -1,0 +1,131 @@
+"""`FP8GRPOConfig`: TRL's `GRPOConfig` with the FP8 fields of `FP8TrainingArguments` and the rollout corrections
+(token-level TIS mapped onto TRL's own importance-sampling fields, the mismatch metrics, scoring in the training
+forward)."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field, fields
+
+from trl import GRPOConfig
+
+from trl_fp8.trainer.config import FP8TrainingArguments
+from trl_fp8.trainer.field_docs import field_help
+
+TIS_MODES = ("auto", "token", "off")
+# TRL's importance-sampling fields, which tis="token" sets and tis="auto" leaves to a user who set them
+TRL_IS_FIELDS = ("vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
+                 "vllm_importance_sampling_clip_min", "vllm_importance_sampling_clip_max",
+                 "vllm_importance_sampling_cap")  # fmt: skip
+
+
+@dataclass
+class FP8GRPOConfig(FP8TrainingArguments, GRPOConfig):
+    r"""Configuration for `FP8GRPOTrainer`: every field of TRL's `GRPOConfig`, the FP8 fields of
+    `FP8TrainingArguments` (the precision flow, vLLM rollouts, saving), and the rollout corrections below.
+
+    Args:
+        log_rollout_mismatch (bool): With vLLM, always score the rollouts with the trainer (one extra forward when no
+            importance sampling needs it) and log the trainer-vs-rollout mismatch (`fp8/mismatch/*`).
+        tis (str | None): `"token"`: token-level TIS, `min(pi_train / pi_rollout, tis_cap)` per token (TRL's
+            `token_truncate` mode with vLLM; applied by this trainer to any other rollout that returns its own
+            log-probs). `"auto"` (default): token-level TIS, unless TRL's own `vllm_importance_sampling_*` fields are
+            set to something else, which then stands; unlike `"token"`, never refused for having nothing to correct.
+            `"off"`: no correction. `None`: TRL's `vllm_importance_sampling_*` fields as they are (TRL's default:
+            `sequence_mask`). Every FP8 run measured for trl-fp8's accuracy and speed used token TIS, as Jet-RL, NeMo
+            RL and veRL do for FP8 rollouts.
+        tis_cap (float): Upper clip of the token ratio (veRL and NeMo RL use 2.0 for FP8 rollouts).
+        score_in_training_forward (bool | None): Take the trainer's log-probs of the rollout tokens (for the
+            importance-sampling ratio and the mismatch metrics) from each micro-batch's own training forward, detached,
+            instead of a no-grad forward over the whole rollout before the micro-batches (TRL's scoring pass): one
+            forward pass fewer per step, the same values where every rollout is trained on within one optimizer step
+            (`gradient_accumulation_steps` a multiple of `steps_per_generation` x `num_iterations`, TRL's default),
+            since the weights are then the same in both forwards. `None`: on there. The metrics are then logged per
+            micro-batch and averaged, as TRL logs its loss-side metrics.
+    """
+
+    log_rollout_mismatch: bool = field(default=True, metadata=field_help(__doc__, "log_rollout_mismatch"))
+    tis: str | None = field(default="auto", metadata=field_help(__doc__, "tis"))
+    tis_cap: float = field(default=2.0, metadata=field_help(__doc__, "tis_cap"))
+    score_in_training_forward: bool | None = field(
+        default=None, metadata=field_help(__doc__, "score_in_training_forward")
+    )
+
+    def __post_init__(self):
+        if isinstance(self.tis, str) and self.tis.lower() in ("none", "null", ""):
+            self.tis = None
+        if self.tis is not None and self.tis not in TIS_MODES:
+            raise ValueError(f"tis={self.tis!r} is unknown; use 'auto' (the default), 'token', 'off' or None.")
+        if not self.tis_cap > 1.0:
+            raise ValueError(
+                f"tis_cap must be > 1 (a cap at or below 1 down-weights every token), got {self.tis_cap}."
+            )
+        self._check_fp8_fields()
+        self._refuse_tis_conflicts()
+        # Map onto TRL's own fields before its __post_init__ validates them.
+        if self.token_tis:
+            self.vllm_importance_sampling_correction = True
+            self.vllm_importance_sampling_mode = "token_truncate"
+            self.vllm_importance_sampling_clip_max = self.tis_cap
+        elif self.tis == "off":
+            self.vllm_importance_sampling_correction = False
+        self._finish_post_init()
+        if self.score_in_training_forward and not self.rollouts_train_within_one_step():
+            raise ValueError(
+                "score_in_training_forward=True takes the trainer's log-probs of a rollout from the training forward, "
+                "which equals a scoring pass before the micro-batches only if every rollout is trained on within one "
+                f"optimizer step: gradient_accumulation_steps={self.gradient_accumulation_steps} must be a multiple "
+                f"of steps_per_generation x num_iterations = {self.steps_per_generation} x {self.num_iterations}. "
+                "Align them, or set score_in_training_forward=False (the scoring pass)."
+            )
+
+    @property
+    def token_tis(self) -> bool:
+        """Whether token-level TIS corrects the rollouts (`tis="token"`, or `"auto"` resolved to it; TRL's fields as
+        token TIS sets them still count as unset, so the answer holds after the mapping)."""
+        return self.tis == "token" or (self.tis == "auto" and not self.trl_is_fields_set())
+
+    def trl_is_fields_set(self) -> list[str]:
+        """TRL's importance-sampling fields set to something else than TRL's defaults or what token TIS sets them to
+        (`name=value` each): where `tis="auto"` leaves the user's settings."""
+        trl_defaults = {f.name: f.default for f in fields(GRPOConfig)}
+        token = {"vllm_importance_sampling_correction": True, "vllm_importance_sampling_mode": "token_truncate",
+                 "vllm_importance_sampling_clip_max": self.tis_cap}  # fmt: skip
+        unset = {name: (trl_defaults.get(name), token.get(name, trl_defaults.get(name))) for name in TRL_IS_FIELDS}
+        return [f"{name}={getattr(self, name)!r}" for name in TRL_IS_FIELDS
+                if hasattr(self, name) and getattr(self, name) not in unset[name]]  # fmt: skip
+
+    def rollouts_train_within_one_step(self) -> bool:
+        """Whether every rollout is trained on within one optimizer step (TRL's condition for not scoring old
+        log-probs), so that the weights a rollout was sampled with are the weights of all its micro-batches."""
+        return self.gradient_accumulation_steps % (self.steps_per_generation * self.num_iterations) == 0
+
+    def _refuse_tis_conflicts(self) -> None:
+        """Raise where TRL's own importance-sampling fields say otherwise than `tis`; warn on a cap nothing uses."""
+        if self.tis == "token":
+            trl_defaults = {f.name: f.default for f in fields(GRPOConfig)}
+            if self.vllm_importance_sampling_correction is False:
+                raise ValueError(
+                    "tis='token' turns TRL's importance-sampling correction on, but "
+                    "vllm_importance_sampling_correction=False turns it off. Drop one of them (tis='off' is the way "
+                    "to say off)."
+                )
+            mode = self.vllm_importance_sampling_mode
+            if mode not in (trl_defaults["vllm_importance_sampling_mode"], "token_truncate"):
+                raise ValueError(
+                    f"tis='token' is TRL's vllm_importance_sampling_mode='token_truncate', but "
+                    f"vllm_importance_sampling_mode={mode!r} is set. Drop one of them."
+                )
+            for name in ("vllm_importance_sampling_clip_max", "vllm_importance_sampling_cap"):
+                value = getattr(self, name, None)
+                if value not in (trl_defaults.get(name), self.tis_cap):
+                    raise ValueError(
+                        f"tis='token' clips the ratio at tis_cap={self.tis_cap}, but {name}={value} is set. Set "
+                        f"tis_cap={value} instead."
+                    )
+        elif self.tis_cap != 2.0 and not self.token_tis:
+            warnings.warn(
+                f"tis_cap={self.tis_cap} has no effect without token TIS (TRL's own correction, if on, clips at "
+                "vllm_importance_sampling_clip_max).",
+                stacklevel=3,
+            )
