@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
 from trl_fp8.checkpoint.folder import replace_checkpoint
 from trl_fp8.checkpoint.names import BASE_LAYER_SUFFIX, checkpoint_names
+from trl_fp8.checkpoint.shards import write_shards
 from trl_fp8.config import BLOCK
 from trl_fp8.distributed import is_sharded, record_fsdp2_compute_dtypes
 from trl_fp8.nn.adapters import (
@@ -244,9 +245,6 @@ def save_fp8_checkpoint(
     checkpoint or the new one whatever happens, and NaN/Inf weights raise before it is touched. A custom-code model
     (`trust_remote_code`) gets its code files, as `save_pretrained` writes them.
     """
-    from safetensors.torch import save_file
-    from tqdm.auto import tqdm
-
     check_adapters_mergeable(model)
     hf_model = unwrap_model(model)
     fp8_modules = fp8_module_names(model) if fp8_modules is None else fp8_modules
@@ -265,40 +263,7 @@ def save_fp8_checkpoint(
     with replace_checkpoint(out, before_swap=before_swap) as tmp:
         _save_custom_code(hf_model, tmp)  # before the config: it adds the `auto_map` entries
         config = checkpoint_config(hf_model, clean_fp8, linear_names, dtype)
-        shards: list[list[str]] = []  # tensor names per written shard, in order
-        shard: dict[str, torch.Tensor] = {}
-        shard_bytes = total_bytes = 0
-
-        def flush(tensors: dict[str, torch.Tensor]) -> None:
-            save_file(tensors, str(tmp / f"part-{len(shards):05d}.safetensors"), metadata={"format": "pt"})
-            shards.append(list(tensors))
-
-        for name, t in tqdm(pairs, desc="Writing FP8 checkpoint", unit="tensor", disable=not progress):
-            is_fp8_part = t.dtype == torch.float8_e4m3fn or name.endswith(".weight_scale_inv")
-            if dtype is not None and t.is_floating_point() and not is_fp8_part:
-                t = t.to(dtype)
-            t = t.to("cpu").contiguous()
-            if t.untyped_storage().nbytes() != t.numel() * t.element_size():
-                t = t.clone()  # a view of a larger buffer (stacked sibling weights): safetensors writes whole storages
-            nbytes = t.numel() * t.element_size()
-            if shard and shard_bytes + nbytes > max_shard_size:
-                flush(shard)
-                shard, shard_bytes = {}, 0
-            shard[name] = t
-            shard_bytes += nbytes
-            total_bytes += nbytes
-        flush(shard)
-        del shard
-        n = len(shards)
-        files = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-        for i, fname in enumerate(files):
-            (tmp / f"part-{i:05d}.safetensors").rename(tmp / fname)
-        if n > 1:
-            index = {
-                "metadata": {"total_size": total_bytes},
-                "weight_map": {name: f for f, names in zip(files, shards, strict=True) for name in names},
-            }
-            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        write_shards(pairs, tmp, max_shard_size=max_shard_size, dtype=dtype, progress=progress)
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
         generation_config = getattr(hf_model, "generation_config", None)
         if generation_config is not None:
