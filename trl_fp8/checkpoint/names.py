@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from trl_fp8.nn.adapters import hf_name, is_adapter_module, tuner_layer_names
+from trl_fp8.nn.checkpoint_tensors import EXPERT_CHECKPOINT_PARTS
 from trl_fp8.nn.experts import EXPERT_WEIGHTS, is_experts_module
 
 __all__ = ["BASE_LAYER_SUFFIX", "EXPERT_CHECKPOINT_PARTS", "CheckpointNames", "checkpoint_names"]
@@ -18,8 +19,6 @@ logger = logging.getLogger(__name__)
 
 # PEFT wraps a layer as `<name>.base_layer` (again for each tuner on it).
 BASE_LAYER_SUFFIX = re.compile(r"(?:\.base_layer)+$")
-# transformers 5 fuses each MoE layer's experts in memory; checkpoints (Hub releases, vLLM's loader) keep them apart.
-EXPERT_CHECKPOINT_PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 
 _CHECKPOINT_NAMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 

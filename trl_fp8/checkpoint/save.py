@@ -3,8 +3,8 @@
 Each FP8 linear layer is stored as `<name>.weight` (float8_e4m3fn, `[N, K]`) and `<name>.weight_scale_inv` (float32,
 `[N/128, K/128]`), taken from the layer's own quantized weight, i.e. the very values its training forward multiplies.
 Everything else (embeddings, norms, lm_head, layers kept in high precision) is stored as is, in `dtype`.
-`fp8_checkpoint_tensors` is the one place that produces these tensors: the exporter writes them to disk and the vLLM
-weight sync streams them to a running engine.
+`fp8_checkpoint_tensors` is the one place that produces these tensors, each layer's from its one per-layer source
+(`nn.checkpoint_tensors`): the exporter writes them to disk and the vLLM weight sync streams them to a running engine.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from torch import nn
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase, ProcessorMixin
 
-from trl_fp8.checkpoint.experts import all_finite, expert_tensors
 from trl_fp8.checkpoint.folder import replace_checkpoint
 from trl_fp8.checkpoint.names import BASE_LAYER_SUFFIX, checkpoint_names
+from trl_fp8.checkpoint.shards import write_shards
 from trl_fp8.config import BLOCK
-from trl_fp8.distributed import gather_whole, is_sharded, record_fsdp2_compute_dtypes
+from trl_fp8.distributed import is_sharded, record_fsdp2_compute_dtypes
 from trl_fp8.nn.adapters import (
     check_adapters_mergeable,
     hf_name,
@@ -35,10 +35,10 @@ from trl_fp8.nn.adapters import (
     tuner_layer_names,
     unwrap_model,
 )
+from trl_fp8.nn.checkpoint_tensors import checkpoint_tensors
 from trl_fp8.nn.conversion import FUSED_GROUPS, is_fp8_linear, plan_fp8_conversion, router_module_names
 from trl_fp8.nn.experts import EXPERT_WEIGHTS, is_experts_module
-from trl_fp8.nn.linear import FP8Linear
-from trl_fp8.quantization import quantize_blocks
+from trl_fp8.recipe import DEFAULT_RECIPE, BlockwiseRecipe
 
 __all__ = [
     "QUANTIZATION_CONFIG",
@@ -74,28 +74,28 @@ def fp8_checkpoint_tensors(
     model: nn.Module,
     *,
     fp8_modules: set[str] | None = None,
-    power_of_two_scales: bool = False,
+    recipe: BlockwiseRecipe = DEFAULT_RECIPE,
     check_finite: bool = True,
     dtype: torch.dtype | None = None,
     skip_experts: frozenset[str] | set[str] = frozenset(),
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(name, tensor)` pairs of the block-FP8 checkpoint of `model`, in transformers names, on its device.
 
-    FP8 layers yield `name.weight` and `name.weight_scale_inv`. An `FP8Linear` without an adapter yields its cached
-    quantized weight (bit for bit what its forward uses); a layer with a PEFT adapter yields its weight merged by
-    PEFT's own `merge` (`adapters.merged_base_parameters`: LoRA, DoRA, LoHa, IA3, ...; LoRA on experts through
-    `target_parameters`) and quantized by the same quantizer; high-precision layers planned for FP8 are quantized here
-    too. Experts layers yield one tensor per expert and projection (`_expert_tensors`). Adapter tensors themselves
-    are never yielded; adapters that cannot be merged (prompt tuning, ...) raise naming their type.
-    `fp8_modules=set()` gives the plain high-precision checkpoint (adapters still merged). `dtype` casts the
-    high-precision tensors (the FP8 weights and their float32 scales are never cast). `skip_experts`: experts layers
-    (transformers names) whose weights are left out (a sync that writes them another way, `vllm_experts`).
+    Walks the state dict and asks each tensor's layer what it contributes (`nn.checkpoint_tensors`: FP8 weights with
+    their `weight_scale_inv`, experts per expert, the rest as is); decided here: which layers are FP8, the names,
+    the tied lm_head (left out: vLLM and transformers re-tie it), and PEFT adapters, whose tensors are never yielded
+    but merged into their layer's by PEFT's own `merge` (`adapters.merged_base_parameters`: LoRA, DoRA, LoHa, IA3,
+    ...; LoRA on experts through `target_parameters`); adapters that cannot be merged (prompt tuning, ...) raise
+    naming their type. `fp8_modules=set()` gives the plain high-precision checkpoint (adapters still merged).
+    `recipe`: the block shape and scale rounding of layers quantized here (FP8 layers keep their own rounding).
+    `dtype` casts the high-precision tensors. `skip_experts`: experts layers (transformers names) whose weights are
+    left out (a sync that writes them another way, `vllm_experts`).
     """
     check_adapters_mergeable(model)
     hf_model = unwrap_model(model)
     record_fsdp2_compute_dtypes(hf_model)  # FSDP2: each FP8 weight is quantized from the dtype its forward sees
     modules = dict(hf_model.named_modules())
-    tuners = set(tuner_layer_names(hf_model))
+    merged = _MergedTuners(modules, tuner_layer_names(hf_model))
     fp8_modules = fp8_module_names(model) if fp8_modules is None else fp8_modules
     # Compare in transformers names: the set may have been taken before PEFT wrapped the layers (`q_proj`) while the
     # state dict is read after (`q_proj.base_layer`), or the other way round.
@@ -103,63 +103,40 @@ def fp8_checkpoint_tensors(
     tie = bool(getattr(getattr(hf_model, "config", None), "tie_word_embeddings", False))
     names = checkpoint_names(hf_model)
     seen_storage: set[int] = set()
-    merged: tuple[str, dict[str, torch.Tensor]] | None = None  # one tuner layer's merged parameters at a time
     for key, tensor in hf_model.state_dict().items():
-        if is_adapter_module(key, tuners):
+        if is_adapter_module(key, merged.tuners):
             continue
         prefix, _, leaf = key.rpartition(".")
-        name = hf_name(key)
-        sharded = is_sharded(tensor)
-        storage = (tensor.to_local() if sharded else tensor).data_ptr()
+        storage = (tensor.to_local() if is_sharded(tensor) else tensor).data_ptr()
         if tie and storage in seen_storage:
             continue  # the tied lm_head: vLLM and transformers re-tie it from the embedding
         seen_storage.add(storage)
-        experts = leaf in EXPERT_WEIGHTS and is_experts_module(modules[prefix])
-        if experts and hf_name(prefix) in skip_experts:
+        module, layer = modules[prefix], hf_name(prefix)
+        if layer in skip_experts and leaf in EXPERT_WEIGHTS and is_experts_module(module):
             continue
-        tuner = BASE_LAYER_SUFFIX.sub("", prefix) if BASE_LAYER_SUFFIX.search(prefix) else None
-        merged_tensor = None
-        if tuner in tuners:
-            if merged is None or merged[0] != tuner:
-                merged = (tuner, merged_base_parameters(modules[tuner]))
-            merged_tensor = merged[1].get(leaf)
-        if experts:  # LoRA's `target_parameters` on the experts: the merged weight, as for a linear layer
-            weight = getattr(modules[prefix], leaf) if merged_tensor is None else merged_tensor
-            fp8 = hf_name(prefix) in fp8_modules
-            yield from expert_tensors(modules[prefix], name, leaf, weight, fp8, names, power_of_two_scales,
-                                       check_finite, dtype)  # fmt: skip
-            continue
-        if leaf != "weight" or hf_name(prefix) not in fp8_modules:
-            if merged_tensor is not None:
-                tensor = merged_tensor
-            elif sharded:  # FSDP2: one whole tensor at a time, gathered by every rank in the same order
-                tensor = gather_whole(tensor, dtype)
-            if check_finite and tensor.is_floating_point() and not torch.isfinite(tensor).all():
-                raise ValueError(f"{name} holds NaN or Inf values; refusing to write a corrupt checkpoint.")
-            tensor = tensor.detach()
-            yield names.tensor(name), tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
-            continue
-        module = modules[prefix]
-        if isinstance(module, FP8Linear) and merged_tensor is None:
-            q, scale_inv = module.quantized_weight()  # FSDP2: gathered and quantized there
-            weight = module.weight
-        else:
-            if sharded and merged_tensor is None:
-                raise NotImplementedError(
-                    f"{name}: exporting a sharded (FSDP2) layer that is not an FP8Linear is not supported; convert "
-                    "the model with convert_to_fp8 before sharding."
-                )
-            weight = module.weight.detach() if merged_tensor is None else merged_tensor
-            # An adapter-wrapped FP8 layer keeps its own scale rounding for the merged weight.
-            pow2 = module.fp8_config.power_of_two_scales if isinstance(module, FP8Linear) else power_of_two_scales
-            q, scale_inv = quantize_blocks(weight, power_of_two_scales=pow2)
-        if check_finite and not all_finite(weight):
-            raise ValueError(
-                f"{name} holds NaN or Inf values; refusing to write a corrupt FP8 checkpoint. The training run "
-                "diverged: lower the learning rate or resume from an earlier checkpoint."
-            )
-        yield names.tensor(name), q
-        yield names.tensor(name) + "_scale_inv", scale_inv
+        yield from checkpoint_tensors(module, hf_name(key), tensor, merged=merged.get(prefix, leaf),
+                                      fp8=layer in fp8_modules, recipe=recipe, names=names, check_finite=check_finite,
+                                      dtype=dtype)  # fmt: skip
+
+
+class _MergedTuners:
+    """The parameters of PEFT tuner layers with their adapters merged, one tuner layer at a time (the state dict
+    lists a layer's tensors together)."""
+
+    def __init__(self, modules: dict[str, nn.Module], tuners: list[str]):
+        self.modules, self.tuners = modules, set(tuners)
+        self._current: tuple[str, dict[str, torch.Tensor]] | None = None
+
+    def get(self, prefix: str, leaf: str) -> torch.Tensor | None:
+        """The merged `leaf` of the base layer at `prefix` (`<tuner>.base_layer`), or None outside a tuner."""
+        if not BASE_LAYER_SUFFIX.search(prefix):
+            return None
+        tuner = BASE_LAYER_SUFFIX.sub("", prefix)
+        if tuner not in self.tuners:
+            return None
+        if self._current is None or self._current[0] != tuner:
+            self._current = (tuner, merged_base_parameters(self.modules[tuner]))
+        return self._current[1].get(leaf)
 
 
 def check_fused_groups(fp8_modules: set[str], linear_names: set[str]) -> None:
@@ -268,9 +245,6 @@ def save_fp8_checkpoint(
     checkpoint or the new one whatever happens, and NaN/Inf weights raise before it is touched. A custom-code model
     (`trust_remote_code`) gets its code files, as `save_pretrained` writes them.
     """
-    from safetensors.torch import save_file
-    from tqdm.auto import tqdm
-
     check_adapters_mergeable(model)
     hf_model = unwrap_model(model)
     fp8_modules = fp8_module_names(model) if fp8_modules is None else fp8_modules
@@ -278,7 +252,8 @@ def save_fp8_checkpoint(
     clean_fp8 = {hf_name(n) for n in fp8_modules}
     check_fused_groups(clean_fp8, linear_names)
 
-    pairs = fp8_checkpoint_tensors(model, fp8_modules=fp8_modules, power_of_two_scales=power_of_two_scales)
+    recipe = BlockwiseRecipe(power_of_two_scales=power_of_two_scales)
+    pairs = fp8_checkpoint_tensors(model, fp8_modules=fp8_modules, recipe=recipe)
     out = Path(output_dir)
     if not write:
         for _ in pairs:  # take part in the gathers
@@ -288,40 +263,7 @@ def save_fp8_checkpoint(
     with replace_checkpoint(out, before_swap=before_swap) as tmp:
         _save_custom_code(hf_model, tmp)  # before the config: it adds the `auto_map` entries
         config = checkpoint_config(hf_model, clean_fp8, linear_names, dtype)
-        shards: list[list[str]] = []  # tensor names per written shard, in order
-        shard: dict[str, torch.Tensor] = {}
-        shard_bytes = total_bytes = 0
-
-        def flush(tensors: dict[str, torch.Tensor]) -> None:
-            save_file(tensors, str(tmp / f"part-{len(shards):05d}.safetensors"), metadata={"format": "pt"})
-            shards.append(list(tensors))
-
-        for name, t in tqdm(pairs, desc="Writing FP8 checkpoint", unit="tensor", disable=not progress):
-            is_fp8_part = t.dtype == torch.float8_e4m3fn or name.endswith(".weight_scale_inv")
-            if dtype is not None and t.is_floating_point() and not is_fp8_part:
-                t = t.to(dtype)
-            t = t.to("cpu").contiguous()
-            if t.untyped_storage().nbytes() != t.numel() * t.element_size():
-                t = t.clone()  # a view of a larger buffer (stacked sibling weights): safetensors writes whole storages
-            nbytes = t.numel() * t.element_size()
-            if shard and shard_bytes + nbytes > max_shard_size:
-                flush(shard)
-                shard, shard_bytes = {}, 0
-            shard[name] = t
-            shard_bytes += nbytes
-            total_bytes += nbytes
-        flush(shard)
-        del shard
-        n = len(shards)
-        files = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-        for i, fname in enumerate(files):
-            (tmp / f"part-{i:05d}.safetensors").rename(tmp / fname)
-        if n > 1:
-            index = {
-                "metadata": {"total_size": total_bytes},
-                "weight_map": {name: f for f, names in zip(files, shards, strict=True) for name in names},
-            }
-            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        write_shards(pairs, tmp, max_shard_size=max_shard_size, dtype=dtype, progress=progress)
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
         generation_config = getattr(hf_model, "generation_config", None)
         if generation_config is not None:

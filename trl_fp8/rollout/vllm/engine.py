@@ -21,6 +21,7 @@ from trl_fp8.checkpoint.save import (
     unwrap_model,
 )
 from trl_fp8.config import check_rollout_precision
+from trl_fp8.recipe import BlockwiseRecipe
 from trl_fp8.rollout.vllm._compat import engine_worker, online_fp8_quantization
 from trl_fp8.rollout.vllm.kernels import (
     FP8_KV_ATTENTION_BACKEND,
@@ -69,7 +70,7 @@ def rollout_weight_tensors(
     yield from fp8_checkpoint_tensors(
         model,
         fp8_modules=fp8_modules if rollout_precision == "fp8" else set(),
-        power_of_two_scales=power_of_two_scales,
+        recipe=BlockwiseRecipe(power_of_two_scales=power_of_two_scales),
         check_finite=False,
         dtype=torch.bfloat16,
         skip_experts=skip_experts,
