@@ -230,6 +230,18 @@ def model_dir(args) -> Path:
     return Path(args.workdir) / f"model_{args.shape}_{model_positions(args.prompt_len, args.completion_len)}"
 
 
+def choice_record(choice, key: str) -> dict | None:
+    """A plan's `Choice` as the results record it: its value under `key` ("on", "cache", "sync_each_batch"), its
+    reason and whether the trainer made it; the weight cache adds `with_grad`. None for no choice."""
+    if choice is None:
+        return None
+    value = choice.value
+    record = {key: bool(value), "reason": choice.reason, "automatic": choice.automatic}
+    if hasattr(value, "with_grad"):
+        record["with_grad"] = value.with_grad
+    return record
+
+
 def fp8_cache_with_grad(model) -> bool | None:
     """Whether the model's FP8 layers keep their weight cache through the micro-batches (False: held for scoring and
     the sync only; None: no blockwise FP8 layer)."""
@@ -451,6 +463,7 @@ def run_one(args) -> None:
                   "scoring_s": [t - r - w for t, r, w in zip(per_step("score"), rollout_s, sync_s, strict=True)],
                   "optimizer_s": per_step("optimizer")}  # fmt: skip
     keep = median_steps(args.steps, args.warmup, args.profile_step)
+    plan = getattr(trainer, "plan", None)  # FP8 trainers' start-up decisions (TRL's own trainers have none)
     row = {
         "name": args.run,
         "trainer": trainer_kind,
@@ -460,14 +473,14 @@ def run_one(args) -> None:
         "fp8_kv_cache": bool(trainer.args.fp8_kv_cache) if fp8_kv is None else fp8_kv,
         "fp8_backend": gemm_backend,
         "fp8_cache_weights": cache_weights,
-        # the trainer's choice where fp8_cache_weights is None (FP8GRPOTrainer.fp8_weight_cache)
-        "fp8_weight_cache": vars(choice) if (choice := getattr(trainer, "fp8_weight_cache", None)) else None,
+        # the trainer's choice where fp8_cache_weights is None (FP8GRPOTrainer.plan.fp8_weight_cache)
+        "fp8_weight_cache": choice_record(plan and plan.fp8_weight_cache, "cache"),
         # FSDP2 with gradient accumulation: whether every micro-batch reduce-scattered, and why (the trainer's choice)
-        "fsdp2_gradient_sync": vars(choice) if (choice := getattr(trainer, "fsdp2_gradient_sync", None)) else None,
+        "fsdp2_gradient_sync": choice_record(plan and plan.fsdp2_gradient_sync, "sync_each_batch"),
         "fp8_options": RUN_OPTIONS.get(args.run, {}),
-        # Liger's kernels as the trainer settled them (FP8GRPOTrainer.liger_kernels; TRL's runs: their option)
-        "liger_kernels": vars(choice)
-        if (choice := getattr(trainer, "liger_kernels", None))
+        # Liger's kernels as the trainer settled them (FP8GRPOTrainer.plan.liger_kernels; TRL's runs: their option)
+        "liger_kernels": choice_record(plan.liger_kernels, "on")
+        if plan
         else {"on": bool(trainer.args.use_liger_kernel), "automatic": False},
         "step_time": step_medians(per_step_s, keep),  # over measured.median_steps
         "per_step": per_step_s,

@@ -25,6 +25,7 @@ from collections import Counter
 
 from trl_fp8.cli.argtypes import memory_share, non_negative_int, positive_float, positive_int
 from trl_fp8.cli.hub import first_line, load_model_config
+from trl_fp8.plan.micro_batch import SPEEDS_IN_THE_DOCS, dense_hidden_size, larger_micro_batch
 from trl_fp8.rollout.capacity import (
     FP8_CACHE_HEADROOM,
     GPU_MEMORY_BYTES,
@@ -41,7 +42,6 @@ from trl_fp8.rollout.capacity import (
     trainer_peak_bytes,
     training_phase_bytes,
 )
-from trl_fp8.trainer.micro_batch import SPEEDS_IN_THE_DOCS, dense_hidden_size, larger_micro_batch
 from trl_fp8.trainer.requirements import is_bitsandbytes_optimizer
 
 # (name, FP8 weights, FP8 KV cache). The BF16 flow is TRL's own GRPOTrainer, the FP8 flows trl-fp8's FP8GRPOTrainer.
@@ -402,7 +402,7 @@ def _flow_row(
 
 
 def _micro_batch_line(args, model_config, shape, total: int, seq_len: int) -> str:
-    """Where FP8 training of this model would wait for the host at --micro_batch (`trainer.micro_batch`, the note
+    """Where FP8 training of this model would wait for the host at --micro_batch (`plan.micro_batch`, the note
     FP8GRPOTrainer prints at start-up): the larger micro-batch that keeps a step's sequences, and what the FP8 flows
     hold with it. Empty where the note does not apply."""
     steps = _accumulation_steps(args)
@@ -426,7 +426,7 @@ def _micro_batch_line(args, model_config, shape, total: int, seq_len: int) -> st
 
 
 def _default_kv_cache_line(fp8_weights_only, sequences: int, seq_len: int) -> str:
-    """The KV cache FP8GRPOTrainer chooses with `fp8_kv_cache` unset (`trainer.memory.choose_fp8_kv_cache`, on
+    """The KV cache FP8GRPOTrainer chooses with `fp8_kv_cache` unset (`plan.choices.choose_fp8_kv_cache`, on
     Hopper, colocated, with importance sampling): FP8 where a BF16 cache beside FP8 weights cannot hold a rollout's
     sequences at once. (The trainer, which does not know the prompts at start-up, counts the completions alone.)"""
     held = f"a BF16 KV cache beside FP8 weights holds {fp8_weights_only.sequences} sequences of {seq_len:,} tokens"

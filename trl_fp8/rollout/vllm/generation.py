@@ -36,7 +36,7 @@ from trl_fp8.checkpoint.save import fp8_module_names
 from trl_fp8.config import check_rollout_precision, check_vllm_version
 from trl_fp8.nn.adapters import unwrap_model
 from trl_fp8.nn.linear import release_fp8_weight_caches
-from trl_fp8.rollout.kv_scales import AttentionScaleObserver
+from trl_fp8.plan.run_plan import RolloutSettings
 from trl_fp8.rollout.stats import RolloutStats, engine_kv_cache_tokens
 from trl_fp8.rollout.vllm import act_quant
 from trl_fp8.rollout.vllm._compat import shutdown_engine
@@ -85,7 +85,8 @@ __all__ = ["FP8VLLMGeneration", "check_rollout_class"]
 class FP8VLLMGeneration(VLLMGeneration):
     """TRL's vLLM generation whose rollouts run on the trainer's own FP8 weights (see the module docstring).
 
-    Extra keyword arguments on top of `VLLMGeneration`'s:
+    Takes `VLLMGeneration`'s arguments plus `settings`, the run plan's `RolloutSettings` (default: its defaults),
+    whose fields are:
 
     Args:
         rollout_precision: "fp8", "bf16" or "fp8_online".
@@ -107,21 +108,14 @@ class FP8VLLMGeneration(VLLMGeneration):
         token_ids_only: a colocated engine returns token ids and log-probs only, no text (`sampling.py`).
     """
 
-    def __init__(
-        self,
-        *args,
-        rollout_precision: str = "fp8",
-        fp8_modules: set[str] | None = None,
-        power_of_two_scales: bool = False,
-        kv_observer: AttentionScaleObserver | None = None,
-        fp8_backend: str = "auto",
-        fp8_moe_backend: str = "auto",
-        act_quant_kernel: str = "auto",
-        jit_cache_dir: str | None = None,
-        deepgemm_workers: int | None = None,
-        token_ids_only: bool = True,
-        **kwargs,
-    ):
+    def __init__(self, *args, settings: RolloutSettings | None = None, **kwargs):
+        settings = RolloutSettings() if settings is None else settings
+        rollout_precision, fp8_modules = settings.rollout_precision, settings.fp8_modules
+        fp8_backend, fp8_moe_backend = settings.fp8_backend, settings.fp8_moe_backend
+        act_quant_kernel, jit_cache_dir = settings.act_quant_kernel, settings.jit_cache_dir
+        deepgemm_workers, token_ids_only = settings.deepgemm_workers, settings.token_ids_only
+        power_of_two_scales, kv_observer = settings.power_of_two_scales, settings.kv_observer
+        self.settings = settings
         self.rollout_precision = check_rollout_precision(rollout_precision)
         self.fp8_backend, self.fp8_moe_backend = fp8_backend, fp8_moe_backend
         self.act_quant_kernel = act_quant_kernel
