@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from trl_fp8.cli.main import main as cli
+from trl_fp8.plan.memory import trainer_memory_bytes
 from trl_fp8.rollout.capacity import (
     GPU_MEMORY_BYTES,
     GiB,
     ModelShape,
     kv_bytes_per_token,
     rollout_capacity,
-    trainer_memory_bytes,
     weight_bytes,
 )
 

@@ -98,7 +98,8 @@ H100_BYTES = 85_017_493_504
 def planner_phases(args) -> tuple[float, float]:
     """`(micro-batches, scoring)`: the bytes one GPU holds in the planner's account (vLLM asleep) while training on
     micro-batches without the FP8 weight cache, and while scoring rollouts with it (no gradients, no activations)."""
-    from trl_fp8.rollout.capacity import ModelShape, trainer_memory_per_gpu, vllm_overhead_bytes
+    from trl_fp8.plan.memory import trainer_memory_per_gpu
+    from trl_fp8.rollout.capacity import ModelShape, vllm_overhead_bytes
 
     shape = ModelShape.from_config(qwen3_8b_config())
     parts = trainer_memory_per_gpu(shape, num_processes=args.world_size, optim=args.optim, fp8_weight_cache=True,
@@ -122,7 +123,7 @@ def test_weight_cache_is_dropped_where_the_planner_says_scoring_with_it_would_cr
     the micro-batches' own peak, so that it never raises a crowded GPU's peak. Micro-batches of 16, which put the
     cache above 90% of an 80 GB GPU when it stayed through them, keep it now: their peak holds none of it."""
     from trl_fp8.plan.choices import choose_fp8_weight_cache
-    from trl_fp8.rollout.capacity import FP8_CACHE_HEADROOM
+    from trl_fp8.plan.memory import FP8_CACHE_HEADROOM
 
     args = run_args(tmp_path, world_size, per_device_train_batch_size=micro_batch)
     choice = choose_fp8_weight_cache(qwen3_8b_config(), args, total_bytes=total_bytes)

@@ -19,7 +19,9 @@ from __future__ import annotations
 import torch
 
 from trl_fp8.config import BLOCKWISE
+from trl_fp8.plan import memory
 from trl_fp8.plan.choice import Choice, WeightCache
+from trl_fp8.rollout import capacity
 
 __all__ = [
     "LIGER_DENSE_MODEL_TYPES",
@@ -88,12 +90,10 @@ def _planned_training(
     prints it): `(the trainer's parts, what vLLM holds beside them, the phase's bytes, the optimizer counted)`.
     `launch`: `trainer_memory_per_gpu`'s launch options. An optimizer the planner does not model counts as
     adamw_torch; beside the trainer, vLLM's share, or what it keeps asleep in sleep mode. `cache_with_grad`: whether
-    the FP8 weight cache stays through the micro-batches (`capacity.training_phase_bytes`)."""
-    from trl_fp8.rollout import capacity
-
+    the FP8 weight cache stays through the micro-batches (`memory.training_phase_bytes`)."""
     optim = str(getattr(args.optim, "value", args.optim))
-    counted = optim if optim in capacity.OPTIMIZER_STATE_BYTES else "adamw_torch"
-    parts = capacity.trainer_memory_per_gpu(
+    counted = optim if optim in memory.OPTIMIZER_STATE_BYTES else "adamw_torch"
+    parts = memory.trainer_memory_per_gpu(
         shape, num_processes=processes, optim=counted, micro_batch=args.per_device_train_batch_size,
         seq_len=start_up_sequence_tokens(args),
         gradient_checkpointing=bool(args.gradient_checkpointing), **launch,
@@ -102,7 +102,7 @@ def _planned_training(
     vllm = {"share_bytes": args.vllm_gpu_memory_utilization * total_bytes if colocated else 0.0,
             "sleep_mode": colocated and args.vllm_enable_sleep_mode,
             "max_num_seqs": max(1, args.generation_batch_size // processes) if colocated else 0}  # fmt: skip
-    training = capacity.training_phase_bytes(parts, shape, **vllm, cache_with_grad=cache_with_grad)
+    training = memory.training_phase_bytes(parts, shape, **vllm, cache_with_grad=cache_with_grad)
     return parts, vllm, training, counted
 
 
@@ -119,7 +119,6 @@ def choose_fp8_weight_cache(model_config, args, *, lora: bool = False, total_byt
     scoring only, the micro-batches' peak is BF16's. Under FSDP2 it is never kept (it would undo the sharding).
     `total_bytes`: the GPU's memory (read from `args.device` when None; no GPU: no limit to respect)."""
     from trl_fp8.distributed import weight_sharding
-    from trl_fp8.rollout import capacity
 
     if args.fp8_cache_weights is not None:
         return Choice(WeightCache(args.fp8_cache_weights), "set by fp8_cache_weights", automatic=False)
@@ -142,13 +141,13 @@ def choose_fp8_weight_cache(model_config, args, *, lora: bool = False, total_byt
     numbers = (f"the planner puts one GPU's training phase at {peak / gib:.1f} GiB with the cache "
                f"({cache / gib:.1f} GiB) held while scoring the rollouts and let go in the micro-batches, of "
                f"{total_bytes / gib:.1f} GiB" + ("" if counted == optim else f", {optim} counted as adamw_torch"))  # fmt: skip
-    if capacity.keeps_fp8_weight_cache(parts, shape, total_bytes, **vllm):
+    if memory.keeps_fp8_weight_cache(parts, shape, total_bytes, **vllm):
         # the micro-batches quantize every weight at each forward; the trade the other way is one byte a weight
         return Choice(WeightCache(True), f"{numbers}; fp8_cache_weights=True keeps it through the micro-batches "
                       "too (fewer quantizations, that much more memory at the training peak)")  # fmt: skip
     return Choice(
         WeightCache(False),
-        f"{numbers}: scoring with it would pass {capacity.FP8_CACHE_HEADROOM:.0%} of the GPU and set the peak, so "
+        f"{numbers}: scoring with it would pass {memory.FP8_CACHE_HEADROOM:.0%} of the GPU and set the peak, so "
         "weights are quantized at every forward instead (a few percent of the training phase); set "
         "fp8_cache_weights=True to keep it anyway",
     )
@@ -167,7 +166,6 @@ def choose_fsdp2_gradient_sync(
     accelerate's default stays. None where there is nothing to choose: no FSDP2, one process, one micro-batch a step,
     or no GPU to size. `total_bytes`: the GPU's memory (read from `args.device` when None)."""
     from trl_fp8.distributed import weight_sharding
-    from trl_fp8.rollout import capacity
 
     processes = num_processes or max(1, args.world_size)
     if weight_sharding(args) != "FSDP2" or processes == 1 or args.gradient_accumulation_steps <= 1:
@@ -188,12 +186,12 @@ def choose_fsdp2_gradient_sync(
     numbers = (f"with {args.gradient_accumulation_steps} micro-batches a step FSDP2 keeps the whole model's gradients "
                f"in BF16 between them ({whole / gib:.1f} GiB a GPU), which puts one GPU's training at "
                f"{training / gib:.1f} of {total_bytes / gib:.1f} GiB by the planner's account")  # fmt: skip
-    if training <= capacity.FSDP2_GRADIENTS_HEADROOM * total_bytes:
+    if training <= memory.FSDP2_GRADIENTS_HEADROOM * total_bytes:
         return Choice(False, f"{numbers}; accelerator_config={{'gradient_accumulation_kwargs': "
                                   "{'sync_each_batch': True}} would keep them sharded")  # fmt: skip
     return Choice(
         True,
-        f"{numbers}, above {capacity.FSDP2_GRADIENTS_HEADROOM:.0%}: every micro-batch reduce-scatters them instead (set "
+        f"{numbers}, above {memory.FSDP2_GRADIENTS_HEADROOM:.0%}: every micro-batch reduce-scatters them instead (set "
         "accelerator_config={'gradient_accumulation_kwargs': {'sync_each_batch': False}} to keep accelerate's default)",
     )
 
@@ -213,8 +211,6 @@ def choose_fp8_kv_cache(
     `max_completion_length` (the prompts are not known before the first rollout, whose log line says whether the
     cache bound). `total_bytes` and `capability`: the GPU's memory and compute capability (read from `args.device`
     when None)."""
-    from trl_fp8.rollout import capacity
-
     if args.fp8_kv_cache is not None:
         return Choice(bool(args.fp8_kv_cache), "set by fp8_kv_cache", automatic=False)
     if not args.use_vllm:
