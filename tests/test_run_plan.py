@@ -3,6 +3,8 @@
 import copy
 import dataclasses
 
+import pytest
+
 from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer
 from trl_fp8.demo.tiny_model import tiny_char_tokenizer, tiny_qwen3, tiny_qwen3_config
 from trl_fp8.demo.toy_task import GRPO_SETTINGS, say_letter_dataset, say_letter_reward
@@ -47,3 +49,37 @@ def test_the_plan_is_made_from_the_settings_and_the_config_alone(fake_vllm, tmp_
     assert first.rollout == RolloutSettings(fp8_backend="triton", token_ids_only=args.vllm_token_ids_only)
     assert first.fp8_kv_cache == Choice(False, "training on cpu: vLLM's FP8 attention needs a Hopper GPU")
     assert first.start_up_lines(args) == ["FP8 KV cache off: training on cpu: vLLM's FP8 attention needs a Hopper GPU"]
+
+
+def _qwen3_8b_config():
+    from transformers import Qwen3Config
+
+    return Qwen3Config(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                       num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False)  # fmt: skip
+
+
+@pytest.mark.parametrize("generation_batch", [16, 256])  # a rollout the BF16 KV cache holds, and one it does not
+def test_trl_fp8_plan_says_the_choices_the_trainers_plan_makes(fake_vllm, tmp_path, capsys, generation_batch):
+    """For the same model and settings on the same GPU (H100, Hopper), `trl-fp8 plan` reports the trainer's own
+    choices: the FP8 KV cache with its reason (one code path, `plan.choices.choose_fp8_kv_cache`) and whether the
+    FP8 weight cache stays. The trainer counts the completions alone: the planner is given no prompt tokens here."""
+    from trl_fp8.cli.main import main as cli
+    from trl_fp8.plan.choices import HOPPER
+    from trl_fp8.rollout.capacity import GPU_MEMORY_BYTES
+
+    config = _qwen3_8b_config()
+    config.save_pretrained(tmp_path / "model")
+    assert cli(["plan", str(tmp_path / "model"), "--gpu", "H100", "--prompt_len", "0", "--completion_len", "2048",
+                "--generation_batch", str(generation_batch), "--micro_batch", "8"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    args = FP8GRPOConfig(output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, use_vllm=True,
+                         vllm_mode="colocate", max_completion_length=2048, generation_batch_size=generation_batch,
+                         per_device_train_batch_size=8, num_generations=8, vllm_gpu_memory_utilization=0.3,
+                         gradient_checkpointing=True, optim="adamw_torch")  # fmt: skip
+    plan = FP8RunPlan.build(args, config, total_bytes=GPU_MEMORY_BYTES["H100"], capability=HOPPER)
+    kv = plan.fp8_kv_cache
+    assert kv.automatic and kv.on is (generation_batch == 256)
+    assert f"KV cache with fp8_kv_cache unset: {'FP8' if kv.on else 'BF16'} on Hopper, {kv.reason}." in out
+    assert ("FP8: without the FP8 weight cache" in out or "FP8 and FP8 + FP8 KV: without" in out) is not (
+        plan.fp8_weight_cache.value.cache
+    )

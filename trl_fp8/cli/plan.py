@@ -25,6 +25,7 @@ from collections import Counter
 
 from trl_fp8.cli.argtypes import memory_share, non_negative_int, positive_float, positive_int
 from trl_fp8.cli.hub import first_line, load_model_config
+from trl_fp8.plan.choices import HOPPER, choose_fp8_kv_cache
 from trl_fp8.plan.memory import (
     FP8_CACHE_HEADROOM,
     FSDP2_OPTIM,
@@ -138,8 +139,7 @@ def run(args: argparse.Namespace) -> int:
               f"FP8GRPOTrainer drops where the training phase with it would pass {FP8_CACHE_HEADROOM:.0%} of the GPU "
               "(fp8_cache_weights=None; True keeps it).")  # fmt: skip
     if not no_fp8_layer:  # the FP8 flows' own notes
-        fp8_weights_only = rows[[(w, kv) for _, w, kv in FLOWS].index((True, False))][0]
-        print(_default_kv_cache_line(fp8_weights_only, _planned(args).engine_batch, seq_len))
+        print(_default_kv_cache_line(args, model_config, total, seq_len))
         if line := _micro_batch_line(args, model_config, shape, total, seq_len):
             print(line)
     best_fits = [f"{name} {fit[0]:.2f} ({fit[1].kv_tokens:,} KV tokens, {fit[1].sequences} sequences at once)" if fit
@@ -360,15 +360,13 @@ def _micro_batch_line(args, model_config, shape, total: int, seq_len: int) -> st
             f"there: {held}.")  # fmt: skip
 
 
-def _default_kv_cache_line(fp8_weights_only, sequences: int, seq_len: int) -> str:
-    """The KV cache FP8GRPOTrainer chooses with `fp8_kv_cache` unset (`plan.choices.choose_fp8_kv_cache`, on
-    Hopper, colocated, with importance sampling): FP8 where a BF16 cache beside FP8 weights cannot hold a rollout's
-    sequences at once. (The trainer, which does not know the prompts at start-up, counts the completions alone.)"""
-    held = f"a BF16 KV cache beside FP8 weights holds {fp8_weights_only.sequences} sequences of {seq_len:,} tokens"
-    if fp8_weights_only.sequences >= sequences:
-        return f"KV cache with fp8_kv_cache unset: BF16 ({held}: a rollout's {sequences} all fit at once)."
-    return (f"KV cache with fp8_kv_cache unset: FP8 on Hopper with importance sampling ({held} at once, a rollout "
-            f"{sequences}; fp8_kv_cache=False keeps BF16).")  # fmt: skip
+def _default_kv_cache_line(args, model_config, total: int, seq_len: int) -> str:
+    """The KV cache FP8GRPOTrainer chooses with `fp8_kv_cache` unset, on Hopper, colocated, with importance sampling:
+    the trainer's own choice (`plan.choices.choose_fp8_kv_cache`) for these settings, its sequences of prompt +
+    completion tokens (the trainer, which does not know the prompts at start-up, counts the completions alone)."""
+    settings = _planned(args).trainer_settings(seq_len)
+    choice = choose_fp8_kv_cache(model_config, settings, total_bytes=total, capability=HOPPER)
+    return f"KV cache with fp8_kv_cache unset: {'FP8' if choice.on else 'BF16'} on Hopper, {choice.reason}."
 
 
 def _several_gpus_footnote(args) -> str:

@@ -24,6 +24,7 @@ from trl_fp8.plan.choice import Choice, WeightCache
 from trl_fp8.rollout import capacity
 
 __all__ = [
+    "HOPPER",
     "LIGER_DENSE_MODEL_TYPES",
     "choose_fp8_kv_cache",
     "choose_fp8_weight_cache",
@@ -69,6 +70,9 @@ def choose_liger_kernels(model_type: str | None, args, *, cuda: bool) -> Choice:
     if args.fp8_fuse_swiglu:
         reason += " (SwiGLU left to fp8_fuse_swiglu)"
     return Choice(True, reason + "; use_liger_kernel=False turns them off")
+
+
+HOPPER = (9, 0)  # the compute capability of vLLM's FP8 attention (FlashAttention-3)
 
 
 def start_up_sequence_tokens(args) -> int | None:
@@ -228,7 +232,7 @@ def choose_fp8_kv_cache(
         if device.type != "cuda":
             return Choice(False, f"training on {device.type}: vLLM's FP8 attention needs a Hopper GPU")
         capability = torch.cuda.get_device_capability(device)
-    if tuple(capability) != (9, 0):
+    if tuple(capability) != HOPPER:
         return Choice(False, f"vLLM's FP8 attention (FlashAttention-3) runs on Hopper (sm90), this GPU is "
                              f"sm{capability[0]}{capability[1]}")  # fmt: skip
     try:

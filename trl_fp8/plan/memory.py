@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import types
 from dataclasses import dataclass
 
 from trl_fp8.rollout.capacity import GiB, ModelShape, RolloutCapacity, rollout_capacity, vllm_overhead_bytes
@@ -268,6 +269,23 @@ class PlannedRun:
 
     def replace(self, **changes) -> PlannedRun:
         return dataclasses.replace(self, **changes)
+
+    def trainer_settings(self, seq_len: int) -> types.SimpleNamespace:
+        """The FP8GRPOConfig fields the run's choices (`trl_fp8.plan.choices`) read, for FP8GRPOTrainer colocated
+        with vLLM with importance sampling on one GPU of `num_processes` (DDP), its sequences sized at `seq_len`
+        tokens: what `trl-fp8 plan` asks the trainer's own choices with."""
+        cache = {"auto": None, "on": True, "off": False}[self.fp8_cache_weights]
+        return types.SimpleNamespace(
+            fp8_recipe="blockwise", rollout_precision="fp8", fp8_kv_cache=None, fp8_cache_weights=cache,
+            use_vllm=True, vllm_mode="colocate", vllm_importance_sampling_correction=True,
+            vllm_gpu_memory_utilization=self.vllm_gpu_memory_utilization,
+            vllm_tensor_parallel_size=self.vllm_tensor_parallel_size, vllm_enable_sleep_mode=self.sleep_mode,
+            vllm_max_model_length=seq_len, max_completion_length=seq_len,
+            generation_batch_size=self.generation_batch * self.num_processes, world_size=self.num_processes,
+            per_device_train_batch_size=self.micro_batch, gradient_accumulation_steps=self.accumulation_steps,
+            gradient_checkpointing=self.gradient_checkpointing, optim=self.optim, ddp_gradient_as_bucket_view=True,
+            fsdp="", fsdp_config=None, hf_deepspeed_config=None, device="cuda",
+        )  # fmt: skip
 
     @property
     def engine_batch(self) -> int:

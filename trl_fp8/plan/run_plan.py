@@ -85,9 +85,13 @@ class FP8RunPlan:
         *,
         lora: bool = False,
         module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
+        total_bytes: int | None = None,
+        capability: tuple[int, int] | None = None,
     ) -> FP8RunPlan:
         """The plan of a run with these settings (`args`, read only) for a model of `model_config`, on `args.device`
-        and `args.world_size` processes. `lora`: only adapters train (`peft_config`)."""
+        and `args.world_size` processes. `lora`: only adapters train (`peft_config`). `total_bytes` and
+        `capability`: the GPU's memory and compute capability (read from `args.device` when None)."""
+        gpu = {"total_bytes": total_bytes}
         cuda = torch.device(args.device).type == "cuda"
         layers = LayerSelection(
             num_first_layers_in_bf16=args.num_first_layers_in_bf16,
@@ -97,15 +101,15 @@ class FP8RunPlan:
         )
         weight_cache = None
         if args.fp8_recipe is not None:
-            weight_cache = choose_fp8_weight_cache(model_config, args, lora=lora)
+            weight_cache = choose_fp8_weight_cache(model_config, args, lora=lora, **gpu)
         note = small_micro_batch_note(dense_hidden_size(model_config), args) if cuda else None
         return cls(
             layers=layers,
             rollout=RolloutSettings.from_args(args),
             liger_kernels=choose_liger_kernels(getattr(model_config, "model_type", None), args, cuda=cuda),
-            fp8_kv_cache=choose_fp8_kv_cache(model_config, args),
+            fp8_kv_cache=choose_fp8_kv_cache(model_config, args, capability=capability, **gpu),
             fp8_weight_cache=weight_cache,
-            fsdp2_gradient_sync=choose_fsdp2_gradient_sync(model_config, args),
+            fsdp2_gradient_sync=choose_fsdp2_gradient_sync(model_config, args, **gpu),
             micro_batch_note=note,
             cuda=cuda,
         )
