@@ -775,13 +775,13 @@ def test_the_trainer_sets_sync_each_batch_in_its_own_args_before_trl_builds_the_
 
     args, config = make_args(tmp_path), tiny_qwen3_config()
     monkeypatch.setattr(
-        "trl_fp8.plan.run_plan.choose_fsdp2_gradient_sync", lambda config, a: Choice(False, "they fit")
+        "trl_fp8.plan.run_plan.choose_fsdp2_gradient_sync", lambda config, a, **gpu: Choice(False, "they fit")
     )
     plan = FP8RunPlan.build(args, config)
     plan.say_start_up(args)
     assert plan.trainer_args(args).accelerator_config.gradient_accumulation_kwargs is None
     monkeypatch.setattr("trl_fp8.plan.run_plan.choose_fsdp2_gradient_sync",
-                        lambda config, a: Choice(True, "they do not fit"))  # fmt: skip
+                        lambda config, a, **gpu: Choice(True, "they do not fit"))  # fmt: skip
     plan = FP8RunPlan.build(args, config)
     plan.say_start_up(args)
     assert plan.fsdp2_gradient_sync.on
@@ -803,7 +803,7 @@ def test_the_trainer_settles_fp8_kv_cache_with_an_observer_where_on_and_says_why
         args = make_args(tmp_path)
         args.use_vllm = True  # (after the config: no vLLM on this machine)
         monkeypatch.setattr("trl_fp8.plan.run_plan.choose_fp8_kv_cache",
-                            lambda config, a, on=on: Choice(on, "because"))  # fmt: skip
+                            lambda config, a, on=on, **gpu: Choice(on, "because"))  # fmt: skip
         plan = FP8RunPlan.build(args, model.config)
         observer, choice = FP8GRPOTrainer._fp8_kv_observer(model, plan.fp8_kv_cache)
         assert (observer is not None) is on and choice.on is on and plan.trainer_args(args).fp8_kv_cache is on
