@@ -464,6 +464,7 @@ def run_one(args) -> None:
                   "optimizer_s": per_step("optimizer")}  # fmt: skip
     keep = median_steps(args.steps, args.warmup, args.profile_step)
     plan = getattr(trainer, "plan", None)  # FP8 trainers' start-up decisions (TRL's own trainers have none)
+    report = getattr(generation, "report", None)  # what FP8VLLMGeneration settled and did (TRL's has no report)
     row = {
         "name": args.run,
         "trainer": trainer_kind,
@@ -493,15 +494,13 @@ def run_one(args) -> None:
         # whether the FP8 layers kept their cache through the micro-batches (False: held for scoring and the sync)
         "fp8_cache_with_grad": fp8_cache_with_grad(trainer.model),
         # sleep mode: the FP8 weight copies let go while the last rollout generated (vllm_sync)
-        "fp8_cache_released_gib": getattr(generation, "released_cache_bytes", 0) / 2**30,
+        "fp8_cache_released_gib": (report.released_cache_bytes if report else 0) / 2**30,
         "memory_at_generation_gib": memory_at_generation,  # trainer tensors, allocator and device as vLLM generates
         "startup_s": startup_s,
         "time_to_first_step_s": startup_s + per_step_s["step_s"][0],
         "kv_cache_tokens": engine_kv_cache_tokens(generation.llm),
-        "deepgemm_precompile": vars(generation.deepgemm_precompile)
-        if getattr(generation, "deepgemm_precompile", None)
-        else None,  # fmt: skip
-        "act_quant": vars(generation.act_quant_choice) if getattr(generation, "act_quant_choice", None) else None,
+        "deepgemm_precompile": vars(report.deepgemm_precompile) if report and report.deepgemm_precompile else None,
+        "act_quant": vars(report.act_quant_choice) if report and report.act_quant_choice else None,
         "rollout_stats": rollout_stats,  # per rollout: most sequences at once, preemptions, peak KV-cache use
         "mismatch": mismatch_medians(trainer.state.log_history, keep),  # trainer vs rollout, TIS clipping
         **engine_experts_state(generation),

@@ -83,3 +83,14 @@ def test_trl_fp8_plan_says_the_choices_the_trainers_plan_makes(fake_vllm, tmp_pa
     assert ("FP8: without the FP8 weight cache" in out or "FP8 and FP8 + FP8 KV: without" in out) is not (
         plan.fp8_weight_cache.value.cache
     )
+
+
+def test_the_benchmark_records_a_choice_under_the_keys_its_results_use():
+    """bench_grpo's rows keep the keys of the results recorded before the plan (`on`, `cache` + `with_grad`,
+    `sync_each_batch`), so old and new rows read alike."""
+    from benchmarks.bench_grpo import choice_record
+
+    assert choice_record(Choice(True, "why"), "on") == {"on": True, "reason": "why", "automatic": True}
+    cache = choice_record(Choice(WeightCache(False), "why", automatic=False), "cache")
+    assert cache == {"cache": False, "reason": "why", "automatic": False, "with_grad": None}
+    assert choice_record(None, "sync_each_batch") is None

@@ -279,24 +279,29 @@ class FP8TrainerMixin:
             output = super()._generate_and_score_completions(inputs)
         mode = "train" if self.model.training else "eval"
         self._metrics[mode]["fp8/num_fp8_layers"].append(float(self.fp8_report.num_fp8_layers))
-        sync_seconds = getattr(getattr(self, "vllm_generation", None), "last_sync_seconds", None)
-        if sync_seconds is not None:
+        report = self._rollout_report
+        if report is not None and report.last_sync_seconds is not None:
             # The slowest rank's sync is the one every rank waits for.
-            synced = reduce_over_ranks({"ms": 1e3 * sync_seconds}, {"ms": "max"}, self.accelerator.device)
+            synced = reduce_over_ranks({"ms": 1e3 * report.last_sync_seconds}, {"ms": "max"}, self.accelerator.device)
             self._metrics[mode]["fp8/weight_sync_ms"].append(synced["ms"])
-            self.vllm_generation.last_sync_seconds = None
+            report.last_sync_seconds = None
         self._log_rollout_capacity(output, mode)
         return output
+
+    @property
+    def _rollout_report(self):
+        """What the vLLM engine settled and did (`FP8VLLMGeneration.report`), or None without vLLM rollouts."""
+        return self.vllm_generation.report if self.args.use_vllm else None
 
     def _log_rollout_capacity(self, output, mode) -> None:
         """Per rollout, what the colocated engine did (`vllm/*`: peak running and waiting sequences, preemptions,
         peak KV-cache use); after the first, one line on what its KV cache holds against a BF16 engine's."""
-        generation = getattr(self, "vllm_generation", None)
-        stats = getattr(generation, "rollout_stats", None)
-        if stats is None:
+        report = self._rollout_report
+        if report is None or report.rollout_stats is None:
             return
+        generation = self.vllm_generation
         # Every rank logs the same numbers: the peaks over all engines, their preemptions summed, the smallest cache.
-        values = {**stats.read(), "kv_cache_tokens": float(generation.kv_cache_tokens or 0)}
+        values = {**report.rollout_stats.read(), "kv_cache_tokens": float(report.kv_cache_tokens or 0)}
         values = reduce_over_ranks(values, ROLLOUT_STATS_REDUCTION, self.accelerator.device)
         values["preemptions"] /= getattr(generation, "tensor_parallel_size", 1) or 1  # each engine on tp ranks
         kv_tokens = int(values.pop("kv_cache_tokens"))
