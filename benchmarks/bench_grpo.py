@@ -230,6 +230,18 @@ def model_dir(args) -> Path:
     return Path(args.workdir) / f"model_{args.shape}_{model_positions(args.prompt_len, args.completion_len)}"
 
 
+def choice_record(choice, key: str) -> dict | None:
+    """A plan's `Choice` as the results record it: its value under `key` ("on", "cache", "sync_each_batch"), its
+    reason and whether the trainer made it; the weight cache adds `with_grad`. None for no choice."""
+    if choice is None:
+        return None
+    value = choice.value
+    record = {key: bool(value), "reason": choice.reason, "automatic": choice.automatic}
+    if hasattr(value, "with_grad"):
+        record["with_grad"] = value.with_grad
+    return record
+
+
 def fp8_cache_with_grad(model) -> bool | None:
     """Whether the model's FP8 layers keep their weight cache through the micro-batches (False: held for scoring and
     the sync only; None: no blockwise FP8 layer)."""
@@ -451,6 +463,8 @@ def run_one(args) -> None:
                   "scoring_s": [t - r - w for t, r, w in zip(per_step("score"), rollout_s, sync_s, strict=True)],
                   "optimizer_s": per_step("optimizer")}  # fmt: skip
     keep = median_steps(args.steps, args.warmup, args.profile_step)
+    plan = getattr(trainer, "plan", None)  # FP8 trainers' start-up decisions (TRL's own trainers have none)
+    report = getattr(generation, "report", None)  # what FP8VLLMGeneration settled and did (TRL's has no report)
     row = {
         "name": args.run,
         "trainer": trainer_kind,
@@ -460,14 +474,14 @@ def run_one(args) -> None:
         "fp8_kv_cache": bool(trainer.args.fp8_kv_cache) if fp8_kv is None else fp8_kv,
         "fp8_backend": gemm_backend,
         "fp8_cache_weights": cache_weights,
-        # the trainer's choice where fp8_cache_weights is None (FP8GRPOTrainer.fp8_weight_cache)
-        "fp8_weight_cache": vars(choice) if (choice := getattr(trainer, "fp8_weight_cache", None)) else None,
+        # the trainer's choice where fp8_cache_weights is None (FP8GRPOTrainer.plan.fp8_weight_cache)
+        "fp8_weight_cache": choice_record(plan and plan.fp8_weight_cache, "cache"),
         # FSDP2 with gradient accumulation: whether every micro-batch reduce-scattered, and why (the trainer's choice)
-        "fsdp2_gradient_sync": vars(choice) if (choice := getattr(trainer, "fsdp2_gradient_sync", None)) else None,
+        "fsdp2_gradient_sync": choice_record(plan and plan.fsdp2_gradient_sync, "sync_each_batch"),
         "fp8_options": RUN_OPTIONS.get(args.run, {}),
-        # Liger's kernels as the trainer settled them (FP8GRPOTrainer.liger_kernels; TRL's runs: their option)
-        "liger_kernels": vars(choice)
-        if (choice := getattr(trainer, "liger_kernels", None))
+        # Liger's kernels as the trainer settled them (FP8GRPOTrainer.plan.liger_kernels; TRL's runs: their option)
+        "liger_kernels": choice_record(plan.liger_kernels, "on")
+        if plan
         else {"on": bool(trainer.args.use_liger_kernel), "automatic": False},
         "step_time": step_medians(per_step_s, keep),  # over measured.median_steps
         "per_step": per_step_s,
@@ -480,15 +494,13 @@ def run_one(args) -> None:
         # whether the FP8 layers kept their cache through the micro-batches (False: held for scoring and the sync)
         "fp8_cache_with_grad": fp8_cache_with_grad(trainer.model),
         # sleep mode: the FP8 weight copies let go while the last rollout generated (vllm_sync)
-        "fp8_cache_released_gib": getattr(generation, "released_cache_bytes", 0) / 2**30,
+        "fp8_cache_released_gib": (report.released_cache_bytes if report else 0) / 2**30,
         "memory_at_generation_gib": memory_at_generation,  # trainer tensors, allocator and device as vLLM generates
         "startup_s": startup_s,
         "time_to_first_step_s": startup_s + per_step_s["step_s"][0],
         "kv_cache_tokens": engine_kv_cache_tokens(generation.llm),
-        "deepgemm_precompile": vars(generation.deepgemm_precompile)
-        if getattr(generation, "deepgemm_precompile", None)
-        else None,  # fmt: skip
-        "act_quant": vars(generation.act_quant_choice) if getattr(generation, "act_quant_choice", None) else None,
+        "deepgemm_precompile": vars(report.deepgemm_precompile) if report and report.deepgemm_precompile else None,
+        "act_quant": vars(report.act_quant_choice) if report and report.act_quant_choice else None,
         "rollout_stats": rollout_stats,  # per rollout: most sequences at once, preemptions, peak KV-cache use
         "mismatch": mismatch_medians(trainer.state.log_history, keep),  # trainer vs rollout, TIS clipping
         **engine_experts_state(generation),

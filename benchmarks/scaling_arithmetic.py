@@ -13,7 +13,7 @@ b. vLLM tensor parallel 1-8 (`trl_fp8.rollout.vllm.partitions`): each rank's par
 c. the FP8 sync per step: the bytes each colocated engine receives and what crosses NVLink, InfiniBand or the
    network to a `trl vllm-serve` server, with the time at the link's peak bandwidth (`LINKS`: assumptions);
 d. per-GPU memory of weights, gradients and optimizer states (and what stays beside them: DDP's buckets, FSDP2's
-   gathered layers, NCCL's buffers; `trl_fp8.rollout.capacity.trainer_memory_per_gpu`) under DDP, HSDP (sharded in
+   gathered layers, NCCL's buffers; `trl_fp8.plan.memory.trainer_memory_per_gpu`) under DDP, HSDP (sharded in
    a node of 8 GPUs, replicated across nodes) and FSDP2 over every GPU, at 1-8 nodes; and the training's own traffic: the gradient
    reduction of an optimizer step and the weight all-gathers of a micro-batch, and what of it leaves each node.
 
@@ -32,7 +32,8 @@ import torch
 from benchmarks.common import RESULTS, arg_parser, metadata, write_json
 from trl_fp8.config import BLOCK
 from trl_fp8.distributed import shard_rows_align
-from trl_fp8.rollout.capacity import ModelShape, trainer_memory_per_gpu
+from trl_fp8.plan.memory import trainer_memory_per_gpu
+from trl_fp8.rollout.capacity import ModelShape
 from trl_fp8.rollout.vllm.partitions import KV_PROJECTIONS, ROW_PARALLEL, check_tensor_parallel, partition_shape
 from trl_fp8.trainer.requirements import is_bitsandbytes_optimizer
 
@@ -77,7 +78,7 @@ ASSUMPTIONS = {
     "receives (W-1)/W of the gathered bytes over NVLink; across nodes each node's 8 adapters together carry (W-1)/W "
     "of them each way (all-reduce: twice that). Each collective also pays NCCL's latency, which grows with W",
     "nics_per_node": NICS_PER_NODE,
-    "memory": "trl_fp8.rollout.capacity.trainer_memory_per_gpu (DDP: launch='ddp'; HSDP: launch='fsdp2' over the 8 "
+    "memory": "trl_fp8.plan.memory.trainer_memory_per_gpu (DDP: launch='ddp'; HSDP: launch='fsdp2' over the 8 "
     "GPUs of a node; FSDP2: over every GPU), the parts in MEMORY_PARTS; activations, logits and vLLM's share left out. "
     "FSDP2 and HSDP with their gradients reduce-scattered at every micro-batch (accelerate's sync_each_batch, or one "
     "micro-batch a step); under the Trainer's gradient accumulation without it, every GPU also keeps the whole "

@@ -34,7 +34,7 @@ class FakeLLM:
         self.shutdowns = 0
         self.llm_engine = types.SimpleNamespace(
             model_executor=types.SimpleNamespace(driver_worker=types.SimpleNamespace(worker=worker)),
-            engine_core=types.SimpleNamespace(shutdown=self._shutdown),
+            engine_core=types.SimpleNamespace(shutdown=lambda: self._shutdown()),  # the class's, at call time
         )
         FakeLLM.instances.append(self)
 
@@ -90,6 +90,7 @@ def install_fake_vllm(monkeypatch) -> type[FakeLLM]:
     import trl_fp8.rollout.vllm.generation as sync
 
     FakeLLM.instances.clear()
+    sync._STARTED_ENGINES.clear()  # an earlier test's engines are not this test's to shut down
     # TRL's colocate set-up exports these for vLLM; undo that, or later subprocesses would think they are ranks.
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)

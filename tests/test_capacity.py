@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from trl_fp8.cli.main import main as cli
+from trl_fp8.plan.memory import trainer_memory_bytes
 from trl_fp8.rollout.capacity import (
     GPU_MEMORY_BYTES,
     GiB,
     ModelShape,
     kv_bytes_per_token,
     rollout_capacity,
-    trainer_memory_bytes,
     weight_bytes,
 )
 
@@ -123,8 +123,10 @@ def test_plan_prints_the_three_flows(tmp_path, capsys):
     tokens = {k: int(v.split()[-5].replace(",", "")) for k, v in lines.items()}  # columns from the right
     assert tokens["FP8 KV"] > tokens["FP8"] > tokens["BF16"] > 0
     assert "vLLM share 0.9" in out
-    # the trainer's own KV choice with fp8_kv_cache unset: BF16 where the FP8 row's BF16 cache holds the rollout,
-    assert "KV cache with fp8_kv_cache unset: BF16 (a BF16 KV cache beside FP8 weights holds 64 sequences" in out
+    # the trainer's own KV choice with fp8_kv_cache unset (`choose_fp8_kv_cache`): BF16 where the FP8 row's BF16 cache
+    # holds the rollout,
+    assert "KV cache with fp8_kv_cache unset: BF16 on Hopper, by the planner's account vLLM's 90% of the GPU" in out
+    assert "every sequence fits, so an FP8 cache would add mismatch for little speed" in out
     # FP8 where it does not
     assert cli(["plan", str(path), "--gpu_memory_gib", "1", "--prompt_len", "16", "--completion_len", "48",
                 "--generation_batch", "4096", "--vllm_gpu_memory_utilization", "0.9"]) == 0  # fmt: skip
@@ -132,7 +134,8 @@ def test_plan_prints_the_three_flows(tmp_path, capsys):
     held = int(out.splitlines()[3].split()[-4])
     assert held < 4096
     assert (
-        f"importance sampling (a BF16 KV cache beside FP8 weights holds {held} sequences of 64 tokens at once" in out
+        f"KV cache with fp8_kv_cache unset: FP8 on Hopper, by the planner's account vLLM's 90% of the GPU has room "
+        f"for {held} of a rollout's 4096 sequences of 64 tokens at once with a BF16 KV cache" in out
     )
 
 

@@ -19,6 +19,7 @@ from transformers import TrainerCallback
 from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, FP8Linear, dequantize_blocks, quantize_blocks
 from trl_fp8.demo.tiny_model import tiny_char_tokenizer, tiny_qwen3, tiny_qwen3_config
 from trl_fp8.demo.toy_task import GRPO_SETTINGS, say_letter_dataset, say_letter_reward
+from trl_fp8.plan import FP8RunPlan
 from trl_fp8.trainer.importance_sampling import token_tis_ratio
 from trl_fp8.trainer.model_card import fp8_model_card_section
 
@@ -707,12 +708,12 @@ def test_fsdp2_launches_are_accepted_and_keep_no_fp8_weight_cache(tmp_path, monk
     check_no_weight_sharding(args)
     converted = []
     monkeypatch.setattr("trl_fp8.trainer.mixin.convert_to_fp8", lambda model, **kw: converted.append(kw["config"]))
-    trainer = SimpleNamespace(_fp8_filter=None, _peft_config=None,
-                              _layer_selection=lambda a: FP8GRPOTrainer._layer_selection(trainer, a))  # fmt: skip
     model = SimpleNamespace(config=tiny_qwen3_config())
-    FP8GRPOTrainer._convert(trainer, model, args)
-    assert trainer.fp8_weight_cache.reason.startswith("FSDP2 shards the weights")
-    FP8GRPOTrainer._convert(trainer, model, make_args(tmp_path, fp8_cache_weights=True))
+    plan = FP8RunPlan.build(args, model.config)
+    FP8GRPOTrainer._convert(model, args, plan)
+    assert plan.fp8_weight_cache.reason.startswith("FSDP2 shards the weights")
+    asked = make_args(tmp_path, fp8_cache_weights=True)
+    FP8GRPOTrainer._convert(model, asked, FP8RunPlan.build(asked, model.config))
     assert [c.cache_quantized_weight for c in converted] == [False, True]  # the default under FSDP2; asked for
     monkeypatch.delenv("ACCELERATE_USE_FSDP")
     assert weight_sharding(make_args(tmp_path, fsdp=True)) == "FSDP2"  # transformers' default version
@@ -739,8 +740,9 @@ def test_fsdp2_reduces_gradients_at_every_micro_batch_where_whole_ones_would_not
     (accelerate's no_sync). At 14B on 4 x 80 GB GPUs (27.5 GiB of them) the trainer turns on accelerate's
     sync_each_batch; at 8B (15.3 GiB) accelerate's default stays; a user's own setting wins; nothing is chosen
     without FSDP2, with one process or with one micro-batch a step."""
+    from trl_fp8.plan import Choice
+    from trl_fp8.plan.choices import choose_fsdp2_gradient_sync
     from trl_fp8.rollout.capacity import GPU_MEMORY_BYTES
-    from trl_fp8.trainer.memory import GradientSyncChoice, choose_fsdp2_gradient_sync
 
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     monkeypatch.setenv("FSDP_VERSION", "2")
@@ -756,34 +758,38 @@ def test_fsdp2_reduces_gradients_at_every_micro_batch_where_whole_ones_would_not
         return choose_fsdp2_gradient_sync(config, args, num_processes=n, total_bytes=GPU_MEMORY_BYTES["H100"])
 
     big = choose(qwen14b)
-    assert big.sync_each_batch and big.automatic and "(27.5 GiB a GPU)" in big.reason and "above 90%" in big.reason
+    assert big.value and big.automatic and "(27.5 GiB a GPU)" in big.reason and "above 90%" in big.reason
     small = choose(qwen8b)
-    assert (
-        not small.sync_each_batch and "(15.3 GiB a GPU)" in small.reason and "would keep them sharded" in small.reason
-    )
+    assert not small.value and "(15.3 GiB a GPU)" in small.reason and "would keep them sharded" in small.reason
     user = {"gradient_accumulation_kwargs": {"sync_each_batch": False}}
-    assert choose(qwen14b, accelerator_config=user) == GradientSyncChoice(False, "set in accelerator_config", False)
+    assert choose(qwen14b, accelerator_config=user) == Choice(False, "set in accelerator_config", False)
     assert choose(qwen14b, gradient_accumulation_steps=1) is None and choose(qwen14b, num_processes=1) is None
     monkeypatch.delenv("ACCELERATE_USE_FSDP")
     assert choose(qwen14b) is None  # DDP: no shards to keep
 
 
-def test_the_trainer_sets_sync_each_batch_before_trl_builds_the_accelerator_and_says_why(
+def test_the_trainer_sets_sync_each_batch_in_its_own_args_before_trl_builds_the_accelerator_and_says_why(
     tmp_path, monkeypatch, capsys
 ):
-    """The automatic choice reaches accelerate's gradient-accumulation options (the next test of the Trainer's own
-    plumbing shows they reach its accelerator) and is said once at start-up; a choice left off changes nothing."""
-    from trl_fp8.trainer.memory import GradientSyncChoice
+    """The automatic choice reaches accelerate's gradient-accumulation options of the trainer's own copy of the args
+    (the next test of the Trainer's own plumbing shows they reach its accelerator), the user's args untouched, and is
+    said once at start-up; a choice left off changes nothing."""
+    from trl_fp8.plan import Choice
 
-    args, model = make_args(tmp_path), SimpleNamespace(config=tiny_qwen3_config())
-    monkeypatch.setattr("trl_fp8.trainer.mixin.choose_fsdp2_gradient_sync",
-                        lambda config, a: GradientSyncChoice(False, "they fit"))  # fmt: skip
-    FP8GRPOTrainer._choose_fsdp2_gradient_sync(model, args)
+    args, config = make_args(tmp_path), tiny_qwen3_config()
+    monkeypatch.setattr(
+        "trl_fp8.plan.run_plan.choose_fsdp2_gradient_sync", lambda config, a, **gpu: Choice(False, "they fit")
+    )
+    plan = FP8RunPlan.build(args, config)
+    plan.say_start_up(args)
+    assert plan.trainer_args(args).accelerator_config.gradient_accumulation_kwargs is None
+    monkeypatch.setattr("trl_fp8.plan.run_plan.choose_fsdp2_gradient_sync",
+                        lambda config, a, **gpu: Choice(True, "they do not fit"))  # fmt: skip
+    plan = FP8RunPlan.build(args, config)
+    plan.say_start_up(args)
+    assert plan.fsdp2_gradient_sync.on
+    assert plan.trainer_args(args).accelerator_config.gradient_accumulation_kwargs == {"sync_each_batch": True}
     assert args.accelerator_config.gradient_accumulation_kwargs is None
-    monkeypatch.setattr("trl_fp8.trainer.mixin.choose_fsdp2_gradient_sync",
-                        lambda config, a: GradientSyncChoice(True, "they do not fit"))  # fmt: skip
-    assert FP8GRPOTrainer._choose_fsdp2_gradient_sync(model, args).sync_each_batch
-    assert args.accelerator_config.gradient_accumulation_kwargs == {"sync_each_batch": True}
     out = capsys.readouterr().out
     assert "[trl-fp8] FSDP2 gradient reduction at every micro-batch off: they fit." in out
     assert "[trl-fp8] FSDP2 gradient reduction at every micro-batch on: they do not fit." in out
@@ -793,28 +799,25 @@ def test_the_trainer_settles_fp8_kv_cache_with_an_observer_where_on_and_says_why
     """`fp8_kv_cache=None` becomes the planner's choice before TRL builds the engine: on, with the observer that
     measures the K/V scales; off, with none; on for a model whose scales cannot be measured, off with that reason,
     where a user's own True raises."""
-    from trl_fp8.trainer.choice import StartUpChoice
+    from trl_fp8.plan import Choice
 
     model = tiny_qwen3()
     for on in (True, False):
         args = make_args(tmp_path)
         args.use_vllm = True  # (after the config: no vLLM on this machine)
-        monkeypatch.setattr("trl_fp8.trainer.mixin.choose_fp8_kv_cache",
-                            lambda config, a, on=on: StartUpChoice(on, "because"))  # fmt: skip
-        observer = FP8GRPOTrainer._choose_fp8_kv_cache(model, args)
-        assert (observer is not None) is on and args.fp8_kv_cache is on
+        monkeypatch.setattr("trl_fp8.plan.run_plan.choose_fp8_kv_cache",
+                            lambda config, a, on=on, **gpu: Choice(on, "because"))  # fmt: skip
+        plan = FP8RunPlan.build(args, model.config)
+        observer, choice = FP8GRPOTrainer._fp8_kv_observer(model, plan.fp8_kv_cache)
+        assert (observer is not None) is on and choice.on is on and plan.trainer_args(args).fp8_kv_cache is on
+        plan.replace(fp8_kv_cache=choice).say_start_up(args)
         assert f"[trl-fp8] FP8 KV cache {'on' if on else 'off'}: because." in capsys.readouterr().out
-    args = make_args(tmp_path)
-    args.use_vllm = True
     no_attention = torch.nn.Sequential(torch.nn.Linear(128, 128))
-    no_attention.config = model.config
-    monkeypatch.setattr("trl_fp8.trainer.mixin.choose_fp8_kv_cache", lambda config, a: StartUpChoice(True, "because"))
-    assert FP8GRPOTrainer._choose_fp8_kv_cache(no_attention, args) is None and args.fp8_kv_cache is False
-    assert "[trl-fp8] FP8 KV cache off: kept BF16, as its K/V scales cannot be measured" in capsys.readouterr().out
-    monkeypatch.setattr("trl_fp8.trainer.mixin.choose_fp8_kv_cache",
-                        lambda config, a: StartUpChoice(True, "set by fp8_kv_cache", automatic=False))  # fmt: skip
+    observer, choice = FP8GRPOTrainer._fp8_kv_observer(no_attention, Choice(True, "because"))
+    assert observer is None and not choice.on
+    assert choice.reason.startswith("kept BF16, as its K/V scales cannot be measured")
     with pytest.raises(ValueError, match="found no attention layers"):
-        FP8GRPOTrainer._choose_fp8_kv_cache(no_attention, args)
+        FP8GRPOTrainer._fp8_kv_observer(no_attention, Choice(True, "set by fp8_kv_cache", automatic=False))
 
 
 def test_fsdp2_prefetch_layers_needs_an_fsdp2_launch_and_a_lead_of_one_or_more(tmp_path, monkeypatch):

@@ -9,8 +9,8 @@ import torch
 from transformers import HfArgumentParser
 
 from trl_fp8 import FP8GRPOConfig
-from trl_fp8.trainer.choice import StartUpChoice
-from trl_fp8.trainer.liger import choose_liger_kernels
+from trl_fp8.plan import Choice
+from trl_fp8.plan.choices import choose_liger_kernels
 
 from fake_vllm import tiny_trainer
 
@@ -67,9 +67,7 @@ def test_the_command_line_keeps_a_bare_flag_meaning_true():
 def test_the_trainer_settles_the_option_before_trl_reads_it(fake_vllm, tmp_path):
     trainer = tiny_trainer(tmp_path)
     assert trainer.args.use_liger_kernel is False  # on CPU: off, and not left unset for transformers' train()
-    assert trainer.liger_kernels == StartUpChoice(
-        False, "no CUDA GPU to train on (Liger's kernels are Triton kernels)"
-    )
+    assert trainer.plan.liger_kernels == Choice(False, "no CUDA GPU to train on (Liger's kernels are Triton kernels)")
 
 
 def test_an_automatic_choice_goes_through_trls_option_without_its_deprecation_warning(
@@ -78,7 +76,7 @@ def test_an_automatic_choice_goes_through_trls_option_without_its_deprecation_wa
     """On: TRL's own `use_liger_kernel` path (its `liger_kernel_config`, applied by transformers when training starts),
     with Liger's SwiGLU left out where fp8_fuse_swiglu fuses it, and without TRL's warning to a user who set the
     deprecated option (the trainer chose it)."""
-    monkeypatch.setattr("trl_fp8.trainer.mixin.choose_liger_kernels", lambda *a, **k: StartUpChoice(True, "chosen"))
+    monkeypatch.setattr("trl_fp8.plan.run_plan.choose_liger_kernels", lambda *a, **k: Choice(True, "chosen"))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer = tiny_trainer(tmp_path, fp8_fuse_swiglu=True)
@@ -95,7 +93,7 @@ def test_after_train_the_modeling_module_is_transformers_own_again(fake_vllm, tm
     from transformers.models.qwen3 import modeling_qwen3
 
     stock = dict(vars(modeling_qwen3))
-    monkeypatch.setattr("trl_fp8.trainer.mixin.choose_liger_kernels", lambda *a, **k: StartUpChoice(True, "chosen"))
+    monkeypatch.setattr("trl_fp8.plan.run_plan.choose_liger_kernels", lambda *a, **k: Choice(True, "chosen"))
     trainer = tiny_trainer(tmp_path)
     patched = []
 

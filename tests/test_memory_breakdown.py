@@ -98,7 +98,8 @@ H100_BYTES = 85_017_493_504
 def planner_phases(args) -> tuple[float, float]:
     """`(micro-batches, scoring)`: the bytes one GPU holds in the planner's account (vLLM asleep) while training on
     micro-batches without the FP8 weight cache, and while scoring rollouts with it (no gradients, no activations)."""
-    from trl_fp8.rollout.capacity import ModelShape, trainer_memory_per_gpu, vllm_overhead_bytes
+    from trl_fp8.plan.memory import trainer_memory_per_gpu
+    from trl_fp8.rollout.capacity import ModelShape, vllm_overhead_bytes
 
     shape = ModelShape.from_config(qwen3_8b_config())
     parts = trainer_memory_per_gpu(shape, num_processes=args.world_size, optim=args.optim, fp8_weight_cache=True,
@@ -121,12 +122,12 @@ def test_weight_cache_is_dropped_where_the_planner_says_scoring_with_it_would_cr
     are scored and let go in the micro-batches: it is kept where scoring with it stays under 90% of the GPU or under
     the micro-batches' own peak, so that it never raises a crowded GPU's peak. Micro-batches of 16, which put the
     cache above 90% of an 80 GB GPU when it stayed through them, keep it now: their peak holds none of it."""
-    from trl_fp8.rollout.capacity import FP8_CACHE_HEADROOM
-    from trl_fp8.trainer.memory import choose_fp8_weight_cache
+    from trl_fp8.plan.choices import choose_fp8_weight_cache
+    from trl_fp8.plan.memory import FP8_CACHE_HEADROOM
 
     args = run_args(tmp_path, world_size, per_device_train_batch_size=micro_batch)
     choice = choose_fp8_weight_cache(qwen3_8b_config(), args, total_bytes=total_bytes)
-    assert choice.automatic and choice.cache is expected, choice.reason
+    assert choice.automatic and choice.value.cache is expected, choice.reason
     micro_batches, scoring = planner_phases(args)
     assert (scoring <= max(FP8_CACHE_HEADROOM * total_bytes, micro_batches)) is expected
     assert "held while scoring the rollouts and let go in the micro-batches" in choice.reason
@@ -136,11 +137,11 @@ def test_weight_cache_is_dropped_where_the_planner_says_scoring_with_it_would_cr
 
 
 def test_weight_cache_set_by_the_user_or_off_under_fsdp2_or_on_without_a_gpu(tmp_path, monkeypatch):
-    from trl_fp8.trainer.memory import choose_fp8_weight_cache
+    from trl_fp8.plan.choices import choose_fp8_weight_cache
 
     ddp = run_args(tmp_path, 2, fp8_cache_weights=True)
     choice = choose_fp8_weight_cache(qwen3_8b_config(), ddp, total_bytes=H100_BYTES)
-    assert (choice.cache, choice.automatic) == (True, False)
+    assert (choice.value.cache, choice.automatic) == (True, False)
     assert (
         choose_fp8_weight_cache(qwen3_8b_config(), run_args(tmp_path)).reason
         == "training on cpu, no GPU memory to keep"
@@ -150,7 +151,7 @@ def test_weight_cache_set_by_the_user_or_off_under_fsdp2_or_on_without_a_gpu(tmp
     assert "cannot size" in choose_fp8_weight_cache(mla, run_args(tmp_path), total_bytes=H100_BYTES).reason
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     monkeypatch.setenv("FSDP_VERSION", "2")
-    assert not choose_fp8_weight_cache(qwen3_8b_config(), run_args(tmp_path, 2), total_bytes=H100_BYTES).cache
+    assert not choose_fp8_weight_cache(qwen3_8b_config(), run_args(tmp_path, 2), total_bytes=H100_BYTES).value.cache
 
 
 def engine_args(tmp_path, world_size=1, **fields):
@@ -161,8 +162,8 @@ def engine_args(tmp_path, world_size=1, **fields):
 def test_fp8_kv_cache_where_a_bf16_cache_would_not_hold_the_rollout(tmp_path):
     """`fp8_kv_cache=None`: FP8 where the planner puts a rollout's sequences beyond what a BF16 KV cache holds at once
     (TRL's colocate defaults at 8B: 128 sequences of 2,048 tokens at 0.3 of an 80 GB GPU), BF16 where they fit."""
+    from trl_fp8.plan.choices import choose_fp8_kv_cache
     from trl_fp8.rollout.capacity import ModelShape, rollout_capacity
-    from trl_fp8.trainer.memory import choose_fp8_kv_cache
 
     hopper = {"total_bytes": H100_BYTES, "capability": (9, 0)}
     shape = ModelShape.from_config(qwen3_8b_config())
@@ -184,7 +185,7 @@ def test_fp8_kv_cache_where_a_bf16_cache_would_not_hold_the_rollout(tmp_path):
 
 
 def test_fp8_kv_cache_kept_bf16_outside_the_colocated_fp8_flow_on_hopper(tmp_path):
-    from trl_fp8.trainer.memory import choose_fp8_kv_cache
+    from trl_fp8.plan.choices import choose_fp8_kv_cache
 
     hopper = {"total_bytes": H100_BYTES, "capability": (9, 0)}
     args = engine_args(tmp_path)

@@ -1,11 +1,11 @@
-"""The start-up note where blockwise FP8 training of a narrow model would wait for the host (`trainer.micro_batch`):
+"""The start-up note where blockwise FP8 training of a narrow model would wait for the host (`plan.micro_batch`):
 said for the measured host-bound case, silent where it was measured to pay or was not measured."""
 
 import types
 
 import pytest
 
-from trl_fp8.trainer.micro_batch import dense_hidden_size, small_micro_batch_note
+from trl_fp8.plan.micro_batch import dense_hidden_size, small_micro_batch_note
 
 
 def options(**overrides):
@@ -62,18 +62,30 @@ def test_no_note_where_fp8_training_was_measured_to_pay_or_was_not_measured(hidd
     assert small_micro_batch_note(hidden_size, options(**overrides)) is None
 
 
-@pytest.mark.parametrize("device, process_index, said", [("cuda", 0, True), ("cpu", 0, False), ("cuda", 1, False)])
-def test_the_trainer_says_it_once_on_a_gpu(capsys, device, process_index, said):
-    import torch
-    from transformers import Qwen3Config
+@pytest.mark.parametrize("process_index, said", [(0, True), (1, False)])
+def test_the_trainer_says_it_once_on_a_gpu(capsys, process_index, said):
+    """On a GPU the plan holds the note, said by the first process only."""
+    from trl_fp8.config import LayerSelection
+    from trl_fp8.plan import Choice, FP8RunPlan, RolloutSettings
 
-    from trl_fp8.trainer.mixin import FP8TrainerMixin
-
-    model = types.SimpleNamespace(config=Qwen3Config(hidden_size=2048))
-    args = options(device=torch.device(device), process_index=process_index)
-    FP8TrainerMixin._note_small_micro_batches(model, args)
+    off = Choice(False, "")
+    plan = FP8RunPlan(layers=LayerSelection(), rollout=RolloutSettings(), liger_kernels=off, fp8_kv_cache=off,
+                      fp8_weight_cache=None, fsdp2_gradient_sync=None, cuda=True,
+                      micro_batch_note=small_micro_batch_note(2048, options()))  # fmt: skip
+    plan.say_start_up(options(process_index=process_index, use_vllm=False))
     out = capsys.readouterr().out
     assert ("[trl-fp8] micro-batches of at most 8 x 1152 tokens" in out) == said
+
+
+def test_off_a_gpu_the_plan_has_no_note(tmp_path):
+    from transformers import Qwen3Config
+
+    from trl_fp8 import FP8GRPOConfig
+    from trl_fp8.plan import FP8RunPlan
+
+    args = FP8GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, per_device_train_batch_size=8,
+                         gradient_accumulation_steps=8, max_completion_length=1152, num_generations=8)  # fmt: skip
+    assert FP8RunPlan.build(args, Qwen3Config(hidden_size=2048)).micro_batch_note is None
 
 
 def test_mixture_of_experts_models_get_no_hidden_size_to_judge_by():

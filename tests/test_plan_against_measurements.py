@@ -12,6 +12,7 @@ import pytest
 
 from benchmarks.bench_rollout import SHAPES
 from trl_fp8.cli import plan
+from trl_fp8.plan.memory import PlannedRun, flow_row
 from trl_fp8.rollout.capacity import GPU_MEMORY_BYTES, GiB, ModelShape
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
@@ -66,8 +67,8 @@ def planned_peak(settings: dict, row: dict) -> float:
     total = GPU_MEMORY_BYTES["H200" if "H200" in settings["device"] else "H100"]
     fp8 = row["trainer"] == "trl_fp8"
     seq_len = settings["prompt_len"] + settings["completion_len"]
-    _, _, peak, _, _ = plan._flow_row(shape, total, seq_len, args, launch, fp8_weights=fp8,
-                                      fp8_kv=fp8 and bool(row.get("fp8_kv_cache")), fetch_best=False)  # fmt: skip
+    _, _, peak, _, _ = flow_row(shape, total, seq_len, PlannedRun.from_cli(args), launch, fp8_weights=fp8,
+                                fp8_kv=fp8 and bool(row.get("fp8_kv_cache")), fetch_best=False)  # fmt: skip
     return peak / GiB
 
 

@@ -7,14 +7,8 @@ import json
 import pytest
 
 from trl_fp8.cli.main import main as cli
-from trl_fp8.rollout.capacity import (
-    NCCL_BUFFER_BYTES,
-    GiB,
-    ModelShape,
-    fsdp2_gathered_params,
-    trainer_memory_bytes,
-    trainer_memory_per_gpu,
-)
+from trl_fp8.plan.memory import NCCL_BUFFER_BYTES, fsdp2_gathered_params, trainer_memory_bytes, trainer_memory_per_gpu
+from trl_fp8.rollout.capacity import GiB, ModelShape
 
 QWEN3_8B = {"model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
             "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,

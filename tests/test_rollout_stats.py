@@ -22,8 +22,8 @@ def test_rollout_statistics_and_the_capacity_line_reach_the_logs(fake_vllm, tmp_
     assert RolloutStats.attach(types.SimpleNamespace(llm_engine=types.SimpleNamespace())) is None  # stats off
 
     trainer = tiny_trainer(tmp_path, fp8_kv_cache=True)
-    generation = trainer.vllm_generation
-    generation.rollout_stats, generation.kv_cache_tokens = stats, 197_984
+    report = trainer.vllm_generation.report
+    report.rollout_stats, report.kv_cache_tokens = stats, 197_984
     for running, waiting, usage, preempted in ((40, 88, 0.5, 0), (85, 43, 0.99, 2), (12, 0, 0.3, 1)):
         stats.record(types.SimpleNamespace(num_running_reqs=running, num_waiting_reqs=waiting, kv_cache_usage=usage),
                      types.SimpleNamespace(num_preempted_reqs=preempted))  # fmt: skip

@@ -121,9 +121,9 @@ def test_the_trainer_default_holds_the_cache_for_scoring_only(tmp_path):
     dropped = args.fp8_linear_config(cache_weights=False)
     assert not dropped.cache_quantized_weight and dropped.cache_with_grad
     # off a GPU the trainer keeps it through the micro-batches (no GPU memory to spare): `choose_fp8_weight_cache`
-    from trl_fp8.trainer.memory import choose_fp8_weight_cache
+    from trl_fp8.plan.choices import choose_fp8_weight_cache
 
-    cpu = choose_fp8_weight_cache({}, args)
+    cpu = choose_fp8_weight_cache({}, args).value
     assert cpu.cache and cpu.with_grad and args.fp8_linear_config(cpu.cache, cpu.with_grad).cache_with_grad
     with pytest.raises(ValueError, match="cache_with_grad=False limits the FP8 weight cache"):
         FP8LinearConfig(cache_quantized_weight=False, cache_with_grad=False)

@@ -396,7 +396,7 @@ def test_sleep_mode_frees_every_fp8_copy_of_a_grouped_model(fake_vllm, tmp_path)
     copies = fp8_copies(model)
     generation.sync_weights()
     freed = sum(size for ref, size in copies.items() if ref.expired())
-    assert generation.released_cache_bytes == freed == sum(copies.values()) > 0
+    assert generation.report.released_cache_bytes == freed == sum(copies.values()) > 0
     assert fp8_copies(model) == {}
 
 

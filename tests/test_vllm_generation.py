@@ -88,7 +88,7 @@ def test_trainer_builds_vllm_from_a_config_folder_and_pushes_its_rollout_tensors
     assert llm.kwargs["logprobs_mode"] == "processed_logprobs"  # TRL's own settings pass through
     if precision == "fp8":  # no GPU here: "auto" falls back from DeepGEMM to Cutlass; E8M0 off in every case
         assert llm.env == {"VLLM_USE_DEEP_GEMM": "0", "VLLM_USE_DEEP_GEMM_E8M0": "0"}
-        assert generation.kernel.backend == "cutlass" and "no CUDA GPU" in generation.kernel.reason
+        assert generation.report.kernel.backend == "cutlass" and "no CUDA GPU" in generation.report.kernel.reason
     config = json.loads((generation.engine_dir / "config.json").read_text())
     assert ("quantization_config" in config) == (precision == "fp8")
 
@@ -96,7 +96,7 @@ def test_trainer_builds_vllm_from_a_config_folder_and_pushes_its_rollout_tensors
         trainer._calibrate_kv_scales([[1, 2, 3], [4, 5]])
     generation.sync_weights()
     pushed = dict(llm.pushed)
-    assert generation.last_sync_seconds is not None and llm.reloads == 1
+    assert generation.report.last_sync_seconds is not None and llm.reloads == 1
     hf_model = trainer.model
     if precision == "fp8":
         down = "model.layers.2.mlp.down_proj"
@@ -130,7 +130,7 @@ def test_sleep_mode_rollouts_let_go_of_the_fp8_weight_copies_and_training_requan
     pushed = dict(fake_vllm.instances[0].pushed)
     cached = [m._fp8_weight_cache is not None for m in layers]
     expected = sum(m.weight.numel() + 4 * m.weight.numel() // 128**2 for m in layers)
-    assert generation.released_cache_bytes == (expected if sleep_mode else 0)
+    assert generation.report.released_cache_bytes == (expected if sleep_mode else 0)
     assert not any(cached) if sleep_mode else all(cached)
     for name, module in model.named_modules():
         if isinstance(module, FP8Linear):

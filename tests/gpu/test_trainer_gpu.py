@@ -57,12 +57,13 @@ def test_grpo_end_to_end_with_real_fp8_kernels(tmp_path):
     from transformers.utils import is_liger_kernel_available
 
     # The default on a GPU: Liger's layer kernels wherever liger-kernel is installed (a dense Qwen3)
-    assert trainer.liger_kernels.automatic and trainer.liger_kernels.on is is_liger_kernel_available()
+    liger = trainer.plan.liger_kernels
+    assert liger.automatic and liger.on is is_liger_kernel_available()
     before = sampled_reward(trainer.model, trainer.processing_class)
     trainer.train()
-    assert_learned(trainer, before, f"GPU FP8 GRPO (Liger's kernels: {trainer.liger_kernels.on})")
+    assert_learned(trainer, before, f"GPU FP8 GRPO (Liger's kernels: {liger.on})")
     liger_norm = "Liger" in trainer.model.model.norm.forward.__qualname__
-    assert liger_norm is trainer.liger_kernels.on and isinstance(trainer.model.model.layers[0].mlp.up_proj, FP8Linear)
+    assert liger_norm is liger.on and isinstance(trainer.model.model.layers[0].mlp.up_proj, FP8Linear)
 
     # The trained model under the real kernels vs the exact emulation of the same FP8 math.
     ids = torch.randint(0, 84, (4, 64), device="cuda")

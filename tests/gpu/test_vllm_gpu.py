@@ -94,7 +94,7 @@ def assert_engine_holds_trainer_fp8(trainer, layer_index=1, sync=True):
         generation.sync_weights()
     vmodel = generation.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
     layer, vlayer = trainer.model.model.layers[layer_index], vmodel.model.layers[layer_index]
-    backend = generation.kernel.backend
+    backend = generation.report.kernel.backend
     for name, (parts, kv) in fused_parts(layer).items():
         fused = vlayer.get_submodule(name)
         kernel = type(fused.quant_method.fp8_linear).__name__
@@ -107,7 +107,9 @@ def assert_engine_holds_trainer_fp8(trainer, layer_index=1, sync=True):
         assert torch.equal(fused.weight.view(torch.uint8), weight.view(torch.uint8))
         assert fused.weight_scale_inv.shape == scale.shape
         assert torch.equal(fused.weight_scale_inv.float(), scale.float())
-    print(f"identity on {kernel} ({generation.kernel.reason}); engine start {generation.engine_start_seconds:.0f} s")
+    print(
+        f"identity on {kernel} ({generation.report.kernel.reason}); engine start {generation.report.engine_start_seconds:.0f} s"
+    )
     return vlayer
 
 
@@ -147,7 +149,7 @@ def test_colocate_fp8_rollouts_use_the_trainers_fp8_weights_and_kv_scales(tmp_pa
         assert params.detokenize is False and params.flat_logprobs is True and params.logprobs == 0
         assert completion.text == "" and type(completion.logprobs).__name__ == "FlatLogprobs"
         assert len(completion.logprobs) == len(completion.token_ids)
-        choice = trainer.vllm_generation.act_quant_choice
+        choice = trainer.vllm_generation.report.act_quant_choice
         assert choice is not None and choice.installed and act_quant.installed() == choice, choice
         assert any("_silu_mul_quant_kernel" in name for name in _engine_kernel_names(trainer.vllm_generation.llm))
     finally:

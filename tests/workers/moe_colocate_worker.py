@@ -58,7 +58,7 @@ def main(root: Path) -> None:
     assert len(logs) == 3 and all(0 <= m < 0.5 for m in mismatch)
 
     generation = trainer.vllm_generation
-    choice = generation.act_quant_choice
+    choice = generation.report.act_quant_choice
     print(f"[moe] vLLM SiLU-and-mul + FP8 quantization: {choice.reason}", flush=True)
     assert choice.installed, choice.reason
     vmodel = generation.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model

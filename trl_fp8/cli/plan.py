@@ -25,29 +25,25 @@ from collections import Counter
 
 from trl_fp8.cli.argtypes import memory_share, non_negative_int, positive_float, positive_int
 from trl_fp8.cli.hub import first_line, load_model_config
-from trl_fp8.rollout.capacity import (
+from trl_fp8.plan.choices import HOPPER, choose_fp8_kv_cache
+from trl_fp8.plan.memory import (
     FP8_CACHE_HEADROOM,
-    GPU_MEMORY_BYTES,
-    HELD_BETWEEN_STEPS,
+    FSDP2_OPTIM,
     LAUNCHES,
     NCCL_BUFFER_BYTES,
     OPTIMIZER_STATE_BYTES,
-    GiB,
-    ModelShape,
-    keeps_fp8_weight_cache,
-    rollout_capacity,
-    text_config,
-    trainer_memory_per_gpu,
+    PlannedRun,
+    fewest_fsdp2_gpus,
+    flow_row,
     trainer_peak_bytes,
-    training_phase_bytes,
 )
-from trl_fp8.trainer.micro_batch import SPEEDS_IN_THE_DOCS, dense_hidden_size, larger_micro_batch
+from trl_fp8.plan.micro_batch import SPEEDS_IN_THE_DOCS, dense_hidden_size, larger_micro_batch
+from trl_fp8.rollout.capacity import GPU_MEMORY_BYTES, GiB, ModelShape, text_config
 from trl_fp8.trainer.requirements import is_bitsandbytes_optimizer
 
 # (name, FP8 weights, FP8 KV cache). The BF16 flow is TRL's own GRPOTrainer, the FP8 flows trl-fp8's FP8GRPOTrainer.
 FLOWS = (("BF16", False, False), ("FP8", True, False), ("FP8 + FP8 KV", True, True))
 LAUNCH_NAMES = {"ddp": "DDP", "fsdp2": "FSDP2"}
-FSDP2_OPTIM = "adamw_torch_fused"  # what trl-fp8's refusal of bitsandbytes optimizers under FSDP2 names
 BF16_ONLY = "The FP8 flows do not apply: BF16 alone is planned."
 
 
@@ -109,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
         flows = FLOWS[:1] if no_fp8_layer else FLOWS
         # Every flow's numbers first, under each launch compared: an error must come before any line of the table.
         compared = LAUNCHES if several and not args.lora else (args.launch,)
-        by_launch = {launch: [_flow_row(shape, total, seq_len, args, launch, fp8_weights=w, fp8_kv=kv)
+        by_launch = {launch: [flow_row(shape, total, seq_len, _planned(args), launch, fp8_weights=w, fp8_kv=kv)
                               for _, w, kv in flows] for launch in compared}  # fmt: skip
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -119,8 +115,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"{'':<14}{'vLLM weights':>13}{'KV B/token':>11}{'KV tokens':>11}{'seqs at once':>13}{'waves':>6}"
           f"{'trainer':>9}" + (f"{'peak':>9}" if several else "") + f"{'fits':>6}")  # fmt: skip
     for (name, _, _), (cap, parts, peak, fits, _) in zip(flows, rows, strict=True):
-        waves = cap.waves(_engine_batch(args)) if cap.sequences else "-"
-        trainer = trainer_peak_bytes(parts, cache_with_grad=_cache_with_grad(args))
+        waves = cap.waves(_planned(args).engine_batch) if cap.sequences else "-"
+        trainer = trainer_peak_bytes(parts, cache_with_grad=_planned(args).cache_with_grad)
         print(f"{name:<14}{cap.weight_bytes / GiB:>11.1f}Gi{cap.kv_bytes_per_token:>11,}{cap.kv_tokens:>11,}"
               f"{cap.sequences:>13}{waves:>6}{trainer / GiB:>7.1f}Gi"
               + (f"{peak / GiB:>7.1f}Gi" if several else "") + f"{'yes' if fits else 'no':>6}")  # fmt: skip
@@ -143,8 +139,7 @@ def run(args: argparse.Namespace) -> int:
               f"FP8GRPOTrainer drops where the training phase with it would pass {FP8_CACHE_HEADROOM:.0%} of the GPU "
               "(fp8_cache_weights=None; True keeps it).")  # fmt: skip
     if not no_fp8_layer:  # the FP8 flows' own notes
-        fp8_weights_only = rows[[(w, kv) for _, w, kv in FLOWS].index((True, False))][0]
-        print(_default_kv_cache_line(fp8_weights_only, _engine_batch(args), seq_len))
+        print(_default_kv_cache_line(args, model_config, total, seq_len))
         if line := _micro_batch_line(args, model_config, shape, total, seq_len):
             print(line)
     best_fits = [f"{name} {fit[0]:.2f} ({fit[1].kv_tokens:,} KV tokens, {fit[1].sequences} sequences at once)" if fit
@@ -161,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
         )
     if several:
         print(_several_gpus_footnote(args))
-        if "fsdp2" in by_launch and _keeps_gradients(args):
+        if "fsdp2" in by_launch and _planned(args).keeps_gradients:
             print(_sync_each_batch_line(args, shape, total, seq_len, by_launch["fsdp2"], flows))
         print(_launch_advice(args, shape, by_launch, flows))
         if "fsdp2" in by_launch and not any(row[3] for rows in by_launch.values() for row in rows):
@@ -169,10 +164,15 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _planned(args: argparse.Namespace) -> PlannedRun:
+    """The run these options plan, as the memory account (`trl_fp8.plan.memory`) takes it."""
+    return PlannedRun.from_cli(args)
+
+
 def _header(args, shape, total: int) -> str:
     """The first line: the model, the GPU(s), the share and the rollout; with several processes, the launch."""
     size = f"{args.model}: {shape.params / 1e9:.2f}B parameters ({shape.linear_params / 1e9:.2f}B in linear layers)"
-    rollout = f"{_engine_batch(args)} sequences of {args.prompt_len} + {args.completion_len} tokens"
+    rollout = f"{_planned(args).engine_batch} sequences of {args.prompt_len} + {args.completion_len} tokens"
     share = args.vllm_gpu_memory_utilization
     if args.num_processes == 1:
         return f"{size}; GPU {total / GiB:.1f} GiB, vLLM share {share:g}; {rollout}"
@@ -194,49 +194,22 @@ def _columns_footnote(several: bool) -> str:
             "97% of each GPU, and the share holds one whole sequence.")  # fmt: skip
 
 
-def _cache_with_grad(args) -> bool:
-    """Whether the FP8 rows' weight cache stays through the micro-batches: only `on` (fp8_cache_weights=True);
-    `auto` holds it while scoring and lets it go in the micro-batches, as FP8GRPOTrainer does."""
-    return args.fp8_cache_weights == "on"
-
-
-def _replaced(args: argparse.Namespace, **changes) -> argparse.Namespace:
-    """The same plan's arguments with `changes` (another GPU count, another gradient reduction)."""
-    return argparse.Namespace(**{**vars(args), **changes})
-
-
-def _accumulation_steps(args) -> int:
-    """Micro-batches per optimizer step: as given, or TRL's default coupling (one step per rollout)."""
-    return args.gradient_accumulation_steps or max(1, args.generation_batch // args.micro_batch)
-
-
-def _keeps_gradients(args) -> bool:
-    """Whether the micro-batches before a step's last keep their gradients unreduced (transformers' Trainer runs them
-    under accelerate's `no_sync`), which FSDP2 does unsharded: not with one micro-batch a step or sync_each_batch."""
-    return _accumulation_steps(args) > 1 and not args.sync_each_batch
-
-
 def _sync_each_batch_line(args, shape, total: int, seq_len: int, rows: list, flows) -> str:
     """Under FSDP2 with gradient accumulation: what the unsharded gradients cost each GPU, and the peaks and fits
     with accelerate's sync_each_batch, which reduce-scatters every micro-batch instead."""
-    synced = _replaced(args, sync_each_batch=True)
-    other = [_flow_row(shape, total, seq_len, synced, "fsdp2", fetch_best=False, fp8_weights=w, fp8_kv=kv)
+    synced = _planned(args).replace(sync_each_batch=True)
+    other = [flow_row(shape, total, seq_len, synced, "fsdp2", fetch_best=False, fp8_weights=w, fp8_kv=kv)
              for _, w, kv in flows]  # fmt: skip
     unsharded = rows[0][1].get("unsharded_gradients", 0)
     fitting = [name for (name, _, _), row in zip(flows, other, strict=True) if row[3]]
     peaks = " / ".join(f"{row[2] / GiB:.1f}" for row in other)
-    return (f"FSDP2 with {_accumulation_steps(args)} micro-batches a step: transformers' Trainer runs all but the "
+    return (f"FSDP2 with {_planned(args).accumulation_steps} micro-batches a step: transformers' Trainer runs all but the "
             f"last under accelerate's no_sync, so each GPU keeps the whole model's gradients unsharded in BF16 "
             f"({unsharded / GiB:.1f} GiB) until the last one reduces them. With accelerate's sync_each_batch "
             "(FP8GRPOConfig(accelerator_config={'gradient_accumulation_kwargs': {'sync_each_batch': True}}), "
             f"--sync_each_batch here) every micro-batch reduce-scatters them instead: peak per GPU {peaks} GiB "
             f"(fits: {_flow_list(fitting, flows)}), for one reduce-scatter of the model's gradients per "
             "micro-batch.")  # fmt: skip
-
-
-def _engine_batch(args) -> int:
-    """Sequences one engine decodes per rollout: its ranks' (TRL gathers the prompts of a tensor-parallel group)."""
-    return args.generation_batch * args.vllm_tensor_parallel_size
 
 
 def _check_tensor_parallel(args, model, fp8_layers: set[str] | None) -> str:
@@ -258,7 +231,7 @@ def _check_tensor_parallel(args, model, fp8_layers: set[str] | None) -> str:
         experts += "instead (trl-fp8 sets enable_expert_parallel)."
     blocks = "every FP8 partition holds whole 128x128 blocks" if fp8_layers else "no FP8 layer to split in blocks"
     return (f"Tensor parallel: {args.num_processes // tp} engine(s) of {tp} GPUs; vLLM weights and KV B/token are one "
-            f"GPU's, KV tokens and sequences the engine's, waves for its {_engine_batch(args)} sequences; "
+            f"GPU's, KV tokens and sequences the engine's, waves for its {_planned(args).engine_batch} sequences; "
             f"{blocks}.{experts}")  # fmt: skip
 
 
@@ -363,59 +336,21 @@ def _check_launch(args) -> None:
                          "ddp.")  # fmt: skip
 
 
-def _launch_optim(args, launch: str) -> str:
-    """The optimizer a launch runs: under FSDP2 a bitsandbytes optimizer is replaced by the one trl-fp8 names."""
-    several = args.num_processes > 1  # (one process shards nothing: --launch is ignored)
-    return FSDP2_OPTIM if several and launch == "fsdp2" and is_bitsandbytes_optimizer(args.optim) else args.optim
-
-
-def _flow_row(
-    shape, total: int, seq_len: int, args, launch: str, *, fp8_weights: bool, fp8_kv: bool, fetch_best: bool = True
-):
-    """One flow's `(capacity, trainer memory parts of one GPU, peak per GPU, fits, best fit)` under `launch` (best
-    fit None without `fetch_best`)."""
-    cap = rollout_capacity(shape, total, args.vllm_gpu_memory_utilization, fp8_weights=fp8_weights, fp8_kv=fp8_kv,
-                           seq_len=seq_len, max_num_seqs=_engine_batch(args),
-                           tensor_parallel_size=args.vllm_tensor_parallel_size)  # fmt: skip
-    # The FP8 flows train with trl-fp8 (gradients in DDP's buckets by default), the BF16 one with TRL alone.
-    parts = trainer_memory_per_gpu(
-        shape, num_processes=args.num_processes, launch=launch, grads_in_ddp_buckets=fp8_weights,
-        fsdp2_prefetch_layers=args.fsdp2_prefetch_layers if fp8_weights else 1, optim=_launch_optim(args, launch),
-        fp8_training=fp8_weights, lora=args.lora, micro_batch=args.micro_batch, seq_len=seq_len,
-        gradient_checkpointing=not args.no_gradient_checkpointing, accumulates_gradients=_keeps_gradients(args),
-    )  # fmt: skip
-    share = args.vllm_gpu_memory_utilization * total
-    if parts.get("fp8_weight_cache") and (
-        args.fp8_cache_weights == "off"
-        or args.fp8_cache_weights == "auto"  # as FP8GRPOTrainer decides at start-up (fp8_cache_weights=None)
-        and not keeps_fp8_weight_cache(
-            parts, shape, total, share, sleep_mode=args.sleep_mode, max_num_seqs=_engine_batch(args)
-        )
-    ):
-        parts = {**parts, "fp8_weight_cache": 0}
-    peak = peak_bytes(parts, shape, share, args)
-    best = None
-    if fetch_best:
-        best = best_fit_share(parts, shape, total, seq_len, args, fp8_weights=fp8_weights, fp8_kv=fp8_kv)
-    # vLLM refuses to start an engine whose KV cache cannot hold one whole sequence (its max_model_len)
-    return cap, parts, peak, peak <= 0.97 * total and cap.sequences > 0, best
-
-
 def _micro_batch_line(args, model_config, shape, total: int, seq_len: int) -> str:
-    """Where FP8 training of this model would wait for the host at --micro_batch (`trainer.micro_batch`, the note
+    """Where FP8 training of this model would wait for the host at --micro_batch (`plan.micro_batch`, the note
     FP8GRPOTrainer prints at start-up): the larger micro-batch that keeps a step's sequences, and what the FP8 flows
     hold with it. Empty where the note does not apply."""
-    steps = _accumulation_steps(args)
+    steps = _planned(args).accumulation_steps
     sequences = args.micro_batch * steps
     hidden_size = dense_hidden_size(model_config)
     larger = larger_micro_batch(hidden_size, args.micro_batch, steps, seq_len)
     if larger is None:
         return ""
-    bigger = _replaced(args, micro_batch=larger, gradient_accumulation_steps=sequences // larger)
-    rows = [(name, _flow_row(shape, total, seq_len, bigger, args.launch, fp8_weights=w, fp8_kv=kv, fetch_best=False))
+    bigger = _planned(args).replace(micro_batch=larger, gradient_accumulation_steps=sequences // larger)
+    rows = [(name, flow_row(shape, total, seq_len, bigger, args.launch, fp8_weights=w, fp8_kv=kv, fetch_best=False))
             for name, w, kv in FLOWS if w]  # fmt: skip
     held = " and ".join(
-        f"{name} {trainer_peak_bytes(row[1], cache_with_grad=_cache_with_grad(bigger)) / GiB:.1f} GiB "
+        f"{name} {trainer_peak_bytes(row[1], cache_with_grad=bigger.cache_with_grad) / GiB:.1f} GiB "
         f"({'fits' if row[3] else 'does not fit'})"
         for name, row in rows
     )
@@ -425,40 +360,13 @@ def _micro_batch_line(args, model_config, shape, total: int, seq_len: int) -> st
             f"there: {held}.")  # fmt: skip
 
 
-def _default_kv_cache_line(fp8_weights_only, sequences: int, seq_len: int) -> str:
-    """The KV cache FP8GRPOTrainer chooses with `fp8_kv_cache` unset (`trainer.memory.choose_fp8_kv_cache`, on
-    Hopper, colocated, with importance sampling): FP8 where a BF16 cache beside FP8 weights cannot hold a rollout's
-    sequences at once. (The trainer, which does not know the prompts at start-up, counts the completions alone.)"""
-    held = f"a BF16 KV cache beside FP8 weights holds {fp8_weights_only.sequences} sequences of {seq_len:,} tokens"
-    if fp8_weights_only.sequences >= sequences:
-        return f"KV cache with fp8_kv_cache unset: BF16 ({held}: a rollout's {sequences} all fit at once)."
-    return (f"KV cache with fp8_kv_cache unset: FP8 on Hopper with importance sampling ({held} at once, a rollout "
-            f"{sequences}; fp8_kv_cache=False keeps BF16).")  # fmt: skip
-
-
-def peak_bytes(parts: dict[str, int], shape, share_bytes: float, args) -> float:
-    """The most the GPU holds at once. Without sleep mode vLLM keeps its share beside training. With it, training
-    runs beside what vLLM cannot release, and vLLM wakes into its whole share beside what the trainer holds between
-    steps: weights and optimizer states, and DDP's buckets and NCCL's buffers on several GPUs (gradients and
-    activations freed, the FP8 weight cache released before the KV cache wakes)."""
-    training = training_phase_bytes(parts, shape, share_bytes, sleep_mode=args.sleep_mode,
-                                    max_num_seqs=_engine_batch(args), cache_with_grad=_cache_with_grad(args))  # fmt: skip
-    if not args.sleep_mode:
-        return training
-    return max(training, sum(parts.get(key, 0) for key in HELD_BETWEEN_STEPS) + share_bytes)
-
-
-def best_fit_share(parts: dict[str, int], shape, total: int, seq_len: int, args, *, fp8_weights: bool, fp8_kv: bool):
-    """`(share, capacity there)` for the largest share, in steps of 0.05, at which the run fits and vLLM has room for
-    one whole sequence: what a careful user tunes `vllm_gpu_memory_utilization` to. None if no share does."""
-    for step in range(19, 0, -1):
-        share = step / 20
-        if peak_bytes(parts, shape, share * total, args) > 0.97 * total:
-            continue
-        cap = rollout_capacity(shape, total, share, fp8_weights=fp8_weights, fp8_kv=fp8_kv, seq_len=seq_len,
-                               max_num_seqs=_engine_batch(args), tensor_parallel_size=args.vllm_tensor_parallel_size)  # fmt: skip
-        return (share, cap) if cap.sequences else None
-    return None
+def _default_kv_cache_line(args, model_config, total: int, seq_len: int) -> str:
+    """The KV cache FP8GRPOTrainer chooses with `fp8_kv_cache` unset, on Hopper, colocated, with importance sampling:
+    the trainer's own choice (`plan.choices.choose_fp8_kv_cache`) for these settings, its sequences of prompt +
+    completion tokens (the trainer, which does not know the prompts at start-up, counts the completions alone)."""
+    settings = _planned(args).trainer_settings(seq_len)
+    choice = choose_fp8_kv_cache(model_config, settings, total_bytes=total, capability=HOPPER)
+    return f"KV cache with fp8_kv_cache unset: {'FP8' if choice.on else 'BF16'} on Hopper, {choice.reason}."
 
 
 def _several_gpus_footnote(args) -> str:
@@ -471,7 +379,7 @@ def _several_gpus_footnote(args) -> str:
         trainer = ("FSDP2 (TRL's fsdp2.yaml): float32 master weights, gradients and optimizer states sharded 1/N, "
                    "two units gathered in BF16 (a decoder layer and the next, or lm_head beside one), no FP8 "
                    "weight cache")  # fmt: skip
-        if _keeps_gradients(args):
+        if _planned(args).keeps_gradients:
             trainer += ", and the whole model's gradients unsharded in BF16 between micro-batches (below)"
     if is_bitsandbytes_optimizer(args.optim) and args.launch == "ddp":
         trainer += (f"; the FSDP2 comparison below with --optim {FSDP2_OPTIM} (bitsandbytes' optimizers do not take "
@@ -513,30 +421,17 @@ def _fewest_fsdp2_gpus(args, shape, total: int, seq_len: int, rows: list, flows,
         if not cap.sequences:
             found.append(f"{name} on none (its engine holds no sequence: split it with --vllm_tensor_parallel_size)")
             continue
-        fewest = _fewest_gpus(args, shape, total, seq_len, most, fp8_weights=fp8_weights, fp8_kv=fp8_kv)
+        fewest = fewest_fsdp2_gpus(shape, total, seq_len, _planned(args), most, fp8_weights=fp8_weights, fp8_kv=fp8_kv)
         text = f"{name} from {fewest} GPUs" if fewest else f"{name} not within {most} GPUs"
-        if _keeps_gradients(args):  # whole gradients on every GPU: more GPUs shrink only the rest
-            synced = _replaced(args, sync_each_batch=True)
-            if (with_sync := _fewest_gpus(synced, shape, total, seq_len, most, fp8_weights=fp8_weights,
+        if _planned(args).keeps_gradients:  # whole gradients on every GPU: more GPUs shrink only the rest
+            synced = _planned(args).replace(sync_each_batch=True)
+            if (with_sync := fewest_fsdp2_gpus(shape, total, seq_len, synced, most, fp8_weights=fp8_weights,
                                           fp8_kv=fp8_kv)) != fewest:  # fmt: skip
                 text += f" ({with_sync} with sync_each_batch)" if with_sync else ""
         found.append(text)
-    unsharded = "; the unsharded gradients stay whole, see sync_each_batch" if _keeps_gradients(args) else ""
+    unsharded = "; the unsharded gradients stay whole, see sync_each_batch" if _planned(args).keeps_gradients else ""
     return (f"More GPUs under FSDP2 (each holds 1/N of the float32 masters, gradients and optimizer states{unsharded}),"
             f" at this share and these sequences: {', '.join(found)}.")  # fmt: skip
-
-
-def _fewest_gpus(args, shape, total: int, seq_len: int, most: int, *, fp8_weights: bool, fp8_kv: bool) -> int | None:
-    """The fewest GPUs, doubling from twice `args.num_processes` up to `most`, over which FSDP2 fits the flow."""
-    n = args.num_processes * 2
-    while n <= most:
-        more = _replaced(args, num_processes=n)
-        _, _, _, fits, _ = _flow_row(shape, total, seq_len, more, "fsdp2", fp8_weights=fp8_weights, fp8_kv=fp8_kv,
-                                     fetch_best=False)  # fmt: skip
-        if fits:
-            return n
-        n *= 2
-    return None
 
 
 def _flow_list(names: list[str], flows) -> str:

@@ -268,9 +268,9 @@ class FP8TrainingArguments:
         self, cache_weights: bool | None = None, cache_with_grad: bool | None = None
     ) -> FP8LinearConfig | None:
         """The FP8 layers' config of this run (None for BF16 training); `__post_init__` checked its options under this
-        config's names (`_check_layer_options`). `cache_weights` and `cache_with_grad`: the
-        trainer's choice where `fp8_cache_weights` is None (`trl_fp8.trainer.memory.choose_fp8_weight_cache`; off a
-        GPU the cache stays through the micro-batches)."""
+        config's names (`_check_layer_options`). `cache_weights` and `cache_with_grad`: the trainer's choice where
+        `fp8_cache_weights` is None (`trl_fp8.plan.choices.choose_fp8_weight_cache`; off a GPU the cache stays
+        through the micro-batches)."""
         if self.fp8_recipe is None:
             return None
         from trl_fp8.distributed import weight_sharding

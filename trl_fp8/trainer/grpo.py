@@ -22,7 +22,8 @@ import torch
 from torch import nn
 from trl import GRPOTrainer
 
-from trl_fp8.trainer.choice import StartUpChoice, say_start_up_choice
+from trl_fp8.plan.choice import Choice, say_start_up_choice
+from trl_fp8.plan.choices import choose_scoring
 from trl_fp8.trainer.grpo_config import FP8GRPOConfig
 from trl_fp8.trainer.importance_sampling import (
     TokenSums,
@@ -82,23 +83,11 @@ class FP8GRPOTrainer(FP8TrainerMixin, GRPOTrainer):
         self._batch_to_score: dict | None = None  # the micro-batch whose training forward gives its log-probs
         self._rollout_scoring: dict[str, _RolloutScoring] = {}  # per mode: the rollout batch being scored
 
-    def _choose_scoring(self) -> StartUpChoice:
+    def _choose_scoring(self) -> Choice:
         """Whether the micro-batches' own forwards give the trainer's log-probs of the rollouts
-        (`FP8GRPOConfig.score_in_training_forward`), and why."""
-        args = self.args
+        (`trl_fp8.plan.choices.choose_scoring`), from what TRL set up."""
         correcting = self.use_vllm and self.vllm_importance_sampling_correction
-        if not (correcting or self._tis_without_vllm or (self.use_vllm and args.log_rollout_mismatch)):
-            return StartUpChoice(False, "nothing scores the rollouts with the trainer", automatic=False)
-        if args.score_in_training_forward is not None:
-            return StartUpChoice(args.score_in_training_forward, "set by score_in_training_forward", automatic=False)
-        if not args.rollouts_train_within_one_step():
-            return StartUpChoice(False, "a rollout's later micro-batches run on updated weights "
-                                 "(gradient_accumulation_steps is not a multiple of steps_per_generation x "
-                                 "num_iterations), so the rollout is scored before them")  # fmt: skip
-        return StartUpChoice(True, "each micro-batch's own forward gives the trainer's log-probs for the importance "
-                             "sampling and the mismatch metrics, the values a scoring pass before the micro-batches "
-                             "would give (the same weights), one forward fewer per step; "
-                             "score_in_training_forward=False keeps TRL's scoring pass")  # fmt: skip
+        return choose_scoring(self.args, correcting=correcting, tis_without_vllm=self._tis_without_vllm)
 
     def _say_automatic_tis(self) -> None:
         """`tis="auto"` where rollouts come from another engine: say once what it chose, and why."""

@@ -20,6 +20,7 @@ Every TRL and transformers name used here is listed in `tests/test_trl_contract.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -35,7 +36,7 @@ from trl.trainer.utils import create_model_from_path
 from trl_fp8.checkpoint.folder import drop_checkpoint_entries, is_checkpoint_entry, output_overwrites_model
 from trl_fp8.checkpoint.save import save_fp8_checkpoint, unwrap_model
 from trl_fp8.cli.hub import missing_local_model
-from trl_fp8.config import BLOCKWISE, LayerSelection
+from trl_fp8.config import LayerSelection
 from trl_fp8.distributed import (
     check_no_weight_sharding,
     check_sharding_supports,
@@ -45,20 +46,13 @@ from trl_fp8.distributed import (
     zero_grads_in_buckets,
 )
 from trl_fp8.nn.conversion import ConversionReport, convert_to_fp8, plan_fp8_conversion
+from trl_fp8.plan import Choice, FP8RunPlan, RolloutSettings
 from trl_fp8.rollout.kv_scales import AttentionScaleObserver, observe_prompts
 from trl_fp8.rollout.stats import capacity_line
 from trl_fp8.stack import warn_outside_tested_stack
 from trl_fp8.trainer.callbacks import InvalidateSyncedReference, PrefetchFSDP2Units
-from trl_fp8.trainer.choice import StartUpChoice, say_start_up, say_start_up_choice
 from trl_fp8.trainer.layer_checkpointing import RENAMED_CHECKPOINTING_CALLS, keep_layer_options
-from trl_fp8.trainer.liger import choose_liger_kernels, liger_patches_kept_on_the_model
-from trl_fp8.trainer.memory import (
-    GradientSyncChoice,
-    choose_fp8_kv_cache,
-    choose_fp8_weight_cache,
-    choose_fsdp2_gradient_sync,
-)
-from trl_fp8.trainer.micro_batch import dense_hidden_size, small_micro_batch_note
+from trl_fp8.trainer.liger import liger_patches_kept_on_the_model
 from trl_fp8.trainer.model_card import fp8_model_card_section
 from trl_fp8.trainer.regional_compile import compile_decoder_layers, eager_generation
 from trl_fp8.trainer.requirements import check_reward_dependencies
@@ -88,7 +82,7 @@ class FP8TrainerMixin:
         model,
         reward_funcs=None,
         args=None,
-        *trainer_args,
+        *trainer_args_,
         fp8_module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
         **trainer_kwargs,
     ):
@@ -117,32 +111,39 @@ class FP8TrainerMixin:
             if problem := missing_local_model(model):
                 raise ValueError(problem)  # before transformers asks the Hub for a path that is a typo
             model = self._load_model(model, args, trainer_kwargs.get("quantization_config"))
-        self.liger_kernels = self._choose_liger_kernels(model, args)
-        self._note_small_micro_batches(model, args)
-        self.fsdp2_gradient_sync = self._choose_fsdp2_gradient_sync(model, args)  # before TRL builds the accelerator
         self._fp8_filter = fp8_module_filter_fn
         self._peft_config = trainer_kwargs.get("peft_config")
-        self.fp8_report = self._convert(model, args)
-        self.fp8_export_report = self._plan_fp8_outside_training(model, args)
+        # The run's decisions, made once before anything is converted; `args` stays as the user gave it.
+        plan = FP8RunPlan.build(args, getattr(model, "config", None), lora=self._peft_config is not None,
+                                module_filter_fn=fp8_module_filter_fn)  # fmt: skip
+        self.fp8_report = self._convert(model, args, plan)
+        self.fp8_export_report = self._plan_fp8_outside_training(model, args, plan.layers)
+        observer, kv_cache = self._fp8_kv_observer(model, plan.fp8_kv_cache)
+        stored = self._fp8_stored_modules
+        rollout = dataclasses.replace(plan.rollout, kv_observer=observer,
+                                      fp8_modules=None if stored is None else frozenset(stored))  # fmt: skip
+        self.plan = plan = plan.replace(fp8_kv_cache=kv_cache, rollout=rollout)
+        plan.say_start_up(args)
         self._saving_training_checkpoint = False
         self._checkpoint_saved_for_push = False  # `push_to_hub` wrote the checkpoint before asking the Hub
         self._capacity_reported = False
-        self._kv_observer = self._choose_fp8_kv_cache(model, args)
+        self._kv_observer = observer
         # TRL would say that model_init_kwargs / quantization_config are ignored: they were applied by `_load_model`
         applied = contextlib.nullcontext()
         if loaded_here:
             applied = dropped_log_records(self._trl_trainer_module, "You passed `model_init_kwargs`",
                                           "You passed `quantization_config`")  # fmt: skip
-        with self._fp8_vllm_generation(args), warnings.catch_warnings(), applied:
-            if self.liger_kernels.automatic:  # TRL's deprecation of the option speaks to a user who set it
+        trainer_args = plan.trainer_args(args)  # TRL's copy, with the plan's resolved values
+        with self._fp8_vllm_generation(args, plan.rollout), warnings.catch_warnings(), applied:
+            if plan.liger_kernels.automatic:  # TRL's deprecation of the option speaks to a user who set it
                 warnings.filterwarnings("ignore", r"`use_liger_kernel=True` is deprecated", FutureWarning)
-            super().__init__(model, reward_funcs, args, *trainer_args, **trainer_kwargs)
+            super().__init__(model, reward_funcs, trainer_args, *trainer_args_, **trainer_kwargs)
         if args.ddp_gradient_as_bucket_view:
             grads_in_ddp_buckets(self.accelerator)  # before train() wraps the model in DDP
         if args.fsdp2_prefetch_layers is not None:
             self.add_callback(PrefetchFSDP2Units(args.fsdp2_prefetch_layers))
         if self.ref_model is not None and args.fp8_recipe is not None:
-            self._convert(unwrap_model(self.ref_model), args)
+            self._convert(unwrap_model(self.ref_model), args, plan)
             # Never trained (TRL scores with it under no_grad): frozen, its FP8 weights are quantized once, not at
             # every optimizer step.
             unwrap_model(self.ref_model).requires_grad_(False)
@@ -177,58 +178,18 @@ class FP8TrainerMixin:
     # --- model ----------------------------------------------------------------------------------------------------
 
     @staticmethod
-    def _choose_liger_kernels(model: nn.Module, args) -> StartUpChoice:
-        """Settle `use_liger_kernel=None` (`trainer.liger.choose_liger_kernels`) before TRL reads the option; an
-        automatic choice on a GPU is said once, with its reason."""
-        config = getattr(model, "config", None)
-        cuda = args.device.type == "cuda"
-        choice = choose_liger_kernels(getattr(config, "model_type", None), args, cuda=cuda)
-        args.use_liger_kernel = choice.on
-        if choice.automatic and choice.on and args.fp8_fuse_swiglu:  # both replace the MLP's forward: ours stays
-            args.liger_kernel_config = {**(args.liger_kernel_config or {}), "swiglu": False}
-        if choice.automatic and cuda:
-            say_start_up_choice(args, "Liger's kernels", choice.on, choice.reason)
-        return choice
-
-    @staticmethod
-    def _note_small_micro_batches(model: nn.Module, args) -> None:
-        """Say once, on a GPU, where FP8 training would wait for the host at this micro-batch size
-        (`trainer.micro_batch`), and what to change."""
-        if args.device.type != "cuda":
-            return
-        if (note := small_micro_batch_note(dense_hidden_size(getattr(model, "config", None)), args)) is not None:
-            say_start_up(args, note)
-
-    @staticmethod
-    def _choose_fsdp2_gradient_sync(model: nn.Module, args) -> GradientSyncChoice | None:
-        """Under FSDP2 with gradient accumulation, accelerate's `sync_each_batch` where the user left it unset and the
-        whole BF16 gradients would not fit (`trainer.memory.choose_fsdp2_gradient_sync`); said once, with why."""
-        choice = choose_fsdp2_gradient_sync(model.config, args)
-        if choice is not None and choice.automatic:
-            if choice.sync_each_batch:
-                kwargs = args.accelerator_config.gradient_accumulation_kwargs or {}
-                args.accelerator_config.gradient_accumulation_kwargs = {**kwargs, "sync_each_batch": True}
-            say_start_up_choice(args, "FSDP2 gradient reduction at every micro-batch", choice.sync_each_batch,
-                                choice.reason)  # fmt: skip
-        return choice
-
-    @staticmethod
-    def _choose_fp8_kv_cache(model: nn.Module, args) -> AttentionScaleObserver | None:
-        """Settle `fp8_kv_cache=None` (`trainer.memory.choose_fp8_kv_cache`), said once with its reason; the observer
-        that measures the K/V scales to push where the cache is FP8, else None."""
-        choice = choose_fp8_kv_cache(getattr(model, "config", None), args)
-        observer = None
-        if choice.on:
-            try:
-                observer = AttentionScaleObserver(model)
-            except ValueError as exc:
-                if not choice.automatic:
-                    raise
-                choice = StartUpChoice(False, f"kept BF16, as its K/V scales cannot be measured on this model ({exc})")
-        args.fp8_kv_cache = choice.on
-        if choice.automatic and args.use_vllm:
-            say_start_up_choice(args, "FP8 KV cache", choice.on, choice.reason)
-        return observer
+    def _fp8_kv_observer(model: nn.Module, choice: Choice) -> tuple[AttentionScaleObserver | None, Choice]:
+        """The observer that measures the K/V scales to push where the plan chose an FP8 KV cache (else None), and the
+        choice as it stands: an automatic FP8 cache on a model whose scales cannot be measured is kept BF16, with
+        that reason (a user's own fp8_kv_cache=True raises)."""
+        if not choice.on:
+            return None, choice
+        try:
+            return AttentionScaleObserver(model), choice
+        except ValueError as exc:
+            if not choice.automatic:
+                raise
+            return None, Choice(False, f"kept BF16, as its K/V scales cannot be measured on this model ({exc})")
 
     @staticmethod
     def _load_model(model_id: str, args, quantization_config):
@@ -241,30 +202,16 @@ class FP8TrainerMixin:
         kwargs.setdefault("trust_remote_code", args.trust_remote_code)
         return create_model_from_path(model_id, **kwargs)
 
-    def _convert(self, model: nn.Module, args) -> ConversionReport:
+    @staticmethod
+    def _convert(model: nn.Module, args, plan: FP8RunPlan) -> ConversionReport:
         if args.fp8_recipe is None:
             return ConversionReport(recipe="bf16")
-        if getattr(self, "fp8_weight_cache", None) is None:  # chosen once, for the policy (the reference follows)
-            choice = self.fp8_weight_cache = choose_fp8_weight_cache(
-                model.config, args, lora=self._peft_config is not None
-            )
-            if choice.automatic and args.fp8_recipe == BLOCKWISE and args.device.type == "cuda":
-                say_start_up_choice(args, "FP8 weight cache", choice.cache, choice.reason)
-        choice = self.fp8_weight_cache
-        config = args.fp8_linear_config(cache_weights=choice.cache, cache_with_grad=choice.with_grad)
+        cache = plan.fp8_weight_cache.value  # chosen once, for the policy (the reference follows)
+        config = args.fp8_linear_config(cache_weights=cache.cache, cache_with_grad=cache.with_grad)
         # device: where it will train; a model loaded on CPU would make torchao emulate
-        return convert_to_fp8(model, selection=self._layer_selection(args), config=config, device=args.device)
+        return convert_to_fp8(model, selection=plan.layers, config=config, device=args.device)
 
-    def _layer_selection(self, args) -> LayerSelection:
-        """The run's choice of layers, one object for training, rollouts and the checkpoint."""
-        return LayerSelection(
-            num_first_layers_in_bf16=args.num_first_layers_in_bf16,
-            num_last_layers_in_bf16=args.num_last_layers_in_bf16,
-            module_filter_fn=self._fp8_filter,
-            keep_experts_in_bf16=args.fp8_keep_experts_in_bf16,
-        )
-
-    def _plan_fp8_outside_training(self, model: nn.Module, args) -> ConversionReport | None:
+    def _plan_fp8_outside_training(self, model: nn.Module, args, layers: LayerSelection) -> ConversionReport | None:
         """BF16 training with FP8 rollouts or an FP8 checkpoint: the layers stored in FP8 there, chosen with the run's
         own layer options. None when training in FP8 (its FP8 layers are what is stored) or when nothing is FP8."""
         if args.fp8_recipe is not None:
@@ -277,7 +224,7 @@ class FP8TrainerMixin:
                     "Drop it, or set save_fp8_checkpoint=True / rollout_precision='fp8'."
                 )
             return None
-        report, _ = plan_fp8_conversion(unwrap_model(model), selection=self._layer_selection(args))
+        report, _ = plan_fp8_conversion(unwrap_model(model), selection=layers)
         logger.info("BF16 training; FP8 rollouts/checkpoint: %s", report.summary())
         return report
 
@@ -287,8 +234,9 @@ class FP8TrainerMixin:
         return None if self.fp8_export_report is None else set(self.fp8_export_report.converted)
 
     @contextlib.contextmanager
-    def _fp8_vllm_generation(self, args):
-        """Make TRL build `FP8VLLMGeneration` instead of `VLLMGeneration` (it has no factory hook for it)."""
+    def _fp8_vllm_generation(self, args, settings: RolloutSettings):
+        """Make TRL build `FP8VLLMGeneration` with the plan's rollout settings instead of `VLLMGeneration` (it has no
+        factory hook for it)."""
         if not args.use_vllm:
             yield
             return
@@ -298,20 +246,7 @@ class FP8TrainerMixin:
 
         trl_module = importlib.import_module(self._trl_trainer_module)
         original = trl_module.VLLMGeneration
-        # The FP8 layer names are read from the model at every sync, after TRL applied PEFT (no names fixed here).
-        trl_module.VLLMGeneration = functools.partial(
-            FP8VLLMGeneration,
-            rollout_precision=args.rollout_precision,
-            fp8_modules=self._fp8_stored_modules,
-            power_of_two_scales=args.fp8_power_of_two_scales,
-            kv_observer=self._kv_observer,
-            fp8_backend=args.vllm_fp8_backend,
-            fp8_moe_backend=args.vllm_fp8_moe_backend,
-            act_quant_kernel=args.vllm_act_quant_kernel,
-            jit_cache_dir=args.vllm_jit_cache_dir,
-            deepgemm_workers=args.vllm_deepgemm_workers,
-            token_ids_only=args.vllm_token_ids_only,
-        )
+        trl_module.VLLMGeneration = functools.partial(FP8VLLMGeneration, settings=settings)
         try:
             yield
         finally:
@@ -344,24 +279,29 @@ class FP8TrainerMixin:
             output = super()._generate_and_score_completions(inputs)
         mode = "train" if self.model.training else "eval"
         self._metrics[mode]["fp8/num_fp8_layers"].append(float(self.fp8_report.num_fp8_layers))
-        sync_seconds = getattr(getattr(self, "vllm_generation", None), "last_sync_seconds", None)
-        if sync_seconds is not None:
+        report = self._rollout_report
+        if report is not None and report.last_sync_seconds is not None:
             # The slowest rank's sync is the one every rank waits for.
-            synced = reduce_over_ranks({"ms": 1e3 * sync_seconds}, {"ms": "max"}, self.accelerator.device)
+            synced = reduce_over_ranks({"ms": 1e3 * report.last_sync_seconds}, {"ms": "max"}, self.accelerator.device)
             self._metrics[mode]["fp8/weight_sync_ms"].append(synced["ms"])
-            self.vllm_generation.last_sync_seconds = None
+            report.last_sync_seconds = None
         self._log_rollout_capacity(output, mode)
         return output
+
+    @property
+    def _rollout_report(self):
+        """What the vLLM engine settled and did (`FP8VLLMGeneration.report`), or None without vLLM rollouts."""
+        return self.vllm_generation.report if self.args.use_vllm else None
 
     def _log_rollout_capacity(self, output, mode) -> None:
         """Per rollout, what the colocated engine did (`vllm/*`: peak running and waiting sequences, preemptions,
         peak KV-cache use); after the first, one line on what its KV cache holds against a BF16 engine's."""
-        generation = getattr(self, "vllm_generation", None)
-        stats = getattr(generation, "rollout_stats", None)
-        if stats is None:
+        report = self._rollout_report
+        if report is None or report.rollout_stats is None:
             return
+        generation = self.vllm_generation
         # Every rank logs the same numbers: the peaks over all engines, their preemptions summed, the smallest cache.
-        values = {**stats.read(), "kv_cache_tokens": float(generation.kv_cache_tokens or 0)}
+        values = {**report.rollout_stats.read(), "kv_cache_tokens": float(report.kv_cache_tokens or 0)}
         values = reduce_over_ranks(values, ROLLOUT_STATS_REDUCTION, self.accelerator.device)
         values["preemptions"] /= getattr(generation, "tensor_parallel_size", 1) or 1  # each engine on tp ranks
         kv_tokens = int(values.pop("kv_cache_tokens"))

@@ -26,6 +26,7 @@ import shutil
 import tempfile
 import time
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -36,7 +37,7 @@ from trl_fp8.checkpoint.save import fp8_module_names
 from trl_fp8.config import check_rollout_precision, check_vllm_version
 from trl_fp8.nn.adapters import unwrap_model
 from trl_fp8.nn.linear import release_fp8_weight_caches
-from trl_fp8.rollout.kv_scales import AttentionScaleObserver
+from trl_fp8.plan.run_plan import RolloutSettings
 from trl_fp8.rollout.stats import RolloutStats, engine_kv_cache_tokens
 from trl_fp8.rollout.vllm import act_quant
 from trl_fp8.rollout.vllm._compat import shutdown_engine
@@ -79,13 +80,32 @@ def shut_down_earlier_engines() -> None:
     gc.collect()
 
 
-__all__ = ["FP8VLLMGeneration", "check_rollout_class"]
+__all__ = ["FP8VLLMGeneration", "RolloutReport", "check_rollout_class"]
+
+
+@dataclass
+class RolloutReport:
+    """What an `FP8VLLMGeneration` settled and did, in one place for the trainer's logs and the benchmarks: the FP8
+    linear kernel (`kernel`), the SiLU-and-mul quantization (`act_quant_choice`) and DeepGEMM's parallel compilation
+    (`deepgemm_precompile`) a colocated engine's start-up chose, how long the engine took to start and what its KV
+    cache holds, what the engine did in each rollout (`rollout_stats`), the last weight sync's seconds (None once
+    logged) and the bytes of FP8 weight copies let go for the last rollout (sleep mode)."""
+
+    kernel: RolloutKernel | None = None
+    act_quant_choice: act_quant.SiluQuantChoice | None = None
+    deepgemm_precompile: PrecompileResult | None = None
+    engine_start_seconds: float | None = None
+    kv_cache_tokens: int | None = None
+    rollout_stats: RolloutStats | None = None
+    last_sync_seconds: float | None = None
+    released_cache_bytes: int = 0
 
 
 class FP8VLLMGeneration(VLLMGeneration):
     """TRL's vLLM generation whose rollouts run on the trainer's own FP8 weights (see the module docstring).
 
-    Extra keyword arguments on top of `VLLMGeneration`'s:
+    Takes `VLLMGeneration`'s arguments plus `settings`, the run plan's `RolloutSettings` (default: its defaults),
+    whose fields are:
 
     Args:
         rollout_precision: "fp8", "bf16" or "fp8_online".
@@ -107,39 +127,24 @@ class FP8VLLMGeneration(VLLMGeneration):
         token_ids_only: a colocated engine returns token ids and log-probs only, no text (`sampling.py`).
     """
 
-    def __init__(
-        self,
-        *args,
-        rollout_precision: str = "fp8",
-        fp8_modules: set[str] | None = None,
-        power_of_two_scales: bool = False,
-        kv_observer: AttentionScaleObserver | None = None,
-        fp8_backend: str = "auto",
-        fp8_moe_backend: str = "auto",
-        act_quant_kernel: str = "auto",
-        jit_cache_dir: str | None = None,
-        deepgemm_workers: int | None = None,
-        token_ids_only: bool = True,
-        **kwargs,
-    ):
+    def __init__(self, *args, settings: RolloutSettings | None = None, **kwargs):
+        settings = RolloutSettings() if settings is None else settings
+        rollout_precision, fp8_modules = settings.rollout_precision, settings.fp8_modules
+        fp8_backend, fp8_moe_backend = settings.fp8_backend, settings.fp8_moe_backend
+        act_quant_kernel, jit_cache_dir = settings.act_quant_kernel, settings.jit_cache_dir
+        deepgemm_workers, token_ids_only = settings.deepgemm_workers, settings.token_ids_only
+        power_of_two_scales, kv_observer = settings.power_of_two_scales, settings.kv_observer
+        self.settings = settings
         self.rollout_precision = check_rollout_precision(rollout_precision)
         self.fp8_backend, self.fp8_moe_backend = fp8_backend, fp8_moe_backend
         self.act_quant_kernel = act_quant_kernel
-        # what a colocated FP8 engine's start-up decided
-        self.act_quant_choice: act_quant.SiluQuantChoice | None = None
         self.jit_cache_dir = jit_cache_dir
         self.deepgemm_workers = deepgemm_workers
-        self.deepgemm_precompile: PrecompileResult | None = None  # what the parallel compilation did at start-up
-        self.kernel: RolloutKernel | None = None  # resolved at colocated start-up
-        self.engine_start_seconds: float | None = None
         self._fp8_modules = None if fp8_modules is None else set(fp8_modules)
         self.power_of_two_scales = power_of_two_scales
         self.kv_observer = kv_observer
-        self.last_sync_seconds: float | None = None
-        self.released_cache_bytes = 0  # FP8 weight copies let go for the last rollout (sleep mode)
+        self.report = RolloutReport()  # what the engine's start-up settled and what the rollouts and syncs did
         self.engine_dir: Path | None = None
-        self.rollout_stats: RolloutStats | None = None  # colocate: what the engine did in each rollout
-        self.kv_cache_tokens: int | None = None
         # colocate: writes FP8 experts in place (None until the first sync decides; False: the reload for all)
         self.engine_experts: EngineExperts | None | bool = None
         super().__init__(*args, **kwargs)
@@ -181,16 +186,17 @@ class FP8VLLMGeneration(VLLMGeneration):
                     f"vllm_fp8_moe_backend={self.fp8_moe_backend!r} picks the kernel of FP8 experts, but this model "
                     "has no FP8 experts layer (a dense model, or experts kept in BF16). Drop vllm_fp8_moe_backend."
                 )
-            self.kernel = rollout_kernel(
+            self.report.kernel = rollout_kernel(
                 self.fp8_backend,
                 moe_backend=self.fp8_moe_backend,
                 jit_cache_dir=self.jit_cache_dir,
                 device=self.accelerator.device,
             )
-            log = logger.warning if self.fp8_backend == "auto" and self.kernel.backend != "deepgemm" else logger.info
-            log("vLLM block-FP8 kernel for rollouts: %s (%s)", self.kernel.backend, self.kernel.reason)
+            kernel = self.report.kernel
+            log = logger.warning if self.fp8_backend == "auto" and kernel.backend != "deepgemm" else logger.info
+            log("vLLM block-FP8 kernel for rollouts: %s (%s)", kernel.backend, kernel.reason)
         overrides = engine_overrides(
-            self.engine_dir, self.rollout_precision, self.kv_observer is not None, self.kernel
+            self.engine_dir, self.rollout_precision, self.kv_observer is not None, self.report.kernel
         )
         overrides.update(check_tensor_parallel(self.model, self.fp8_modules, self.tensor_parallel_size))
         for name, (value, why) in tensor_parallel_overrides(self.tensor_parallel_size).items():
@@ -199,7 +205,7 @@ class FP8VLLMGeneration(VLLMGeneration):
         for name, (value, why) in tensor_parallel_env(self.tensor_parallel_size).items():
             logger.info("vLLM tensor parallel: %s=%s (%s)", name, value, why)
             os.environ[name] = value
-        apply_engine_env(self.rollout_precision, self.kernel)
+        apply_engine_env(self.rollout_precision, self.report.kernel)
         self._choose_act_quant_kernel()
         start = time.perf_counter()
         self._precompile_deepgemm()
@@ -210,12 +216,14 @@ class FP8VLLMGeneration(VLLMGeneration):
         finally:
             trl_vllm.LLM = llm_class
         # DeepGEMM's kernels are compiled above or in vLLM's warm-up when the JIT cache is cold.
-        self.engine_start_seconds = time.perf_counter() - start
+        self.report.engine_start_seconds = time.perf_counter() - start
         _STARTED_ENGINES.add(self.llm)
-        self.rollout_stats = RolloutStats.attach(self.llm)
-        self.kv_cache_tokens = engine_kv_cache_tokens(self.llm)
+        self.report.rollout_stats = RolloutStats.attach(self.llm)
+        self.report.kv_cache_tokens = engine_kv_cache_tokens(self.llm)
         logger.info(
-            "vLLM engine started in %.0f s, KV cache %s tokens", self.engine_start_seconds, self.kv_cache_tokens
+            "vLLM engine started in %.0f s, KV cache %s tokens",
+            self.report.engine_start_seconds,
+            self.report.kv_cache_tokens,
         )
 
     def _choose_act_quant_kernel(self) -> None:
@@ -229,18 +237,18 @@ class FP8VLLMGeneration(VLLMGeneration):
                 logger.info("vLLM SiLU-and-mul + FP8 quantization: vLLM's kernel again (vllm_act_quant_kernel='vllm')")
             return
         if torch.cuda.is_available():
-            self.act_quant_choice = act_quant.install_for_model(
+            self.report.act_quant_choice = act_quant.install_for_model(
                 unwrap_model(self.model), self.accelerator.device, require_faster=self.act_quant_kernel == "auto",
                 owner=self,
             )  # fmt: skip
-            logger.info("vLLM SiLU-and-mul + FP8 quantization: %s", self.act_quant_choice.reason)
+            logger.info("vLLM SiLU-and-mul + FP8 quantization: %s", self.report.act_quant_choice.reason)
 
     def _precompile_deepgemm(self) -> None:
         """Compile the engine's DeepGEMM kernels in parallel processes (local main process; the others wait and
         find them in the shared cache) before vLLM's warm-up, which would compile them one at a time."""
         if self.accelerator.is_local_main_process:
-            self.deepgemm_precompile = precompile_engine_kernels(
-                self.kernel, self.model, self.fp8_modules, TRL_MAX_NUM_BATCHED_TOKENS,
+            self.report.deepgemm_precompile = precompile_engine_kernels(
+                self.report.kernel, self.model, self.fp8_modules, TRL_MAX_NUM_BATCHED_TOKENS,
                 workers=self.deepgemm_workers, device=self.accelerator.device.index,
                 tensor_parallel=self.tensor_parallel_size,
             )  # fmt: skip
@@ -319,13 +327,13 @@ class FP8VLLMGeneration(VLLMGeneration):
                 self._llm_weights_sleeping = False
             self._push_colocated()
             if self.enable_sleep_mode:  # the KV cache wakes next: give it the trainer's FP8 copies while it generates
-                self.released_cache_bytes = release_fp8_weight_caches(self.model)
+                self.report.released_cache_bytes = release_fp8_weight_caches(self.model)
                 torch.cuda.empty_cache()
         else:
             super().sync_weights()  # streams _iter_named_params through TRL's client
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        self.last_sync_seconds = time.perf_counter() - start
+        self.report.last_sync_seconds = time.perf_counter() - start
 
 
 def check_rollout_class(generation) -> None:

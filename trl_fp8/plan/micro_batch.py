@@ -12,8 +12,8 @@ expert layers were measured apart, docs/moe.md) get no note.
 from __future__ import annotations
 
 from trl_fp8.config import BLOCKWISE
+from trl_fp8.plan.choices import start_up_sequence_tokens
 from trl_fp8.rollout.capacity import expert_count, text_config
-from trl_fp8.trainer.memory import start_up_sequence_tokens
 
 __all__ = [
     "HOST_BOUND_HIDDEN_SIZE",
