@@ -82,7 +82,7 @@ class FP8TrainerMixin:
         model,
         reward_funcs=None,
         args=None,
-        *trainer_args_,
+        *trainer_args,
         fp8_module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
         **trainer_kwargs,
     ):
@@ -133,11 +133,11 @@ class FP8TrainerMixin:
         if loaded_here:
             applied = dropped_log_records(self._trl_trainer_module, "You passed `model_init_kwargs`",
                                           "You passed `quantization_config`")  # fmt: skip
-        trainer_args = plan.trainer_args(args)  # TRL's copy, with the plan's resolved values
+        resolved_args = plan.trainer_args(args)  # TRL's copy, with the plan's resolved values
         with self._fp8_vllm_generation(args, plan.rollout), warnings.catch_warnings(), applied:
             if plan.liger_kernels.automatic:  # TRL's deprecation of the option speaks to a user who set it
                 warnings.filterwarnings("ignore", r"`use_liger_kernel=True` is deprecated", FutureWarning)
-            super().__init__(model, reward_funcs, trainer_args, *trainer_args_, **trainer_kwargs)
+            super().__init__(model, reward_funcs, resolved_args, *trainer_args, **trainer_kwargs)
         if args.ddp_gradient_as_bucket_view:
             grads_in_ddp_buckets(self.accelerator)  # before train() wraps the model in DDP
         if args.fsdp2_prefetch_layers is not None:
