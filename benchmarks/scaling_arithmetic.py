@@ -33,9 +33,9 @@ from benchmarks.common import RESULTS, arg_parser, metadata, write_json
 from trl_fp8.config import BLOCK
 from trl_fp8.distributed import shard_rows_align
 from trl_fp8.plan.memory import trainer_memory_per_gpu
+from trl_fp8.requirements import is_bitsandbytes_optimizer
 from trl_fp8.rollout.capacity import ModelShape
 from trl_fp8.rollout.vllm.partitions import KV_PROJECTIONS, ROW_PARALLEL, check_tensor_parallel, partition_shape
-from trl_fp8.trainer.requirements import is_bitsandbytes_optimizer
 
 GB, GiB = 1e9, 2**30
 # The published shapes (the models' config.json), untied embeddings as the three checkpoints have.

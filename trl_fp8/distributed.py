@@ -100,7 +100,7 @@ def check_sharding_supports(args, peft_config=None, model=None) -> None:
     weight is a shard and PEFT's merge is local to it, so neither could send the merged FP8 weight. bitsandbytes'
     optimizers: their update is a custom op that takes plain tensors, not FSDP2's DTensor shards (8-bit AdamW raises
     at the first optimizer step)."""
-    from trl_fp8.trainer.requirements import is_bitsandbytes_optimizer
+    from trl_fp8.requirements import is_bitsandbytes_optimizer
 
     if weight_sharding(args) != "FSDP2":
         return

@@ -5,8 +5,8 @@
                  [--num_processes 4 --launch ddp|fsdp2] [--vllm_tensor_parallel_size 2] ...
 
 MODEL is a model folder or a Hub id such as Qwen/Qwen3-8B (its config.json only: the Hub cache first; offline and
-uncached it stops at once, naming the fix). The estimates are `trl_fp8.rollout.capacity`'s: KV-cache tokens
-as vLLM 0.26 sizes them (within a few percent of what it reported in our benchmarks), sequences of
+uncached it stops at once, naming the fix). The estimates are `trl_fp8.rollout.capacity`'s and
+`trl_fp8.plan.memory`'s: KV-cache tokens as vLLM 0.26 sizes them (within a few percent of what it reported in our benchmarks), sequences of
 prompt + completion tokens that decode at once, a rough account of the trainer's memory beside the engine, and the
 largest share at which each flow fits (its best fit). With --num_processes N it plans one GPU of N, each with a
 training process and a vLLM engine (TRL's colocate mode), the trainer replicated (DDP) or sharded (FSDP2), and says
@@ -24,7 +24,7 @@ import sys
 from collections import Counter
 
 from trl_fp8.cli.argtypes import memory_share, non_negative_int, positive_float, positive_int
-from trl_fp8.cli.hub import first_line, load_model_config
+from trl_fp8.hub import first_line, load_model_config
 from trl_fp8.plan.choices import HOPPER, choose_fp8_kv_cache
 from trl_fp8.plan.memory import (
     FP8_CACHE_HEADROOM,
@@ -38,8 +38,8 @@ from trl_fp8.plan.memory import (
     trainer_peak_bytes,
 )
 from trl_fp8.plan.micro_batch import SPEEDS_IN_THE_DOCS, dense_hidden_size, larger_micro_batch
+from trl_fp8.requirements import is_bitsandbytes_optimizer
 from trl_fp8.rollout.capacity import GPU_MEMORY_BYTES, GiB, ModelShape, text_config
-from trl_fp8.trainer.requirements import is_bitsandbytes_optimizer
 
 # (name, FP8 weights, FP8 KV cache). The BF16 flow is TRL's own GRPOTrainer, the FP8 flows trl-fp8's FP8GRPOTrainer.
 FLOWS = (("BF16", False, False), ("FP8", True, False), ("FP8 + FP8 KV", True, True))

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from trl_fp8.cli.argtypes import non_negative_int
-from trl_fp8.cli.hub import first_line, load_model_config, missing_local_model
+from trl_fp8.hub import first_line, load_model_config, missing_local_model
 
 DTYPES = ("bfloat16", "float16", "float32", "auto")
 WEIGHT_FILE_TYPES = ("safetensors", "bin")  # what transformers loads a causal LM's weights from

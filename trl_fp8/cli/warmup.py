@@ -54,7 +54,7 @@ def model_shapes(path: str, tensor_parallel: int = 1) -> list[tuple[int, int]]:
     partition would not hold whole 128x128 blocks)."""
     from transformers import AutoModelForCausalLM
 
-    from trl_fp8.cli.hub import load_model_config
+    from trl_fp8.hub import load_model_config
     from trl_fp8.nn.conversion import plan_fp8_conversion
 
     config = load_model_config(path)  # raises ValueError naming the fix

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
+import trl_fp8.plan.memory as memory
 from trl_fp8.config import BLOCKWISE
-from trl_fp8.plan import memory
 from trl_fp8.plan.choice import Choice, WeightCache
 from trl_fp8.rollout import capacity
 
@@ -90,7 +90,7 @@ def _gpu_bytes(args) -> int | None:
 def _planned_training(
     shape, args, total_bytes: int, processes: int, cache_with_grad: bool = True, **launch
 ) -> tuple[dict, dict, float, str]:
-    """The planner's account of one GPU's training phase for this run (`trl_fp8.rollout.capacity`, as `trl-fp8 plan`
+    """The planner's account of one GPU's training phase for this run (`trl_fp8.plan.memory`, as `trl-fp8 plan`
     prints it): `(the trainer's parts, what vLLM holds beside them, the phase's bytes, the optimizer counted)`.
     `launch`: `trainer_memory_per_gpu`'s launch options. An optimizer the planner does not model counts as
     adamw_torch; beside the trainer, vLLM's share, or what it keeps asleep in sleep mode. `cache_with_grad`: whether
@@ -114,7 +114,7 @@ def choose_fp8_weight_cache(model_config, args, *, lora: bool = False, total_byt
     """The FP8 weight cache for this run: the user's `fp8_cache_weights` if set; else on, for the scoring passes and
     the vLLM sync only (`FP8LinearConfig.cache_with_grad=False`), unless holding it while scoring would push the
     training phase of one GPU past `FP8_CACHE_HEADROOM` of its memory by the planner's account
-    (`trl_fp8.rollout.capacity`, the numbers `trl-fp8 plan` prints).
+    (`trl_fp8.plan.memory`, the numbers `trl-fp8 plan` prints).
 
     The cache costs 1 byte per FP8 weight and saves re-quantizing each weight at every forward. Kept through the
     micro-batches as well (`fp8_cache_weights=True`) it saves a little of the training phase's time and raises the
@@ -165,7 +165,7 @@ def choose_fsdp2_gradient_sync(
     transformers' Trainer runs all micro-batches of a step but the last under accelerate's `no_sync`, which FSDP2
     carries out by keeping every gradient whole in BF16 until the last one: 2 bytes a parameter of the whole model on
     every GPU. Where that would push one GPU's training phase past `FSDP2_GRADIENTS_HEADROOM` of its memory by the
-    planner's account (`trl_fp8.rollout.capacity`, as `trl-fp8 plan` prints it), every micro-batch reduce-scatters
+    planner's account (`trl_fp8.plan.memory`, as `trl-fp8 plan` prints it), every micro-batch reduce-scatters
     instead, so the gradients stay sharded, for one more reduce-scatter of them per micro-batch; otherwise
     accelerate's default stays. None where there is nothing to choose: no FSDP2, one process, one micro-batch a step,
     or no GPU to size. `total_bytes`: the GPU's memory (read from `args.device` when None)."""

@@ -15,8 +15,8 @@ import math
 import types
 from dataclasses import dataclass
 
+from trl_fp8.requirements import is_bitsandbytes_optimizer
 from trl_fp8.rollout.capacity import GiB, ModelShape, RolloutCapacity, rollout_capacity, vllm_overhead_bytes
-from trl_fp8.trainer.requirements import is_bitsandbytes_optimizer
 
 __all__ = [
     "DTYPE_FOLLOWING_OPTIMIZERS",

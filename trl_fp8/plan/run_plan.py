@@ -25,40 +25,9 @@ from trl_fp8.plan.choices import (
     choose_liger_kernels,
 )
 from trl_fp8.plan.micro_batch import dense_hidden_size, small_micro_batch_note
+from trl_fp8.rollout.settings import RolloutSettings
 
-__all__ = ["FP8RunPlan", "RolloutSettings"]
-
-
-@dataclass(frozen=True)
-class RolloutSettings:
-    """What `FP8VLLMGeneration` takes beside TRL's own arguments: the rollout precision, the layers stored in FP8
-    (`fp8_modules`, None: read from the model's FP8 layers at every sync), the scale format, the observer of the FP8
-    KV cache's scales (None: a BF16 KV cache), and the colocated engine's kernel options (`FP8GRPOConfig`'s
-    `vllm_*` fields of the same names)."""
-
-    rollout_precision: str = "fp8"
-    fp8_modules: frozenset[str] | None = None
-    power_of_two_scales: bool = False
-    kv_observer: object | None = None  # an `AttentionScaleObserver`
-    fp8_backend: str = "auto"
-    fp8_moe_backend: str = "auto"
-    act_quant_kernel: str = "auto"
-    jit_cache_dir: str | None = None
-    deepgemm_workers: int | None = None
-    token_ids_only: bool = True
-
-    @classmethod
-    def from_args(cls, args) -> RolloutSettings:
-        return cls(
-            rollout_precision=args.rollout_precision,
-            power_of_two_scales=args.fp8_power_of_two_scales,
-            fp8_backend=args.vllm_fp8_backend,
-            fp8_moe_backend=args.vllm_fp8_moe_backend,
-            act_quant_kernel=args.vllm_act_quant_kernel,
-            jit_cache_dir=args.vllm_jit_cache_dir,
-            deepgemm_workers=args.vllm_deepgemm_workers,
-            token_ids_only=args.vllm_token_ids_only,
-        )
+__all__ = ["FP8RunPlan"]
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,8 @@ from trl_fp8.config import (
     check_layer_options,
     check_rollout_precision,
 )
+from trl_fp8.requirements import check_liger_installed, check_optimizer_installed
 from trl_fp8.trainer.field_docs import field_help
-from trl_fp8.trainer.requirements import check_liger_installed, check_optimizer_installed
 
 # `FP8LinearConfig`'s fields as this config calls them.
 LAYER_OPTION_FIELDS = {"recipe": "fp8_recipe", "backend": "fp8_backend", "experts_gemm": "fp8_experts_gemm",

@@ -35,7 +35,6 @@ from trl.trainer.utils import create_model_from_path
 
 from trl_fp8.checkpoint.folder import drop_checkpoint_entries, is_checkpoint_entry, output_overwrites_model
 from trl_fp8.checkpoint.save import save_fp8_checkpoint, unwrap_model
-from trl_fp8.cli.hub import missing_local_model
 from trl_fp8.config import LayerSelection
 from trl_fp8.distributed import (
     check_no_weight_sharding,
@@ -45,8 +44,10 @@ from trl_fp8.distributed import (
     reduce_over_ranks,
     zero_grads_in_buckets,
 )
+from trl_fp8.hub import missing_local_model
 from trl_fp8.nn.conversion import ConversionReport, convert_to_fp8, plan_fp8_conversion
 from trl_fp8.plan import Choice, FP8RunPlan, RolloutSettings
+from trl_fp8.requirements import check_reward_dependencies
 from trl_fp8.rollout.kv_scales import AttentionScaleObserver, observe_prompts
 from trl_fp8.rollout.stats import capacity_line
 from trl_fp8.stack import warn_outside_tested_stack
@@ -55,7 +56,6 @@ from trl_fp8.trainer.layer_checkpointing import RENAMED_CHECKPOINTING_CALLS, kee
 from trl_fp8.trainer.liger import liger_patches_kept_on_the_model
 from trl_fp8.trainer.model_card import fp8_model_card_section
 from trl_fp8.trainer.regional_compile import compile_decoder_layers, eager_generation
-from trl_fp8.trainer.requirements import check_reward_dependencies
 
 logger = logging.getLogger(__name__)
 

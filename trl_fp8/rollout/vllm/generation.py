@@ -37,7 +37,7 @@ from trl_fp8.checkpoint.save import fp8_module_names
 from trl_fp8.config import check_rollout_precision, check_vllm_version
 from trl_fp8.nn.adapters import unwrap_model
 from trl_fp8.nn.linear import release_fp8_weight_caches
-from trl_fp8.plan.run_plan import RolloutSettings
+from trl_fp8.rollout.settings import RolloutSettings
 from trl_fp8.rollout.stats import RolloutStats, engine_kv_cache_tokens
 from trl_fp8.rollout.vllm import act_quant
 from trl_fp8.rollout.vllm._compat import shutdown_engine
