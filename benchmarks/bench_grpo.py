@@ -19,18 +19,18 @@ Runs (one child process each, vLLM colocated, same model, prompts, batch and 1k-
 - `unified_nocache`: `unified` quantizing each weight at every forward instead of caching its FP8 copy (the
   memory that copy costs, against the time it saves);
 - `bf16_compiled`, `unified_compiled`, `unified_fp8kv_compiled`: BF16 training (FP8GRPOTrainer without FP8 layers,
-  BF16 rollouts) and the unified flows with every decoder layer compiled (`compile_decoder_layers=True`);
+  BF16 rollouts) and the unified flows with every decoder layer compiled (`FP8Tuning(compile_decoder_layers=True)`);
   `unified_fp8kv_compiled_liger` puts Liger's RMSNorm, RoPE and SwiGLU kernels inside the compiled layers;
 - `unified_fused`: `unified` with q/k/v and gate/up as one FP8 GEMM per pass and SiLU·mul fused into
-  `down_proj`'s input quantization (`fp8_fuse_sibling_gemms=True, fp8_fuse_swiglu=True`);
+  `down_proj`'s input quantization (`FP8Tuning(fuse_sibling_gemms=True, fuse_swiglu=True)`);
 - `fp8_defaults`: `FP8GRPOConfig` left to its defaults (what a user who sets nothing gets: Liger's kernels where
   installed, the FP8 weight cache and the FP8 KV cache as the planner chooses them, the rollouts scored in the
   micro-batches' own forwards); every other run sets `use_liger_kernel` and `fp8_kv_cache` itself;
   `fp8_defaults_scoring_pass` keeps TRL's scoring pass before the micro-batches (`score_in_training_forward=False`),
   `fp8_defaults_vllm_act_quant` keeps vLLM's own fused SiLU-and-mul + FP8 quantization kernel
-  (`vllm_act_quant_kernel="vllm"`), `fp8_defaults_vllm_text` vLLM's text and per-token log-prob dicts
+  (`FP8Tuning(vllm_act_quant_kernel="vllm")`), `fp8_defaults_vllm_text` vLLM's text and per-token log-prob dicts
   (`vllm_token_ids_only=False`), `fp8_defaults_fused_siblings` runs q/k/v (and a dense MLP's gate/up) as one FP8 GEMM
-  per pass (`fp8_fuse_sibling_gemms=True`); `trl_bf16_token_ids` is TRL BF16 with the `SamplingParams` fields that
+  per pass (`FP8Tuning(fuse_sibling_gemms=True)`); `trl_bf16_token_ids` is TRL BF16 with the `SamplingParams` fields that
   `vllm_token_ids_only` adds, passed through TRL's `generation_kwargs`.
 
 Peak allocated memory is recorded per phase (rollout: sync + generate; training: the rest, split into scoring and
@@ -75,11 +75,11 @@ RUNS = {  # run: (trainer, fp8_recipe, rollout_precision, fp8 KV cache, training
     "unified_fp8kv_liger": ("trl_fp8", "blockwise", "fp8", True, "auto", None),  # the fastest flow at the 8B shape
     "unified_deepgemm": ("trl_fp8", "blockwise", "fp8", False, "deepgemm", None),  # FProp/DGrad on DeepGEMM (opt-in)
     "unified_nocache": ("trl_fp8", "blockwise", "fp8", False, "auto", False),  # weights quantized at every forward
-    "unified_fused": ("trl_fp8", "blockwise", "fp8", False, "auto", None),  # + RUN_OPTIONS below
+    "unified_fused": ("trl_fp8", "blockwise", "fp8", False, "auto", None),  # + RUN_TUNING below
     "trl_bf16_liger": ("trl", None, "bf16", False, None, None),
     "unified_liger": ("trl_fp8", "blockwise", "fp8", False, "auto", None),
     "unified_fused_liger": ("trl_fp8", "blockwise", "fp8", False, "auto", None),
-    # compile_decoder_layers: each decoder layer compiled in place (regional compilation), BF16 and FP8 alike
+    # FP8Tuning(compile_decoder_layers=True): each decoder layer compiled in place (regional compilation), BF16 and FP8 alike
     "bf16_compiled": ("trl_fp8", "none", "bf16", False, "auto", None),
     "unified_compiled": ("trl_fp8", "blockwise", "fp8", False, "auto", None),
     "unified_fp8kv_compiled": ("trl_fp8", "blockwise", "fp8", True, "auto", None),
@@ -113,16 +113,12 @@ LIGER = {
     "use_liger_kernel": True
 }  # Liger's RMSNorm, SwiGLU and RoPE kernels (TRL already fuses the LM head's logprobs)
 RUN_OPTIONS = {  # further (FP8)GRPOConfig fields of a run
-    "unified_fused": {"fp8_fuse_sibling_gemms": True, "fp8_fuse_swiglu": True},
     "trl_bf16_liger": LIGER,
     "unified_liger": LIGER,
     "unified_fp8kv_liger": LIGER,
-    "unified_fused_liger": {"fp8_fuse_sibling_gemms": True, **LIGER},  # Liger's SwiGLU in place of ours
-    "bf16_compiled": {"compile_decoder_layers": True},
-    "unified_compiled": {"compile_decoder_layers": True},
-    "unified_fp8kv_compiled": {"compile_decoder_layers": True},
+    "unified_fused_liger": LIGER,  # Liger's SwiGLU in place of ours
     # Liger's kernels traced inside the compiled layers, against Inductor fusing the same ops itself
-    "unified_fp8kv_compiled_liger": {"compile_decoder_layers": True, **LIGER},
+    "unified_fp8kv_compiled_liger": LIGER,
     "bf16_ckpt2": {"gradient_checkpointing_kwargs": {"every_n_layers": 2}},
     "unified_ckpt2": {"gradient_checkpointing_kwargs": {"every_n_layers": 2}},
     "unified_ckpt4": {"gradient_checkpointing_kwargs": {"every_n_layers": 4}},
@@ -133,22 +129,29 @@ RUN_OPTIONS = {  # further (FP8)GRPOConfig fields of a run
     # the defaults, with TRL's scoring pass of every rollout before the micro-batches kept (what skipping it gains)
     "fp8_defaults_scoring_pass": {"use_liger_kernel": None, "score_in_training_forward": False},
     # the defaults with vLLM's own fused SiLU-and-mul + FP8 quantization kernel (what trl-fp8's kernel gains)
-    "fp8_defaults_vllm_act_quant": {"use_liger_kernel": None, "vllm_act_quant_kernel": "vllm"},
+    "fp8_defaults_vllm_act_quant": {"use_liger_kernel": None},
     # the defaults with vLLM's text and per-token log-prob dicts kept (what `vllm_token_ids_only` gains), and TRL
     # BF16 given the same SamplingParams fields through its generation_kwargs (the part of it that is not FP8's)
     "fp8_defaults_vllm_text": {"use_liger_kernel": None, "vllm_token_ids_only": False},
     "trl_bf16_token_ids": {"generation_kwargs": {"detokenize": False, "flat_logprobs": True}},
     # the defaults with q/k/v (and a dense MLP's gate/up) as one FP8 GEMM per pass: fewer launches where the host
     # bounds the micro-batches
-    "fp8_defaults_fused_siblings": {"use_liger_kernel": None, "fp8_fuse_sibling_gemms": True},
-    "unified_fp8kv_liger_prefetch2": {"fsdp2_prefetch_layers": 2, **LIGER},
+    "fp8_defaults_fused_siblings": {"use_liger_kernel": None},
+    "unified_fp8kv_liger_prefetch2": LIGER,
     "unified_fp8kv_liger_logprob16": {"logprob_batch_size": 16, **LIGER},
-    "unified_fp8kv_liger_fsdp2": {
-        "fsdp2_prefetch_layers": 2,
-        "logprob_batch_size": 16,
-        "fp8_fuse_sibling_gemms": True,
-        **LIGER,
-    },
+    "unified_fp8kv_liger_fsdp2": {"logprob_batch_size": 16, **LIGER},
+}
+RUN_TUNING = {  # the `FP8Tuning` of a run of FP8GRPOTrainer (its fields; the others: FP8Tuning's defaults)
+    "unified_fused": {"fuse_sibling_gemms": True, "fuse_swiglu": True},
+    "unified_fused_liger": {"fuse_sibling_gemms": True},
+    "bf16_compiled": {"compile_decoder_layers": True},
+    "unified_compiled": {"compile_decoder_layers": True},
+    "unified_fp8kv_compiled": {"compile_decoder_layers": True},
+    "unified_fp8kv_compiled_liger": {"compile_decoder_layers": True},
+    "fp8_defaults_vllm_act_quant": {"vllm_act_quant_kernel": "vllm"},
+    "fp8_defaults_fused_siblings": {"fuse_sibling_gemms": True},
+    "unified_fp8kv_liger_prefetch2": {"fsdp2_prefetch_layers": 2},
+    "unified_fp8kv_liger_fsdp2": {"fsdp2_prefetch_layers": 2, "fuse_sibling_gemms": True},
 }
 
 
@@ -254,7 +257,7 @@ def run_one(args) -> None:
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer
+    from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, FP8Tuning
     from trl_fp8.nn.linear import fp8_weight_cache_bytes
     from trl_fp8.trainer.memory import memory_breakdown
 
@@ -281,8 +284,10 @@ def run_one(args) -> None:
         options = dict(RUN_OPTIONS.get(args.run, {}))
         options["generation_kwargs"] = {**common["generation_kwargs"], **options.get("generation_kwargs", {})}
         trainer_cls, config = GRPOTrainer, GRPOConfig(**{**common, **options})
+        tuning = {}
     else:
         trainer_cls = FP8GRPOTrainer
+        tuning = {"tuning": FP8Tuning(**RUN_TUNING.get(args.run, {}))}
         # Liger's kernels only in the runs named for them (FP8GRPOTrainer would otherwise choose them on a GPU)
         options = {"use_liger_kernel": False, **RUN_OPTIONS.get(args.run, {})}
         if precision == "fp8" and args.vllm_fp8_moe_backend != "auto":  # the experts' kernel in FP8 rollouts only
@@ -347,7 +352,7 @@ def run_one(args) -> None:
     start = time.perf_counter()
     trainer = trainer_cls(
         str(model_dir(args)), length_reward, config,
-        train_dataset=Dataset.from_dict({"prompt": prompts}), callbacks=[StepTimer()],
+        train_dataset=Dataset.from_dict({"prompt": prompts}), callbacks=[StepTimer()], **tuning,
     )  # fmt: skip
     startup_s = time.perf_counter() - start  # model load and engine start (DeepGEMM's warm-up included)
     sampler.start()
@@ -479,6 +484,7 @@ def run_one(args) -> None:
         # FSDP2 with gradient accumulation: whether every micro-batch reduce-scattered, and why (the trainer's choice)
         "fsdp2_gradient_sync": choice_record(plan and plan.fsdp2_gradient_sync, "sync_each_batch"),
         "fp8_options": RUN_OPTIONS.get(args.run, {}),
+        "tuning": RUN_TUNING.get(args.run, {}),  # the run's FP8Tuning, its fields other than the defaults
         # Liger's kernels as the trainer settled them (FP8GRPOTrainer.plan.liger_kernels; TRL's runs: their option)
         "liger_kernels": choice_record(plan.liger_kernels, "on")
         if plan

@@ -7,7 +7,7 @@
 Variants: BF16 `nn.Linear`; trl_fp8 blockwise (`FP8Linear`, weight re-quantized every call as after each optimizer
 step, and with the weight cache hit, as for further micro-batches and log-prob passes); torchao's blockwise
 prototype (`Float8BlockwiseLinear`); for q/k/v as three layers, trl_fp8 running them as one GEMM per pass
-(`fp8_fuse_sibling_gemms`); torchao tensorwise `Float8Linear` (eager and `torch.compile`). On the GPU also
+(`FP8Tuning(fuse_sibling_gemms=True)`); torchao tensorwise `Float8Linear` (eager and `torch.compile`). On the GPU also
 trl_fp8 with FProp/DGrad on DeepGEMM (`backend="deepgemm"`) and trl_fp8 under `torch.compile`. Also the raw
 GEMMs (BF16 mm vs one blockwise FP8 scaled_mm) and where trl_fp8's time goes (quantization passes vs GEMMs).
 """
@@ -89,7 +89,7 @@ def make_variants(k, n, device, dtype, cuda):
         return each_layer(bf16(), lambda layer: FP8Linear.convert_(layer, config))
 
     variants = {"bf16": bf16(), "trl_fp8 blockwise": ours(False), "trl_fp8 blockwise (cached W)": ours(True)}
-    if isinstance(n, tuple):  # the layers reading one input as one GEMM per pass (fp8_fuse_sibling_gemms)
+    if isinstance(n, tuple):  # the layers reading one input as one GEMM per pass (fuse_sibling_gemms)
         fused = ours(True)
         FP8SiblingGroup(list(fused.layers))
         variants["trl_fp8 blockwise (cached W, one GEMM)"] = fused

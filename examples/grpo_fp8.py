@@ -8,7 +8,8 @@
                                                                  # on the trainer's FP8 weights (colocated)
     accelerate launch examples/grpo_fp8.py --use_vllm --fp8_kv_cache    # the demo with vLLM and an FP8 KV cache
 
-Every `FP8GRPOConfig` (hence `GRPOConfig`), `ModelConfig` and TRL GRPO script flag works, and `--config run.yaml`;
+Every `FP8GRPOConfig` (hence `GRPOConfig`), `FP8Tuning` (`--fuse_swiglu`, `--compile_decoder_layers`, ...),
+`ModelConfig` and TRL GRPO script flag works, and `--config run.yaml`;
 `--reward_funcs` takes TRL's reward names (`accuracy_reward` needs `pip install 'trl-fp8[math]'`) or dotted import paths
 `package.module.function`, `--reward_model_name_or_path` a reward model. bitsandbytes 4/8-bit loading is refused.
 With no `--model_name_or_path`, the demo builds a Qwen3-architecture model (dims multiples of 128) and a character
@@ -38,7 +39,7 @@ from transformers import TrainerCallback  # noqa: E402
 from trl import DatasetMixtureConfig, ModelConfig, TrlParser, get_dataset, get_peft_config  # noqa: E402
 from trl.scripts.grpo import GRPOScriptArguments  # noqa: E402
 
-from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer  # noqa: E402
+from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, FP8Tuning  # noqa: E402
 from trl_fp8.cli.rewards import resolve_reward_funcs  # noqa: E402
 from trl_fp8.demo.toy_task import DEMO_GRPO_SETTINGS, DEMO_MAX_STEPS  # noqa: E402
 
@@ -94,11 +95,11 @@ def report_accuracy(label: str, accuracy: float, answers: dict[str, str]) -> Non
 
 
 def main():
-    parser = TrlParser((GRPOScriptArguments, FP8GRPOConfig, ModelConfig, DatasetMixtureConfig))
+    parser = TrlParser((GRPOScriptArguments, FP8GRPOConfig, FP8Tuning, ModelConfig, DatasetMixtureConfig))
     demo = "--model_name_or_path" not in " ".join(sys.argv) and "--config" not in sys.argv
     if demo:
         parser.set_defaults(**DEMO_DEFAULTS, bf16=torch.cuda.is_available(), use_cpu=not torch.cuda.is_available())
-    script_args, training_args, model_args, dataset_args = parser.parse_args_and_config()
+    script_args, training_args, tuning, model_args, dataset_args = parser.parse_args_and_config()
     if demo and training_args.fp8_recipe is None and "--output_dir" not in sys.argv:
         training_args.output_dir = BF16_DEMO_OUTPUT_DIR
     if model_args.load_in_4bit or model_args.load_in_8bit:
@@ -146,6 +147,7 @@ def main():
         processing_class=tokenizer,
         peft_config=get_peft_config(model_args),
         callbacks=[RewardTrend()],
+        tuning=tuning,
     )
     trainer.accelerator.print(trainer.fp8_report.summary())
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)

@@ -103,15 +103,15 @@ def install_fake_vllm(monkeypatch) -> type[FakeLLM]:
 
 def tiny_trainer(tmp_path, model=None, **kwargs):
     """An FP8GRPOTrainer with vLLM colocated (needs the `fake_vllm` fixture) on a tiny Qwen3 or on `model`;
-    `kwargs` are FP8GRPOConfig fields, plus `peft_config`."""
+    `kwargs` are FP8GRPOConfig fields, plus `peft_config` and `tuning` (an `FP8Tuning`)."""
     tokenizer = tiny_char_tokenizer()
     model = model or tiny_qwen3(vocab_size=128, eos_token_id=tokenizer.eos_token_id, pad_token_id=0)
-    peft_config = kwargs.pop("peft_config", None)
+    peft_config, tuning = kwargs.pop("peft_config", None), kwargs.pop("tuning", None)
     settings = {**GRPO_SETTINGS, "per_device_train_batch_size": 16, **kwargs}
     args = FP8GRPOConfig(**settings, output_dir=str(tmp_path), use_cpu=True, bf16=False, use_vllm=True,
                          vllm_mode="colocate")  # fmt: skip
     return FP8GRPOTrainer(model, say_letter_reward, args, train_dataset=say_letter_dataset(64),
-                          processing_class=tokenizer, peft_config=peft_config)  # fmt: skip
+                          processing_class=tokenizer, peft_config=peft_config, tuning=tuning)  # fmt: skip
 
 
 class FakeMoEEngine:

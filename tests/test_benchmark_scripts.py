@@ -988,18 +988,21 @@ def test_every_rank_reports_its_own_phases_and_device_peaks(tmp_path):
 
 def test_every_grpo_run_sets_only_fields_the_configs_have():
     """A misspelt option of a `bench_grpo` run would fail only on the GPU host, after minutes of set-up: each run's
-    options are fields of the config its trainer takes (TRL's runs: `GRPOConfig`; ours: `FP8GRPOConfig`)."""
+    options are fields of the config its trainer takes (TRL's runs: `GRPOConfig`; ours: `FP8GRPOConfig`), and its
+    tuning builds an `FP8Tuning` (runs of FP8GRPOTrainer only)."""
     from dataclasses import fields
 
     from trl import GRPOConfig
 
-    from benchmarks.bench_grpo import RUN_OPTIONS, RUNS
-    from trl_fp8 import FP8GRPOConfig
+    from benchmarks.bench_grpo import RUN_OPTIONS, RUN_TUNING, RUNS
+    from trl_fp8 import FP8GRPOConfig, FP8Tuning
 
-    assert set(RUN_OPTIONS) <= set(RUNS)
+    assert set(RUN_OPTIONS) <= set(RUNS) and set(RUN_TUNING) <= set(RUNS)
     for run, options in RUN_OPTIONS.items():
         config = GRPOConfig if RUNS[run][0] == "trl" else FP8GRPOConfig
         assert set(options) <= {f.name for f in fields(config)}, run
+    for run, tuning in RUN_TUNING.items():
+        assert RUNS[run][0] == "trl_fp8" and FP8Tuning(**tuning) != FP8Tuning(), run
     assert RUN_OPTIONS["fp8_defaults_scoring_pass"]["score_in_training_forward"] is False
 
 

@@ -1,11 +1,12 @@
-"""Each field trl-fp8 adds to TRL's configs is described once, in its class docstring, which is also its `--help`."""
+"""Each field trl-fp8 adds to TRL's configs is described once, in its class docstring, which is also its `--help`; the
+public config stays short, the kernel selectors and benchmark knobs being `FP8Tuning`'s."""
 
-from dataclasses import fields
+from dataclasses import FrozenInstanceError, fields
 
 import pytest
 from trl import GRPOConfig, TrlParser
 
-from trl_fp8 import FP8GRPOConfig, FP8RLOOConfig
+from trl_fp8 import FP8GRPOConfig, FP8RLOOConfig, FP8Tuning
 from trl_fp8.trainer.config import FP8TrainingArguments
 from trl_fp8.trainer.field_docs import docstring_entries, field_help
 
@@ -18,7 +19,7 @@ def own_fields(config_class, *bases) -> dict:
 
 @pytest.mark.parametrize(
     "config_class, bases",
-    [(FP8TrainingArguments, ()), (FP8GRPOConfig, (FP8TrainingArguments, GRPOConfig))],
+    [(FP8TrainingArguments, ()), (FP8GRPOConfig, (FP8TrainingArguments, GRPOConfig)), (FP8Tuning, ())],
 )
 def test_each_field_is_described_once_in_the_docstring_and_that_is_its_help(config_class, bases):
     described = docstring_entries(config_class.__doc__)
@@ -59,3 +60,40 @@ def test_the_command_line_help_lists_every_field_with_its_description(config_cla
     for name in own_fields(FP8TrainingArguments):
         assert f"--{name}" in text
     assert "of the GPU" in text  # fp8_cache_weights' description, with its "90%" formatted by argparse
+
+
+# Kernel selectors and benchmark knobs, the same results either way: `FP8Tuning`'s, not the config's.
+TUNING_FIELDS = {
+    "fp8_fuse_sibling_gemms": "fuse_sibling_gemms",
+    "fp8_fuse_swiglu": "fuse_swiglu",
+    "fp8_experts_gemm": "experts_gemm",
+    "compile_decoder_layers": "compile_decoder_layers",
+    "fsdp2_prefetch_layers": "fsdp2_prefetch_layers",
+    "ddp_gradient_as_bucket_view": "ddp_gradient_as_bucket_view",
+    "vllm_act_quant_kernel": "vllm_act_quant_kernel",
+    "vllm_deepgemm_workers": "vllm_deepgemm_workers",
+}
+
+
+def test_the_public_config_adds_at_most_twenty_fields_and_the_tuning_holds_the_rest():
+    added = own_fields(FP8GRPOConfig, GRPOConfig)
+    assert len(added) <= 20, sorted(added)
+    assert not set(TUNING_FIELDS) & set(added) and not set(TUNING_FIELDS.values()) & set(added)
+    assert {f.name for f in fields(FP8Tuning)} == set(TUNING_FIELDS.values())
+    assert not set(TUNING_FIELDS) & {f.name for f in fields(FP8RLOOConfig)}
+
+
+def test_the_tuning_keeps_the_defaults_the_measurements_chose_and_parses_beside_the_config():
+    """The same defaults as the config fields it replaces; a script parses it beside the config
+    (examples/grpo_fp8.py: `--fuse_swiglu`)."""
+    assert "benchmarks and experiments" in FP8Tuning.__doc__ and "the measurements chose" in FP8Tuning.__doc__
+    assert FP8Tuning() == FP8Tuning(fuse_sibling_gemms=False, fuse_swiglu=False, experts_gemm="auto",
+                                    compile_decoder_layers=False, fsdp2_prefetch_layers=None,
+                                    ddp_gradient_as_bucket_view=True, vllm_act_quant_kernel="auto",
+                                    vllm_deepgemm_workers=None)  # fmt: skip
+    with pytest.raises(FrozenInstanceError):
+        FP8Tuning().fuse_swiglu = True
+    config, tuning = TrlParser((FP8GRPOConfig, FP8Tuning)).parse_args_and_config(
+        ["--output_dir", "unused", "--use_cpu", "--bf16", "false", "--fuse_swiglu", "--fsdp2_prefetch_layers", "2"]
+    )
+    assert tuning == FP8Tuning(fuse_swiglu=True, fsdp2_prefetch_layers=2) and not hasattr(config, "fuse_swiglu")

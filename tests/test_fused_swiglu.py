@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from trl_fp8 import FP8GRPOConfig, FP8LinearConfig, convert_to_fp8
+from trl_fp8 import FP8GRPOConfig, FP8LinearConfig, FP8Tuning, convert_to_fp8
 from trl_fp8.demo.tiny_model import tiny_qwen3
 from trl_fp8.nn.fused_swiglu import fuse_swiglu, is_fused_swiglu, swiglu_problem
 from trl_fp8.ops import emulated
@@ -117,9 +117,11 @@ def test_which_mlps_fuse():
     with pytest.raises(ValueError, match="fuse_swiglu applies to the blockwise recipe only"):
         FP8LinearConfig(recipe="rowwise", fuse_swiglu=True)
     with pytest.raises(ValueError, match="fp8_recipe=None trains in BF16"):
-        FP8GRPOConfig(output_dir="unused", fp8_recipe=None, fp8_fuse_swiglu=True)
+        FP8Tuning(fuse_swiglu=True).check(FP8GRPOConfig(output_dir="unused", use_cpu=True, fp8_recipe=None))
+    liger = FP8GRPOConfig(output_dir="unused", use_cpu=True)
+    liger.use_liger_kernel = True  # (as if liger-kernel were installed: the config checks that it is)
     with pytest.raises(ValueError, match=r"liger_kernel_config=\{'swiglu': False\}"):
-        FP8GRPOConfig(output_dir="unused", fp8_fuse_swiglu=True, use_liger_kernel=True)
+        FP8Tuning(fuse_swiglu=True).check(liger)
 
 
 def test_gradient_checkpointing_recomputes_the_fused_mlp():

@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from transformers import TrainerCallback
 
-from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, FP8Linear, dequantize_blocks, quantize_blocks
+from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, FP8Linear, FP8Tuning, dequantize_blocks, quantize_blocks
 from trl_fp8.demo.tiny_model import tiny_char_tokenizer, tiny_qwen3, tiny_qwen3_config
 from trl_fp8.demo.toy_task import GRPO_SETTINGS, say_letter_dataset, say_letter_reward
 from trl_fp8.plan import FP8RunPlan
@@ -43,7 +43,9 @@ def make_args(tmp_path, **kw):
 
 
 def make_trainer(model_dir, tmp_path, model=None, **kw):
-    trainer_kwargs = {k: kw.pop(k) for k in ("peft_config", "rollout_func", "fp8_module_filter_fn") if k in kw}
+    trainer_kwargs = {
+        k: kw.pop(k) for k in ("peft_config", "rollout_func", "fp8_module_filter_fn", "tuning") if k in kw
+    }
     return FP8GRPOTrainer(
         model=model or model_dir,
         reward_funcs=say_letter_reward,
@@ -59,7 +61,7 @@ def rewards(trainer):
 
 @pytest.mark.parametrize("fuse", [False, True], ids=["each_layer", "fused_siblings"])
 def test_trains_with_fp8_layers(model_dir, tmp_path, fuse):
-    trainer = make_trainer(model_dir, tmp_path, max_steps=3, fp8_fuse_sibling_gemms=fuse)
+    trainer = make_trainer(model_dir, tmp_path, max_steps=3, tuning=FP8Tuning(fuse_sibling_gemms=fuse))
     layers = trainer.model.model.layers
     assert (layers[0].self_attn.k_proj._fp8_group is not None) == fuse
     assert all(isinstance(getattr(layer.self_attn, p), FP8Linear) for layer in layers for p in ("q_proj", "o_proj"))
@@ -138,9 +140,8 @@ def test_bf16_baseline_has_no_fp8_layers(model_dir, tmp_path):
 
 @pytest.mark.parametrize("fuse", [False, True], ids=["each_layer", "fused"])
 def test_reference_model_is_converted_too(model_dir, tmp_path, fuse):
-    trainer = make_trainer(
-        model_dir, tmp_path, beta=0.04, max_steps=1, fp8_fuse_sibling_gemms=fuse, fp8_fuse_swiglu=fuse
-    )
+    tuning = FP8Tuning(fuse_sibling_gemms=fuse, fuse_swiglu=fuse)
+    trainer = make_trainer(model_dir, tmp_path, beta=0.04, max_steps=1, tuning=tuning)
     assert isinstance(trainer.ref_model.model.layers[0].mlp.up_proj, FP8Linear)
     assert ("forward" in trainer.ref_model.model.layers[0].mlp.__dict__) == fuse  # with the policy's fusions
     assert not any(p.requires_grad for p in trainer.ref_model.parameters())  # frozen: quantized once
@@ -156,7 +157,7 @@ def test_fused_kernels_with_lora_a_reference_model_and_checkpointing(model_dir, 
 
     trainer = make_trainer(
         model_dir, tmp_path, beta=0.04, gradient_checkpointing=True, learning_rate=1e-2,
-        fp8_fuse_sibling_gemms=True, fp8_fuse_swiglu=True,
+        tuning=FP8Tuning(fuse_sibling_gemms=True, fuse_swiglu=True),
         peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj"]),
     )  # fmt: skip
     layer = trainer.model.base_model.model.model.layers[0]
@@ -549,8 +550,6 @@ def test_config_round_trips_through_trl_parser(tmp_path):
         ({"rollout_precision": "fp8"}, "rollout_precision='fp8' sets up vLLM rollouts, but use_vllm=False"),
         ({"vllm_fp8_backend": "cutlass"}, "vllm_fp8_backend='cutlass' sets up vLLM rollouts, but use_vllm=False"),
         ({"vllm_jit_cache_dir": "/tmp/dg"}, "vllm_jit_cache_dir='/tmp/dg' sets up vLLM rollouts"),
-        ({"vllm_deepgemm_workers": 4}, "vllm_deepgemm_workers=4 sets up vLLM rollouts"),
-        ({"vllm_deepgemm_workers": -1}, "vllm_deepgemm_workers=-1 must be >= 0"),
         ({"fp8_recipe": "rowwise", "fp8_backend": "deepgemm"}, "torchao's 'rowwise' recipe runs its own"),
         ({"fp8_recipe": None, "fp8_backend": "scaled_mm"}, "fp8_backend='scaled_mm' sets up FP8 training"),
         ({"fp8_recipe": None, "fp8_cache_weights": False}, "fp8_cache_weights=False sets up FP8 training"),
@@ -824,12 +823,14 @@ def test_fsdp2_prefetch_layers_needs_an_fsdp2_launch_and_a_lead_of_one_or_more(t
     """A lead that sets nothing is refused at once, naming the launch it needs (tests/test_multiprocess.py runs it
     sharded)."""
     with pytest.raises(ValueError, match="does not shard with FSDP2.*fsdp2.yaml"):
-        make_args(tmp_path, fsdp2_prefetch_layers=2)
+        FP8Tuning(fsdp2_prefetch_layers=2).check(make_args(tmp_path))
+    with pytest.raises(ValueError, match="does not shard with FSDP2"):  # the trainer checks before loading the model
+        make_trainer("no-such-model", tmp_path, tuning=FP8Tuning(fsdp2_prefetch_layers=2))
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     monkeypatch.setenv("FSDP_VERSION", "2")
-    with pytest.raises(ValueError, match="fsdp2_prefetch_layers=0: give 1 or more"):
-        make_args(tmp_path, fsdp2_prefetch_layers=0)
-    assert make_args(tmp_path, fsdp2_prefetch_layers=2).fsdp2_prefetch_layers == 2
+    with pytest.raises(ValueError, match=re.escape("FP8Tuning(fsdp2_prefetch_layers=0): give 1 or more")):
+        FP8Tuning(fsdp2_prefetch_layers=0)
+    FP8Tuning(fsdp2_prefetch_layers=2).check(make_args(tmp_path))
     from trl_fp8.trainer.callbacks import PrefetchFSDP2Units
 
     with pytest.warns(UserWarning, match="has no effect: the model has no FSDP2 units"):  # e.g. accelerate on CPU

@@ -1,5 +1,5 @@
 """`use_liger_kernel=None` (FP8GRPOConfig's default): Liger's layer kernels are chosen at start-up from the model type,
-the device, liger-kernel's presence and `compile_decoder_layers`, and put on the model through TRL's own option."""
+the device, liger-kernel's presence and `FP8Tuning.compile_decoder_layers`, and put on the model through TRL's own option."""
 
 import types
 import warnings
@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import HfArgumentParser
 
-from trl_fp8 import FP8GRPOConfig
+from trl_fp8 import FP8GRPOConfig, FP8Tuning
 from trl_fp8.plan import Choice
 from trl_fp8.plan.choices import choose_liger_kernels
 
@@ -16,8 +16,7 @@ from fake_vllm import tiny_trainer
 
 
 def options(**overrides):
-    return types.SimpleNamespace(**{"use_liger_kernel": None, "compile_decoder_layers": False, "fp8_recipe": "blockwise",
-                                    "fp8_fuse_swiglu": False, **overrides})  # fmt: skip
+    return types.SimpleNamespace(**{"use_liger_kernel": None, "fp8_recipe": "blockwise", **overrides})
 
 
 @pytest.fixture
@@ -26,22 +25,22 @@ def liger_installed(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "model_type, cuda, overrides, on, said",
+    "model_type, cuda, overrides, tuning, on, said",
     [
-        ("qwen3", True, {}, True, "use_liger_kernel=False turns them off"),
-        ("llama", True, {"fp8_fuse_swiglu": True}, True, "SwiGLU left to fp8_fuse_swiglu"),
-        ("qwen3", False, {}, False, "no CUDA GPU"),
-        ("qwen3_moe", True, {}, False, "model type 'qwen3_moe' is not one of the dense decoders"),
-        (None, True, {}, False, "model type None"),
-        ("qwen3", True, {"compile_decoder_layers": True}, False, "compile_decoder_layers compiles the layers"),
-        ("qwen3", True, {"fp8_recipe": None}, True, "use_liger_kernel=False turns them off"),  # BF16 training
-        ("qwen3", True, {"fp8_recipe": "tensorwise"}, False, "torchao's 'tensorwise' recipe is not measured"),
+        ("qwen3", True, {}, {}, True, "use_liger_kernel=False turns them off"),
+        ("llama", True, {}, {"fuse_swiglu": True}, True, "SwiGLU left to FP8Tuning(fuse_swiglu=True)"),
+        ("qwen3", False, {}, {}, False, "no CUDA GPU"),
+        ("qwen3_moe", True, {}, {}, False, "model type 'qwen3_moe' is not one of the dense decoders"),
+        (None, True, {}, {}, False, "model type None"),
+        ("qwen3", True, {}, {"compile_decoder_layers": True}, False, "compile_decoder_layers=True) compiles the"),
+        ("qwen3", True, {"fp8_recipe": None}, {}, True, "use_liger_kernel=False turns them off"),  # BF16 training
+        ("qwen3", True, {"fp8_recipe": "tensorwise"}, {}, False, "torchao's 'tensorwise' recipe is not measured"),
     ],
 )
 def test_the_automatic_choice_follows_model_device_and_compilation(
-    liger_installed, model_type, cuda, overrides, on, said
+    liger_installed, model_type, cuda, overrides, tuning, on, said
 ):
-    choice = choose_liger_kernels(model_type, options(**overrides), cuda=cuda)
+    choice = choose_liger_kernels(model_type, options(**overrides), cuda=cuda, tuning=FP8Tuning(**tuning))
     assert (choice.on, choice.automatic) == (on, True) and said in choice.reason
 
 
@@ -74,12 +73,12 @@ def test_an_automatic_choice_goes_through_trls_option_without_its_deprecation_wa
     fake_vllm, tmp_path, monkeypatch
 ):
     """On: TRL's own `use_liger_kernel` path (its `liger_kernel_config`, applied by transformers when training starts),
-    with Liger's SwiGLU left out where fp8_fuse_swiglu fuses it, and without TRL's warning to a user who set the
+    with Liger's SwiGLU left out where `FP8Tuning(fuse_swiglu=True)` fuses it, and without TRL's warning to a user who set the
     deprecated option (the trainer chose it)."""
     monkeypatch.setattr("trl_fp8.plan.run_plan.choose_liger_kernels", lambda *a, **k: Choice(True, "chosen"))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer = tiny_trainer(tmp_path, fp8_fuse_swiglu=True)
+        trainer = tiny_trainer(tmp_path, tuning=FP8Tuning(fuse_swiglu=True))
     assert trainer.args.use_liger_kernel is True
     assert trainer.args.liger_kernel_config == {"swiglu": False, "fused_linear_cross_entropy": False}
     assert not [w for w in caught if "use_liger_kernel" in str(w.message)]

@@ -41,6 +41,13 @@ def measured_runs() -> list[tuple[str, dict, dict]]:
     return runs
 
 
+def recorded_prefetch_layers(row: dict) -> int:
+    """The run's FSDP2 prefetch lead: its `FP8Tuning` (`tuning`), or in results written before the tuning had its own
+    record, its `fp8_options`."""
+    options = {**(row.get("fp8_options") or {}), **(row.get("tuning") or {})}
+    return options.get("fsdp2_prefetch_layers") or 1
+
+
 def planned_peak(settings: dict, row: dict) -> float:
     """The planner's peak per GPU (GiB) for the run, through the CLI's own parser and flow rows."""
     from transformers import Qwen3Config, Qwen3MoeConfig
@@ -59,7 +66,7 @@ def planned_peak(settings: dict, row: dict) -> float:
         "model", "--vllm_gpu_memory_utilization", str(settings["vllm_memory"]), "--micro_batch",
         str(settings["micro_batch"]), "--generation_batch", str(settings["generation_batch"]), "--optim",
         settings["optim"], "--num_processes", str(processes), "--launch", launch, "--fp8_cache_weights", cache,
-        "--fsdp2_prefetch_layers", str((row.get("fp8_options") or {}).get("fsdp2_prefetch_layers", 1)),
+        "--fsdp2_prefetch_layers", str(recorded_prefetch_layers(row)),
         "--vllm_tensor_parallel_size", str(settings.get("vllm_tensor_parallel_size") or 1),
         *(["--sleep_mode"] if settings["sleep_mode"] else []),
         *(["--sync_each_batch"] if settings.get("sync_each_batch") else []),

@@ -1,4 +1,4 @@
-"""Regional compilation (`compile_decoder_layers`): decoder layers compiled in place keep their names and, with
+"""Regional compilation (`FP8Tuning(compile_decoder_layers=True)`): decoder layers compiled in place keep their names and, with
 AOTAutograd alone (no Inductor fusion), eager's bits; the layers share their graphs; the trainer option reaches it."""
 
 import collections
@@ -10,7 +10,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import trl_fp8.trainer.mixin as trainer_mixin
-from trl_fp8 import FP8LinearConfig, convert_to_fp8
+from trl_fp8 import FP8LinearConfig, FP8Tuning, convert_to_fp8
 from trl_fp8.demo.tiny_model import tiny_qwen3
 from trl_fp8.trainer.regional_compile import compile_decoder_layers
 
@@ -44,7 +44,7 @@ def test_compiled_layers_keep_names_and_eager_bits_and_share_graphs():
 
 
 def test_a_model_without_repeated_layers_is_refused():
-    with pytest.raises(ValueError, match="compile_decoder_layers=False"):
+    with pytest.raises(ValueError, match=r"Drop FP8Tuning\(compile_decoder_layers=True\)"):
         compile_decoder_layers(nn.Sequential(nn.Linear(128, 128), nn.ReLU()))
 
 
@@ -80,7 +80,7 @@ def test_the_trainer_compiles_its_policy_layers_and_trains_with_them(monkeypatch
     tokenizer = tiny_char_tokenizer()
     tiny_qwen3(vocab_size=128, eos_token_id=tokenizer.eos_token_id, pad_token_id=0).save_pretrained(path)
     tokenizer.save_pretrained(path)
-    trainer = make_trainer(str(path), tmp_path, max_steps=2, compile_decoder_layers=True)
+    trainer = make_trainer(str(path), tmp_path, max_steps=2, tuning=FP8Tuning(compile_decoder_layers=True))
     assert trainer.compiled_decoder_layers == 4
     trainer.model.register_forward_pre_hook(
         lambda module, args: forwards.update(["grad" if torch.is_grad_enabled() else "no_grad"])

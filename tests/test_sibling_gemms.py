@@ -14,7 +14,7 @@ import hashlib
 import pytest
 import torch
 
-from trl_fp8 import FP8GRPOConfig, FP8LinearConfig, convert_to_fp8, save_fp8_checkpoint
+from trl_fp8 import FP8GRPOConfig, FP8LinearConfig, FP8Tuning, convert_to_fp8, save_fp8_checkpoint
 from trl_fp8.demo.tiny_model import tiny_qwen3
 from trl_fp8.nn.sibling_gemms import FP8SiblingGroup, group_fp8_siblings, sibling_group_problem
 from trl_fp8.ops import emulated
@@ -286,7 +286,7 @@ def test_unfit_groups_are_refused_by_name():
     with pytest.raises(ValueError, match="fuse_sibling_gemms applies to the blockwise recipe only"):
         FP8LinearConfig(recipe="tensorwise", fuse_sibling_gemms=True)
     with pytest.raises(ValueError, match="fp8_recipe=None trains in BF16"):
-        FP8GRPOConfig(output_dir="unused", fp8_recipe=None, fp8_fuse_sibling_gemms=True)
+        FP8Tuning(fuse_sibling_gemms=True).check(FP8GRPOConfig(output_dir="unused", use_cpu=True, fp8_recipe=None))
 
 
 def test_a_dropped_layer_stack_frees_without_the_garbage_collector():
@@ -388,7 +388,7 @@ def test_a_grouped_model_holds_one_fp8_copy_at_the_push_and_releases_all_of_it()
 def test_sleep_mode_frees_every_fp8_copy_of_a_grouped_model(fake_vllm, tmp_path):
     """The trainer's colocated sync in sleep mode lets go of the FP8 copies: the bytes it reports are the bytes of
     the copies that died, the groups' stacks included, and none is left."""
-    trainer = tiny_trainer(tmp_path, vllm_enable_sleep_mode=True, fp8_fuse_sibling_gemms=True)
+    trainer = tiny_trainer(tmp_path, vllm_enable_sleep_mode=True, tuning=FP8Tuning(fuse_sibling_gemms=True))
     model, generation = trainer.model, trainer.vllm_generation
     assert model.model.layers[0].self_attn.k_proj._fp8_group is not None
     with torch.no_grad():  # a scoring pass: the default cache holds its copies (a training forward lets them go)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3MoeConfig
 
-from trl_fp8 import FP8GRPOConfig
+from trl_fp8 import FP8GRPOConfig, FP8Tuning
 from trl_fp8.kernels.vllm_silu_mul_quant import (
     FP8_MAX,
     MIN_SCALE,
@@ -93,7 +93,7 @@ def test_fast_numerics_run_too():
 
 def test_kernel_refuses_what_vllms_op_would_not_hand_it_here():
     x = _inputs(4, 256)
-    with pytest.raises(NotImplementedError, match="vllm_act_quant_kernel='vllm'"):
+    with pytest.raises(NotImplementedError, match=r"FP8Tuning\(vllm_act_quant_kernel='vllm'\)"):
         silu_and_mul_per_block_quant(torch.empty(4, 256, dtype=torch.int8), x, torch.empty(4, 2), 128)
     with pytest.raises(ValueError, match="input \\[M, 2N\\] and out \\[M, N\\]"):
         silu_and_mul_per_block_quant(torch.empty(4, 128, dtype=torch.float8_e4m3fn), x, torch.empty(4, 1), 128)
@@ -120,18 +120,29 @@ def test_install_keeps_vllms_kernel_where_vllms_op_is_not_here():
 
 
 @pytest.mark.parametrize("name", ["vllm_fp8_moe_backend", "vllm_act_quant_kernel"])
-def test_config_refuses_colocated_engine_kernels_where_they_would_do_nothing(name):
+def test_config_refuses_colocated_engine_kernels_where_they_would_do_nothing(name, monkeypatch):
+    """The config's `vllm_fp8_moe_backend` when the config is built; `FP8Tuning(vllm_act_quant_kernel=...)` when the
+    tuning is built (unknown values) or checked against the config (`FP8Tuning.check`, at the trainer's start)."""
     value = {"vllm_fp8_moe_backend": "triton", "vllm_act_quant_kernel": "vllm"}[name]
     base = dict(output_dir="unused", use_cpu=True, bf16=False)
+    monkeypatch.setattr("trl_fp8.config.check_vllm_version", lambda: "0.26.0")  # a config with use_vllm=True builds
+
+    def run(kernel, **settings):
+        if name == "vllm_act_quant_kernel":
+            FP8Tuning(vllm_act_quant_kernel=kernel).check(FP8GRPOConfig(**base, **settings))
+        else:
+            FP8GRPOConfig(**base, **settings, **{name: kernel})
+
+    said = name if name == "vllm_fp8_moe_backend" else r"FP8Tuning\(vllm_act_quant_kernel"
     with pytest.raises(ValueError, match="unknown"):
-        FP8GRPOConfig(**base, **{name: "marlin"})
-    with pytest.raises(ValueError, match=f"{name}='{value}' sets up vLLM rollouts, but use_vllm=False"):
-        FP8GRPOConfig(**base, **{name: value})
+        run("marlin")
+    with pytest.raises(ValueError, match=f"{said}='{value}'\\)? sets up vLLM rollouts, but use_vllm=False"):
+        run(value)
     with pytest.raises(ValueError, match=f"rollout_precision='bf16'. Drop {name}"):
-        FP8GRPOConfig(**base, use_vllm=True, rollout_precision="bf16", **{name: value})
+        run(value, use_vllm=True, rollout_precision="bf16")
     with pytest.raises(ValueError, match="`trl vllm-serve` server runs the kernels it was started with"):
-        FP8GRPOConfig(**base, use_vllm=True, vllm_mode="server", **{name: value})
-    assert getattr(FP8GRPOConfig(**base), name) == "auto"
+        run(value, use_vllm=True, vllm_mode="server")
+    assert FP8GRPOConfig(**base).vllm_fp8_moe_backend == FP8Tuning().vllm_act_quant_kernel == "auto"
 
 
 def _reference_op(out, x, scales, group_size, scale_ub=None, transposed=False):
@@ -250,10 +261,8 @@ def test_trl_fp8_choice_installs_the_kernel_where_the_bits_match_whatever_its_sp
         assert "2.0 us against vLLM's 1.0 us" in choice.reason and "asked for whatever its speed" in choice.reason
     finally:
         act_quant.uninstall()
-    with pytest.raises(
-        ValueError, match="vllm_act_quant_kernel='trl_fp8' sets up vLLM rollouts"
-    ):  # known, not "unknown"
-        FP8GRPOConfig(output_dir="unused", use_cpu=True, bf16=False, vllm_act_quant_kernel="trl_fp8")
+    with pytest.raises(ValueError, match="vllm_act_quant_kernel='trl_fp8'\\) sets up vLLM rollouts"):  # known
+        FP8Tuning(vllm_act_quant_kernel="trl_fp8").check(FP8GRPOConfig(output_dir="unused", use_cpu=True, bf16=False))
 
 
 def _patch_vllm_op(monkeypatch, op) -> list:

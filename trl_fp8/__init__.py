@@ -1,7 +1,7 @@
 """trl-fp8: FP8 reinforcement learning of LLMs on Hugging Face TRL.
 
 Public API: the blockwise quantizers, the FP8 linear and expert layers, the model conversion, the GRPO and RLOO
-trainers and their configurations, the exporter, and the rollout-capacity arithmetic behind `trl-fp8 plan`.
+trainers, their configurations and tuning options, the exporter, and the rollout-capacity arithmetic behind `trl-fp8 plan`.
 """
 
 from trl_fp8._quiet import drop_import_noise as _drop_import_noise
@@ -30,6 +30,7 @@ _LAZY = {  # these import trl (heavy); load them on first use
     "FP8GRPOTrainer": "trl_fp8.trainer.grpo",
     "FP8RLOOConfig": "trl_fp8.trainer.config",
     "FP8RLOOTrainer": "trl_fp8.trainer.rloo",
+    "FP8Tuning": "trl_fp8.tuning",
     "save_fp8_checkpoint": "trl_fp8.checkpoint.save",
 }
 
@@ -50,6 +51,7 @@ __all__ = [
     "FP8GRPOTrainer",
     "FP8RLOOConfig",
     "FP8RLOOTrainer",
+    "FP8Tuning",
     "FP8Experts",
     "FP8Linear",
     "FP8LinearConfig",

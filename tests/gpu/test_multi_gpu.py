@@ -23,8 +23,8 @@ TIMINGS = {"step_time", "train_runtime", "train_samples_per_second", "train_step
 
 @pytest.mark.gpus(2)
 # FSDP2 with the FP8 KV cache: its scales are measured by the run's first forward, which must enter FSDP2's root unit.
-# "levers": FSDP2 with the options aimed at its exposed gathers (fsdp2_prefetch_layers=2, logprob_batch_size=32,
-# fp8_fuse_sibling_gemms), which must leave the pushed and exported FP8 bits as they are.
+# "levers": FSDP2 with the options aimed at its exposed gathers (logprob_batch_size=32 and FP8Tuning(
+# fsdp2_prefetch_layers=2, fuse_sibling_gemms=True)), which must leave the pushed and exported FP8 bits as they are.
 @pytest.mark.parametrize(
     "launch,vllm_tp,fp8_kv,levers",
     [

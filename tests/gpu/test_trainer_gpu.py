@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, FP8Linear
+from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, FP8Linear, FP8Tuning
 from trl_fp8.demo.tiny_model import tiny_char_tokenizer, tiny_qwen3
 from trl_fp8.demo.toy_task import (
     GRPO_SETTINGS,
@@ -21,8 +21,9 @@ from conftest import rel_err
 pytestmark = pytest.mark.gpu
 
 
-def letter_task_trainer(tmp_path, **config) -> FP8GRPOTrainer:
-    """The demo's task on a tiny Qwen3, 40 GRPO steps in BF16 with gradient checkpointing, plus `config`."""
+def letter_task_trainer(tmp_path, tuning=None, **config) -> FP8GRPOTrainer:
+    """The demo's task on a tiny Qwen3, 40 GRPO steps in BF16 with gradient checkpointing, plus `config` (and an
+    `FP8Tuning`)."""
     tokenizer = tiny_char_tokenizer()
     model_dir = tmp_path / "model"
     tiny_qwen3(vocab_size=128, eos_token_id=tokenizer.eos_token_id, pad_token_id=0).save_pretrained(model_dir)
@@ -32,7 +33,9 @@ def letter_task_trainer(tmp_path, **config) -> FP8GRPOTrainer:
         output_dir=str(tmp_path / "out"), max_steps=40, logging_steps=1, bf16=True, disable_tqdm=True,
         model_init_kwargs={"dtype": "bfloat16"}, **config,
     )  # fmt: skip
-    return FP8GRPOTrainer(str(model_dir), say_letter_reward, args, train_dataset=say_letter_dataset(2048))
+    return FP8GRPOTrainer(
+        str(model_dir), say_letter_reward, args, train_dataset=say_letter_dataset(2048), tuning=tuning
+    )
 
 
 def assert_learned(trainer, before: float, label: str) -> None:
@@ -120,7 +123,7 @@ def test_liger_kernels_with_fp8_layers():
 @pytest.mark.parametrize("fuse", [False, True])
 def test_grpo_learns_with_liger_kernels(tmp_path, fuse):
     pytest.importorskip("liger_kernel", reason="pip install liger-kernel (the `liger` extra)")
-    trainer = letter_task_trainer(tmp_path, use_liger_kernel=True, fp8_fuse_sibling_gemms=fuse)
+    trainer = letter_task_trainer(tmp_path, FP8Tuning(fuse_sibling_gemms=fuse), use_liger_kernel=True)
     before = sampled_reward(trainer.model, trainer.processing_class)
     trainer.train()
     mlp = trainer.model.model.layers[0].mlp

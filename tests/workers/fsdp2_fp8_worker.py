@@ -8,7 +8,7 @@ accelerate applies FSDP only on accelerators (on CPU it falls back to DDP), so t
 `fully_shard`, as accelerate does on GPUs: each decoder layer, then the root.
 
 fp32 (no mixed precision): every rank also trains an unsharded replica on the same batches; with identical batches on
-every rank FSDP2's averaged gradients equal the replica's. Each layer gathers two layers ahead (`fsdp2_prefetch_layers`). Writes `OUT_DIR/fsdp2_rank<r>.json` (losses, digests of
+every rank FSDP2's averaged gradients equal the replica's. Each layer gathers two layers ahead (`FP8Tuning.fsdp2_prefetch_layers`). Writes `OUT_DIR/fsdp2_rank<r>.json` (losses, digests of
 the whole parameters and of the FP8 tensors for vLLM, for both models) and, from rank 0, the two exports
 `OUT_DIR/sharded` and `OUT_DIR/replica`.
 
@@ -20,7 +20,7 @@ themselves (the rule FSDP2 must not follow); which weights' shards hold whole 12
 rank 0 goes to `OUT_DIR/sharded_bf16` beside a one-process export of the BF16 copy in `OUT_DIR/one_bf16`.
 
 compiled_bf16: accelerate's units and policy (with TRL's cpu_ram_efficient_loading), each unit gathering two ahead,
-once with eager decoder layers and once with `compile_decoder_layers` applied before sharding (as the trainer does: at
+once with eager decoder layers and once with `FP8Tuning(compile_decoder_layers=True)` applied before sharding (as the trainer does: at
 start-up, before accelerate prepares the model), Dynamo's `aot_eager` backend (the same ops as eager, so the same
 bits). Writes
 `OUT_DIR/fsdp2_compiled_rank<r>.json`: each run's losses and parameter digests, and how many layers were compiled.

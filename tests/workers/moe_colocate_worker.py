@@ -5,7 +5,7 @@ Trains a 2-layer Qwen3-MoE (layer 0: 4 experts of 128, top-2; layer 1: dense) wi
 for 3 steps, then checks that the engine's FusedMoE holds the trainer's FP8 expert blocks and scales bit for bit, in
 the layout of the MoE kernel vLLM chose (vLLM's own conversion for that backend, applied to the trainer's tensors),
 and that the in-place expert sync (`trl_fp8.rollout.vllm.experts`) writes what vLLM's reload of the same weights gives.
-The engine runs trl-fp8's SiLU-and-mul quantization kernel between the expert GEMMs (`vllm_act_quant_kernel="trl_fp8"`).
+The engine runs trl-fp8's SiLU-and-mul quantization kernel between the expert GEMMs (`FP8Tuning(vllm_act_quant_kernel="trl_fp8")`).
 """
 
 import sys
@@ -35,18 +35,19 @@ def tiny_moe_dir(root: Path) -> Path:
 def main(root: Path) -> None:
     from vllm.model_executor.layers.fused_moe.oracle.fp8 import Fp8MoeBackend, convert_to_fp8_moe_kernel_format
 
-    from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer
+    from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, FP8Tuning
     from trl_fp8.demo.toy_task import GRPO_SETTINGS, say_letter_dataset, say_letter_reward
 
     args = FP8GRPOConfig(
         **GRPO_SETTINGS, output_dir=str(root / "out"), max_steps=3, logging_steps=1, bf16=True,
         disable_tqdm=True, model_init_kwargs={"dtype": "bfloat16"}, use_vllm=True, vllm_mode="colocate",
         vllm_gpu_memory_utilization=0.25, tis="token",
-        # trl-fp8's SiLU-and-mul kernel whatever its speed at this tiny width: vLLM's fused MoE calls it in every
-        # forward of the engine (profiling, CUDA graphs, decode), as it does where "auto" picks it at real widths
-        vllm_act_quant_kernel="trl_fp8",
     )  # fmt: skip
-    trainer = FP8GRPOTrainer(str(tiny_moe_dir(root)), say_letter_reward, args, train_dataset=say_letter_dataset(256))
+    # trl-fp8's SiLU-and-mul kernel whatever its speed at this tiny width: vLLM's fused MoE calls it in every forward
+    # of the engine (profiling, CUDA graphs, decode), as it does where "auto" picks it at real widths
+    tuning = FP8Tuning(vllm_act_quant_kernel="trl_fp8")
+    trainer = FP8GRPOTrainer(str(tiny_moe_dir(root)), say_letter_reward, args, train_dataset=say_letter_dataset(256),
+                             tuning=tuning)  # fmt: skip
     assert trainer.fp8_report.experts == ["model.layers.0.mlp.experts"]
     experts = trainer.model.model.layers[0].mlp.experts
     before = experts.gate_up_proj.detach().clone()

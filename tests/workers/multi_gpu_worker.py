@@ -5,8 +5,8 @@
 
 VLLM_TP=2 makes the two ranks one tensor-parallel vLLM engine (TRL's `vllm_tensor_parallel_size`), which sleeps
 between rollouts (`vllm_enable_sleep_mode`, with the expandable segments it brings); fp8_kv turns on
-the FP8 KV cache (its scales measured before the first rollout); levers (FSDP2 only) sets fsdp2_prefetch_layers=2,
-logprob_batch_size=32 and fp8_fuse_sibling_gemms.
+the FP8 KV cache (its scales measured before the first rollout); levers (FSDP2 only) sets logprob_batch_size=32 and
+FP8Tuning(fsdp2_prefetch_layers=2, fuse_sibling_gemms=True).
 After training, every rank checks that its own engine holds the trainer's FP8 weights bit for bit (under FSDP2 each
 weight is gathered for that, by every rank in the same order), then writes `OUT_DIR/rank<r>.json` (log history,
 digests of the whole parameters and of the FP8 tensors for vLLM); `save_model` writes the export from rank 0.
@@ -23,7 +23,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def prefetch_set(model) -> bool:
-    """Whether the first decoder layer's FSDP2 unit gathers layers ahead of its own (fsdp2_prefetch_layers)."""
+    """Whether the first decoder layer's FSDP2 unit gathers layers ahead of its own (FP8Tuning.fsdp2_prefetch_layers)."""
     from torch.distributed.fsdp import FSDPModule
 
     layer = model.model.layers[0]
@@ -35,7 +35,7 @@ def main():
     from test_vllm_gpu import assert_engine_holds_trainer_fp8
     from torch.distributed.tensor import DTensor
 
-    from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer
+    from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, FP8Tuning
     from trl_fp8.demo.toy_task import GRPO_SETTINGS, say_letter_dataset, say_letter_reward
     from trl_fp8.rollout.vllm.engine import expandable_segments_on, rollout_weight_tensors
 
@@ -43,7 +43,8 @@ def main():
     vllm_tp = int(sys.argv[3]) if len(sys.argv) > 3 else 1
     fp8_kv = len(sys.argv) > 4 and sys.argv[4] == "fp8_kv"
     levers = len(sys.argv) > 5 and sys.argv[5] == "levers"
-    lever_args = dict(fsdp2_prefetch_layers=2, logprob_batch_size=32, fp8_fuse_sibling_gemms=True) if levers else {}
+    lever_args = dict(logprob_batch_size=32) if levers else {}
+    tuning = FP8Tuning(fsdp2_prefetch_layers=2, fuse_sibling_gemms=True) if levers else None
     args = FP8GRPOConfig(
         **{**GRPO_SETTINGS, "per_device_train_batch_size": 16},
         output_dir=str(out / "run"), max_steps=3, logging_steps=1, bf16=True, disable_tqdm=True,
@@ -56,7 +57,7 @@ def main():
         vllm_fp8_backend=os.environ.get("TRL_FP8_TEST_FP8_BACKEND", "auto"),  # a kernel to compare, by hand
         **lever_args,
     )  # fmt: skip
-    trainer = FP8GRPOTrainer(model_dir, say_letter_reward, args, train_dataset=say_letter_dataset(512))
+    trainer = FP8GRPOTrainer(model_dir, say_letter_reward, args, train_dataset=say_letter_dataset(512), tuning=tuning)
     trainer.train()
     model = trainer.accelerator.unwrap_model(trainer.model)
     assert_engine_holds_trainer_fp8(trainer)

@@ -79,7 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "--num_processes must be a multiple of it")  # fmt: skip
     parser.add_argument("--fsdp2_prefetch_layers", type=positive_int, default=1,
                         help="with --launch fsdp2: the layers each FP8 flow's FSDP2 unit gathers ahead "
-                        "(fsdp2_prefetch_layers; 1 is FSDP2's own)")  # fmt: skip
+                        "(FP8Tuning(fsdp2_prefetch_layers=...); 1 is FSDP2's own)")  # fmt: skip
     parser.add_argument("--gradient_accumulation_steps", type=positive_int, default=None,
                         help="micro-batches per optimizer step (default: --generation_batch / --micro_batch, as TRL's "
                         "steps_per_generation follows gradient_accumulation_steps)")  # fmt: skip
@@ -373,7 +373,7 @@ def _several_gpus_footnote(args) -> str:
     """The assumptions behind one GPU of several, for the launch planned."""
     if args.launch == "ddp":
         trainer = ("DDP: the whole model as on one GPU, plus DDP's all-reduce buckets, a BF16 copy of the gradients "
-                   "kept between steps (the FP8 rows' gradients are views of them, ddp_gradient_as_bucket_view; "
+                   "kept between steps (the FP8 rows' gradients are views of them, FP8Tuning.ddp_gradient_as_bucket_view; "
                    "TRL's BF16 GRPOTrainer keeps both)")  # fmt: skip
     else:
         trainer = ("FSDP2 (TRL's fsdp2.yaml): float32 master weights, gradients and optimizer states sharded 1/N, "

@@ -95,7 +95,7 @@ def _check(out, x, scales, group_size):
         raise NotImplementedError(
             f"trl-fp8's silu_and_mul_per_block_quant takes BF16/FP16 input and float8_e4m3fn output (the FP8 engine's "
             f"case); got {x.dtype} -> {out.dtype}. Keep vLLM's kernel for other quantization "
-            "types (vllm_act_quant_kernel='vllm')."
+            "types (FP8Tuning(vllm_act_quant_kernel='vllm'))."
         )
     if group_size not in (64, 128) or out.shape[1] % group_size:
         raise ValueError(f"group_size must be 64 or 128 and divide {out.shape[1]}; got {group_size}.")

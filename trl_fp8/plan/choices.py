@@ -22,6 +22,7 @@ import trl_fp8.plan.memory as memory
 from trl_fp8.config import BLOCKWISE
 from trl_fp8.plan.choice import Choice, WeightCache
 from trl_fp8.rollout import capacity
+from trl_fp8.tuning import FP8Tuning
 
 __all__ = [
     "HOPPER",
@@ -40,11 +41,14 @@ __all__ = [
 LIGER_DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
-def choose_liger_kernels(model_type: str | None, args, *, cuda: bool) -> Choice:
+def choose_liger_kernels(model_type: str | None, args, *, cuda: bool, tuning: FP8Tuning | None = None) -> Choice:
     """The run's `use_liger_kernel`: the user's where set; else on for a dense model of `LIGER_DENSE_MODEL_TYPES`
     trained on a CUDA GPU (`cuda`) with liger-kernel installed, in blockwise FP8 or BF16, outside compiled decoder
-    layers (torchao's recipes are not yet measured with them; compiled layers with them were slower)."""
+    layers (torchao's recipes are not yet measured with them; compiled layers with them were slower). `tuning`: the
+    run's `FP8Tuning` (None: its defaults)."""
     from transformers.utils import is_liger_kernel_available
+
+    tuning = FP8Tuning.of(tuning)
 
     if args.use_liger_kernel is not None:
         return Choice(bool(args.use_liger_kernel), "set by use_liger_kernel", automatic=False)
@@ -58,17 +62,17 @@ def choose_liger_kernels(model_type: str | None, args, *, cuda: bool) -> Choice:
         )
     if args.fp8_recipe not in (BLOCKWISE, None):
         return Choice(False, f"torchao's {args.fp8_recipe!r} recipe is not measured with them yet")
-    if args.compile_decoder_layers:
+    if tuning.compile_decoder_layers:
         return Choice(
             False,
-            "compile_decoder_layers compiles the layers instead (Liger's kernels inside compiled layers ran "
-            "the 8B GRPO step slower than Liger's alone: docs/when-fp8-pays.md)",
+            "FP8Tuning(compile_decoder_layers=True) compiles the layers instead (Liger's kernels inside compiled layers "
+            "ran the 8B GRPO step slower than Liger's alone: docs/when-fp8-pays.md)",
         )
     if not is_liger_kernel_available():
         return Choice(False, "liger-kernel is not installed: pip install 'trl-fp8[liger]' for a faster training phase")
     reason = "their fused RMSNorm, RoPE and SwiGLU take the training phase's BF16 work beside the FP8 GEMMs"
-    if args.fp8_fuse_swiglu:
-        reason += " (SwiGLU left to fp8_fuse_swiglu)"
+    if tuning.fuse_swiglu:
+        reason += " (SwiGLU left to FP8Tuning(fuse_swiglu=True))"
     return Choice(True, reason + "; use_liger_kernel=False turns them off")
 
 
@@ -110,7 +114,9 @@ def _planned_training(
     return parts, vllm, training, counted
 
 
-def choose_fp8_weight_cache(model_config, args, *, lora: bool = False, total_bytes: int | None = None):
+def choose_fp8_weight_cache(
+    model_config, args, *, lora: bool = False, total_bytes: int | None = None, tuning: FP8Tuning | None = None
+):
     """The FP8 weight cache for this run: the user's `fp8_cache_weights` if set; else on, for the scoring passes and
     the vLLM sync only (`FP8LinearConfig.cache_with_grad=False`), unless holding it while scoring would push the
     training phase of one GPU past `FP8_CACHE_HEADROOM` of its memory by the planner's account
@@ -121,8 +127,11 @@ def choose_fp8_weight_cache(model_config, args, *, lora: bool = False, total_byt
     training peak above BF16's by its bytes (bench_grpo's `*_nocache` runs: docs/benchmarks.md, "GRPO at 64 x 1k:
     backends, weight cache, profile" and "GRPO with Liger's kernels, compiled layers and the fusions"); held for
     scoring only, the micro-batches' peak is BF16's. Under FSDP2 it is never kept (it would undo the sharding).
-    `total_bytes`: the GPU's memory (read from `args.device` when None; no GPU: no limit to respect)."""
+    `total_bytes`: the GPU's memory (read from `args.device` when None; no GPU: no limit to respect). `tuning`: the
+    run's `FP8Tuning` (None: its defaults; DDP's gradients in its buckets, `ddp_gradient_as_bucket_view`)."""
     from trl_fp8.distributed import weight_sharding
+
+    tuning = FP8Tuning.of(tuning)
 
     if args.fp8_cache_weights is not None:
         return Choice(WeightCache(args.fp8_cache_weights), "set by fp8_cache_weights", automatic=False)
@@ -138,7 +147,7 @@ def choose_fp8_weight_cache(model_config, args, *, lora: bool = False, total_byt
         return Choice(WeightCache(True), f"kept: the memory planner cannot size this model ({exc})")
     parts, vllm, peak, counted = _planned_training(
         shape, args, total_bytes, max(1, args.world_size), cache_with_grad=False, launch="ddp",
-        grads_in_ddp_buckets=args.ddp_gradient_as_bucket_view, fp8_training=True, fp8_weight_cache=True, lora=lora,
+        grads_in_ddp_buckets=tuning.ddp_gradient_as_bucket_view, fp8_training=True, fp8_weight_cache=True, lora=lora,
     )  # fmt: skip
     optim = str(getattr(args.optim, "value", args.optim))
     gib, cache = capacity.GiB, parts["fp8_weight_cache"]

@@ -26,6 +26,7 @@ from trl_fp8.plan.choices import (
 )
 from trl_fp8.plan.micro_batch import dense_hidden_size, small_micro_batch_note
 from trl_fp8.rollout.settings import RolloutSettings
+from trl_fp8.tuning import FP8Tuning
 
 __all__ = ["FP8RunPlan"]
 
@@ -35,7 +36,8 @@ class FP8RunPlan:
     """One run's decisions: the layers kept in BF16 (`layers`), the rollout engine's settings (`rollout`), and each
     automatic choice with its reason (`trl_fp8.plan.choices`). `fp8_weight_cache` is None without FP8 training,
     `fsdp2_gradient_sync` None where there is nothing to choose; `micro_batch_note` is the start-up note where FP8
-    training would wait for the host (`plan.micro_batch`). `cuda`: whether the run trains on a CUDA GPU."""
+    training would wait for the host (`plan.micro_batch`). `cuda`: whether the run trains on a CUDA GPU. `tuning`: the
+    run's `FP8Tuning`, the one place the trainer reads it from."""
 
     layers: LayerSelection
     rollout: RolloutSettings
@@ -45,6 +47,7 @@ class FP8RunPlan:
     fsdp2_gradient_sync: Choice | None
     micro_batch_note: str | None
     cuda: bool
+    tuning: FP8Tuning = FP8Tuning()
 
     @classmethod
     def build(
@@ -54,12 +57,15 @@ class FP8RunPlan:
         *,
         lora: bool = False,
         module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
+        tuning: FP8Tuning | None = None,
         total_bytes: int | None = None,
         capability: tuple[int, int] | None = None,
     ) -> FP8RunPlan:
         """The plan of a run with these settings (`args`, read only) for a model of `model_config`, on `args.device`
         and `args.world_size` processes. `lora`: only adapters train (`peft_config`). `total_bytes` and
-        `capability`: the GPU's memory and compute capability (read from `args.device` when None)."""
+        `capability`: the GPU's memory and compute capability (read from `args.device` when None). `tuning`: the run's
+        `FP8Tuning` (None: its defaults)."""
+        tuning = FP8Tuning.of(tuning)
         gpu = {"total_bytes": total_bytes}
         cuda = torch.device(args.device).type == "cuda"
         layers = LayerSelection(
@@ -70,17 +76,20 @@ class FP8RunPlan:
         )
         weight_cache = None
         if args.fp8_recipe is not None:
-            weight_cache = choose_fp8_weight_cache(model_config, args, lora=lora, **gpu)
+            weight_cache = choose_fp8_weight_cache(model_config, args, lora=lora, tuning=tuning, **gpu)
         note = small_micro_batch_note(dense_hidden_size(model_config), args) if cuda else None
         return cls(
             layers=layers,
-            rollout=RolloutSettings.from_args(args),
-            liger_kernels=choose_liger_kernels(getattr(model_config, "model_type", None), args, cuda=cuda),
+            rollout=RolloutSettings.from_args(args, tuning),
+            liger_kernels=choose_liger_kernels(
+                getattr(model_config, "model_type", None), args, cuda=cuda, tuning=tuning
+            ),
             fp8_kv_cache=choose_fp8_kv_cache(model_config, args, capability=capability, **gpu),
             fp8_weight_cache=weight_cache,
             fsdp2_gradient_sync=choose_fsdp2_gradient_sync(model_config, args, **gpu),
             micro_batch_note=note,
             cuda=cuda,
+            tuning=tuning,
         )
 
     def replace(self, **changes) -> FP8RunPlan:
@@ -119,7 +128,7 @@ class FP8RunPlan:
                 setattr(resolved, name, copy.deepcopy(value))
         liger = self.liger_kernels
         resolved.use_liger_kernel = liger.on
-        if liger.automatic and liger.on and args.fp8_fuse_swiglu:  # both replace the MLP's forward: ours stays
+        if liger.automatic and liger.on and self.tuning.fuse_swiglu:  # both replace the MLP's forward: ours stays
             resolved.liger_kernel_config = {**(args.liger_kernel_config or {}), "swiglu": False}
         sync = self.fsdp2_gradient_sync
         if sync is not None and sync.automatic and sync.on:

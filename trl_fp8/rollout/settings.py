@@ -13,7 +13,7 @@ class RolloutSettings:
     """What `FP8VLLMGeneration` takes beside TRL's own arguments: the rollout precision, the layers stored in FP8
     (`fp8_modules`, None: read from the model's FP8 layers at every sync), the scale format, the observer of the FP8
     KV cache's scales (None: a BF16 KV cache), and the colocated engine's kernel options (`FP8GRPOConfig`'s
-    `vllm_*` fields of the same names)."""
+    `vllm_*` fields of the same names; `act_quant_kernel` and `deepgemm_workers`: `FP8Tuning`'s `vllm_*` ones)."""
 
     rollout_precision: str = "fp8"
     fp8_modules: frozenset[str] | None = None
@@ -27,14 +27,18 @@ class RolloutSettings:
     token_ids_only: bool = True
 
     @classmethod
-    def from_args(cls, args) -> RolloutSettings:
+    def from_args(cls, args, tuning=None) -> RolloutSettings:
+        """The settings of a run's config `args` and its `FP8Tuning` (None: its defaults)."""
+        from trl_fp8.tuning import FP8Tuning
+
+        tuning = FP8Tuning.of(tuning)
         return cls(
             rollout_precision=args.rollout_precision,
             power_of_two_scales=args.fp8_power_of_two_scales,
             fp8_backend=args.vllm_fp8_backend,
             fp8_moe_backend=args.vllm_fp8_moe_backend,
-            act_quant_kernel=args.vllm_act_quant_kernel,
+            act_quant_kernel=tuning.vllm_act_quant_kernel,
             jit_cache_dir=args.vllm_jit_cache_dir,
-            deepgemm_workers=args.vllm_deepgemm_workers,
+            deepgemm_workers=tuning.vllm_deepgemm_workers,
             token_ids_only=args.vllm_token_ids_only,
         )

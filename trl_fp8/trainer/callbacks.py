@@ -18,7 +18,7 @@ logger = logging.getLogger(__name__)
 
 
 class PrefetchFSDP2Units(TrainerCallback):
-    """`fsdp2_prefetch_layers`: set once accelerate has sharded the model (`fully_shard` works in place, so the
+    """`FP8Tuning.fsdp2_prefetch_layers`: set once accelerate has sharded the model (`fully_shard` works in place, so the
     callback's `model` is the sharded one)."""
 
     def __init__(self, ahead: int):
@@ -28,7 +28,7 @@ class PrefetchFSDP2Units(TrainerCallback):
         units = prefetch_fsdp2_units(model, self.ahead)
         if units == 0:
             warnings.warn(
-                f"fsdp2_prefetch_layers={self.ahead} has no effect: the model has no FSDP2 units (accelerate shards "
+                f"FP8Tuning(fsdp2_prefetch_layers={self.ahead}) has no effect: the model has no FSDP2 units (accelerate shards "
                 "with FSDP2 on GPUs only). Drop it, or launch with an FSDP2 config on GPUs.",
                 stacklevel=2,
             )

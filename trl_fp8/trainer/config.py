@@ -5,15 +5,12 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
 from trl import RLOOConfig
 
 from trl_fp8 import config as fp8_config
 from trl_fp8.config import (
-    BLOCK,
     BLOCKWISE,
-    VLLM_ACT_QUANT_KERNELS,
     VLLM_FP8_BACKENDS,
     FP8LinearConfig,
     check_layer_options,
@@ -21,11 +18,12 @@ from trl_fp8.config import (
 )
 from trl_fp8.requirements import check_liger_installed, check_optimizer_installed
 from trl_fp8.trainer.field_docs import field_help
+from trl_fp8.tuning import FP8Tuning
 
 # `FP8LinearConfig`'s fields as this config calls them.
-LAYER_OPTION_FIELDS = {"recipe": "fp8_recipe", "backend": "fp8_backend", "experts_gemm": "fp8_experts_gemm",
-                       "power_of_two_scales": "fp8_power_of_two_scales", "fuse_sibling_gemms": "fp8_fuse_sibling_gemms",
-                       "fuse_swiglu": "fp8_fuse_swiglu", "cache_quantized_weight": "fp8_cache_weights"}  # fmt: skip
+# (`FP8LinearConfig`'s fuse_sibling_gemms, fuse_swiglu and experts_gemm are `FP8Tuning`'s, `trl_fp8.tuning`.)
+LAYER_OPTION_FIELDS = {"recipe": "fp8_recipe", "backend": "fp8_backend", "power_of_two_scales": "fp8_power_of_two_scales",
+                       "cache_quantized_weight": "fp8_cache_weights"}  # fmt: skip
 
 
 @dataclass
@@ -57,25 +55,6 @@ class FP8TrainingArguments:
             not to hold whole weights, and where the memory planner puts one GPU's training peak with the cache above
             90% of the GPU; kept through the micro-batches off a GPU, which has no GPU memory to spare. `True`
             keeps it through the training micro-batches too.
-        fp8_fuse_sibling_gemms (bool): Run q/k/v and gate/up, which read one input, as one FP8 GEMM per pass on their
-            stacked weight blocks (fewer, larger kernels; the same FP8 bytes synced and exported). Off by default:
-            it pays where separate small layers are host-bound, not yet in a whole training step.
-        fp8_fuse_swiglu (bool): In gated SiLU MLPs, form `silu(gate) * up` and quantize it for `down_proj` in one
-            kernel, never writing it in BF16 nor keeping `silu(gate)` for backward (the unfused path's values).
-            Off by default, like `fp8_fuse_sibling_gemms`; it cannot be combined with Liger's SwiGLU.
-        fp8_experts_gemm (str): Grouped kernel of the mixture-of-experts FProp and DGrad: `"deepgemm"` (vLLM's
-            bundled DeepGEMM, Hopper), `"triton"` (ours) or `"auto"` (DeepGEMM where it can run). Same FP8 operands
-            either way.
-        compile_decoder_layers (bool): Compile each decoder layer in place with `torch.compile` (regional
-            compilation: one graph shared by the layers; names, sync and export unchanged). The FP8 ops enter the
-            graph whole, so the host no longer issues each quantizer and GEMM: use it where the training phase is
-            host-bound. The first steps trace and compile the layer: once for one sequence length, once more with
-            the length dynamic.
-        fsdp2_prefetch_layers (int | None): Under FSDP2, all-gather each decoder layer's weights this many layers
-            before it runs, in forward and in backward (FSDP2's `set_modules_to_forward_prefetch` and
-            `set_modules_to_backward_prefetch`). `None`: FSDP2's own, one layer ahead once the host reaches it. FP8
-            layers compute faster than BF16 ones, which leaves more of each gather exposed; every layer of lead
-            holds one more layer's gathered weights.
         logprob_batch_size (int | None): Sequences per forward when the trainer scores rollouts without gradients (old
             and reference log-probs, the mismatch metrics), as NeMo RL's `logprob_batch_size` and veRL's
             `log_prob_micro_batch_size_per_gpu`. `None`: TRL's `per_device_train_batch_size`. Nothing is kept for
@@ -83,15 +62,12 @@ class FP8TrainingArguments:
             fewer, larger GEMMs and, under FSDP2, gathers every weight fewer times. (Where GRPO's
             `score_in_training_forward` leaves the old log-probs and the metrics to the micro-batches, only the
             reference model scores this way.)
-        ddp_gradient_as_bucket_view (bool): Under DDP, let each gradient live in DDP's all-reduce bucket instead of
-            beside a copy of it (PyTorch's `gradient_as_bucket_view`): two bytes per BF16 parameter given back, 16 GB
-            at 8B, the same gradients.
         use_liger_kernel (bool | None): Liger's fused RMSNorm, RoPE and SwiGLU kernels on the model (transformers' and
             TRL's option). `None`: decided at start-up, on for a dense Llama, Mistral, Qwen2 or Qwen3 model trained on a
-            CUDA GPU with liger-kernel installed, in blockwise FP8 or BF16, `compile_decoder_layers` off (they take the
-            BF16 part of the training phase beside the FP8 GEMMs; the speeds with and without them: the documentation's
-            "Benchmarks" page, "GRPO with Liger's kernels, compiled layers and the fusions"); the start-up log says
-            which, and why.
+            CUDA GPU with liger-kernel installed, in blockwise FP8 or BF16, decoder layers not compiled
+            (`FP8Tuning.compile_decoder_layers`) (they take the BF16 part of the training phase beside the FP8 GEMMs;
+            the speeds with and without them: the documentation's "Benchmarks" page, "GRPO with Liger's kernels,
+            compiled layers and the fusions"); the start-up log says which, and why.
 
     **vLLM rollouts** (with `use_vllm=True`).
 
@@ -114,18 +90,8 @@ class FP8TrainingArguments:
             CUTLASS MoE kernel on block-FP8 experts (`"cutlass"` is refused). Only Triton is GPU-tested with the
             trainer's experts; the sync checks every engine's expert tensors against the trainer's either way. A
             `trl vllm-serve` server chooses its own.
-        vllm_act_quant_kernel (str): Which kernel runs a colocated FP8 engine's fused SiLU-and-mul + FP8 activation
-            quantization (`down_proj`'s input, dense and expert MLPs): `"auto"` runs trl-fp8's Triton kernel where,
-            checked on the GPU at engine start, it writes vLLM's own kernel's bits and takes less time (the start-up
-            log says which, with both times), else vLLM's; `"trl_fp8"` runs trl-fp8's wherever it writes vLLM's bits,
-            faster or not; `"vllm"` always keeps vLLM's. The values are the same either way. A `trl vllm-serve`
-            server runs vLLM's.
         vllm_jit_cache_dir (str | None): Where DeepGEMM keeps its compiled kernels across runs. `None`:
             `DG_JIT_CACHE_DIR`, else vLLM's `~/.cache/vllm/deep_gemm`.
-        vllm_deepgemm_workers (int | None): Processes that compile DeepGEMM's kernels side by side before the
-            colocated engine starts, into `vllm_jit_cache_dir` (vLLM's own warm-up compiles them one at a time:
-            minutes for an 8B model on a cold cache). `None`: one per CPU core, at most 16; `0`: leave it all to
-            vLLM's warm-up. A cache that already holds them is not compiled again.
         vllm_token_ids_only (bool): A colocated engine returns each sampled token's id and log-prob only, all that
             TRL reads: `detokenize=False` and `flat_logprobs=True` are added to `generation_kwargs` (which TRL passes
             to vLLM's `SamplingParams`), unless set there. vLLM's defaults also turn every token into text and keep
@@ -157,25 +123,15 @@ class FP8TrainingArguments:
     fp8_power_of_two_scales: bool = field(default=False, metadata=field_help(__doc__, "fp8_power_of_two_scales"))
     fp8_backend: str = field(default="auto", metadata=field_help(__doc__, "fp8_backend"))
     fp8_cache_weights: bool | None = field(default=None, metadata=field_help(__doc__, "fp8_cache_weights"))
-    fp8_fuse_sibling_gemms: bool = field(default=False, metadata=field_help(__doc__, "fp8_fuse_sibling_gemms"))
-    fp8_fuse_swiglu: bool = field(default=False, metadata=field_help(__doc__, "fp8_fuse_swiglu"))
-    fsdp2_prefetch_layers: int | None = field(default=None, metadata=field_help(__doc__, "fsdp2_prefetch_layers"))
     logprob_batch_size: int | None = field(default=None, metadata=field_help(__doc__, "logprob_batch_size"))
-    ddp_gradient_as_bucket_view: bool = field(
-        default=True, metadata=field_help(__doc__, "ddp_gradient_as_bucket_view")
-    )
-    fp8_experts_gemm: str = field(default="auto", metadata=field_help(__doc__, "fp8_experts_gemm"))
     # argparse: a bare --use_liger_kernel still means True, as TRL's bool field had it (and --fp8_kv_cache alike)
     use_liger_kernel: bool | None = field(
         default=None, metadata=field_help(__doc__, "use_liger_kernel", nargs="?", const=True)
     )
-    compile_decoder_layers: bool = field(default=False, metadata=field_help(__doc__, "compile_decoder_layers"))
     rollout_precision: str | None = field(default=None, metadata=field_help(__doc__, "rollout_precision"))
     vllm_fp8_backend: str = field(default="auto", metadata=field_help(__doc__, "vllm_fp8_backend"))
     vllm_fp8_moe_backend: str = field(default="auto", metadata=field_help(__doc__, "vllm_fp8_moe_backend"))
-    vllm_act_quant_kernel: str = field(default="auto", metadata=field_help(__doc__, "vllm_act_quant_kernel"))
     vllm_jit_cache_dir: str | None = field(default=None, metadata=field_help(__doc__, "vllm_jit_cache_dir"))
-    vllm_deepgemm_workers: int | None = field(default=None, metadata=field_help(__doc__, "vllm_deepgemm_workers"))
     vllm_token_ids_only: bool = field(default=True, metadata=field_help(__doc__, "vllm_token_ids_only"))
     fp8_kv_cache: bool | None = field(
         default=None, metadata=field_help(__doc__, "fp8_kv_cache", nargs="?", const=True)
@@ -204,47 +160,26 @@ class FP8TrainingArguments:
         if self.vllm_fp8_backend not in VLLM_FP8_BACKENDS:
             raise ValueError(f"vllm_fp8_backend={self.vllm_fp8_backend!r} is unknown; use one of {VLLM_FP8_BACKENDS}.")
         fp8_config.check_vllm_fp8_moe_backend(self.vllm_fp8_moe_backend)
-        if self.vllm_act_quant_kernel not in VLLM_ACT_QUANT_KERNELS:
-            raise ValueError(f"vllm_act_quant_kernel={self.vllm_act_quant_kernel!r} is unknown; use one of "
-                             f"{VLLM_ACT_QUANT_KERNELS}.")  # fmt: skip
-        if self.vllm_deepgemm_workers is not None and self.vllm_deepgemm_workers < 0:
-            raise ValueError(
-                f"vllm_deepgemm_workers={self.vllm_deepgemm_workers} must be >= 0 (0: no parallel compilation; "
-                "unset: one process per CPU core)."
-            )
         self._refuse_settings_without_effect()
         if self.logprob_batch_size is not None and self.logprob_batch_size < 1:
             raise ValueError(
                 f"logprob_batch_size={self.logprob_batch_size}: give 1 or more sequences per scoring forward, or leave "
                 "it unset for per_device_train_batch_size."
             )
-        if self.fsdp2_prefetch_layers is not None:
-            from trl_fp8.distributed import weight_sharding
-
-            if self.fsdp2_prefetch_layers < 1:
-                raise ValueError(
-                    f"fsdp2_prefetch_layers={self.fsdp2_prefetch_layers}: give 1 or more layers, or leave it unset "
-                    "for FSDP2's own prefetch."
-                )
-            if weight_sharding(self) != "FSDP2":
-                raise ValueError(
-                    "fsdp2_prefetch_layers sets FSDP2's all-gathers, but this launch does not shard with FSDP2 "
-                    "(accelerate launch --config_file fsdp2.yaml, or fsdp_config={'version': 2}). Drop it."
-                )
         if self.rollout_precision is None and self.use_vllm:
             self.rollout_precision = "fp8" if self.fp8_recipe == BLOCKWISE else "bf16"
-        for name in ("vllm_fp8_backend", "vllm_fp8_moe_backend", "vllm_act_quant_kernel"):
+        for name in ("vllm_fp8_backend", "vllm_fp8_moe_backend"):
             if getattr(self, name) != "auto" and self.rollout_precision != "fp8":
                 raise ValueError(
                     f"{name}={getattr(self, name)!r} picks a kernel of rollout_precision='fp8' rollouts, but "
                     f"rollout_precision={self.rollout_precision!r}. Drop {name} or use rollout_precision='fp8'."
                 )
-        for name in ("vllm_fp8_moe_backend", "vllm_act_quant_kernel"):
-            if getattr(self, name) != "auto" and self.use_vllm and self.vllm_mode == "server":
-                raise ValueError(
-                    f"{name}={getattr(self, name)!r} picks a kernel of a colocated engine; a `trl vllm-serve` server "
-                    f"runs the kernels it was started with. Drop {name}, or use vllm_mode='colocate'."
-                )
+        if self.vllm_fp8_moe_backend != "auto" and self.use_vllm and self.vllm_mode == "server":
+            raise ValueError(
+                f"vllm_fp8_moe_backend={self.vllm_fp8_moe_backend!r} picks a kernel of a colocated engine; a `trl "
+                "vllm-serve` server runs the kernels it was started with. Drop vllm_fp8_moe_backend, or use "
+                "vllm_mode='colocate'."
+            )
         if self.fp8_kv_cache and not self.use_vllm:
             raise ValueError("fp8_kv_cache sets vLLM's KV cache dtype; it needs use_vllm=True.")
         if self.use_vllm:
@@ -265,12 +200,18 @@ class FP8TrainingArguments:
             check_liger_installed()
 
     def fp8_linear_config(
-        self, cache_weights: bool | None = None, cache_with_grad: bool | None = None
+        self,
+        cache_weights: bool | None = None,
+        cache_with_grad: bool | None = None,
+        *,
+        tuning: FP8Tuning | None = None,
     ) -> FP8LinearConfig | None:
         """The FP8 layers' config of this run (None for BF16 training); `__post_init__` checked its options under this
-        config's names (`_check_layer_options`). `cache_weights` and `cache_with_grad`: the trainer's choice where
-        `fp8_cache_weights` is None (`trl_fp8.plan.choices.choose_fp8_weight_cache`; off a GPU the cache stays
-        through the micro-batches)."""
+        config's names (`_check_layer_options`), `FP8Tuning.check` the tuning's. `cache_weights` and
+        `cache_with_grad`: the trainer's choice where `fp8_cache_weights` is None
+        (`trl_fp8.plan.choices.choose_fp8_weight_cache`; off a GPU the cache stays through the micro-batches).
+        `tuning`: the run's `FP8Tuning` (fuse_sibling_gemms, fuse_swiglu, experts_gemm; None: its defaults)."""
+        tuning = FP8Tuning.of(tuning)
         if self.fp8_recipe is None:
             return None
         from trl_fp8.distributed import weight_sharding
@@ -291,20 +232,18 @@ class FP8TrainingArguments:
         one_process = state is not None and state.distributed_type == "NO"
         return FP8LinearConfig(
             recipe=self.fp8_recipe, power_of_two_scales=self.fp8_power_of_two_scales, backend=self.fp8_backend,
-            fuse_sibling_gemms=self.fp8_fuse_sibling_gemms, fuse_swiglu=self.fp8_fuse_swiglu,
-            experts_gemm=self.fp8_experts_gemm, cache_quantized_weight=cache, cache_with_grad=cache_with_grad,
+            fuse_sibling_gemms=tuning.fuse_sibling_gemms, fuse_swiglu=tuning.fuse_swiglu,
+            experts_gemm=tuning.experts_gemm, cache_quantized_weight=cache, cache_with_grad=cache_with_grad,
             fuse_wgrad_accumulation=one_process and self.fp8_recipe == BLOCKWISE,
         )  # fmt: skip
 
     def _check_layer_options(self) -> None:
         """The FP8 layers' own rules (`trl_fp8.config.check_layer_options`, shared with `FP8LinearConfig`), on this
-        config's fields and under their names; BF16 training refuses the layer options separately."""
+        config's fields and under their names, with `FP8Tuning`'s defaults for the options it holds (`FP8Tuning.check`
+        runs the same rules with the run's tuning); BF16 training refuses the layer options separately."""
         if self.fp8_recipe is None:
             return
-        options = {field: getattr(self, name) for field, name in LAYER_OPTION_FIELDS.items()}
-        options["cache_quantized_weight"] = options["cache_quantized_weight"] is not False
-        view = SimpleNamespace(**options, block_size=BLOCK, cache_with_grad=True)
-        check_layer_options(view, name=lambda field: LAYER_OPTION_FIELDS.get(field, field))
+        check_layer_options(FP8Tuning().layer_options(self), name=lambda field: LAYER_OPTION_FIELDS.get(field, field))
 
     @property
     def fp8_outside_training(self) -> bool:
@@ -315,52 +254,28 @@ class FP8TrainingArguments:
         """Raise for a setting that this combination would silently ignore, naming the fix (warn where harmless)."""
         if not self.use_vllm:
             for name, default in (("rollout_precision", None), ("vllm_fp8_backend", "auto"), ("vllm_fp8_moe_backend", "auto"),
-                                  ("vllm_act_quant_kernel", "auto"), ("vllm_jit_cache_dir", None), ("vllm_deepgemm_workers", None),
-                                  ("vllm_token_ids_only", True)):  # fmt: skip
+                                  ("vllm_jit_cache_dir", None), ("vllm_token_ids_only", True)):  # fmt: skip
                 if getattr(self, name) != default:
                     raise ValueError(
                         f"{name}={getattr(self, name)!r} sets up vLLM rollouts, but use_vllm=False: the trainer "
                         f"generates with its own model. Set use_vllm=True, or drop {name}."
                     )
         if self.fp8_recipe is None:
-            for name, default in (
-                ("fp8_backend", "auto"),
-                ("fp8_cache_weights", None),
-                ("fp8_fuse_sibling_gemms", False),
-                ("fp8_fuse_swiglu", False),
-                ("fp8_experts_gemm", "auto"),
-            ):
+            for name, default in (("fp8_backend", "auto"), ("fp8_cache_weights", None)):
                 if getattr(self, name) != default:
                     raise ValueError(
                         f"{name}={getattr(self, name)!r} sets up FP8 training, but fp8_recipe=None trains in BF16. "
                         f"Drop {name}, or train in FP8 with fp8_recipe='blockwise'."
                     )
-        elif self.fp8_fuse_swiglu and self.use_liger_kernel and (self.liger_kernel_config or {}).get("swiglu", True):
-            raise ValueError(
-                "fp8_fuse_swiglu and use_liger_kernel=True both replace the gated MLP's forward, and Liger's, applied "
-                "later, would win: the fused FP8 path would never run. Keep Liger's other kernels with "
-                "liger_kernel_config={'swiglu': False}, or drop fp8_fuse_swiglu."
-            )
         self._refuse_fp8_options_without_effect()
 
     def _refuse_fp8_options_without_effect(self) -> None:
-        """Raise for an option of the blockwise FP8 layers that the recipe, backend or compilation would ignore."""
+        """Raise for an option of the blockwise FP8 layers that the recipe would ignore (`FP8Tuning.check`: the
+        tuning's)."""
         if self.fp8_recipe not in (BLOCKWISE, None) and self.fp8_cache_weights:  # False: `_check_layer_options`
             raise ValueError(
                 f"fp8_cache_weights=True sets the blockwise recipe's cache of FP8 weights; torchao's "
                 f"{self.fp8_recipe!r} recipe has none. Drop fp8_cache_weights, or use fp8_recipe='blockwise'."
-            )
-        if self.fp8_experts_gemm != "auto" and self.fp8_keep_experts_in_bf16:
-            raise ValueError(
-                f"fp8_experts_gemm={self.fp8_experts_gemm!r} picks the GPU kernel of FP8 experts, but "
-                "fp8_keep_experts_in_bf16=True keeps the experts in BF16. Drop fp8_experts_gemm."
-            )
-        fusions = [name for name in ("fp8_fuse_sibling_gemms", "fp8_fuse_swiglu") if getattr(self, name)]
-        if self.compile_decoder_layers and fusions:
-            raise ValueError(
-                f"{' and '.join(fusions)} fuse eager FP8 layers, but compile_decoder_layers=True traces each decoder "
-                "layer into one graph, where its FP8 layers run unfused: the fusion would never run. Drop "
-                f"{' and '.join(fusions)}, or set compile_decoder_layers=False."
             )
 
     def _refuse_layer_choices_without_effect(self) -> None:

@@ -36,6 +36,7 @@ from trl_fp8.trainer.importance_sampling import (
     token_tis_ratio,
 )
 from trl_fp8.trainer.mixin import FP8TrainerMixin, check_output_dir
+from trl_fp8.tuning import FP8Tuning
 
 __all__ = ["FP8GRPOTrainer", "check_output_dir"]
 
@@ -49,6 +50,8 @@ class FP8GRPOTrainer(FP8TrainerMixin, GRPOTrainer):
     Args:
         fp8_module_filter_fn: `fn(module, fqn) -> bool`; return False to keep a linear layer in BF16 (in training, and
             in the FP8 rollouts and checkpoint of a BF16 run).
+        tuning: an `FP8Tuning`, the kernel selectors and benchmark knobs whose results are the same either way (None:
+            the defaults the measurements chose), e.g. `tuning=FP8Tuning(fuse_swiglu=True)`.
 
     With `peft_config`, the frozen base layers are FP8 and the adapters stay BF16; rollouts and the exported
     checkpoint get the weights merged by PEFT's own merge.
@@ -70,10 +73,11 @@ class FP8GRPOTrainer(FP8TrainerMixin, GRPOTrainer):
         args: FP8GRPOConfig | None = None,
         *trainer_args,
         fp8_module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
+        tuning: FP8Tuning | None = None,
         **trainer_kwargs,
     ):
         super().__init__(model, reward_funcs, args, *trainer_args, fp8_module_filter_fn=fp8_module_filter_fn,
-                         **trainer_kwargs)  # fmt: skip
+                         tuning=tuning, **trainer_kwargs)  # fmt: skip
         # TRL weights the loss by the IS ratio only with vLLM; we extend token TIS to other rollouts with log-probs.
         self._tis_without_vllm = self.args.token_tis and not self.use_vllm and self.rollout_func is not None
         self._say_automatic_tis()

@@ -56,6 +56,7 @@ from trl_fp8.trainer.layer_checkpointing import RENAMED_CHECKPOINTING_CALLS, kee
 from trl_fp8.trainer.liger import liger_patches_kept_on_the_model
 from trl_fp8.trainer.model_card import fp8_model_card_section
 from trl_fp8.trainer.regional_compile import compile_decoder_layers, eager_generation
+from trl_fp8.tuning import FP8Tuning
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +85,7 @@ class FP8TrainerMixin:
         args=None,
         *trainer_args,
         fp8_module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
+        tuning: FP8Tuning | None = None,
         **trainer_kwargs,
     ):
         config_class, trl_name = self._fp8_config_class, self._trl_config_name
@@ -95,6 +97,8 @@ class FP8TrainerMixin:
                 f"{type(self).__name__} needs an {config_class.__name__}, got {type(args).__name__}. Build the same "
                 f"settings with trl_fp8.{config_class.__name__}(...): it takes every {trl_name} field."
             )
+        tuning = FP8Tuning.of(tuning)  # kept on the plan: `self.tuning`
+        tuning.check(args)  # the tuning's options against this run's config, before anything loads
         warn_outside_tested_stack()
         check_no_weight_sharding(args)  # before loading a model that could not train
         check_sharding_supports(args, trainer_kwargs.get("peft_config"), model)
@@ -115,7 +119,7 @@ class FP8TrainerMixin:
         self._peft_config = trainer_kwargs.get("peft_config")
         # The run's decisions, made once before anything is converted; `args` stays as the user gave it.
         plan = FP8RunPlan.build(args, getattr(model, "config", None), lora=self._peft_config is not None,
-                                module_filter_fn=fp8_module_filter_fn)  # fmt: skip
+                                module_filter_fn=fp8_module_filter_fn, tuning=tuning)  # fmt: skip
         self.fp8_report = self._convert(model, args, plan)
         self.fp8_export_report = self._plan_fp8_outside_training(model, args, plan.layers)
         observer, kv_cache = self._fp8_kv_observer(model, plan.fp8_kv_cache)
@@ -138,10 +142,10 @@ class FP8TrainerMixin:
             if plan.liger_kernels.automatic:  # TRL's deprecation of the option speaks to a user who set it
                 warnings.filterwarnings("ignore", r"`use_liger_kernel=True` is deprecated", FutureWarning)
             super().__init__(model, reward_funcs, resolved_args, *trainer_args, **trainer_kwargs)
-        if args.ddp_gradient_as_bucket_view:
+        if self.tuning.ddp_gradient_as_bucket_view:
             grads_in_ddp_buckets(self.accelerator)  # before train() wraps the model in DDP
-        if args.fsdp2_prefetch_layers is not None:
-            self.add_callback(PrefetchFSDP2Units(args.fsdp2_prefetch_layers))
+        if self.tuning.fsdp2_prefetch_layers is not None:
+            self.add_callback(PrefetchFSDP2Units(self.tuning.fsdp2_prefetch_layers))
         if self.ref_model is not None and args.fp8_recipe is not None:
             self._convert(unwrap_model(self.ref_model), args, plan)
             # Never trained (TRL scores with it under no_grad): frozen, its FP8 weights are quantized once, not at
@@ -150,11 +154,16 @@ class FP8TrainerMixin:
             if args.sync_ref_model:  # TRL blends the policy into the reference through `.data`: requantize after
                 self.add_callback(InvalidateSyncedReference(self.ref_model))
         # After TRL's own wrapping (PEFT, Liger, gradient checkpointing): the graphs are traced at the first forward.
-        self.compiled_decoder_layers = compile_decoder_layers(self.model) if args.compile_decoder_layers else 0
+        self.compiled_decoder_layers = compile_decoder_layers(self.model) if self.tuning.compile_decoder_layers else 0
         if args.use_vllm:
             from trl_fp8.rollout.vllm.generation import check_rollout_class
 
             check_rollout_class(self.vllm_generation)
+
+    @property
+    def tuning(self) -> FP8Tuning:
+        """The run's `FP8Tuning` (the trainer's `tuning=` keyword), as its plan keeps it."""
+        return self.plan.tuning
 
     def train(self, *args, **kwargs):
         # Liger's kernels go on this model only: a model built later in the process (on CPU too) is transformers' own.
@@ -207,7 +216,7 @@ class FP8TrainerMixin:
         if args.fp8_recipe is None:
             return ConversionReport(recipe="bf16")
         cache = plan.fp8_weight_cache.value  # chosen once, for the policy (the reference follows)
-        config = args.fp8_linear_config(cache_weights=cache.cache, cache_with_grad=cache.with_grad)
+        config = args.fp8_linear_config(cache_weights=cache.cache, cache_with_grad=cache.with_grad, tuning=plan.tuning)
         # device: where it will train; a model loaded on CPU would make torchao emulate
         return convert_to_fp8(model, selection=plan.layers, config=config, device=args.device)
 

@@ -56,8 +56,8 @@ def compile_decoder_layers(model: nn.Module, **compile_kwargs) -> int:
     visit(root)
     if compiled == 0:
         raise ValueError(
-            f"compile_decoder_layers=True found no list of repeated decoder layers in {type(root).__name__}. "
-            "Set compile_decoder_layers=False (or compile the model yourself with torch.compile)."
+            f"compile_decoder_layers found no list of repeated decoder layers in {type(root).__name__}. Drop "
+            "FP8Tuning(compile_decoder_layers=True) (or compile the model yourself with torch.compile)."
         )
     return compiled
 

@@ -23,6 +23,8 @@ class FP8RLOOTrainer(FP8TrainerMixin, RLOOTrainer):
 
     Args:
         fp8_module_filter_fn: `fn(module, fqn) -> bool`; return False to keep a linear layer in BF16.
+        tuning: an `FP8Tuning`, the kernel selectors and benchmark knobs whose results are the same either way (None:
+            the defaults the measurements chose), e.g. `tuning=FP8Tuning(fuse_swiglu=True)`.
 
     Raises:
         ValueError: before any model is loaded, for an `output_dir` that is the model's own folder (or inside it)

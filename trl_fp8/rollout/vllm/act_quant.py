@@ -188,7 +188,7 @@ def install(
     `device` and is faster at MLP width `width` (the model's `intermediate_size`) and `decode_tokens` tokens with
     the scales in the layout the engine asks for (`scale_transposed`: column-major, as vLLM's compiled dense MLPs
     do; row-major, as its Triton fused MoE does); call it before the engine is built. `require_faster=False`
-    (`vllm_act_quant_kernel="trl_fp8"`) installs it wherever the bits match, faster or not.
+    (`FP8Tuning(vllm_act_quant_kernel="trl_fp8")`) installs it wherever the bits match, faster or not.
 
     The same engine settings (`InstallKey`) get the decision in force; other settings are checked anew, with vLLM's
     kernel back first. With `owner` (the engine's rollout object), vLLM's kernel comes back once `owner` is gone,

@@ -234,7 +234,9 @@ class FP8VLLMGeneration(VLLMGeneration):
         if self.act_quant_kernel == "vllm":
             if act_quant.installed() is not None:
                 act_quant.uninstall()
-                logger.info("vLLM SiLU-and-mul + FP8 quantization: vLLM's kernel again (vllm_act_quant_kernel='vllm')")
+                logger.info(
+                    "vLLM SiLU-and-mul + FP8 quantization: vLLM's kernel again (FP8Tuning(vllm_act_quant_kernel='vllm'))"
+                )
             return
         if torch.cuda.is_available():
             self.report.act_quant_choice = act_quant.install_for_model(
