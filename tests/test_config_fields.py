@@ -7,8 +7,8 @@ import pytest
 from trl import GRPOConfig, TrlParser
 
 from trl_fp8 import FP8GRPOConfig, FP8RLOOConfig, FP8Tuning
+from trl_fp8.field_docs import docstring_entries, field_help
 from trl_fp8.trainer.config import FP8TrainingArguments
-from trl_fp8.trainer.field_docs import docstring_entries, field_help
 
 
 def own_fields(config_class, *bases) -> dict:

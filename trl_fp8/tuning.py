@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 from trl_fp8.config import BLOCK, EXPERTS_GEMMS, VLLM_ACT_QUANT_KERNELS, check_layer_options
-from trl_fp8.trainer.field_docs import field_help
+from trl_fp8.field_docs import field_help
 
 __all__ = ["FP8Tuning"]
 

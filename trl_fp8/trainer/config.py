@@ -16,8 +16,8 @@ from trl_fp8.config import (
     check_layer_options,
     check_rollout_precision,
 )
+from trl_fp8.field_docs import field_help
 from trl_fp8.requirements import check_liger_installed, check_optimizer_installed
-from trl_fp8.trainer.field_docs import field_help
 from trl_fp8.tuning import FP8Tuning
 
 # `FP8LinearConfig`'s fields as this config calls them.

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field, fields
 
 from trl import GRPOConfig
 
+from trl_fp8.field_docs import field_help
 from trl_fp8.trainer.config import FP8TrainingArguments
-from trl_fp8.trainer.field_docs import field_help
 
 TIS_MODES = ("auto", "token", "off")
 # TRL's importance-sampling fields, which tis="token" sets and tis="auto" leaves to a user who set them
