@@ -129,26 +129,22 @@ class FP8VLLMGeneration(VLLMGeneration):
 
     def __init__(self, *args, settings: RolloutSettings | None = None, **kwargs):
         settings = RolloutSettings() if settings is None else settings
-        rollout_precision, fp8_modules = settings.rollout_precision, settings.fp8_modules
-        fp8_backend, fp8_moe_backend = settings.fp8_backend, settings.fp8_moe_backend
-        act_quant_kernel, jit_cache_dir = settings.act_quant_kernel, settings.jit_cache_dir
-        deepgemm_workers, token_ids_only = settings.deepgemm_workers, settings.token_ids_only
-        power_of_two_scales, kv_observer = settings.power_of_two_scales, settings.kv_observer
         self.settings = settings
-        self.rollout_precision = check_rollout_precision(rollout_precision)
-        self.fp8_backend, self.fp8_moe_backend = fp8_backend, fp8_moe_backend
-        self.act_quant_kernel = act_quant_kernel
-        self.jit_cache_dir = jit_cache_dir
-        self.deepgemm_workers = deepgemm_workers
-        self._fp8_modules = None if fp8_modules is None else set(fp8_modules)
-        self.power_of_two_scales = power_of_two_scales
-        self.kv_observer = kv_observer
+        # the settings each start-up and sync step reads, under the names the rest of the class uses
+        self.rollout_precision = check_rollout_precision(settings.rollout_precision)
+        self.fp8_backend, self.fp8_moe_backend = settings.fp8_backend, settings.fp8_moe_backend
+        self.act_quant_kernel = settings.act_quant_kernel
+        self.jit_cache_dir = settings.jit_cache_dir
+        self.deepgemm_workers = settings.deepgemm_workers
+        self._fp8_modules = None if settings.fp8_modules is None else set(settings.fp8_modules)
+        self.power_of_two_scales = settings.power_of_two_scales
+        self.kv_observer = settings.kv_observer
         self.report = RolloutReport()  # what the engine's start-up settled and what the rollouts and syncs did
         self.engine_dir: Path | None = None
         # colocate: writes FP8 experts in place (None until the first sync decides; False: the reload for all)
         self.engine_experts: EngineExperts | None | bool = None
         super().__init__(*args, **kwargs)
-        if self.mode == "colocate" and token_ids_only:
+        if self.mode == "colocate" and settings.token_ids_only:
             # TRL merges these into each colocated rollout's SamplingParams (a server answers in OpenAI's format).
             self.generation_kwargs, why = with_token_ids_only(self.generation_kwargs)
             logger.info("vLLM rollout outputs: %s", why)
