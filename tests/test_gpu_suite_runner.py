@@ -118,8 +118,10 @@ def test_junit_counts_and_durations_come_from_pytests_own_file(tmp_path):
                    cwd=tmp_path, capture_output=True)  # fmt: skip
     assert run_suite.junit_counts(xml) == {"passed": 2, "failed": 1, "errors": 0, "skipped": 1}
     assert run_suite.summary_line(run_suite.junit_counts(xml)) == "1 failed, 2 passed, 1 skipped"
-    ids = ["tests/gpu/test_x.py::test_p[1]", "tests/gpu/test_x.py::test_p[2]", "tests/gpu/test_x.py::test_fail"]
+    ids = ["tests/gpu/test_x.py::test_p[1]", "tests/gpu/test_x.py::test_p[2]", "tests/gpu/test_x.py::test_fail",
+           "tests/gpu/test_x.py::test_skip"]  # fmt: skip
     durations = run_suite.junit_durations(xml, ids)
+    # a skipped test (a two-GPU test on one GPU) keeps the time its last real run recorded
     assert set(durations) == {"tests/gpu/test_x.py::test_p", "tests/gpu/test_x.py::test_fail"}
     assert durations["tests/gpu/test_x.py::test_p"] >= 0.1  # both parametrizations summed
     assert run_suite.junit_counts(tmp_path / "missing.xml") == dict.fromkeys(

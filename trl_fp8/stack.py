@@ -15,10 +15,10 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["TESTED", "TESTED_ON", "installed_versions", "outside_tested_stack", "release", "warn_outside_tested_stack"]
 
-# package -> the releases (major.minor) the CPU suite, the GPU suite or both passed on. vLLM 0.26 pins torch 2.11
-# (the GPU suite's); torch 2.13 is the CPU suite's. transformers is a range (pyproject.toml): 5.17 on the GPU suite,
-# the newest 5.x on the CPU suite.
-TESTED = {"vllm": ("0.26",), "torch": ("2.11", "2.13"), "trl": ("1.16",), "torchao": ("0.18",)}
+# package -> the releases (major.minor) the CPU suite, the GPU suite or both passed on. vLLM 0.26 pins torch 2.11,
+# vLLM 0.31 torch 2.13 (the GPU suite ran on each pair); torch 2.13 is also the CPU suite's. transformers is a range
+# (pyproject.toml): the GPU suite's and the newest 5.x on the CPU suite.
+TESTED = {"vllm": ("0.26", "0.31"), "torch": ("2.11", "2.13"), "trl": ("1.16",), "torchao": ("0.18",)}
 TESTED_ON = "2026-11-28, GPU suite on NVIDIA H100 and H200"
 _warned: list[str] = []
 
@@ -40,7 +40,7 @@ def installed_versions(packages) -> dict[str, str]:
 
 
 def outside_tested_stack(installed: dict[str, str] | None = None) -> list[str]:
-    """`vllm 0.31.0 (tested: 0.26)` for each installed package of `TESTED` (or of `installed`, name -> version)
+    """`vllm 0.29.0 (tested: 0.26, 0.31)` for each installed package of `TESTED` (or of `installed`, name -> version)
     whose release is not a tested one; empty when all are."""
     if installed is None:
         installed = installed_versions(TESTED)
