@@ -54,7 +54,9 @@ FLOWS = {  # flow: FP8 conversion options (None: BF16), Liger's layer kernels, c
     # Liger's kernels inside the compiled layers (Dynamo traces their Triton kernels) against Inductor's own fusions
     "bf16_compiled_liger": (None, True, 1),
     "fp8_compiled_liger": ({}, True, 1),
+    "bf16_ckpt2": (None, False, 2),
     "fp8_ckpt2": ({}, False, 2),
+    "bf16_nockpt": (None, False, 0),
     "fp8_nockpt": ({}, False, 0),
     "bf16_liger_ckpt2": (None, True, 2),
     "fp8_liger_ckpt2": ({}, True, 2),
@@ -207,25 +209,48 @@ def main() -> None:
     if args.one_flow:  # a child of the loop below: this flow's row on stdout
         print(json.dumps(flow_row(args, args.one_flow, device)), flush=True)
         return
+    path = results_path(args.out, f"train_step_{args.shape}", name)
     for flow in args.flows:
         failure: dict = {}
         rows = run_child(__spec__.name, "--one_flow", flow, sys.argv[1:], failure=failure)
         row = rows[-1] if rows else {"flow": flow, "error": "; ".join(failure.get("errors", []))[-500:] or
                                      f"exit {failure.get('exit')}"}  # fmt: skip
         result["results"].append(row)
+        add_twin_ratios(result["results"])
+        write_json(path, result, indent=1)  # after every flow: a run cut short keeps the flows it finished
         print(json.dumps(row), flush=True)
     base = next((r for r in result["results"] if r["flow"] == "bf16" and "step_s" in r), None)
     print(f"\n{args.shape} x {args.layers or 'all'} layers, {args.micro_batches} x {args.micro_batch} x {args.seq_len}"
-          f" tokens a step, {name}")  # fmt: skip
+          f" tokens a step, {name}; vs bf16, and an FP8 flow's own ratio against its BF16 twin")  # fmt: skip
     for r in result["results"]:
         if "step_s" not in r:
             print(f"{r['flow']:<20} {r['error']}")
             continue
         speed = f"{base['step_s'] / r['step_s']:.2f}x" if base else "-"
+        twin = f"{r['vs_bf16_twin']:.2f}x vs {r['bf16_twin']}" if "vs_bf16_twin" in r else ""
         peak = f"{r['peak_memory_gib']:.1f} GiB" if r["peak_memory_gib"] is not None else ""
-        print(f"{r['flow']:<20} {r['step_s']:8.3f} s  {speed:>6}  {peak}")
-    print(f"wrote {write_json(results_path(args.out, f'train_step_{args.shape}', name), result, indent=1)}")
+        print(f"{r['flow']:<20} {r['step_s']:8.3f} s  {speed:>6}  {peak:>9}  {twin}")
+    print(f"wrote {path}")
 
+
+def bf16_twin(flow: str) -> str | None:
+    """The BF16 flow that differs from FP8 flow `flow` only in precision: the same Liger kernels, checkpointing and
+    compilation (an FP8-only option, such as the fused sibling GEMMs, has no BF16 counterpart and counts as FP8's)."""
+    options, liger, every_n = FLOWS[flow]
+    if options is None:
+        return None
+    compiled = "_compiled" in flow
+    return next((f for f, (o, lig, n) in FLOWS.items()
+                 if o is None and lig == liger and n == every_n and ("_compiled" in f) == compiled), None)  # fmt: skip
+
+
+def add_twin_ratios(rows: list[dict]) -> None:
+    """Each FP8 row's step-time ratio against its BF16 twin's row (`bf16_twin`), where both ran."""
+    times = {r["flow"]: r["step_s"] for r in rows if "step_s" in r}
+    for r in rows:
+        twin = bf16_twin(r["flow"]) if r["flow"] in FLOWS else None
+        if "step_s" in r and twin in times:
+            r["bf16_twin"], r["vs_bf16_twin"] = twin, times[twin] / r["step_s"]
 
 if __name__ == "__main__":
     main()

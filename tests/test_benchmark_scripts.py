@@ -663,6 +663,10 @@ def test_training_phase_and_host_benchmarks_run_at_smoke_size(tmp_path):
         assert rows[flow]["step_s"] > 0 and rows[flow]["profile"]["wall_ms"] > 0
         assert abs(rows[flow]["loss"] - rows["bf16"]["loss"]) < 0.02 * rows["bf16"]["loss"]
     assert rows["fp8"]["loss"] != rows["bf16"]["loss"]  # the FP8 flow did run in FP8
+    # FP8's own ratio: each FP8 flow against the BF16 flow with the same kernels, checkpointing and compilation
+    assert rows["fp8"]["bf16_twin"] == rows["fp8_fused"]["bf16_twin"] == "bf16"
+    assert rows["fp8"]["vs_bf16_twin"] == rows["bf16"]["step_s"] / rows["fp8"]["step_s"]
+    assert "bf16_twin" not in rows["bf16"] and "bf16_twin" not in rows["fp8_nockpt"]  # (its twin did not run)
     pids = [r["pid"] for r in rows.values() if "pid" in r]
     assert len(pids) >= 4 and len(set(pids)) == len(pids)
 
