@@ -252,5 +252,6 @@ def add_twin_ratios(rows: list[dict]) -> None:
         if "step_s" in r and twin in times:
             r["bf16_twin"], r["vs_bf16_twin"] = twin, times[twin] / r["step_s"]
 
+
 if __name__ == "__main__":
     main()

@@ -90,6 +90,12 @@ def check_rollout_precision(rollout_precision: str) -> str:
     return rollout_precision
 
 
+# `FP8LinearConfig`'s fields as the trainers' configs call them (`FP8GRPOConfig`, `FP8RLOOConfig`).
+# (`FP8LinearConfig`'s fuse_sibling_gemms, fuse_swiglu and experts_gemm are `FP8Tuning`'s, `trl_fp8.tuning`.)
+LAYER_OPTION_FIELDS = {"recipe": "fp8_recipe", "backend": "fp8_backend", "power_of_two_scales": "fp8_power_of_two_scales",
+                       "cache_quantized_weight": "fp8_cache_weights"}  # fmt: skip
+
+
 def check_layer_options(options, name: Callable[[str], str] = str) -> None:
     """The rules of the FP8 layers' options, written once: `options` has `FP8LinearConfig`'s fields (the config, or
     the trainer config's view of its own fields under those names); each error names an option `name(field)`, so the

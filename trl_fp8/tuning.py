@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
-from trl_fp8.config import BLOCK, EXPERTS_GEMMS, VLLM_ACT_QUANT_KERNELS, check_layer_options
+from trl_fp8.config import BLOCK, EXPERTS_GEMMS, LAYER_OPTION_FIELDS, VLLM_ACT_QUANT_KERNELS, check_layer_options
 from trl_fp8.field_docs import field_help
 
 __all__ = ["FP8Tuning"]
@@ -117,7 +117,6 @@ class FP8Tuning:
         """Refuse, naming the fix, a tuning option that the run's config `args` (an `FP8GRPOConfig` or
         `FP8RLOOConfig`, checked already) would ignore or cannot combine with it."""
         from trl_fp8.distributed import weight_sharding
-        from trl_fp8.trainer.config import LAYER_OPTION_FIELDS
 
         if not args.use_vllm:
             for name, default in (("vllm_act_quant_kernel", "auto"), ("vllm_deepgemm_workers", None)):

@@ -11,6 +11,7 @@ from trl import RLOOConfig
 from trl_fp8 import config as fp8_config
 from trl_fp8.config import (
     BLOCKWISE,
+    LAYER_OPTION_FIELDS,
     VLLM_FP8_BACKENDS,
     FP8LinearConfig,
     check_layer_options,
@@ -19,11 +20,6 @@ from trl_fp8.config import (
 from trl_fp8.field_docs import field_help
 from trl_fp8.requirements import check_liger_installed, check_optimizer_installed
 from trl_fp8.tuning import FP8Tuning
-
-# `FP8LinearConfig`'s fields as this config calls them.
-# (`FP8LinearConfig`'s fuse_sibling_gemms, fuse_swiglu and experts_gemm are `FP8Tuning`'s, `trl_fp8.tuning`.)
-LAYER_OPTION_FIELDS = {"recipe": "fp8_recipe", "backend": "fp8_backend", "power_of_two_scales": "fp8_power_of_two_scales",
-                       "cache_quantized_weight": "fp8_cache_weights"}  # fmt: skip
 
 
 @dataclass
