@@ -169,10 +169,11 @@ concurrency)  # matched concurrency: the same share, and every engine capped at 
   ;;
 colocate)  # TRL's colocate defaults on one GPU; each run in a child of its own, rows appended to one file. By default
   # TRL BF16 with and without Liger's kernels against FP8GRPOTrainer left to its defaults (Liger, the FP8 KV cache and
-  # the weight cache as it chooses them) and the same with Liger's kernels inside compiled decoder layers.
+  # the weight cache as it chooses them), its BF16 twin (the same trainer with fp8_recipe=None: FP8's own share) and the
+  # defaults with Liger's kernels inside compiled decoder layers.
   # COLOCATE_GPUS="0 1 2 3": the runs dealt over these GPUs, the GPUs at once (the same host load on every flow; one
   # file by benchmarks.merge_results).
-  runs=${COLOCATE_RUNS:-trl_bf16 trl_bf16_liger fp8_defaults unified_fp8kv_compiled_liger}
+  runs=${COLOCATE_RUNS:-trl_bf16 trl_bf16_liger bf16_defaults fp8_defaults unified_fp8kv_compiled_liger}
   colocate=(python -m benchmarks.bench_grpo --shape 8b --optim adamw_bnb_8bit --sleep_mode
     --vllm_memory "${COLOCATE_SHARE:-0.3}" --completion_len 2048 --generation_batch 128 --steps 3 --warmup 1)
   if [ -n "${COLOCATE_GPUS:-}" ]; then
@@ -184,6 +185,8 @@ colocate)  # TRL's colocate defaults on one GPU; each run in a child of its own,
         --out "$work/grpo_colocate_8b_$device.json"
     done
   fi
+  # each FP8 run against TRL BF16, TRL BF16 + Liger and its BF16 twin (bf16_defaults), where those ran
+  python -m benchmarks.collect_twins "$work/grpo_colocate_8b_$device.json" | tee "$work/colocate_ratios.md"
   ;;
 bestfit)  # per run, shares in increasing order until one fails: a careful user's tuning (2 steps: one timed)
   for run in ${BESTFIT_RUNS:-trl_bf16 unified_fp8kv}; do

@@ -163,3 +163,34 @@ def test_collect_contention_gathers_each_gpus_row_and_its_clocks_at_work(tmp_pat
     assert (gpu0["samples"], gpu0["busy_samples"], gpu0["temperature_c_max"]) == (3, 2, 75.0)
     assert gpu0["sm_clock_mhz_busy"] == {"median": 1695.0, "min": 1425.0, "max": 1965.0}
     assert gpu0["power_w_busy"]["max"] == 699.0 and result["gpu_clocks"]["1"]["busy_samples"] == 1
+
+
+def test_collect_twins_gives_fp8s_own_ratio_beside_the_trainers(tmp_path, capsys):
+    """Each FP8 run's step against TRL BF16, TRL BF16 + Liger and its BF16 twin (the same trainer in BF16), with the
+    rollout and micro-batch ratios against the twin; a run missing from the file leaves its ratios out."""
+    from benchmarks import collect_twins
+
+    def run(name, recipe, step, rollout, micro, floor=None):
+        return {"name": name, "fp8_recipe": recipe,
+                "step_time": {"step_s": step, "rollout_s": rollout, "scoring_s": 1.0, "micro_batches_s": micro},
+                "rollout_floor": {"floor_s": floor, "of_floor": floor / rollout} if floor else {}}  # fmt: skip
+
+    runs = [run("trl_bf16", None, 86.0, 37.0, 38.0, 16.0), run("trl_bf16_liger", None, 71.0, 34.0, 29.0, 16.0),
+            run("bf16_defaults", None, 62.0, 32.0, 29.0, 16.0), run("fp8_defaults", "blockwise", 51.0, 25.0, 25.0, 8.3),
+            {"name": "unified_fp8kv", "error": "CUDA out of memory"}]  # fmt: skip
+    path = tmp_path / "colocate.json"
+    path.write_text(json.dumps({"device": "NVIDIA H200", "date": "2026-11-29", "results": runs}))
+    collect_twins.main([str(path), "--json", str(tmp_path / "ratios.json")])
+    (row,) = json.loads((tmp_path / "ratios.json").read_text())["ratios"]
+    assert row["run"] == "fp8_defaults" and row["bf16_twin"] == "bf16_defaults"
+    assert row["vs TRL BF16"] == 86.0 / 51.0 and row["vs TRL BF16 + Liger"] == 71.0 / 51.0
+    assert (row["step vs twin"], row["rollout vs twin"], row["micro-batches vs twin"]) == (62 / 51, 32 / 25, 29 / 25)
+    out = capsys.readouterr().out
+    assert "| fp8_defaults | 1.69x | 1.39x | 1.22x | 1.28x | 1.16x |" in out
+    assert "| fp8_defaults | 51.0 s | 25.0 s (33% of 8.3 s) | 1.0 + 25.0 s |" in out
+    assert "| unified_fp8kv | CUDA out of memory |" in out
+
+    # without the twin and TRL BF16 + Liger: only the ratio that has its run
+    path.write_text(json.dumps({"results": [runs[0], runs[3]]}))
+    collect_twins.main([str(path)])
+    assert "| fp8_defaults | 1.69x | - | - | - | - |" in capsys.readouterr().out
