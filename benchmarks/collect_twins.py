@@ -81,7 +81,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     results = json.loads(args.results.read_text())
     rows = twin_ratios(results)
-    print(f"{results.get('device', '?')}, {results.get('date', '?')}: {results.get('note') or results.get('command', '')}")
+    print(
+        f"{results.get('device', '?')}, {results.get('date', '?')}: {results.get('note') or results.get('command', '')}"
+    )
     print(markdown(results, rows))
     if args.json:
         write_json(args.json, {"source": str(args.results), "device": results.get("device"),
