@@ -340,7 +340,7 @@ def run_one(args) -> None:
 
     import trl.generation.vllm_generation as trl_vllm
 
-    from trl_fp8.rollout.stats import RolloutStats, engine_kv_cache_tokens
+    from trl_fp8.rollout.stats import engine_kv_cache_tokens
     from trl_fp8.rollout.vllm.partitions import tensor_parallel_overrides
 
     # Every engine collects vLLM's scheduler statistics (TRL's own builds it without). An engine over several GPUs
@@ -359,7 +359,8 @@ def run_one(args) -> None:
     generation = trainer.vllm_generation
     if args.run in EXPERTS_BY_RELOAD:
         generation.engine_experts = False  # FP8VLLMGeneration: False = never write experts in place
-    stats = getattr(generation, "rollout_stats", None) or RolloutStats.attach(generation.llm)
+    report = getattr(generation, "report", None)  # what FP8VLLMGeneration settled and did (TRL's has no report)
+    stats = engine_stats(generation)
     rollout_stats = []
 
     def with_stats(fn):
@@ -469,7 +470,6 @@ def run_one(args) -> None:
                   "optimizer_s": per_step("optimizer")}  # fmt: skip
     keep = median_steps(args.steps, args.warmup, args.profile_step)
     plan = getattr(trainer, "plan", None)  # FP8 trainers' start-up decisions (TRL's own trainers have none)
-    report = getattr(generation, "report", None)  # what FP8VLLMGeneration settled and did (TRL's has no report)
     row = {
         "name": args.run,
         "trainer": trainer_kind,
@@ -641,6 +641,16 @@ class StepProfiler(TrainerCallback):
             if self.micro_batches is not None:
                 self.profiled += 1
             self._stop()
+
+
+def engine_stats(generation):
+    """The engine statistics of a run's rollouts: FP8VLLMGeneration's own (`report.rollout_stats`, which its trainer
+    logs as `vllm/*`; attaching a second reader would take the engine's stat loggers from it), else ours, attached to
+    the engine of TRL's generation."""
+    from trl_fp8.rollout.stats import RolloutStats
+
+    report = getattr(generation, "report", None)
+    return (report.rollout_stats if report is not None else None) or RolloutStats.attach(generation.llm)
 
 
 def median_steps(steps: int, warmup: int, profile_step: int | None) -> list[int]:

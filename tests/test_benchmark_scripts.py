@@ -1058,3 +1058,22 @@ def test_cpu_affinity_is_accelerates_own_launch_option():
     # (the arguments after `python -m accelerate.commands.launch`)
     parsed = launch_command_parser().parse_args([*pinned[3:], "train.py"])
     assert parsed.enable_cpu_affinity and parsed.num_processes == 4
+
+
+def test_bench_grpo_reads_the_fp8_generations_own_engine_statistics(monkeypatch):
+    """FP8VLLMGeneration keeps its engine statistics in `report.rollout_stats`, which its trainer logs as `vllm/*`:
+    the benchmark reads those, and attaches a reader of its own only to TRL's generation (attaching one to an FP8
+    engine would take the engine's stat loggers from the trainer's, which would then log nothing)."""
+    from types import SimpleNamespace
+
+    from benchmarks.bench_grpo import engine_stats
+    from trl_fp8.rollout.stats import RolloutStats
+    from trl_fp8.rollout.vllm.generation import RolloutReport
+
+    attached = []
+    monkeypatch.setattr(RolloutStats, "attach", classmethod(lambda cls, llm: attached.append(llm) or cls()))
+    own = RolloutStats()
+    assert engine_stats(SimpleNamespace(report=RolloutReport(rollout_stats=own), llm="fp8 engine")) is own
+    assert attached == []
+    trl_stats = engine_stats(SimpleNamespace(llm="TRL's engine"))
+    assert isinstance(trl_stats, RolloutStats) and trl_stats is not own and attached == ["TRL's engine"]

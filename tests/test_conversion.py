@@ -262,6 +262,9 @@ def test_the_report_says_what_each_requested_fusion_did():
     ) as w:
         neox = convert_to_fp8(gpt_neox(), config=both)
     assert len([x for x in w if "fused nothing" in str(x.message)]) == 1
+    # the fix it names is where a trainer takes these options
+    assert "FP8Tuning(fuse_sibling_gemms=False, fuse_swiglu=False)" in next(
+        str(x.message) for x in w if "fused nothing" in str(x.message))  # fmt: skip
     assert neox.not_fused["fuse_sibling_gemms"]["gpt_neox.layers.0.attention"] == (
         "GPTNeoXAttention has no separate q_proj, k_proj, v_proj (it has query_key_value, dense)")  # fmt: skip
     mlp_reason = neox.not_fused["fuse_swiglu"]["gpt_neox.layers.1.mlp"]

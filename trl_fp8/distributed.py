@@ -153,7 +153,7 @@ def prefetch_fsdp2_units(model: nn.Module, ahead: int) -> int:
     little ahead of the GPU leaves more of each gather exposed. Each unit of lead holds one more layer's gathered
     weights. Returns how many units were set (0: not FSDP2)."""
     if ahead < 1:
-        raise ValueError(f"fsdp2_prefetch_layers={ahead}: give 1 or more layers (or None for FSDP2's own prefetch).")
+        raise ValueError(f"FP8Tuning(fsdp2_prefetch_layers={ahead}): give 1 or more layers (None: FSDP2's own).")
     if not torch.distributed.is_available():
         return 0
     from torch.distributed.fsdp import FSDPModule

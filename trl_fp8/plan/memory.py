@@ -175,10 +175,11 @@ def trainer_memory_per_gpu(
 ) -> dict[str, int]:
     """`trainer_memory_bytes` (whose options `memory` takes) of one GPU when `num_processes` training processes, one
     per GPU, train together: DDP replicates the model, FSDP2 shards it (`launch`, ignored with one process).
-    `grads_in_ddp_buckets`: DDP's `gradient_as_bucket_view`, which trl-fp8's FP8GRPOConfig turns on
-    (`ddp_gradient_as_bucket_view`) and TRL's own GRPOTrainer leaves off. `fsdp2_prefetch_layers`: the layers each
-    FSDP2 unit gathers ahead (the FP8 configs' option; 1 is FSDP2's own). `accumulates_gradients`: an optimizer step
-    takes several micro-batches (`gradient_accumulation_steps` > 1), which under FSDP2 keeps unsharded gradients."""
+    `grads_in_ddp_buckets`: DDP's `gradient_as_bucket_view`, which trl-fp8's trainers turn on
+    (`FP8Tuning.ddp_gradient_as_bucket_view`) and TRL's own GRPOTrainer leaves off. `fsdp2_prefetch_layers`: the
+    layers each FSDP2 unit gathers ahead (`FP8Tuning.fsdp2_prefetch_layers`; 1 is FSDP2's own).
+    `accumulates_gradients`: an optimizer step takes several micro-batches (`gradient_accumulation_steps` > 1), which
+    under FSDP2 keeps unsharded gradients."""
     if num_processes < 1:
         raise ValueError(f"num_processes must be at least 1, got {num_processes}.")
     if launch not in LAUNCHES:
@@ -271,9 +272,9 @@ class PlannedRun:
         return dataclasses.replace(self, **changes)
 
     def trainer_settings(self, seq_len: int) -> types.SimpleNamespace:
-        """The FP8GRPOConfig fields the run's choices (`trl_fp8.plan.choices`) read, for FP8GRPOTrainer colocated
-        with vLLM with importance sampling on one GPU of `num_processes` (DDP), its sequences sized at `seq_len`
-        tokens: what `trl-fp8 plan` asks the trainer's own choices with."""
+        """The FP8GRPOConfig fields the run's choices (`trl_fp8.plan.choices`) read (with `FP8Tuning`'s defaults),
+        for FP8GRPOTrainer colocated with vLLM with importance sampling on one GPU of `num_processes` (DDP), its
+        sequences sized at `seq_len` tokens: what `trl-fp8 plan` asks the trainer's own choices with."""
         cache = {"auto": None, "on": True, "off": False}[self.fp8_cache_weights]
         return types.SimpleNamespace(
             fp8_recipe="blockwise", rollout_precision="fp8", fp8_kv_cache=None, fp8_cache_weights=cache,
@@ -283,7 +284,7 @@ class PlannedRun:
             vllm_max_model_length=seq_len, max_completion_length=seq_len,
             generation_batch_size=self.generation_batch * self.num_processes, world_size=self.num_processes,
             per_device_train_batch_size=self.micro_batch, gradient_accumulation_steps=self.accumulation_steps,
-            gradient_checkpointing=self.gradient_checkpointing, optim=self.optim, ddp_gradient_as_bucket_view=True,
+            gradient_checkpointing=self.gradient_checkpointing, optim=self.optim,
             fsdp="", fsdp_config=None, hf_deepspeed_config=None, device="cuda",
         )  # fmt: skip
 

@@ -13,7 +13,28 @@ class RolloutSettings:
     """What `FP8VLLMGeneration` takes beside TRL's own arguments: the rollout precision, the layers stored in FP8
     (`fp8_modules`, None: read from the model's FP8 layers at every sync), the scale format, the observer of the FP8
     KV cache's scales (None: a BF16 KV cache), and the colocated engine's kernel options (`FP8GRPOConfig`'s
-    `vllm_*` fields of the same names; `act_quant_kernel` and `deepgemm_workers`: `FP8Tuning`'s `vllm_*` ones)."""
+    `vllm_*` fields of the same names; `act_quant_kernel` and `deepgemm_workers`: `FP8Tuning`'s `vllm_*` ones).
+
+    Args:
+        rollout_precision: "fp8", "bf16" or "fp8_online".
+        fp8_modules: names of the layers served in FP8. Default: read from the model
+            (`checkpoint.save.fp8_module_names`) at start-up and at every sync, so they follow PEFT wrapping.
+        power_of_two_scales: round the scales of layers quantized for the sync (a BF16-trained model's) down to
+            powers of two, as the exported checkpoint does.
+        kv_observer: an `AttentionScaleObserver` on the policy; its scales are pushed with every sync and vLLM's KV
+            cache is FP8. None: KV cache in the model dtype.
+        fp8_backend: vLLM's kernel for the FP8 linear layers ("auto", "deepgemm", "cutlass", "triton"; see
+            `rollout.vllm.kernels.rollout_kernel`). In server mode it only names what the server is expected to run.
+        fp8_moe_backend: vLLM's kernel for FP8 experts in a colocated engine
+            (`rollout.vllm.kernels.with_moe_backend`).
+        act_quant_kernel: "auto" runs a colocated FP8 engine's fused SiLU-and-mul + FP8 quantization on trl-fp8's
+            kernel where it gives vLLM's bits faster (`rollout.vllm.act_quant.install`); "trl_fp8" wherever it
+            gives vLLM's bits; "vllm" keeps vLLM's.
+        jit_cache_dir: DeepGEMM's compiled-kernel cache (default `rollout.vllm.kernels.default_jit_cache_dir()`).
+        deepgemm_workers: processes compiling DeepGEMM's kernels before a colocated engine starts
+            (`rollout.vllm.deepgemm_warmup.precompile_deepgemm`; None: one per CPU core, 0: none).
+        token_ids_only: a colocated engine returns token ids and log-probs only, no text (`rollout.vllm.sampling`).
+    """
 
     rollout_precision: str = "fp8"
     fp8_modules: frozenset[str] | None = None

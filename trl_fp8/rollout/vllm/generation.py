@@ -104,27 +104,8 @@ class RolloutReport:
 class FP8VLLMGeneration(VLLMGeneration):
     """TRL's vLLM generation whose rollouts run on the trainer's own FP8 weights (see the module docstring).
 
-    Takes `VLLMGeneration`'s arguments plus `settings`, the run plan's `RolloutSettings` (default: its defaults),
-    whose fields are:
-
-    Args:
-        rollout_precision: "fp8", "bf16" or "fp8_online".
-        fp8_modules: names of the layers served in FP8. Default: read from the model (`export.fp8_module_names`)
-            at start-up and at every sync, so they follow PEFT wrapping.
-        power_of_two_scales: round the scales of layers quantized for the sync (a BF16-trained model's) down to
-            powers of two, as the exported checkpoint does.
-        kv_observer: an `AttentionScaleObserver` on the policy; its scales are pushed with every sync and vLLM's KV
-            cache is FP8. None: KV cache in the model dtype.
-        fp8_backend: vLLM's kernel for the FP8 linear layers ("auto", "deepgemm", "cutlass", "triton"; see
-            `vllm_kernels.rollout_kernel`). In server mode it only names what the server is expected to run.
-        fp8_moe_backend: vLLM's kernel for FP8 experts in a colocated engine (`vllm_kernels.with_moe_backend`).
-        act_quant_kernel: "auto" runs a colocated FP8 engine's fused SiLU-and-mul + FP8 quantization on trl-fp8's
-            kernel where it gives vLLM's bits faster (`act_quant.install`); "trl_fp8" wherever it gives vLLM's bits;
-            "vllm" keeps vLLM's.
-        jit_cache_dir: DeepGEMM's compiled-kernel cache (default `vllm_kernels.default_jit_cache_dir()`).
-        deepgemm_workers: processes compiling DeepGEMM's kernels before a colocated engine starts
-            (`deepgemm_warmup.precompile_deepgemm`; None: one per CPU core, 0: none).
-        token_ids_only: a colocated engine returns token ids and log-probs only, no text (`sampling.py`).
+    Takes `VLLMGeneration`'s arguments plus `settings`, the run plan's `RolloutSettings` (default: its defaults;
+    `trl_fp8.rollout.settings` describes each field).
     """
 
     def __init__(self, *args, settings: RolloutSettings | None = None, **kwargs):
