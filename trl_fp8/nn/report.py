@@ -79,7 +79,7 @@ def report_fusions(model: nn.Module, config: FP8LinearConfig, report: Conversion
         options = " and ".join(idle)
         warnings.warn(
             f"{options} fused nothing in {type(model).__name__} ({reasons}). Its layers run unfused, with the same "
-            f"FP8 math; drop {options} (a trainer's: FP8Tuning({'=False, '.join(idle)}=False)) to silence this.",
+            f"FP8 math; drop {options} (with a trainer: FP8Tuning({'=False, '.join(idle)}=False)) to silence this.",
             stacklevel=3,
         )
 
