@@ -9,7 +9,8 @@ step, and with the weight cache hit, as for further micro-batches and log-prob p
 prototype (`Float8BlockwiseLinear`); for q/k/v as three layers, trl_fp8 running them as one GEMM per pass
 (`FP8Tuning(fuse_sibling_gemms=True)`); torchao tensorwise `Float8Linear` (eager and `torch.compile`). On the GPU also
 trl_fp8 with FProp/DGrad on DeepGEMM (`backend="deepgemm"`) and trl_fp8 under `torch.compile`. Also the raw
-GEMMs (BF16 mm vs one blockwise FP8 scaled_mm) and where trl_fp8's time goes (quantization passes vs GEMMs).
+GEMMs (BF16 mm vs one blockwise FP8 scaled_mm) and where trl_fp8's time goes (quantization passes vs GEMMs). On an
+H100 or H200 the BF16 and trl_fp8 rows also get their floor (`benchmarks/floors.py`) and the fraction of it reached.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from benchmarks.bench_rollout import hardware
 from benchmarks.common import arg_parser, device_kernel_events, device_name, metadata, results_path, write_json
+from benchmarks.floors import linear_floor_s
 from trl_fp8 import FP8Linear, FP8LinearConfig
 from trl_fp8.nn.linear import forget_quantized_input
 from trl_fp8.nn.sibling_gemms import FP8SiblingGroup
@@ -113,6 +116,24 @@ def make_variants(k, n, device, dtype, cuda):
     return variants
 
 
+# How many times each variant quantizes the weight per forward + backward (`benchmarks.floors.linear_floor_s`): the
+# forward's copy unless cached, DGrad's re-quantization unless a sibling group multiplies by the cached copy. torchao's
+# variants quantize by other recipes and get no floor.
+WEIGHT_QUANTIZATIONS = {"trl_fp8 blockwise": 2, "trl_fp8 blockwise (cached W)": 1,
+                        "trl_fp8 blockwise (cached W, one GEMM)": 0, "trl_fp8 deepgemm (cached W)": 1,
+                        "trl_fp8 blockwise (compiled)": 2}  # fmt: skip
+
+
+def add_floor(row: dict, variant: str, m: int, k: int, n: int, hw: dict | None) -> None:
+    """The row's floor in ms (its three GEMMs and, in FP8, its quantization passes at the GPU's data-sheet peaks) and
+    the fraction of it the layer reaches, for BF16 and trl-fp8's variants on a GPU whose peaks are known."""
+    if hw is None or (variant != "bf16" and variant not in WEIGHT_QUANTIZATIONS):
+        return
+    fp8 = variant != "bf16"
+    row["floor_ms"] = 1e3 * linear_floor_s(m, k, n, fp8, hw, WEIGHT_QUANTIZATIONS.get(variant, 0))
+    row["of_floor"] = row["floor_ms"] / row["ms"]
+
+
 def breakdown(m, k, n, device, dtype, reps, cuda):
     """Milliseconds of each step of trl_fp8's blockwise fwd+bwd, run in isolation."""
     from trl_fp8.ops import select_ops
@@ -203,6 +224,7 @@ def main():
     )
     m = 256 if args.quick else args.tokens
     device_label = device_name()
+    hw = hardware(device_label)  # the data-sheet peaks the floors take (None: no floors on this device)
 
     rows, breakdowns, profiles = [], {}, {}
     for k, n, label in shapes:
@@ -231,6 +253,7 @@ def main():
                 continue
             row["peak_extra_MiB"] = (torch.cuda.max_memory_allocated() - base) / 2**20 if cuda else None
             row["speedup_vs_bf16"] = times["bf16"] / row["ms"]
+            add_floor(row, name, m, k, sum(n) if isinstance(n, tuple) else n, hw)
             rows.append(row)
         if not isinstance(n, tuple):  # the shared-input group is made of the layers measured on their own
             breakdowns[label] = breakdown(m, k, n, device, dtype, args.reps, cuda)
@@ -261,6 +284,12 @@ def main():
             else f"{'failed' if v in cells else '-':>31}"
             for v in names
         ))  # fmt: skip
+    if any("of_floor" in r for r in rows):
+        print("\nAgainst the floor (the GEMMs and FP8 quantization passes at the data-sheet peaks):")
+        for r in rows:
+            if "of_floor" in r:
+                print(f"{r['shape']:<14} {r['variant']:<40} {r['ms']:8.3f} ms, floor {r['floor_ms']:.3f} ms: "
+                      f"{r['of_floor']:.0%}")  # fmt: skip
     print("\ntrl_fp8 blockwise breakdown (ms):")
     steps = list(next(iter(breakdowns.values())))
     print(f"{'shape':<14}" + "".join(f"{s[:20]:>21}" for s in steps))

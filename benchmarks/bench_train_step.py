@@ -6,6 +6,10 @@ engine start-ups, for comparing training-side options (the opt-in fusions, Liger
     python -m benchmarks.bench_train_step --shape 8b --layers 12       # 12 decoder layers of the 8B shape
     python -m benchmarks.bench_train_step --shape tiny --quick         # CPU smoke run
 
+On an H100 or H200 each row also gets its floor (`benchmarks/floors.py`: the GEMMs, attention and FP8 quantization
+passes at the data-sheet peaks) and the fraction of it the step reaches, and each FP8 flow its ratio against its
+BF16 twin (the BF16 flow with the same Liger kernels, checkpointing and compilation).
+
 The loss is the LM cross-entropy over every token (a BF16 `lm_head`, the same in every flow); the optimizer is SGD
 with a zero learning rate, so weights keep their values but FP8 flows requantize them once per step, as in training.
 
@@ -26,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench_rollout import SHAPES
+from benchmarks.bench_rollout import SHAPES, hardware
 from benchmarks.common import (
     arg_parser,
     device_kernel_events,
@@ -37,6 +41,7 @@ from benchmarks.common import (
     run_child,
     write_json,
 )
+from benchmarks.floors import train_step_floor_s
 
 FLOWS = {  # flow: FP8 conversion options (None: BF16), Liger's layer kernels, checkpoint every n-th layer (0: none)
     # (a "_compiled" flow also compiles each decoder layer: torch.compile, the FP8 ops as custom ops; with Liger's
@@ -216,6 +221,7 @@ def main() -> None:
         row = rows[-1] if rows else {"flow": flow, "error": "; ".join(failure.get("errors", []))[-500:] or
                                      f"exit {failure.get('exit')}"}  # fmt: skip
         result["results"].append(row)
+        add_floor(row, args, hardware(name))
         add_twin_ratios(result["results"])
         write_json(path, result, indent=1)  # after every flow: a run cut short keeps the flows it finished
         print(json.dumps(row), flush=True)
@@ -229,8 +235,25 @@ def main() -> None:
         speed = f"{base['step_s'] / r['step_s']:.2f}x" if base else "-"
         twin = f"{r['vs_bf16_twin']:.2f}x vs {r['bf16_twin']}" if "vs_bf16_twin" in r else ""
         peak = f"{r['peak_memory_gib']:.1f} GiB" if r["peak_memory_gib"] is not None else ""
-        print(f"{r['flow']:<20} {r['step_s']:8.3f} s  {speed:>6}  {peak:>9}  {twin}")
+        floor = f"{r['of_floor']:.0%} of {r['floor']['floor_s']:.3f} s" if "of_floor" in r else ""
+        print(f"{r['flow']:<20} {r['step_s']:8.3f} s  {speed:>6}  {peak:>9}  {floor:>18}  {twin}")
     print(f"wrote {path}")
+
+
+def add_floor(row: dict, args, hw: dict | None) -> None:
+    """The row's floor (`benchmarks.floors.train_step_floor_s`: its GEMMs, attention and FP8 quantization at the
+    GPU's data-sheet peaks) and its step's fraction of it, where the GPU's peaks are known."""
+    if hw is None or "step_s" not in row or row["flow"] not in FLOWS:
+        return
+    options, _, every_n = FLOWS[row["flow"]]
+    shape = SHAPES[args.shape]
+    row["floor"] = train_step_floor_s(
+        shape, args.layers or shape["num_hidden_layers"], args.micro_batch, args.seq_len, args.micro_batches,
+        fp8=options is not None, hw=hw, checkpoint_every_n=every_n,
+        weight_cache=(options or {}).get("cache_quantized_weight", True) is not False,
+        dgrad_requantizes=not (options or {}).get("fuse_sibling_gemms", False),
+    )  # fmt: skip
+    row["of_floor"] = row["floor"]["floor_s"] / row["step_s"]
 
 
 def bf16_twin(flow: str) -> str | None:
