@@ -131,7 +131,6 @@ class FP8TrainerMixin:
         self._saving_training_checkpoint = False
         self._checkpoint_saved_for_push = False  # `push_to_hub` wrote the checkpoint before asking the Hub
         self._capacity_reported = False
-        self._kv_observer = observer
         # TRL would say that model_init_kwargs / quantization_config are ignored: they were applied by `_load_model`
         applied = contextlib.nullcontext()
         if loaded_here:
@@ -264,7 +263,8 @@ class FP8TrainerMixin:
     # --- rollouts ---------------------------------------------------------------------------------------------------
 
     def _generate_single_turn(self, prompt_ids, *args, **kwargs):
-        if self._kv_observer is not None and not self._kv_observer.has_observations:
+        observer = self.plan.rollout.kv_observer
+        if observer is not None and not observer.has_observations:
             self._calibrate_kv_scales(prompt_ids)  # the first sync needs KV scales before any training forward
         with eager_generation(getattr(self, "compiled_decoder_layers", 0)):  # keeps the graphs for training
             return super()._generate_single_turn(prompt_ids, *args, **kwargs)
@@ -323,7 +323,7 @@ class FP8TrainerMixin:
             seq_len = int(output["prompt_mask"].sum(1).max()) + self.max_completion_length
             fp8_weights = generation.rollout_precision != "bf16"
             line = capacity_line(unwrap_model(self.model), kv_tokens, fp8_weights=fp8_weights,
-                                 fp8_kv=self._kv_observer is not None, seq_len=seq_len,
+                                 fp8_kv=self.plan.rollout.kv_observer is not None, seq_len=seq_len,
                                  rollout_seqs=len(output["prompt_ids"]))  # fmt: skip
             self.accelerator.print(f"[trl-fp8] vLLM engine: {line} This process's rollouts have "
                                    f"{len(output['prompt_ids'])} sequences.")  # fmt: skip
