@@ -246,12 +246,13 @@ def add_floor(row: dict, args, hw: dict | None) -> None:
     if hw is None or "step_s" not in row or row["flow"] not in FLOWS:
         return
     options, _, every_n = FLOWS[row["flow"]]
+    fp8_options = options or {}
     shape = SHAPES[args.shape]
     row["floor"] = train_step_floor_s(
         shape, args.layers or shape["num_hidden_layers"], args.micro_batch, args.seq_len, args.micro_batches,
         fp8=options is not None, hw=hw, checkpoint_every_n=every_n,
-        weight_cache=(options or {}).get("cache_quantized_weight", True) is not False,
-        dgrad_requantizes=not (options or {}).get("fuse_sibling_gemms", False),
+        weight_cache=fp8_options.get("cache_quantized_weight", True) is not False,
+        dgrad_requantizes=not fp8_options.get("fuse_sibling_gemms", False),
     )  # fmt: skip
     row["of_floor"] = row["floor"]["floor_s"] / row["step_s"]
 

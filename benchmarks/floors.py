@@ -29,6 +29,11 @@ def gemm_floor_s(m: int, k: int, n: int, fp8: bool, hw: dict) -> float:
     return max(flops, moved)
 
 
+def backward_gemms_floor_s(m: int, k: int, n: int, fp8: bool, hw: dict) -> float:
+    """DGrad (`dy [m, n] @ W [n, k]`) and WGrad (`dy.T [n, m] @ x [m, k]`) of the GEMM `[m, k] @ [k, n]`."""
+    return gemm_floor_s(m, n, k, fp8, hw) + gemm_floor_s(n, m, k, fp8, hw)
+
+
 def act_quant_bytes(m: int, k: int) -> float:
     """One activation quantized into both layouts (1x128 groups along `k` and along tokens): a BF16 read, two FP8
     writes and their scales."""
@@ -44,7 +49,7 @@ def linear_floor_s(m: int, k: int, n: int, fp8: bool, hw: dict, weight_quantizat
     """Forward + backward of one linear layer (or of layers reading one input, `n` their summed outputs).
     `weight_quantizations`: 2 when the forward quantizes `W` and DGrad re-quantizes it, 1 with a cached forward copy,
     0 when DGrad also multiplies by the cached copy (a sibling group's)."""
-    gemms = gemm_floor_s(m, k, n, fp8, hw) + gemm_floor_s(m, n, k, fp8, hw) + gemm_floor_s(n, m, k, fp8, hw)
+    gemms = gemm_floor_s(m, k, n, fp8, hw) + backward_gemms_floor_s(m, k, n, fp8, hw)
     if not fp8:
         return gemms
     quant = act_quant_bytes(m, k) + act_quant_bytes(m, n) + weight_quantizations * weight_quant_bytes(n, k)
@@ -73,13 +78,12 @@ def train_step_floor_s(
     groups = decoder_linears(shape)
     r = (0 if checkpoint_every_n == 0 else layers // checkpoint_every_n) / layers  # share of forwards run twice
     fprop = sum(gemm_floor_s(m, k, n, fp8, hw) for k, n in groups)
-    dgrad_wgrad = sum(gemm_floor_s(m, n, k, fp8, hw) + gemm_floor_s(n, m, k, fp8, hw) for k, n in groups)
+    dgrad_wgrad = sum(backward_gemms_floor_s(m, k, n, fp8, hw) for k, n in groups)
     linear = layers * ((1 + r) * fprop + dgrad_wgrad)
     # causal attention: QK^T and PV over half of the seq_len x seq_len scores; the backward twice the forward
     attention = (3 + r) * layers * batch * 2 * seq_len**2 * shape["num_attention_heads"] * HEAD_DIM / hw["bf16"]
     h, vocab = shape["hidden_size"], shape["vocab_size"]
-    lm_head = gemm_floor_s(m, h, vocab, False, hw) + gemm_floor_s(m, vocab, h, False, hw) + gemm_floor_s(
-        vocab, m, h, False, hw)  # fmt: skip
+    lm_head = gemm_floor_s(m, h, vocab, False, hw) + backward_gemms_floor_s(m, h, vocab, False, hw)
     quant = 0.0
     if fp8:
         # each linear input in every forward (recomputed ones too), each output gradient once; the weights: the
