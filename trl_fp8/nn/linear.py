@@ -43,7 +43,7 @@ from trl_fp8.nn.weight_cache import (  # noqa: F401 (the cache's functions lived
     tensor_bytes,
     weight_cache_key,
 )
-from trl_fp8.ops import select_ops
+from trl_fp8.ops import select_backend_name, select_ops
 from trl_fp8.ops.library import traceable
 from trl_fp8.quantization import QuantizedAct
 
@@ -254,9 +254,9 @@ class FP8Linear(FP8WeightCacheMixin, nn.Linear):
         w, cfg = self.weight, self.fp8_config
         if torch.compiler.is_compiling():
             # Inside a compiled graph the weight is quantized in the graph (the cache's pointer and version checks
-            # would break it), and the ops are the backend's traceable form (`ops.library.traceable`).
-            # (`select_ops` uncached there: the compiler traces through it and keeps its answer as a guard)
-            ops = traceable(select_ops.__wrapped__(cfg, w.device))
+            # would break it), and the ops are the backend's traceable form (`ops.library.traceable`), chosen once
+            # while tracing (`select_backend_name`).
+            ops = traceable(select_backend_name(cfg, w.device))
             return FP8Weight(w, ops, cfg.power_of_two_scales)
         if not is_own_parameter(self, "weight", w):
             # A weight computed at each call (PEFT's `target_parameters` parametrizes it as a new `W + BA` tensor per

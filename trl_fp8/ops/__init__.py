@@ -12,7 +12,7 @@ Every backend exposes the same four functions, on logical (layout-free) tensors:
 - `gemm(a_q, a_s, b_q, b_s, b_blocks, out_dtype)`: `a @ b.T` with fp32 accumulation, where `a` holds 1x128
   groups and `b` holds 128x128 blocks (`b_blocks=True`) or 1x128 groups along the shared dim.
 
-`library.traceable(backend)` is the same interface as `torch.compile` takes it (`torch.library` ops; the GPU backends'
+`library.traceable(name)` is the same interface as `torch.compile` takes it (`torch.library` ops; the GPU backends'
 quantizers as Triton ops, `triton_ops`): what FP8 layers call inside a compiled region.
 """
 
@@ -56,6 +56,14 @@ def _warn_emulated_gpu(device: torch.device) -> None:
         "for BF16; set fp8_backend='emulated' to silence this if emulation is what you want."
     )
     warnings.warn(message, stacklevel=3)
+
+
+@torch.compiler.assume_constant_result
+def select_backend_name(config: FP8LinearConfig, device: torch.device) -> str:
+    """`backend_name(select_ops(config, device))`, for FP8 layers inside `torch.compile`: Dynamo calls it while tracing
+    and keeps its answer, instead of tracing into the backend checks (`deepgemm`'s looks vLLM's DeepGEMM up with
+    `importlib`, which Dynamo cannot trace: a graph break at every FP8 layer, and a compiled model slower than eager)."""
+    return backend_name(select_ops(config, device))
 
 
 @functools.cache

@@ -5,7 +5,7 @@ instead of tracing into Triton launches, device guards and cuBLAS argument check
 layer's forward and backward around them: no Python autograd node per layer, no Python glue between the launches.
 In eager mode the layers call the backend modules directly, since an op's dispatch costs host time of its own.
 
-`traceable(ops)` gives the same interface as a backend module (`quantize_act`, `quantize_swiglu`, `quantize_weight`,
+`traceable(name)` gives the same interface as a backend module (`quantize_act`, `quantize_swiglu`, `quantize_weight`,
 `gemm`; see `trl_fp8.ops`) for use inside `torch.compile`. The GPU backends' quantizers are `ops.triton_ops` (Triton
 kernels that Inductor launches from its generated code); everything else goes through the ops defined here, whose
 Python bodies run the backend's own functions: same functions, same results. They are defined with `Library.define`,
@@ -19,7 +19,6 @@ from types import ModuleType
 
 import torch
 
-from trl_fp8.ops import backend_name
 from trl_fp8.quantization import QuantizedAct
 
 __all__ = ["traceable"]
@@ -139,7 +138,7 @@ class _TritonInterface(_OpInterface):
         return self.kernels.quantize_weight(w, col_major=col_major, power_of_two_scales=power_of_two_scales)
 
 
-def traceable(ops: ModuleType) -> _OpInterface:
-    """`ops` (a backend module of `trl_fp8.ops`) as FP8 layers use it inside `torch.compile`."""
-    backend = backend_name(ops)
+def traceable(backend: str) -> _OpInterface:
+    """The backend module of `trl_fp8.ops` named `backend` (`ops.backend_name`, `ops.select_backend_name`) as FP8
+    layers use it inside `torch.compile`."""
     return _OpInterface(backend) if backend == "emulated" else _TritonInterface(backend)
