@@ -59,6 +59,10 @@ FLOWS = {  # flow: FP8 conversion options (None: BF16), Liger's layer kernels, c
     # Liger's kernels inside the compiled layers (Dynamo traces their Triton kernels) against Inductor's own fusions
     "bf16_compiled_liger": (None, True, 1),
     "fp8_compiled_liger": ({}, True, 1),
+    # FProp and DGrad on DeepGEMM (`FP8LinearConfig(backend="deepgemm")`, vLLM's bundled copy), WGrad on cuBLAS
+    "fp8_deepgemm": ({"backend": "deepgemm"}, False, 1),
+    "fp8_deepgemm_liger": ({"backend": "deepgemm"}, True, 1),
+    "fp8_deepgemm_compiled": ({"backend": "deepgemm"}, False, 1),
     "bf16_ckpt2": (None, False, 2),
     "fp8_ckpt2": ({}, False, 2),
     "bf16_nockpt": (None, False, 0),
