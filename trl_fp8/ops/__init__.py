@@ -61,8 +61,8 @@ def _warn_emulated_gpu(device: torch.device) -> None:
 @torch.compiler.assume_constant_result
 def select_backend_name(config: FP8LinearConfig, device: torch.device) -> str:
     """`backend_name(select_ops(config, device))`, for FP8 layers inside `torch.compile`: Dynamo calls it while tracing
-    and keeps its answer, instead of tracing into the backend checks (`deepgemm`'s looks vLLM's DeepGEMM up with
-    `importlib`, which Dynamo cannot trace: a graph break at every FP8 layer, and a compiled model slower than eager)."""
+    and keeps its answer, instead of tracing into the backend checks (traced, `deepgemm`'s lookup of vLLM's DeepGEMM
+    broke the graph at every FP8 layer, and the compiled model ran slower than eager)."""
     return backend_name(select_ops(config, device))
 
 
