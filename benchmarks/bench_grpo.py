@@ -31,7 +31,9 @@ Runs (one child process each, vLLM colocated, same model, prompts, batch and 1k-
   (`FP8Tuning(vllm_act_quant_kernel="vllm")`), `fp8_defaults_vllm_text` vLLM's text and per-token log-prob dicts
   (`vllm_token_ids_only=False`), `fp8_defaults_fused_siblings` runs q/k/v (and a dense MLP's gate/up) as one FP8 GEMM
   per pass (`FP8Tuning(fuse_sibling_gemms=True)`); `trl_bf16_token_ids` is TRL BF16 with the `SamplingParams` fields that
-  `vllm_token_ids_only` adds, passed through TRL's `generation_kwargs`.
+  `vllm_token_ids_only` adds, passed through TRL's `generation_kwargs`; `fp8_defaults_compiled` and its twin
+  `bf16_defaults_compiled` compile every decoder layer (`FP8Tuning(compile_decoder_layers=True)`, so the planner
+  leaves Liger's kernels off), `fp8_defaults_deepgemm` runs FProp and DGrad on DeepGEMM (`fp8_backend="deepgemm"`).
 
 Peak allocated memory is recorded per phase (rollout: sync + generate; training: the rest, split into scoring and
 micro-batches), with the size of the FP8 weight cache at the end.
@@ -102,6 +104,11 @@ RUNS = {  # run: (trainer, fp8_recipe, rollout_precision, fp8 KV cache, training
     "fp8_defaults_vllm_text": ("trl_fp8", "blockwise", "fp8", None, "auto", None),
     "fp8_defaults_fused_siblings": ("trl_fp8", "blockwise", "fp8", None, "auto", None),
     "trl_bf16_token_ids": ("trl", None, "bf16", False, None, None),
+    # the defaults with every decoder layer compiled (the host's work per FP8 layer cut; Liger's layer kernels then
+    # off), and their BF16 twin; the defaults with FProp and DGrad on DeepGEMM
+    "fp8_defaults_compiled": ("trl_fp8", "blockwise", "fp8", None, "auto", None),
+    "bf16_defaults_compiled": ("trl_fp8", "none", "bf16", False, "auto", None),
+    "fp8_defaults_deepgemm": ("trl_fp8", "blockwise", "fp8", None, "deepgemm", None),
     # FSDP2's all-gathers and the host: gathered two layers ahead, old log-probs scored 16 sequences a forward, and
     # both with q/k/v and gate/up as one GEMM each (fewer launches per layer where the host bounds the step)
     "unified_fp8kv_liger_prefetch2": ("trl_fp8", "blockwise", "fp8", True, "auto", None),
@@ -137,6 +144,9 @@ RUN_OPTIONS = {  # further (FP8)GRPOConfig fields of a run
     # the defaults with q/k/v (and a dense MLP's gate/up) as one FP8 GEMM per pass: fewer launches where the host
     # bounds the micro-batches
     "fp8_defaults_fused_siblings": {"use_liger_kernel": None},
+    "fp8_defaults_compiled": {"use_liger_kernel": None},
+    "bf16_defaults_compiled": {"use_liger_kernel": None},
+    "fp8_defaults_deepgemm": {"use_liger_kernel": None},
     "unified_fp8kv_liger_prefetch2": LIGER,
     "unified_fp8kv_liger_logprob16": {"logprob_batch_size": 16, **LIGER},
     "unified_fp8kv_liger_fsdp2": {"logprob_batch_size": 16, **LIGER},
@@ -150,6 +160,8 @@ RUN_TUNING = {  # the `FP8Tuning` of a run of FP8GRPOTrainer (its fields; the ot
     "unified_fp8kv_compiled_liger": {"compile_decoder_layers": True},
     "fp8_defaults_vllm_act_quant": {"vllm_act_quant_kernel": "vllm"},
     "fp8_defaults_fused_siblings": {"fuse_sibling_gemms": True},
+    "fp8_defaults_compiled": {"compile_decoder_layers": True},
+    "bf16_defaults_compiled": {"compile_decoder_layers": True},
     "unified_fp8kv_liger_prefetch2": {"fsdp2_prefetch_layers": 2},
     "unified_fp8kv_liger_fsdp2": {"fsdp2_prefetch_layers": 2, "fuse_sibling_gemms": True},
 }

@@ -19,7 +19,8 @@ from pathlib import Path
 from benchmarks.common import arg_parser, write_json
 
 # FP8 run -> its BF16 twin (the same trainer and options, nothing in FP8)
-TWINS = {"fp8_defaults": "bf16_defaults"}
+TWINS = {"fp8_defaults": "bf16_defaults", "fp8_defaults_compiled": "bf16_defaults_compiled",
+         "fp8_defaults_deepgemm": "bf16_defaults"}  # fmt: skip
 REFERENCES = {"vs TRL BF16": "trl_bf16", "vs TRL BF16 + Liger": "trl_bf16_liger"}
 PHASES = {"step": "step_s", "rollout": "rollout_s", "micro-batches": "micro_batches_s"}
 
