@@ -76,9 +76,9 @@ def test_kv_scale_calibration_runs_the_model_in_chunks_with_one_position_of_logi
     prompts = [[2, 5, 6, 7][: 1 + i % 4] for i in range(20)]
     trainer._calibrate_kv_scales(prompts)
     assert model_batches == [8, 8, 4] and head_inputs == [(8, 1), (8, 1), (4, 1)]
-    scales = trainer.vllm_generation.kv_observer.scales()
+    scales = trainer.vllm_generation.settings.kv_observer.scales()
     # The same amax as running the whole model chunk by chunk (the head never matters).
-    observer = trainer.vllm_generation.kv_observer
+    observer = trainer.vllm_generation.settings.kv_observer
     from trl.trainer.utils import pad
 
     with torch.no_grad():

@@ -319,12 +319,13 @@ def test_an_engine_asking_for_vllms_kernel_gets_it(monkeypatch, op_with_vllms_sc
     """`vllm_act_quant_kernel='vllm'` in a later engine of the process undoes an earlier engine's installation."""
     from types import SimpleNamespace
 
+    from trl_fp8.rollout.settings import RolloutSettings
     from trl_fp8.rollout.vllm.generation import FP8VLLMGeneration, RolloutReport
 
     _patch_vllm_op(monkeypatch, op_with_vllms_schema)
     try:
         assert act_quant.install(256, "cpu", decode_tokens=4, scale_transposed=False).installed
-        engine = SimpleNamespace(rollout_precision="fp8", act_quant_kernel="vllm", report=RolloutReport())
+        engine = SimpleNamespace(settings=RolloutSettings(act_quant_kernel="vllm"), report=RolloutReport())
         FP8VLLMGeneration._choose_act_quant_kernel(engine)
         assert act_quant.installed() is None and engine.report.act_quant_choice is None
     finally:

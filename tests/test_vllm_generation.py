@@ -13,6 +13,7 @@ import torch
 from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, FP8Linear
 from trl_fp8.demo.tiny_model import tiny_char_tokenizer, tiny_qwen3
 from trl_fp8.demo.toy_task import GRPO_SETTINGS, say_letter_dataset, say_letter_reward
+from trl_fp8.rollout.settings import RolloutSettings
 from trl_fp8.rollout.vllm.generation import FP8VLLMGeneration, check_vllm_version
 
 from conftest import assert_fp8_equal, layer_names
@@ -80,7 +81,7 @@ def test_trainer_builds_vllm_from_a_config_folder_and_pushes_its_rollout_tensors
     trainer = FP8GRPOTrainer(model, say_letter_reward, args, train_dataset=say_letter_dataset(64),
                              processing_class=tokenizer)  # fmt: skip
     generation = trainer.vllm_generation
-    assert isinstance(generation, FP8VLLMGeneration) and generation.rollout_precision == precision
+    assert isinstance(generation, FP8VLLMGeneration) and generation.settings.rollout_precision == precision
     (llm,) = fake_vllm.instances
     for key, value in expected.items():
         assert llm.kwargs.get(key) == value, key
@@ -217,8 +218,7 @@ def test_unreachable_server_says_how_to_start_one(monkeypatch):
         pytest.skip("requests is not installed")
     monkeypatch.setattr(trl_client, "is_vllm_available", lambda *a, **k: True)
     generation = types.SimpleNamespace(
-        server_base_url="http://127.0.0.1:9", server_timeout=0.0, model=fp8_model(), rollout_precision="fp8",
-        kv_observer=None, fp8_backend="auto",
+        server_base_url="http://127.0.0.1:9", server_timeout=0.0, model=fp8_model(), settings=RolloutSettings(),
     )  # fmt: skip
     with pytest.raises(
         ConnectionError,

@@ -197,7 +197,7 @@ def _engine_kernel_names(llm) -> set[str]:
 
 def assert_engine_uses_trainer_kv_scales(trainer, vlayer, layer_index=1):
     """vLLM's attention layer uses the amax/448 the trainer measured, in FP8 attention."""
-    observed = trainer.vllm_generation.kv_observer.scales(reset=False)
+    observed = trainer.vllm_generation.settings.kv_observer.scales(reset=False)
     print(f"KV cache {vlayer.self_attn.attn.kv_cache_dtype}, attention {type(vlayer.self_attn.attn.impl).__name__}")
     attn = vlayer.self_attn.attn
     for leaf, name in (("k", "_k_scale"), ("v", "_v_scale"), ("q", "_q_scale")):

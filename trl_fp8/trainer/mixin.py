@@ -321,7 +321,7 @@ class FP8TrainerMixin:
         if kv_tokens and not self._capacity_reported:
             self._capacity_reported = True
             seq_len = int(output["prompt_mask"].sum(1).max()) + self.max_completion_length
-            fp8_weights = generation.rollout_precision != "bf16"
+            fp8_weights = self.plan.rollout.rollout_precision != "bf16"
             line = capacity_line(unwrap_model(self.model), kv_tokens, fp8_weights=fp8_weights,
                                  fp8_kv=self.plan.rollout.kv_observer is not None, seq_len=seq_len,
                                  rollout_seqs=len(output["prompt_ids"]))  # fmt: skip

@@ -110,16 +110,9 @@ class FP8VLLMGeneration(VLLMGeneration):
 
     def __init__(self, *args, settings: RolloutSettings | None = None, **kwargs):
         settings = RolloutSettings() if settings is None else settings
+        check_rollout_precision(settings.rollout_precision)
         self.settings = settings
-        # the settings each start-up and sync step reads, under the names the rest of the class uses
-        self.rollout_precision = check_rollout_precision(settings.rollout_precision)
-        self.fp8_backend, self.fp8_moe_backend = settings.fp8_backend, settings.fp8_moe_backend
-        self.act_quant_kernel = settings.act_quant_kernel
-        self.jit_cache_dir = settings.jit_cache_dir
-        self.deepgemm_workers = settings.deepgemm_workers
         self._fp8_modules = None if settings.fp8_modules is None else set(settings.fp8_modules)
-        self.power_of_two_scales = settings.power_of_two_scales
-        self.kv_observer = settings.kv_observer
         self.report = RolloutReport()  # what the engine's start-up settled and what the rollouts and syncs did
         self.engine_dir: Path | None = None
         # colocate: writes FP8 experts in place (None until the first sync decides; False: the reload for all)
@@ -134,13 +127,14 @@ class FP8VLLMGeneration(VLLMGeneration):
     def fp8_modules(self) -> set[str]:
         """Names of the layers vLLM runs in FP8 (empty unless rollout_precision is "fp8"); PEFT or plain, the engine
         config and the pushed tensors compare them as transformers names."""
-        if self.rollout_precision != "fp8":
+        if self.settings.rollout_precision != "fp8":
             return set()
         return fp8_module_names(self.model) if self._fp8_modules is None else self._fp8_modules
 
     # --- start-up ----------------------------------------------------------------------------------------------
 
     def _init_vllm(self):
+        settings = self.settings
         check_vllm_version()  # FSDP1 / ZeRO-3 launches were refused by the trainer before loading
         if self.mode != "colocate":
             if self.accelerator.is_main_process:
@@ -150,30 +144,30 @@ class FP8VLLMGeneration(VLLMGeneration):
         self.engine_dir = Path(tempfile.mkdtemp(prefix="trl_fp8_vllm_engine_"))
         weakref.finalize(self, shutil.rmtree, str(self.engine_dir), True)
         write_engine_config(self.model, self.processing_class, self.engine_dir, self.fp8_modules)
-        if self.kv_observer is not None:
+        if settings.kv_observer is not None:
             check_fp8_kv_attention(self.accelerator.device)
 
         # TRL builds `LLM(...)` itself with no knob for these settings: hand it an LLM that takes our overrides.
         import trl.generation.vllm_generation as trl_vllm
 
         llm_class = trl_vllm.LLM
-        if self.rollout_precision == "fp8":
-            if self.fp8_moe_backend != "auto" and not fp8_experts_layers(unwrap_model(self.model)):
+        if settings.rollout_precision == "fp8":
+            if settings.fp8_moe_backend != "auto" and not fp8_experts_layers(unwrap_model(self.model)):
                 raise ValueError(
-                    f"vllm_fp8_moe_backend={self.fp8_moe_backend!r} picks the kernel of FP8 experts, but this model "
+                    f"vllm_fp8_moe_backend={settings.fp8_moe_backend!r} picks the kernel of FP8 experts, but this model "
                     "has no FP8 experts layer (a dense model, or experts kept in BF16). Drop vllm_fp8_moe_backend."
                 )
             self.report.kernel = rollout_kernel(
-                self.fp8_backend,
-                moe_backend=self.fp8_moe_backend,
-                jit_cache_dir=self.jit_cache_dir,
+                settings.fp8_backend,
+                moe_backend=settings.fp8_moe_backend,
+                jit_cache_dir=settings.jit_cache_dir,
                 device=self.accelerator.device,
             )
             kernel = self.report.kernel
-            log = logger.warning if self.fp8_backend == "auto" and kernel.backend != "deepgemm" else logger.info
+            log = logger.warning if settings.fp8_backend == "auto" and kernel.backend != "deepgemm" else logger.info
             log("vLLM block-FP8 kernel for rollouts: %s (%s)", kernel.backend, kernel.reason)
         overrides = engine_overrides(
-            self.engine_dir, self.rollout_precision, self.kv_observer is not None, self.report.kernel
+            self.engine_dir, settings.rollout_precision, settings.kv_observer is not None, self.report.kernel
         )
         overrides.update(check_tensor_parallel(self.model, self.fp8_modules, self.tensor_parallel_size))
         for name, (value, why) in tensor_parallel_overrides(self.tensor_parallel_size).items():
@@ -182,7 +176,7 @@ class FP8VLLMGeneration(VLLMGeneration):
         for name, (value, why) in tensor_parallel_env(self.tensor_parallel_size).items():
             logger.info("vLLM tensor parallel: %s=%s (%s)", name, value, why)
             os.environ[name] = value
-        apply_engine_env(self.rollout_precision, self.report.kernel)
+        apply_engine_env(settings.rollout_precision, self.report.kernel)
         self._choose_act_quant_kernel()
         start = time.perf_counter()
         self._precompile_deepgemm()
@@ -206,9 +200,10 @@ class FP8VLLMGeneration(VLLMGeneration):
     def _choose_act_quant_kernel(self) -> None:
         """The kernel of vLLM's fused SiLU-and-mul + FP8 quantization for this engine (`act_quant`): a choice other
         engines of the process made is never inherited, only re-checked or undone."""
-        if self.rollout_precision != "fp8":
+        settings = self.settings
+        if settings.rollout_precision != "fp8":
             return
-        if self.act_quant_kernel == "vllm":
+        if settings.act_quant_kernel == "vllm":
             if act_quant.installed() is not None:
                 act_quant.uninstall()
                 logger.info(
@@ -217,7 +212,7 @@ class FP8VLLMGeneration(VLLMGeneration):
             return
         if torch.cuda.is_available():
             self.report.act_quant_choice = act_quant.install_for_model(
-                unwrap_model(self.model), self.accelerator.device, require_faster=self.act_quant_kernel == "auto",
+                unwrap_model(self.model), self.accelerator.device, require_faster=settings.act_quant_kernel == "auto",
                 owner=self,
             )  # fmt: skip
             logger.info("vLLM SiLU-and-mul + FP8 quantization: %s", self.report.act_quant_choice.reason)
@@ -228,7 +223,7 @@ class FP8VLLMGeneration(VLLMGeneration):
         if self.accelerator.is_local_main_process:
             self.report.deepgemm_precompile = precompile_engine_kernels(
                 self.report.kernel, self.model, self.fp8_modules, TRL_MAX_NUM_BATCHED_TOKENS,
-                workers=self.deepgemm_workers, device=self.accelerator.device.index,
+                workers=self.settings.deepgemm_workers, device=self.accelerator.device.index,
                 tensor_parallel=self.tensor_parallel_size,
             )  # fmt: skip
         self.accelerator.wait_for_everyone()
@@ -237,28 +232,30 @@ class FP8VLLMGeneration(VLLMGeneration):
         import requests
         from trl.generation.vllm_client import VLLMClient
 
+        settings = self.settings
         base_url = self.server_base_url or f"http://{self.server_host}:{self.server_port}"
         try:
             client = VLLMClient(base_url=base_url, connection_timeout=self.server_timeout)
         except (ConnectionError, requests.exceptions.ConnectionError) as exc:  # TRL raises the latter
             raise ConnectionError(
                 f"{exc} For FP8 rollouts the server must run an FP8 checkpoint of the initial policy: "
-                f"`trl-fp8 quantize <model> <fp8_dir>` then `{server_command(server_kernel(self.fp8_backend))}`."
+                f"`trl-fp8 quantize <model> <fp8_dir>` then `{server_command(server_kernel(settings.fp8_backend))}`."
             ) from exc
         # TRL's get_server_info() returns the config only; the same endpoint also reports the server's VLLM_* settings.
         response = client.session.get(f"{client.base_url}/server_info", params={"config_format": "json"})
         info = response.json() if response.status_code == 200 else {"vllm_config": client.get_server_info()}
         check_server_config(
-            info["vllm_config"], self.model, self.rollout_precision, self.kv_observer is not None,
-            server_env=info.get("vllm_env"), fp8_backend=self.fp8_backend, fp8_modules=self.fp8_modules,
+            info["vllm_config"], self.model, settings.rollout_precision, settings.kv_observer is not None,
+            server_env=info.get("vllm_env"), fp8_backend=settings.fp8_backend, fp8_modules=self.fp8_modules,
         )  # fmt: skip
 
     # --- weight sync -------------------------------------------------------------------------------------------
 
     def _attention_scales(self) -> dict[str, torch.Tensor] | None:
-        if self.kv_observer is None:
+        observer = self.settings.kv_observer
+        if observer is None:
             return None
-        scales = self.kv_observer.scales()
+        scales = observer.scales()
         if torch.distributed.is_available() and torch.distributed.is_initialized() and scales:
             # One scale per layer for every engine: the max over the ranks' observations.
             stacked = torch.stack(list(scales.values())).to(self.accelerator.device)
@@ -271,9 +268,9 @@ class FP8VLLMGeneration(VLLMGeneration):
         # walks this on every rank in the same order (in server mode the others discard it). vLLM shards for TP.
         yield from rollout_weight_tensors(
             self.model,
-            self.rollout_precision,
+            self.settings.rollout_precision,
             fp8_modules=self.fp8_modules,
-            power_of_two_scales=self.power_of_two_scales,
+            power_of_two_scales=self.settings.power_of_two_scales,
             attention_scales=self._attention_scales(),
             skip_experts=skip_experts,
         )
@@ -287,7 +284,7 @@ class FP8VLLMGeneration(VLLMGeneration):
             self.engine_experts.write()  # (no request ran since the reload reset the prefix cache)
             return
         push_to_engine(self.llm, self._iter_named_params())
-        if self.engine_experts is None and self.rollout_precision == "fp8":
+        if self.engine_experts is None and self.settings.rollout_precision == "fp8":
             experts, why = EngineExperts.verified(
                 self.model, self.llm, self.fp8_modules, sleep_mode=bool(self.enable_sleep_mode)
             )
