@@ -1,5 +1,5 @@
 """tests/gpu/run_suite.py, the GPU suite's one command: how it splits the tests over a machine's GPUs, that no GPU
-ever runs two of its processes at once, and how it reads pytest's JUnit files."""
+runs two of its processes at once unless asked (`--lanes-per-gpu`), and how it reads pytest's JUnit files."""
 
 import importlib.util
 import json
@@ -101,6 +101,43 @@ def test_no_gpu_runs_two_processes_at_once_and_none_is_overtaken(tmp_path, monke
                 assert ex <= sy or ey <= sx, (x, y)  # a GPU's processes never overlap
     assert runs["a2"][0] == ["0", "1"] and runs["b2"][0] == runs["c2"][0] == ["2", "3"]  # c2 took b2's GPUs
     assert runs["c2"][1] < runs["a2"][2]  # ... while a2 was still running
+
+
+def test_lanes_per_gpu_split_the_one_gpu_tests_further():
+    """`--lanes-per-gpu 2`: twice the one-GPU lanes, balanced the same way; the wider tests keep their jobs."""
+    one = run_suite.plan_jobs(NEEDS, 1, DURATIONS, lanes_per_gpu=2)
+    assert [j.gpus for j in one] == [1, 1] and sorted(t for j in one for t in j.tests) == sorted(NEEDS)
+    assert {j.expected_s for j in one} == {90 + 40 + 5, 80 + run_suite.UNKNOWN_TEST_SECONDS}
+    four = run_suite.plan_jobs(NEEDS, 4, DURATIONS, lanes_per_gpu=2)
+    assert [j.gpus for j in four[:3]] == [4, 2, 2] and len(four) == 3 + 5  # five one-GPU functions, eight lanes
+
+
+def test_lanes_per_gpu_share_a_gpu_but_never_with_a_wider_job(tmp_path, monkeypatch):
+    """Two lanes to a GPU run at once, never three; a two-GPU job has its GPUs to itself."""
+    record = tmp_path / "record.jsonl"
+    stand_in = (
+        "import json, os, sys, time; start = time.time(); name, secs = sys.argv[-1].split('=')\n"
+        "time.sleep(float(secs))\n"
+        f"open({str(record)!r}, 'a').write(json.dumps([name, os.environ['TRL_FP8_TEST_GPUS'], start, time.time(), "
+        "os.environ['OMP_NUM_THREADS']]) + '\\n')"
+    )
+    monkeypatch.setattr(run_suite, "PYTEST", [sys.executable, "-c", stand_in])
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    widths = {"w2": 2, "l0": 1, "l1": 1, "l2": 1, "l3": 1, "l4": 1, "l5": 1}
+    seconds = {"w2": 0.4, "l0": 0.6, "l1": 0.6, "l2": 0.6, "l3": 0.6, "l4": 0.3, "l5": 0.3}
+    jobs = [run_suite.Job(name, [f"{name}={seconds[name]}"], n, 0.0) for name, n in widths.items()]
+    codes = run_suite.run_jobs(jobs, ["0", "1"], tmp_path, [], poll_s=0.05, lanes_per_gpu=2)
+    assert codes == [0] * len(jobs)
+    lines = [json.loads(line) for line in record.open()]
+    runs = {name: (gpus.split(","), start, end) for name, gpus, start, end, _ in lines}
+    assert {threads for *_, threads in lines} == {str(max(1, (os.cpu_count() or 1) // 4))}
+    assert runs["w2"][0] == ["0", "1"] and all(len(runs[f"l{i}"][0]) == 1 for i in range(6))
+    for lane in (f"l{i}" for i in range(6)):  # the wide job alone on its GPUs
+        assert runs[lane][1] >= runs["w2"][2] or runs[lane][2] <= runs["w2"][1]
+    for gpu in ("0", "1"):
+        spans = [(s, e) for g, s, e in runs.values() if g == [gpu]]
+        at_once = max(sum(s <= t < e for s, e in spans) for t, _ in spans)
+        assert at_once == 2, gpu  # two lanes shared the GPU, never three
 
 
 def test_junit_counts_and_durations_come_from_pytests_own_file(tmp_path):

@@ -1,11 +1,13 @@
 """The GPU suite in one command, spread over the GPUs of one machine.
 
-    python tests/gpu/run_suite.py [--gpus 0,1,2,3] [--logs DIR] [paths or pytest options ...]
+    python tests/gpu/run_suite.py [--gpus 0,1,2,3] [--logs DIR] [--lanes-per-gpu N] [paths or pytest options ...]
 
 Tests that need several GPUs (`@pytest.mark.gpus(n)`) run first, each in a pytest process of its own on n GPUs
 (two two-GPU tests side by side on four GPUs). Then the one-GPU tests, split into one pytest process per GPU by
 their recorded durations (`tests/gpu/durations.json`; every run writes fresh ones to its log folder). On one GPU
-that is a single pytest process, and tests needing more GPUs report themselves skipped. Each process writes its
+that is a single pytest process, and tests needing more GPUs report themselves skipped. `--lanes-per-gpu 2` runs two
+one-GPU processes on each GPU at once (their vLLM engines take 0.25 of a GPU each); a multi-GPU test still has its
+GPUs to itself. Each process writes its
 log and JUnit file to the log folder, and what its tests keep (`TRL_FP8_ARTIFACTS`: vLLM server logs, a run's log
 history) to `<process>_artifacts/` there, unless that variable names a folder already; the last line sums them up,
 as pytest's own summary does.
@@ -71,11 +73,11 @@ def function_of(nodeid: str) -> str:
     return nodeid.split("[", 1)[0]
 
 
-def plan_jobs(needs: dict[str, int], gpus: int, durations: dict[str, float]) -> list[Job]:
+def plan_jobs(needs: dict[str, int], gpus: int, durations: dict[str, float], lanes_per_gpu: int = 1) -> list[Job]:
     """The jobs, in the order they start: each test that needs several GPUs (and the machine has them) alone, most
-    GPUs first, then longest first; then the one-GPU tests as `gpus` lanes balanced on their expected durations
-    (longest function first, to the lane with least work; a test function's parametrizations stay together).
-    Tests that need more GPUs than there are join the first lane, where pytest skips them and says why."""
+    GPUs first, then longest first; then the one-GPU tests as `gpus` x `lanes_per_gpu` lanes balanced on their
+    expected durations (longest function first, to the lane with least work; a test function's parametrizations stay
+    together). Tests that need more GPUs than there are join the first lane, where pytest skips them and says why."""
     lanes = max(gpus, 1)
 
     def expected(test: str) -> float:
@@ -88,7 +90,7 @@ def plan_jobs(needs: dict[str, int], gpus: int, durations: dict[str, float]) -> 
     for t, n in needs.items():
         if n <= 1:
             functions.setdefault(function_of(t), []).append(t)
-    work = [Job(f"lane{i}", [], 1, 0.0) for i in range(lanes)]
+    work = [Job(f"lane{i}", [], 1, 0.0) for i in range(lanes * lanes_per_gpu)]
     for fn in sorted(functions, key=lambda f: (-durations.get(f, UNKNOWN_TEST_SECONDS), f)):
         lane = min(work, key=lambda j: j.expected_s)
         lane.tests += functions[fn]
@@ -97,27 +99,63 @@ def plan_jobs(needs: dict[str, int], gpus: int, durations: dict[str, float]) -> 
     return jobs + sorted((j for j in work if j.tests), key=lambda j: -j.expected_s)
 
 
+class GpuSlots:
+    """Which GPUs a job may take: `per_gpu` one-GPU processes share a GPU; a job of several GPUs takes each of its
+    GPUs whole (no other process on them)."""
+
+    def __init__(self, gpus: list[str], per_gpu: int = 1):
+        self.per_gpu = per_gpu if gpus else 1
+        self.free = dict.fromkeys(gpus or [""], self.per_gpu)  # no GPU: one lane, whose tests skip themselves
+
+    def take(self, n: int) -> list[str] | None:
+        """GPUs for a job of `n`, in the machine's order, or None while they are busy."""
+        if n == 1:
+            gpu = max(self.free, key=lambda g: self.free[g])  # the emptiest GPU, the first of equals
+            if self.free[gpu] == 0:
+                return None
+            self.free[gpu] -= 1
+            return [gpu]
+        whole = [g for g, left in self.free.items() if left == self.per_gpu][:n]
+        if len(whole) < n:
+            return None
+        for g in whole:
+            self.free[g] = 0
+        return whole
+
+    def give_back(self, gpus: list[str]) -> None:
+        for g in gpus:
+            self.free[g] += 1 if len(gpus) == 1 else self.per_gpu
+
+
 def run_jobs(
-    jobs: list[Job], gpus: list[str], logs: Path, extra: list[str], poll_s: float = 2.0, on_done=None
+    jobs: list[Job],
+    gpus: list[str],
+    logs: Path,
+    extra: list[str],
+    poll_s: float = 2.0,
+    on_done=None,
+    lanes_per_gpu: int = 1,
 ) -> list[int]:
-    """Starts each job, in order, once enough GPUs are free (none overtakes the one before it, so a four-GPU job is
-    not starved by one-GPU lanes); calls `on_done()` as each ends; returns the exit codes."""
-    free = list(gpus) or [""]  # no GPU: one lane, whose tests skip themselves
+    """Starts each job, in order, once its GPUs are free (none overtakes the one before it, so a four-GPU job is
+    not starved by one-GPU lanes), `lanes_per_gpu` one-GPU processes to a GPU; calls `on_done()` as each ends;
+    returns the exit codes."""
+    slots = GpuSlots(list(gpus), lanes_per_gpu)
+    processes = max(len(gpus), 1) * slots.per_gpu  # the most that run at once
     running: dict[int, tuple[subprocess.Popen, object, float]] = {}
     codes: dict[int, int] = {}
     queue = list(range(len(jobs)))
     while queue or running:
-        while queue and jobs[queue[0]].gpus <= len(free):
+        while queue and (assigned := slots.take(jobs[queue[0]].gpus)) is not None:
             job = jobs[queue[0]]
-            job.assigned, free = free[: job.gpus], free[job.gpus :]
+            job.assigned = assigned
             env = {**os.environ, "TRL_FP8_TEST_GPUS": ",".join(job.assigned)}
             if "TRL_FP8_ARTIFACTS" not in env:  # each process's own: two servers' logs never overwrite each other
                 (artifacts := logs / f"{job.name}_artifacts").mkdir(exist_ok=True)
                 env["TRL_FP8_ARTIFACTS"] = str(artifacts)
             env.pop("MASTER_PORT", None)  # each GPU test picks one of its own (tests/conftest.py)
-            # The machine's cores shared between the processes running at once (one per GPU at most): left alone, each
-            # takes them all for its CPU work (a demo's warm start, compiles), and the GPUs' processes contend for them.
-            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(len(gpus), 1))))
+            # The machine's cores shared between the processes running at once: left alone, each takes them all for
+            # its CPU work (a demo's warm start, compiles), and the GPUs' processes contend for them.
+            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // processes)))
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "tests"), env.get("PYTHONPATH")]))
             log = open(logs / f"{job.name}.log", "w")  # noqa: SIM115 (closed when the process ends)
             basetemp = Path(tempfile.gettempdir()) / f"trl_fp8_gpu_suite_{job.name}"  # none shared: pytest wipes it
@@ -133,7 +171,7 @@ def run_jobs(
             log.close()
             del running[i]
             codes[i] = proc.returncode
-            free = sorted(free + jobs[i].assigned, key=lambda g: gpus.index(g) if g in gpus else 0)
+            slots.give_back(jobs[i].assigned)
             counts = junit_counts(logs / f"{jobs[i].name}.xml")
             print(f"[done]  {jobs[i].name}: {summary_line(counts)} in {time.time() - started:.0f} s "
                   f"(exit {proc.returncode})", flush=True)  # fmt: skip
@@ -219,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpus", help="GPUs to use, as CUDA_VISIBLE_DEVICES names them (default: all visible)")
     parser.add_argument("--logs", default="gpu_suite_logs", help="folder for each process's log and JUnit file")
     parser.add_argument("--durations", default=str(DURATIONS), help="seconds per test function, to balance lanes")
+    parser.add_argument("--lanes-per-gpu", type=int, default=1, metavar="N",
+                        help="one-GPU test processes sharing each GPU (default 1; the tests' engines take 0.25 of "
+                             "a GPU each, so an H200 holds two)")  # fmt: skip
     args, rest = parser.parse_known_args(argv)
     paths, extra = split_arguments(rest)
     paths = paths or [str(Path(__file__).parent.relative_to(ROOT))]
@@ -229,10 +270,13 @@ def main(argv: list[str] | None = None) -> int:
     start = time.time()
     needs = collect(paths, logs / "collected.json")
     durations = json.loads(Path(args.durations).read_text()) if Path(args.durations).exists() else {}
-    jobs = plan_jobs(needs, len(gpus), durations)
+    if args.lanes_per_gpu < 1:
+        parser.error("--lanes-per-gpu must be 1 or more")
+    jobs = plan_jobs(needs, len(gpus), durations, args.lanes_per_gpu)
     print(f"{len(needs)} GPU tests in {len(jobs)} pytest processes on {len(gpus)} GPU(s) ({','.join(gpus) or 'none'})")
     # durations.json is rewritten as each process ends, so a run cut short keeps those of the tests that finished
-    codes = run_jobs(jobs, gpus, logs, extra, on_done=lambda: write_durations(jobs, logs))
+    codes = run_jobs(jobs, gpus, logs, extra, on_done=lambda: write_durations(jobs, logs),
+                     lanes_per_gpu=args.lanes_per_gpu)  # fmt: skip
 
     total = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
     for job in jobs:
