@@ -7,10 +7,9 @@ Tests that need several GPUs (`@pytest.mark.gpus(n)`) run first, each in a pytes
 their recorded durations (`tests/gpu/durations.json`; every run writes fresh ones to its log folder). On one GPU
 that is a single pytest process, and tests needing more GPUs report themselves skipped. `--lanes-per-gpu 2` runs two
 one-GPU processes on each GPU at once (their vLLM engines take 0.25 of a GPU each); a multi-GPU test still has its
-GPUs to itself. Each process writes its
-log and JUnit file to the log folder, and what its tests keep (`TRL_FP8_ARTIFACTS`: vLLM server logs, a run's log
-history) to `<process>_artifacts/` there, unless that variable names a folder already; the last line sums them up,
-as pytest's own summary does.
+GPUs to itself. Each process writes its log and JUnit file to the log folder, and what its tests keep
+(`TRL_FP8_ARTIFACTS`: vLLM server logs, a run's log history) to `<process>_artifacts/` there, unless that variable
+names a folder already; the last line sums them up, as pytest's own summary does.
 """
 
 from __future__ import annotations
