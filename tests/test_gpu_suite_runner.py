@@ -64,8 +64,10 @@ def test_one_gpu_is_one_process_that_reports_the_wider_tests_skipped():
     assert any("tests/gpu/test_a.py::test_server_tp2" in j.tests for j in two[2:])  # skipped there, with the reason
 
 
-def test_no_gpu_runs_two_processes_at_once_and_none_is_overtaken(tmp_path, monkeypatch, capsys):
-    """The scheduler with stand-in processes that log when they ran on which GPUs."""
+def _run_stand_ins(tmp_path, monkeypatch, widths: dict, seconds: dict, gpus: list[str], **run_jobs_kwargs):
+    """`run_suite.run_jobs` over stand-in processes, one job per name of `widths` (its GPU count) sleeping
+    `seconds[name]`: the exit codes, and each process's record `[name, its GPUs, start, end, OMP_NUM_THREADS, its
+    artifacts folder]`."""
     record = tmp_path / "record.jsonl"
     stand_in = (
         "import json, os, sys, time; start = time.time(); name, secs = sys.argv[-1].split('=')\n"
@@ -76,13 +78,19 @@ def test_no_gpu_runs_two_processes_at_once_and_none_is_overtaken(tmp_path, monke
     monkeypatch.setattr(run_suite, "PYTEST", [sys.executable, "-c", stand_in])
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("TRL_FP8_ARTIFACTS", raising=False)
+    jobs = [run_suite.Job(name, [f"{name}={seconds[name]}"], n, 0.0) for name, n in widths.items()]
+    codes = run_suite.run_jobs(jobs, gpus, tmp_path, [], poll_s=0.05, **run_jobs_kwargs)
+    return codes, [json.loads(line) for line in record.open()]
+
+
+def test_no_gpu_runs_two_processes_at_once_and_none_is_overtaken(tmp_path, monkeypatch, capsys):
+    """The scheduler with stand-in processes that log when they ran on which GPUs."""
     widths = {"w4": 4, "a2": 2, "b2": 2, "c2": 2, "l0": 1, "l1": 1, "l2": 1, "l3": 1, "l4": 1}
     seconds = {"w4": 0.4, "a2": 1.2, "b2": 0.3, "c2": 0.3, "l0": 0.1, "l1": 0.2, "l2": 0.3, "l3": 0.4, "l4": 0.5}
-    jobs = [run_suite.Job(name, [f"{name}={seconds[name]}"], n, 0.0) for name, n in widths.items()]
     ended = []  # the runner rewrites durations.json as each process ends (a run cut short keeps what finished)
-    codes = run_suite.run_jobs(jobs, ["0", "1", "2", "3"], tmp_path, [], poll_s=0.05, on_done=lambda: ended.append(1))
-    assert codes == [0] * len(jobs) and len(ended) == len(jobs)
-    lines = [json.loads(line) for line in record.open()]
+    codes, lines = _run_stand_ins(tmp_path, monkeypatch, widths, seconds, ["0", "1", "2", "3"],
+                                  on_done=lambda: ended.append(1))  # fmt: skip
+    assert codes == [0] * len(widths) and len(ended) == len(widths)
     runs = {name: (gpus.split(","), start, end) for name, gpus, start, end, *_ in lines}
     # the cores shared among the (at most four) processes running at once
     assert {threads for *_, threads, _ in lines} == {str(max(1, (os.cpu_count() or 1) // 4))}
@@ -114,23 +122,12 @@ def test_lanes_per_gpu_split_the_one_gpu_tests_further():
 
 def test_lanes_per_gpu_share_a_gpu_but_never_with_a_wider_job(tmp_path, monkeypatch):
     """Two lanes to a GPU run at once, never three; a two-GPU job has its GPUs to itself."""
-    record = tmp_path / "record.jsonl"
-    stand_in = (
-        "import json, os, sys, time; start = time.time(); name, secs = sys.argv[-1].split('=')\n"
-        "time.sleep(float(secs))\n"
-        f"open({str(record)!r}, 'a').write(json.dumps([name, os.environ['TRL_FP8_TEST_GPUS'], start, time.time(), "
-        "os.environ['OMP_NUM_THREADS']]) + '\\n')"
-    )
-    monkeypatch.setattr(run_suite, "PYTEST", [sys.executable, "-c", stand_in])
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     widths = {"w2": 2, "l0": 1, "l1": 1, "l2": 1, "l3": 1, "l4": 1, "l5": 1}
     seconds = {"w2": 0.4, "l0": 0.6, "l1": 0.6, "l2": 0.6, "l3": 0.6, "l4": 0.3, "l5": 0.3}
-    jobs = [run_suite.Job(name, [f"{name}={seconds[name]}"], n, 0.0) for name, n in widths.items()]
-    codes = run_suite.run_jobs(jobs, ["0", "1"], tmp_path, [], poll_s=0.05, lanes_per_gpu=2)
-    assert codes == [0] * len(jobs)
-    lines = [json.loads(line) for line in record.open()]
-    runs = {name: (gpus.split(","), start, end) for name, gpus, start, end, _ in lines}
-    assert {threads for *_, threads in lines} == {str(max(1, (os.cpu_count() or 1) // 4))}
+    codes, lines = _run_stand_ins(tmp_path, monkeypatch, widths, seconds, ["0", "1"], lanes_per_gpu=2)
+    assert codes == [0] * len(widths)
+    runs = {name: (gpus.split(","), start, end) for name, gpus, start, end, *_ in lines}
+    assert {threads for *_, threads, _ in lines} == {str(max(1, (os.cpu_count() or 1) // 4))}
     assert runs["w2"][0] == ["0", "1"] and all(len(runs[f"l{i}"][0]) == 1 for i in range(6))
     for lane in (f"l{i}" for i in range(6)):  # the wide job alone on its GPUs
         assert runs[lane][1] >= runs["w2"][2] or runs[lane][2] <= runs["w2"][1]
