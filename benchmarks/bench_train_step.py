@@ -219,13 +219,14 @@ def main() -> None:
         print(json.dumps(flow_row(args, args.one_flow, device)), flush=True)
         return
     path = results_path(args.out, f"train_step_{args.shape}", name)
+    hw = hardware(name)  # the data-sheet peaks the floors take (None: no floors on this device)
     for flow in args.flows:
         failure: dict = {}
         rows = run_child(__spec__.name, "--one_flow", flow, sys.argv[1:], failure=failure)
         row = rows[-1] if rows else {"flow": flow, "error": "; ".join(failure.get("errors", []))[-500:] or
                                      f"exit {failure.get('exit')}"}  # fmt: skip
         result["results"].append(row)
-        add_floor(row, args, hardware(name))
+        add_floor(row, args, hw)
         add_twin_ratios(result["results"])
         write_json(path, result, indent=1)  # after every flow: a run cut short keeps the flows it finished
         print(json.dumps(row), flush=True)
