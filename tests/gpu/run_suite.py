@@ -7,7 +7,9 @@ Tests that need several GPUs (`@pytest.mark.gpus(n)`) run first, each in a pytes
 their recorded durations (`tests/gpu/durations.json`; every run writes fresh ones to its log folder). On one GPU
 that is a single pytest process, and tests needing more GPUs report themselves skipped. `--lanes-per-gpu 2` runs two
 one-GPU processes on each GPU at once (their vLLM engines take 0.25 of a GPU each); a multi-GPU test still has its
-GPUs to itself. Each process writes its log and JUnit file to the log folder, and what its tests keep
+GPUs to itself. Sharing a GPU upsets one check of vLLM's: an engine starting while the other process frees memory stops
+("Error in memory profiling"); the tests that failed so, and only those, run again at the end, one process per GPU,
+and the summary counts their second run and says how many there were. Each process writes its log and JUnit file to the log folder, and what its tests keep
 (`TRL_FP8_ARTIFACTS`: vLLM server logs, a run's log history) to `<process>_artifacts/` there, unless that variable
 names a folder already; the last line sums them up, as pytest's own summary does.
 """
@@ -208,6 +210,29 @@ def junit_durations(path: Path, tests: list[str]) -> dict[str, float]:
     return out
 
 
+# vLLM sizes its engine by watching the GPU's free memory while the engine starts, and stops when that grows (another
+# process freed some): two lanes on one GPU do that to each other, whatever the test checks.
+SHARED_GPU_FAILURE = "Error in memory profiling"
+
+
+def shared_gpu_failures(path: Path, tests: list[str]) -> dict[str, list[str]]:
+    """The tests of pytest's JUnit file `path` that failed on vLLM's start-up memory check (`SHARED_GPU_FAILURE`):
+    node id -> the count each report of it took (`failed`, `errors`; a test failing and then erroring in teardown has
+    both)."""
+    by_case = {(Path(t.split("::")[0]).stem, t.split("::")[-1]): t for t in tests}
+    out: dict[str, list[str]] = {}
+    if not path.exists():
+        return out
+    for case in ET.parse(path).getroot().iter("testcase"):
+        test = by_case.get((case.get("classname", "").split(".")[-1], case.get("name", "")))
+        reports = [(tag, el) for tag in ("failure", "error") for el in case.findall(tag)]
+        if test is None or not reports:
+            continue
+        if any(SHARED_GPU_FAILURE in (el.get("message", "") + (el.text or "")) for _, el in reports):
+            out[test] = ["failed" if tag == "failure" else "errors" for tag, _ in reports]
+    return out
+
+
 def write_durations(jobs: list[Job], logs: Path) -> None:
     """`logs/durations.json`: seconds per test function, from the JUnit files of the processes that have ended."""
     measured: dict[str, float] = {}
@@ -273,22 +298,58 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--lanes-per-gpu must be 1 or more")
     jobs = plan_jobs(needs, len(gpus), durations, args.lanes_per_gpu)
     print(f"{len(needs)} GPU tests in {len(jobs)} pytest processes on {len(gpus)} GPU(s) ({','.join(gpus) or 'none'})")
-    # durations.json is rewritten as each process ends, so a run cut short keeps those of the tests that finished
-    codes = run_jobs(jobs, gpus, logs, extra, on_done=lambda: write_durations(jobs, logs),
-                     lanes_per_gpu=args.lanes_per_gpu)  # fmt: skip
-
-    total = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
-    for job in jobs:
-        for k, v in junit_counts(logs / f"{job.name}.xml").items():
-            total[k] += v
-    failed = [(job, code) for job, code in zip(jobs, codes, strict=True) if code not in (0, 5)]  # 5: none selected
+    total, failed, again = run_planned(jobs, gpus, logs, extra, durations, args.lanes_per_gpu)
     for job, code in failed:
         print(f"--- {job.name} (exit {code}), the end of {logs / job.name}.log:")
         print("".join((logs / f"{job.name}.log").read_text().splitlines(keepends=True)[-40:]))
     wall = time.time() - start
+    rerun = f"; {len(again)} run again alone (vLLM's memory check on a shared GPU)" if again else ""
     print(f"===== {summary_line(total)} in {wall:.2f}s ({time.strftime('%H:%M:%S', time.gmtime(wall))}) on "
-          f"{len(gpus)} GPU(s), {len(jobs)} processes =====")  # fmt: skip
+          f"{len(gpus)} GPU(s), {len(jobs)} processes{rerun} =====")  # fmt: skip
     return 1 if failed or total["failed"] or total["errors"] else 0
+
+
+def run_planned(
+    jobs: list[Job],
+    gpus: list[str],
+    logs: Path,
+    extra: list[str],
+    durations: dict[str, float],
+    lanes_per_gpu: int,
+    poll_s: float = 2.0,
+) -> tuple[dict[str, int], list[tuple[Job, int]], list[str]]:
+    """Runs `jobs`, then, with lanes sharing GPUs, the tests that failed on vLLM's start-up memory check again, one
+    process per GPU (`alone<i>`): `(counts, [(job, exit code)] of the processes that failed, the tests run again)`.
+    A test run again counts once, by its second run."""
+    ran = list(jobs)
+    codes = run_jobs(jobs, gpus, logs, extra, poll_s=poll_s, on_done=lambda: write_durations(ran, logs),
+                     lanes_per_gpu=lanes_per_gpu)  # fmt: skip
+    counts = {job.name: junit_counts(logs / f"{job.name}.xml") for job in jobs}
+    again: list[str] = []
+    if lanes_per_gpu > 1:
+        for job in jobs:
+            for test, reports in shared_gpu_failures(logs / f"{job.name}.xml", job.tests).items():
+                again.append(test)
+                for key in reports:
+                    counts[job.name][key] -= 1
+    if again:
+        print(f"{len(again)} test(s) failed on vLLM's start-up memory check, which another process on the same GPU "
+              f"upsets; running them again, one process per GPU: {' '.join(again)}", flush=True)  # fmt: skip
+        alone = plan_jobs(dict.fromkeys(again, 1), len(gpus), durations)
+        for i, job in enumerate(alone):
+            job.name = f"alone{i}"
+        ran += alone
+        codes += run_jobs(alone, gpus, logs, extra, poll_s=poll_s, on_done=lambda: write_durations(ran, logs))
+        counts |= {job.name: junit_counts(logs / f"{job.name}.xml") for job in alone}
+    total = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
+    for job_counts in counts.values():
+        for k, v in job_counts.items():
+            total[k] += v
+    # a process failed unless what failed in it was run again (exit 5: it selected no test)
+    failed = [(job, code) for job, code in zip(ran, codes, strict=True)
+              if code not in (0, 5) and (counts[job.name]["failed"] or counts[job.name]["errors"]
+                                         or not (logs / f"{job.name}.xml").exists())]  # fmt: skip
+    return total, failed, again
 
 
 if __name__ == "__main__":
