@@ -12,12 +12,13 @@
 #   bash benchmarks/run_rollout_report.sh decode    # where a decode step's time goes: every engine variant at 0.3,
 #                                                   # 256x2048, each profiled at 256x512 ($DECODE_ENGINES)
 #   bash benchmarks/run_rollout_report.sh colocate  # bench_grpo at TRL's colocate defaults (8B, 0.3, sleep mode, 8-bit
-#                                                   # AdamW, 128 x 2048): $COLOCATE_RUNS, one call each, one file
+#                                                   # AdamW, 128 x 2048): $COLOCATE_RUNS, one call each, one file,
+#                                                   # $COLOCATE_STEPS steps (default 3: two timed)
 #                                                   # (COLOCATE_GPUS="0 1 2 3": dealt over those GPUs, at once)
 #   bash benchmarks/run_rollout_report.sh bestfit   # the same, each of $BESTFIT_RUNS at growing $BESTFIT_SHARES until
 #                                                   # one fails (out of memory): the largest share each flow runs at
 #   bash benchmarks/run_rollout_report.sh pack      # DeepGEMM's JIT cache into $WORK/dg_cache.tgz.part*
-#   bash benchmarks/run_rollout_report.sh suite     # the GPU test suite, one command
+#   bash benchmarks/run_rollout_report.sh suite     # the GPU test suite, one command ($SUITE_LANES processes a GPU)
 #   bash benchmarks/run_rollout_report.sh checks    # GPU test suite, identity per kernel, the 16k-token point
 #   bash benchmarks/run_rollout_report.sh linear    # bench_linear (host vs kernel profile), bench_gemm (cuBLAS vs DeepGEMM)
 #   bash benchmarks/run_rollout_report.sh gemm      # bench_gemm alone
@@ -175,7 +176,8 @@ colocate)  # TRL's colocate defaults on one GPU; each run in a child of its own,
   # file by benchmarks.merge_results).
   runs=${COLOCATE_RUNS:-trl_bf16 trl_bf16_liger bf16_defaults fp8_defaults unified_fp8kv_compiled_liger}
   colocate=(python -m benchmarks.bench_grpo --shape 8b --optim adamw_bnb_8bit --sleep_mode
-    --vllm_memory "${COLOCATE_SHARE:-0.3}" --completion_len 2048 --generation_batch 128 --steps 3 --warmup 1)
+    --vllm_memory "${COLOCATE_SHARE:-0.3}" --completion_len 2048 --generation_batch 128 --steps "${COLOCATE_STEPS:-3}"
+    --warmup 1)
   if [ -n "${COLOCATE_GPUS:-}" ]; then
     in_lanes colocate "$COLOCATE_GPUS" "$runs" "$work/colocate_gpu" "${colocate[@]}" --runs
     python -m benchmarks.merge_results "${lane_files[@]}" --same settings --out "$work/grpo_colocate_8b_$device.json"
@@ -205,10 +207,14 @@ pack)
     "packed=$(cat "$work"/dg_cache.tgz.part* | wc -c)" | tee -a "$work/status.txt"
   ;;
 suite)
-  TRL_FP8_ARTIFACTS=$work timed gpu_suite python tests/gpu/run_suite.py --logs "$work/gpu_suite"
+  # SUITE_LANES=2: two one-GPU test processes per GPU (tests/gpu/run_suite.py --lanes-per-gpu)
+  TRL_FP8_ARTIFACTS=$work timed gpu_suite python tests/gpu/run_suite.py --logs "$work/gpu_suite" \
+    --lanes-per-gpu "${SUITE_LANES:-1}"
   ;;
 checks)
-  TRL_FP8_ARTIFACTS=$work timed gpu_suite python tests/gpu/run_suite.py --logs "$work/gpu_suite"
+  # SUITE_LANES=2: two one-GPU test processes per GPU (tests/gpu/run_suite.py --lanes-per-gpu)
+  TRL_FP8_ARTIFACTS=$work timed gpu_suite python tests/gpu/run_suite.py --logs "$work/gpu_suite" \
+    --lanes-per-gpu "${SUITE_LANES:-1}"
   timed identity python -m benchmarks.bench_identity --settings bf16 fp8 --backends deepgemm cutlass \
     --out "$work/identity_kernels_$device.json"
   timed rollout_long python -m benchmarks.bench_rollout --engines fp8_deepgemm_kv bf16 --points 16x16384 \
