@@ -7,11 +7,12 @@ Tests that need several GPUs (`@pytest.mark.gpus(n)`) run first, each in a pytes
 their recorded durations (`tests/gpu/durations.json`; every run writes fresh ones to its log folder). On one GPU
 that is a single pytest process, and tests needing more GPUs report themselves skipped. `--lanes-per-gpu 2` runs two
 one-GPU processes on each GPU at once (their vLLM engines take 0.25 of a GPU each); a multi-GPU test still has its
-GPUs to itself. Sharing a GPU upsets one check of vLLM's: an engine starting while the other process frees memory stops
-("Error in memory profiling"); the tests that failed so, and only those, run again at the end, one process per GPU,
-and the summary counts their second run and says how many there were. Each process writes its log and JUnit file to the log folder, and what its tests keep
-(`TRL_FP8_ARTIFACTS`: vLLM server logs, a run's log history) to `<process>_artifacts/` there, unless that variable
-names a folder already; the last line sums them up, as pytest's own summary does.
+GPUs to itself. Sharing a GPU upsets one check of vLLM's: an engine starting while the other process frees memory
+stops ("Error in memory profiling"); the tests that failed so, and only those, run again at the end, one process per
+GPU, and the summary counts their second run and says how many there were. Each process writes its log and JUnit
+file to the log folder, and what its tests keep (`TRL_FP8_ARTIFACTS`: vLLM server logs, a run's log history) to
+`<process>_artifacts/` there, unless that variable names a folder already; the last line sums them up, as pytest's
+own summary does.
 """
 
 from __future__ import annotations
