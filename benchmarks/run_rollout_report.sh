@@ -109,6 +109,11 @@ gpu_tests() {  # name test-path: the GPU suite (or part of it) as docs/tests.md 
   TRL_FP8_ARTIFACTS=$work timed "$1" python -m pytest -m gpu "$2" -s -p no:cacheprovider --durations=15
 }
 
+gpu_suite() {  # the whole GPU suite in one command; $SUITE_LANES one-GPU test processes a GPU (--lanes-per-gpu)
+  TRL_FP8_ARTIFACTS=$work timed gpu_suite python tests/gpu/run_suite.py --logs "$work/gpu_suite" \
+    --lanes-per-gpu "${SUITE_LANES:-1}"
+}
+
 [ $# -gt 0 ] || set -- usage
 for phase in "$@"; do
 case "$phase" in
@@ -207,14 +212,10 @@ pack)
     "packed=$(cat "$work"/dg_cache.tgz.part* | wc -c)" | tee -a "$work/status.txt"
   ;;
 suite)
-  # SUITE_LANES=2: two one-GPU test processes per GPU (tests/gpu/run_suite.py --lanes-per-gpu)
-  TRL_FP8_ARTIFACTS=$work timed gpu_suite python tests/gpu/run_suite.py --logs "$work/gpu_suite" \
-    --lanes-per-gpu "${SUITE_LANES:-1}"
+  gpu_suite
   ;;
 checks)
-  # SUITE_LANES=2: two one-GPU test processes per GPU (tests/gpu/run_suite.py --lanes-per-gpu)
-  TRL_FP8_ARTIFACTS=$work timed gpu_suite python tests/gpu/run_suite.py --logs "$work/gpu_suite" \
-    --lanes-per-gpu "${SUITE_LANES:-1}"
+  gpu_suite
   timed identity python -m benchmarks.bench_identity --settings bf16 fp8 --backends deepgemm cutlass \
     --out "$work/identity_kernels_$device.json"
   timed rollout_long python -m benchmarks.bench_rollout --engines fp8_deepgemm_kv bf16 --points 16x16384 \
