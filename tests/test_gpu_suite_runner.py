@@ -157,7 +157,7 @@ for test in (a for a in sys.argv if "::" in a):
     cases.append(f'<testcase classname="{{module}}" name="{{name}}" time="1">{{reports.get(outcome, "")}}</testcase>')
 open(xml, "w").write(f'<testsuites><testsuite tests="{{len(cases)}}" failures="{{failures}}" errors="0" skipped="0">'
                      + "".join(cases) + "</testsuite></testsuites>")
-sys.exit(1 if failures else 0)
+sys.exit({exit_code} if failures else 0)
 """
 
 
@@ -166,7 +166,7 @@ def test_lanes_run_again_alone_only_what_failed_on_vllms_memory_check(tmp_path, 
     """Two lanes on one GPU: a test that failed on vLLM's start-up memory check (the other lane freed memory) runs
     again alone and counts once, by that run; any other failure stays a failure."""
     outcomes = {"test_engine": "vllm", "test_sleep": "fail" if real_failure else "pass"}
-    (stand_in := tmp_path / "stand_in.py").write_text(JUNIT_STAND_IN.format(outcomes=outcomes))
+    (stand_in := tmp_path / "stand_in.py").write_text(JUNIT_STAND_IN.format(outcomes=outcomes, exit_code=1))
     monkeypatch.setattr(run_suite, "PYTEST", [sys.executable, str(stand_in)])
     tests = ["tests/gpu/test_d.py::test_engine", "tests/gpu/test_d.py::test_sleep", "tests/gpu/test_c.py::test_small"]
     jobs = run_suite.plan_jobs(dict.fromkeys(tests, 1), 1, DURATIONS, lanes_per_gpu=2)
@@ -183,6 +183,21 @@ def test_lanes_run_again_alone_only_what_failed_on_vllms_memory_check(tmp_path, 
     total, failed, again = run_suite.run_planned(run_suite.plan_jobs(dict.fromkeys(tests, 1), 1, DURATIONS), ["0"],
                                                  one, [], DURATIONS, 1, poll_s=0.05)  # fmt: skip
     assert again == [] and total["failed"] == 1 + real_failure and len(failed) == 1
+
+
+def test_a_lane_that_did_not_end_as_pytest_ends_on_failed_tests_stays_failed(tmp_path, monkeypatch):
+    """A lane whose only failure ran again alone, but which exited otherwise than pytest does on failed tests (3:
+    an internal error), is still a failed process: only exit 1 is forgiven by the run alone."""
+    outcomes = {"test_engine": "vllm"}
+    (stand_in := tmp_path / "stand_in.py").write_text(JUNIT_STAND_IN.format(outcomes=outcomes, exit_code=3))
+    monkeypatch.setattr(run_suite, "PYTEST", [sys.executable, str(stand_in)])
+    tests = ["tests/gpu/test_d.py::test_engine", "tests/gpu/test_c.py::test_small"]
+    jobs = run_suite.plan_jobs(dict.fromkeys(tests, 1), 1, DURATIONS, lanes_per_gpu=2)
+    total, failed, again = run_suite.run_planned(jobs, ["0"], tmp_path, [], DURATIONS, 2, poll_s=0.05)
+    assert again == ["tests/gpu/test_d.py::test_engine"] and total["failed"] == 0
+    assert [(job.name, code) for job, code in failed] == [
+        (job.name, 3) for job in jobs if "tests/gpu/test_d.py::test_engine" in job.tests
+    ]
 
 
 def test_junit_counts_and_durations_come_from_pytests_own_file(tmp_path):
