@@ -25,6 +25,7 @@
 #   bash benchmarks/run_rollout_report.sh quant     # bench_quant: our quantization kernels against the HBM floor
 #   bash benchmarks/run_rollout_report.sh train     # bench_host + bench_train_step: the training phase without vLLM
 #   bash benchmarks/run_rollout_report.sh grpo      # bench_grpo ($GRPO_RUNS), TRL BF16 vs unified FP8, profiled
+#   bash benchmarks/run_rollout_report.sh moestep   # bench_grpo on the reduced Qwen3-30B-A3B: $MOE_RUNS one after the other
 #   bash benchmarks/run_rollout_report.sh four      # bench_grpo: the four runs of `long` at 64 x 1024 on the 8B shape
 #   bash benchmarks/run_rollout_report.sh long      # bench_grpo's long regime ($LONG_RUNS): 128 x 4096 tokens, 1.7B
 #   bash benchmarks/run_rollout_report.sh kvprofile # the long regime's rollout (1.7B, 128 x 4096), kernel time profiled
@@ -240,6 +241,13 @@ grpo)
   MASTER_PORT=29610 timed grpo python -m benchmarks.bench_grpo --shape 8b --optim adamw_bnb_8bit \
     --runs ${GRPO_RUNS:-trl_bf16 unified unified_deepgemm unified_nocache} --steps 6 --warmup 1 --profile_step 5 \
     --out "$work/grpo_speed_$device.json"
+  ;;
+moestep)  # the reduced Qwen3-30B-A3B GRPO step (12 of 48 layers, 64 x 1024, 8-bit AdamW, vLLM at 0.3): $MOE_RUNS one
+  # after the other in one call (default TRL BF16, the BF16 twin, FP8's defaults), medians of steps 1-3
+  # shellcheck disable=SC2086
+  MASTER_PORT=29650 timed grpo_moe python -m benchmarks.bench_grpo --shape 30b-a3b-12l --optim adamw_bnb_8bit \
+    --runs ${MOE_RUNS:-trl_bf16 bf16_defaults fp8_defaults} --warmup 1 --steps 4 --workdir "$work/moe" \
+    --out "$work/grpo_moe_30b_a3b_12l_$device.json"
   ;;
 four)  # report v2's first regime: the four runs of `long` (with FP8 rollouts and the FP8 KV cache) at the grpo phase's
   # 8B shape and 64 x 1024 tokens, with today's defaults. DeepGEMM's warm-up is skipped as in `long`: the first FP8
