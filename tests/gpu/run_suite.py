@@ -416,7 +416,7 @@ def run_planned(
                 not_reached += [test for test in job.tests if test not in cases[job.name]]
     alone: list[Job] = []
     if again:
-        stopped = f" (their lanes stopped there, -x/--maxfail, before {len(not_reached)})" if not_reached else ""
+        stopped = f", and {len(not_reached)} that their stopped lanes never reached" if not_reached else ""
         print(f"{len(again)} test(s) failed on vLLM's start-up memory check, which another process on the same GPU "
               f"upsets{stopped}; running them alone, one process per GPU: {' '.join(again + not_reached)}",
               flush=True)  # fmt: skip
