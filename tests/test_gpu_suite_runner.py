@@ -139,80 +139,230 @@ def test_lanes_per_gpu_share_a_gpu_but_never_with_a_wider_job(tmp_path, monkeypa
 
 JUNIT_STAND_IN = """
 import os, sys
-outcomes = {outcomes!r}  # test name -> pass, vllm (failed on vLLM's start-up memory check) or fail
+from _pytest.junitxml import mangle_test_address  # the classname and name pytest's JUnit file gives a node id
+outcomes = {outcomes!r}  # test function -> pass, vllm (failed on vLLM's start-up memory check), fail, skip:<reason>
 xml = next(a.split("=", 1)[1] for a in sys.argv if a.startswith("--junitxml="))
 if os.path.basename(xml).startswith("alone"):  # run again alone: nothing shares the GPU now
-    outcomes = {{}}
+    outcomes = {{name: outcome for name, outcome in outcomes.items() if outcome != "vllm"}}
+args = sys.argv[1:]
+keyword = args[args.index("-k") + 1] if "-k" in args else ""  # as pytest's -k, for a plain word
+maxfail = 1 if "-x" in args else int(args[args.index("--maxfail") + 1]) if "--maxfail" in args else 0
 reports = {{
     "vllm": '<failure message="AssertionError: Error in memory profiling. Initial free memory 128.7 GiB, current '
     'free memory 138.3 GiB.">trace</failure>',
     "fail": '<failure message="assert 1 == 2">trace</failure>',
 }}
-cases, failures = [], 0
-for test in (a for a in sys.argv if "::" in a):
-    path, name = test.split("::")
-    outcome = outcomes.get(name, "pass")
-    failures += outcome != "pass"
-    module = path[:-3].replace("/", ".")
-    cases.append(f'<testcase classname="{{module}}" name="{{name}}" time="1">{{reports.get(outcome, "")}}</testcase>')
-open(xml, "w").write(f'<testsuites><testsuite tests="{{len(cases)}}" failures="{{failures}}" errors="0" skipped="0">'
-                     + "".join(cases) + "</testsuite></testsuites>")
-sys.exit({exit_code} if failures else 0)
+cases, failures, skipped = [], 0, 0
+for test in (a for a in args if "::" in a and keyword in a):
+    if maxfail and failures >= maxfail:
+        break  # -x, --maxfail: the tests after are never reached
+    outcome = outcomes.get(test.split("[")[0].split("::")[-1], "pass")
+    if outcome.startswith("skip:"):
+        skipped += 1
+        reports[outcome] = f'<skipped type="pytest.skip" message="{{outcome[5:]}}">{{test}}: {{outcome[5:]}}</skipped>'
+    else:
+        failures += outcome != "pass"
+    *classes, name = mangle_test_address(test)
+    cases.append(f'<testcase classname="{{".".join(classes)}}" name="{{name}}" time="1">{{reports.get(outcome, "")}}'
+                 "</testcase>")
+open(xml, "w").write(f'<testsuites><testsuite tests="{{len(cases)}}" failures="{{failures}}" errors="0" '
+                     f'skipped="{{skipped}}">' + "".join(cases) + "</testsuite></testsuites>")
+sys.exit({exit_code} if failures else 0 if cases else 5)
 """
+
+
+def _use_junit_stand_in(tmp_path, monkeypatch, outcomes: dict[str, str], exit_code: int = 1) -> None:
+    """The runner's pytest processes replaced by `JUNIT_STAND_IN`: each writes a JUnit file of its tests' `outcomes`
+    (by test function; a test not named passes) and exits `exit_code` when one failed, as pytest does on 1."""
+    (stand_in := tmp_path / "stand_in.py").write_text(JUNIT_STAND_IN.format(outcomes=outcomes, exit_code=exit_code))
+    monkeypatch.setattr(run_suite, "PYTEST", [sys.executable, str(stand_in)])
+
+
+def _main(tmp_path, monkeypatch, capsys, argv: list[str], needs: dict[str, int] | None = None) -> tuple[int, str]:
+    """`run_suite.main(argv)` on one GPU ("0") over the stand-in processes, logging to `tmp_path/logs`, with
+    `needs` as what collection found (None: collected for real): its exit code and what it printed."""
+    if needs is not None:
+        monkeypatch.setattr(run_suite, "collect", lambda *args: dict(needs))
+    monkeypatch.setattr(run_suite, "POLL_S", 0.05)
+    code = run_suite.main(["--logs", str(tmp_path / "logs"), "--gpus", "0", *argv])
+    return code, capsys.readouterr().out
 
 
 @pytest.mark.parametrize("real_failure", [False, True])
 def test_lanes_run_again_alone_only_what_failed_on_vllms_memory_check(tmp_path, monkeypatch, real_failure):
     """Two lanes on one GPU: a test that failed on vLLM's start-up memory check (the other lane freed memory) runs
     again alone and counts once, by that run; any other failure stays a failure."""
-    outcomes = {"test_engine": "vllm", "test_sleep": "fail" if real_failure else "pass"}
-    (stand_in := tmp_path / "stand_in.py").write_text(JUNIT_STAND_IN.format(outcomes=outcomes, exit_code=1))
-    monkeypatch.setattr(run_suite, "PYTEST", [sys.executable, str(stand_in)])
+    sleep = "fail" if real_failure else "pass"
+    _use_junit_stand_in(tmp_path, monkeypatch, {"test_engine": "vllm", "test_sleep": sleep})
     tests = ["tests/gpu/test_d.py::test_engine", "tests/gpu/test_d.py::test_sleep", "tests/gpu/test_c.py::test_small"]
     jobs = run_suite.plan_jobs(dict.fromkeys(tests, 1), 1, DURATIONS, lanes_per_gpu=2)
-    total, failed, again = run_suite.run_planned(jobs, ["0"], tmp_path, [], DURATIONS, 2, poll_s=0.05)
-    assert again == ["tests/gpu/test_d.py::test_engine"]
+    run = run_suite.run_planned(jobs, ["0"], tmp_path, [], DURATIONS, 2, poll_s=0.05)
+    assert run.again == ["tests/gpu/test_d.py::test_engine"] and run.not_reached == run.not_run == []
     assert (tmp_path / "alone0.xml").exists()
     if real_failure:
-        assert total == {"passed": 2, "failed": 1, "errors": 0, "skipped": 0}
-        assert [job for job, _ in failed] == [job for job in jobs if "tests/gpu/test_d.py::test_sleep" in job.tests]
+        assert run.total == {"passed": 2, "failed": 1, "errors": 0, "skipped": 0}
+        assert [job for job, _ in run.failed] == [j for j in jobs if "tests/gpu/test_d.py::test_sleep" in j.tests]
     else:
-        assert total == {"passed": 3, "failed": 0, "errors": 0, "skipped": 0} and failed == []
+        assert run.total == {"passed": 3, "failed": 0, "errors": 0, "skipped": 0} and run.failed == []
     # with one process per GPU nothing shared the GPU: the same failure is a failure, run once
     (one := tmp_path / "one").mkdir()
-    total, failed, again = run_suite.run_planned(run_suite.plan_jobs(dict.fromkeys(tests, 1), 1, DURATIONS), ["0"],
-                                                 one, [], DURATIONS, 1, poll_s=0.05)  # fmt: skip
-    assert again == [] and total["failed"] == 1 + real_failure and len(failed) == 1
+    run = run_suite.run_planned(run_suite.plan_jobs(dict.fromkeys(tests, 1), 1, DURATIONS), ["0"], one, [],
+                                DURATIONS, 1, poll_s=0.05)  # fmt: skip
+    assert run.again == [] and run.total["failed"] == 1 + real_failure and len(run.failed) == 1
 
 
 def test_a_lane_that_did_not_end_as_pytest_ends_on_failed_tests_stays_failed(tmp_path, monkeypatch):
     """A lane whose only failure ran again alone, but which exited otherwise than pytest does on failed tests (3:
     an internal error), is still a failed process: only exit 1 is forgiven by the run alone."""
-    outcomes = {"test_engine": "vllm"}
-    (stand_in := tmp_path / "stand_in.py").write_text(JUNIT_STAND_IN.format(outcomes=outcomes, exit_code=3))
-    monkeypatch.setattr(run_suite, "PYTEST", [sys.executable, str(stand_in)])
+    _use_junit_stand_in(tmp_path, monkeypatch, {"test_engine": "vllm"}, exit_code=3)
     tests = ["tests/gpu/test_d.py::test_engine", "tests/gpu/test_c.py::test_small"]
     jobs = run_suite.plan_jobs(dict.fromkeys(tests, 1), 1, DURATIONS, lanes_per_gpu=2)
-    total, failed, again = run_suite.run_planned(jobs, ["0"], tmp_path, [], DURATIONS, 2, poll_s=0.05)
-    assert again == ["tests/gpu/test_d.py::test_engine"] and total["failed"] == 0
-    assert [(job.name, code) for job, code in failed] == [
+    run = run_suite.run_planned(jobs, ["0"], tmp_path, [], DURATIONS, 2, poll_s=0.05)
+    assert run.again == ["tests/gpu/test_d.py::test_engine"] and run.total["failed"] == 0
+    assert [(job.name, code) for job, code in run.failed] == [
         (job.name, 3) for job in jobs if "tests/gpu/test_d.py::test_engine" in job.tests
     ]
 
 
-def test_junit_counts_and_durations_come_from_pytests_own_file(tmp_path):
+# Two lanes on one GPU, planned by these durations: lane0 test_other alone, lane1 test_engine, test_sleep, test_small
+# in that order.
+STOPPED_LANE = {
+    "tests/gpu/test_e.py::test_other": 100,
+    "tests/gpu/test_d.py::test_engine": 50,
+    "tests/gpu/test_d.py::test_sleep": 5,
+    "tests/gpu/test_c.py::test_small": 1,
+}
+
+
+@pytest.mark.parametrize("real_failure", [False, True])
+def test_a_lane_stopped_on_vllms_memory_check_has_the_tests_it_never_reached_run_alone(
+    tmp_path, monkeypatch, capsys, real_failure
+):
+    """`-x` with two lanes on a GPU: a lane stopped at its first test, which failed on vLLM's memory check, never ran
+    the two behind it. Forgiving the lane once that test passed alone left the suite green, whatever those two would
+    have done; they run alone with it, and the last line counts every test (with `-x`, the run alone stops at a real
+    failure too: the test behind it never ran)."""
+    sleep = "fail" if real_failure else "pass"
+    _use_junit_stand_in(tmp_path, monkeypatch, {"test_engine": "vllm", "test_sleep": sleep})
+    (durations := tmp_path / "durations.json").write_text(json.dumps(STOPPED_LANE))
+    argv = ["--lanes-per-gpu", "2", "--durations", str(durations), "-x"]
+    code, out = _main(tmp_path, monkeypatch, capsys, argv, needs=dict.fromkeys(STOPPED_LANE, 1))
+    summary = out.splitlines()[-1]
+    assert code == real_failure
+    # the lane is forgiven (all it ran alone was handed on); the run alone answers for what it found
+    assert [line.split()[1] for line in out.splitlines() if line.startswith("--- ")] == ["alone0"] * real_failure
+    assert summary.startswith("===== 1 failed, 2 passed in " if real_failure else "===== 4 passed in ")
+    assert summary.endswith("2 processes; 1 run again alone (vLLM's memory check on a shared GPU); "
+                            f"2 not reached by their lane, run alone{'; 1 never ran' * real_failure} =====")  # fmt: skip
+
+
+def test_tests_their_process_never_ran_fail_the_suite_by_name(tmp_path, monkeypatch, capsys):
+    """One process per GPU, `--maxfail 1`: the tests after the failure never ran; the last line counts them and the
+    suite names them (the failure alone would fail it, but the count of tests must add up)."""
+    _use_junit_stand_in(tmp_path, monkeypatch, {"test_engine": "fail"})
+    (durations := tmp_path / "durations.json").write_text(json.dumps(STOPPED_LANE))
+    argv = ["--durations", str(durations), "--maxfail", "1"]
+    code, out = _main(tmp_path, monkeypatch, capsys, argv, needs=dict.fromkeys(STOPPED_LANE, 1))
+    assert code == 1
+    assert "2 planned test(s) never ran (their process stopped first" in out
+    assert "tests/gpu/test_d.py::test_sleep tests/gpu/test_c.py::test_small" in out.split("never ran", 1)[1]
+    assert out.splitlines()[-1].startswith("===== 1 failed, 1 passed in ")
+    assert out.splitlines()[-1].endswith("1 processes; 2 never ran =====")
+
+
+def test_processes_that_ran_none_of_their_tests_fail_the_suite(tmp_path, monkeypatch, capsys):
+    """Processes given tests that all exit 5 (pytest's "no tests collected": they selected none of them) once made
+    a green suite of "no tests ran"; now each is a failed process and its tests are named as never run."""
+    _use_junit_stand_in(tmp_path, monkeypatch, {})
+    needs = dict.fromkeys(["tests/gpu/test_d.py::test_engine", "tests/gpu/test_c.py::test_small"], 1)
+    code, out = _main(tmp_path, monkeypatch, capsys, ["-k", "no_such_test"], needs=needs)  # collected unfiltered
+    assert code == 1 and "--- lane0 (exit 5)" in out and "2 planned test(s) never ran" in out
+    assert out.splitlines()[-1].startswith("===== no tests ran in ")
+    assert out.splitlines()[-1].endswith("1 processes; 2 never ran =====")
+
+
+def test_a_process_that_wrote_no_junit_file_is_not_read_from_the_last_runs(tmp_path, monkeypatch, capsys):
+    """A process that crashed before writing its JUnit file, in a log folder a previous run used: that run's file
+    (all passed) would answer for its tests; it is removed when the process starts, and its tests never ran."""
+    (logs := tmp_path / "logs").mkdir()
+    (logs / "lane0.xml").write_text('<testsuites><testsuite tests="1" failures="0" errors="0" skipped="0">'
+                                    '<testcase classname="tests.gpu.test_c" name="test_small" time="1"/>'
+                                    "</testsuite></testsuites>")  # fmt: skip
+    monkeypatch.setattr(run_suite, "PYTEST", [sys.executable, "-c", "import sys; sys.exit(3)"])
+    code, out = _main(tmp_path, monkeypatch, capsys, [], needs={"tests/gpu/test_c.py::test_small": 1})
+    assert code == 1 and "1 planned test(s) never ran" in out and not (logs / "lane0.xml").exists()
+
+
+def test_a_filter_that_selects_no_test_fails_the_suite_naming_it(tmp_path, monkeypatch, capsys):
+    """`-k` with a typo: every process selected nothing, the suite said "no tests ran" and exited 0. The runner
+    collects with the same options as its processes run, so it finds nothing to run and says what selected it."""
+    (test_file := tmp_path / "test_gpu_x.py").write_text(
+        "import pytest\npytestmark = pytest.mark.gpu\ndef test_engine():\n    pass\n"
+    )
+    _use_junit_stand_in(tmp_path, monkeypatch, {})  # the processes, if any started, apply -k as pytest does
+    code, out = _main(tmp_path, monkeypatch, capsys, ["-k", "no_such_test", str(test_file)])
+    assert code != 0
+    assert "no GPU test selected" in out and "-k no_such_test" in out and str(test_file) in out
+
+
+def test_a_suite_whose_every_test_skipped_fails_unless_allowed(tmp_path, monkeypatch, capsys):
+    """Every test skipped (no SM90 GPU, no vLLM): nothing was tested, so the suite fails and says why, the skip
+    reasons grouped; `--allow-all-skipped` accepts it. Some skipped (the multi-GPU tests on one GPU) is a pass."""
+    needs = dict.fromkeys(["tests/gpu/test_d.py::test_engine", "tests/gpu/test_d.py::test_sleep",
+                           "tests/gpu/test_c.py::test_small"], 1)  # fmt: skip
+    sm90, no_vllm = "skip:needs an SM90 GPU", "skip:no vLLM"
+    skip = {"test_engine": sm90, "test_sleep": sm90, "test_small": no_vllm}
+    _use_junit_stand_in(tmp_path, monkeypatch, skip)
+    code, out = _main(tmp_path, monkeypatch, capsys, [], needs=needs)
+    assert code == 1
+    assert "every test skipped" in out and "2 x needs an SM90 GPU" in out and "1 x no vLLM" in out
+    assert "--allow-all-skipped" in out and out.splitlines()[-1].startswith("===== 3 skipped in ")
+    assert _main(tmp_path, monkeypatch, capsys, ["--allow-all-skipped"], needs=needs)[0] == 0
+    _use_junit_stand_in(tmp_path, monkeypatch, {**skip, "test_small": "pass"})
+    assert _main(tmp_path, monkeypatch, capsys, [], needs=needs)[0] == 0
+
+
+def _pytest_junit(tmp_path, source: str) -> Path:
+    """The JUnit file of real pytest over `tests/gpu/test_x.py` holding `source`, run in `tmp_path`."""
     tests = tmp_path / "tests" / "gpu"
     tests.mkdir(parents=True)
-    (tests / "test_x.py").write_text(
+    (tests / "test_x.py").write_text(source)
+    xml = tmp_path / "out.xml"
+    subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", f"--junitxml={xml}", "tests/gpu"],
+                   cwd=tmp_path, capture_output=True)  # fmt: skip
+    return xml
+
+
+def test_tests_in_classes_and_with_odd_ids_are_found_in_the_junit_file(tmp_path):
+    """A JUnit case names a test by its module and class (`classname`) and its name with parameters: a memory-check
+    failure in a class, or with `::` in a parameter, was missed (not run again alone), and every test is accounted."""
+    xml = _pytest_junit(
+        tmp_path,
+        "import pytest\n"
+        "class TestEngine:\n"
+        "    def test_start(self):\n"
+        "        raise AssertionError('Error in memory profiling. Initial free memory 128.7 GiB')\n"
+        "    @pytest.mark.parametrize('where', ['a::b', 'x/y.py'])\n"
+        "    def test_where(self, where):\n"
+        "        raise AssertionError('Error in memory profiling. Initial free memory 128.7 GiB')\n"
+        "def test_plain():\n    pass\n",
+    )
+    ids = ["tests/gpu/test_x.py::TestEngine::test_start", "tests/gpu/test_x.py::TestEngine::test_where[a::b]",
+           "tests/gpu/test_x.py::TestEngine::test_where[x/y.py]", "tests/gpu/test_x.py::test_plain"]  # fmt: skip
+    assert run_suite.shared_gpu_failures(xml, ids) == dict.fromkeys(ids[:3], ["failed"])
+    assert set(run_suite.junit_cases(xml, ids)) == set(ids)
+    assert set(run_suite.junit_cases(xml, [*ids, "tests/gpu/test_x.py::test_gone"])) == set(ids)
+
+
+def test_junit_counts_and_durations_come_from_pytests_own_file(tmp_path):
+    xml = _pytest_junit(
+        tmp_path,
         "import time, pytest\n"
         "@pytest.mark.parametrize('n', [1, 2])\n"
         "def test_p(n):\n    time.sleep(0.05)\n"
         "def test_fail():\n    assert False\n"
-        "def test_skip():\n    pytest.skip('no GPU')\n"
+        "def test_skip():\n    pytest.skip('no GPU')\n",
     )
-    xml = tmp_path / "out.xml"
-    subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", f"--junitxml={xml}", "tests/gpu"],
-                   cwd=tmp_path, capture_output=True)  # fmt: skip
     assert run_suite.junit_counts(xml) == {"passed": 2, "failed": 1, "errors": 0, "skipped": 1}
     assert run_suite.summary_line(run_suite.junit_counts(xml)) == "1 failed, 2 passed, 1 skipped"
     ids = ["tests/gpu/test_x.py::test_p[1]", "tests/gpu/test_x.py::test_p[2]", "tests/gpu/test_x.py::test_fail",

@@ -1,6 +1,7 @@
 """The GPU suite in one command, spread over the GPUs of one machine.
 
-    python tests/gpu/run_suite.py [--gpus 0,1,2,3] [--logs DIR] [--lanes-per-gpu N] [paths or pytest options ...]
+    python tests/gpu/run_suite.py [--gpus 0,1,2,3] [--logs DIR] [--lanes-per-gpu N] [--allow-all-skipped]
+                                  [paths or pytest options ...]
 
 Tests that need several GPUs (`@pytest.mark.gpus(n)`) run first, each in a pytest process of its own on n GPUs
 (two two-GPU tests side by side on four GPUs). Then the one-GPU tests, split into one pytest process per GPU by
@@ -9,10 +10,19 @@ that is a single pytest process, and tests needing more GPUs report themselves s
 one-GPU processes on each GPU at once (their vLLM engines take 0.25 of a GPU each); a multi-GPU test still has its
 GPUs to itself. Sharing a GPU upsets one check of vLLM's: an engine starting while the other process frees memory
 stops ("Error in memory profiling"); the tests that failed so, and only those, run again at the end, one process per
-GPU, and the summary counts their second run and says how many there were. Each process writes its log and JUnit
-file to the log folder, and what its tests keep (`TRL_FP8_ARTIFACTS`: vLLM server logs, a run's log history) to
-`<process>_artifacts/` there, unless that variable names a folder already; the last line sums them up, as pytest's
-own summary does.
+GPU, and the summary counts their second run and says how many there were. A lane whose every failure was that check
+but which stopped early (`-x`, `--maxfail`) has the tests it never reached run alone with them. Each process writes
+its log and JUnit file to the log folder, and what its tests keep (`TRL_FP8_ARTIFACTS`: vLLM server logs, a run's log
+history) to `<process>_artifacts/` there, unless that variable names a folder already; the last line sums them up,
+as pytest's own summary does.
+
+Paths and pytest options select the tests as they would for pytest (collection uses them too). The suite passes only
+if every process ended well and every test it planned has a result in a JUnit file: a process is forgiven its
+failures only when it exited 1 (tests failed), each failure was vLLM's memory check and ran again alone, and each of
+its tests is in its JUnit file or was run alone. It fails when the paths and options select no GPU test (a `-k`
+typo), when a planned test never ran (a process stopped by `-x`/`--maxfail` on a real failure, or one that crashed),
+and when every test skipped (no SM90 GPU, no vLLM: the reasons are printed, grouped) unless `--allow-all-skipped`
+is given.
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,6 +44,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from visible_gpus import visible_gpus  # noqa: E402 (the GPUs as tests/conftest.py reads them)
 
 DURATIONS = Path(__file__).with_name("durations.json")
+POLL_S = 2.0  # how often the runner looks for processes that ended
 UNKNOWN_TEST_SECONDS = 60.0  # a test with no recorded duration (new, or renamed) is planned at this
 # live_report (tests/live_report.py): each test's end and a failure's report at once, so a run cut short still says why
 PYTEST = [sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-p", "live_report", "-s", "-rfEs",
@@ -134,7 +146,7 @@ def run_jobs(
     gpus: list[str],
     logs: Path,
     extra: list[str],
-    poll_s: float = 2.0,
+    poll_s: float = POLL_S,
     on_done=None,
     lanes_per_gpu: int = 1,
 ) -> list[int]:
@@ -159,6 +171,7 @@ def run_jobs(
             # its CPU work (a demo's warm start, compiles), and the GPUs' processes contend for them.
             env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // processes)))
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "tests"), env.get("PYTHONPATH")]))
+            (logs / f"{job.name}.xml").unlink(missing_ok=True)  # a previous run's would speak for this process
             log = open(logs / f"{job.name}.log", "w")  # noqa: SIM115 (closed when the process ends)
             basetemp = Path(tempfile.gettempdir()) / f"trl_fp8_gpu_suite_{job.name}"  # none shared: pytest wipes it
             cmd = [*PYTEST, f"--junitxml={logs / job.name}.xml", f"--basetemp={basetemp}", *extra, *job.tests]
@@ -182,12 +195,15 @@ def run_jobs(
     return [codes[i] for i in range(len(jobs))]
 
 
+def junit_root(path: Path) -> ET.Element:
+    """pytest's JUnit file `path`, parsed; an empty one if the process wrote none (it crashed, or never started)."""
+    return ET.parse(path).getroot() if path.exists() else ET.Element("testsuites")
+
+
 def junit_counts(path: Path) -> dict[str, int]:
     """passed/failed/errors/skipped from pytest's JUnit file (all zero if the process wrote none)."""
     counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
-    if not path.exists():
-        return counts
-    for suite in ET.parse(path).getroot().iter("testsuite"):
+    for suite in junit_root(path).iter("testsuite"):
         tests, failed, errors, skipped = (int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped"))
         counts["failed"] += failed
         counts["errors"] += errors
@@ -196,19 +212,38 @@ def junit_counts(path: Path) -> dict[str, int]:
     return counts
 
 
+def junit_name(nodeid: str) -> tuple[str, str]:
+    """`(classname, name)` of the test `nodeid` in pytest's JUnit file, as pytest's `mangle_test_address` makes them:
+    the file's path dotted, without `.py`, then any classes; the test's name with its parameters (which may hold
+    `::`, `/` or `.`)."""
+    path, bracket, params = nodeid.partition("[")
+    scope = path.split("::")
+    scope[0] = scope[0].replace("/", ".").removesuffix(".py")
+    return ".".join(scope[:-1]), scope[-1] + bracket + params
+
+
+def junit_cases(path: Path, tests: list[str]) -> dict[str, ET.Element]:
+    """Node id -> its testcase in pytest's JUnit file `path`, for each of `tests` the file holds; one it lacks never
+    ran (its process stopped at `-x`/`--maxfail`, or crashed, first)."""
+    by_name = {junit_name(t): t for t in tests}
+    found = ((by_name.get((case.get("classname", ""), case.get("name", ""))), case)
+             for case in junit_root(path).iter("testcase"))  # fmt: skip
+    return {test: case for test, case in found if test is not None}
+
+
 def junit_durations(path: Path, tests: list[str]) -> dict[str, float]:
     """Seconds per test function (`path::name`, its parametrizations summed), for the next run's lanes. A skipped
     case says nothing of its test's time (a two-GPU test skips itself on one GPU in no time), so it is left out."""
-    by_name = {
-        (Path(function_of(t).split("::")[0]).stem, function_of(t).split("::")[-1]): function_of(t) for t in tests
-    }
     out: dict[str, float] = {}
-    if path.exists():
-        for case in ET.parse(path).getroot().iter("testcase"):
-            key = (case.get("classname", "").split(".")[-1], case.get("name", "").split("[", 1)[0])
-            if key in by_name and case.find("skipped") is None:
-                out[by_name[key]] = out.get(by_name[key], 0.0) + float(case.get("time", 0.0))
+    for test, case in junit_cases(path, tests).items():
+        if case.find("skipped") is None:
+            out[function_of(test)] = out.get(function_of(test), 0.0) + float(case.get("time", 0.0))
     return out
+
+
+def skip_reasons(paths: list[Path]) -> Counter[str]:
+    """How many tests skipped for each reason, over pytest's JUnit files `paths`."""
+    return Counter(skip.get("message", "") for path in paths for skip in junit_root(path).iter("skipped"))
 
 
 # vLLM sizes its engine by watching the GPU's free memory while the engine starts, and stops when that grows (another
@@ -220,15 +255,9 @@ def shared_gpu_failures(path: Path, tests: list[str]) -> dict[str, list[str]]:
     """The tests of pytest's JUnit file `path` that failed on vLLM's start-up memory check (`SHARED_GPU_FAILURE`):
     node id -> the count each report of it took (`failed`, `errors`; a test failing and then erroring in teardown has
     both)."""
-    by_case = {(Path(t.split("::")[0]).stem, t.split("::")[-1]): t for t in tests}
     out: dict[str, list[str]] = {}
-    if not path.exists():
-        return out
-    for case in ET.parse(path).getroot().iter("testcase"):
-        test = by_case.get((case.get("classname", "").split(".")[-1], case.get("name", "")))
+    for test, case in junit_cases(path, tests).items():
         reports = [(tag, el) for tag in ("failure", "error") for el in case.findall(tag)]
-        if test is None or not reports:
-            continue
         if any(SHARED_GPU_FAILURE in (el.get("message", "") + (el.text or "")) for _, el in reports):
             out[test] = ["failed" if tag == "failure" else "errors" for tag, _ in reports]
     return out
@@ -247,18 +276,21 @@ def summary_line(counts: dict[str, int]) -> str:
     return ", ".join(parts) or "no tests ran"
 
 
-def collect(paths: list[str], out: Path) -> dict[str, int]:
-    """Node id -> GPUs needed, for the GPU tests under `paths`, collected in a process of its own (collection
-    imports the test modules, and with them CUDA)."""
-    cmd = [sys.executable, __file__, "--collect-into", str(out), *paths]
+def collect(paths: list[str], options: list[str], out: Path) -> dict[str, int]:
+    """Node id -> GPUs needed, for the GPU tests under `paths` that the pytest `options` select (`-k`, `--deselect`,
+    as the processes will run them), collected in a process of its own (collection imports the test modules, and
+    with them CUDA). Empty when they select none."""
+    cmd = [sys.executable, __file__, "--collect-into", str(out), *options, *paths]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode == 5:  # pytest's "no tests collected"
+        return {}
     if proc.returncode != 0 or not out.exists():
         print(proc.stdout[-4000:] + proc.stderr[-4000:])
         raise SystemExit(f"collecting the GPU tests failed (exit {proc.returncode}); its output is above")
     return json.loads(out.read_text())
 
 
-def _collect_here(out: str, paths: list[str]) -> int:
+def _collect_here(out: str, args: list[str]) -> int:
     import pytest
 
     sys.path.insert(0, str(ROOT))  # as `python -m pytest` from the root has it
@@ -271,7 +303,7 @@ def _collect_here(out: str, paths: list[str]) -> int:
                 needs[item.nodeid] = int(marker.args[0]) if marker else 1
             Path(out).write_text(json.dumps(needs, indent=1))
 
-    return pytest.main(["--collect-only", "-q", "-m", "gpu", "-p", "no:cacheprovider", *paths], plugins=[Needs()])
+    return pytest.main(["--collect-only", "-q", "-m", "gpu", "-p", "no:cacheprovider", *args], plugins=[Needs()])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -285,6 +317,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lanes-per-gpu", type=int, default=1, metavar="N",
                         help="one-GPU test processes sharing each GPU (default 1; the tests' engines take 0.25 of "
                              "a GPU each, so an H200 holds two)")  # fmt: skip
+    parser.add_argument("--allow-all-skipped", action="store_true",
+                        help="pass when every test skipped (a machine without an SM90 GPU or vLLM tests nothing); "
+                             "by default that fails, with the skip reasons")  # fmt: skip
     args, rest = parser.parse_known_args(argv)
     paths, extra = split_arguments(rest)
     paths = paths or [str(Path(__file__).parent.relative_to(ROOT))]
@@ -293,21 +328,58 @@ def main(argv: list[str] | None = None) -> int:
     logs.mkdir(parents=True, exist_ok=True)
 
     start = time.time()
-    needs = collect(paths, logs / "collected.json")
+    needs = collect(paths, extra, logs / "collected.json")
+    if not needs:
+        print(f"no GPU test selected by paths {' '.join(paths)} and options {' '.join(extra) or '(none)'}: a -k, -m "
+              "or --deselect that matches no test (a typo?), or paths that hold no GPU test")  # fmt: skip
+        return 1
     durations = json.loads(Path(args.durations).read_text()) if Path(args.durations).exists() else {}
     if args.lanes_per_gpu < 1:
         parser.error("--lanes-per-gpu must be 1 or more")
     jobs = plan_jobs(needs, len(gpus), durations, args.lanes_per_gpu)
     print(f"{len(needs)} GPU tests in {len(jobs)} pytest processes on {len(gpus)} GPU(s) ({','.join(gpus) or 'none'})")
-    total, failed, again = run_planned(jobs, gpus, logs, extra, durations, args.lanes_per_gpu)
-    for job, code in failed:
+    run = run_planned(jobs, gpus, logs, extra, durations, args.lanes_per_gpu, poll_s=POLL_S)
+    for job, code in run.failed:
         print(f"--- {job.name} (exit {code}), the end of {logs / job.name}.log:")
         print("".join((logs / f"{job.name}.log").read_text().splitlines(keepends=True)[-40:]))
+    problems = suite_problems(run, args.allow_all_skipped)
+    for problem in problems:
+        print(f"suite failed: {problem}")
     wall = time.time() - start
-    rerun = f"; {len(again)} run again alone (vLLM's memory check on a shared GPU)" if again else ""
-    print(f"===== {summary_line(total)} in {wall:.2f}s ({time.strftime('%H:%M:%S', time.gmtime(wall))}) on "
-          f"{len(gpus)} GPU(s), {len(jobs)} processes{rerun} =====")  # fmt: skip
-    return 1 if failed or total["failed"] or total["errors"] else 0
+    notes = [f"{len(run.again)} run again alone (vLLM's memory check on a shared GPU)"] if run.again else []
+    notes += [f"{len(run.not_reached)} not reached by their lane, run alone"] if run.not_reached else []
+    notes += [f"{len(run.not_run)} never ran"] if run.not_run else []
+    print(f"===== {summary_line(run.total)} in {wall:.2f}s ({time.strftime('%H:%M:%S', time.gmtime(wall))}) on "
+          f"{len(gpus)} GPU(s), {len(jobs)} processes{''.join(f'; {note}' for note in notes)} =====")  # fmt: skip
+    return 1 if run.failed or run.total["failed"] or run.total["errors"] or problems else 0
+
+
+@dataclass
+class SuiteRun:
+    """What `run_planned` ran and what it found."""
+
+    total: dict[str, int]  # passed/failed/errors/skipped; a test run alone counts once, by that run
+    failed: list[tuple[Job, int]]  # the processes that failed and were not forgiven, with their exit codes
+    again: list[str]  # tests that failed on vLLM's start-up memory check and ran again alone
+    not_reached: list[str]  # tests a lane stopped on that check never reached, run alone with them
+    not_run: list[str]  # planned tests no JUnit file has a result for
+    skip_reasons: Counter[str]  # of every process's skipped tests
+
+
+def suite_problems(run: SuiteRun, allow_all_skipped: bool = False) -> list[str]:
+    """Why a suite whose processes may all have passed still fails: a planned test never ran, or every test skipped
+    (nothing was tested) and that was not allowed."""
+    problems = []
+    if run.not_run:
+        shown = " ".join(run.not_run[:20]) + (f" and {len(run.not_run) - 20} more" if len(run.not_run) > 20 else "")
+        problems.append(f"{len(run.not_run)} planned test(s) never ran (their process stopped first: -x or --maxfail "
+                        f"after a failure, or it crashed; its log says which): {shown}")  # fmt: skip
+    total = run.total
+    if total["skipped"] and not (total["passed"] or total["failed"] or total["errors"]) and not allow_all_skipped:
+        reasons = "; ".join(f"{n} x {reason}" for reason, n in run.skip_reasons.most_common())
+        problems.append(f"every test skipped, so nothing was tested ({reasons}); run it where they can run, or pass "
+                        "--allow-all-skipped to accept that")  # fmt: skip
+    return problems
 
 
 def run_planned(
@@ -317,45 +389,63 @@ def run_planned(
     extra: list[str],
     durations: dict[str, float],
     lanes_per_gpu: int,
-    poll_s: float = 2.0,
-) -> tuple[dict[str, int], list[tuple[Job, int]], list[str]]:
+    poll_s: float = POLL_S,
+) -> SuiteRun:
     """Runs `jobs`, then, with lanes sharing GPUs, the tests that failed on vLLM's start-up memory check again, one
-    process per GPU (`alone<i>`): `(counts, [(job, exit code)] of the processes that failed, the tests run again)`.
-    A test run again counts once, by its second run."""
+    process per GPU (`alone<i>`), with the tests that a lane stopped by that check (`-x`, `--maxfail`) never reached.
+    A test run alone counts once, by that run. A process is forgiven its failures only if it exited 1 (tests failed),
+    each failure was that check, and each of its tests is in its JUnit file or was run alone."""
     ran = list(jobs)
     codes = run_jobs(jobs, gpus, logs, extra, poll_s=poll_s, on_done=lambda: write_durations(ran, logs),
                      lanes_per_gpu=lanes_per_gpu)  # fmt: skip
     counts = {job.name: junit_counts(logs / f"{job.name}.xml") for job in jobs}
+    cases = {job.name: junit_cases(logs / f"{job.name}.xml", job.tests) for job in jobs}
+    failed_on_check: dict[str, dict[str, list[str]]] = {}  # process -> shared_gpu_failures of its JUnit file
     again: list[str] = []
+    not_reached: list[str] = []
     if lanes_per_gpu > 1:
-        for job in jobs:
-            for test, reports in shared_gpu_failures(logs / f"{job.name}.xml", job.tests).items():
+        for job, code in zip(jobs, codes, strict=True):
+            failed_on_check[job.name] = shared_gpu_failures(logs / f"{job.name}.xml", job.tests)
+            for test, reports in failed_on_check[job.name].items():
                 again.append(test)
                 for key in reports:
                     counts[job.name][key] -= 1
+            left = counts[job.name]
+            if failed_on_check[job.name] and code == 1 and not (left["failed"] or left["errors"]):
+                # pytest stopped (-x, --maxfail) on failures that the run alone judges: it judges the rest too
+                not_reached += [test for test in job.tests if test not in cases[job.name]]
+    alone: list[Job] = []
     if again:
+        stopped = f", and {len(not_reached)} that their stopped lanes never reached" if not_reached else ""
         print(f"{len(again)} test(s) failed on vLLM's start-up memory check, which another process on the same GPU "
-              f"upsets; running them again, one process per GPU: {' '.join(again)}", flush=True)  # fmt: skip
-        alone = plan_jobs(dict.fromkeys(again, 1), len(gpus), durations)
+              f"upsets{stopped}; running them alone, one process per GPU: {' '.join(again + not_reached)}",
+              flush=True)  # fmt: skip
+        alone = plan_jobs(dict.fromkeys(again + not_reached, 1), len(gpus), durations)
         for i, job in enumerate(alone):
             job.name = f"alone{i}"
         ran += alone
         codes += run_jobs(alone, gpus, logs, extra, poll_s=poll_s, on_done=lambda: write_durations(ran, logs))
         counts |= {job.name: junit_counts(logs / f"{job.name}.xml") for job in alone}
+        cases |= {job.name: junit_cases(logs / f"{job.name}.xml", job.tests) for job in alone}
     total = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
     for job_counts in counts.values():
         for k, v in job_counts.items():
             total[k] += v
+    # a test's result is its last run's: one run alone has none if that process stopped or crashed before it
+    run_alone = set(again + not_reached)
+    results = {test for job in ran for test in cases[job.name] if job in alone or test not in run_alone}
 
-    def all_run_again(job: Job, code: int) -> bool:  # its tests failed (exit 1), each on vLLM's check, and ran again
+    def forgiven(job: Job, code: int) -> bool:  # what the tests it handed on do is the run alone's to answer for
         left = counts[job.name]
-        return code == 1 and (logs / f"{job.name}.xml").exists() and not (left["failed"] or left["errors"])
+        return (code == 1 and bool(failed_on_check.get(job.name)) and not (left["failed"] or left["errors"])
+                and all(test in cases[job.name] or test in run_alone for test in job.tests))  # fmt: skip
 
-    # a process failed unless it selected no test (exit 5) or what failed in it ran again; any other exit (pytest
-    # interrupted, an internal error) stays a failure
-    failed = [(job, code) for job, code in zip(ran, codes, strict=True)
-              if code not in (0, 5) and not all_run_again(job, code)]  # fmt: skip
-    return total, failed, again
+    # a process failed unless it exited 0 or was forgiven: an interrupted one or an internal error (2-4), one that
+    # selected none of its tests (5) or crashed stays a failure
+    failed = [(job, code) for job, code in zip(ran, codes, strict=True) if code != 0 and not forgiven(job, code)]
+    not_run = [test for job in jobs for test in job.tests if test not in results]
+    reasons = skip_reasons([logs / f"{job.name}.xml" for job in ran])
+    return SuiteRun(total, failed, again, not_reached, not_run, reasons)
 
 
 if __name__ == "__main__":
