@@ -286,7 +286,9 @@ def test_each_engines_settings_are_checked_anew(monkeypatch, op_with_vllms_schem
         assert act_quant.install(256, "cpu", decode_tokens=4, scale_transposed=False) is first and len(timed) == 2
         other = act_quant.install(384, "cpu", decode_tokens=8, scale_transposed=True)
         assert other.installed and len(timed) == 4 and "8 x 384 (column-major scales)" in other.reason
-        assert act_quant.installed() is other
+        assert act_quant.installed() is other and act_quant.in_force(other) is other
+        replaced = act_quant.in_force(first)  # the first engine's decision, as its report now gives it
+        assert not replaced.installed and "another engine checked it at its own settings" in replaced.reason
     finally:
         act_quant.uninstall()
 
@@ -328,5 +330,102 @@ def test_an_engine_asking_for_vllms_kernel_gets_it(monkeypatch, op_with_vllms_sc
         engine = SimpleNamespace(settings=RolloutSettings(act_quant_kernel="vllm"), report=RolloutReport())
         FP8VLLMGeneration._choose_act_quant_kernel(engine)
         assert act_quant.installed() is None and engine.report.act_quant_choice is None
+    finally:
+        act_quant.uninstall()
+
+
+def _count_our_kernel_calls(monkeypatch) -> list:
+    """trl-fp8's kernel, as `install` registers it from now on, counting its calls in the returned list."""
+    calls, kernel = [], act_quant._kernel
+
+    def counted(numerics):
+        ours = kernel(numerics)
+
+        def counting(*args):
+            calls.append(1)
+            ours(*args)
+
+        return counting
+
+    monkeypatch.setattr(act_quant, "_kernel", counted)
+    return calls
+
+
+def _our_kernel_runs(op, calls: list) -> bool:
+    """Whether `op` runs trl-fp8's kernel (counted in `calls`) rather than the reference (vLLM's stand-in), which
+    give the same bits."""
+    calls.clear()
+    x = _inputs(2, 256)
+    out, _ = act_quant.run_op(op, x, 128, None, False)
+    assert torch.equal(out.view(torch.uint8), silu_and_mul_per_block_quant_reference(x, 128)[0].view(torch.uint8))
+    return bool(calls)
+
+
+def test_the_kernel_stays_while_any_engine_using_it_lives(monkeypatch, op_with_vllms_schema):
+    """Two engines of the same settings share one check and one registration: the first collected, the kernel stays
+    for the second; once both are gone, vLLM's kernel is back."""
+    import gc
+
+    class Engine:
+        pass
+
+    timed = _patch_vllm_op(monkeypatch, op_with_vllms_schema)
+    calls = _count_our_kernel_calls(monkeypatch)
+    try:
+        first, second = Engine(), Engine()
+        choice = act_quant.install(256, "cpu", decode_tokens=4, scale_transposed=False, owner=first)
+        assert choice.installed and len(timed) == 2
+        assert act_quant.install(256, "cpu", decode_tokens=4, scale_transposed=False, owner=second) is choice
+        assert len(timed) == 2  # the decision in force, not checked again
+        del first
+        gc.collect()
+        assert act_quant.installed() is choice  # the second engine still uses it
+        assert _our_kernel_runs(op_with_vllms_schema, calls)
+        del second
+        gc.collect()
+        assert act_quant.installed() is None and not _our_kernel_runs(op_with_vllms_schema, calls)
+    finally:
+        act_quant.uninstall()
+
+
+class _StandInEngine:
+    """What `FP8VLLMGeneration._choose_act_quant_kernel` reads of its engine: a dense model of MLP width 256."""
+
+    def __init__(self):
+        from types import SimpleNamespace
+
+        from trl_fp8.rollout.settings import RolloutSettings
+        from trl_fp8.rollout.vllm.generation import RolloutReport
+
+        config = Qwen3Config(hidden_size=128, intermediate_size=256, num_hidden_layers=1, num_attention_heads=2,
+                             num_key_value_heads=1, vocab_size=64)  # fmt: skip
+        self.model = SimpleNamespace(config=config)
+        self.accelerator = SimpleNamespace(device=torch.device("cpu"))
+        self.settings, self.report = RolloutSettings(), RolloutReport()
+
+
+def test_an_engines_report_says_installed_only_while_the_kernel_is_in_force(monkeypatch, op_with_vllms_schema):
+    """Engines' reports (the trainer's logs, the benchmarks' rows): an engine whose kernel another engine installed
+    keeps it, and its report says so, after that engine is collected; once vLLM's kernel is back, the report says
+    that instead, and why."""
+    import gc
+
+    from trl_fp8.rollout.vllm.generation import FP8VLLMGeneration
+
+    _patch_vllm_op(monkeypatch, op_with_vllms_schema)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    try:
+        first, second = _StandInEngine(), _StandInEngine()
+        FP8VLLMGeneration._choose_act_quant_kernel(first)
+        FP8VLLMGeneration._choose_act_quant_kernel(second)
+        choice = second.report.act_quant_choice
+        assert choice.installed and first.report.act_quant_choice is choice, choice.reason
+        del first
+        gc.collect()
+        assert second.report.act_quant_choice is choice and act_quant.installed() is choice
+        act_quant.uninstall()  # (as an engine asking for vLLM's kernel does)
+        gone = second.report.act_quant_choice
+        assert not gone.installed and "vLLM's kernel runs the op again" in gone.reason, gone.reason
+        assert gone.numerics == choice.numerics and gone.trl_fp8_us == choice.trl_fp8_us  # what the check measured
     finally:
         act_quant.uninstall()

@@ -110,6 +110,7 @@ def test_sleep_mode_turns_on_expandable_segments_where_the_user_left_them_unset(
 
     calls = []
     monkeypatch.setattr(engine, "set_allocator_settings", calls.append)
+    monkeypatch.setattr(engine, "allocator_expandable_segments", lambda: None)  # cannot say: the environment's word
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     sleeping = SimpleNamespace(use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=True)
     environ = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}
@@ -119,10 +120,6 @@ def test_sleep_mode_turns_on_expandable_segments_where_the_user_left_them_unset(
     assert calls == ["max_split_size_mb:512,expandable_segments:True"]  # the setter resets what it is not given
     assert engine.sleep_mode_allocator(sleeping, environ) is None  # already on: once
     level, line = engine.sleep_mode_allocator(sleeping, {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments: False"})
-    assert level == logging.WARNING and "lower vllm_gpu_memory_utilization" in line
-    # PyTorch's newer PYTORCH_ALLOC_CONF wins over PYTORCH_CUDA_ALLOC_CONF, as PyTorch reads them
-    both = {"PYTORCH_ALLOC_CONF": "expandable_segments:False", "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64"}
-    level, line = engine.sleep_mode_allocator(sleeping, both)
     assert level == logging.WARNING and "lower vllm_gpu_memory_utilization" in line
     awake = SimpleNamespace(use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=False)
     assert engine.sleep_mode_allocator(awake, {}) is None
@@ -155,3 +152,133 @@ def test_the_engine_gets_the_moe_kernel_and_a_model_without_fp8_experts_is_refus
     assert fake_vllm.instances[-1].kwargs["moe_backend"] == "triton"
     with pytest.raises(ValueError, match="has no FP8 experts layer .*Drop vllm_fp8_moe_backend"):
         tiny_trainer(tmp_path / "dense", vllm_fp8_moe_backend="triton")
+
+
+# Allocator settings in the environment, and what PyTorch parses from them (read off `torch._C.
+# _accelerator_getAllocatorSettings()` on torch 2.13 without a GPU and off the memory snapshot's settings on torch 2.11
+# with an H200: the old name first, the current one where the old is unset; set empty, the old one still wins).
+ALLOCATOR_ENVIRONMENTS = {
+    "neither": ({}, ""),
+    "current name only": ({"PYTORCH_ALLOC_CONF": "expandable_segments:True"}, "expandable_segments:True"),
+    "current name only, other options": ({"PYTORCH_ALLOC_CONF": "max_split_size_mb:512"}, "max_split_size_mb:512"),
+    "current name only, on among others": (
+        {"PYTORCH_ALLOC_CONF": "max_split_size_mb:512,expandable_segments:True"},
+        "max_split_size_mb:512,expandable_segments:True",
+    ),
+    "old name only": ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, "expandable_segments:True"),
+    "old name only, other options": ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64"}, "max_split_size_mb:64"),
+    "both, on in the current one": (
+        {"PYTORCH_ALLOC_CONF": "expandable_segments:True", "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64"},
+        "max_split_size_mb:64",
+    ),
+    "both, on in the old one": (
+        {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "PYTORCH_ALLOC_CONF": "max_split_size_mb:64"},
+        "expandable_segments:True",
+    ),
+    "both, the old one empty": ({"PYTORCH_CUDA_ALLOC_CONF": "", "PYTORCH_ALLOC_CONF": "expandable_segments:True"}, ""),
+}
+
+
+def test_the_allocator_settings_are_read_in_pytorchs_order():
+    """Where both variables are set, what `expandable_segments_on` reads from the environment is what the installed
+    PyTorch parses from it (asked in a process of its own per environment: PyTorch reads the variables once)."""
+    import os
+    import subprocess
+    import sys
+
+    from trl_fp8.rollout.vllm import engine
+
+    if not hasattr(torch._C, "_accelerator_getAllocatorSettings"):
+        pytest.skip("this PyTorch (before 2.13) says which settings it parsed only through a GPU's memory snapshot")
+    base = {k: v for k, v in os.environ.items() if not k.endswith("_ALLOC_CONF")}
+    ask = "import torch; print(torch._C._accelerator_getAllocatorSettings())"
+    children = {
+        name: subprocess.Popen([sys.executable, "-c", ask], env={**base, **environ}, stdout=subprocess.PIPE, text=True)
+        for name, (environ, _) in ALLOCATOR_ENVIRONMENTS.items()
+        if len(environ) == 2
+    }
+    for name, child in children.items():
+        environ, parsed = ALLOCATOR_ENVIRONMENTS[name]
+        assert child.communicate(timeout=120)[0].strip() == parsed, name  # the table above holds for this PyTorch
+        assert engine.expandable_segments_on(environ) == ("expandable_segments:True" in parsed), name
+
+
+class FakeAllocator:
+    """PyTorch's CUDA caching allocator as `torch.cuda.memory._snapshot` reports it, on the CPU: settings parsed
+    once from the environment (given: `parsed`), then changed at run time by the settings setter, which leaves
+    expandable segments as they were where the new settings do not name them (seen on torch 2.11 with an H200)."""
+
+    def __init__(self, parsed: str):
+        self.settings, self.expandable = "", False
+        self.apply(parsed)
+
+    def apply(self, settings: str) -> None:
+        self.settings = settings
+        for item in settings.split(","):
+            key, _, value = item.replace(" ", "").partition(":")
+            if key == "expandable_segments":
+                self.expandable = value == "True"
+
+    def snapshot(self):
+        return {"segments": [], "allocator_settings": {"PYTORCH_CUDA_ALLOC_CONF": self.settings,
+                                                       "expandable_segments": self.expandable}}  # fmt: skip
+
+
+def _sleeping_run(monkeypatch, parsed: str) -> FakeAllocator:
+    from trl_fp8.rollout.vllm import engine
+
+    allocator = FakeAllocator(parsed)
+    monkeypatch.setattr(engine, "set_allocator_settings", allocator.apply)
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", allocator.snapshot)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    return allocator
+
+
+@pytest.mark.parametrize("name", list(ALLOCATOR_ENVIRONMENTS))
+def test_sleep_mode_records_expandable_segments_where_they_are_read(monkeypatch, name):
+    """Whichever variable the user set: after the trainer's sleep-mode set-up the allocator runs on expandable
+    segments, the user's other options kept; the environment says so as PyTorch reads it (a child process) and as
+    vLLM reads it (PYTORCH_CUDA_ALLOC_CONF, spelt as vLLM looks for it, to turn them off around its sleep-mode pool);
+    and a tensor-parallel engine leaves vLLM's custom all-reduce off."""
+    from types import SimpleNamespace
+
+    from trl_fp8.rollout.vllm import engine
+    from trl_fp8.rollout.vllm.partitions import tensor_parallel_overrides
+
+    environ, parsed = dict(ALLOCATOR_ENVIRONMENTS[name][0]), ALLOCATOR_ENVIRONMENTS[name][1]
+    allocator = _sleeping_run(monkeypatch, parsed)
+    sleeping = SimpleNamespace(use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=True)
+    engine.sleep_mode_allocator(sleeping, environ)
+    assert allocator.expandable
+    assert engine.expandable_segments_on(environ)  # the record, read as PyTorch reads it
+    assert engine.EXPANDABLE_SEGMENTS in environ["PYTORCH_CUDA_ALLOC_CONF"]  # as vLLM reads it
+    assert engine.expandable_segments_on()  # the allocator, asked
+    others = [item for item in parsed.split(",") if item and not item.startswith("expandable_segments")]
+    assert all(item in allocator.settings.split(",") for item in others)  # the user's other options stay
+    assert tensor_parallel_overrides(2, environ)["disable_custom_all_reduce"][0] is True
+    assert engine.sleep_mode_allocator(sleeping, environ) is None  # set: nothing more to do
+
+
+@pytest.mark.parametrize(
+    "environ",
+    [{"PYTORCH_ALLOC_CONF": "expandable_segments:False"},
+     {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64", "PYTORCH_ALLOC_CONF": "expandable_segments: False"},
+     {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False", "PYTORCH_ALLOC_CONF": "expandable_segments:True"}],
+)  # fmt: skip
+def test_sleep_mode_keeps_a_users_explicit_false_in_either_variable(monkeypatch, environ):
+    """An explicit `expandable_segments:False` is the user's choice, in whichever variable: kept with a warning
+    naming that variable, and everything that reads the setting agrees that they are off."""
+    from types import SimpleNamespace
+
+    from trl_fp8.rollout.vllm import engine
+    from trl_fp8.rollout.vllm.partitions import tensor_parallel_overrides
+
+    said = "PYTORCH_CUDA_ALLOC_CONF" if "False" in environ.get("PYTORCH_CUDA_ALLOC_CONF", "") else "PYTORCH_ALLOC_CONF"
+    allocator = _sleeping_run(monkeypatch, environ.get("PYTORCH_CUDA_ALLOC_CONF", environ["PYTORCH_ALLOC_CONF"]))
+    sleeping = SimpleNamespace(use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=True)
+    before = dict(environ)
+    level, line = engine.sleep_mode_allocator(sleeping, environ)
+    assert level == logging.WARNING and f"{said}=expandable_segments:False" in line, line
+    assert environ == before and not allocator.expandable
+    assert not engine.expandable_segments_on(environ) and not engine.expandable_segments_on()
+    assert "disable_custom_all_reduce" not in tensor_parallel_overrides(2, environ)

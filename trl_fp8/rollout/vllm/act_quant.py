@@ -19,9 +19,10 @@ line says why.
 
 The registration covers the op in the whole process, so the decision is kept per engine: an engine of another
 device, width, scale layout or speed requirement is checked anew against vLLM's own kernel (`InstallKey`); an engine
-asking for vLLM's kernel gets it back (`uninstall`), and so does the process once the engine that installed ours is
-gone. This is a small patch of vLLM's behaviour written so that it could go upstream as a kernel change:
-no value changes, only the time.
+of the same settings shares the decision in force; an engine asking for vLLM's kernel gets it back (`uninstall`), and
+so does the process once no live engine uses ours (`in_force`: whether an engine's choice still holds). This is a
+small patch of vLLM's behaviour written so that it could go upstream as a kernel change: no value changes, only the
+time.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -37,13 +38,14 @@ from trl_fp8.rollout.capacity import expert_count, text_config
 from trl_fp8.rollout.vllm._compat import SILU_MUL_QUANT_OP, silu_mul_quant_op
 
 __all__ = ["OP_NAME", "InstallKey", "SiluQuantChoice", "first_difference", "first_difference_between",
-           "graph_time_us", "install", "install_for_model", "installed", "mlp_shape", "probe_inputs", "run_op",
-           "uninstall", "vllm_kernel_op"]  # fmt: skip
+           "graph_time_us", "in_force", "install", "install_for_model", "installed", "mlp_shape", "probe_inputs",
+           "run_op", "uninstall", "vllm_kernel_op"]  # fmt: skip
 
 NAMESPACE, OP_NAME = SILU_MUL_QUANT_OP
 vllm_kernel_op = silu_mul_quant_op  # vLLM's op, or None where vLLM's compiled ops are not here
 # "library": the torch.library.Library holding our kernel, "choice": the SiluQuantChoice, "key": the InstallKey it
-# was checked for
+# was checked for, "owners": a weakref.finalize per engine using it, "held": whether a caller without an engine
+# (`install(owner=None)`) keeps it until `uninstall`
 _state: dict = {}
 
 
@@ -191,10 +193,12 @@ def install(
     (`FP8Tuning(vllm_act_quant_kernel="trl_fp8")`) installs it wherever the bits match, faster or not.
 
     The same engine settings (`InstallKey`) get the decision in force; other settings are checked anew, with vLLM's
-    kernel back first. With `owner` (the engine's rollout object), vLLM's kernel comes back once `owner` is gone,
-    unless another engine's check installed ours since. `uninstall` gives vLLM its kernel back."""
+    kernel back first. With `owner` (the engine's rollout object), ours stays while `owner` or another engine using
+    it lives, and vLLM's comes back when the last is gone; without, until `uninstall`, which gives vLLM its kernel
+    back at once."""
     key = InstallKey(str(torch.device(device)), width, decode_tokens, scale_transposed, require_faster)
     if installed() is not None and _state.get("key") == key:
+        _keep_for(owner)
         return _state["choice"]
     uninstall()  # an engine of other settings is checked against vLLM's own kernel
     vllm_op = vllm_kernel_op()
@@ -249,15 +253,23 @@ def install(
         f"vLLM's {vllm_us:.1f} us at {decode_tokens} x {width} ({'column' if scale_transposed else 'row'}-major "
         f"scales{asked})", numerics, vllm_us, ours_us,
     )  # fmt: skip
-    _state.update(library=library, choice=choice, key=key)
-    if owner is not None:
-        weakref.finalize(owner, _uninstall_if_current, library)
+    _state.update(library=library, choice=choice, key=key, owners=[], held=False)
+    _keep_for(owner)
     return choice
 
 
-def _uninstall_if_current(library) -> None:
-    """`uninstall`, if `library` still holds the kernel in force (its engine installed it last)."""
-    if _state.get("library") is library:
+def _keep_for(owner: object | None) -> None:
+    """Keep the kernel in force while `owner` lives (None: until `uninstall`)."""
+    if owner is None:
+        _state["held"] = True
+    else:
+        _state["owners"].append(weakref.finalize(owner, _release, _state["library"]))
+
+
+def _release(library) -> None:
+    """An engine using `library`'s kernel is gone: vLLM's kernel back if it was the last (and none without an engine
+    holds ours). A `library` no longer in force (replaced since) is left alone."""
+    if _state.get("library") is library and not _state["held"] and not any(f.alive for f in _state["owners"]):
         uninstall()
 
 
@@ -286,10 +298,24 @@ def installed() -> SiluQuantChoice | None:
     return choice if choice is not None and choice.installed else None
 
 
+def in_force(choice: SiluQuantChoice | None) -> SiluQuantChoice | None:
+    """`choice` (an engine's `install`) as it holds now: an installation no longer in force (vLLM's kernel back, or
+    another engine's check in its place) says so, with what its check measured."""
+    now = installed()
+    if choice is None or not choice.installed or now is choice:
+        return choice
+    why = "vLLM's kernel runs the op again" if now is None else "another engine checked it at its own settings since"
+    return replace(choice, installed=False, reason=f"no longer in force: {why}; this engine's check had found: "
+                   f"{choice.reason}")  # fmt: skip
+
+
 def uninstall() -> None:
-    """Give the op its vLLM kernel back (destroying our registration restores the one it covered)."""
+    """Give the op its vLLM kernel back (destroying our registration restores the one it covered), whatever engines
+    use ours."""
     library = _state.pop("library", None)
-    _state.pop("choice", None)
-    _state.pop("key", None)
+    for finalizer in _state.pop("owners", ()):
+        finalizer.detach()
+    for name in ("choice", "key", "held"):
+        _state.pop(name, None)
     if library is not None:
         library._destroy()

@@ -33,7 +33,11 @@ from trl_fp8.rollout.vllm.kernels import (
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "ALLOCATOR_VARIABLES",
+    "EXPANDABLE_SEGMENTS",
     "TRL_MAX_NUM_BATCHED_TOKENS",
+    "allocator_expandable_segments",
+    "allocator_settings",
     "apply_engine_env",
     "engine_env",
     "engine_overrides",
@@ -139,25 +143,38 @@ def sleep_mode_allocator(args, environ=os.environ) -> tuple[int, str] | None:
     vLLM then wakes its whole share beside them: gigabytes at an 8B model, which a lower share would have to leave
     (the documentation's "When FP8 pays" page has the sizes).
 
-    Both the allocator setting and `PYTORCH_CUDA_ALLOC_CONF` are set: vLLM (>= 0.26) reads the variable to turn
-    expandable segments off around its own sleep-mode pool, which cannot use them. A user's explicit
-    `expandable_segments:False` is kept, with a warning."""
+    Whichever variable the user set (`allocator_settings`), the allocator is asked whether it runs on them
+    (`allocator_expandable_segments`), and what it runs on is recorded in `PYTORCH_CUDA_ALLOC_CONF`: the variable
+    vLLM (>= 0.26) reads, in this spelling, to turn expandable segments off around its own sleep-mode pool, which
+    cannot use them, and the one PyTorch reads first (a child process starts on the same settings). A user's
+    explicit `expandable_segments:False`, in either variable, is kept, with a warning. `environ`: this process's
+    environment (a test's dict)."""
     if not (args.use_vllm and args.vllm_mode == "colocate" and args.vllm_enable_sleep_mode):
         return None
-    conf = _allocator_conf(environ)
-    if expandable_segments_on(environ):
+    if not torch.cuda.is_available():
         return None
-    if "expandable_segments:false" in _allocator_setting(environ):
+    settings = allocator_settings(environ)[1]
+    on = allocator_expandable_segments()
+    if on is None:  # a PyTorch that cannot say: as it reads the environment
+        on = bool(_expandable_segments_setting(settings))
+    if on:
+        if EXPANDABLE_SEGMENTS in environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
+            return None
+        environ["PYTORCH_CUDA_ALLOC_CONF"] = _with_expandable_segments(settings)
+        return logging.INFO, (
+            "vllm_enable_sleep_mode=True: PyTorch's expandable segments are on; recorded as PYTORCH_CUDA_ALLOC_CONF="
+            f"{environ['PYTORCH_CUDA_ALLOC_CONF']}, the variable vLLM reads to turn them off around its sleep-mode pool."
+        )
+    said_off = [name for name in ALLOCATOR_VARIABLES if _expandable_segments_setting(environ.get(name, "")) is False]
+    if said_off:
         return logging.WARNING, (
-            "vllm_enable_sleep_mode=True with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False: PyTorch keeps freed "
+            f"vllm_enable_sleep_mode=True with {said_off[0]}=expandable_segments:False: PyTorch keeps freed "
             "training memory pinned while vLLM wakes into its share (gigabytes at an 8B model), so a run out of "
             "memory at wake-up needs a lower vllm_gpu_memory_utilization; expandable_segments:True avoids it."
         )
-    if not torch.cuda.is_available():
-        return None
-    combined = ",".join(filter(None, [conf, EXPANDABLE_SEGMENTS]))
+    combined = _with_expandable_segments(settings)
     try:
-        # The whole string: the setter resets every option it is not given (a user's max_split_size_mb...).
+        # The whole string: the setter resets options it is not given (a user's max_split_size_mb...).
         set_allocator_settings(combined)
     except (AttributeError, RuntimeError) as exc:  # a PyTorch that cannot change it at run time: the user can
         return logging.WARNING, (
@@ -168,28 +185,63 @@ def sleep_mode_allocator(args, environ=os.environ) -> tuple[int, str] | None:
     environ["PYTORCH_CUDA_ALLOC_CONF"] = combined
     return logging.INFO, (
         f"vllm_enable_sleep_mode=True: turned on PyTorch's expandable segments (PYTORCH_CUDA_ALLOC_CONF="
-        f"{environ['PYTORCH_CUDA_ALLOC_CONF']}), so the memory a training step frees goes back before vLLM wakes "
-        "into its share. Set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False to keep PyTorch's default."
+        f"{combined}), so the memory a training step frees goes back before vLLM wakes into its share. Set "
+        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False to keep PyTorch's default."
     )
 
 
 # What vLLM looks for in PYTORCH_CUDA_ALLOC_CONF (this exact spelling) before it builds its sleep-mode pool.
 EXPANDABLE_SEGMENTS = "expandable_segments:True"
+# Where PyTorch (2.11, 2.13) takes its allocator settings from, in its order: the first variable set, even empty,
+# read once, at the allocator's first use. PYTORCH_ALLOC_CONF is the current name but comes last.
+ALLOCATOR_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
 
-def _allocator_conf(environ) -> str:
-    # PyTorch reads PYTORCH_ALLOC_CONF first, PYTORCH_CUDA_ALLOC_CONF where that is unset.
-    return environ.get("PYTORCH_ALLOC_CONF") or environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+def allocator_settings(environ=os.environ) -> tuple[str | None, str]:
+    """`(variable, settings)`: the allocator settings PyTorch takes from `environ`, and the variable that holds
+    them (`ALLOCATOR_VARIABLES`' order; `(None, "")` where none is set)."""
+    for name in ALLOCATOR_VARIABLES:
+        if name in environ:
+            return name, environ[name]
+    return None, ""
 
 
-def _allocator_setting(environ) -> str:
-    return _allocator_conf(environ).replace(" ", "").lower()
+def allocator_expandable_segments() -> bool | None:
+    """Whether PyTorch's CUDA caching allocator runs on expandable segments now, as it says itself (its memory
+    snapshot's settings: whatever variable or run-time call set them; asking starts no CUDA context); None where it
+    cannot say (a PyTorch without CUDA, another allocator backend)."""
+    try:
+        return bool(torch.cuda.memory._snapshot()["allocator_settings"]["expandable_segments"])
+    except (AttributeError, KeyError, RuntimeError):
+        return None
 
 
-def expandable_segments_on(environ=os.environ) -> bool:
-    """Whether PyTorch's allocator runs on expandable segments here (`PYTORCH_ALLOC_CONF`, else
-    `PYTORCH_CUDA_ALLOC_CONF`, which `sleep_mode_allocator` sets for a colocated engine in sleep mode)."""
-    return "expandable_segments:true" in _allocator_setting(environ)
+def _is_expandable_segments(option: str) -> bool:
+    return option.replace(" ", "").partition(":")[0] == "expandable_segments"
+
+
+def _expandable_segments_setting(settings: str) -> bool | None:
+    """What allocator `settings` say of expandable segments (the last mention wins, as PyTorch parses them); None:
+    nothing."""
+    said = [option.partition(":")[2] for option in settings.split(",") if _is_expandable_segments(option)]
+    return said[-1].strip().lower() == "true" if said else None
+
+
+def _with_expandable_segments(settings: str) -> str:
+    """`settings` with expandable segments on, in the spelling vLLM looks for, their other options as they were."""
+    others = [option for option in settings.split(",") if option.strip() and not _is_expandable_segments(option)]
+    return ",".join([*others, EXPANDABLE_SEGMENTS])
+
+
+def expandable_segments_on(environ=None) -> bool:
+    """Whether PyTorch's allocator runs on expandable segments: as the allocator says where it can
+    (`allocator_expandable_segments`), else as PyTorch reads this process's environment. With `environ` (a child
+    process's, a test's), as PyTorch would read those settings (`allocator_settings`)."""
+    if environ is None:
+        if (said := allocator_expandable_segments()) is not None:
+            return said
+        environ = os.environ
+    return bool(_expandable_segments_setting(allocator_settings(environ)[1]))
 
 
 def set_allocator_settings(settings: str) -> None:

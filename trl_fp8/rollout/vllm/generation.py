@@ -92,13 +92,19 @@ class RolloutReport:
     logged) and the bytes of FP8 weight copies let go for the last rollout (sleep mode)."""
 
     kernel: RolloutKernel | None = None
-    act_quant_choice: act_quant.SiluQuantChoice | None = None
+    checked_act_quant: act_quant.SiluQuantChoice | None = None  # as the engine's start-up decided (`act_quant_choice`)
     deepgemm_precompile: PrecompileResult | None = None
     engine_start_seconds: float | None = None
     kv_cache_tokens: int | None = None
     rollout_stats: RolloutStats | None = None
     last_sync_seconds: float | None = None
     released_cache_bytes: int = 0
+
+    @property
+    def act_quant_choice(self) -> act_quant.SiluQuantChoice | None:
+        """The start-up's SiLU-and-mul decision as it holds now: installed only while trl-fp8's kernel is still in
+        force (another engine of the process may have given vLLM its kernel back since)."""
+        return act_quant.in_force(self.checked_act_quant)
 
 
 class FP8VLLMGeneration(VLLMGeneration):
@@ -199,7 +205,8 @@ class FP8VLLMGeneration(VLLMGeneration):
 
     def _choose_act_quant_kernel(self) -> None:
         """The kernel of vLLM's fused SiLU-and-mul + FP8 quantization for this engine (`act_quant`): a choice other
-        engines of the process made is never inherited, only re-checked or undone."""
+        engines of the process made holds here only at the same settings (and this engine then keeps it in force
+        too), else it is re-checked or undone."""
         settings = self.settings
         if settings.rollout_precision != "fp8":
             return
@@ -211,11 +218,11 @@ class FP8VLLMGeneration(VLLMGeneration):
                 )
             return
         if torch.cuda.is_available():
-            self.report.act_quant_choice = act_quant.install_for_model(
+            self.report.checked_act_quant = act_quant.install_for_model(
                 unwrap_model(self.model), self.accelerator.device, require_faster=settings.act_quant_kernel == "auto",
                 owner=self,
             )  # fmt: skip
-            logger.info("vLLM SiLU-and-mul + FP8 quantization: %s", self.report.act_quant_choice.reason)
+            logger.info("vLLM SiLU-and-mul + FP8 quantization: %s", self.report.checked_act_quant.reason)
 
     def _precompile_deepgemm(self) -> None:
         """Compile the engine's DeepGEMM kernels in parallel processes (local main process; the others wait and

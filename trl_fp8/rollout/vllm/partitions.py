@@ -117,22 +117,23 @@ def tensor_parallel_env(tp: int, environ=os.environ) -> dict[str, tuple[str, str
     }
 
 
-def tensor_parallel_overrides(tp: int, environ=os.environ) -> dict[str, tuple[object, str]]:
+def tensor_parallel_overrides(tp: int, environ=None) -> dict[str, tuple[object, str]]:
     """`LLM(...)` arguments a `tp`-rank colocated engine needs on this host, each with the reason, as
-    `{argument: (value, why)}` (`{}` where vLLM's own choices work).
+    `{argument: (value, why)}` (`{}` where vLLM's own choices work). `environ`: this process's environment and
+    allocator when None; a test's settings otherwise.
 
     - With NVLink multicast off (`multicast_off`): vLLM 0.26 fuses each all-reduce with the next RMSNorm through
       FlashInfer's TRT-LLM all-reduce, whose workspace is multicast memory, and its first call fails with an illegal
       memory access. The fusion pass is turned off; vLLM's own all-reduce and RMSNorm give the same values.
-    - With expandable segments (`expandable_segments_on`): vLLM's custom all-reduce shares the buffers of its CUDA
-      graphs between the ranks with `cudaIpcGetMemHandle`, which refuses memory from expandable segments, and the
-      engine exits right after capturing its graphs (vllm-project/vllm#42609). It is turned off; NCCL all-reduces
-      instead.
+    - With expandable segments (`expandable_segments_on`: the allocator asked, whichever variable set them):
+      vLLM's custom all-reduce shares the buffers of its CUDA graphs between the ranks with `cudaIpcGetMemHandle`,
+      which refuses memory from expandable segments, and the engine exits right after capturing its graphs
+      (vllm-project/vllm#42609). It is turned off; NCCL all-reduces instead.
     """
     if tp <= 1:
         return {}
     overrides: dict[str, tuple[object, str]] = {}
-    if multicast_off(environ):
+    if multicast_off(os.environ if environ is None else environ):
         overrides["compilation_config"] = (
             {"pass_config": {"fuse_allreduce_rms": False}},
             "NVLink multicast is off here, which the fused all-reduce + RMSNorm needs",
