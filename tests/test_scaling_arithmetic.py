@@ -1,4 +1,5 @@
-"""`python -m benchmarks.scaling_arithmetic` (docs/scaling.md's tables): its numbers follow from the library's rules
+"""`python -m benchmarks.scaling_arithmetic` (docs/contributing/scaling-details.md's tables): its numbers follow
+from the library's rules
 (FSDP2's dim-0 chunks against 128-row blocks, vLLM's partitions, the FP8 checkpoint's bytes), and its results file
 records its run."""
 
