@@ -14,7 +14,7 @@ import pytest
 from conftest import HANG_GUARD_S
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.benchmark_scripts  # in the default run; `-m benchmark_scripts` runs them alone
+pytestmark = pytest.mark.benchmark_scripts  # not in the default run; `-m benchmark_scripts` runs them
 
 
 @pytest.fixture(scope="module")
