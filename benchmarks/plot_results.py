@@ -20,7 +20,7 @@
 - `linear_speedup.png`: `results/linear_*.json`, each variant's forward+backward speed-up over BF16 per layer shape.
 
 A plot whose results are missing is skipped (and said so); nothing is invented. The same run also prints the
-report's tables (`tables`), which `docs/benchmarks.md` and `notebooks/fp8_vs_bf16.ipynb` quote.
+report's tables (`tables`), which `docs/contributing/benchmark-details.md` and `notebooks/fp8_vs_bf16.ipynb` quote.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from pathlib import Path
 
 from benchmarks.common import RESULTS, arg_parser, kernel_category
 
-REPORT_DEVICE = "NVIDIA_H200"  # the device of docs/benchmarks.md's report: its files are drawn where one is
+REPORT_DEVICE = "NVIDIA_H200"  # the device of the report (docs/contributing/benchmark-details.md): drawn where one is
 
 
 def _sorted(paths) -> list[Path]:

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU runs behind the rollout and training-speed sections of docs/benchmarks.md, in phases; several phases run in the order
+# The GPU runs behind the rollout and training-speed sections of docs/contributing/benchmark-details.md, in phases;
+# several phases run in the order
 # given (`bash benchmarks/run_rollout_report.sh linear suite rollout`). `source .gpu/setup.sh` first; results and
 # logs go to $WORK, default /var/tmp/trl_fp8_rollout_report, never into the tree.
 #

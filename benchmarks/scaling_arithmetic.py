@@ -1,4 +1,5 @@
-"""Several GPUs and several nodes, on paper: the arithmetic behind docs/scaling.md, from the library's own rules.
+"""Several GPUs and several nodes, on paper: the arithmetic behind docs/contributing/scaling-details.md, from the
+library's own rules.
 
 Nothing here runs on a GPU. Each Qwen3 shape is built on the meta device from a transformers config; the FP8 layers
 are the ones `plan_fp8_conversion` picks by default, and every rule is the library's own:

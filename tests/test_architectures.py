@@ -21,7 +21,8 @@ Per architecture (2 layers, hidden 256, 4 experts, small vocabulary; CPU, exact 
 - the block-FP8 checkpoint of the converted model is written, and the one of the float32 model (its layers planned by
   `plan_fp8_conversion`, quantized by the exporter) holds the very same tensors.
 
-`python -m tests.test_architectures` prints the table of docs/architectures.md from these same checks.
+`python -m tests.test_architectures` prints the table of docs/contributing/architectures-details.md from these same
+checks.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import pytest
 from conftest import HANG_GUARD_S
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.benchmark_scripts  # `python -m pytest -m benchmark_scripts` runs these alone
+pytestmark = pytest.mark.benchmark_scripts  # not in the default run: `python -m pytest -m benchmark_scripts` runs them
 PRETRAIN, RUN_GRPO = "benchmarks.convergence.pretrain", "benchmarks.convergence.run_grpo"
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from benchmarks.collect_scaling import collect, main, merge_side_by_side, table
 
-pytestmark = pytest.mark.benchmark_scripts  # in the default run; `-m benchmark_scripts` runs them alone
+pytestmark = pytest.mark.benchmark_scripts  # not in the default run; `-m benchmark_scripts` runs them
 
 WORKLOAD = {"shape": "8b", "prompt_len": 256, "completion_len": 2048, "generation_batch": 128, "num_generations": 8,
             "micro_batch": 8, "vllm_memory": 0.3, "sleep_mode": True}  # fmt: skip

@@ -6,7 +6,7 @@ import pytest
 
 from benchmarks.merge_results import main, merge_at_once
 
-pytestmark = pytest.mark.benchmark_scripts  # in the default run; `-m benchmark_scripts` runs them alone
+pytestmark = pytest.mark.benchmark_scripts  # not in the default run; `-m benchmark_scripts` runs them
 
 
 def grpo_file(rows: dict[str, float], **settings) -> dict:

@@ -1,4 +1,5 @@
-"""`python -m benchmarks.scaling_arithmetic` (docs/scaling.md's tables): its numbers follow from the library's rules
+"""`python -m benchmarks.scaling_arithmetic` (docs/contributing/scaling-details.md's tables): its numbers follow
+from the library's rules
 (FSDP2's dim-0 chunks against 128-row blocks, vLLM's partitions, the FP8 checkpoint's bytes), and its results file
 records its run."""
 
@@ -13,7 +14,7 @@ import pytest
 from conftest import HANG_GUARD_S
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.benchmark_scripts  # in the default run; `-m benchmark_scripts` runs them alone
+pytestmark = pytest.mark.benchmark_scripts  # not in the default run; `-m benchmark_scripts` runs them
 
 
 @pytest.fixture(scope="module")

@@ -170,7 +170,8 @@ class FP8LinearConfig:
             `"emulated"` quantizes, dequantizes and multiplies in fp32 (exact emulation; any device), `"auto"`
             picks `scaled_mm` on SM90 CUDA tensors and `emulated` elsewhere. `"deepgemm"` (SM90, needs vLLM's
             bundled DeepGEMM) runs FProp and DGrad on DeepGEMM and WGrad as `scaled_mm`: opt-in, faster per layer
-            at the cost of just-in-time compiles in the first step (`ops/deep_gemm.py`; docs/benchmarks.md).
+            at the cost of just-in-time compiles in the first step (`ops/deep_gemm.py`;
+            docs/contributing/benchmark-details.md).
         cache_quantized_weight: keep the FP8 copy of each weight between calls until the weight changes
             (optimizer step), so micro-batches, log-prob passes and the vLLM weight sync quantize once per step.
             Costs one byte per parameter.

@@ -34,12 +34,12 @@ GRPO_SETTINGS = dict(
 )
 # From `warm_start`: the policy is sharpened, not rebuilt. A small learning rate, 8 prompts per step and a KL
 # anchor keep GRPO from collapsing onto one letter, as it does from there with GRPO_SETTINGS (4 prompts per step, no
-# KL; what each gave: docs/engineering-notes.md, "The demo's settings").
+# KL; what each gave: docs/contributing/engineering-notes.md, "The demo's settings").
 WARM_START_GRPO_SETTINGS = dict(GRPO_SETTINGS, learning_rate=2e-4, per_device_train_batch_size=64, beta=0.04)
 
 # The demo's recipe (`examples/grpo_fp8.py`, the quickstart notebook, the learning test): 60 steps from `warm_start`
-# at twice that learning rate (the lower one left a seed behind after 60 steps: docs/engineering-notes.md, "The
-# demo's settings"), with TRL's default seed.
+# at twice that learning rate (the lower one left a seed behind after 60 steps: docs/contributing/engineering-notes.md,
+# "The demo's settings"), with TRL's default seed.
 DEMO_GRPO_SETTINGS = dict(WARM_START_GRPO_SETTINGS, learning_rate=4e-4, seed=42)
 DEMO_MAX_STEPS = 60
 # What the demo printed (greedy accuracy over the 8 letters, warm start -> reloaded FP8 checkpoint) per seed, as

@@ -8,7 +8,8 @@ Scales are written column-major, the layout cuBLAS's blockwise `scaled_mm` reads
 separate padding copy. One program owns one 128x128 tile and computes its row and column amaxes from one load.
 
 Launch: 4 warps when writing both layouts (the column layout's transposed store is the slow half), 8 for the row
-layout alone, as `benchmarks/bench_quant.py` found best (docs/benchmarks.md). `cols_second_read` is a candidate: the
+layout alone, as `benchmarks/bench_quant.py` found best (docs/contributing/engineering-notes.md). `cols_second_read`
+is a candidate: the
 column layout from a second, K-major read of the tile (an L1/L2 hit, not HBM), stored without a register transpose.
 """
 

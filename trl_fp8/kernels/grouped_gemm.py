@@ -36,7 +36,7 @@ is a quarter or more of the rows; WGrad's caller launches 64-row tiles with 4 wa
 on sm_90, but then only A's loads are asynchronous; so DGrad multiplies each expert's weight re-quantized transposed
 (`weight_quant.quantize_expert_weights_t`: `[E, K, N]`, K-major, the same FP8 values and scales). The floor of each
 launch at Qwen3-30B-A3B's expert shapes, what the kernels reach of it and how they compile for sm_90:
-docs/moe.md.
+docs/contributing/engineering-notes.md, "Mixture of experts".
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ input) are one CUDA op, `torch.ops._C.silu_and_mul_per_block_quant`. vLLM 0.26 l
 per (token, group), each reducing its group's amax through shared memory: far below the speed its bytes allow. Here
 one program quantizes a tile of `BLOCK_M` tokens x one group: nearer that floor, bound by the float32 arithmetic (a
 correctly rounded division per element, as vLLM's) more than by its bytes. The times of both against the floor:
-`benchmarks/bench_quant.py`, docs/engineering-notes.md, "The activation quantization kernel, in detail".
+`benchmarks/bench_quant.py`, docs/contributing/engineering-notes.md, "The activation quantization kernel, in detail".
 
 The arithmetic is vLLM's, step for step, in float32: `s = gate * (1 / (1 + exp(-gate)))`, `r = s * up`;
 `scale = max(|r|) / 448`, capped by `scale_ub` when given, floored at `1 / (448 * 512)`; `q = e4m3(clamp(r / scale,

@@ -24,7 +24,8 @@ experts), so only the fp32 summation order differs. Speed against BF16: docs/moe
 
 Elsewhere (the emulation on CPU) all experts of a projection run as a loop in one autograd node
 (`_ExpertsFP8Matmul`): each expert's GEMMs are the dense layer's, bit for bit, without an autograd node per expert
-(a Python autograd node costs more host time than a blockwise GEMM's launch: docs/benchmarks.md). That loop over
+(a Python autograd node costs more host time than a blockwise GEMM's launch: docs/contributing/benchmark-details.md).
+That loop over
 experts is the exact reference the grouped kernels must equal (tests/test_grouped_gemm.py runs them in Triton's CPU
 interpreter against it); experts that receive no token are skipped, uneven token counts are the normal case. The
 router stays in high precision (an FP8 router flips top-k choices), and so does anything of a layout this module does
@@ -308,7 +309,7 @@ def _deepgemm_runs_here(device_index: int) -> bool:
 def grouped_gemm_kernel(choice: str, x: torch.Tensor) -> str:
     """The grouped FProp/DGrad kernel for `x`: "deepgemm" (DeepGEMM's m-grouped GEMM, BF16 output, SM90) or
     "triton" (`kernels.grouped_gemm.m_grouped_gemm`). `choice` "auto" takes DeepGEMM where it can run: it is the
-    faster of the two on the same operands at the expert shapes measured (docs/moe.md)."""
+    faster of the two on the same operands at the expert shapes measured (docs/contributing/engineering-notes.md)."""
     if choice == "triton" or not x.is_cuda:
         return "triton"
     runs = x.dtype == torch.bfloat16 and _deepgemm_runs_here(x.device.index or 0)
@@ -418,7 +419,7 @@ class _CombineExperts(torch.autograd.Function):
 
 # k_grouped_gemm's launch for WGrad: 64-row output tiles, 4 warps, 3 stages instead of the kernel's defaults (128 rows,
 # 8 warps, 4 stages): smaller tiles leave room for two programs per SM, which ran faster at Qwen3-30B-A3B's expert
-# shapes (`benchmarks/bench_grouped_gemm.py --sweep`; docs/moe.md).
+# shapes (`benchmarks/bench_grouped_gemm.py --sweep`; docs/contributing/engineering-notes.md).
 WGRAD_LAUNCH: dict = dict(block_n=64, num_warps=4, num_stages=3)
 
 

@@ -3,7 +3,8 @@
 transformers calls `q_proj(x)`, `k_proj(x)` and `v_proj(x)` one after another. Run as three FP8 layers, that is three
 FProp GEMMs, three DGrad and three WGrad GEMMs, three output-gradient quantizations and three DGrad weight layouts,
 each issued from Python, so the three layers can be bound by the host where one `qkv_proj` layer of the same GEMMs
-is not (docs/benchmarks.md measures both). Their weights' output dims are multiples of 128, so stacking them row-wise
+is not (docs/contributing/benchmark-details.md measures both). Their weights' output dims are multiples of 128, so
+stacking them row-wise
 changes no 128x128 block and no 1x128 gradient group: one GEMM on the stacked FP8 blocks is the three layers' math.
 
 So the first sibling called computes every sibling's output in one `_BlockwiseFP8Matmul` (FProp, DGrad, WGrad on the

@@ -1,16 +1,16 @@
 """FProp and DGrad on DeepGEMM (vLLM's bundled copy); the quantizers and WGrad as in `scaled_mm`.
 
 DeepGEMM's 1x128 x 128x128 kernel is faster than cuBLAS's blockwise `scaled_mm` on the same operands, to the same
-error against the exact emulation (`benchmarks/bench_gemm.py`; figures in docs/benchmarks.md). Its SM90 WGrad kernel
-(1x128 x 1x128) only accumulates into an fp32 output, so WGrad stays on cuBLAS here. The operands already come in
-DeepGEMM's layouts: A row-major with MN-major scales (our quantizers write them so), B K-major (`[N, K]` for FProp;
+error against the exact emulation (`benchmarks/bench_gemm.py`; docs/contributing/benchmark-details.md). Its SM90
+WGrad kernel (1x128 x 1x128) only accumulates into an fp32 output, so WGrad stays on cuBLAS here. The operands come
+in DeepGEMM's layouts: A row-major with MN-major scales (our quantizers write them so), B K-major (`[N, K]` for FProp;
 the column-major DGrad weight read as `W.T`) with `[N/128, K/128]` fp32 scales, passed through vLLM's own
 weight-scale preparation.
 
 The GPU suite checks it against the emulation. Besides a faster layer, it costs just-in-time compiles in the first
 training step (the DGrad shapes are new to the rollout engine's kernel cache; `bench_linear.py` and `bench_grpo.py`
-measure both, docs/benchmarks.md). It stays opt-in (`FP8LinearConfig(backend="deepgemm")`) until the GPU suite
-runs with it as the default.
+measure both, docs/contributing/benchmark-details.md). It stays opt-in (`FP8LinearConfig(backend="deepgemm")`)
+until the GPU suite runs with it as the default.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 They are `torch.library.triton_op`s: Inductor sees their Triton kernels and launches them from its
 generated code, with neither a Python launcher nor a dispatcher round trip per call. The blockwise GEMM stays an op
 with a Python body (`ops.library`, defined with `Library.define`, whose dispatch costs a fraction of
-`torch.library.custom_op`'s: docs/changelog.md), because Dynamo in torch 2.11 cannot trace `torch._scaled_mm_v2` (a
-graph break at every FP8 layer, slower than eager). Same kernels, same bits as eager.
+`torch.library.custom_op`'s: docs/contributing/changelog.md), because Dynamo in torch 2.11 cannot trace
+`torch._scaled_mm_v2` (a graph break at every FP8 layer, slower than eager). Same kernels, same bits as eager.
 """
 
 from __future__ import annotations

@@ -4,10 +4,11 @@ config and the machine (read from `args.device` unless given): Liger's kernels, 
 a `Choice` with its reason; `FP8RunPlan` holds them, and the trainer and `trl-fp8 plan` read them from there.
 
 Liger's fused RMSNorm, RoPE and SwiGLU take the part of the training phase that FP8 layers leave in BF16
-(elementwise kernels and reductions, a large share of it at the 8B shape: docs/benchmarks.md, "GRPO at 64 x 1k:
-backends, weight cache, profile"), so they pay most beside FP8 GEMMs. Measured with TRL's `use_liger_kernel=True` on
-Qwen3 shapes, with and without them: docs/benchmarks.md, "GRPO with Liger's kernels, compiled layers and the
-fusions", and for the 8B GRPO step at TRL's colocate defaults that chose the default, docs/engineering-notes.md,
+(elementwise kernels and reductions, a large share of it at the 8B shape: docs/contributing/benchmark-details.md,
+"GRPO at 64 x 1k: backends, weight cache, profile"), so they pay most beside FP8 GEMMs. Measured with TRL's
+`use_liger_kernel=True` on Qwen3 shapes, with and without them: the same page, "GRPO with Liger's kernels, compiled
+layers and the fusions", and for the 8B GRPO step at TRL's colocate defaults that chose the default,
+docs/contributing/engineering-notes.md,
 "One H100, 2026-11-26: with and without Liger's kernels". They are put on the model exactly as that option does
 (transformers' `apply_liger_kernel` when training starts, TRL's `liger_kernel_config`), where that is what was
 measured: a dense decoder of a family whose layers Liger patches with these three kernels, trained on a CUDA GPU,
@@ -124,7 +125,8 @@ def choose_fp8_weight_cache(
 
     The cache costs 1 byte per FP8 weight and saves re-quantizing each weight at every forward. Kept through the
     micro-batches as well (`fp8_cache_weights=True`) it saves a little of the training phase's time and raises the
-    training peak above BF16's by its bytes (bench_grpo's `*_nocache` runs: docs/benchmarks.md, "GRPO at 64 x 1k:
+    training peak above BF16's by its bytes (bench_grpo's `*_nocache` runs: docs/contributing/benchmark-details.md,
+    "GRPO at 64 x 1k:
     backends, weight cache, profile" and "GRPO with Liger's kernels, compiled layers and the fusions"); held for
     scoring only, the micro-batches' peak is BF16's. Under FSDP2 it is never kept (it would undo the sharding).
     `total_bytes`: the GPU's memory (read from `args.device` when None; no GPU: no limit to respect). `tuning`: the
@@ -218,7 +220,7 @@ def choose_fp8_kv_cache(
 
     Where the BF16 cache binds, the FP8 cache holds about twice the sequences, and a GRPO step runs clearly faster
     with it; where every sequence fits, it runs about as fast as the BF16 cache, for several times the
-    trainer-vs-rollout KL (measured: docs/when-fp8-pays.md, "The FP8 KV cache: on where the BF16 cache would bind").
+    trainer-vs-rollout KL (measured: docs/when-fp8-pays.md, "The FP8 KV cache").
     So it is chosen only where it pays, on Hopper (vLLM's FP8 attention is FlashAttention-3's), in the FP8 flow with
     TRL's importance-sampling correction on. Sequences count `vllm_max_model_length` tokens, else
     `max_completion_length` (the prompts are not known before the first rollout, whose log line says whether the

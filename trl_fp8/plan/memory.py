@@ -47,7 +47,7 @@ __all__ = [
 OPTIMIZER_STATE_BYTES = {"adamw_torch": 4, "adamw_torch_fused": 4, "adamw_bnb_8bit": 2, "adamw_8bit": 2,
                          "paged_adamw_8bit": 2, "adafactor": 0, "sgd": 0}  # fmt: skip
 # transformers' Trainer keeps the input embedding's 8-bit AdamW states in 32 bits (two float32 moments: 8 bytes;
-# docs/when-fp8-pays.md compares the estimate with a measurement).
+# docs/contributing/when-fp8-pays-details.md compares the estimate with a measurement).
 EIGHT_BIT_OPTIMIZERS = ("adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit")
 EMBEDDING_STATE_BYTES_8BIT = 8
 # torch's AdamW keeps its moments in the parameter's dtype: twice the bytes beside FSDP2's float32 masters.
@@ -62,12 +62,12 @@ NCCL_BUFFER_BYTES = 1 * GiB
 HELD_BETWEEN_STEPS = ("weights", "optimizer", "ddp_buckets", "nccl_buffers")
 # FP8GRPOTrainer keeps its FP8 weight cache only where the training phase with it stays under this share of the GPU
 # (`fp8_cache_weights=None`); the rest of the GPU covers the account's roughness (a device peak above the planned
-# one: docs/engineering-notes.md, "The memory planner against the device").
+# one: docs/contributing/engineering-notes.md, "The memory planner against the device").
 FP8_CACHE_HEADROOM = 0.9
 # Under FSDP2 with gradient accumulation, FP8GRPOTrainer has every micro-batch reduce-scatter its gradients
 # (accelerate's sync_each_batch) where keeping them whole would put the training phase above this share of the GPU
-# (the device peaked above the planner's account there: docs/scaling.md, "Launching on one machine", FSDP2 and
-# gradient accumulation).
+# (the device peaked above the planner's account there: docs/contributing/engineering-notes.md, "The memory planner
+# against the device").
 FSDP2_GRADIENTS_HEADROOM = 0.9
 
 
@@ -212,7 +212,8 @@ def _fsdp2_rank(
     `no_sync`, which FSDP2 carries out as `set_requires_gradient_sync(False)`: no reduce-scatter, each unit's
     gradient kept whole in its reduce dtype (BF16 under accelerate's policy) until the last micro-batch reduces it.
     Every rank then holds the whole model's gradients in BF16, 2 bytes a parameter as under DDP (a device peak
-    against the plan without them: docs/scaling.md, "Launching on one machine", FSDP2 and gradient accumulation)."""
+    against the plan without them: docs/contributing/engineering-notes.md, "The memory planner against the
+    device")."""
     parts = trainer_memory_bytes(shape, **{**memory, "fp8_weight_cache": False}, master_weight_bytes=4)
     shards = {key: math.ceil(parts[key] / num_processes) for key in ("weights", "gradients", "optimizer")}
     gathered = fsdp2_gathered_params(shape, prefetch_layers)

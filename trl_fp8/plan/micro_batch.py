@@ -5,8 +5,8 @@ calls, autograd glue), while its GEMMs grow with the tokens of the micro-batch. 
 micro-batches small, the GPU waits for the host and FP8 trains slower than BF16; larger micro-batches, fewer of them
 a step, give the GEMMs the time to cover the host's. The note is said where that was measured: dense models no wider
 than `HOST_BOUND_HIDDEN_SIZE` in micro-batches of fewer than `HOST_BOUND_MICRO_BATCH_TOKENS` tokens (the speeds:
-docs/benchmarks.md, "The training phase alone"). Wider models, unmeasured sizes and mixture-of-experts models (whose
-expert layers were measured apart, docs/moe.md) get no note.
+docs/contributing/benchmark-details.md, "The training phase alone"). Wider models, unmeasured sizes and
+mixture-of-experts models (whose expert layers were measured apart, docs/moe.md) get no note.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ __all__ = [
 
 HOST_BOUND_HIDDEN_SIZE = 2048  # the widest hidden size measured host-bound (Qwen3-1.7B's)
 # Micro-batch tokens below which FP8 training at a hidden size up to HOST_BOUND_HIDDEN_SIZE is host-bound: the
-# micro-batch at which it matched BF16's in the measurement on docs/benchmarks.md, "The training phase alone".
+# micro-batch at which it matched BF16's in the measurement on docs/contributing/benchmark-details.md, "The training
+# phase alone".
 HOST_BOUND_MICRO_BATCH_TOKENS = 16 * 1152
 SPEEDS_IN_THE_DOCS = (  # said with the advice, by the trainer and by `trl-fp8 plan`
     "FP8 against BF16 in such micro-batches and in larger ones, measured: the Benchmarks page of the documentation, "

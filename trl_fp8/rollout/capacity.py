@@ -8,8 +8,8 @@ context). FP8 weights free half of the linear layers' bytes for KV cache, and an
 every cached token; both let more sequences decode at once.
 
 The overhead model is empirical: `VLLM_OVERHEAD` was fitted (least squares) on vLLM 0.26.0's own KV-cache sizes for
-random Qwen3 shapes (how closely it follows them: docs/when-fp8-pays.md; `tests/test_capacity.py` checks the
-committed rows). Other vLLM versions and other attention kinds (sliding windows, MLA) are not modelled.
+random Qwen3 shapes (how closely it follows them: docs/contributing/when-fp8-pays-details.md; `tests/test_capacity.py`
+checks the committed rows). Other vLLM versions and other attention kinds (sliding windows, MLA) are not modelled.
 
 Several GPUs follow TRL's colocate mode: one vLLM engine on every GPU or, with `vllm_tensor_parallel_size` T, one
 engine over each group of T GPUs. An engine over T GPUs holds on each of them 1/T of
@@ -40,7 +40,7 @@ __all__ = [
 GiB = 2**30
 # Total memory as CUDA reports it (`torch.cuda.mem_get_info()[1]`, the figure vLLM multiplies by its share): the
 # H100 80GB HBM3's as CUDA reported it; the H200's is nvidia-smi's figure (on the H100, CUDA reported a little less
-# than nvidia-smi: docs/engineering-notes.md, "The memory planner against the device").
+# than nvidia-smi: docs/contributing/engineering-notes.md, "The memory planner against the device").
 GPU_MEMORY_BYTES = {"H100": 85_017_493_504, "H200": 143771 * 2**20}
 KV_BLOCK_TOKENS = 16  # vLLM allocates the KV cache in blocks of 16 tokens
 # overhead = base + activations x activation_factor + sampler logits x logits_factor (see vllm_overhead_bytes)

@@ -5,7 +5,7 @@
 # `wheels-STACK.txt` beside this script lists the wheels (python 3.12, x86-64). They are installed here into one
 # site folder, slimmed of what Hopper never loads, packed into one zstd stream and split into parts `DEST/pNN`, each
 # small enough to travel with the project on its own. On the host, `bash DEST/setup.sh stage` after each part, then
-# `source DEST/setup.sh` (see docs/tests.md).
+# `source DEST/setup.sh` (see docs/contributing/test-record.md).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 stacks=$(cd "$here" && ls wheels-*.txt | sed 's/wheels-//; s/.txt//' | tr '\n' ' ')

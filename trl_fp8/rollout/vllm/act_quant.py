@@ -2,8 +2,8 @@
 
 vLLM's block-FP8 engines quantize `down_proj`'s input with one CUDA op, `torch.ops._C.silu_and_mul_per_block_quant`
 (the compile pass `fuse_act_quant` puts it in the dense MLP, and vLLM's Triton fused MoE calls it between the two
-expert GEMMs). vLLM 0.26 runs it far below the speed its bytes allow (docs/engineering-notes.md, "The activation
-quantization kernel, in detail"). `install` re-registers the op's CUDA kernel with
+expert GEMMs). vLLM 0.26 runs it far below the speed its bytes allow (docs/contributing/engineering-notes.md, "The
+activation quantization kernel, in detail"). `install` re-registers the op's CUDA kernel with
 `trl_fp8.kernels.vllm_silu_mul_quant` through `torch.library`, so every caller (compiled graphs and their CUDA
 graphs included) runs it, but only after checking on this GPU, before the engine starts, that
 

@@ -3,7 +3,7 @@
 vLLM's defaults also turn every sampled token and every log-prob token into text, and keep one dict and one `Logprob`
 object per generated token. In a colocated engine that work runs on the engine's own thread between decode steps,
 several times the host time of token ids alone, with garbage-collection pauses that grow as those objects pile up
-(`benchmarks/bench_output_processing.py`; the times: docs/rollouts.md, "Token ids and log-probs only").
+(`benchmarks/bench_output_processing.py`; the times: docs/contributing/internals.md, "Token ids and log-probs only").
 `detokenize=False` and `flat_logprobs=True` give the same token ids and log-probs without it. TRL merges
 `GRPOConfig.generation_kwargs` into the `SamplingParams` of every colocated rollout, so the trainer sets them there.
 """
