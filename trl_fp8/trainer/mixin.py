@@ -44,7 +44,6 @@ from trl_fp8.distributed import (
     reduce_over_ranks,
     zero_grads_in_buckets,
 )
-from trl_fp8.hub import missing_local_model
 from trl_fp8.nn.conversion import ConversionReport, convert_to_fp8, plan_fp8_conversion
 from trl_fp8.plan import Choice, FP8RunPlan, RolloutSettings
 from trl_fp8.requirements import check_reward_dependencies
@@ -56,6 +55,7 @@ from trl_fp8.trainer.layer_checkpointing import RENAMED_CHECKPOINTING_CALLS, kee
 from trl_fp8.trainer.liger import liger_patches_kept_on_the_model
 from trl_fp8.trainer.model_card import fp8_model_card_section
 from trl_fp8.trainer.regional_compile import compile_decoder_layers, eager_generation
+from trl_fp8.trainer.start_up import check_model_sources
 from trl_fp8.tuning import FP8Tuning
 
 logger = logging.getLogger(__name__)
@@ -110,10 +110,9 @@ class FP8TrainerMixin:
 
             if said := sleep_mode_allocator(args):
                 logger.log(*said)
+        check_model_sources(model, reward_funcs, args)  # before transformers asks the Hub for a typo, or offline
         loaded_here = isinstance(model, str)
         if loaded_here:
-            if problem := missing_local_model(model):
-                raise ValueError(problem)  # before transformers asks the Hub for a path that is a typo
             model = self._load_model(model, args, trainer_kwargs.get("quantization_config"))
         self._fp8_filter = fp8_module_filter_fn
         self._peft_config = trainer_kwargs.get("peft_config")
