@@ -1,9 +1,10 @@
-"""What the trainers refuse at start-up, before the model loads: a Hub id that cannot be loaded here, a folder that
-is not a model's."""
+"""What the trainers refuse at start-up, before the model loads: a dataset without TRL's `prompt` column, a Hub id
+that cannot be loaded here."""
 
 import pytest
+from datasets import Dataset, DatasetDict, IterableDataset
 
-from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer
+from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, FP8RLOOConfig, FP8RLOOTrainer
 from trl_fp8.demo.toy_task import GRPO_SETTINGS, say_letter_dataset, say_letter_reward
 
 
@@ -20,6 +21,49 @@ def no_model_load(monkeypatch):
     import trl_fp8.trainer.mixin as mixin
 
     monkeypatch.setattr(mixin, "create_model_from_path", lambda *a, **k: pytest.fail("loaded the model"))
+
+
+# --- the dataset's `prompt` column (TRL's GRPO and RLOO read `x["prompt"]` of every row at the first step) ------------
+
+
+def questions(n: int = 16) -> Dataset:
+    return Dataset.from_dict({"question": [f"say {c}:" for c in "ab" * (n // 2)], "letter": list("ab" * (n // 2))})
+
+
+def test_a_dataset_without_a_prompt_column_is_refused_before_the_model_loads(model_dir, tmp_path, no_model_load):
+    with pytest.raises(
+        ValueError, match=r"train_dataset has no 'prompt' column \(its columns: question, letter\)"
+    ) as e:
+        FP8GRPOTrainer(model_dir, say_letter_reward, make_args(tmp_path), train_dataset=questions())
+    assert "rename_column" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(ValueError, match=r"eval_dataset\['hard'\] has no 'prompt' column"):
+        # positional, as TRL's signature takes them
+        FP8GRPOTrainer(model_dir, say_letter_reward, make_args(tmp_path), say_letter_dataset(16),
+                       {"easy": say_letter_dataset(16), "hard": questions()})  # fmt: skip
+    with pytest.raises(ValueError, match=r"eval_dataset has no 'prompt' column"):
+        FP8GRPOTrainer(model_dir, say_letter_reward, make_args(tmp_path), train_dataset=say_letter_dataset(16),
+                       eval_dataset=questions())  # fmt: skip
+    with pytest.raises(ValueError, match=r"train_dataset is a DatasetDict of splits \(train, test\).*\['train'\]"):
+        FP8GRPOTrainer(model_dir, say_letter_reward, make_args(tmp_path),
+                       train_dataset=DatasetDict(train=say_letter_dataset(16), test=say_letter_dataset(16)))  # fmt: skip
+    with pytest.raises(ValueError, match=r"train_dataset has no 'prompt' column"):  # RLOO reads it the same way
+        FP8RLOOTrainer(model_dir, say_letter_reward, make_args(tmp_path, FP8RLOOConfig), train_dataset=questions())
+
+
+def test_datasets_whose_columns_are_unknown_or_that_an_environment_fills_are_left_to_trl():
+    from trl_fp8.trainer.start_up import dataset_problem
+
+    def rows():
+        yield {"question": "say a:"}
+
+    streamed = IterableDataset.from_generator(rows)
+    assert streamed.column_names is None
+    assert dataset_problem({"train_dataset": streamed}) is None  # its columns are known at the first row only
+    assert dataset_problem({"train_dataset": say_letter_dataset(4).to_iterable_dataset()}) is None
+    assert "no 'prompt' column" in dataset_problem({"train_dataset": questions().to_iterable_dataset()})
+    # TRL's GRPO defaults the prompt where an environment returns it from reset()
+    assert dataset_problem({"train_dataset": questions(), "environment_factory": object}) is None
+    assert dataset_problem({"train_dataset": say_letter_dataset(4), "eval_dataset": None}) is None
 
 
 # --- a model the trainer could not load: a Hub id offline and not cached, a folder without config.json -------------

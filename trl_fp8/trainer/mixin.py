@@ -55,7 +55,7 @@ from trl_fp8.trainer.layer_checkpointing import RENAMED_CHECKPOINTING_CALLS, kee
 from trl_fp8.trainer.liger import liger_patches_kept_on_the_model
 from trl_fp8.trainer.model_card import fp8_model_card_section
 from trl_fp8.trainer.regional_compile import compile_decoder_layers, eager_generation
-from trl_fp8.trainer.start_up import check_model_sources
+from trl_fp8.trainer.start_up import check_datasets, check_model_sources, trl_arguments
 from trl_fp8.tuning import FP8Tuning
 
 logger = logging.getLogger(__name__)
@@ -111,6 +111,7 @@ class FP8TrainerMixin:
             if said := sleep_mode_allocator(args):
                 logger.log(*said)
         check_model_sources(model, reward_funcs, args)  # before transformers asks the Hub for a typo, or offline
+        check_datasets(trl_arguments(super().__init__, model, reward_funcs, args, *trainer_args, **trainer_kwargs))
         loaded_here = isinstance(model, str)
         if loaded_here:
             model = self._load_model(model, args, trainer_kwargs.get("quantization_config"))

@@ -1,14 +1,74 @@
 """What the trainers check before the model loads, so that a run that could not train stops at once, in one line
 naming the fix.
 
-transformers finds a Hub id it cannot download after retrying, in a long traceback.
+TRL's trainers find a dataset without a `prompt` column at the first step, and transformers finds a Hub id it cannot
+download after retrying.
 """
 
 from __future__ import annotations
 
+import inspect
+
+from datasets import Dataset, IterableDataset
+
 from trl_fp8.hub import unavailable_model
 
-__all__ = ["check_model_sources"]
+__all__ = ["check_datasets", "check_model_sources", "dataset_problem", "trl_arguments"]
+
+
+def trl_arguments(trl_init, *args, **kwargs) -> dict:
+    """The arguments of a call of the TRL trainer's `__init__` (bound method `trl_init`), by parameter name; empty
+    where they do not fit its signature (TRL's own error says how)."""
+    try:
+        return dict(inspect.signature(trl_init).bind(*args, **kwargs).arguments)
+    except TypeError:
+        return {}
+
+
+def check_datasets(arguments: dict) -> None:
+    """Refuse the datasets TRL would fail on at its first step (or after the model loads): `dataset_problem`."""
+    if problem := dataset_problem(arguments):
+        raise ValueError(problem)
+
+
+def dataset_problem(arguments: dict) -> str | None:
+    """Why TRL's GRPO / RLOO cannot train or evaluate on the datasets in `arguments` (the trainer's, by name), or
+    None. Each row's `prompt` (a string, or a list of chat messages) is what they sample completions for; GRPO lets
+    an `environment_factory` supply it. A streamed dataset whose columns are known only at its first row is left
+    to TRL."""
+    if arguments.get("environment_factory") is not None:
+        return None  # the environment returns each prompt from reset(); TRL checks the rest
+    train = arguments.get("train_dataset")
+    if train is None:
+        return "train_dataset is required: pass a datasets.Dataset with a 'prompt' column (the prompts to sample)."
+    datasets = [("train_dataset", train)]
+    evaluation = arguments.get("eval_dataset")
+    if isinstance(evaluation, dict):  # DatasetDict, IterableDatasetDict or a dict of datasets: each is evaluated
+        datasets += [(f"eval_dataset[{name!r}]", dataset) for name, dataset in evaluation.items()]
+    elif evaluation is not None:
+        datasets.append(("eval_dataset", evaluation))
+    for name, dataset in datasets:
+        if problem := _prompt_problem(name, dataset):
+            return problem
+    return None
+
+
+def _prompt_problem(name: str, dataset) -> str | None:
+    if isinstance(dataset, dict):
+        return (
+            f"{name} is a {type(dataset).__name__} of splits ({', '.join(dataset)}), not one dataset: pass one "
+            f"split, e.g. dataset[{next(iter(dataset), 'train')!r}]."
+        )
+    if not isinstance(dataset, (Dataset, IterableDataset)):
+        return None  # TRL names the types it takes
+    columns = dataset.column_names
+    if columns is None or "prompt" in columns:
+        return None
+    return (
+        f"{name} has no 'prompt' column (its columns: {', '.join(columns) or 'none'}). The trainer samples "
+        "completions for each row's 'prompt' (a string, or a list of chat messages): rename the column that holds "
+        "them, e.g. dataset.rename_column('question', 'prompt'), or build it with dataset.map(...)."
+    )
 
 
 def check_model_sources(model, reward_funcs, args) -> None:
