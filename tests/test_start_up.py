@@ -1,5 +1,10 @@
-"""What the trainers refuse at start-up, before the model loads: a dataset without TRL's `prompt` column, a Hub id
-that cannot be loaded here."""
+"""What the trainers refuse at start-up, before the model loads: a dataset without TRL's `prompt` column, an
+`output_dir` the run could not save into, a Hub id that cannot be loaded here."""
+
+import errno
+import os
+import tempfile
+from pathlib import Path
 
 import pytest
 from datasets import Dataset, DatasetDict, IterableDataset
@@ -64,6 +69,66 @@ def test_datasets_whose_columns_are_unknown_or_that_an_environment_fills_are_lef
     # TRL's GRPO defaults the prompt where an environment returns it from reset()
     assert dataset_problem({"train_dataset": questions(), "environment_factory": object}) is None
     assert dataset_problem({"train_dataset": say_letter_dataset(4), "eval_dataset": None}) is None
+
+
+# --- an output_dir the run could not save into (found today by save_model, after the whole run) --------------------
+
+
+def test_an_output_dir_that_cannot_be_created_is_refused_before_the_model_loads(model_dir, tmp_path, no_model_load):
+    (tmp_path / "a_file").write_text("")
+    output_dir = tmp_path / "a_file" / "run"  # a real OS error (ENOTDIR), root or not
+    with pytest.raises(ValueError, match=rf"output_dir {output_dir} cannot be written: .*a_file is a file") as e:
+        FP8GRPOTrainer(model_dir, say_letter_reward, make_args(tmp_path, output_dir=str(output_dir)),
+                       train_dataset=say_letter_dataset(16))  # fmt: skip
+    assert "FP8GRPOConfig(output_dir=...)" in str(e.value)
+
+
+def read_only(monkeypatch, *folders: Path) -> None:
+    """The probe's file creation in `folders` fails as on a read-only mount (EROFS; as root, chmod would not stop
+    it). A real read-only mount: test_cli.py's quantize test."""
+    real_mkstemp = tempfile.mkstemp
+    folders = {str(f.resolve()) for f in folders}
+
+    def mkstemp(*args, dir=None, **kwargs):
+        if dir is not None and str(Path(dir).resolve()) in folders:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(dir))
+        return real_mkstemp(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
+
+
+def test_a_read_only_output_dir_is_refused_and_its_files_stay(model_dir, tmp_path, monkeypatch, no_model_load):
+    mount = tmp_path / "mnt"
+    (mount / "run").mkdir(parents=True)
+    (mount / "run" / "notes.txt").write_text("mine")
+    read_only(monkeypatch, mount, mount / "run")
+    for output_dir in (mount / "run", mount / "new" / "run"):  # there already, or created by the run
+        with pytest.raises(ValueError, match=rf"output_dir {output_dir} cannot be written: .*Read-only file system"):
+            FP8GRPOTrainer(model_dir, say_letter_reward, make_args(tmp_path, output_dir=str(output_dir)),
+                           train_dataset=say_letter_dataset(16))  # fmt: skip
+    assert sorted(p.name for p in mount.rglob("*")) == ["notes.txt", "run"]
+
+
+def test_the_fp8_checkpoint_is_written_beside_output_dir_so_its_parent_must_take_files(tmp_path, monkeypatch):
+    from trl_fp8.checkpoint.folder import unwritable
+
+    (tmp_path / "mnt" / "run").mkdir(parents=True)  # a writable folder in a read-only one (a mount point)
+    read_only(monkeypatch, tmp_path / "mnt")
+    assert unwritable(tmp_path / "mnt" / "run", beside=False) is None  # transformers' own save writes inside it
+    problem = unwritable(tmp_path / "mnt" / "run", beside=True)
+    assert "written beside it" in problem and "Read-only file system" in problem
+    assert not [p for p in (tmp_path / "mnt" / "run").iterdir()]  # the probe leaves nothing behind
+
+
+def test_only_the_process_that_saves_checks_output_dir(tmp_path, monkeypatch):
+    from trl_fp8.trainer.start_up import check_output_writable
+
+    (tmp_path / "a_file").write_text("")
+    args = make_args(tmp_path, output_dir=str(tmp_path / "a_file" / "run"))
+    with pytest.raises(ValueError, match="cannot be written"):
+        check_output_writable(args, "FP8GRPOConfig")
+    monkeypatch.setattr(type(args), "should_save", property(lambda self: False))
+    check_output_writable(args, "FP8GRPOConfig")
 
 
 # --- a model the trainer could not load: a Hub id offline and not cached, a folder without config.json -------------

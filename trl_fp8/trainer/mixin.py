@@ -55,7 +55,12 @@ from trl_fp8.trainer.layer_checkpointing import RENAMED_CHECKPOINTING_CALLS, kee
 from trl_fp8.trainer.liger import liger_patches_kept_on_the_model
 from trl_fp8.trainer.model_card import fp8_model_card_section
 from trl_fp8.trainer.regional_compile import compile_decoder_layers, eager_generation
-from trl_fp8.trainer.start_up import check_datasets, check_model_sources, trl_arguments
+from trl_fp8.trainer.start_up import (
+    check_datasets,
+    check_model_sources,
+    check_output_writable,
+    trl_arguments,
+)
 from trl_fp8.tuning import FP8Tuning
 
 logger = logging.getLogger(__name__)
@@ -103,6 +108,7 @@ class FP8TrainerMixin:
         check_no_weight_sharding(args)  # before loading a model that could not train
         check_sharding_supports(args, trainer_kwargs.get("peft_config"), model)
         check_output_dir(model, args.output_dir, config_class.__name__)
+        check_output_writable(args, config_class.__name__)  # not found by save_model() after the whole run
         check_reward_dependencies(reward_funcs)
         self._check_start_up(args, trainer_kwargs)
         if args.use_vllm:  # before the model loads: its memory lands in the allocator's new segments

@@ -1,8 +1,8 @@
-"""What the trainers check before the model loads, so that a run that could not train stops at once, in one line
-naming the fix.
+"""What the trainers check before the model loads, so that a run that could not train or save stops at once, in one
+line naming the fix.
 
-TRL's trainers find a dataset without a `prompt` column at the first step, and transformers finds a Hub id it cannot
-download after retrying.
+TRL's trainers find a dataset without a `prompt` column at the first step, transformers finds a Hub id it cannot
+download after retrying, and a read-only `output_dir` is found by `save_model()` after the whole run.
 """
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ import inspect
 
 from datasets import Dataset, IterableDataset
 
+from trl_fp8.checkpoint.folder import unwritable
 from trl_fp8.hub import unavailable_model
 
-__all__ = ["check_datasets", "check_model_sources", "dataset_problem", "trl_arguments"]
+__all__ = ["check_datasets", "check_model_sources", "check_output_writable", "dataset_problem", "trl_arguments"]
 
 
 def trl_arguments(trl_init, *args, **kwargs) -> dict:
@@ -69,6 +70,19 @@ def _prompt_problem(name: str, dataset) -> str | None:
         "completions for each row's 'prompt' (a string, or a list of chat messages): rename the column that holds "
         "them, e.g. dataset.rename_column('question', 'prompt'), or build it with dataset.map(...)."
     )
+
+
+def check_output_writable(args, config_name: str) -> None:
+    """Refuse an `output_dir` the run could not save into (a read-only filesystem, permissions, a path under a
+    file): transformers creates it and writes the training checkpoints there, and the final save would fail only
+    after the whole run. Checked by the processes that save."""
+    if not args.should_save:
+        return
+    if problem := unwritable(args.output_dir, beside=args.save_fp8_checkpoint):
+        raise ValueError(
+            f"output_dir {args.output_dir} cannot be written: {problem}. The run's checkpoints and its model would "
+            f"be lost; pass an output_dir on a writable filesystem ({config_name}(output_dir=...), --output_dir)."
+        )
 
 
 def check_model_sources(model, reward_funcs, args) -> None:
