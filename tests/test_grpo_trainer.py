@@ -1089,4 +1089,8 @@ def test_example_resolves_reward_funcs_as_trl_and_runs_a_step(model_dir, tmp_pat
         capture_output=True, text=True, timeout=HANG_GUARD_S, env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )  # fmt: skip
     assert proc.returncode == 2 and "neither one of TRL's rewards" in proc.stderr
+    # its one line ends the output: no argparse usage of every flag before it (235 lines)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith("error: --reward_funcs 'no_such_reward' is neither"), proc.stderr[-3000:]
+    assert "usage:" not in proc.stderr and len(lines) < 10, proc.stderr[-3000:]
     assert not (tmp_path / "x").exists()
