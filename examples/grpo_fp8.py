@@ -19,7 +19,8 @@ letter before GRPO and of the saved checkpoint after it. Its files go to `out/gr
 `out/grpo_bf16_demo`) unless `--output_dir` says otherwise.
 
 A refusal of the input ends the output in one `error: ...` line (exit code 2); `accelerate launch -q` leaves out
-accelerate's own traceback of that exit code after it.
+accelerate's own traceback of that exit code after it. `--resume_from_checkpoint true` resumes from the last
+checkpoint in `--output_dir`.
 """
 
 import os
@@ -44,7 +45,7 @@ from trl.scripts.grpo import GRPOScriptArguments  # noqa: E402
 
 from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, FP8Tuning  # noqa: E402
 from trl_fp8.cli.rewards import resolve_reward_funcs  # noqa: E402
-from trl_fp8.cli.training_script import SHORT_USAGE, UsageError, refusals_in_one_line  # noqa: E402
+from trl_fp8.cli.training_script import SHORT_USAGE, UsageError, refusals_in_one_line, resume_checkpoint  # noqa: E402
 from trl_fp8.demo.toy_task import DEMO_GRPO_SETTINGS, DEMO_MAX_STEPS  # noqa: E402
 
 DEMO_DEFAULTS = dict(DEMO_GRPO_SETTINGS, output_dir="out/grpo_fp8_demo", max_steps=DEMO_MAX_STEPS, logging_steps=5)
@@ -100,7 +101,8 @@ def report_accuracy(label: str, accuracy: float, answers: dict[str, str]) -> Non
 
 def start_up(parser):
     """Parse the command line, load the model and data, build the trainer: every refusal of the input comes from
-    here. Returns `(trainer, training_args, script_args, tokenizer, demo accuracy before GRPO)`."""
+    here. Returns `(trainer, training_args, script_args, tokenizer, demo accuracy before GRPO, checkpoint to
+    resume from)`."""
     demo = "--model_name_or_path" not in " ".join(sys.argv) and "--config" not in sys.argv
     if demo:
         parser.set_defaults(**DEMO_DEFAULTS, bf16=torch.cuda.is_available(), use_cpu=not torch.cuda.is_available())
@@ -110,6 +112,7 @@ def start_up(parser):
     script_args, training_args, tuning, model_args, dataset_args = parsed
     if demo and training_args.fp8_recipe is None and "--output_dir" not in sys.argv:
         training_args.output_dir = BF16_DEMO_OUTPUT_DIR
+    resume = resume_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir)
     if model_args.load_in_4bit or model_args.load_in_8bit:
         raise UsageError("--load_in_4bit/--load_in_8bit load bitsandbytes layers, which FP8 training cannot "
                          "convert: drop them (FP8 already halves the weights' memory).")  # fmt: skip
@@ -154,16 +157,16 @@ def start_up(parser):
         callbacks=[RewardTrend()],
         tuning=tuning,
     )
-    return trainer, training_args, script_args, tokenizer, before
+    return trainer, training_args, script_args, tokenizer, before, resume
 
 
 def main():
     parser = TrlParser((GRPOScriptArguments, FP8GRPOConfig, FP8Tuning, ModelConfig, DatasetMixtureConfig))
     parser.usage = SHORT_USAGE  # an argparse error prints it before its line: not the usage of every flag
     with refusals_in_one_line():  # a refusal ends the output in its one line, not in a traceback
-        trainer, training_args, script_args, tokenizer, before = start_up(parser)
+        trainer, training_args, script_args, tokenizer, before, resume = start_up(parser)
     trainer.accelerator.print(trainer.fp8_report.summary())
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.train(resume_from_checkpoint=resume)
     trainer.save_model(training_args.output_dir)
     what = "FP8 checkpoint" if training_args.save_fp8_checkpoint else "model"
     trainer.accelerator.print(f"Saved the {what} to {training_args.output_dir}")
