@@ -1,7 +1,7 @@
 """GRPO with the FP8 precision flow, TRL style.
 
     accelerate launch examples/grpo_fp8.py                      # embedded demo: tiny Qwen3, synthetic task, CPU ok
-    accelerate launch examples/grpo_fp8.py --fp8_recipe none    # the same run in BF16, for comparison
+    accelerate launch examples/grpo_fp8.py --fp8_recipe none    # the same run without FP8, for comparison
     accelerate launch examples/grpo_fp8.py \
         --model_name_or_path Qwen/Qwen3-0.6B --dataset_name trl-lib/DeepMath-103K \
         --reward_funcs accuracy_reward --use_vllm --tis token   # a real model on a GPU machine, vLLM rollouts
@@ -15,8 +15,9 @@ Every `FP8GRPOConfig` (hence `GRPOConfig`), `FP8Tuning` (`--fuse_swiglu`, `--com
 With no `--model_name_or_path`, the demo builds a Qwen3-architecture model (dims multiples of 128) and a character
 tokenizer locally, gives it a brief supervised warm start on "say <letter>" (so that it is right for some letters,
 see `trl_fp8/demo/toy_task.py`), trains it with GRPO, saves the checkpoint, and prints the greedy accuracy over every
-letter before GRPO and of the saved checkpoint after it. Its files go to `out/grpo_fp8_demo` (BF16:
-`out/grpo_bf16_demo`) unless `--output_dir` says otherwise.
+letter before GRPO and of the saved checkpoint after it. Its files go to `out/grpo_fp8_demo` (without FP8:
+`out/grpo_bf16_demo`) unless `--output_dir` says otherwise. Without FP8 the demo's model trains in float32 (with
+bfloat16 autocast on a GPU), as the FP8 run's master weights do; the start-up summary says which.
 
 A refusal of the input ends the output in one `error: ...` line (exit code 2); `accelerate launch -q` leaves out
 accelerate's own traceback of that exit code after it. `--resume_from_checkpoint true` resumes from the last

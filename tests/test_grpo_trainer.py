@@ -903,13 +903,28 @@ def test_a_run_without_fp8_layers_is_an_error_not_a_silent_bf16_run(model_dir, t
         make_trainer(model_dir, tmp_path, model=tiny_qwen3(hidden_size=192, intermediate_size=320, head_dim=64))
 
 
-def test_bf16_baseline_saves_a_bf16_model_and_says_so(model_dir, tmp_path):
+def test_the_baseline_without_fp8_saves_a_plain_model_and_says_the_precision_it_trains_in(model_dir, tmp_path):
+    """On a CPU the tiny model trains (and saves) in float32, its dtype: the summary says so, not "BF16"."""
     trainer = make_trainer(model_dir, tmp_path, fp8_recipe=None, max_steps=1)
     assert trainer.args.save_fp8_checkpoint is False
-    assert trainer.fp8_report.summary() == "BF16 training (fp8_recipe=None): no linear layer runs in FP8."
+    assert trainer.fp8_report.summary() == (
+        "No FP8 (fp8_recipe=None): every layer trains in high precision, float32 (the model's dtype)."
+    )
+    assert {p.dtype for p in trainer.model.parameters()} == {torch.float32}  # what it says is what trains
     trainer.save_model(str(tmp_path / "bf16"))
     assert "quantization_config" not in json.loads((tmp_path / "bf16" / "config.json").read_text())
     assert make_args(tmp_path).save_fp8_checkpoint is True  # FP8 runs export FP8 by default
+
+
+def test_the_fp8_summary_names_the_master_weights_precision(model_dir, tmp_path):
+    from trl_fp8.trainer.start_up import training_precision
+
+    summary = make_trainer(model_dir, tmp_path, max_steps=1).fp8_report.summary()
+    assert "master weights and high-precision layers: float32 (the model's dtype)" in summary, summary
+    model = tiny_qwen3(vocab_size=128)
+    mixed = SimpleNamespace(bf16=True, fp16=False)
+    assert training_precision(model, mixed) == "float32 (the model's dtype) with bfloat16 autocast (bf16=True)"
+    assert training_precision(model.to(torch.bfloat16), mixed) == "bfloat16 (the model's dtype)"
 
 
 def test_bf16_training_with_fp8_export_honours_the_layer_choices(model_dir, tmp_path):

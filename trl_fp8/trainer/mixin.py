@@ -59,6 +59,7 @@ from trl_fp8.trainer.start_up import (
     check_datasets,
     check_model_sources,
     check_output_writable,
+    training_precision,
     trl_arguments,
 )
 from trl_fp8.tuning import FP8Tuning
@@ -127,6 +128,7 @@ class FP8TrainerMixin:
         plan = FP8RunPlan.build(args, getattr(model, "config", None), lora=self._peft_config is not None,
                                 module_filter_fn=fp8_module_filter_fn, tuning=tuning)  # fmt: skip
         self.fp8_report = self._convert(model, args, plan)
+        self.fp8_report.precision = training_precision(model, args)  # the start-up summary says what trains
         self.fp8_export_report = self._plan_fp8_outside_training(model, args, plan.layers)
         observer, kv_cache = self._fp8_kv_observer(model, plan.fp8_kv_cache)
         stored = self._fp8_stored_modules
@@ -239,7 +241,7 @@ class FP8TrainerMixin:
                 )
             return None
         report, _ = plan_fp8_conversion(unwrap_model(model), selection=layers)
-        logger.info("BF16 training; FP8 rollouts/checkpoint: %s", report.summary())
+        logger.info("High-precision training; FP8 rollouts/checkpoint: %s", report.summary())
         return report
 
     @property

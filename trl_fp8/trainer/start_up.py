@@ -1,5 +1,5 @@
 """What the trainers check before the model loads, so that a run that could not train or save stops at once, in one
-line naming the fix.
+line naming the fix; and the precision the start-up summary says the run trains in.
 
 TRL's trainers find a dataset without a `prompt` column at the first step, transformers finds a Hub id it cannot
 download after retrying, and a read-only `output_dir` is found by `save_model()` after the whole run.
@@ -8,13 +8,21 @@ download after retrying, and a read-only `output_dir` is found by `save_model()`
 from __future__ import annotations
 
 import inspect
+from collections import Counter
 
 from datasets import Dataset, IterableDataset
 
 from trl_fp8.checkpoint.folder import unwritable
 from trl_fp8.hub import unavailable_model
 
-__all__ = ["check_datasets", "check_model_sources", "check_output_writable", "dataset_problem", "trl_arguments"]
+__all__ = [
+    "check_datasets",
+    "check_model_sources",
+    "check_output_writable",
+    "dataset_problem",
+    "training_precision",
+    "trl_arguments",
+]
 
 
 def trl_arguments(trl_init, *args, **kwargs) -> dict:
@@ -93,3 +101,19 @@ def check_model_sources(model, reward_funcs, args) -> None:
     for name in names:
         if isinstance(name, str) and (problem := unavailable_model(name, revision)):
             raise ValueError(problem)
+
+
+def training_precision(model, args) -> str:
+    """The precision the model's high-precision weights train in, as the summary says it: their dtype (the model's
+    own: TRL loads a model named by path in float32 unless `model_init_kwargs` sets `dtype`), and the autocast that
+    `bf16` / `fp16` put around them."""
+    dtypes = Counter()
+    for p in model.parameters():
+        if p.is_floating_point():
+            dtypes[p.dtype] += p.numel()
+    dtype = dtypes.most_common(1)[0][0] if dtypes else None
+    said = f"{str(dtype).removeprefix('torch.')} (the model's dtype)"
+    for flag, autocast in (("bf16", "bfloat16"), ("fp16", "float16")):
+        if getattr(args, flag, False) and str(dtype) != f"torch.{autocast}":
+            return f"{said} with {autocast} autocast ({flag}=True)"
+    return said
