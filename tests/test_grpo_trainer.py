@@ -208,6 +208,26 @@ def test_partial_checkpointing_survives_grpo_scoring(model_dir, tmp_path):
     assert trainer.args.gradient_checkpointing_kwargs == {"every_n_layers": 2}
 
 
+@pytest.mark.parametrize("names", [("gradient_checkpointing_kwargs",), ("activation_checkpointing_kwargs",),
+                                   ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs")],
+                         ids=["old_name", "new_name", "both_as_copies"])  # fmt: skip
+def test_layer_options_are_kept_under_either_name_of_the_checkpointing_kwargs(names):
+    """transformers 5.24 renames `gradient_checkpointing_kwargs` to `activation_checkpointing_kwargs` (the old name
+    warns, and goes in v6); a copy of the args may hold each as its own dict. Whichever the args carry, TRL's no-grad
+    scoring sees them without transformers' layer options, and the layers keep `every_n_layers` after it."""
+    from trl_fp8.trainer.layer_checkpointing import enable_checkpointing, keep_layer_options
+
+    model = tiny_qwen3(vocab_size=128)
+    enable_checkpointing(model, None, {"every_n_layers": 2})
+    args = SimpleNamespace(**{name: {"every_n_layers": 2, "use_reentrant": False} for name in names})
+    with keep_layer_options(model, args):
+        assert all(getattr(args, name) == {"use_reentrant": False} for name in names)
+        model.activation_checkpointing_disable()  # TRL's no-grad scoring, then its re-enable with those kwargs
+        enable_checkpointing(model, getattr(args, names[0]), {})
+    assert all(getattr(args, name) == {"every_n_layers": 2, "use_reentrant": False} for name in names)
+    assert [layer.gradient_checkpointing for layer in model.model.layers] == [True, False, True, False]
+
+
 def test_synced_reference_model_serves_its_blended_weights(model_dir, tmp_path):
     """TRL's sync_ref_model blends the policy into the frozen reference through `.data`; its FP8 copies must follow."""
     trainer = make_trainer(model_dir, tmp_path, beta=0.04, max_steps=2, sync_ref_model=True, ref_model_sync_steps=1,

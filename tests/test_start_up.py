@@ -1,8 +1,11 @@
 """What the trainers refuse at start-up, before the model loads: a dataset without TRL's `prompt` column, an
-`output_dir` the run could not save into, a Hub id that cannot be loaded here."""
+`output_dir` the run could not save into, a Hub id that cannot be loaded here; and the log lines no user can act on."""
 
 import errno
+import logging
 import os
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -11,6 +14,10 @@ from datasets import Dataset, DatasetDict, IterableDataset
 
 from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, FP8RLOOConfig, FP8RLOOTrainer
 from trl_fp8.demo.toy_task import GRPO_SETTINGS, say_letter_dataset, say_letter_reward
+
+from conftest import HANG_GUARD_S, clean_subprocess_env
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def make_args(tmp_path, config=FP8GRPOConfig, **kw):
@@ -171,3 +178,53 @@ def test_a_folder_without_config_json_says_what_a_model_folder_holds(tmp_path, n
         FP8GRPOTrainer(str(tmp_path / "weights"), say_letter_reward, make_args(tmp_path),
                        train_dataset=say_letter_dataset(16))  # fmt: skip
     assert "save_pretrained" in str(e.value)
+
+
+# --- log lines no user can act on --------------------------------------------------------------------------------
+
+
+def test_deepspeeds_cpu_accelerator_line_is_dropped_and_its_other_lines_kept():
+    """accelerate imports DeepSpeed (where installed) to unwrap a model at every save_pretrained; DeepSpeed then says,
+    on every machine without a GPU, that it set its accelerator to CPU."""
+    if not _deepspeed_installed():
+        pytest.skip("DeepSpeed is not installed")
+    code = (
+        "import logging, trl_fp8\n"
+        "from accelerate.utils import extract_model_from_parallel\n"
+        "import torch\n"
+        "extract_model_from_parallel(torch.nn.Linear(1, 1))\n"
+        "logging.getLogger('DeepSpeed').warning('a DeepSpeed warning that stays')\n"
+    )
+    env = {**clean_subprocess_env(), "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=HANG_GUARD_S)
+    assert proc.returncode == 0, proc.stderr
+    output = proc.stdout + proc.stderr
+    assert "Setting accelerator to CPU" not in output and "a DeepSpeed warning that stays" in output, output
+
+
+def _deepspeed_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("deepspeed") is not None
+
+
+def test_the_deepspeed_filter_drops_that_line_only():
+    import trl_fp8  # noqa: F401 - installs the filters
+
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    logger = logging.getLogger("DeepSpeed")
+    handler = Keep()
+    logger.addHandler(handler)
+    try:
+        logger.warning(
+            "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it."
+        )
+        logger.warning("Setting accelerator to CPU for ZeRO offload")  # not the line: kept
+    finally:
+        logger.removeHandler(handler)
+    assert records == ["Setting accelerator to CPU for ZeRO offload"]
