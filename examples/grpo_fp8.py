@@ -1,7 +1,7 @@
 """GRPO with the FP8 precision flow, TRL style.
 
     accelerate launch examples/grpo_fp8.py                      # embedded demo: tiny Qwen3, synthetic task, CPU ok
-    accelerate launch examples/grpo_fp8.py --fp8_recipe none    # the same run in BF16, for comparison
+    accelerate launch examples/grpo_fp8.py --fp8_recipe none    # the same run without FP8, for comparison
     accelerate launch examples/grpo_fp8.py \
         --model_name_or_path Qwen/Qwen3-0.6B --dataset_name trl-lib/DeepMath-103K \
         --reward_funcs accuracy_reward --use_vllm --tis token   # a real model on a GPU machine, vLLM rollouts
@@ -15,8 +15,13 @@ Every `FP8GRPOConfig` (hence `GRPOConfig`), `FP8Tuning` (`--fuse_swiglu`, `--com
 With no `--model_name_or_path`, the demo builds a Qwen3-architecture model (dims multiples of 128) and a character
 tokenizer locally, gives it a brief supervised warm start on "say <letter>" (so that it is right for some letters,
 see `trl_fp8/demo/toy_task.py`), trains it with GRPO, saves the checkpoint, and prints the greedy accuracy over every
-letter before GRPO and of the saved checkpoint after it. Its files go to `out/grpo_fp8_demo` (BF16:
-`out/grpo_bf16_demo`) unless `--output_dir` says otherwise.
+letter before GRPO and of the saved checkpoint after it. Its files go to `out/grpo_fp8_demo` (without FP8:
+`out/grpo_bf16_demo`) unless `--output_dir` says otherwise. Without FP8 the demo's model trains in float32 (with
+bfloat16 autocast on a GPU), as the FP8 run's master weights do; the start-up summary says which.
+
+A refusal of the input ends the output in one `error: ...` line (exit code 2); `accelerate launch -q` leaves out
+accelerate's own traceback of that exit code after it. `--resume_from_checkpoint true` resumes from the last
+checkpoint in `--output_dir`.
 """
 
 import os
@@ -41,6 +46,7 @@ from trl.scripts.grpo import GRPOScriptArguments  # noqa: E402
 
 from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, FP8Tuning  # noqa: E402
 from trl_fp8.cli.rewards import resolve_reward_funcs  # noqa: E402
+from trl_fp8.cli.training_script import SHORT_USAGE, UsageError, refusals_in_one_line, resume_checkpoint  # noqa: E402
 from trl_fp8.demo.toy_task import DEMO_GRPO_SETTINGS, DEMO_MAX_STEPS  # noqa: E402
 
 DEMO_DEFAULTS = dict(DEMO_GRPO_SETTINGS, output_dir="out/grpo_fp8_demo", max_steps=DEMO_MAX_STEPS, logging_steps=5)
@@ -94,30 +100,33 @@ def report_accuracy(label: str, accuracy: float, answers: dict[str, str]) -> Non
     print(f"greedy accuracy over all {len(answers)} letters, {label}: {100 * accuracy:.1f}%  ({shown})", flush=True)
 
 
-def main():
-    parser = TrlParser((GRPOScriptArguments, FP8GRPOConfig, FP8Tuning, ModelConfig, DatasetMixtureConfig))
+def start_up(parser):
+    """Parse the command line, load the model and data, build the trainer: every refusal of the input comes from
+    here. Returns `(trainer, training_args, script_args, tokenizer, demo accuracy before GRPO, checkpoint to
+    resume from)`."""
     demo = "--model_name_or_path" not in " ".join(sys.argv) and "--config" not in sys.argv
     if demo:
         parser.set_defaults(**DEMO_DEFAULTS, bf16=torch.cuda.is_available(), use_cpu=not torch.cuda.is_available())
-    script_args, training_args, tuning, model_args, dataset_args = parser.parse_args_and_config()
+    *parsed, unknown = parser.parse_args_and_config(return_remaining_strings=True)
+    if unknown:
+        raise UsageError(f"unrecognized arguments: {' '.join(unknown)} (--help lists every flag).")
+    script_args, training_args, tuning, model_args, dataset_args = parsed
     if demo and training_args.fp8_recipe is None and "--output_dir" not in sys.argv:
         training_args.output_dir = BF16_DEMO_OUTPUT_DIR
+    resume = resume_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir)
     if model_args.load_in_4bit or model_args.load_in_8bit:
-        parser.error("--load_in_4bit/--load_in_8bit load bitsandbytes layers, which FP8 training cannot convert: "
-                     "drop them (FP8 already halves the weights' memory).")  # fmt: skip
+        raise UsageError("--load_in_4bit/--load_in_8bit load bitsandbytes layers, which FP8 training cannot "
+                         "convert: drop them (FP8 already halves the weights' memory).")  # fmt: skip
 
     before, eval_dataset = None, None
     if model_args.model_name_or_path is None:
         model, tokenizer, train_dataset, reward_funcs, before = demo_model_and_data(training_args)
     else:
         # As TRL's own GRPO script: its reward names, dotted import paths, a reward model; its dataset options.
-        try:
-            reward_funcs = resolve_reward_funcs(
-                script_args.reward_funcs or ([] if script_args.reward_model_name_or_path else ["accuracy_reward"]),
-                script_args.reward_model_name_or_path,
-            )
-        except ValueError as exc:
-            parser.error(str(exc))
+        reward_funcs = resolve_reward_funcs(  # its ValueError names the fix: one line
+            script_args.reward_funcs or ([] if script_args.reward_model_name_or_path else ["accuracy_reward"]),
+            script_args.reward_model_name_or_path,
+        )
         model, tokenizer = model_args.model_name_or_path, None
         training_args.model_init_kwargs = {
             "revision": model_args.model_revision,
@@ -133,7 +142,7 @@ def main():
 
             dataset = load_dataset(script_args.dataset_name, name=script_args.dataset_config)
         else:
-            parser.error("give --dataset_name (or --datasets) with --model_name_or_path.")
+            raise UsageError("give --dataset_name (or --datasets) with --model_name_or_path.")
         train_dataset = dataset[script_args.dataset_train_split]
         if training_args.eval_strategy != "no":
             eval_dataset = dataset[script_args.dataset_test_split]
@@ -149,8 +158,16 @@ def main():
         callbacks=[RewardTrend()],
         tuning=tuning,
     )
+    return trainer, training_args, script_args, tokenizer, before, resume
+
+
+def main():
+    parser = TrlParser((GRPOScriptArguments, FP8GRPOConfig, FP8Tuning, ModelConfig, DatasetMixtureConfig))
+    parser.usage = SHORT_USAGE  # an argparse error prints it before its line: not the usage of every flag
+    with refusals_in_one_line():  # a refusal ends the output in its one line, not in a traceback
+        trainer, training_args, script_args, tokenizer, before, resume = start_up(parser)
     trainer.accelerator.print(trainer.fp8_report.summary())
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.train(resume_from_checkpoint=resume)
     trainer.save_model(training_args.output_dir)
     what = "FP8 checkpoint" if training_args.save_fp8_checkpoint else "model"
     trainer.accelerator.print(f"Saved the {what} to {training_args.output_dir}")

@@ -232,3 +232,40 @@ def test_quantize_of_a_truncated_checkpoint_prints_no_traceback_from_the_shell(m
                           capture_output=True, text=True, env=env, timeout=HANG_GUARD_S)  # fmt: skip
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert [line for line in proc.stderr.splitlines() if line.startswith("error: ")] == proc.stderr.splitlines()[-1:]
+
+
+def read_only_mount_command(folder: Path, *cmd) -> list[str] | None:
+    """`cmd` run where `folder` is mounted read-only, in a private mount namespace: every write there fails with
+    EROFS, root's too, as on a read-only filesystem (chmod does not stop root). None where this machine gives no
+    unprivileged user namespaces."""
+    import shutil
+
+    unshare = shutil.which("unshare")
+    namespace = [unshare, "--user", "--map-root-user", "--mount"]
+    if unshare is None or subprocess.run([*namespace, "true"], capture_output=True).returncode != 0:
+        return None
+    mount_read_only = 'mount --bind "$0" "$0" && mount -o remount,bind,ro "$0" && exec "$@"'
+    return [*namespace, "sh", "-c", mount_read_only, str(folder), *cmd]
+
+
+def test_quantize_into_a_folder_it_cannot_create_is_a_one_line_error(model_dir, tmp_path, capsys):
+    (tmp_path / "a_file").write_text("")
+    assert cli(["quantize", str(model_dir), str(tmp_path / "a_file" / "fp8")]) == 2
+    err = one_line_error(capsys)
+    assert f"{tmp_path / 'a_file' / 'fp8'} cannot be written" in err and "a_file is a file" in err
+
+
+def test_quantize_onto_a_read_only_filesystem_is_a_one_line_error(model_dir, tmp_path):
+    mount = tmp_path / "mnt"
+    mount.mkdir()
+    env = {**clean_subprocess_env(), "PYTHONPATH": str(ROOT)}
+    quantize = [sys.executable, "-m", "trl_fp8", "quantize", str(model_dir), str(mount / "fp8")]
+    cmd = read_only_mount_command(mount, *quantize)
+    if cmd is None:
+        pytest.skip("no unprivileged user namespaces here to mount a folder read-only")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=HANG_GUARD_S)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == proc.stderr.splitlines()[-1:], proc.stderr
+    assert f"{mount / 'fp8'} cannot be written" in errors[0] and "Read-only file system" in errors[0]
+    assert "Wrote" not in proc.stdout and not list(mount.iterdir())

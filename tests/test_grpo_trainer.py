@@ -208,6 +208,26 @@ def test_partial_checkpointing_survives_grpo_scoring(model_dir, tmp_path):
     assert trainer.args.gradient_checkpointing_kwargs == {"every_n_layers": 2}
 
 
+@pytest.mark.parametrize("names", [("gradient_checkpointing_kwargs",), ("activation_checkpointing_kwargs",),
+                                   ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs")],
+                         ids=["old_name", "new_name", "both_as_copies"])  # fmt: skip
+def test_layer_options_are_kept_under_either_name_of_the_checkpointing_kwargs(names):
+    """transformers 5.24 renames `gradient_checkpointing_kwargs` to `activation_checkpointing_kwargs` (the old name
+    warns, and goes in v6); a copy of the args may hold each as its own dict. Whichever the args carry, TRL's no-grad
+    scoring sees them without transformers' layer options, and the layers keep `every_n_layers` after it."""
+    from trl_fp8.trainer.layer_checkpointing import enable_checkpointing, keep_layer_options
+
+    model = tiny_qwen3(vocab_size=128)
+    enable_checkpointing(model, None, {"every_n_layers": 2})
+    args = SimpleNamespace(**{name: {"every_n_layers": 2, "use_reentrant": False} for name in names})
+    with keep_layer_options(model, args):
+        assert all(getattr(args, name) == {"use_reentrant": False} for name in names)
+        model.activation_checkpointing_disable()  # TRL's no-grad scoring, then its re-enable with those kwargs
+        enable_checkpointing(model, getattr(args, names[0]), {})
+    assert all(getattr(args, name) == {"every_n_layers": 2, "use_reentrant": False} for name in names)
+    assert [layer.gradient_checkpointing for layer in model.model.layers] == [True, False, True, False]
+
+
 def test_synced_reference_model_serves_its_blended_weights(model_dir, tmp_path):
     """TRL's sync_ref_model blends the policy into the frozen reference through `.data`; its FP8 copies must follow."""
     trainer = make_trainer(model_dir, tmp_path, beta=0.04, max_steps=2, sync_ref_model=True, ref_model_sync_steps=1,
@@ -903,13 +923,28 @@ def test_a_run_without_fp8_layers_is_an_error_not_a_silent_bf16_run(model_dir, t
         make_trainer(model_dir, tmp_path, model=tiny_qwen3(hidden_size=192, intermediate_size=320, head_dim=64))
 
 
-def test_bf16_baseline_saves_a_bf16_model_and_says_so(model_dir, tmp_path):
+def test_the_baseline_without_fp8_saves_a_plain_model_and_says_the_precision_it_trains_in(model_dir, tmp_path):
+    """On a CPU the tiny model trains (and saves) in float32, its dtype: the summary says so, not "BF16"."""
     trainer = make_trainer(model_dir, tmp_path, fp8_recipe=None, max_steps=1)
     assert trainer.args.save_fp8_checkpoint is False
-    assert trainer.fp8_report.summary() == "BF16 training (fp8_recipe=None): no linear layer runs in FP8."
+    assert trainer.fp8_report.summary() == (
+        "No FP8 (fp8_recipe=None): every layer trains in high precision, float32 (the model's dtype)."
+    )
+    assert {p.dtype for p in trainer.model.parameters()} == {torch.float32}  # what it says is what trains
     trainer.save_model(str(tmp_path / "bf16"))
     assert "quantization_config" not in json.loads((tmp_path / "bf16" / "config.json").read_text())
     assert make_args(tmp_path).save_fp8_checkpoint is True  # FP8 runs export FP8 by default
+
+
+def test_the_fp8_summary_names_the_master_weights_precision(model_dir, tmp_path):
+    from trl_fp8.trainer.start_up import training_precision
+
+    summary = make_trainer(model_dir, tmp_path, max_steps=1).fp8_report.summary()
+    assert "master weights and high-precision layers: float32 (the model's dtype)" in summary, summary
+    model = tiny_qwen3(vocab_size=128)
+    mixed = SimpleNamespace(bf16=True, fp16=False)
+    assert training_precision(model, mixed) == "float32 (the model's dtype) with bfloat16 autocast (bf16=True)"
+    assert training_precision(model.to(torch.bfloat16), mixed) == "bfloat16 (the model's dtype)"
 
 
 def test_bf16_training_with_fp8_export_honours_the_layer_choices(model_dir, tmp_path):
@@ -1089,4 +1124,8 @@ def test_example_resolves_reward_funcs_as_trl_and_runs_a_step(model_dir, tmp_pat
         capture_output=True, text=True, timeout=HANG_GUARD_S, env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )  # fmt: skip
     assert proc.returncode == 2 and "neither one of TRL's rewards" in proc.stderr
+    # its one line ends the output: no argparse usage of every flag before it (235 lines)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith("error: --reward_funcs 'no_such_reward' is neither"), proc.stderr[-3000:]
+    assert "usage:" not in proc.stderr and len(lines) < 10, proc.stderr[-3000:]
     assert not (tmp_path / "x").exists()

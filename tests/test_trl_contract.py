@@ -138,6 +138,29 @@ def test_the_helpers_we_import_exist():
     assert "make_inputs_require_grads" in inspect.getsource(transformers.modeling_utils)
 
 
+def test_what_the_start_up_checks_and_the_example_script_rely_on_exists():
+    """The dataset check finds the trainers' datasets by parameter name (and GRPO's `environment_factory`) and
+    refuses what TRL would read as `x["prompt"]`; the output check asks `should_save`; the example resolves
+    `--resume_from_checkpoint true` with transformers' `get_last_checkpoint`, reads unknown flags from TRL's parser's
+    remaining strings, and `accelerate launch -q` reports a failed single-process run without a traceback."""
+    from accelerate.commands.launch import simple_launcher
+    from transformers.trainer_utils import get_last_checkpoint
+    from trl import TrlParser
+
+    leading = ["self", "model", "reward_funcs", "args", "train_dataset", "eval_dataset"]
+    for trainer in (GRPOTrainer, RLOOTrainer):
+        assert params(trainer.__init__)[: len(leading)] == leading
+        assert 'x["prompt"] for x in inputs' in inspect.getsource(trainer)
+    assert "environment_factory" in params(GRPOTrainer.__init__)
+    assert isinstance(transformers.TrainingArguments.should_save, property)
+    assert callable(get_last_checkpoint) and "return_remaining_strings" in params(TrlParser.parse_args_and_config)
+    assert "if not args.quiet:" in inspect.getsource(simple_launcher)
+    from trl_fp8.trainer.layer_checkpointing import CHECKPOINTING_KWARGS_NAMES
+
+    # keep_layer_options reads either name (transformers 5.24 has both, the GPU suite's 5.17 the old one)
+    assert {f.name for f in dataclasses.fields(transformers.TrainingArguments)} & set(CHECKPOINTING_KWARGS_NAMES)
+
+
 def test_the_launch_internals_we_set_or_read_exist():
     """DDP's gradients as bucket views go through accelerate's DDP handler (read when train() wraps the model); the
     FSDP2 compute dtype is read from the FSDP2 group's mixed-precision policy."""

@@ -22,13 +22,52 @@ def missing_local_model(name: str) -> str | None:
     """
     path = Path(name).expanduser()
     if path.is_dir():
-        return None if (path / "config.json").is_file() else f"{name} is a folder without config.json."
+        if (path / "config.json").is_file():
+            return None
+        return (
+            f"{name} is a folder without config.json: a model folder holds config.json and the weights "
+            "(model.safetensors or its shards), as save_pretrained writes them. Pass that folder, or the model's Hub "
+            "id 'org/name'."
+        )
     if not is_hub_id(name):
         return (
             f"no model folder at {name}, and it is not a Hub id 'org/name' (e.g. Qwen/Qwen3-8B). Pass a folder with "
             "config.json, or the model's Hub id."
         )
     return None  # a Hub id: from the local cache, or downloaded where the Hub is reachable
+
+
+def unavailable_model(name: str, revision: str | None = None) -> str | None:
+    """Why transformers could not load the model `name` here, found before it tries, or None: `missing_local_model`'s
+    reasons, and a Hub id whose weights are not in the Hugging Face cache while the Hub cannot be reached (transformers
+    would retry, then fail in a long traceback). Only config.json in the cache (what `trl-fp8 plan` downloads) is not
+    enough; a reachable Hub is left to download it."""
+    from huggingface_hub import try_to_load_from_cache
+
+    if problem := missing_local_model(name):
+        return problem
+    if Path(name).expanduser().is_dir():
+        return None
+
+    def cached(filename: str) -> bool:
+        return isinstance(try_to_load_from_cache(name, filename, revision=revision), str)
+
+    if any(cached(f) for f in WEIGHT_INDEX_FILES):
+        return None
+    if not (unreachable := _hub_unreachable(name)):
+        return None
+    fix = (
+        f"Download it where the Hub is reachable (hf download {name}; the cache then serves it offline), or pass a "
+        "local model folder."
+    )
+    if cached("config.json"):
+        return f"{name}'s config is in the Hugging Face cache but not its weights, and {unreachable}. {fix}"
+    return f"{name} is not in the Hugging Face cache, and {unreachable}. {fix}"
+
+
+# A model's weights in the Hugging Face cache: one file, or the index of its shards.
+WEIGHT_INDEX_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                      "pytorch_model.bin.index.json")  # fmt: skip
 
 
 def is_hub_id(name: str) -> bool:

@@ -28,6 +28,7 @@ import logging
 import os
 import secrets
 import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -46,6 +47,7 @@ __all__ = [
     "output_overwrites_model",
     "remove_leftovers",
     "replace_checkpoint",
+    "unwritable",
 ]
 
 # Files that belong to a saved model (weights, configs, tokenizer, adapters): a new save replaces all of them.
@@ -126,6 +128,35 @@ def output_overwrites_model(model_dir: str | os.PathLike | None, output_dir: str
         return f"{output_dir} is the input model's own folder ({source}): saving there would replace its weights."
     if source in out.parents:
         return f"{output_dir} is inside the input model's folder ({source}): saving there would change that folder."
+    return None
+
+
+def unwritable(out: str | os.PathLike, *, beside: bool) -> str | None:
+    """Why a save to the folder `out` would fail, or None: it is a file, or a folder the save writes in does not
+    take new files (a read-only filesystem, permissions). Those folders: `out` if it exists, else the nearest folder
+    above it that does (the save creates the rest); with `beside`, also the folder `out` is in, where
+    `replace_checkpoint` writes the new checkpoint first.
+
+    Each is probed by creating and removing an empty file, as the save would: a read-only mount answers EROFS to
+    root too, where permission bits (and `os.access`) do not."""
+    out = Path(os.path.realpath(Path(out).expanduser()))
+    if out.exists() and not out.is_dir():
+        return f"{out} is a file"
+    nearest = out
+    while not nearest.exists():
+        nearest = nearest.parent
+    if not nearest.is_dir():
+        return f"{nearest} is a file, so no folder can be created in it"
+    probes = [(nearest, "")]
+    if beside and nearest == out:
+        probes.append((out.parent, f"the checkpoint is written beside it first, in {out.parent}, and "))
+    for folder, where in probes:
+        try:
+            fd, probe = tempfile.mkstemp(dir=folder, prefix=f".{_TAG}-write-probe-")
+        except OSError as exc:
+            return f"{where}{folder} does not take new files ({exc.strerror or exc})"
+        os.close(fd)
+        os.unlink(probe)
     return None
 
 

@@ -79,14 +79,17 @@ def _quantize(args: argparse.Namespace) -> int:
     )
     if not report.converted:
         raise ValueError(f"no linear layer of {args.model} can be stored in FP8.\n{report.summary()}")
-    out = save_fp8_checkpoint(
-        model,
-        args.output_dir,
-        _load_tokenizer(args),
-        fp8_modules=set(report.converted),
-        dtype=dtype,
-        power_of_two_scales=args.power_of_two_scales,
-    )
+    try:
+        out = save_fp8_checkpoint(
+            model,
+            args.output_dir,
+            _load_tokenizer(args),
+            fp8_modules=set(report.converted),
+            dtype=dtype,
+            power_of_two_scales=args.power_of_two_scales,
+        )
+    except OSError as exc:  # found while writing (a full disk): the folder was left as it was
+        raise ValueError(f"cannot write the FP8 checkpoint to {args.output_dir}: {first_line(exc)}") from exc
     print(report.summary())
     print(f"Wrote the block-FP8 checkpoint to {out}")
     return 0
@@ -152,11 +155,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def _output_problem(model: str, output_dir: str, overwrite: bool) -> str | None:
     """Why writing to `output_dir` would destroy a model the user has (unless `overwrite`), or None."""
-    from trl_fp8.checkpoint.folder import holds_a_model, output_overwrites_model
+    from trl_fp8.checkpoint.folder import holds_a_model, output_overwrites_model, unwritable
 
     out = Path(output_dir).expanduser()
     if out.exists() and not out.is_dir():
         return f"{output_dir} is a file; pass a folder for the FP8 checkpoint."
+    if problem := unwritable(out, beside=True):
+        return f"{output_dir} cannot be written: {problem}. Pass a folder on a writable filesystem."
     if overwrite:
         return None
     if problem := output_overwrites_model(model, output_dir):

@@ -33,19 +33,24 @@ class ConversionReport:
     # Per requested fusion ("fuse_swiglu", "fuse_sibling_gemms"): what it fused, and what it left unfused and why.
     fused: dict[str, list[str]] = field(default_factory=dict)
     not_fused: dict[str, dict[str, str]] = field(default_factory=dict)
+    # What the high-precision weights (FP8 layers' masters too) train in, when a trainer says it: "float32 (the
+    # model's dtype)", "... with bfloat16 autocast (bf16=True)".
+    precision: str | None = None
 
     @property
     def num_fp8_layers(self) -> int:
         return len(self.converted)
 
     def summary(self) -> str:
-        if self.recipe == "bf16":
-            return "BF16 training (fp8_recipe=None): no linear layer runs in FP8."
+        if self.recipe == "bf16":  # fp8_recipe=None: trained in the model's own precision, not necessarily BF16
+            return f"No FP8 (fp8_recipe=None): every layer trains in high precision, {self.precision or 'as loaded'}."
         linears = len(self.converted) - len(self.experts)
         what = f"{linears} linear layers"
         if self.experts:
             what += f" and {len(self.experts)} expert layers ({self.num_experts} experts)"
         lines = [f"FP8 ({self.recipe}): {what} converted, {len(self.kept)} kept."]
+        if self.precision:
+            lines.append(f"  master weights and high-precision layers: {self.precision}")
         lines += _grouped_lines("kept in high precision", self.kept)
         params = {n: r for n, r in self.high_precision_params.items() if r not in ("embedding", "norm", "bias")}
         lines += _grouped_lines("parameter in high precision", params)

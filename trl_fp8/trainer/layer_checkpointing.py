@@ -1,11 +1,11 @@
 """Partial gradient checkpointing under GRPO: transformers' `every_n_layers` (and `offload`) kept across rollouts.
 
-transformers checkpoints only every n-th decoder layer with `gradient_checkpointing_kwargs={"every_n_layers": n}`
-(the rest keep their activations: less recomputation where memory allows, which FP8's smaller saved activations
-make room for). The Trainer takes those two keys out before the rest reaches `torch.utils.checkpoint`, but TRL's
-GRPO turns checkpointing off around its no-grad scoring forward and back on with the raw dict
-(`trl.models.utils.disable_gradient_checkpointing`), so the next training forward fails with "Unexpected keyword
-arguments: every_n_layers" (TRL 1.16). `keep_layer_options` hands TRL the dict without them and restores
+transformers checkpoints only every n-th decoder layer with `activation_checkpointing_kwargs={"every_n_layers": n}`
+(`gradient_checkpointing_kwargs` before transformers 5.24; the rest keep their activations: less recomputation
+where memory allows, which FP8's smaller saved activations make room for). The Trainer takes those two keys out
+before the rest reaches `torch.utils.checkpoint`, but TRL's GRPO turns checkpointing off around its no-grad scoring
+forward and back on with the raw dict (`trl.models.utils.disable_gradient_checkpointing`), so the next training
+forward fails with "Unexpected keyword arguments: every_n_layers" (TRL 1.16). `keep_layer_options` hands TRL the dict without them and restores
 transformers' own selection afterwards. Each of these re-enables also leaves transformers' input-grad hook of the
 previous one on the embeddings; `drop_stale_input_grad_hooks` removes those: one hook, however many steps run.
 """
@@ -31,19 +31,28 @@ def split_checkpointing_kwargs(kwargs: dict | None) -> tuple[dict | None, dict]:
     return kwargs or None, options
 
 
+# transformers 5.24 renames `gradient_checkpointing_kwargs` to `activation_checkpointing_kwargs` (the old name warns,
+# and goes in v6); TRL 1.16 reads the old one. A copy of the args may hold each as a dict of its own.
+CHECKPOINTING_KWARGS_NAMES = ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs")
+
+
 @contextlib.contextmanager
 def keep_layer_options(model: nn.Module, args):
-    """Within the block `args.gradient_checkpointing_kwargs` holds only what `torch.utils.checkpoint` takes; on the
-    way out, if checkpointing is on, transformers re-applies the layer options (which layers, offload), and the input
-    embeddings keep one input-grad hook (`drop_stale_input_grad_hooks`)."""
-    checkpoint_kwargs, options = split_checkpointing_kwargs(args.gradient_checkpointing_kwargs)
-    original = args.gradient_checkpointing_kwargs
-    if options:
-        args.gradient_checkpointing_kwargs = checkpoint_kwargs
+    """Within the block the args' checkpointing kwargs (under either name) hold only what `torch.utils.checkpoint`
+    takes; on the way out, if checkpointing is on, transformers re-applies the layer options (which layers, offload),
+    and the input embeddings keep one input-grad hook (`drop_stale_input_grad_hooks`)."""
+    originals = {name: getattr(args, name) for name in CHECKPOINTING_KWARGS_NAMES if hasattr(args, name)}
+    checkpoint_kwargs, options = None, {}
+    for name, original in originals.items():
+        kwargs, found = split_checkpointing_kwargs(original)
+        if found:
+            checkpoint_kwargs, options = kwargs, found
+            setattr(args, name, kwargs)
     try:
         yield
     finally:
-        args.gradient_checkpointing_kwargs = original
+        for name, original in originals.items():
+            setattr(args, name, original)
         if options and is_checkpointing(model):
             enable_checkpointing(model, checkpoint_kwargs, options)
         drop_stale_input_grad_hooks(model)

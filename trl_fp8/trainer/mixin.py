@@ -44,7 +44,6 @@ from trl_fp8.distributed import (
     reduce_over_ranks,
     zero_grads_in_buckets,
 )
-from trl_fp8.hub import missing_local_model
 from trl_fp8.nn.conversion import ConversionReport, convert_to_fp8, plan_fp8_conversion
 from trl_fp8.plan import Choice, FP8RunPlan, RolloutSettings
 from trl_fp8.requirements import check_reward_dependencies
@@ -56,6 +55,13 @@ from trl_fp8.trainer.layer_checkpointing import RENAMED_CHECKPOINTING_CALLS, kee
 from trl_fp8.trainer.liger import liger_patches_kept_on_the_model
 from trl_fp8.trainer.model_card import fp8_model_card_section
 from trl_fp8.trainer.regional_compile import compile_decoder_layers, eager_generation
+from trl_fp8.trainer.start_up import (
+    check_datasets,
+    check_model_sources,
+    check_output_writable,
+    training_precision,
+    trl_arguments,
+)
 from trl_fp8.tuning import FP8Tuning
 
 logger = logging.getLogger(__name__)
@@ -103,6 +109,7 @@ class FP8TrainerMixin:
         check_no_weight_sharding(args)  # before loading a model that could not train
         check_sharding_supports(args, trainer_kwargs.get("peft_config"), model)
         check_output_dir(model, args.output_dir, config_class.__name__)
+        check_output_writable(args, config_class.__name__)  # not found by save_model() after the whole run
         check_reward_dependencies(reward_funcs)
         self._check_start_up(args, trainer_kwargs)
         if args.use_vllm:  # before the model loads: its memory lands in the allocator's new segments
@@ -110,10 +117,10 @@ class FP8TrainerMixin:
 
             if said := sleep_mode_allocator(args):
                 logger.log(*said)
+        check_model_sources(model, reward_funcs, args)  # before transformers asks the Hub for a typo, or offline
+        check_datasets(trl_arguments(super().__init__, model, reward_funcs, args, *trainer_args, **trainer_kwargs))
         loaded_here = isinstance(model, str)
         if loaded_here:
-            if problem := missing_local_model(model):
-                raise ValueError(problem)  # before transformers asks the Hub for a path that is a typo
             model = self._load_model(model, args, trainer_kwargs.get("quantization_config"))
         self._fp8_filter = fp8_module_filter_fn
         self._peft_config = trainer_kwargs.get("peft_config")
@@ -121,6 +128,7 @@ class FP8TrainerMixin:
         plan = FP8RunPlan.build(args, getattr(model, "config", None), lora=self._peft_config is not None,
                                 module_filter_fn=fp8_module_filter_fn, tuning=tuning)  # fmt: skip
         self.fp8_report = self._convert(model, args, plan)
+        self.fp8_report.precision = training_precision(model, args)  # the start-up summary says what trains
         self.fp8_export_report = self._plan_fp8_outside_training(model, args, plan.layers)
         observer, kv_cache = self._fp8_kv_observer(model, plan.fp8_kv_cache)
         stored = self._fp8_stored_modules
@@ -233,7 +241,7 @@ class FP8TrainerMixin:
                 )
             return None
         report, _ = plan_fp8_conversion(unwrap_model(model), selection=layers)
-        logger.info("BF16 training; FP8 rollouts/checkpoint: %s", report.summary())
+        logger.info("High-precision training; FP8 rollouts/checkpoint: %s", report.summary())
         return report
 
     @property
