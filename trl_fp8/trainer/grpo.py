@@ -8,7 +8,7 @@ plus what GRPO adds: the trainer-vs-rollout mismatch and token-level TIS.
 - `_compute_loss` / `_get_per_token_logps_and_entropies`: the micro-batch's own forward gives the trainer's log-probs
   (detached), from which the ratio is put in the batch before TRL's loss reads it; the metrics' token sums and
   extremes add up over the rollout batch's micro-batches and are logged once, after its last, with the values TRL's
-  scoring pass would have logged (`_RolloutScoring`);
+  scoring pass would have logged (`_RolloutScoring`); a micro-batch is scored once, however often it is trained on;
 - `_compute_loss`: lets TRL apply the ratio with its own code (and not apply it when TIS is off).
 """
 
@@ -39,6 +39,9 @@ from trl_fp8.trainer.mixin import FP8TrainerMixin, check_output_dir
 from trl_fp8.tuning import FP8Tuning
 
 __all__ = ["FP8GRPOTrainer", "check_output_dir"]
+
+# The mark of a micro-batch its training forward scored: trained on again (num_iterations > 1), it is not scored again.
+_SCORED = "trl_fp8_scored_in_training_forward"
 
 
 class FP8GRPOTrainer(FP8TrainerMixin, GRPOTrainer):
@@ -159,9 +162,10 @@ class FP8GRPOTrainer(FP8TrainerMixin, GRPOTrainer):
         return logps
 
     def _compute_loss(self, model, inputs):
-        # (a batch trained on again, num_iterations > 1, keeps the ratio of its first pass: the same weights)
+        # (a batch trained on again, num_iterations > 1, keeps the ratio and the metrics of its first pass: the same
+        # weights; TRL hands back the same micro-batch dict, and the mark stays in it with or without a ratio)
         scored_here = (self.scoring_in_training_forward.on and inputs.get("sampling_per_token_logps") is not None
-                       and "importance_sampling_ratio" not in inputs)  # fmt: skip
+                       and _SCORED not in inputs)  # fmt: skip
         self._batch_to_score = inputs if scored_here else None
         try:
             if not (self._tis_without_vllm and (scored_here or "importance_sampling_ratio" in inputs)):
@@ -186,6 +190,7 @@ class FP8GRPOTrainer(FP8TrainerMixin, GRPOTrainer):
         """The micro-batch's ratio (as TRL's scoring pass would have computed it, into `batch`), and its part of the
         rollout batch's metrics, from the trainer's log-probs of its own forward; after the rollout batch's last
         micro-batch, its metrics are logged."""
+        batch[_SCORED] = True
         rollout_logps = batch["sampling_per_token_logps"]
         mask = batch["completion_mask"] * batch.get("tool_mask", 1)
         mode = "train" if self.model.training else "eval"
