@@ -51,6 +51,32 @@ def test_the_plan_is_made_from_the_settings_and_the_config_alone(fake_vllm, tmp_
     assert first.start_up_lines(args) == ["FP8 KV cache off: training on cpu: vLLM's FP8 attention needs a Hopper GPU"]
 
 
+def test_the_trainers_copy_keeps_the_names_transformers_shares_for_one_object(tmp_path):
+    """transformers keeps two names for one dict (`gradient_checkpointing_kwargs`, the deprecated alias of
+    `activation_checkpointing_kwargs`) and DeepSpeed's config under two (`hf_deepspeed_config` and
+    `deepspeed_plugin.hf_ds_config`): in the trainer's copy each pair is still one object (what TRL or transformers
+    writes through one name, the other reads), and not the user's."""
+    args = FP8GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, activation_checkpointing=True,
+                         activation_checkpointing_kwargs={"use_reentrant": False})  # fmt: skip
+    assert args.gradient_checkpointing_kwargs is args.activation_checkpointing_kwargs  # transformers' own aliasing
+    resolved = FP8RunPlan.build(args, tiny_qwen3_config()).trainer_args(args)
+    assert resolved.gradient_checkpointing_kwargs is resolved.activation_checkpointing_kwargs
+    resolved.activation_checkpointing_kwargs["use_reentrant"] = True  # as TRL sets it in its copy
+    assert args.activation_checkpointing_kwargs == {"use_reentrant": False}
+
+    pytest.importorskip("deepspeed")
+    stage2 = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto",
+              "gradient_accumulation_steps": "auto"}  # fmt: skip
+    args = FP8GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, deepspeed=stage2)
+    assert args.deepspeed_plugin.hf_ds_config is args.hf_deepspeed_config
+    resolved = FP8RunPlan.build(args, tiny_qwen3_config()).trainer_args(args)
+    assert resolved.deepspeed_plugin.hf_ds_config is resolved.hf_deepspeed_config
+    assert resolved.deepspeed_plugin.deepspeed_config is resolved.hf_deepspeed_config.config
+    assert resolved.hf_deepspeed_config is not args.hf_deepspeed_config
+    resolved.hf_deepspeed_config.config["gradient_accumulation_steps"] = 4  # as transformers fills in "auto"
+    assert args.hf_deepspeed_config.config["gradient_accumulation_steps"] == 1
+
+
 def _qwen3_8b_config():
     from transformers import Qwen3Config
 

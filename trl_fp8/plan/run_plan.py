@@ -121,11 +121,18 @@ class FP8RunPlan:
         """The trainer's own copy of `args` with the plan's resolved values where TRL, transformers and accelerate read
         them (`use_liger_kernel`, `liger_kernel_config`, accelerate's `gradient_accumulation_kwargs`,
         `fp8_kv_cache`); the user's object is left as it was given. Containers are copied too, so what TRL adds to
-        them stays in the trainer's copy."""
+        them stays in the trainer's copy, in one deep copy: two names that hold one object (transformers'
+        `gradient_checkpointing_kwargs` and `activation_checkpointing_kwargs`; `hf_deepspeed_config` and
+        `deepspeed_plugin.hf_ds_config`) still hold one object, the copy."""
         resolved = copy.copy(args)
-        for name, value in vars(args).items():
-            if isinstance(value, (dict, list, set)) or dataclasses.is_dataclass(value):
-                setattr(resolved, name, copy.deepcopy(value))
+        containers = {name: value for name, value in vars(args).items()
+                      if isinstance(value, (dict, list, set)) or dataclasses.is_dataclass(value)}  # fmt: skip
+        memo: dict[int, object] = {}
+        for name, value in copy.deepcopy(containers, memo).items():
+            setattr(resolved, name, value)
+        for name, value in vars(args).items():  # an attribute that is an object inside a copied container
+            if id(value) in memo and name not in containers:
+                setattr(resolved, name, memo[id(value)])
         liger = self.liger_kernels
         resolved.use_liger_kernel = liger.on
         if liger.automatic and liger.on and self.tuning.fuse_swiglu:  # both replace the MLP's forward: ours stays
