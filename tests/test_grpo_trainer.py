@@ -595,6 +595,24 @@ def test_automatic_tis_is_said_at_start_up_and_asks_nothing_without_rollouts_to_
         make_trainer(model_dir, tmp_path, tis="token")  # asked for, with nothing to correct: refused
 
 
+@pytest.mark.parametrize("backend", ["scaled_mm", "deepgemm"])
+def test_a_gpu_backend_where_it_cannot_run_is_refused_before_the_model_loads(tmp_path, monkeypatch, backend):
+    """Refused by the config, naming fp8_backend and the fix, instead of `backend=` in the first training step: on
+    this CPU, and on a CUDA GPU other than SM90 (faked); accepted on SM90 (faked)."""
+    message = rf"fp8_backend='{backend}' runs blockwise FP8 GEMMs on a CUDA SM90 GPU \(H100/H200\), but this run "
+    fix = r"Use fp8_backend='auto' .* or fp8_backend='emulated'"
+    with pytest.raises(ValueError, match=message + r"trains on cpu\. " + fix):
+        make_args(tmp_path, fp8_backend=backend)
+    gpu = property(lambda self: self._setup_devices and torch.device("cuda", 0))  # (the process state set up first)
+    monkeypatch.setattr(FP8GRPOConfig, "device", gpu)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(ValueError, match=message + r"trains on NVIDIA A100-SXM4-80GB \(sm_80\)"):
+        make_args(tmp_path, fp8_backend=backend)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert make_args(tmp_path, fp8_backend=backend).fp8_backend == backend
+
+
 def test_harmless_settings_without_effect_warn(tmp_path):
     with pytest.warns(UserWarning, match="tis_cap=3.0 has no effect without token TIS"):
         make_args(tmp_path, tis="off", tis_cap=3.0)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, field
 
+import torch
 from trl import RLOOConfig
 
 from trl_fp8 import config as fp8_config
@@ -191,6 +192,7 @@ class FP8TrainingArguments:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", "`gradient_checkpointing` is deprecated", FutureWarning)
             super().__post_init__()
+        self._refuse_gpu_backend_off_sm90()  # now that transformers has set up the device
         check_optimizer_installed(self.optim)
         if self.use_liger_kernel:
             check_liger_installed()
@@ -245,6 +247,26 @@ class FP8TrainingArguments:
     def fp8_outside_training(self) -> bool:
         """Whether some weights are stored in FP8 outside training: FP8 rollouts or an FP8 checkpoint."""
         return bool(self.save_fp8_checkpoint) or (self.use_vllm and self.rollout_precision == "fp8")
+
+    def _refuse_gpu_backend_off_sm90(self) -> None:
+        """Refuse, before any model loads, a blockwise GEMM backend chosen by name where it cannot run (the first
+        training step would fail, naming `FP8LinearConfig`'s `backend`)."""
+        from trl_fp8.ops import blockwise_scaled_mm_supported
+
+        backend = self.fp8_backend
+        if self.fp8_recipe != BLOCKWISE or backend in ("auto", "emulated"):
+            return  # (torchao's recipes refuse these backends in `_check_layer_options`)
+        if blockwise_scaled_mm_supported(self.device):
+            return
+        here = self.device.type
+        if here == "cuda":
+            major, minor = torch.cuda.get_device_capability(self.device)
+            here = f"{torch.cuda.get_device_name(self.device)} (sm_{major}{minor})"
+        raise ValueError(
+            f"fp8_backend={backend!r} runs blockwise FP8 GEMMs on a CUDA SM90 GPU (H100/H200), but this run trains on "
+            f"{here}. Use fp8_backend='auto' (real FP8 GEMMs on an SM90 GPU, the exact emulation elsewhere) or "
+            "fp8_backend='emulated'."
+        )
 
     def _refuse_settings_without_effect(self) -> None:
         """Raise for a setting that this combination would silently ignore, naming the fix (warn where harmless)."""
