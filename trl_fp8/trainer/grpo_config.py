@@ -40,8 +40,9 @@ class FP8GRPOConfig(FP8TrainingArguments, GRPOConfig):
             instead of a no-grad forward over the whole rollout before the micro-batches (TRL's scoring pass): one
             forward pass fewer per step, the same values where every rollout is trained on within one optimizer step
             (`gradient_accumulation_steps` a multiple of `steps_per_generation` x `num_iterations`, TRL's default),
-            since the weights are then the same in both forwards. `None`: on there. The metrics are then logged per
-            micro-batch and averaged, as TRL logs its loss-side metrics.
+            since the weights are then the same in both forwards. `None`: on there. The metrics are then summed over
+            the rollout batch's micro-batches and logged once, after its last: the values TRL's scoring pass logs (a
+            micro-batch trained on again, `num_iterations > 1`, is not scored again).
     """
 
     log_rollout_mismatch: bool = field(default=True, metadata=field_help(__doc__, "log_rollout_mismatch"))
