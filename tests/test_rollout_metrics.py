@@ -32,7 +32,7 @@ def run_one_step(tmp_path, score_in_training_forward: bool, **settings) -> dict[
     trainer = FP8GRPOTrainer(tiny_qwen3(seed=0, **ids), say_letter_reward, args, train_dataset=say_letter_dataset(64),
                              processing_class=tokenizer,
                              rollout_func=sampling_rollout_func(tokenizer, lambda trainer: sampler))  # fmt: skip
-    assert trainer.scoring_in_training_forward.on is score_in_training_forward
+    assert trainer.plan.scoring_in_training_forward.on is score_in_training_forward
     trainer.train()
     (log,) = [log for log in trainer.state.log_history if "loss" in log]
     return log
