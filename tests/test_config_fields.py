@@ -30,6 +30,14 @@ def test_each_field_is_described_once_in_the_docstring_and_that_is_its_help(conf
         assert len(described[name]) > 20, f"{name}'s description says next to nothing"
 
 
+def test_score_in_training_forward_says_how_its_metrics_are_logged():
+    """Summed over the rollout batch's micro-batches and logged once (`_RolloutScoring`), not averaged per
+    micro-batch: the help, `--help` and the API page say it from the docstring."""
+    help_text = {f.name: f for f in fields(FP8GRPOConfig)}["score_in_training_forward"].metadata["help"]
+    assert "averaged" not in help_text
+    assert "summed over the rollout batch's micro-batches and logged once" in " ".join(help_text.split())
+
+
 def test_an_entry_spans_its_continuation_lines_and_ends_at_the_next_entry():
     doc = """Intro.
 

@@ -561,14 +561,16 @@ def test_the_trainer_adds_gradients_in_place_in_one_process_only(tmp_path):
     from types import SimpleNamespace
 
     from trl_fp8 import FP8GRPOConfig
+    from trl_fp8.plan import WeightCache
 
+    held = WeightCache(True, with_grad=False)
     args = FP8GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False)
-    assert args.fp8_linear_config(cache_weights=True).fuse_wgrad_accumulation
+    assert args.fp8_linear_config(held).fuse_wgrad_accumulation
     for launch in ("MULTI_GPU", "FSDP", "DEEPSPEED"):
         args.distributed_state = SimpleNamespace(distributed_type=launch)
-        assert not args.fp8_linear_config(cache_weights=True).fuse_wgrad_accumulation, launch
+        assert not args.fp8_linear_config(held).fuse_wgrad_accumulation, launch
     tensorwise = FP8GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, fp8_recipe="tensorwise")
-    assert not tensorwise.fp8_linear_config().fuse_wgrad_accumulation
+    assert not tensorwise.fp8_linear_config(held).fuse_wgrad_accumulation
 
 
 def test_grouped_experts_launch_a_fixed_number_of_kernels_whatever_the_expert_count(monkeypatch):

@@ -465,7 +465,8 @@ def test_token_tis_applies_to_rollouts_with_their_own_logprobs(model_dir, tmp_pa
     before the micro-batches: the loss's own forward gives the ratio, the one the scoring pass gives."""
     trainer = make_trainer(model_dir, tmp_path, tis="token", tis_cap=2.0, rollout_func=bf16_twin_rollout_func(model_dir),
                            score_in_training_forward=None if in_training_forward else False)  # fmt: skip
-    assert trainer._tis_without_vllm and trainer.scoring_in_training_forward.on is in_training_forward
+    plan = trainer.plan
+    assert plan.token_tis.value.by_trainer and plan.scoring_in_training_forward.on is in_training_forward
     trainer.model.train()
     scoring = []  # grad mode of each forward that computes the policy's log-probs
     real = trainer._get_per_token_logps_and_entropies
@@ -505,7 +506,7 @@ def test_training_scores_off_policy_rollouts_in_its_micro_batches(model_dir, tmp
     buffering and shuffling of the batch around them): each step logs the ratio and the mismatch, and trains."""
     trainer = make_trainer(model_dir, tmp_path, tis="token", rollout_func=bf16_twin_rollout_func(model_dir),
                            per_device_train_batch_size=4, gradient_accumulation_steps=4)  # fmt: skip
-    assert trainer.scoring_in_training_forward.on
+    assert trainer.plan.scoring_in_training_forward.on
     before = trainer.model.model.layers[0].mlp.up_proj.weight.detach().clone()
     trainer.train()
     logs = [log for log in trainer.state.log_history if "loss" in log]
@@ -525,7 +526,7 @@ def test_rollouts_trained_on_after_an_update_are_scored_before_the_micro_batches
         make_args(tmp_path, tis="token", score_in_training_forward=True, steps_per_generation=2)
     trainer = make_trainer(model_dir, tmp_path, tis="token", steps_per_generation=2,
                            rollout_func=lambda prompts, trainer: None)  # fmt: skip
-    choice = trainer.scoring_in_training_forward
+    choice = trainer.plan.scoring_in_training_forward
     assert not choice.on and choice.automatic and "updated weights" in choice.reason
 
 
@@ -590,29 +591,72 @@ def test_token_tis_is_the_default_unless_trls_own_fields_say_otherwise(tmp_path)
     """`tis="auto"` (the default): token TIS, as every measured FP8 run used, mapped onto TRL's fields; TRL's own
     importance-sampling settings, where a user set them, stand instead of being refused as with `tis="token"`."""
     args = make_args(tmp_path)
-    assert args.tis == "auto" and args.token_tis and args.vllm_importance_sampling_mode == "token_truncate"
+    assert args.tis == "auto" and args.tis_asks_for_token() and args.vllm_importance_sampling_mode == "token_truncate"
     assert args.vllm_importance_sampling_clip_max == 2.0 and args.vllm_importance_sampling_correction
     assert make_args(tmp_path, tis_cap=3.0).vllm_importance_sampling_clip_max == 3.0
     theirs = make_args(tmp_path, vllm_importance_sampling_mode="sequence_truncate")
-    assert not theirs.token_tis and theirs.vllm_importance_sampling_mode == "sequence_truncate"
+    assert not theirs.tis_asks_for_token() and theirs.vllm_importance_sampling_mode == "sequence_truncate"
     assert theirs.trl_is_fields_set() == ["vllm_importance_sampling_mode='sequence_truncate'"]
-    assert not make_args(tmp_path, vllm_importance_sampling_correction=False).token_tis
+    assert not make_args(tmp_path, vllm_importance_sampling_correction=False).tis_asks_for_token()
     trls = make_args(tmp_path, tis=None)
-    assert not trls.token_tis and trls.vllm_importance_sampling_mode == "sequence_mask"  # TRL's default
+    assert not trls.tis_asks_for_token() and trls.vllm_importance_sampling_mode == "sequence_mask"  # TRL's default
     again = make_args(tmp_path, **{k: getattr(args, k) for k in ("tis", "vllm_importance_sampling_mode",
                                                                  "vllm_importance_sampling_clip_max")})  # fmt: skip
-    assert again.token_tis  # a saved config of a run reads back to the same choice
+    assert again.tis_asks_for_token()  # a saved config of a run reads back to the same choice
 
 
 def test_automatic_tis_is_said_at_start_up_and_asks_nothing_without_rollouts_to_correct(model_dir, tmp_path, capsys):
     trainer = make_trainer(model_dir, tmp_path)  # no vLLM, no rollout_func: nothing to correct, no error
-    assert trainer.args.token_tis and not trainer._tis_without_vllm
-    assert not trainer.scoring_in_training_forward.on and "importance sampling" not in capsys.readouterr().out
+    assert trainer.args.tis_asks_for_token() and trainer.plan.token_tis.value is None
+    assert not trainer.plan.scoring_in_training_forward.on and "importance sampling" not in capsys.readouterr().out
     trainer = make_trainer(model_dir, tmp_path, rollout_func=lambda prompts, trainer: None)
-    assert trainer._tis_without_vllm
+    assert trainer.plan.token_tis.value.by_trainer
     assert "token-level truncated importance sampling on: " in capsys.readouterr().out
     with pytest.raises(ValueError, match="tis='token' corrects rollouts sampled by another engine"):
         make_trainer(model_dir, tmp_path, tis="token")  # asked for, with nothing to correct: refused
+
+
+def test_a_tis_cap_with_nothing_to_correct_warns_naming_the_fix(model_dir, tmp_path):
+    """tis="auto" with use_vllm=False and no rollout_func: token TIS corrects nothing, so a cap set is said to do
+    nothing (at start-up: only the trainer knows whether a rollout_func comes); with a rollout_func it applies."""
+    with pytest.warns(UserWarning, match=r"tis_cap=3.0 has no effect without token TIS, which has nothing to "
+                                         r"correct here.* Set use_vllm=True \(or pass a rollout_func"):  # fmt: skip
+        make_trainer(model_dir, tmp_path, tis_cap=3.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = make_trainer(model_dir, tmp_path, tis_cap=3.0, rollout_func=lambda prompts, trainer: None)
+    assert not [w for w in caught if "tis_cap" in str(w.message)] and trainer.plan.token_tis.value.cap == 3.0
+
+
+def test_the_model_card_states_the_rollout_correction_that_ran(model_dir, tmp_path):
+    """The default tis="auto" corrects nothing where the policy samples its own rollouts: the card names no TIS there,
+    and token TIS with its cap where it corrected rollouts of another engine."""
+    own = make_trainer(model_dir, tmp_path / "own")
+    own.create_model_card()
+    card = (tmp_path / "own" / "out" / "README.md").read_text()
+    assert "Trained with trl-fp8's `FP8GRPOTrainer` with FP8 recipe `blockwise`" in card and "TIS" not in card
+    other = make_trainer(model_dir, tmp_path / "other", tis_cap=3.0, rollout_func=lambda prompts, trainer: None)
+    other.create_model_card()
+    card = (tmp_path / "other" / "out" / "README.md").read_text()
+    assert "(28 linear layers in FP8), token TIS capped at 3.0." in card
+
+
+@pytest.mark.parametrize("backend", ["scaled_mm", "deepgemm"])
+def test_a_gpu_backend_where_it_cannot_run_is_refused_before_the_model_loads(tmp_path, monkeypatch, backend):
+    """Refused by the config, naming fp8_backend and the fix, instead of `backend=` in the first training step: on
+    this CPU, and on a CUDA GPU other than SM90 (faked); accepted on SM90 (faked)."""
+    message = rf"fp8_backend='{backend}' runs blockwise FP8 GEMMs on a CUDA SM90 GPU \(H100/H200\), but this run "
+    fix = r"Use fp8_backend='auto' .* or fp8_backend='emulated'"
+    with pytest.raises(ValueError, match=message + r"trains on cpu\. " + fix):
+        make_args(tmp_path, fp8_backend=backend)
+    gpu = property(lambda self: self._setup_devices and torch.device("cuda", 0))  # (the process state set up first)
+    monkeypatch.setattr(FP8GRPOConfig, "device", gpu)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(ValueError, match=message + r"trains on NVIDIA A100-SXM4-80GB \(sm_80\)"):
+        make_args(tmp_path, fp8_backend=backend)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert make_args(tmp_path, fp8_backend=backend).fp8_backend == backend
 
 
 def test_harmless_settings_without_effect_warn(tmp_path):

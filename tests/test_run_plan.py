@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 
-from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer
+from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, FP8RLOOConfig
 from trl_fp8.demo.tiny_model import tiny_char_tokenizer, tiny_qwen3, tiny_qwen3_config
 from trl_fp8.demo.toy_task import GRPO_SETTINGS, say_letter_dataset, say_letter_reward
 from trl_fp8.plan import Choice, FP8RunPlan, RolloutSettings, WeightCache
@@ -48,7 +48,66 @@ def test_the_plan_is_made_from_the_settings_and_the_config_alone(fake_vllm, tmp_
     assert first.layers.num_last_layers_in_bf16 == 1
     assert first.rollout == RolloutSettings(fp8_backend="triton", token_ids_only=args.vllm_token_ids_only)
     assert first.fp8_kv_cache == Choice(False, "training on cpu: vLLM's FP8 attention needs a Hopper GPU")
-    assert first.start_up_lines(args) == ["FP8 KV cache off: training on cpu: vLLM's FP8 attention needs a Hopper GPU"]
+    lines = first.start_up_lines(args)
+    assert lines[0] == "FP8 KV cache off: training on cpu: vLLM's FP8 attention needs a Hopper GPU"
+    assert [line.split(":")[0] for line in lines[1:]] == ["token-level truncated importance sampling on",
+                                                          "scoring the rollouts in the training forward on"]  # fmt: skip
+
+
+def test_the_trainers_copy_keeps_the_names_transformers_shares_for_one_object(tmp_path):
+    """transformers keeps two names for one dict (`gradient_checkpointing_kwargs`, the deprecated alias of
+    `activation_checkpointing_kwargs`) and DeepSpeed's config under two (`hf_deepspeed_config` and
+    `deepspeed_plugin.hf_ds_config`): in the trainer's copy each pair is still one object (what TRL or transformers
+    writes through one name, the other reads), and not the user's."""
+    args = FP8GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, activation_checkpointing=True,
+                         activation_checkpointing_kwargs={"use_reentrant": False})  # fmt: skip
+    assert args.gradient_checkpointing_kwargs is args.activation_checkpointing_kwargs  # transformers' own aliasing
+    resolved = FP8RunPlan.build(args, tiny_qwen3_config()).trainer_args(args)
+    assert resolved.gradient_checkpointing_kwargs is resolved.activation_checkpointing_kwargs
+    resolved.activation_checkpointing_kwargs["use_reentrant"] = True  # as TRL sets it in its copy
+    assert args.activation_checkpointing_kwargs == {"use_reentrant": False}
+
+    pytest.importorskip("deepspeed")
+    stage2 = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto",
+              "gradient_accumulation_steps": "auto"}  # fmt: skip
+    args = FP8GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, deepspeed=stage2)
+    assert args.deepspeed_plugin.hf_ds_config is args.hf_deepspeed_config
+    resolved = FP8RunPlan.build(args, tiny_qwen3_config()).trainer_args(args)
+    assert resolved.deepspeed_plugin.hf_ds_config is resolved.hf_deepspeed_config
+    assert resolved.deepspeed_plugin.deepspeed_config is resolved.hf_deepspeed_config.config
+    assert resolved.hf_deepspeed_config is not args.hf_deepspeed_config
+    resolved.hf_deepspeed_config.config["gradient_accumulation_steps"] = 4  # as transformers fills in "auto"
+    assert args.hf_deepspeed_config.config["gradient_accumulation_steps"] == 1
+
+
+def test_the_plan_decides_tis_and_where_the_rollouts_are_scored(fake_vllm, tmp_path):
+    """Token TIS (whether it corrects anything, who applies it, its cap) and scoring in the training forward are the
+    plan's decisions, with their reasons, from the settings alone; RLOO's config has neither."""
+    from trl_fp8.plan import TokenTIS
+
+    config = tiny_qwen3_config()
+
+    def plan(rollout_func=False, **settings):
+        args = FP8GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, **settings)
+        return FP8RunPlan.build(args, config, rollout_func=rollout_func), args
+
+    own, args = plan()  # the default tis="auto", and the policy samples its own rollouts: nothing to correct
+    assert own.token_tis == Choice(None, "the policy samples its own rollouts (use_vllm=False, no rollout_func): "
+                                   "nothing to correct", automatic=False)  # fmt: skip
+    assert not own.scoring_in_training_forward.on and own.start_up_lines(args) == []
+    elsewhere, _ = plan(rollout_func=True, tis_cap=3.0)  # the trainer applies it to a rollout_func's rollouts
+    assert elsewhere.token_tis.value == TokenTIS(3.0, by_trainer=True) and elsewhere.token_tis.automatic
+    assert elsewhere.scoring_in_training_forward.on and elsewhere.scoring_in_training_forward.automatic
+    vllm, _ = plan(use_vllm=True, vllm_mode="colocate")  # TRL's loss code applies it
+    assert vllm.token_tis.value == TokenTIS(2.0, by_trainer=False)
+    theirs, _ = plan(use_vllm=True, vllm_mode="colocate", vllm_importance_sampling_mode="sequence_truncate")
+    assert theirs.token_tis == Choice(None, "TRL's importance sampling as set "
+                                            "(vllm_importance_sampling_mode='sequence_truncate')")  # fmt: skip
+    off, _ = plan(use_vllm=True, vllm_mode="colocate", tis="off", score_in_training_forward=False)
+    assert off.token_tis == Choice(None, "set by tis='off'", automatic=False)
+    assert off.scoring_in_training_forward == Choice(False, "set by score_in_training_forward", automatic=False)
+    rloo = FP8RunPlan.build(FP8RLOOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False), config)
+    assert rloo.token_tis is None and rloo.scoring_in_training_forward is None
 
 
 def _qwen3_8b_config():

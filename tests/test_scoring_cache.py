@@ -105,25 +105,32 @@ def test_frozen_weights_stay_cached_in_training_forwards(monkeypatch):
     assert held > 0 and fp8_weight_cache_bytes(scoring) == held and calls == []
 
 
-def test_the_trainer_default_holds_the_cache_for_scoring_only(tmp_path):
-    def linear_config(**kw):
-        args = FP8GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, **kw)
-        return args.fp8_linear_config(cache_weights=True)
-
-    default = linear_config()
-    assert default.cache_quantized_weight and not default.cache_with_grad
-    kept = linear_config(fp8_cache_weights=True)
-    assert kept.cache_quantized_weight and kept.cache_with_grad
-    off = linear_config(fp8_cache_weights=False)
-    assert not off.cache_quantized_weight and off.cache_with_grad
-    # the planner's choice of no cache (fp8_cache_weights=None) is no cache at all
-    args = FP8GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False)
-    dropped = args.fp8_linear_config(cache_weights=False)
-    assert not dropped.cache_quantized_weight and dropped.cache_with_grad
-    # off a GPU the trainer keeps it through the micro-batches (no GPU memory to spare): `choose_fp8_weight_cache`
+def test_the_layers_take_the_weight_cache_the_plan_chose(tmp_path):
+    """The plan chooses the FP8 weight cache once (`choose_fp8_weight_cache`), the FP8 layers' config takes it as it
+    is (`fp8_linear_config`): held for scoring only where it fits a GPU (the default), kept through the micro-batches
+    off a GPU or where the user set fp8_cache_weights=True, none where the user turned it off."""
+    from trl_fp8.demo.tiny_model import tiny_qwen3_config
+    from trl_fp8.plan import FP8RunPlan, WeightCache
     from trl_fp8.plan.choices import choose_fp8_weight_cache
+    from trl_fp8.rollout.capacity import GPU_MEMORY_BYTES
 
-    cpu = choose_fp8_weight_cache({}, args).value
-    assert cpu.cache and cpu.with_grad and args.fp8_linear_config(cpu.cache, cpu.with_grad).cache_with_grad
+    def cache_of(**kw) -> WeightCache:
+        return FP8RunPlan.build(FP8GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, **kw),
+                                tiny_qwen3_config()).fp8_weight_cache.value  # fmt: skip
+
+    args = FP8GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False)
+    on_a_gpu = choose_fp8_weight_cache(tiny_qwen3_config(), args, total_bytes=GPU_MEMORY_BYTES["H100"])
+    assert on_a_gpu.automatic and on_a_gpu.value == WeightCache(True, with_grad=False)
+    held = args.fp8_linear_config(on_a_gpu.value)
+    assert held.cache_quantized_weight is True and held.cache_with_grad is False
+    assert cache_of() == WeightCache(True, with_grad=True)  # off a GPU: no GPU memory to spare
+    assert cache_of(fp8_cache_weights=True) == WeightCache(True, with_grad=True)
+    assert cache_of(fp8_cache_weights=False) == WeightCache(False)
+    kept = args.fp8_linear_config(WeightCache(True, with_grad=True))
+    assert kept.cache_quantized_weight is True and kept.cache_with_grad is True
+    off = args.fp8_linear_config(WeightCache(False))
+    assert off.cache_quantized_weight is False and off.cache_with_grad is True
+    with pytest.raises(TypeError):
+        args.fp8_linear_config()  # no default of its own: the plan's choice, or the caller's
     with pytest.raises(ValueError, match="cache_with_grad=False limits the FP8 weight cache"):
         FP8LinearConfig(cache_quantized_weight=False, cache_with_grad=False)

@@ -103,6 +103,10 @@ def test_scoring_in_the_training_forward_fits_trls_loss_and_scoring():
         < loss.index('inputs.get("importance_sampling_ratio")')
         < loss.index('inputs["importance_sampling_ratio"]')
     )
+    # a micro-batch trained on again (num_iterations > 1) is the same dict, which keeps the mark of its scoring
+    assert "inputs = self._buffered_inputs[self._step % self.args.steps_per_generation]" in inspect.getsource(
+        GRPOTrainer._prepare_inputs
+    )
     produce = inspect.getsource(GRPOTrainer._generate_and_score_completions)
     assert "self.args.gradient_accumulation_steps % generate_every != 0 or (" in produce
     assert "self.use_vllm and self.vllm_importance_sampling_correction" in produce

@@ -247,7 +247,7 @@ def test_vllm_rollouts_are_scored_in_the_training_forward(fake_vllm, tmp_path, m
     from trl_fp8.trainer.importance_sampling import importance_sampling_ratio
 
     trainer = tiny_trainer(tmp_path, tis=tis)
-    assert trainer.scoring_in_training_forward.on and trainer.vllm_importance_sampling_correction is True
+    assert trainer.plan.scoring_in_training_forward.on and trainer.vllm_importance_sampling_correction is True
     switch = []
     rollout_batch = {"prompt_ids": model_batch["prompt_ids"]}  # (what the micro-batches below score: all of it)
     monkeypatch.setattr(GRPOTrainer, "_generate_and_score_completions",

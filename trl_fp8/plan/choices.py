@@ -1,7 +1,8 @@
 """The run's automatic choices, each a function of the run's settings (`args`, read, never written), the model's
 config and the machine (read from `args.device` unless given): Liger's kernels, the FP8 weight cache, FSDP2's
-`sync_each_batch`, the colocated engine's FP8 KV cache and scoring the rollouts in the training forward. Each returns
-a `Choice` with its reason; `FP8RunPlan` holds them, and the trainer and `trl-fp8 plan` read them from there.
+`sync_each_batch`, the colocated engine's FP8 KV cache, and GRPO's token-level TIS and scoring of the rollouts in the
+training forward. Each returns a `Choice` with its reason; `FP8RunPlan` holds them, and the trainer and `trl-fp8 plan`
+read them from there.
 
 Liger's fused RMSNorm, RoPE and SwiGLU take the part of the training phase that FP8 layers leave in BF16
 (elementwise kernels and reductions, a large share of it at the 8B shape: docs/contributing/benchmark-details.md,
@@ -21,7 +22,7 @@ import torch
 
 import trl_fp8.plan.memory as memory
 from trl_fp8.config import BLOCKWISE
-from trl_fp8.plan.choice import Choice, WeightCache
+from trl_fp8.plan.choice import Choice, TokenTIS, WeightCache
 from trl_fp8.rollout import capacity
 from trl_fp8.tuning import FP8Tuning
 
@@ -33,6 +34,8 @@ __all__ = [
     "choose_fsdp2_gradient_sync",
     "choose_liger_kernels",
     "choose_scoring",
+    "choose_token_tis",
+    "rollouts_from_another_engine",
     "start_up_sequence_tokens",
 ]
 
@@ -136,7 +139,8 @@ def choose_fp8_weight_cache(
     tuning = FP8Tuning.of(tuning)
 
     if args.fp8_cache_weights is not None:
-        return Choice(WeightCache(args.fp8_cache_weights), "set by fp8_cache_weights", automatic=False)
+        kept = WeightCache(True, with_grad=True) if args.fp8_cache_weights else WeightCache(False)
+        return Choice(kept, "set by fp8_cache_weights", automatic=False)
     if weight_sharding(args) == "FSDP2":
         return Choice(WeightCache(False), "FSDP2 shards the weights; a whole FP8 copy on every rank would undo it")
     total_bytes = total_bytes or _gpu_bytes(args)
@@ -146,7 +150,7 @@ def choose_fp8_weight_cache(
     try:
         shape = capacity.ModelShape.from_config(model_config)
     except ValueError as exc:
-        return Choice(WeightCache(True), f"kept: the memory planner cannot size this model ({exc})")
+        return Choice(WeightCache(True, with_grad=False), f"kept: the memory planner cannot size this model ({exc})")
     parts, vllm, peak, counted = _planned_training(
         shape, args, total_bytes, max(1, args.world_size), cache_with_grad=False, launch="ddp",
         grads_in_ddp_buckets=tuning.ddp_gradient_as_bucket_view, fp8_training=True, fp8_weight_cache=True, lora=lora,
@@ -158,7 +162,7 @@ def choose_fp8_weight_cache(
                f"{total_bytes / gib:.1f} GiB" + ("" if counted == optim else f", {optim} counted as adamw_torch"))  # fmt: skip
     if memory.keeps_fp8_weight_cache(parts, shape, total_bytes, **vllm):
         # the micro-batches quantize every weight at each forward; the trade the other way is one byte a weight
-        return Choice(WeightCache(True), f"{numbers}; fp8_cache_weights=True keeps it through the micro-batches "
+        return Choice(WeightCache(True, with_grad=False), f"{numbers}; fp8_cache_weights=True keeps it through the micro-batches "
                       "too (fewer quantizations, that much more memory at the training peak)")  # fmt: skip
     return Choice(
         WeightCache(False),
@@ -276,10 +280,39 @@ def choose_fp8_kv_cache(
     )
 
 
-def choose_scoring(args, *, correcting: bool, tis_without_vllm: bool) -> Choice:
+def rollouts_from_another_engine(args, *, rollout_func: bool) -> bool:
+    """Whether the rollouts bring log-probs of an engine other than the trainer's model (vLLM, or a `rollout_func`
+    returning them): what importance sampling corrects. Without either, the policy samples its own rollouts."""
+    return bool(args.use_vllm or rollout_func)
+
+
+def choose_token_tis(args, *, rollout_func: bool = False) -> Choice | None:
+    """Token-level truncated importance sampling of this run's rollouts (`FP8GRPOConfig.tis`): a `TokenTIS` where it
+    corrects them, None where it does not, and why; None for a config without TIS (RLOO's). `rollout_func`: whether
+    the trainer was given one. With vLLM, TRL's own loss code applies it (the config maps `tis` onto TRL's
+    `vllm_importance_sampling_*` fields); for rollouts of a `rollout_func` without vLLM, the trainer does."""
+    if not hasattr(args, "tis"):
+        return None
+    if not rollouts_from_another_engine(args, rollout_func=rollout_func):
+        return Choice(None, "the policy samples its own rollouts (use_vllm=False, no rollout_func): nothing to correct",
+                      automatic=False)  # fmt: skip
+    if args.tis_asks_for_token():
+        tis = TokenTIS(args.tis_cap, by_trainer=not args.use_vllm)
+        if args.tis == "token":
+            return Choice(tis, "set by tis='token'", automatic=False)
+        return Choice(tis, "the rollout engine's log-probs differ from the trainer's by its kernels' rounding; each "
+                      f"token's ratio pi_train / pi_rollout is capped at tis_cap={args.tis_cap} (tis='auto'; "
+                      "tis=None keeps TRL's own correction, tis='off' none)")  # fmt: skip
+    if args.tis == "auto":
+        return Choice(None, f"TRL's importance sampling as set ({', '.join(args.trl_is_fields_set())})")
+    return Choice(None, f"set by tis={args.tis!r}", automatic=False)
+
+
+def choose_scoring(args, token_tis: Choice) -> Choice:
     """Whether the micro-batches' own forwards give the trainer's log-probs of the rollouts
-    (`FP8GRPOConfig.score_in_training_forward`), and why. `correcting`: vLLM rollouts with TRL's importance-sampling
-    correction; `tis_without_vllm`: token TIS of rollouts with log-probs from another engine."""
+    (`FP8GRPOConfig.score_in_training_forward`), and why. `token_tis`: the run's `choose_token_tis`."""
+    correcting = args.use_vllm and args.vllm_importance_sampling_correction  # TRL's correction of vLLM rollouts
+    tis_without_vllm = token_tis.on and token_tis.value.by_trainer
     if not (correcting or tis_without_vllm or (args.use_vllm and args.log_rollout_mismatch)):
         return Choice(False, "nothing scores the rollouts with the trainer", automatic=False)
     if args.score_in_training_forward is not None:

@@ -23,6 +23,8 @@ from trl_fp8.plan.choices import (
     choose_fp8_weight_cache,
     choose_fsdp2_gradient_sync,
     choose_liger_kernels,
+    choose_scoring,
+    choose_token_tis,
 )
 from trl_fp8.plan.micro_batch import dense_hidden_size, small_micro_batch_note
 from trl_fp8.rollout.settings import RolloutSettings
@@ -37,7 +39,10 @@ class FP8RunPlan:
     automatic choice with its reason (`trl_fp8.plan.choices`). `fp8_weight_cache` is None without FP8 training,
     `fsdp2_gradient_sync` None where there is nothing to choose; `micro_batch_note` is the start-up note where FP8
     training would wait for the host (`plan.micro_batch`). `cuda`: whether the run trains on a CUDA GPU. `tuning`: the
-    run's `FP8Tuning`, the one place the trainer reads it from."""
+    run's `FP8Tuning`, the one place the trainer reads it from. GRPO's rollout corrections, None for a config without
+    them (RLOO's): `token_tis`, token-level TIS (a `TokenTIS` where it corrects the rollouts, None where not), and
+    `scoring_in_training_forward`, whether the micro-batches' own forwards give the trainer's log-probs of the
+    rollouts."""
 
     layers: LayerSelection
     rollout: RolloutSettings
@@ -48,6 +53,8 @@ class FP8RunPlan:
     micro_batch_note: str | None
     cuda: bool
     tuning: FP8Tuning = FP8Tuning()
+    token_tis: Choice | None = None
+    scoring_in_training_forward: Choice | None = None
 
     @classmethod
     def build(
@@ -60,11 +67,13 @@ class FP8RunPlan:
         tuning: FP8Tuning | None = None,
         total_bytes: int | None = None,
         capability: tuple[int, int] | None = None,
+        rollout_func: bool = False,
     ) -> FP8RunPlan:
         """The plan of a run with these settings (`args`, read only) for a model of `model_config`, on `args.device`
         and `args.world_size` processes. `lora`: only adapters train (`peft_config`). `total_bytes` and
         `capability`: the GPU's memory and compute capability (read from `args.device` when None). `tuning`: the run's
-        `FP8Tuning` (None: its defaults)."""
+        `FP8Tuning` (None: its defaults). `rollout_func`: whether the trainer was given one (rollouts that bring
+        their own log-probs)."""
         tuning = FP8Tuning.of(tuning)
         gpu = {"total_bytes": total_bytes}
         cuda = torch.device(args.device).type == "cuda"
@@ -78,6 +87,7 @@ class FP8RunPlan:
         if args.fp8_recipe is not None:
             weight_cache = choose_fp8_weight_cache(model_config, args, lora=lora, tuning=tuning, **gpu)
         note = small_micro_batch_note(dense_hidden_size(model_config), args) if cuda else None
+        token_tis = choose_token_tis(args, rollout_func=rollout_func)  # None: no TIS in this config (RLOO's)
         return cls(
             layers=layers,
             rollout=RolloutSettings.from_args(args, tuning),
@@ -90,6 +100,8 @@ class FP8RunPlan:
             micro_batch_note=note,
             cuda=cuda,
             tuning=tuning,
+            token_tis=token_tis,
+            scoring_in_training_forward=None if token_tis is None else choose_scoring(args, token_tis),
         )
 
     def replace(self, **changes) -> FP8RunPlan:
@@ -110,6 +122,8 @@ class FP8RunPlan:
         choice("FSDP2 gradient reduction at every micro-batch", self.fsdp2_gradient_sync, True)
         choice("FP8 weight cache", self.fp8_weight_cache, args.fp8_recipe == BLOCKWISE and self.cuda)
         choice("FP8 KV cache", self.fp8_kv_cache, args.use_vllm)
+        choice("token-level truncated importance sampling", self.token_tis, True)
+        choice("scoring the rollouts in the training forward", self.scoring_in_training_forward, True)
         return lines
 
     def say_start_up(self, args) -> None:
@@ -121,11 +135,18 @@ class FP8RunPlan:
         """The trainer's own copy of `args` with the plan's resolved values where TRL, transformers and accelerate read
         them (`use_liger_kernel`, `liger_kernel_config`, accelerate's `gradient_accumulation_kwargs`,
         `fp8_kv_cache`); the user's object is left as it was given. Containers are copied too, so what TRL adds to
-        them stays in the trainer's copy."""
+        them stays in the trainer's copy, in one deep copy: two names that hold one object (transformers'
+        `gradient_checkpointing_kwargs` and `activation_checkpointing_kwargs`; `hf_deepspeed_config` and
+        `deepspeed_plugin.hf_ds_config`) still hold one object, the copy."""
         resolved = copy.copy(args)
-        for name, value in vars(args).items():
-            if isinstance(value, (dict, list, set)) or dataclasses.is_dataclass(value):
-                setattr(resolved, name, copy.deepcopy(value))
+        containers = {name: value for name, value in vars(args).items()
+                      if isinstance(value, (dict, list, set)) or dataclasses.is_dataclass(value)}  # fmt: skip
+        memo: dict[int, object] = {}
+        for name, value in copy.deepcopy(containers, memo).items():
+            setattr(resolved, name, value)
+        for name, value in vars(args).items():  # an attribute that is an object inside a copied container
+            if id(value) in memo and name not in containers:
+                setattr(resolved, name, memo[id(value)])
         liger = self.liger_kernels
         resolved.use_liger_kernel = liger.on
         if liger.automatic and liger.on and self.tuning.fuse_swiglu:  # both replace the MLP's forward: ours stays

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+import torch
 from trl import RLOOConfig
 
 from trl_fp8 import config as fp8_config
@@ -20,6 +22,9 @@ from trl_fp8.config import (
 from trl_fp8.field_docs import field_help
 from trl_fp8.requirements import check_liger_installed, check_optimizer_installed
 from trl_fp8.tuning import FP8Tuning
+
+if TYPE_CHECKING:
+    from trl_fp8.plan.choice import WeightCache
 
 
 @dataclass
@@ -183,7 +188,6 @@ class FP8TrainingArguments:
         if self.save_fp8_checkpoint is None:
             self.save_fp8_checkpoint = self.fp8_recipe is not None
         self._refuse_layer_choices_without_effect()
-        self.fp8_linear_config()  # validates the FP8 layers' options now, not when the model is converted
 
     def _finish_post_init(self) -> None:
         """TRL's `__post_init__` between the FP8 checks and the package checks; its deprecated-name warning is TRL's
@@ -191,37 +195,26 @@ class FP8TrainingArguments:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", "`gradient_checkpointing` is deprecated", FutureWarning)
             super().__post_init__()
+        self._refuse_gpu_backend_off_sm90()  # now that transformers has set up the device
         check_optimizer_installed(self.optim)
         if self.use_liger_kernel:
             check_liger_installed()
 
     def fp8_linear_config(
-        self,
-        cache_weights: bool | None = None,
-        cache_with_grad: bool | None = None,
-        *,
-        tuning: FP8Tuning | None = None,
+        self, weight_cache: WeightCache, *, tuning: FP8Tuning | None = None
     ) -> FP8LinearConfig | None:
         """The FP8 layers' config of this run (None for BF16 training); `__post_init__` checked its options under this
-        config's names (`_check_layer_options`), `FP8Tuning.check` the tuning's. `cache_weights` and
-        `cache_with_grad`: the trainer's choice where `fp8_cache_weights` is None
-        (`trl_fp8.plan.choices.choose_fp8_weight_cache`; off a GPU the cache stays through the micro-batches).
-        `tuning`: the run's `FP8Tuning` (fuse_sibling_gemms, fuse_swiglu, experts_gemm; None: its defaults)."""
+        config's names (`_check_layer_options`), `FP8Tuning.check` the tuning's. `weight_cache`: the run plan's FP8
+        weight cache (`FP8RunPlan.fp8_weight_cache`, the user's `fp8_cache_weights` or what
+        `trl_fp8.plan.choices.choose_fp8_weight_cache` chose). `tuning`: the run's `FP8Tuning` (fuse_sibling_gemms,
+        fuse_swiglu, experts_gemm; None: its defaults)."""
         tuning = FP8Tuning.of(tuning)
         if self.fp8_recipe is None:
             return None
-        from trl_fp8.distributed import weight_sharding
-
-        # Under FSDP2 no FP8 copy of a whole weight is kept between steps (it would undo the sharding); torchao's
-        # recipes keep none at all.
-        cache = self.fp8_cache_weights
-        if cache is None:
-            cache = weight_sharding(self) != "FSDP2" if cache_weights is None else cache_weights
-        cache = self.fp8_recipe != BLOCKWISE or cache
-        if not cache or self.fp8_recipe != BLOCKWISE or self.fp8_cache_weights is not None:
-            cache_with_grad = True  # nothing to limit (torchao's recipes keep their own), or kept on purpose
-        elif cache_with_grad is None:
-            cache_with_grad = False  # the default: held for scoring and the sync, let go in the micro-batches
+        # torchao's recipes keep no cache of ours: the blockwise layers' cache options stay at their defaults there
+        blockwise = self.fp8_recipe == BLOCKWISE
+        cache = weight_cache.cache or not blockwise
+        cache_with_grad = weight_cache.with_grad is not False or not blockwise  # False: held for scoring and the sync
         # One process with no DDP, FSDP or DeepSpeed (whose gradient hooks would not fire): FP8 experts add their
         # weight gradients into `.grad` in place (FP8LinearConfig.fuse_wgrad_accumulation).
         state = getattr(self, "distributed_state", None)
@@ -230,7 +223,7 @@ class FP8TrainingArguments:
             recipe=self.fp8_recipe, power_of_two_scales=self.fp8_power_of_two_scales, backend=self.fp8_backend,
             fuse_sibling_gemms=tuning.fuse_sibling_gemms, fuse_swiglu=tuning.fuse_swiglu,
             experts_gemm=tuning.experts_gemm, cache_quantized_weight=cache, cache_with_grad=cache_with_grad,
-            fuse_wgrad_accumulation=one_process and self.fp8_recipe == BLOCKWISE,
+            fuse_wgrad_accumulation=one_process and blockwise,
         )  # fmt: skip
 
     def _check_layer_options(self) -> None:
@@ -245,6 +238,26 @@ class FP8TrainingArguments:
     def fp8_outside_training(self) -> bool:
         """Whether some weights are stored in FP8 outside training: FP8 rollouts or an FP8 checkpoint."""
         return bool(self.save_fp8_checkpoint) or (self.use_vllm and self.rollout_precision == "fp8")
+
+    def _refuse_gpu_backend_off_sm90(self) -> None:
+        """Refuse, before any model loads, a blockwise GEMM backend chosen by name where it cannot run (the first
+        training step would fail, naming `FP8LinearConfig`'s `backend`)."""
+        from trl_fp8.ops import blockwise_scaled_mm_supported
+
+        backend = self.fp8_backend
+        if self.fp8_recipe != BLOCKWISE or backend in ("auto", "emulated"):
+            return  # (torchao's recipes refuse these backends in `_check_layer_options`)
+        if blockwise_scaled_mm_supported(self.device):
+            return
+        here = self.device.type
+        if here == "cuda":
+            major, minor = torch.cuda.get_device_capability(self.device)
+            here = f"{torch.cuda.get_device_name(self.device)} (sm_{major}{minor})"
+        raise ValueError(
+            f"fp8_backend={backend!r} runs blockwise FP8 GEMMs on a CUDA SM90 GPU (H100/H200), but this run trains on "
+            f"{here}. Use fp8_backend='auto' (real FP8 GEMMs on an SM90 GPU, the exact emulation elsewhere) or "
+            "fp8_backend='emulated'."
+        )
 
     def _refuse_settings_without_effect(self) -> None:
         """Raise for a setting that this combination would silently ignore, naming the fix (warn where harmless)."""

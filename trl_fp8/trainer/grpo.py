@@ -8,13 +8,17 @@ plus what GRPO adds: the trainer-vs-rollout mismatch and token-level TIS.
 - `_compute_loss` / `_get_per_token_logps_and_entropies`: the micro-batch's own forward gives the trainer's log-probs
   (detached), from which the ratio is put in the batch before TRL's loss reads it; the metrics' token sums and
   extremes add up over the rollout batch's micro-batches and are logged once, after its last, with the values TRL's
-  scoring pass would have logged (`_RolloutScoring`);
+  scoring pass would have logged (`_RolloutScoring`); a micro-batch is scored once, however often it is trained on;
 - `_compute_loss`: lets TRL apply the ratio with its own code (and not apply it when TIS is off).
+
+Whether token TIS corrects the rollouts, who applies it, and where the rollouts are scored are the run plan's
+decisions (`FP8RunPlan.token_tis`, `FP8RunPlan.scoring_in_training_forward`), read from `self.plan`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,9 +26,9 @@ import torch
 from torch import nn
 from trl import GRPOTrainer
 
-from trl_fp8.plan.choice import Choice, say_start_up_choice
-from trl_fp8.plan.choices import choose_scoring
-from trl_fp8.trainer.grpo_config import FP8GRPOConfig
+from trl_fp8.plan.choice import TokenTIS
+from trl_fp8.plan.choices import rollouts_from_another_engine
+from trl_fp8.trainer.grpo_config import TIS_CAP_DEFAULT, FP8GRPOConfig
 from trl_fp8.trainer.importance_sampling import (
     TokenSums,
     importance_sampling_ratio,
@@ -39,6 +43,9 @@ from trl_fp8.trainer.mixin import FP8TrainerMixin, check_output_dir
 from trl_fp8.tuning import FP8Tuning
 
 __all__ = ["FP8GRPOTrainer", "check_output_dir"]
+
+# The mark of a micro-batch its training forward scored: trained on again (num_iterations > 1), it is not scored again.
+_SCORED = "trl_fp8_scored_in_training_forward"
 
 
 class FP8GRPOTrainer(FP8TrainerMixin, GRPOTrainer):
@@ -78,50 +85,40 @@ class FP8GRPOTrainer(FP8TrainerMixin, GRPOTrainer):
     ):
         super().__init__(model, reward_funcs, args, *trainer_args, fp8_module_filter_fn=fp8_module_filter_fn,
                          tuning=tuning, **trainer_kwargs)  # fmt: skip
-        # TRL weights the loss by the IS ratio only with vLLM; we extend token TIS to other rollouts with log-probs.
-        self._tis_without_vllm = self.args.token_tis and not self.use_vllm and self.rollout_func is not None
-        self._say_automatic_tis()
-        self.scoring_in_training_forward = self._choose_scoring()
-        if (choice := self.scoring_in_training_forward).automatic:
-            say_start_up_choice(self.args, "scoring the rollouts in the training forward", choice.on, choice.reason)
         self._batch_to_score: dict | None = None  # the micro-batch whose training forward gives its log-probs
         self._rollout_scoring: dict[str, _RolloutScoring] = {}  # per mode: the rollout batch being scored
 
-    def _choose_scoring(self) -> Choice:
-        """Whether the micro-batches' own forwards give the trainer's log-probs of the rollouts
-        (`trl_fp8.plan.choices.choose_scoring`), from what TRL set up."""
-        correcting = self.use_vllm and self.vllm_importance_sampling_correction
-        return choose_scoring(self.args, correcting=correcting, tis_without_vllm=self._tis_without_vllm)
+    @property
+    def _token_tis(self) -> TokenTIS | None:
+        """Token-level TIS as the plan decided it (None: it corrects nothing in this run)."""
+        return self.plan.token_tis.value
 
-    def _say_automatic_tis(self) -> None:
-        """`tis="auto"` where rollouts come from another engine: say once what it chose, and why."""
-        args = self.args
-        if args.tis != "auto" or not (self.use_vllm or self.rollout_func is not None):
-            return
-        if args.token_tis:
-            say_start_up_choice(args, "token-level truncated importance sampling", True,
-                                f"the rollout engine's log-probs differ from the trainer's by its kernels' rounding; "
-                                f"each token's ratio pi_train / pi_rollout is capped at tis_cap={args.tis_cap} "
-                                "(tis='auto'; tis=None keeps TRL's own correction, tis='off' none)")  # fmt: skip
-        else:
-            say_start_up_choice(
-                args,
-                "token-level truncated importance sampling",
-                False,
-                f"TRL's importance sampling as set ({', '.join(args.trl_is_fields_set())})",
-            )
+    @property
+    def _tis_without_vllm(self) -> bool:
+        """Token TIS applied by this trainer: TRL weights the loss by the ratio only with vLLM; rollouts that bring
+        their own log-probs from a `rollout_func` get it here."""
+        return self._token_tis is not None and self._token_tis.by_trainer
 
     def _check_start_up(self, args, trainer_kwargs: dict) -> None:
-        if args.tis == "token" and not args.use_vllm and trainer_kwargs.get("rollout_func") is None:
+        if rollouts_from_another_engine(args, rollout_func=trainer_kwargs.get("rollout_func") is not None):
+            return  # (what follows checks TIS options where the policy samples its own rollouts: nothing to correct)
+        if args.tis == "token":
             raise ValueError(
                 "tis='token' corrects rollouts sampled by another engine (vLLM, or a rollout_func returning its "
                 "log-probs); with use_vllm=False and no rollout_func the policy samples its own rollouts and there is "
                 "nothing to correct. Set use_vllm=True, or drop tis."
             )
+        if args.tis_cap != TIS_CAP_DEFAULT and args.tis_asks_for_token():  # (tis='off' and the like: the config warns)
+            warnings.warn(
+                f"tis_cap={args.tis_cap} has no effect without token TIS, which has nothing to correct here: with "
+                "use_vllm=False and no rollout_func the policy samples its own rollouts. Set use_vllm=True (or pass "
+                "a rollout_func that returns its log-probs), or drop tis_cap.",
+                stacklevel=4,  # the user's FP8GRPOTrainer(...)
+            )
 
     def _generate_and_score_completions(self, inputs):
         mode = "train" if self.model.training else "eval"
-        if self.scoring_in_training_forward.on:
+        if self.plan.scoring_in_training_forward.on:
             self._log_rollout_scoring(mode)  # (a rollout batch not wholly scored: never in TRL's loop; log its part)
             # TRL leaves out its scoring pass, its ratio and its sampling/* metrics; the micro-batches make them.
             with _attribute_set(self, "vllm_importance_sampling_correction", False):
@@ -144,7 +141,7 @@ class FP8GRPOTrainer(FP8TrainerMixin, GRPOTrainer):
         self._log_mismatch(train_logps, rollout_logps, mask, mode)
         if self._tis_without_vllm:
             output["importance_sampling_ratio"] = token_tis_ratio(
-                train_logps, rollout_logps, mask, self.args.tis_cap, self.args.vllm_importance_sampling_clip_min
+                train_logps, rollout_logps, mask, self._token_tis.cap, self.args.vllm_importance_sampling_clip_min
             )
         return output
 
@@ -159,9 +156,10 @@ class FP8GRPOTrainer(FP8TrainerMixin, GRPOTrainer):
         return logps
 
     def _compute_loss(self, model, inputs):
-        # (a batch trained on again, num_iterations > 1, keeps the ratio of its first pass: the same weights)
-        scored_here = (self.scoring_in_training_forward.on and inputs.get("sampling_per_token_logps") is not None
-                       and "importance_sampling_ratio" not in inputs)  # fmt: skip
+        # (a batch trained on again, num_iterations > 1, keeps the ratio and the metrics of its first pass: the same
+        # weights; TRL hands back the same micro-batch dict, and the mark stays in it with or without a ratio)
+        scored_here = (self.plan.scoring_in_training_forward.on and inputs.get("sampling_per_token_logps") is not None
+                       and _SCORED not in inputs)  # fmt: skip
         self._batch_to_score = inputs if scored_here else None
         try:
             if not (self._tis_without_vllm and (scored_here or "importance_sampling_ratio" in inputs)):
@@ -186,6 +184,7 @@ class FP8GRPOTrainer(FP8TrainerMixin, GRPOTrainer):
         """The micro-batch's ratio (as TRL's scoring pass would have computed it, into `batch`), and its part of the
         rollout batch's metrics, from the trainer's log-probs of its own forward; after the rollout batch's last
         micro-batch, its metrics are logged."""
+        batch[_SCORED] = True
         rollout_logps = batch["sampling_per_token_logps"]
         mask = batch["completion_mask"] * batch.get("tool_mask", 1)
         mode = "train" if self.model.training else "eval"
@@ -222,7 +221,7 @@ class FP8GRPOTrainer(FP8TrainerMixin, GRPOTrainer):
     @property
     def _tis_cap_logged(self) -> float | None:
         """The cap whose clipped fraction `fp8/mismatch/is_ratio_clipped_frac` reports (token TIS on), else None."""
-        return self.args.tis_cap if self.args.token_tis else None
+        return None if self._token_tis is None else self._token_tis.cap
 
     def _log_mismatch(self, train_logps: torch.Tensor, rollout_logps: torch.Tensor, mask: torch.Tensor, mode: str):
         """`fp8/mismatch/*` of these rollout tokens, over every process (with the TIS clipping where TIS is on)."""

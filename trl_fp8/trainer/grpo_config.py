@@ -13,6 +13,7 @@ from trl_fp8.field_docs import field_help
 from trl_fp8.trainer.config import FP8TrainingArguments
 
 TIS_MODES = ("auto", "token", "off")
+TIS_CAP_DEFAULT = 2.0  # veRL's and NeMo RL's cap for FP8 rollouts
 # TRL's importance-sampling fields, which tis="token" sets and tis="auto" leaves to a user who set them
 TRL_IS_FIELDS = ("vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
                  "vllm_importance_sampling_clip_min", "vllm_importance_sampling_clip_max",
@@ -40,13 +41,14 @@ class FP8GRPOConfig(FP8TrainingArguments, GRPOConfig):
             instead of a no-grad forward over the whole rollout before the micro-batches (TRL's scoring pass): one
             forward pass fewer per step, the same values where every rollout is trained on within one optimizer step
             (`gradient_accumulation_steps` a multiple of `steps_per_generation` x `num_iterations`, TRL's default),
-            since the weights are then the same in both forwards. `None`: on there. The metrics are then logged per
-            micro-batch and averaged, as TRL logs its loss-side metrics.
+            since the weights are then the same in both forwards. `None`: on there. The metrics are then summed over
+            the rollout batch's micro-batches and logged once, after its last: the values TRL's scoring pass logs (a
+            micro-batch trained on again, `num_iterations > 1`, is not scored again).
     """
 
     log_rollout_mismatch: bool = field(default=True, metadata=field_help(__doc__, "log_rollout_mismatch"))
     tis: str | None = field(default="auto", metadata=field_help(__doc__, "tis"))
-    tis_cap: float = field(default=2.0, metadata=field_help(__doc__, "tis_cap"))
+    tis_cap: float = field(default=TIS_CAP_DEFAULT, metadata=field_help(__doc__, "tis_cap"))
     score_in_training_forward: bool | None = field(
         default=None, metadata=field_help(__doc__, "score_in_training_forward")
     )
@@ -62,8 +64,9 @@ class FP8GRPOConfig(FP8TrainingArguments, GRPOConfig):
             )
         self._check_fp8_fields()
         self._refuse_tis_conflicts()
-        # Map onto TRL's own fields before its __post_init__ validates them.
-        if self.token_tis:
+        # Map onto TRL's own fields before its __post_init__ validates them (TRL's trainer reads them from there);
+        # whether token TIS then corrects anything, and who applies it, is the run plan's (`choose_token_tis`).
+        if self.tis_asks_for_token():
             self.vllm_importance_sampling_correction = True
             self.vllm_importance_sampling_mode = "token_truncate"
             self.vllm_importance_sampling_clip_max = self.tis_cap
@@ -79,10 +82,10 @@ class FP8GRPOConfig(FP8TrainingArguments, GRPOConfig):
                 "Align them, or set score_in_training_forward=False (the scoring pass)."
             )
 
-    @property
-    def token_tis(self) -> bool:
-        """Whether token-level TIS corrects the rollouts (`tis="token"`, or `"auto"` resolved to it; TRL's fields as
-        token TIS sets them still count as unset, so the answer holds after the mapping)."""
+    def tis_asks_for_token(self) -> bool:
+        """Whether `tis` asks for token-level TIS: `"token"`, or `"auto"` with TRL's own importance-sampling fields
+        unset (TRL's fields as token TIS sets them count as unset, so the answer holds after the mapping). Whether it
+        corrects anything, and who applies it, is the run plan's decision (`FP8RunPlan.token_tis`)."""
         return self.tis == "token" or (self.tis == "auto" and not self.trl_is_fields_set())
 
     def trl_is_fields_set(self) -> list[str]:
@@ -123,7 +126,7 @@ class FP8GRPOConfig(FP8TrainingArguments, GRPOConfig):
                         f"tis='token' clips the ratio at tis_cap={self.tis_cap}, but {name}={value} is set. Set "
                         f"tis_cap={value} instead."
                     )
-        elif self.tis_cap != 2.0 and not self.token_tis:
+        elif self.tis_cap != TIS_CAP_DEFAULT and not self.tis_asks_for_token():
             warnings.warn(
                 f"tis_cap={self.tis_cap} has no effect without token TIS (TRL's own correction, if on, clips at "
                 "vllm_importance_sampling_clip_max).",

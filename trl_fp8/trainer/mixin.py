@@ -126,7 +126,8 @@ class FP8TrainerMixin:
         self._peft_config = trainer_kwargs.get("peft_config")
         # The run's decisions, made once before anything is converted; `args` stays as the user gave it.
         plan = FP8RunPlan.build(args, getattr(model, "config", None), lora=self._peft_config is not None,
-                                module_filter_fn=fp8_module_filter_fn, tuning=tuning)  # fmt: skip
+                                module_filter_fn=fp8_module_filter_fn, tuning=tuning,
+                                rollout_func=trainer_kwargs.get("rollout_func") is not None)  # fmt: skip
         self.fp8_report = self._convert(model, args, plan)
         self.fp8_report.precision = training_precision(model, args)  # the start-up summary says what trains
         self.fp8_export_report = self._plan_fp8_outside_training(model, args, plan.layers)
@@ -222,8 +223,8 @@ class FP8TrainerMixin:
     def _convert(model: nn.Module, args, plan: FP8RunPlan) -> ConversionReport:
         if args.fp8_recipe is None:
             return ConversionReport(recipe="bf16")
-        cache = plan.fp8_weight_cache.value  # chosen once, for the policy (the reference follows)
-        config = args.fp8_linear_config(cache_weights=cache.cache, cache_with_grad=cache.with_grad, tuning=plan.tuning)
+        # the weight cache chosen once, for the policy (the reference follows)
+        config = args.fp8_linear_config(plan.fp8_weight_cache.value, tuning=plan.tuning)
         # device: where it will train; a model loaded on CPU would make torchao emulate
         return convert_to_fp8(model, selection=plan.layers, config=config, device=args.device)
 
@@ -420,7 +421,7 @@ class FP8TrainerMixin:
         path = os.path.join(self.args.output_dir, "README.md")
         with open(path, "a") as f:
             f.write("\n" + fp8_model_card_section(self.fp8_report, self.args, self.fp8_export_report,
-                                                   trainer_name=type(self).__name__))  # fmt: skip
+                                                   trainer_name=type(self).__name__, plan=self.plan))  # fmt: skip
 
 
 def check_output_dir(model, output_dir: str, config_name: str) -> None:
