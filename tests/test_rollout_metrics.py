@@ -18,8 +18,8 @@ ROLLOUT_METRICS = ("sampling/", "fp8/mismatch/")
 
 def run_one_step(tmp_path, score_in_training_forward: bool, **settings) -> dict[str, float]:
     """The log of one optimizer step of 8 micro-batches of 4 rows: two rollout batches of 16 (steps_per_generation=4;
-    one, trained on twice, at num_iterations=2),
-    rollouts sampled from a model of another seed, trained on a tiny FP8 Qwen3 with vLLM colocated (fake)."""
+    at num_iterations=2, one, trained on twice), rollouts sampled from a model of another seed, trained on a tiny FP8
+    Qwen3 with vLLM colocated (fake)."""
     tokenizer = tiny_char_tokenizer()
     ids = dict(vocab_size=128, eos_token_id=tokenizer.eos_token_id, pad_token_id=0)
     sampler = tiny_qwen3(seed=1, **ids)
