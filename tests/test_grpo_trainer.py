@@ -1008,7 +1008,8 @@ def test_bf16_training_with_fp8_export_honours_the_layer_choices(model_dir, tmp_
     assert torch.equal(scales, torch.exp2(torch.log2(scales).round()))  # power-of-two scales, as asked
     card = fp8_model_card_section(trainer.fp8_report, trainer.args, trainer.fp8_export_report,
                                   trainer_name="FP8GRPOTrainer")  # fmt: skip
-    assert "in BF16 (`fp8_recipe=None`)" in card and "18 linear layers in FP8" in card
+    assert "without FP8 (`fp8_recipe=None`: every layer in high precision)" in card
+    assert "18 linear layers in FP8" in card
     assert "`model.layers.0.self_attn.q_proj` (first/last layers in bf16)" in card
 
 

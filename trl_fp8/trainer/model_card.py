@@ -26,7 +26,7 @@ def fp8_model_card_section(
     stored = export_report or report
     kept = sorted(stored.kept.items())
     if report.recipe == "bf16":
-        trained = "in BF16 (`fp8_recipe=None`)"
+        trained = "without FP8 (`fp8_recipe=None`: every layer in high precision)"
     else:
         trained = f"with FP8 recipe `{report.recipe}` ({report.num_fp8_layers} linear layers in FP8"
         trained += (", power-of-two scales" if args.fp8_power_of_two_scales else "") + ")"
