@@ -4,16 +4,15 @@ config and the machine (read from `args.device` unless given): Liger's kernels, 
 training forward. Each returns a `Choice` with its reason; `FP8RunPlan` holds them, and the trainer and `trl-fp8 plan`
 read them from there.
 
-Liger's fused RMSNorm, RoPE and SwiGLU take the part of the training phase that FP8 layers leave in BF16
-(elementwise kernels and reductions, a large share of it at the 8B shape: docs/contributing/benchmark-details.md,
-"GRPO at 64 x 1k: backends, weight cache, profile"), so they pay most beside FP8 GEMMs. Measured with TRL's
-`use_liger_kernel=True` on Qwen3 shapes, with and without them: the same page, "GRPO with Liger's kernels, compiled
-layers and the fusions", and for the 8B GRPO step at TRL's colocate defaults that chose the default,
-docs/contributing/engineering-notes.md,
-"One H100, 2026-11-26: with and without Liger's kernels". They are put on the model exactly as that option does
+Liger's fused RMSNorm, RoPE and SwiGLU take the part of the training phase that FP8 layers leave in BF16 (elementwise
+kernels and reductions, a large share of it at the 8B shape: docs/contributing/benchmark-details.md, "GRPO at 64 x 1k:
+backends, weight cache, profile"), so they pay most beside FP8 GEMMs. Measured with TRL's `use_liger_kernel=True` on
+Qwen3 shapes, with and without them: the same page, "GRPO with Liger's kernels, compiled layers and the fusions", and
+for the 8B GRPO step at TRL's colocate defaults that chose the default, docs/contributing/engineering-notes.md, "One
+H100, 2026-11-26: with and without Liger's kernels". They are put on the model exactly as that option does
 (transformers' `apply_liger_kernel` when training starts, TRL's `liger_kernel_config`), where that is what was
-measured: a dense decoder of a family whose layers Liger patches with these three kernels, trained on a CUDA GPU,
-with liger-kernel installed.
+measured: a dense decoder of a family whose layers Liger patches with these three kernels, trained on a CUDA GPU, with
+liger-kernel installed.
 """
 
 from __future__ import annotations
@@ -129,11 +128,11 @@ def choose_fp8_weight_cache(
     The cache costs 1 byte per FP8 weight and saves re-quantizing each weight at every forward. Kept through the
     micro-batches as well (`fp8_cache_weights=True`) it saves a little of the training phase's time and raises the
     training peak above BF16's by its bytes (bench_grpo's `*_nocache` runs: docs/contributing/benchmark-details.md,
-    "GRPO at 64 x 1k:
-    backends, weight cache, profile" and "GRPO with Liger's kernels, compiled layers and the fusions"); held for
-    scoring only, the micro-batches' peak is BF16's. Under FSDP2 it is never kept (it would undo the sharding).
-    `total_bytes`: the GPU's memory (read from `args.device` when None; no GPU: no limit to respect). `tuning`: the
-    run's `FP8Tuning` (None: its defaults; DDP's gradients in its buckets, `ddp_gradient_as_bucket_view`)."""
+    "GRPO at 64 x 1k: backends, weight cache, profile" and "GRPO with Liger's kernels, compiled layers and the
+    fusions"); held for scoring only, the micro-batches' peak is BF16's. Under FSDP2 it is never kept (it would undo
+    the sharding). `total_bytes`: the GPU's memory (read from `args.device` when None; no GPU: no limit to respect).
+    `tuning`: the run's `FP8Tuning` (None: its defaults; DDP's gradients in its buckets,
+    `ddp_gradient_as_bucket_view`)."""
     from trl_fp8.distributed import weight_sharding
 
     tuning = FP8Tuning.of(tuning)
@@ -162,8 +161,8 @@ def choose_fp8_weight_cache(
                f"{total_bytes / gib:.1f} GiB" + ("" if counted == optim else f", {optim} counted as adamw_torch"))  # fmt: skip
     if memory.keeps_fp8_weight_cache(parts, shape, total_bytes, **vllm):
         # the micro-batches quantize every weight at each forward; the trade the other way is one byte a weight
-        return Choice(WeightCache(True, with_grad=False), f"{numbers}; fp8_cache_weights=True keeps it through the micro-batches "
-                      "too (fewer quantizations, that much more memory at the training peak)")  # fmt: skip
+        return Choice(WeightCache(True, with_grad=False), f"{numbers}; fp8_cache_weights=True keeps it through the "
+                      "micro-batches too (fewer quantizations, that much more memory at the training peak)")  # fmt: skip
     return Choice(
         WeightCache(False),
         f"{numbers}: scoring with it would pass {memory.FP8_CACHE_HEADROOM:.0%} of the GPU and set the peak, so "
@@ -294,8 +293,8 @@ def choose_token_tis(args, *, rollout_func: bool = False) -> Choice | None:
     if not hasattr(args, "tis"):
         return None
     if not rollouts_from_another_engine(args, rollout_func=rollout_func):
-        return Choice(None, "the policy samples its own rollouts (use_vllm=False, no rollout_func): nothing to correct",
-                      automatic=False)  # fmt: skip
+        return Choice(None, "the policy samples its own rollouts (use_vllm=False, no rollout_func): nothing to "
+                      "correct", automatic=False)  # fmt: skip
     if args.tis_asks_for_token():
         tis = TokenTIS(args.tis_cap, by_trainer=not args.use_vllm)
         if args.tis == "token":

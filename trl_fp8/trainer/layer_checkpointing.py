@@ -1,13 +1,13 @@
 """Partial gradient checkpointing under GRPO: transformers' `every_n_layers` (and `offload`) kept across rollouts.
 
 transformers checkpoints only every n-th decoder layer with `activation_checkpointing_kwargs={"every_n_layers": n}`
-(`gradient_checkpointing_kwargs` before transformers 5.24; the rest keep their activations: less recomputation
-where memory allows, which FP8's smaller saved activations make room for). The Trainer takes those two keys out
-before the rest reaches `torch.utils.checkpoint`, but TRL's GRPO turns checkpointing off around its no-grad scoring
-forward and back on with the raw dict (`trl.models.utils.disable_gradient_checkpointing`), so the next training
-forward fails with "Unexpected keyword arguments: every_n_layers" (TRL 1.16). `keep_layer_options` hands TRL the dict without them and restores
-transformers' own selection afterwards. Each of these re-enables also leaves transformers' input-grad hook of the
-previous one on the embeddings; `drop_stale_input_grad_hooks` removes those: one hook, however many steps run.
+(`gradient_checkpointing_kwargs` before transformers 5.24; the rest keep their activations: less recomputation where
+memory allows, which FP8's smaller saved activations make room for). The Trainer takes those two keys out before the
+rest reaches `torch.utils.checkpoint`, but TRL's GRPO turns checkpointing off around its no-grad scoring forward and
+back on with the raw dict (`trl.models.utils.disable_gradient_checkpointing`), so the next training forward fails with
+"Unexpected keyword arguments: every_n_layers" (TRL 1.16). `keep_layer_options` hands TRL the dict without them and
+restores transformers' own selection afterwards. Each of these re-enables also leaves transformers' input-grad hook of
+the previous one on the embeddings; `drop_stale_input_grad_hooks` removes those: one hook, however many steps run.
 """
 
 from __future__ import annotations

@@ -163,7 +163,8 @@ def sleep_mode_allocator(args, environ=os.environ) -> tuple[int, str] | None:
         environ["PYTORCH_CUDA_ALLOC_CONF"] = _with_expandable_segments(settings)
         return logging.INFO, (
             "vllm_enable_sleep_mode=True: PyTorch's expandable segments are on; recorded as PYTORCH_CUDA_ALLOC_CONF="
-            f"{environ['PYTORCH_CUDA_ALLOC_CONF']}, the variable vLLM reads to turn them off around its sleep-mode pool."
+            f"{environ['PYTORCH_CUDA_ALLOC_CONF']}, the variable vLLM reads to turn them off around its sleep-mode "
+            "pool."
         )
     said_off = [name for name in ALLOCATOR_VARIABLES if _expandable_segments_setting(environ.get(name, "")) is False]
     if said_off:
