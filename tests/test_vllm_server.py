@@ -45,16 +45,18 @@ def test_server_checks_name_the_fix(tmp_path):
         check_server_config(_server_info(tmp_path, model, architectures=["LlamaForCausalLM"]), model, "fp8", False)
     with pytest.raises(ValueError, match="hidden_size=512"):
         check_server_config(_server_info(tmp_path, model, hidden_size=512), model, "fp8", False)
-    with pytest.raises(ValueError, match="--kv_cache_dtype fp8 --attention-backend FLASH_ATTN"):
+    with pytest.raises(ValueError, match="--kv_cache_dtype fp8 --attention-backend CUSTOM.*or FLASH_ATTN"):
         check_server_config(_server_info(tmp_path, model), model, "fp8", fp8_kv_cache=True)
-    # FP8 attention must read the pushed q/k/v scales at every step: FlashAttention-3 does, FlashInfer does not.
+    # FP8 attention must read the pushed q/k/v scales at every step: FlashAttention-3 and trl-fp8's XQA backend
+    # (CUSTOM) do, vLLM's FlashInfer backend does not (its CUDA graphs keep the first scales).
     for backend, ok in (("FLASH_ATTN", True), ("AttentionBackendEnum.FLASH_ATTN", True), (None, True),
-                        ("FLASHINFER", False), ("TRITON_ATTN", False)):  # fmt: skip
+                        ("CUSTOM", True), ("AttentionBackendEnum.CUSTOM", True), ("FLASHINFER", False),
+                        ("TRITON_ATTN", False)):  # fmt: skip
         info = {**_server_info(tmp_path, model, "fp8", "fp8"), "attention_config": {"backend": backend}}
         if ok:
             check_server_config(info, model, "fp8", fp8_kv_cache=True)
         else:
-            with pytest.raises(ValueError, match=f"attention backend is '{backend}'.*--attention-backend FLASH_ATTN"):
+            with pytest.raises(ValueError, match=f"attention backend is '{backend}'.*--attention-backend CUSTOM.*FLASH_ATTN"):
                 check_server_config(info, model, "fp8", fp8_kv_cache=True)
         # An FP8 cache without the trainer's K/V scales would scale by 1.0: refused with the fix.
         with pytest.raises(ValueError, match="keeps its KV cache in 'fp8'.*Set fp8_kv_cache=True"):

@@ -6,7 +6,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
-from trl_fp8.config import BLOCK, EXPERTS_GEMMS, LAYER_OPTION_FIELDS, VLLM_ACT_QUANT_KERNELS, check_layer_options
+from trl_fp8.config import (
+    BLOCK,
+    EXPERTS_GEMMS,
+    LAYER_OPTION_FIELDS,
+    VLLM_ACT_QUANT_KERNELS,
+    VLLM_FP8_KV_ATTENTIONS,
+    check_layer_options,
+)
 from trl_fp8.field_docs import field_help
 
 __all__ = ["FP8Tuning"]
@@ -55,6 +62,12 @@ class FP8Tuning:
             log says which, with both times), else vLLM's; `"trl_fp8"` runs trl-fp8's wherever it writes vLLM's bits,
             faster or not; `"vllm"` always keeps vLLM's. The values are the same either way. A `trl vllm-serve`
             server runs vLLM's.
+        vllm_fp8_kv_attention (str): Which kernel of a colocated engine attends over its FP8 KV cache
+            (`fp8_kv_cache=True`) at decode: `"auto"` runs FlashInfer's XQA where it builds and, checked on the GPU at
+            engine start, follows the scales of every sync (Hopper, with nvcc; the start-up log says which and why),
+            else FlashAttention-3; `"xqa"` insists on XQA; `"flash_attn"` keeps FlashAttention-3. Both read the
+            pushed scales; XQA takes about half of FlashAttention-3's time on the FP8 cache at 1-2k tokens. A `trl
+            vllm-serve` server runs the backend it was started with (`--attention-backend CUSTOM` for XQA).
         vllm_deepgemm_workers (int | None): Processes that compile DeepGEMM's kernels side by side before the
             colocated engine starts, into the config's `vllm_jit_cache_dir` (vLLM's own warm-up compiles them one at
             a time: minutes for an 8B model on a cold cache). `None`: one per CPU core, at most 16; `0`: leave it all
@@ -71,6 +84,7 @@ class FP8Tuning:
         default=True, metadata=field_help(__doc__, "ddp_gradient_as_bucket_view")
     )
     vllm_act_quant_kernel: str = field(default="auto", metadata=field_help(__doc__, "vllm_act_quant_kernel"))
+    vllm_fp8_kv_attention: str = field(default="auto", metadata=field_help(__doc__, "vllm_fp8_kv_attention"))
     vllm_deepgemm_workers: int | None = field(default=None, metadata=field_help(__doc__, "vllm_deepgemm_workers"))
 
     def __post_init__(self):
@@ -79,6 +93,9 @@ class FP8Tuning:
         if self.vllm_act_quant_kernel not in VLLM_ACT_QUANT_KERNELS:
             raise ValueError(f"FP8Tuning(vllm_act_quant_kernel={self.vllm_act_quant_kernel!r}) is unknown; use one of "
                              f"{VLLM_ACT_QUANT_KERNELS}.")  # fmt: skip
+        if self.vllm_fp8_kv_attention not in VLLM_FP8_KV_ATTENTIONS:
+            raise ValueError(f"FP8Tuning(vllm_fp8_kv_attention={self.vllm_fp8_kv_attention!r}) is unknown; use one of "
+                             f"{VLLM_FP8_KV_ATTENTIONS}.")  # fmt: skip
         if self.vllm_deepgemm_workers is not None and self.vllm_deepgemm_workers < 0:
             raise ValueError(
                 f"FP8Tuning(vllm_deepgemm_workers={self.vllm_deepgemm_workers}) must be >= 0 (0: no parallel "
@@ -119,7 +136,8 @@ class FP8Tuning:
         from trl_fp8.distributed import weight_sharding
 
         if not args.use_vllm:
-            for name, default in (("vllm_act_quant_kernel", "auto"), ("vllm_deepgemm_workers", None)):
+            for name, default in (("vllm_act_quant_kernel", "auto"), ("vllm_fp8_kv_attention", "auto"),
+                                  ("vllm_deepgemm_workers", None)):  # fmt: skip
                 if getattr(self, name) != default:
                     raise ValueError(
                         f"FP8Tuning({name}={getattr(self, name)!r}) sets up vLLM rollouts, but use_vllm=False: the "
@@ -153,6 +171,18 @@ class FP8Tuning:
                 "launch does not shard with FSDP2 (accelerate launch --config_file fsdp2.yaml, or "
                 "fsdp_config={'version': 2}). Drop it."
             )
+        if self.vllm_fp8_kv_attention != "auto" and args.use_vllm:
+            if not args.fp8_kv_cache:
+                raise ValueError(
+                    f"FP8Tuning(vllm_fp8_kv_attention={self.vllm_fp8_kv_attention!r}) picks the attention kernel of "
+                    "an FP8 KV cache, but fp8_kv_cache is off. Set fp8_kv_cache=True, or drop vllm_fp8_kv_attention."
+                )
+            if args.vllm_mode == "server":
+                raise ValueError(
+                    f"FP8Tuning(vllm_fp8_kv_attention={self.vllm_fp8_kv_attention!r}) picks a kernel of a colocated "
+                    "engine; a `trl vllm-serve` server runs the attention backend it was started with "
+                    "(--attention-backend CUSTOM: XQA; FLASH_ATTN: FlashAttention-3). Drop vllm_fp8_kv_attention."
+                )
         if self.vllm_act_quant_kernel != "auto" and args.use_vllm:
             if args.rollout_precision != "fp8":
                 raise ValueError(

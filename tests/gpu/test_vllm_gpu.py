@@ -149,6 +149,8 @@ def test_colocate_fp8_rollouts_use_the_trainers_fp8_weights_and_kv_scales(tmp_pa
         assert params.detokenize is False and params.flat_logprobs is True and params.logprobs == 0
         assert completion.text == "" and type(completion.logprobs).__name__ == "FlatLogprobs"
         assert len(completion.logprobs) == len(completion.token_ids)
+        # Hopper with nvcc: the FP8 cache's decode runs on XQA (checked at start-up), not FlashAttention-3.
+        assert trainer.vllm_generation.report.kv_attention.kernel == "xqa", trainer.vllm_generation.report.kv_attention
         choice = trainer.vllm_generation.report.act_quant_choice
         assert choice is not None and choice.installed and act_quant.installed() == choice, choice
         assert any("_silu_mul_quant_kernel" in name for name in _engine_kernel_names(trainer.vllm_generation.llm))
@@ -204,9 +206,13 @@ def assert_engine_uses_trainer_kv_scales(trainer, vlayer, layer_index=1):
         ours = observed[f"model.layers.{layer_index}.self_attn.{leaf}_scale"].item()
         assert getattr(attn, name).item() == pytest.approx(ours, rel=1e-6), leaf
     assert attn.kv_cache_dtype.startswith("fp8")
-    # FlashAttention-3's FP8 attention (queries quantized with our q scale), which reads the scales every call.
-    assert type(attn.impl).__name__ == "FlashAttentionImpl" and attn.impl.vllm_flash_attn_version == 3
-    assert attn.query_quant is not None  # queries quantized to FP8 with the q scale the trainer measured
+    choice = trainer.vllm_generation.report.kv_attention
+    if choice.kernel == "xqa":  # trl-fp8's backend: XQA decode reading the scale tensors at every replay
+        assert type(attn.impl).__name__ == "LiveScaleFlashInferImpl", type(attn.impl)
+        assert attn.impl.bmm2_scale is attn._v_scale  # the tensor every sync rewrites, not a float from the capture
+    else:  # FlashAttention-3's FP8 attention (queries quantized with our q scale), which reads the scales every call
+        assert type(attn.impl).__name__ == "FlashAttentionImpl" and attn.impl.vllm_flash_attn_version == 3
+        assert attn.query_quant is not None  # queries quantized to FP8 with the q scale the trainer measured
 
 
 def test_sleep_mode_wakes_up_with_the_trainers_current_fp8_weights_and_kv_scales(tmp_path):

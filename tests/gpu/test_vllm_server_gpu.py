@@ -41,7 +41,7 @@ def _wait_healthy(proc, url, timeout=420):
 
 @contextlib.contextmanager
 def serve_fp8(root: Path, gpus: str, *, port: int, tensor_parallel: int = 1, memory: float = 0.3,
-              kernel_name: str = "deepgemm", warm: bool = False):  # fmt: skip
+              kernel_name: str = "deepgemm", warm: bool = False, extra_args: tuple = (), eager: bool = True):  # fmt: skip
     """`trl vllm-serve` of a tiny Qwen3's FP8 checkpoint (made by `trl-fp8 quantize` in `root`) on `gpus`, as the
     documented command runs it, plus a worker extension that lets a test read digests of the engine's weights.
     `warm`: the model after the demo's warm start (`test_vllm_gpu.save_warm_model`); yields its expected reward then."""
@@ -60,14 +60,14 @@ def serve_fp8(root: Path, gpus: str, *, port: int, tensor_parallel: int = 1, mem
     log = open(root / "server.log", "w")
     from trl.scripts.vllm_serve import ScriptArguments, build_command
 
-    serve = ScriptArguments(model=str(root / "fp8"), port=port, gpu_memory_utilization=memory, enforce_eager=True,
+    serve = ScriptArguments(model=str(root / "fp8"), port=port, gpu_memory_utilization=memory, enforce_eager=eager,
                             tensor_parallel_size=tensor_parallel)  # fmt: skip
     # The documented command (`vllm_kernels.server_command()`): DeepGEMM with E8M0 off.
     from trl_fp8.rollout.vllm.kernels import default_jit_cache_dir, server_kernel
 
     kernel = server_kernel(kernel_name)
     cmd = build_command(serve, ["--linear-backend", kernel.llm_kwargs["linear_backend"],
-                                "--worker-extension-cls", "vllm_weight_digest.WeightDigest"])  # fmt: skip
+                                "--worker-extension-cls", "vllm_weight_digest.WeightDigest", *extra_args])  # fmt: skip
     pythonpath = os.pathsep.join(filter(None, [str(WORKERS), os.environ.get("PYTHONPATH")]))
     # No DeepGEMM warm-up: for this tiny model it compiled 605 kernels (3 minutes on a cold cache) of which the test
     # uses a handful, which compile on first use; the values are the same either way.
@@ -136,6 +136,46 @@ def test_server_refuses_a_trainer_whose_weights_it_cannot_take(fp8_server, tmp_p
     args = _config(tmp_path, fp8_server.port, max_steps=1, rollout_precision="fp8_online", fp8_recipe=None)
     with pytest.raises(ValueError, match="pushes BF16 weights for vLLM to quantize"):
         FP8GRPOTrainer(model, say_letter_reward, args, train_dataset=say_letter_dataset(64))
+
+
+def _rpc(port: int, method: str, *args):
+    request = urllib.request.Request(
+        f"http://localhost:{port}/collective_rpc", data=json.dumps({"method": method, "args": list(args)}).encode(),
+        headers={"Content-Type": "application/json"},
+    )  # fmt: skip
+    return json.loads(urllib.request.urlopen(request, timeout=60).read())["results"]
+
+
+def test_server_with_an_fp8_kv_cache_runs_trl_fp8s_xqa_backend(tmp_path_factory):
+    """The documented server command for an FP8 KV cache (`--kv_cache_dtype fp8 --attention-backend CUSTOM`, CUDA
+    graphs on): the server finds trl-fp8's backend through the package's vLLM plugin, its engine runs XQA decode on
+    the layers' scale tensors, it generates, and a trainer with `fp8_kv_cache=True` accepts it."""
+    pytest.importorskip("vllm")
+    import gc
+
+    from trl.generation.vllm_client import VLLMClient
+
+    from trl_fp8 import convert_to_fp8
+    from trl_fp8.rollout.vllm.server import check_server_config
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    root, port = tmp_path_factory.mktemp("server_kv"), free_port()
+    with serve_fp8(root, session_gpus()[0], memory=0.1, kernel_name="cutlass", port=port, eager=False,
+                   extra_args=("--kv_cache_dtype", "fp8", "--attention-backend", "CUSTOM")):  # fmt: skip
+        assert _rpc(port, "trl_fp8_attention_impls") == [["LiveScaleFlashInferImpl"]]
+        client = VLLMClient(base_url=f"http://localhost:{port}")
+        out = client.generate([[3, 4, 5, 6]], max_tokens=8, temperature=1.0)
+        assert len(out["completion_ids"][0]) > 0
+        response = client.session.get(f"{client.base_url}/server_info", params={"config_format": "json"})
+        info = response.json()
+        assert str(info["vllm_config"]["attention_config"]["backend"]).endswith("CUSTOM")
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(root / "model")
+        convert_to_fp8(model)
+        check_server_config(info["vllm_config"], model, "fp8", fp8_kv_cache=True, server_env=info.get("vllm_env"),
+                            fp8_backend="cutlass")  # fmt: skip
 
 
 @pytest.mark.gpus(2)

@@ -29,3 +29,9 @@ class WeightDigest:
         from vllm.distributed import get_tensor_model_parallel_rank
 
         return get_tensor_model_parallel_rank()
+
+    def trl_fp8_attention_impls(self) -> list[str]:
+        """The class of each attention layer's implementation (which backend the server's engine runs)."""
+        from vllm.model_executor.layers.attention.attention import Attention
+
+        return sorted({type(m.impl).__name__ for m in self.model_runner.model.modules() if isinstance(m, Attention)})

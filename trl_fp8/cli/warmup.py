@@ -1,10 +1,13 @@
-"""`trl-fp8 warmup`: compile the DeepGEMM kernels of a model's FP8 engine in parallel, before vLLM starts.
+"""`trl-fp8 warmup`: compile the DeepGEMM kernels of a model's FP8 engine in parallel, before vLLM starts, and
+build FlashInfer's XQA decode for its FP8 KV cache.
 
     trl-fp8 warmup ./Qwen3-8B-FP8            # before `trl vllm-serve`: the kernels that server will use
     trl-fp8 warmup --shapes 6144x4096 4096x4096
 
 Worker processes each run vLLM's own GEMM over a share of vLLM's warm-up token counts into DeepGEMM's cache
-(`trl_fp8.rollout.vllm.deepgemm_warmup`); vLLM's warm-up then finds each kernel on disk.
+(`trl_fp8.rollout.vllm.deepgemm_warmup`); vLLM's warm-up then finds each kernel on disk. With a model, XQA is built
+for its attention heads into FlashInfer's cache and checked (`trl_fp8.rollout.vllm.attention`), as the engine of an
+FP8 KV cache (`--attention-backend CUSTOM`) will run it.
 """
 
 from __future__ import annotations
@@ -91,5 +94,21 @@ def run(args: argparse.Namespace) -> int:
             f"{result.kernels_after} kernels in {os.environ['DG_JIT_CACHE_DIR']} "
             f"({result.kernels_after - result.kernels_before} new) in {result.seconds:.0f} s"
         )
-    print(json.dumps({**result.__dict__, "cache_dir": os.environ["DG_JIT_CACHE_DIR"]}))
+    xqa = None
+    if args.model:
+        xqa = build_xqa(args.model, args.tensor_parallel_size)
+        print(f"XQA decode for an FP8 KV cache: {'built and checked' if xqa is None else f'not built ({xqa})'}")
+    print(json.dumps({**result.__dict__, "cache_dir": os.environ["DG_JIT_CACHE_DIR"], "xqa_unavailable": xqa}))
     return 1 if result.failures else 0
+
+
+def build_xqa(path: str, tensor_parallel: int = 1) -> str | None:
+    """Build and check XQA for the attention heads of the model in `path` (one rank's share of them under tensor
+    parallelism; XQA's build depends on the group size, the same on every rank); why it could not, or None."""
+    from trl_fp8.hub import load_model_config
+    from trl_fp8.rollout.vllm.attention import attention_heads, xqa_unavailable_reason
+
+    heads = attention_heads(load_model_config(path))
+    q_heads, kv_heads = heads["q_heads"], heads["kv_heads"]
+    heads.update(q_heads=max(q_heads // tensor_parallel, 1), kv_heads=max(kv_heads // tensor_parallel, 1))
+    return xqa_unavailable_reason(**heads)

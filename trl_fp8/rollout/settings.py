@@ -30,6 +30,8 @@ class RolloutSettings:
         act_quant_kernel: "auto" runs a colocated FP8 engine's fused SiLU-and-mul + FP8 quantization on trl-fp8's
             kernel where it gives vLLM's bits faster (`rollout.vllm.act_quant.install`); "trl_fp8" wherever it
             gives vLLM's bits; "vllm" keeps vLLM's.
+        kv_attention: the kernel of a colocated engine's decode on the FP8 KV cache: "auto", "xqa" or "flash_attn"
+            (`rollout.vllm.attention.choose_kv_attention`).
         jit_cache_dir: DeepGEMM's compiled-kernel cache (default `rollout.vllm.kernels.default_jit_cache_dir()`).
         deepgemm_workers: processes compiling DeepGEMM's kernels before a colocated engine starts
             (`rollout.vllm.deepgemm_warmup.precompile_deepgemm`; None: one per CPU core, 0: none).
@@ -43,6 +45,7 @@ class RolloutSettings:
     fp8_backend: str = "auto"
     fp8_moe_backend: str = "auto"
     act_quant_kernel: str = "auto"
+    kv_attention: str = "auto"
     jit_cache_dir: str | None = None
     deepgemm_workers: int | None = None
     token_ids_only: bool = True
@@ -59,6 +62,7 @@ class RolloutSettings:
             fp8_backend=args.vllm_fp8_backend,
             fp8_moe_backend=args.vllm_fp8_moe_backend,
             act_quant_kernel=tuning.vllm_act_quant_kernel,
+            kv_attention=tuning.vllm_fp8_kv_attention,
             jit_cache_dir=args.vllm_jit_cache_dir,
             deepgemm_workers=tuning.vllm_deepgemm_workers,
             token_ids_only=args.vllm_token_ids_only,

@@ -35,6 +35,19 @@ if [ ! -f "$site/.complete" ]; then
   echo "setup.sh: @STACK@ unpacked into $site in $(( $(date +%s) - t0 )) s"
 fi
 export PYTHONPATH=$PWD:$site${PYTHONPATH:+:$PYTHONPATH}
+# The project's entry points (its vLLM plugin, which a `trl vllm-serve` process finds only through installed metadata),
+# written as a dist-info beside the stack, from this checkout's pyproject.toml.
+python3 - "$site" <<'PY'
+import pathlib, sys, tomllib
+project = tomllib.loads(pathlib.Path("pyproject.toml").read_text())["project"]
+info = pathlib.Path(sys.argv[1]) / f"trl_fp8-{project['version']}.dist-info"
+info.mkdir(exist_ok=True)
+(info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: trl-fp8\nVersion: {project['version']}\n")
+groups = project.get("entry-points", {})
+(info / "entry_points.txt").write_text("".join(
+    f"[{group}]\n" + "".join(f"{name} = {value}\n" for name, value in entries.items()) + "\n"
+    for group, entries in groups.items()))
+PY
 export VLLM_USE_FLASHINFER_SAMPLER=0   # flashinfer's sampler JIT needs packages the image lacks
 export VLLM_USE_DEEP_GEMM=0  # a safe default (Cutlass block-FP8 GEMM); code that picks a backend assigns it itself
 # Multi-GPU hosts: NVLink multicast must stay off (it can take the shared host's GPUs out of service). Keep these set,

@@ -149,3 +149,61 @@ def silu_mul_quant_op():
     namespace, name = SILU_MUL_QUANT_OP
     packet = getattr(getattr(torch.ops, namespace), name, None)
     return None if packet is None else packet.default
+
+
+# --- attention on the FP8 KV cache (`rollout.vllm.attention`, `rollout.vllm.xqa_backend`) -------------------------
+
+# `FlashInferDecodeKernel.XQA.value`: the decode kernel vLLM's FlashInfer builder settles on (0.26 and 0.31)
+XQA_DECODE_KERNEL = "xqa"
+LIVE_SCALE_BACKEND = "trl_fp8.rollout.vllm.xqa_backend.LiveScaleFlashInferBackend"
+
+
+def flashinfer_xqa_decode() -> Callable | None:
+    """FlashInfer's batched XQA decode, `flashinfer.decode.xqa_batch_decode_with_kv_cache` (what vLLM 0.31's
+    FlashInfer backend calls, and 0.26's reaches through `trtllm_batch_decode_with_kv_cache(backend="xqa")`; same
+    arguments in FlashInfer 0.6.14 and 0.7), or None where FlashInfer or the function is missing."""
+    try:
+        from flashinfer.decode import xqa_batch_decode_with_kv_cache
+    except ImportError:
+        return None
+    return xqa_batch_decode_with_kv_cache
+
+
+def live_scale_backend_missing() -> str | None:
+    """What `xqa_backend` needs from this vLLM and does not find, or None: the FlashInfer backend's classes, the
+    XQA scale hook of its implementation (`get_xqa_bmm1_scale`, its cached `bmm2_scale`) and the registry's CUSTOM
+    backend. No public API lets a backend pass XQA its scales another way."""
+    try:
+        from vllm.v1.attention.backends.flashinfer import FlashInferImpl, FlashInferMetadataBuilder  # noqa: F401
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend  # noqa: F401
+    except ImportError as exc:
+        return f"this vLLM has no FlashInfer attention backend to build on ({exc})"
+    if not hasattr(FlashInferImpl, "get_xqa_bmm1_scale") or "CUSTOM" not in AttentionBackendEnum.__members__:
+        return "this vLLM's FlashInfer backend has no XQA scale hook or no CUSTOM backend (tested: vLLM 0.26, 0.31)"
+    return None
+
+
+def forget_flashinfer_availability() -> None:
+    """Make vLLM re-read whether FlashInfer's precompiled kernels are there (`VLLM_HAS_FLASHINFER_CUBIN`): it caches
+    the answer, and whether TRT-LLM attention (XQA on Hopper) can run, on first read (`functools.cache`)."""
+    from vllm.utils import flashinfer as vllm_flashinfer
+
+    for name in ("has_flashinfer_cubin", "has_nvidia_artifactory", "supports_trtllm_attention", "has_flashinfer"):
+        cache_clear = getattr(getattr(vllm_flashinfer, name, None), "cache_clear", None)
+        if cache_clear is not None:
+            cache_clear()
+
+
+def register_custom_attention(class_path: str = LIVE_SCALE_BACKEND) -> str | None:
+    """Register `class_path` as vLLM's CUSTOM attention backend (`register_backend`, vLLM's API for out-of-tree
+    backends). Returns the class path another package registered there, which is kept, or None."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    try:
+        current = AttentionBackendEnum.CUSTOM.get_path()
+    except ValueError:  # nothing registered yet
+        current = None
+    if current not in (None, class_path):
+        return current
+    register_backend(AttentionBackendEnum.CUSTOM, class_path)
+    return None

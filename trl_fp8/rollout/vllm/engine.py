@@ -23,6 +23,7 @@ from trl_fp8.checkpoint.save import (
 from trl_fp8.config import check_rollout_precision
 from trl_fp8.recipe import BlockwiseRecipe
 from trl_fp8.rollout.vllm._compat import engine_worker, online_fp8_quantization
+from trl_fp8.rollout.vllm.attention import KVAttention
 from trl_fp8.rollout.vllm.kernels import (
     FP8_KV_ATTENTION_BACKEND,
     RolloutKernel,
@@ -102,11 +103,16 @@ def write_engine_config(model: nn.Module, tokenizer, path: str | Path, fp8_modul
 
 
 def engine_overrides(
-    engine_dir: str | Path, rollout_precision: str, fp8_kv_cache: bool, kernel: RolloutKernel | None = None
+    engine_dir: str | Path,
+    rollout_precision: str,
+    fp8_kv_cache: bool,
+    kernel: RolloutKernel | None = None,
+    kv_attention: KVAttention | None = None,
 ) -> dict:
     """`LLM(...)` arguments that build a colocated engine from `write_engine_config`'s folder with dummy weights;
-    for "fp8" rollouts, `kernel`'s linear backend; with an FP8 KV cache, the attention backend that takes new q/k/v
-    scales at every sync (`vllm_kernels.FP8_KV_ATTENTION_BACKEND`)."""
+    for "fp8" rollouts, `kernel`'s linear backend; with an FP8 KV cache, the attention backend `kv_attention` chose
+    (`rollout.vllm.attention`; None: FlashAttention-3, `vllm_kernels.FP8_KV_ATTENTION_BACKEND`), both of which take
+    new q/k/v scales at every sync."""
     # disable_log_stats=False: vLLM computes per-step scheduler statistics, which `RolloutStats` collects.
     overrides = {"model": str(engine_dir), "load_format": "dummy", "disable_log_stats": False}
     if rollout_precision == "fp8_online":
@@ -114,7 +120,8 @@ def engine_overrides(
     if rollout_precision == "fp8" and kernel is not None:
         overrides.update(kernel.llm_kwargs)
     if fp8_kv_cache:
-        overrides.update(kv_cache_dtype="fp8", attention_backend=FP8_KV_ATTENTION_BACKEND)
+        backend = FP8_KV_ATTENTION_BACKEND if kv_attention is None else kv_attention.backend
+        overrides.update(kv_cache_dtype="fp8", attention_backend=backend)
     return overrides
 
 

@@ -40,7 +40,8 @@ from trl_fp8.nn.linear import release_fp8_weight_caches
 from trl_fp8.rollout.settings import RolloutSettings
 from trl_fp8.rollout.stats import RolloutStats, engine_kv_cache_tokens
 from trl_fp8.rollout.vllm import act_quant
-from trl_fp8.rollout.vllm._compat import shutdown_engine
+from trl_fp8.rollout.vllm._compat import register_custom_attention, shutdown_engine
+from trl_fp8.rollout.vllm.attention import KVAttention, attention_heads, choose_kv_attention
 from trl_fp8.rollout.vllm.deepgemm_warmup import PrecompileResult, precompile_engine_kernels
 from trl_fp8.rollout.vllm.engine import (
     TRL_MAX_NUM_BATCHED_TOKENS,
@@ -86,12 +87,13 @@ __all__ = ["FP8VLLMGeneration", "RolloutReport", "check_rollout_class"]
 @dataclass
 class RolloutReport:
     """What an `FP8VLLMGeneration` settled and did, in one place for the trainer's logs and the benchmarks: the FP8
-    linear kernel (`kernel`), the SiLU-and-mul quantization (`act_quant_choice`) and DeepGEMM's parallel compilation
+    linear kernel (`kernel`), the attention kernel of an FP8 KV cache (`kv_attention`), the SiLU-and-mul quantization (`act_quant_choice`) and DeepGEMM's parallel compilation
     (`deepgemm_precompile`) a colocated engine's start-up chose, how long the engine took to start and what its KV
     cache holds, what the engine did in each rollout (`rollout_stats`), the last weight sync's seconds (None once
     logged) and the bytes of FP8 weight copies let go for the last rollout (sleep mode)."""
 
     kernel: RolloutKernel | None = None
+    kv_attention: KVAttention | None = None
     checked_act_quant: act_quant.SiluQuantChoice | None = None  # as the engine's start-up decided (`act_quant_choice`)
     deepgemm_precompile: PrecompileResult | None = None
     engine_start_seconds: float | None = None
@@ -152,6 +154,7 @@ class FP8VLLMGeneration(VLLMGeneration):
         write_engine_config(self.model, self.processing_class, self.engine_dir, self.fp8_modules)
         if settings.kv_observer is not None:
             check_fp8_kv_attention(self.accelerator.device)
+            self._choose_kv_attention()
 
         # TRL builds `LLM(...)` itself with no knob for these settings: hand it an LLM that takes our overrides.
         import trl.generation.vllm_generation as trl_vllm
@@ -173,8 +176,9 @@ class FP8VLLMGeneration(VLLMGeneration):
             log = logger.warning if settings.fp8_backend == "auto" and kernel.backend != "deepgemm" else logger.info
             log("vLLM block-FP8 kernel for rollouts: %s (%s)", kernel.backend, kernel.reason)
         overrides = engine_overrides(
-            self.engine_dir, settings.rollout_precision, settings.kv_observer is not None, self.report.kernel
-        )
+            self.engine_dir, settings.rollout_precision, settings.kv_observer is not None, self.report.kernel,
+            self.report.kv_attention,
+        )  # fmt: skip
         overrides.update(check_tensor_parallel(self.model, self.fp8_modules, self.tensor_parallel_size))
         for name, (value, why) in tensor_parallel_overrides(self.tensor_parallel_size).items():
             logger.info("vLLM tensor parallel: %s=%s (%s)", name, value, why)
@@ -202,6 +206,25 @@ class FP8VLLMGeneration(VLLMGeneration):
             self.report.engine_start_seconds,
             self.report.kv_cache_tokens,
         )
+
+    def _choose_kv_attention(self) -> None:
+        """The decode kernel of the FP8 KV cache (`rollout.vllm.attention`): XQA where it builds and follows the
+        scales of every sync on this GPU, else FlashAttention-3; the engine's process gets XQA's settings, and
+        trl-fp8's backend is registered here too, as the package's vLLM plugin does where trl-fp8 is installed."""
+        self.report.kv_attention = choose_kv_attention(
+            self.settings.kv_attention, self.accelerator.device, **attention_heads(unwrap_model(self.model).config)
+        )
+        choice = self.report.kv_attention
+        if choice.kernel == "xqa":
+            os.environ.update(choice.env)
+            other = register_custom_attention()
+            if other is not None:
+                raise RuntimeError(
+                    f"vLLM's CUSTOM attention backend is already {other}, so trl-fp8's XQA backend cannot run. Use "
+                    "FP8Tuning(vllm_fp8_kv_attention='flash_attn')."
+                )
+        log = logger.warning if choice.kernel != "xqa" and self.settings.kv_attention == "auto" else logger.info
+        log("vLLM attention on the FP8 KV cache: %s", choice.reason)
 
     def _choose_act_quant_kernel(self) -> None:
         """The kernel of vLLM's fused SiLU-and-mul + FP8 quantization for this engine (`act_quant`): a choice other

@@ -7,11 +7,8 @@ be ours). DeepGEMM is the fastest on Hopper (the documentation's benchmarks) but
 compiles its kernels just in time with nvcc; the compiled kernels go to a persistent cache directory, and vLLM's
 DeepGEMM warm-up compiles every GEMM size the engine can meet at start-up, so no compile stalls a rollout.
 
-With an FP8 KV cache, attention runs in FP8 too (FP8 queries, keys and values) and its q/k/v scales change at every
-sync. vLLM 0.26's FlashAttention-3 backend reads them from the layer's scale tensors on every call, CUDA graphs
-included. Its FlashInfer backend copies them into Python floats on its first forward (`bmm1_scale`, `bmm2_scale`),
-so later scales would never reach it. The engine is therefore pinned to FlashAttention-3, which has FP8 on Hopper
-only.
+With an FP8 KV cache, the q/k/v scales change at every sync: `rollout.vllm.attention` chooses the attention kernel
+that reads them (FlashInfer's XQA through trl-fp8's backend, or FlashAttention-3; both FP8 on Hopper only).
 """
 
 from __future__ import annotations
@@ -34,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "FP8_KV_ATTENTION_BACKEND",
+    "FP8_KV_SERVER_BACKENDS",
     "VLLM_FP8_BACKENDS",
     "RolloutKernel",
     "check_fp8_kv_attention",
@@ -63,8 +61,10 @@ def moe_kernel_env() -> dict[str, str]:
     return {"VLLM_MOE_USE_DEEP_GEMM": os.environ.get("VLLM_MOE_USE_DEEP_GEMM", "0")}
 
 
-# The attention backend that takes new FP8 KV-cache scales at every sync (see the module docstring).
+# vLLM's attention backends that take new FP8 KV-cache scales at every sync: FlashAttention-3 (vLLM's own, the
+# fallback) and trl-fp8's XQA backend (`rollout.vllm.attention`), registered as CUSTOM.
 FP8_KV_ATTENTION_BACKEND = "FLASH_ATTN"
+FP8_KV_SERVER_BACKENDS = ("CUSTOM", FP8_KV_ATTENTION_BACKEND)
 
 
 @dataclass(frozen=True)
@@ -159,16 +159,16 @@ def deepgemm_unavailable_reason(device: torch.device | int | None = None) -> str
 
 
 def check_fp8_kv_attention(device: torch.device | int | None = None) -> None:
-    """Raise naming the fix when this GPU cannot run an FP8 KV cache with per-step scales (FlashAttention-3's FP8
-    attention, SM90 only). Without a CUDA GPU nothing is checked: vLLM itself refuses to start."""
+    """Raise naming the fix when this GPU cannot run an FP8 KV cache with per-step scales (FlashInfer's XQA or
+    FlashAttention-3's FP8 attention, SM90 only). Without a CUDA GPU nothing is checked: vLLM itself refuses."""
     if not torch.cuda.is_available():
         return
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) != (9, 0):
         raise ValueError(
-            f"fp8_kv_cache=True needs vLLM's FlashAttention-3 FP8 attention, which runs on Hopper (SM90) only; this "
-            f"GPU is sm_{major}{minor}. vLLM's other FP8 attention (FlashInfer) keeps the first step's q/k/v scales "
-            "forever. Set fp8_kv_cache=False."
+            f"fp8_kv_cache=True needs an FP8 attention that reads the q/k/v scales of every step (XQA or "
+            f"FlashAttention-3), which runs on Hopper (SM90) only; this GPU is sm_{major}{minor}. vLLM's other FP8 "
+            "attention keeps the first step's scales in its CUDA graphs. Set fp8_kv_cache=False."
         )
 
 

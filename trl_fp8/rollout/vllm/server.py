@@ -20,6 +20,7 @@ from trl_fp8.config import BLOCK
 from trl_fp8.rollout.vllm._compat import ONLINE_FP8_NAMES, online_fp8_quantization
 from trl_fp8.rollout.vllm.kernels import (
     FP8_KV_ATTENTION_BACKEND,
+    FP8_KV_SERVER_BACKENDS,
     VLLM_LINEAR_BACKEND,
     server_command,
     server_kernel,
@@ -201,8 +202,8 @@ def check_server_config(
     if fp8_kv_cache and not str(cache_dtype).startswith("fp8"):
         raise ValueError(
             f"fp8_kv_cache=True but the server's KV cache is {cache_dtype!r}. Restart it with "
-            f"`trl vllm-serve ... --kv_cache_dtype fp8 --attention-backend {FP8_KV_ATTENTION_BACKEND}`, or set "
-            "fp8_kv_cache=False."
+            "`trl vllm-serve ... --kv_cache_dtype fp8 --attention-backend CUSTOM` (trl-fp8's XQA backend, Hopper; "
+            f"or {FP8_KV_ATTENTION_BACKEND}), or set fp8_kv_cache=False."
         )
     if not fp8_kv_cache and str(cache_dtype).startswith("fp8"):
         raise ValueError(
@@ -211,11 +212,12 @@ def check_server_config(
             "fp8_kv_cache=True, or restart the server without --kv_cache_dtype."
         )
     attention = (server_config.get("attention_config") or {}).get("backend")  # None: vLLM's pick, FA3 on Hopper
-    if fp8_kv_cache and attention is not None and str(attention).rsplit(".", 1)[-1] != FP8_KV_ATTENTION_BACKEND:
+    if fp8_kv_cache and attention is not None and str(attention).rsplit(".", 1)[-1] not in FP8_KV_SERVER_BACKENDS:
         raise ValueError(
             f"fp8_kv_cache=True but the server's attention backend is {attention!r}, which does not take the q/k/v "
-            f"scales pushed at every step. Restart it with `--attention-backend {FP8_KV_ATTENTION_BACKEND}` (or no "
-            "--attention-backend, which picks it on Hopper)."
+            "scales pushed at every step. Restart it with `--attention-backend CUSTOM` (trl-fp8's XQA backend, the "
+            f"faster) or `--attention-backend {FP8_KV_ATTENTION_BACKEND}` (also vLLM's pick on Hopper when none is "
+            "given)."
         )
     served = _served_model_config(server_config)
     fp8_modules = fp8_module_names(model) if fp8_modules is None else fp8_modules
