@@ -40,15 +40,15 @@ over `--repeats` replays (each behind a short GPU sleep, so the graph's launch i
 the calls, is the time per call.
 
 Floor: the bytes a call must move, `seqs x context x kv_heads x head_dim x 2 (K and V) x bytes per element` plus the
-query read and the BF16 output written, over the HBM bandwidth of the data sheet (`bench_rollout.HARDWARE`; 4.8 TB/s
-for an H200). Check: each kernel's output (of the first layer, eagerly and again after the graph's replays) against a
-float32 PyTorch attention over the dequantized cache, gathered through the block table; it fails the run (exit 1,
-after the table and the results file) where the largest error exceeds 2^-3 of the output's largest magnitude: the FP8
-kernels round twice to e4m3 beyond the cache (the query, and the softmax probabilities before the P.V product), each
-by at most 2^-4 relative (half an ulp of e4m3's 3-bit mantissa). On CPU (no CUDA, no vLLM) only the reference runs,
-checked against `scaled_dot_product_attention` on the same tokens gathered one by one, with the floors; the kernels
-are reported as skipped. Writes `benchmarks/results/decode_attention_<device>.json` (with `--quick`, only with
-`--out`).
+query read and the BF16 output written, over the HBM bandwidth of the data sheet (`bench_rollout.HARDWARE`: 4.8 TB/s
+for an H200, 3.35 for an H100; `--hbm_tb_s` for another GPU). Check: each kernel's output (of the first layer,
+eagerly and again after the graph's replays) against a float32 PyTorch attention over the dequantized cache, gathered
+through the block table; it fails the run (exit 1, after the table and the results file) where the largest error
+exceeds 2^-3 of the output's largest magnitude: the FP8 kernels round twice to e4m3 beyond the cache (the query, and
+the softmax probabilities before the P.V product), each by at most 2^-4 relative (half an ulp of e4m3's 3-bit
+mantissa). On CPU (no CUDA, no vLLM) only the reference runs, checked against `scaled_dot_product_attention` on the
+same tokens gathered one by one, with the floors; the kernels are reported as skipped. Writes
+`benchmarks/results/decode_attention_<device>.json` (with `--quick`, only with `--out`).
 """
 
 from __future__ import annotations
@@ -264,8 +264,10 @@ class Skipped(Exception):
 
 
 def _reason(exc: BaseException) -> str:
-    lines = [line for line in traceback.format_exception_only(type(exc), exc) if line.strip()]
-    return lines[-1].strip()[:500] if lines else type(exc).__name__
+    """An exception in one line: its first line, and its last where the message runs over several (a build log)."""
+    lines = [line.strip() for text in traceback.format_exception_only(type(exc), exc) for line in text.splitlines()]
+    lines = [line for line in lines if line] or [type(exc).__name__]
+    return (lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}")[:500]
 
 
 def _flash_attn():
@@ -314,8 +316,9 @@ def fa3_calls(batch: DecodeBatch, fp8: bool, args, scales_t: dict) -> tuple[list
             **descales,
         )  # fmt: skip
 
+    metadata_arg = "None" if scheduler_metadata is None else "get_scheduler_metadata(...)"
     api = (f"vllm.vllm_flash_attn.flash_attn_varlen_func(fa_version=3, num_splits={args.fa3_num_splits}, "
-           f"scheduler_metadata={'None' if scheduler_metadata is None else 'get_scheduler_metadata(...)'})")  # fmt: skip
+           f"scheduler_metadata={metadata_arg})")  # fmt: skip
     return [call(i) for i in range(len(caches))], outs, api
 
 
@@ -356,7 +359,8 @@ def triton_calls(batch: DecodeBatch, args, scales_t: dict) -> tuple[list, list, 
         )  # fmt: skip
 
     kernel = "2D" if shape.seqs > threshold else "3D"
-    api = f"vllm.v1.attention.ops.triton_unified_attention.unified_attention ({kernel} kernel, seq_threshold_3D={threshold})"
+    api = (f"vllm.v1.attention.ops.triton_unified_attention.unified_attention ({kernel} kernel, "
+           f"seq_threshold_3D={threshold})")  # fmt: skip
     return [call(i) for i in range(len(batch.fp8))], outs, api
 
 
@@ -410,7 +414,8 @@ def xqa_calls(batch: DecodeBatch, tensor_scales: bool, args, scales_t: dict, sta
         return run
 
     backend = "backend='xqa', " if extra else ""
-    api = f"{entry}({backend}kv_layout='NHD', bmm1_scale and bmm2_scale as {'0-dim CUDA tensors' if tensor_scales else 'floats'})"
+    scales_as = "0-dim CUDA tensors" if tensor_scales else "floats"
+    api = f"{entry}({backend}kv_layout='NHD', bmm1_scale and bmm2_scale as {scales_as})"
     return [call(i) for i in range(len(batch.fp8))], outs, api
 
 
@@ -466,6 +471,7 @@ def run_kernel(name: str, batch: DecodeBatch, ref: torch.Tensor, max_ref: float,
     except Exception as exc:
         if name in ran:  # it ran at another context: an error of this one
             raise
+        traceback.print_exc()  # the whole of it (a JIT build's log) in the run's log
         raise Skipped(f"its first call failed: {_reason(exc)}") from exc
     ran.add(name)
     err_eager = max_error(outs[0], ref)
@@ -509,8 +515,8 @@ def print_table(result: dict, kernels: list[str]) -> None:
           f"{s['head_dim']}, pages of {s['block_size']} ({s['kv_layout']} cache), {result['device']}, HBM "
           f"{result['hbm_bytes_per_s'] / 1e12:.2f} TB/s ({result['hbm_source']})")  # fmt: skip
     print(f"us per call (share of the KV-read floor): {s['layers']} layers' calls in one CUDA graph, median of "
-          f"{result['timing']['repeats']} replays")  # fmt: skip
-    name_width, width = 26, 26
+          f"{result['timing']['repeats']} replays; FAILED: the output's check failed (below)")  # fmt: skip
+    name_width, width = 26, 30
     header = "".join(f"{f'{n:,} tokens' if i == 0 else f'{n:,}':>{width}}" for i, n in enumerate(contexts))
     print(f"{'kernel':<{name_width}}{header}")
     for name in kernels:
@@ -518,16 +524,19 @@ def print_table(result: dict, kernels: list[str]) -> None:
         for n in contexts:
             r = rows.get((name, n), {})
             if "us" in r:
-                flag = "" if r["check"] == "ok" else " CHECK FAILED"
+                flag = "" if r["check"] == "ok" else " FAILED"
                 cells.append(f"{_us(r['us'])} ({r['fraction']:.0%} of floor){flag}")
             else:
                 cells.append("skipped" if "skipped" in r else "error" if "error" in r else "-")
-        print(f"{name:<{name_width}}" + "".join(f"{c:>{width}}" for c in cells))
+        print(f"{name:<{name_width}}" + "".join(f" {c:>{width - 1}}" for c in cells))
     for kv_bytes, q_bytes, label in ((1, 1, "FP8 cache, FP8 q"), (1, 2, "FP8 cache, BF16 q"), (2, 2, "BF16 cache")):
         floors = [floor_us(decode_bytes(shape, n, kv_bytes, q_bytes)["total"], result["hbm_bytes_per_s"])
                   for n in contexts]  # fmt: skip
         print(f"{'floor, ' + label:<{name_width}}" + "".join(f"{_us(f):>{width}}" for f in floors))
     print()
+    checks = ", ".join(f"{r['self_check_max_diff']:.2g} ({r['max_ref']:.3g}) at {r['context']:,}"
+                       for r in result["reference"])  # fmt: skip
+    print(f"float32 reference vs scaled_dot_product_attention, largest difference (max|ref|): {checks}")
     for name in kernels:
         k = result["kernels"][name]
         errors = [rows[(name, n)] for n in contexts if "max_err" in rows.get((name, n), {})]
@@ -540,7 +549,8 @@ def print_table(result: dict, kernels: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = arg_parser(__doc__, out="benchmarks/results/decode_attention_<device>.json; with --quick, only with --out",
+    parser = arg_parser(__doc__, out="benchmarks/results/decode_attention_<device>.json; with --quick, only with "
+                        "--out",
                         quick="smoke sizes (4 sequences, contexts 48 and 80, 2 layers): on CPU, the reference and "
                         "the floors")  # fmt: skip
     parser.add_argument("--kernels", nargs="+", choices=list(KERNELS), default=list(KERNELS))
@@ -557,13 +567,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--k_scale", type=float, default=0.02)
     parser.add_argument("--v_scale", type=float, default=0.015)
     parser.add_argument("--kv_layout", choices=["packed", "separate"], default="packed",
-                        help="packed: vLLM's [..., 2 * head_dim] cache, K and V side by side; separate: a tensor each")  # fmt: skip
+                        help="packed: vLLM's [..., 2 * head_dim] cache, K and V side by side; separate: a tensor "
+                        "each")  # fmt: skip
     parser.add_argument("--fa3_num_splits", type=int, default=FA3_CUDA_GRAPH_SPLITS,
-                        help="FA3's num_splits (vLLM under full CUDA graphs: 32; 0: the library's heuristic)")  # fmt: skip
+                        help="FA3's num_splits (vLLM under full CUDA graphs: 32; 0: the library's "
+                        "heuristic)")  # fmt: skip
     parser.add_argument("--fa3_no_scheduler_metadata", action="store_true",
                         help="no AOT scheduler metadata for FA3 (vLLM computes it for every FA3 batch)")  # fmt: skip
     parser.add_argument("--max_model_len", type=int, default=0,
-                        help="block tables as wide as vLLM's for this max_model_len (0: as wide as the context)")  # fmt: skip
+                        help="block tables as wide as vLLM's for this max_model_len (0: as wide as the "
+                        "context)")  # fmt: skip
+    parser.add_argument("--hbm_tb_s", type=float, help="HBM bandwidth for the floor (default: the data sheet's)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     settings = resolve(args)
@@ -576,6 +590,8 @@ def main(argv: list[str] | None = None) -> None:
     label = device_name()
     hw = hardware(label)
     hbm, hbm_source = (hw["hbm"], f"{label}'s data sheet") if hw else (4.8e12, "assumed: an H200's data sheet")
+    if args.hbm_tb_s:
+        hbm, hbm_source = args.hbm_tb_s * 1e12, "--hbm_tb_s"
     shape = Shape(args.seqs, args.q_heads, args.kv_heads, args.head_dim, args.block_size)
     if shape.q_heads % shape.kv_heads:
         parser.error("--q_heads must be a multiple of --kv_heads")

@@ -737,7 +737,8 @@ def test_decode_attention_benchmark_runs_its_reference_and_floors_on_cpu(tmp_pat
     assert result["device"] == "cpu" and result["date"] and result["command"].startswith("python -m benchmarks.")
     assert result["versions"]["torch"] and {"vllm", "flashinfer-python"} <= set(result["versions"])
     assert result["shapes"] == {"seqs": 3, "contexts": [40, 64], "q_heads": 8, "kv_heads": 2, "head_dim": 64,
-                                "block_size": 16, "layers": 2, "kv_layout": "packed", "max_model_len": 128}  # fmt: skip
+                                "block_size": 16, "layers": 2, "kv_layout": "packed",
+                                "max_model_len": 128}  # fmt: skip
     assert result["hbm_bytes_per_s"] == 4.8e12 and result["err_bound_of_max_ref"] == 2**-3
     assert [r["context"] for r in result["reference"]] == [40, 64]
     assert all(r["self_check_max_diff"] < 1e-5 * r["max_ref"] for r in result["reference"])
