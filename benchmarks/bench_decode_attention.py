@@ -633,6 +633,7 @@ def main(argv: list[str] | None = None) -> None:
         "results": [],
     }
     result["versions"].update(package_versions())
+    out = results_path(args.out, "decode_attention", label) if not args.quick or args.out else None
     state: dict = {}
     for context in args.context:
         print(f"# context {context}: {args.layers} layers' caches", file=sys.stderr, flush=True)
@@ -643,7 +644,7 @@ def main(argv: list[str] | None = None) -> None:
         max_ref = ref.abs().max().item()
         self_check = reference_self_check(batch, ref, scales)
         result["reference"].append({"context": context, "max_ref": max_ref, "self_check_max_diff": self_check})
-        if self_check > 1e-4 * max_ref:
+        if self_check > 1e-3 * max_ref:  # float32 sums in other orders differ by ~1e-7
             raise SystemExit(f"the float32 reference disagrees with scaled_dot_product_attention: {self_check:.3g}")
         for name in kernels:
             spec = KERNELS[name]
@@ -670,11 +671,13 @@ def main(argv: list[str] | None = None) -> None:
         del batch, ref
         if cuda:
             torch.cuda.empty_cache()
-    if "ninja" in state:
-        result["ninja"] = state["ninja"]
+        if "ninja" in state:
+            result["ninja"] = state["ninja"]  # the executable FlashInfer's JIT ran
+        if out is not None:  # after every context: a crash keeps what ran
+            write_json(out, result)
     print_table(result, kernels)
-    if not args.quick or args.out:
-        print(f"wrote {write_json(results_path(args.out, 'decode_attention', label), result)}")
+    if out is not None:
+        print(f"wrote {out}")
     failed = [r for r in result["results"] if r.get("check") == "FAILED"]
     if failed:
         raise SystemExit("CHECK FAILED (max err above the bound of "
