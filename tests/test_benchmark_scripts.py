@@ -727,6 +727,76 @@ def test_grouped_gemm_benchmark_runs_at_smoke_size(tmp_path):
     assert strided["max_rel_diff"] < 1e-5  # the same FP8 operands, read through other strides
 
 
+def test_decode_attention_benchmark_runs_its_reference_and_floors_on_cpu(tmp_path):
+    """bench_decode_attention on CPU (no CUDA, no vLLM): every kernel skipped with the reason, the float32 reference
+    checked against scaled_dot_product_attention, and each row's floor the bytes its shapes give over the H200's HBM
+    bandwidth (the one assumed without a known GPU)."""
+    out = _run("benchmarks.bench_decode_attention", "--quick", "--seqs", 3, "--context", 40, 64, "--max_model_len",
+               128, "--out", tmp_path / "decode.json")  # fmt: skip
+    result = json.loads((tmp_path / "decode.json").read_text())
+    assert result["device"] == "cpu" and result["date"] and result["command"].startswith("python -m benchmarks.")
+    assert result["versions"]["torch"] and {"vllm", "flashinfer-python"} <= set(result["versions"])
+    assert result["shapes"] == {"seqs": 3, "contexts": [40, 64], "q_heads": 8, "kv_heads": 2, "head_dim": 64,
+                                "block_size": 16, "layers": 2, "kv_layout": "packed",
+                                "max_model_len": 128}  # fmt: skip
+    assert result["hbm_bytes_per_s"] == 4.8e12 and result["err_bound_of_max_ref"] == 2**-3
+    assert [r["context"] for r in result["reference"]] == [40, 64]
+    assert all(r["self_check_max_diff"] < 1e-5 * r["max_ref"] for r in result["reference"])
+    per_element = {"fa3_bf16": (2, 2), "fa3_fp8": (1, 1), "triton_fp8": (1, 1), "xqa_fp8": (1, 2),
+                   "xqa_fp8_tensor_scales": (1, 2)}  # (K/V bytes, query bytes)  # fmt: skip
+    assert set(result["kernels"]) == set(per_element)
+    assert [(r["kernel"], r["context"]) for r in result["results"]] == [(k, n) for n in (40, 64) for k in per_element]
+    for row in result["results"]:
+        kv, q = per_element[row["kernel"]]
+        # 3 sequences x context tokens x 2 KV heads x 64 dims, K and V; the query read and the BF16 output written
+        expected = 3 * row["context"] * 2 * 64 * 2 * kv + 3 * 8 * 64 * (q + 2)
+        assert row["bytes"] == expected and row["floor_us"] == pytest.approx(expected / 4.8e12 * 1e6)
+        assert row["skipped"].startswith("no CUDA device") and "us" not in row
+    assert "skipped: no CUDA device" in out and "floor, FP8 cache" in out
+
+
+def test_decode_attention_reference_reads_each_sequences_tokens_through_its_shuffled_pages():
+    """The reference the GPU kernels are checked against: sequences written token by token into pages taken from a
+    shuffled pool (both cache layouts) give the attention of the contiguous sequences; a block table whose rows are
+    shifted by one sequence does not. The floor at the benchmark's 8B shape: 512 MiB of FP8 K and V at 2,048 tokens
+    plus 2 MiB of BF16 query and output (XQA's), 112.3 us at 4.8 TB/s."""
+    import torch
+    import torch.nn.functional as F
+
+    from benchmarks import bench_decode_attention as bench
+
+    shape = bench.Shape(seqs=3, q_heads=8, kv_heads=2, head_dim=32, block_size=16)
+    context, scales = 37, {"q": 0.02, "k": 0.02, "v": 0.015}  # the last page partly used
+    torch.manual_seed(0)
+    k_seq, v_seq = torch.randn(2, shape.seqs, context, shape.kv_heads, shape.head_dim)
+    q = torch.randn(shape.seqs, shape.q_heads, shape.head_dim).to(torch.bfloat16)
+    for layout in ("packed", "separate"):
+        batch = bench.make_batch(shape, context, 1, scales, layout, seed=1, device=torch.device("cpu"))
+        _, k8, v8 = batch.fp8[0]
+        for s in range(shape.seqs):
+            for t in range(context):
+                page, slot = batch.block_table[s, t // shape.block_size], t % shape.block_size
+                k8[page, slot] = (k_seq[s, t] / scales["k"]).to(bench.FP8)
+                v8[page, slot] = (v_seq[s, t] / scales["v"]).to(bench.FP8)
+        # the contiguous sequences, rounded as the cache holds them
+        k = (k_seq / scales["k"]).to(bench.FP8).float() * scales["k"]
+        v = (v_seq / scales["v"]).to(bench.FP8).float() * scales["v"]
+        expected = F.scaled_dot_product_attention(q.float()[:, :, None], k.transpose(1, 2), v.transpose(1, 2),
+                                                  enable_gqa=True)[:, :, 0]  # fmt: skip
+        ref = bench.reference_attention(q, k8, v8, batch.block_table, context, scales["k"], scales["v"])
+        torch.testing.assert_close(ref, expected, rtol=1e-5, atol=1e-6)
+        shifted = batch.block_table.roll(1, dims=0)  # each sequence's query over its neighbour's pages
+        wrong = bench.reference_attention(q, k8, v8, shifted, context, scales["k"], scales["v"])
+        assert (wrong - expected).abs().max() > 0.1 * expected.abs().max()
+
+    full = bench.Shape(seqs=128, q_heads=32, kv_heads=8, head_dim=128, block_size=16)
+    fp8 = bench.decode_bytes(full, 2048, kv_bytes=1, q_bytes=2)
+    assert fp8 == {"kv": 512 * 2**20, "query_output": 2 * 2**20, "total": 514 * 2**20}
+    assert bench.floor_us(fp8["total"], 4.8e12) == pytest.approx(112.28, abs=0.01)
+    assert bench.decode_bytes(full, 2048, kv_bytes=2, q_bytes=2)["kv"] == 2**30
+    assert [bench.triton_seq_threshold_3d(kv) for kv in (8, 4, 1, 3)] == [16, 32, 128, 40]  # 128 // 3 = 42 -> 40
+
+
 def test_moe_rollout_shape_builds_its_engine_config_without_weights():
     """bench_rollout's MoE shapes: the trainer-side model lives on the meta device (no 61 GB copy), converts to FP8
     with its routers named unconverted, and the decode floor reads every expert while a token runs its top-k."""
