@@ -12,6 +12,8 @@
 #   bash benchmarks/run_rollout_report.sh moedecode # Qwen3-30B-A3B's experts on each of vLLM's MoE backends ($MOE_ENGINES)
 #   bash benchmarks/run_rollout_report.sh decode    # where a decode step's time goes: every engine variant at 0.3,
 #                                                   # 256x2048, each profiled at 256x512 ($DECODE_ENGINES)
+#   bash benchmarks/run_rollout_report.sh decodeattn # bench_decode_attention: decode attention on the FP8 KV cache,
+#                                                   # each kernel against its KV-read floor (128 x 256/1,024/2,048)
 #   bash benchmarks/run_rollout_report.sh colocate  # bench_grpo at TRL's colocate defaults (8B, 0.3, sleep mode, 8-bit
 #                                                   # AdamW, 128 x 2048): $COLOCATE_RUNS, one call each, one file,
 #                                                   # $COLOCATE_STEPS steps (default 3: two timed)
@@ -174,6 +176,9 @@ concurrency)  # matched concurrency: the same share, and every engine capped at 
     --engines ${CAPACITY_ENGINES:-bf16 fp8_deepgemm fp8_deepgemm_kv} --points 256x2048 128x4096 --prompt_len 256 \
     --gpu_memory_utilization "$share" --max_num_seqs "${CAPACITY_SEQS:-22}" --append \
     --out "$work/rollout_capacity_mem${share}_seqs${CAPACITY_SEQS:-22}_$device.json"
+  ;;
+decodeattn)  # every decode-attention kernel the engine could run, inside CUDA graphs, against its KV-read floor
+  timed decode_attention python -m benchmarks.bench_decode_attention --out "$work/decode_attention_$device.json"
   ;;
 colocate)  # TRL's colocate defaults on one GPU; each run in a child of its own, rows appended to one file. By default
   # TRL BF16 with and without Liger's kernels against FP8GRPOTrainer left to its defaults (Liger, the FP8 KV cache and
