@@ -155,7 +155,9 @@ def _rms_norm_quant_kernel(
     else:
         rms = tl.math.rsqrt(mean)  # 1 / sqrt in NumPy's float32 in the interpreter (as the reference)
 
-    # The row again (from the cache), iteration by iteration: each holds whole groups
+    # The row again (from the cache), iteration by iteration: each holds whole groups. (Every thread's reads of the
+    # residual above come before any thread overwrites it below.)
+    tl.debug_barrier()
     dtype: tl.constexpr = x_ptr.dtype.element_ty
     NG: tl.constexpr = LANES * 4 // GROUP  # groups of one iteration (padded)
     GROUPS_PER_ITER: tl.constexpr = THREADS * 4 // GROUP

@@ -230,9 +230,16 @@ def check_and_install(
             numerics, vllm_us, ours_us,
         )  # fmt: skip
     library = torch.library.Library(check.namespace, "IMPL")  # noqa: TOR901 (an implementation of vLLM's op)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*[Oo]verrid.*")  # torch says that it replaces vLLM's kernel
-        library.impl(check.op_name, ours, torch.device(device).type.upper())
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*[Oo]verrid.*")  # torch says that it replaces vLLM's kernel
+            library.impl(check.op_name, ours, torch.device(device).type.upper())
+    except Exception as exc:  # noqa: BLE001 - torch refuses a second Python kernel for the op (another library's)
+        library._destroy()
+        return choice_type(
+            False, f"trl-fp8's kernel could not be registered for vLLM's op, so vLLM's stays ({failure(exc)})",
+            numerics, vllm_us, ours_us,
+        )  # fmt: skip
     # The engine calls the op through torch's dispatcher, which hands our Python kernel its arguments its own way
     # (trailing defaults left out): the probes again, through the op now, against vLLM's bytes.
     try:
