@@ -188,7 +188,7 @@ def test_kernel_refuses_what_vllms_op_would_not_hand_it_here():
     with pytest.raises(ValueError, match="contiguous residual"):
         rms_norm_per_block_quant(out, case.x, case.weight, scales, 1e-6, None, case.residual.t().contiguous().t(),
                                  128, False)  # fmt: skip
-    with pytest.raises(NotImplementedError, match="rows of up to"):
+    with pytest.raises(NotImplementedError, match="takes rows of up to"):
         wide = torch.empty(1, 32768, dtype=torch.bfloat16)
         rms_norm_per_block_quant(torch.empty(1, 32768, dtype=torch.float8_e4m3fn), wide, wide[0], torch.empty(1, 256),
                                  1e-6, None, None, 128, False)  # fmt: skip

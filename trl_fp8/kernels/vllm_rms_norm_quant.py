@@ -201,7 +201,7 @@ def _check(out, x, weight, scales, residual, group_size):
         raise ValueError(f"group_size must be 64 or 128 and divide {hidden}; got {group_size}.")
     if hidden > MAX_HIDDEN:
         raise NotImplementedError(
-            f"trl-fp8's rms_norm_per_block_quant holds rows of up to {MAX_HIDDEN}; got {hidden}."
+            f"trl-fp8's rms_norm_per_block_quant takes rows of up to {MAX_HIDDEN}; got {hidden}."
         )
     if x.stride(-1) != 1 or not out.is_contiguous() or not weight.is_contiguous() or scales.dtype != torch.float32:
         raise ValueError("rms_norm_per_block_quant needs input contiguous in its last dimension, contiguous out and "
@@ -232,11 +232,11 @@ def rms_norm_per_block_quant(
     hidden = x.shape[-1]
     x2 = x.view(-1, hidden)  # (vLLM views it so too, and takes its row stride)
     tokens = x2.shape[0]
-    if scales.dim() == 2 and scales.stride(1) > 1 and not is_scale_transposed:
+    outer = scales.stride(1) if scales.dim() > 1 else 1  # (vLLM's `outer_scale_stride`, whatever the scales' rank)
+    if outer > 1 and not is_scale_transposed:
         raise ValueError("rms_norm_per_block_quant: outer scale stride must be 1 when scales are not transposed.")
     if tokens == 0:
         return
-    outer = scales.stride(1) if scales.dim() == 2 else 1
     scale_rows = triton.cdiv(tokens, outer) * outer  # vLLM's `scale_rows` for transposed scales
     threads, lanes, iters = _layout(tokens, hidden)
     if x2.stride(0) % 4:

@@ -5,8 +5,8 @@ vLLM's block-FP8 engines normalize and quantize the input of every block-FP8 lin
 gate/up after each layer's two norms, with the residual add or without) in one CUDA op,
 `torch.ops._C.rms_norm_per_block_quant`, which the compile pass `fuse_norm_quant` (on by default) puts in the graph.
 vLLM 0.31's kernel reads each row three times with one block per token, at about an eighth of the speed its bytes
-allow. `install` re-registers the op's CUDA kernel with `trl_fp8.kernels.vllm_rms_norm_quant` (one pass, the row in
-registers) through `torch.library`, as `act_quant` does for the SiLU-and-mul quantization, only after checking on
+allow. `install` re-registers the op's CUDA kernel with `trl_fp8.kernels.vllm_rms_norm_quant` (one read of the row
+from memory) through `torch.library`, as `act_quant` does for the SiLU-and-mul quantization, only after checking on
 this GPU, before the engine starts, that
 
 1. the two kernels write the same bytes (FP8 values, scales, and the residual the op overwrites) on probe inputs at
