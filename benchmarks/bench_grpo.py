@@ -519,6 +519,7 @@ def run_one(args) -> None:
         "kv_cache_tokens": engine_kv_cache_tokens(generation.llm),
         "deepgemm_precompile": vars(report.deepgemm_precompile) if report and report.deepgemm_precompile else None,
         "act_quant": vars(report.act_quant_choice) if report and report.act_quant_choice else None,
+        "norm_quant": vars(report.norm_quant_choice) if report and report.norm_quant_choice else None,
         "rollout_stats": rollout_stats,  # per rollout: most sequences at once, preemptions, peak KV-cache use
         "mismatch": mismatch_medians(trainer.state.log_history, keep),  # trainer vs rollout, TIS clipping
         **engine_experts_state(generation),

@@ -80,6 +80,7 @@ TUNING_FIELDS = {
     "ddp_gradient_as_bucket_view": "ddp_gradient_as_bucket_view",
     "vllm_act_quant_kernel": "vllm_act_quant_kernel",
     "vllm_fp8_kv_attention": "vllm_fp8_kv_attention",
+    "vllm_norm_quant_kernel": "vllm_norm_quant_kernel",
     "vllm_deepgemm_workers": "vllm_deepgemm_workers",
 }
 
@@ -99,7 +100,8 @@ def test_the_tuning_keeps_the_defaults_the_measurements_chose_and_parses_beside_
     assert FP8Tuning() == FP8Tuning(fuse_sibling_gemms=False, fuse_swiglu=False, experts_gemm="auto",
                                     compile_decoder_layers=False, fsdp2_prefetch_layers=None,
                                     ddp_gradient_as_bucket_view=True, vllm_act_quant_kernel="auto",
-                                    vllm_fp8_kv_attention="auto", vllm_deepgemm_workers=None)  # fmt: skip
+                                    vllm_fp8_kv_attention="auto", vllm_norm_quant_kernel="auto",
+                                    vllm_deepgemm_workers=None)  # fmt: skip
     with pytest.raises(FrozenInstanceError):
         FP8Tuning().fuse_swiglu = True
     config, tuning = TrlParser((FP8GRPOConfig, FP8Tuning)).parse_args_and_config(

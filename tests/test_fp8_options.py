@@ -42,6 +42,7 @@ def grpo_config(**settings) -> FP8GRPOConfig:
         ({"use_liger_kernel": True}, {"fuse_swiglu": True}, "liger_kernel_config={'swiglu': False}, or drop"),
         ({}, {"vllm_deepgemm_workers": 4}, "FP8Tuning(vllm_deepgemm_workers=4) sets up vLLM rollouts"),
         ({}, {"vllm_act_quant_kernel": "vllm"}, "FP8Tuning(vllm_act_quant_kernel='vllm') sets up vLLM rollouts"),
+        ({}, {"vllm_norm_quant_kernel": "vllm"}, "FP8Tuning(vllm_norm_quant_kernel='vllm') sets up vLLM rollouts"),
     ],
 )
 def test_fp8_options_without_effect_are_refused_naming_the_fix(settings, tuning, fix, liger_installed):
@@ -56,6 +57,7 @@ def test_fp8_options_without_effect_are_refused_naming_the_fix(settings, tuning,
     [
         ({"experts_gemm": "cuda"}, "FP8Tuning(experts_gemm='cuda') is unknown"),
         ({"vllm_act_quant_kernel": "cuda"}, "FP8Tuning(vllm_act_quant_kernel='cuda') is unknown"),
+        ({"vllm_norm_quant_kernel": "cuda"}, "FP8Tuning(vllm_norm_quant_kernel='cuda') is unknown"),
         ({"vllm_deepgemm_workers": -1}, "FP8Tuning(vllm_deepgemm_workers=-1) must be >= 0"),
         ({"fsdp2_prefetch_layers": 0}, "FP8Tuning(fsdp2_prefetch_layers=0): give 1 or more layers"),
     ],

@@ -6,11 +6,11 @@ import enum
 import importlib.metadata
 import os
 import sys
-import tomllib
 import types
 from pathlib import Path
 
 import pytest
+import tomllib
 import torch
 from transformers import AutoConfig
 
@@ -78,7 +78,9 @@ def test_ninja_dir_finds_the_ninja_wheels_executable(monkeypatch, tmp_path):
 
 
 def test_attention_heads_of_a_config():
-    qwen3 = AutoConfig.for_model("qwen3", hidden_size=1024, num_attention_heads=16, num_key_value_heads=8, head_dim=128)
+    qwen3 = AutoConfig.for_model(
+        "qwen3", hidden_size=1024, num_attention_heads=16, num_key_value_heads=8, head_dim=128
+    )
     assert attention_heads(qwen3) == {"head_dim": 128, "q_heads": 16, "kv_heads": 8}
     llama = AutoConfig.for_model("llama", hidden_size=1024, num_attention_heads=8, num_key_value_heads=None)
     assert attention_heads(llama)["head_dim"] == 128 and attention_heads(llama)["kv_heads"] == 8

@@ -56,7 +56,9 @@ def test_server_checks_name_the_fix(tmp_path):
         if ok:
             check_server_config(info, model, "fp8", fp8_kv_cache=True)
         else:
-            with pytest.raises(ValueError, match=f"attention backend is '{backend}'.*--attention-backend CUSTOM.*FLASH_ATTN"):
+            with pytest.raises(
+                ValueError, match=f"attention backend is '{backend}'.*--attention-backend CUSTOM.*FLASH_ATTN"
+            ):
                 check_server_config(info, model, "fp8", fp8_kv_cache=True)
         # An FP8 cache without the trainer's K/V scales would scale by 1.0: refused with the fix.
         with pytest.raises(ValueError, match="keeps its KV cache in 'fp8'.*Set fp8_kv_cache=True"):

@@ -37,6 +37,8 @@ UNAVAILABLE_VLLM_FP8_MOE_BACKENDS = {
 # "trl_fp8": trl-fp8's wherever it gives vLLM's bits; "vllm": vLLM's).
 VLLM_ACT_QUANT_KERNELS = ("auto", "trl_fp8", "vllm")
 VLLM_FP8_KV_ATTENTIONS = ("auto", "xqa", "flash_attn")  # `rollout.vllm.attention`
+# Kernel of the engine's fused RMSNorm (+ residual add) + FP8 quantization, the same choices.
+VLLM_NORM_QUANT_KERNELS = VLLM_ACT_QUANT_KERNELS
 # Kernels of the mixture-of-experts FProp and DGrad ("auto": DeepGEMM's grouped GEMM on Hopper when it can run).
 EXPERTS_GEMMS = ("auto", "deepgemm", "triton")
 

@@ -12,12 +12,20 @@ from trl_fp8.config import (
     LAYER_OPTION_FIELDS,
     VLLM_ACT_QUANT_KERNELS,
     VLLM_FP8_KV_ATTENTIONS,
+    VLLM_NORM_QUANT_KERNELS,
     check_layer_options,
 )
 from trl_fp8.field_docs import field_help
 
 __all__ = ["FP8Tuning"]
 
+# `FP8Tuning`'s fields that set up vLLM rollouts, with their defaults (a run without vLLM must leave them so).
+VLLM_DEFAULTS = (
+    ("vllm_act_quant_kernel", "auto"),
+    ("vllm_norm_quant_kernel", "auto"),
+    ("vllm_fp8_kv_attention", "auto"),
+    ("vllm_deepgemm_workers", None),
+)
 # `FP8LinearConfig`'s fields that `FP8Tuning` holds (the others are the trainer config's), by `FP8LinearConfig`'s name.
 TUNING_LAYER_OPTIONS = ("fuse_sibling_gemms", "fuse_swiglu", "experts_gemm")
 
@@ -62,6 +70,13 @@ class FP8Tuning:
             log says which, with both times), else vLLM's; `"trl_fp8"` runs trl-fp8's wherever it writes vLLM's bits,
             faster or not; `"vllm"` always keeps vLLM's. The values are the same either way. A `trl vllm-serve`
             server runs vLLM's.
+        vllm_norm_quant_kernel (str): Which kernel runs a colocated FP8 engine's fused RMSNorm (with or without the
+            residual add) + FP8 activation quantization (the input of q/k/v and gate/up after each layer's norms):
+            `"auto"` runs trl-fp8's Triton kernel where, checked on the GPU at engine start, it writes vLLM's own
+            kernel's bits (FP8 values, scales and the updated residual) and takes less time (the start-up log says
+            which, with both times), else vLLM's; `"trl_fp8"` runs trl-fp8's wherever it writes vLLM's bits, faster
+            or not; `"vllm"` always keeps vLLM's. The values are the same either way. A `trl vllm-serve` server runs
+            vLLM's.
         vllm_fp8_kv_attention (str): Which kernel of a colocated engine attends over its FP8 KV cache
             (`fp8_kv_cache=True`) at decode: `"auto"` runs FlashInfer's XQA where it builds and, checked on the GPU at
             engine start, follows the scales of every sync (Hopper, with nvcc; the start-up log says which and why),
@@ -84,18 +99,18 @@ class FP8Tuning:
         default=True, metadata=field_help(__doc__, "ddp_gradient_as_bucket_view")
     )
     vllm_act_quant_kernel: str = field(default="auto", metadata=field_help(__doc__, "vllm_act_quant_kernel"))
+    vllm_norm_quant_kernel: str = field(default="auto", metadata=field_help(__doc__, "vllm_norm_quant_kernel"))
     vllm_fp8_kv_attention: str = field(default="auto", metadata=field_help(__doc__, "vllm_fp8_kv_attention"))
     vllm_deepgemm_workers: int | None = field(default=None, metadata=field_help(__doc__, "vllm_deepgemm_workers"))
 
     def __post_init__(self):
         if self.experts_gemm not in EXPERTS_GEMMS:
             raise ValueError(f"FP8Tuning(experts_gemm={self.experts_gemm!r}) is unknown; use one of {EXPERTS_GEMMS}.")
-        if self.vllm_act_quant_kernel not in VLLM_ACT_QUANT_KERNELS:
-            raise ValueError(f"FP8Tuning(vllm_act_quant_kernel={self.vllm_act_quant_kernel!r}) is unknown; use one of "
-                             f"{VLLM_ACT_QUANT_KERNELS}.")  # fmt: skip
-        if self.vllm_fp8_kv_attention not in VLLM_FP8_KV_ATTENTIONS:
-            raise ValueError(f"FP8Tuning(vllm_fp8_kv_attention={self.vllm_fp8_kv_attention!r}) is unknown; use one of "
-                             f"{VLLM_FP8_KV_ATTENTIONS}.")  # fmt: skip
+        for name, known in (("vllm_act_quant_kernel", VLLM_ACT_QUANT_KERNELS),
+                            ("vllm_norm_quant_kernel", VLLM_NORM_QUANT_KERNELS),
+                            ("vllm_fp8_kv_attention", VLLM_FP8_KV_ATTENTIONS)):  # fmt: skip
+            if getattr(self, name) not in known:
+                raise ValueError(f"FP8Tuning({name}={getattr(self, name)!r}) is unknown; use one of {known}.")
         if self.vllm_deepgemm_workers is not None and self.vllm_deepgemm_workers < 0:
             raise ValueError(
                 f"FP8Tuning(vllm_deepgemm_workers={self.vllm_deepgemm_workers}) must be >= 0 (0: no parallel "
@@ -136,8 +151,7 @@ class FP8Tuning:
         from trl_fp8.distributed import weight_sharding
 
         if not args.use_vllm:
-            for name, default in (("vllm_act_quant_kernel", "auto"), ("vllm_fp8_kv_attention", "auto"),
-                                  ("vllm_deepgemm_workers", None)):  # fmt: skip
+            for name, default in VLLM_DEFAULTS:
                 if getattr(self, name) != default:
                     raise ValueError(
                         f"FP8Tuning({name}={getattr(self, name)!r}) sets up vLLM rollouts, but use_vllm=False: the "
@@ -183,16 +197,17 @@ class FP8Tuning:
                     "engine; a `trl vllm-serve` server runs the attention backend it was started with "
                     "(--attention-backend CUSTOM: XQA; FLASH_ATTN: FlashAttention-3). Drop vllm_fp8_kv_attention."
                 )
-        if self.vllm_act_quant_kernel != "auto" and args.use_vllm:
+        for name in ("vllm_act_quant_kernel", "vllm_norm_quant_kernel"):
+            kernel = getattr(self, name)
+            if kernel == "auto" or not args.use_vllm:
+                continue
             if args.rollout_precision != "fp8":
                 raise ValueError(
-                    f"FP8Tuning(vllm_act_quant_kernel={self.vllm_act_quant_kernel!r}) picks a kernel of "
-                    f"rollout_precision='fp8' rollouts, but rollout_precision={args.rollout_precision!r}. Drop "
-                    "vllm_act_quant_kernel or use rollout_precision='fp8'."
+                    f"FP8Tuning({name}={kernel!r}) picks a kernel of rollout_precision='fp8' rollouts, but "
+                    f"rollout_precision={args.rollout_precision!r}. Drop {name} or use rollout_precision='fp8'."
                 )
             if args.vllm_mode == "server":
                 raise ValueError(
-                    f"FP8Tuning(vllm_act_quant_kernel={self.vllm_act_quant_kernel!r}) picks a kernel of a colocated "
-                    "engine; a `trl vllm-serve` server runs the kernels it was started with. Drop "
-                    "vllm_act_quant_kernel, or use vllm_mode='colocate'."
+                    f"FP8Tuning({name}={kernel!r}) picks a kernel of a colocated engine; a `trl vllm-serve` server "
+                    f"runs the kernels it was started with. Drop {name}, or use vllm_mode='colocate'."
                 )

@@ -114,16 +114,17 @@ def assert_engine_holds_trainer_fp8(trainer, layer_index=1, sync=True):
 
 
 def test_colocate_fp8_rollouts_use_the_trainers_fp8_weights_and_kv_scales(tmp_path, monkeypatch):
-    """30 GRPO steps on the trainer's FP8 weights and KV scales, the engine's SiLU-and-mul quantization on trl-fp8's
-    kernel (its timing check made to pass: at this tiny width either kernel may be faster; its bit check runs), and
-    the engine asked for token ids and log-probs only (`vllm_token_ids_only`, the default)."""
+    """30 GRPO steps on the trainer's FP8 weights and KV scales, the engine's SiLU-and-mul and RMSNorm quantizations
+    on trl-fp8's kernels (their timing checks made to pass: at this tiny width either kernel may be faster; their bit
+    checks run), and the engine asked for token ids and log-probs only (`vllm_token_ids_only`, the default)."""
     pytest.importorskip("vllm")
     from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer
     from trl_fp8.demo.toy_task import GRPO_SETTINGS, say_letter_dataset, say_letter_reward
-    from trl_fp8.rollout.vllm import act_quant
+    from trl_fp8.rollout.vllm import act_quant, norm_quant
 
-    timings = iter([2.0, 1.0])  # vLLM's kernel, then ours
-    monkeypatch.setattr(act_quant, "graph_time_us", lambda fn, reps=20: (fn(), next(timings))[1])
+    for module in (act_quant, norm_quant):
+        timings = iter([2.0, 1.0])  # vLLM's kernel, then ours
+        monkeypatch.setattr(module, "graph_time_us", lambda fn, reps=20, timings=timings: (fn(), next(timings))[1])
 
     args = FP8GRPOConfig(
         **GRPO_SETTINGS, output_dir=str(tmp_path / "out"), max_steps=30, logging_steps=1, bf16=True,
@@ -149,13 +150,19 @@ def test_colocate_fp8_rollouts_use_the_trainers_fp8_weights_and_kv_scales(tmp_pa
         assert params.detokenize is False and params.flat_logprobs is True and params.logprobs == 0
         assert completion.text == "" and type(completion.logprobs).__name__ == "FlatLogprobs"
         assert len(completion.logprobs) == len(completion.token_ids)
+        report = trainer.vllm_generation.report
         # Hopper with nvcc: the FP8 cache's decode runs on XQA (checked at start-up), not FlashAttention-3.
-        assert trainer.vllm_generation.report.kv_attention.kernel == "xqa", trainer.vllm_generation.report.kv_attention
-        choice = trainer.vllm_generation.report.act_quant_choice
+        assert report.kv_attention.kernel == "xqa", report.kv_attention
+        choice = report.act_quant_choice
         assert choice is not None and choice.installed and act_quant.installed() == choice, choice
-        assert any("_silu_mul_quant_kernel" in name for name in _engine_kernel_names(trainer.vllm_generation.llm))
+        norm_choice = report.norm_quant_choice
+        assert norm_choice is not None and norm_choice.installed and norm_quant.installed() == norm_choice, norm_choice
+        kernels = _engine_kernel_names(trainer.vllm_generation.llm)
+        assert any("_silu_mul_quant_kernel" in name for name in kernels)
+        assert any("_rms_norm_quant_kernel" in name for name in kernels), sorted(kernels)  # (fuse_norm_quant's op)
     finally:
-        act_quant.uninstall()  # the op would stay ours for the rest of this process
+        act_quant.uninstall()  # the ops would stay ours for the rest of this process
+        norm_quant.uninstall()
     logs = [log for log in trainer.state.log_history if "reward" in log]
     rewards = [log["reward"] for log in logs]
     mismatch = [log["fp8/mismatch/abs_logp_diff_mean"] for log in logs]

@@ -14,6 +14,9 @@ reference quantizers in `trl_fp8.quantization` (tests run them on the GPU, and o
 - `vllm_silu_mul_quant.silu_and_mul_per_block_quant`: vLLM's fused SiLU-and-mul + 1x128 FP8 quantization, vLLM's
   bits from a kernel that runs near its bytes, for the rollout engine (`trl_fp8.rollout.vllm.act_quant`), not for
   training.
+- `vllm_rms_norm_quant.rms_norm_per_block_quant`: vLLM's fused RMSNorm (+ residual add) + 1x128 FP8 quantization,
+  vLLM's bits (its order of summation included) from one read of the row, for the rollout engine
+  (`trl_fp8.rollout.vllm.norm_quant`).
 - `moe_combine.combine_rows`: each token's k expert rows weighted by the router and summed, forward and backward in
   one pass each (the eager chain's values; the router weights' gradient summed in fp32).
 

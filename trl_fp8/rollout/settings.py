@@ -13,7 +13,8 @@ class RolloutSettings:
     """What `FP8VLLMGeneration` takes beside TRL's own arguments: the rollout precision, the layers stored in FP8
     (`fp8_modules`, None: read from the model's FP8 layers at every sync), the scale format, the observer of the FP8
     KV cache's scales (None: a BF16 KV cache), and the colocated engine's kernel options (`FP8GRPOConfig`'s
-    `vllm_*` fields of the same names; `act_quant_kernel` and `deepgemm_workers`: `FP8Tuning`'s `vllm_*` ones).
+    `vllm_*` fields of the same names; `act_quant_kernel`, `norm_quant_kernel` and `deepgemm_workers`: `FP8Tuning`'s
+    `vllm_*` ones).
 
     Args:
         rollout_precision: "fp8", "bf16" or "fp8_online".
@@ -32,6 +33,8 @@ class RolloutSettings:
             gives vLLM's bits; "vllm" keeps vLLM's.
         kv_attention: the kernel of a colocated engine's decode on the FP8 KV cache: "auto", "xqa" or "flash_attn"
             (`rollout.vllm.attention.choose_kv_attention`).
+        norm_quant_kernel: the same choice for the engine's fused RMSNorm (+ residual add) + FP8 quantization
+            (`rollout.vllm.norm_quant.install`).
         jit_cache_dir: DeepGEMM's compiled-kernel cache (default `rollout.vllm.kernels.default_jit_cache_dir()`).
         deepgemm_workers: processes compiling DeepGEMM's kernels before a colocated engine starts
             (`rollout.vllm.deepgemm_warmup.precompile_deepgemm`; None: one per CPU core, 0: none).
@@ -46,6 +49,7 @@ class RolloutSettings:
     fp8_moe_backend: str = "auto"
     act_quant_kernel: str = "auto"
     kv_attention: str = "auto"
+    norm_quant_kernel: str = "auto"
     jit_cache_dir: str | None = None
     deepgemm_workers: int | None = None
     token_ids_only: bool = True
@@ -63,6 +67,7 @@ class RolloutSettings:
             fp8_moe_backend=args.vllm_fp8_moe_backend,
             act_quant_kernel=tuning.vllm_act_quant_kernel,
             kv_attention=tuning.vllm_fp8_kv_attention,
+            norm_quant_kernel=tuning.vllm_norm_quant_kernel,
             jit_cache_dir=args.vllm_jit_cache_dir,
             deepgemm_workers=tuning.vllm_deepgemm_workers,
             token_ids_only=args.vllm_token_ids_only,

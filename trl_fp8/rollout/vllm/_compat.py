@@ -142,11 +142,33 @@ SILU_MUL_QUANT_SCHEMA = (
 def silu_mul_quant_op():
     """The op's overload (`torch.ops._C.silu_and_mul_per_block_quant.default`), or None where vLLM's compiled ops
     are not here. No public API replaces an op's kernel; `torch.library` does it from its namespace and name."""
+    return _loaded_op(SILU_MUL_QUANT_OP)
+
+
+# vLLM's fused RMSNorm (with or without the residual add) + 1x128-group FP8 quantization op, which its compile pass
+# `fuse_norm_quant` puts before every block-FP8 linear fed by an RMSNorm; `rollout.vllm.norm_quant` re-registers its
+# CUDA kernel.
+NORM_QUANT_OP = ("_C", "rms_norm_per_block_quant")
+# Its schema in vLLM 0.31 (`csrc/libtorch_stable/torch_bindings.cpp`: no defaults, so the dispatcher hands a kernel
+# every argument; the GPU suite checks the loaded op's arguments against it). The CPU tests define an op with it.
+NORM_QUANT_SCHEMA = (
+    "(Tensor! result, Tensor input, Tensor weight, Tensor! scale, float epsilon, Tensor? scale_ub, "
+    "Tensor!? residual, int group_size, bool is_scale_transposed) -> ()"
+)
+
+
+def norm_quant_op():
+    """The op's overload (`torch.ops._C.rms_norm_per_block_quant.default`), or None where vLLM's compiled ops are
+    not here (as `silu_mul_quant_op`)."""
+    return _loaded_op(NORM_QUANT_OP)
+
+
+def _loaded_op(op: tuple[str, str]):
     try:
-        import vllm._custom_ops  # noqa: F401 (loads vllm._C, which registers the op)
+        import vllm._custom_ops  # noqa: F401 (loads vllm's compiled library, which registers the op)
     except ImportError:
         return None
-    namespace, name = SILU_MUL_QUANT_OP
+    namespace, name = op
     packet = getattr(getattr(torch.ops, namespace), name, None)
     return None if packet is None else packet.default
 

@@ -22,20 +22,19 @@ device, width, scale layout or speed requirement is checked anew against vLLM's 
 of the same settings shares the decision in force; an engine asking for vLLM's kernel gets it back (`uninstall`), and
 so does the process once no live engine uses ours (`in_force`: whether an engine's choice still holds). This is a
 small patch of vLLM's behaviour written so that it could go upstream as a kernel change: no value changes, only the
-time.
+time. The check and the registration's lifetime are `rollout.vllm._override`'s, shared with `norm_quant`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import warnings
-import weakref
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
 from trl_fp8.rollout.capacity import expert_count, text_config
+from trl_fp8.rollout.vllm import _override
 from trl_fp8.rollout.vllm._compat import SILU_MUL_QUANT_OP, silu_mul_quant_op
+from trl_fp8.rollout.vllm._override import graph_time_us
 
 __all__ = ["OP_NAME", "InstallKey", "SiluQuantChoice", "first_difference", "first_difference_between",
            "graph_time_us", "in_force", "install", "install_for_model", "installed", "mlp_shape", "probe_inputs",
@@ -43,10 +42,7 @@ __all__ = ["OP_NAME", "InstallKey", "SiluQuantChoice", "first_difference", "firs
 
 NAMESPACE, OP_NAME = SILU_MUL_QUANT_OP
 vllm_kernel_op = silu_mul_quant_op  # vLLM's op, or None where vLLM's compiled ops are not here
-# "library": the torch.library.Library holding our kernel, "choice": the SiluQuantChoice, "key": the InstallKey it
-# was checked for, "owners": a weakref.finalize per engine using it, "held": whether a caller without an engine
-# (`install(owner=None)`) keeps it until `uninstall`
-_state: dict = {}
+_installation = _override.Installation()  # our registration in this process, and the engines keeping it
 
 
 @dataclass(frozen=True)
@@ -61,14 +57,8 @@ class InstallKey:
 
 
 @dataclass(frozen=True)
-class SiluQuantChoice:
+class SiluQuantChoice(_override.KernelChoice):
     """What `install` decided: whether trl-fp8's kernel now runs the op, with which numerics, and why."""
-
-    installed: bool
-    reason: str
-    numerics: str | None = None
-    vllm_us: float | None = None
-    trl_fp8_us: float | None = None
 
 
 def run_op(op, x: torch.Tensor, group_size: int, scale_ub, transposed: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,6 +94,18 @@ def probe_inputs(width: int, device) -> list[tuple[torch.Tensor, int, torch.Tens
     return cases
 
 
+def _run_case(op, case) -> tuple[torch.Tensor, torch.Tensor]:
+    return run_op(op, *case)
+
+
+def _compare(outputs, references, case) -> str | None:
+    x, group_size, ub, transposed = case
+    why = _override.count_differences(outputs, references, ("FP8 values", "scales"))
+    if why is None:
+        return None
+    return f"{why} differ at {tuple(x.shape)}, groups of {group_size}, scale cap {ub is not None}, transposed {transposed}"
+
+
 def first_difference(numerics: str, vllm_op, cases) -> str | None:
     """None when trl-fp8's kernel with `numerics` writes `vllm_op`'s bytes on every case, else what differs first."""
     return first_difference_between(_kernel(numerics), cases, [run_op(vllm_op, *case) for case in cases])
@@ -112,36 +114,7 @@ def first_difference(numerics: str, vllm_op, cases) -> str | None:
 def first_difference_between(op, cases, references) -> str | None:
     """None when `op` writes the bytes of `references` (`run_op` results, one per case) on every case, else what
     differs first."""
-    for (x, group_size, ub, transposed), (q_ref, s_ref) in zip(cases, references, strict=True):
-        q, s = run_op(op, x, group_size, ub, transposed)
-        bad_q = (q.view(torch.uint8) != q_ref.view(torch.uint8)).sum().item()
-        bad_s = (s.view(torch.int32) != s_ref.view(torch.int32)).sum().item()
-        if bad_q or bad_s:
-            return (f"{bad_q} of {q.numel()} FP8 values and {bad_s} of {s.numel()} scales differ at "
-                    f"{tuple(x.shape)}, groups of {group_size}, scale cap {ub is not None}, transposed {transposed}")  # fmt: skip
-    return None
-
-
-def graph_time_us(fn, reps: int = 20) -> float:
-    """GPU time of one `fn()` call as a decode step runs it: `reps` calls captured in one CUDA graph and replayed
-    (an eager loop would time the host's launches, which vLLM's CUDA graphs do not pay)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # compiled and loaded before capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1000.0 / (5 * reps)
+    return _override.first_difference(_run_case, _compare, op, cases, references)
 
 
 def _kernel(numerics: str):
@@ -156,25 +129,10 @@ def _kernel(numerics: str):
     return ours
 
 
-def _matching_numerics(cases, references) -> tuple[str | None, dict[str, str | None]]:
-    """The first of the kernel's numerics that gives vLLM's bytes (`references`) on every case (None if neither),
-    and what differed for those tried."""
+def _numerics() -> tuple[str, ...]:
     from trl_fp8.kernels.vllm_silu_mul_quant import NUMERICS  # (Triton, imported where a check runs)
 
-    differences = {}
-    for candidate in NUMERICS:
-        differences[candidate] = first_difference_between(_kernel(candidate), cases, references)
-        if differences[candidate] is None:
-            return candidate, differences
-    return None, differences
-
-
-def _on(device):
-    return torch.cuda.device(device) if torch.device(device).type == "cuda" else contextlib.nullcontext()
-
-
-def _failure(exc: Exception) -> str:
-    return f"{type(exc).__name__}: {str(exc)[:200]}"
+    return NUMERICS
 
 
 def install(
@@ -197,80 +155,29 @@ def install(
     it lives, and vLLM's comes back when the last is gone; without, until `uninstall`, which gives vLLM its kernel
     back at once."""
     key = InstallKey(str(torch.device(device)), width, decode_tokens, scale_transposed, require_faster)
-    if installed() is not None and _state.get("key") == key:
-        _keep_for(owner)
-        return _state["choice"]
+    if (current := _installation.current(key, owner)) is not None:
+        return current
     uninstall()  # an engine of other settings is checked against vLLM's own kernel
     vllm_op = vllm_kernel_op()
     if vllm_op is None:
         return SiluQuantChoice(False, f"vLLM's torch.ops._C.{OP_NAME} is not here (no vLLM, or a vLLM without it)")
     if width % 128:
         return SiluQuantChoice(False, f"MLP width {width} is not a multiple of 128")
-    try:
-        with _on(device):
-            cases = probe_inputs(width, device)
-            references = [run_op(vllm_op, *case) for case in cases]
-            numerics, differences = _matching_numerics(cases, references)
-            if numerics is None:
-                return SiluQuantChoice(
-                    False,
-                    "trl-fp8's kernel does not reproduce vLLM's bits on this GPU, so vLLM's stays ("
-                    + "; ".join(f"{k} numerics: {v}" for k, v in differences.items())
-                    + ")",
-                )
-            ours = _kernel(numerics)
-            x = torch.randn(decode_tokens, 2 * width, device=device, dtype=torch.bfloat16)
-            vllm_us = graph_time_us(lambda: run_op(vllm_op, x, 128, None, scale_transposed))
-            ours_us = graph_time_us(lambda: run_op(ours, x, 128, None, scale_transposed))
-    except Exception as exc:  # noqa: BLE001 - any failure to check it (a GPU our Triton kernel cannot compile for, a
-        # vLLM whose op takes other arguments) leaves vLLM's own kernel in place, which is always correct
-        return SiluQuantChoice(False, f"trl-fp8's kernel could not be checked here, so vLLM's stays ({_failure(exc)})")
-    if ours_us >= vllm_us and require_faster:
-        return SiluQuantChoice(
-            False, f"same bits, but not faster here: {ours_us:.1f} us against vLLM's {vllm_us:.1f} us at "
-            f"{decode_tokens} x {width}", numerics, vllm_us, ours_us,
-        )  # fmt: skip
-    library = torch.library.Library(NAMESPACE, "IMPL")  # noqa: TOR901 (an implementation of vLLM's op, not a new op)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*[Oo]verrid.*")  # torch says that it replaces vLLM's kernel
-        library.impl(OP_NAME, ours, torch.device(device).type.upper())
-    # The engine calls the op through torch's dispatcher, which hands our Python kernel its arguments its own way
-    # (trailing defaults left out): the probes again, through the op now, against vLLM's bytes.
-    try:
-        with _on(device):
-            why = first_difference_between(vllm_op, cases, references)
-    except Exception as exc:  # noqa: BLE001 - as above: vLLM's kernel back, and why
-        why = _failure(exc)
-    if why is not None:
-        library._destroy()
-        return SiluQuantChoice(
-            False, f"trl-fp8's kernel failed the check through vLLM's op, so vLLM's stays ({why})", numerics, vllm_us,
-            ours_us,
-        )  # fmt: skip
-    asked = "" if require_faster else "; asked for whatever its speed"
-    choice = SiluQuantChoice(
-        True, f"trl-fp8's Triton kernel, vLLM's bits on every probe ({numerics} numerics), {ours_us:.1f} us against "
-        f"vLLM's {vllm_us:.1f} us at {decode_tokens} x {width} ({'column' if scale_transposed else 'row'}-major "
-        f"scales{asked})", numerics, vllm_us, ours_us,
+
+    def timed(vllm_op, ours):
+        x = torch.randn(decode_tokens, 2 * width, device=device, dtype=torch.bfloat16)
+        return (lambda: run_op(vllm_op, x, 128, None, scale_transposed)), (
+            lambda: run_op(ours, x, 128, None, scale_transposed)
+        )
+
+    check = _override.OpCheck(
+        NAMESPACE, OP_NAME, _numerics, _kernel, lambda: probe_inputs(width, device), _run_case, _compare, timed,
+        graph_time_us, f"{decode_tokens} x {width}", f"{'column' if scale_transposed else 'row'}-major scales",
     )  # fmt: skip
-    _state.update(library=library, choice=choice, key=key, owners=[], held=False)
-    _keep_for(owner)
-    return choice
-
-
-def _keep_for(owner: object | None) -> None:
-    """Keep the kernel in force while `owner` lives (None: until `uninstall`)."""
-    if owner is None:
-        _state["held"] = True
-    else:
-        _state["owners"].append(weakref.finalize(owner, _release, _state["library"]))
-
-
-def _release(library) -> None:
-    """An engine using `library`'s kernel is gone: vLLM's kernel back if it was the last (and none without an engine
-    holds ours). A `library` no longer in force (replaced since) is left alone."""
-    if _state.get("library") is library and not _state["held"] and not any(f.alive for f in _state["owners"]):
-        uninstall()
+    return _override.check_and_install(
+        _installation, check, vllm_op, device, key, require_faster=require_faster, owner=owner,
+        choice_type=SiluQuantChoice,
+    )  # fmt: skip
 
 
 def mlp_shape(config, decode_sequences: int = 256) -> tuple[int, int]:
@@ -294,28 +201,16 @@ def install_for_model(model, device, *, require_faster: bool = True, owner: obje
 
 def installed() -> SiluQuantChoice | None:
     """The kernel choice in force in this process, or None when `install` has not replaced vLLM's."""
-    choice = _state.get("choice")
-    return choice if choice is not None and choice.installed else None
+    return _installation.installed()
 
 
 def in_force(choice: SiluQuantChoice | None) -> SiluQuantChoice | None:
     """`choice` (an engine's `install`) as it holds now: an installation no longer in force (vLLM's kernel back, or
     another engine's check in its place) says so, with what its check measured."""
-    now = installed()
-    if choice is None or not choice.installed or now is choice:
-        return choice
-    why = "vLLM's kernel runs the op again" if now is None else "another engine checked it at its own settings since"
-    return replace(choice, installed=False, reason=f"no longer in force: {why}; this engine's check had found: "
-                   f"{choice.reason}")  # fmt: skip
+    return _installation.in_force(choice)
 
 
 def uninstall() -> None:
     """Give the op its vLLM kernel back (destroying our registration restores the one it covered), whatever engines
     use ours."""
-    library = _state.pop("library", None)
-    for finalizer in _state.pop("owners", ()):
-        finalizer.detach()
-    for name in ("choice", "key", "held"):
-        _state.pop(name, None)
-    if library is not None:
-        library._destroy()
+    _installation.uninstall()

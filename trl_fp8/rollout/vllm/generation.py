@@ -39,7 +39,7 @@ from trl_fp8.nn.adapters import unwrap_model
 from trl_fp8.nn.linear import release_fp8_weight_caches
 from trl_fp8.rollout.settings import RolloutSettings
 from trl_fp8.rollout.stats import RolloutStats, engine_kv_cache_tokens
-from trl_fp8.rollout.vllm import act_quant
+from trl_fp8.rollout.vllm import act_quant, norm_quant
 from trl_fp8.rollout.vllm._compat import register_custom_attention, shutdown_engine
 from trl_fp8.rollout.vllm.attention import KVAttention, attention_heads, choose_kv_attention
 from trl_fp8.rollout.vllm.deepgemm_warmup import PrecompileResult, precompile_engine_kernels
@@ -84,10 +84,33 @@ def shut_down_earlier_engines() -> None:
 __all__ = ["FP8VLLMGeneration", "RolloutReport", "check_rollout_class"]
 
 
+def _choose_op_kernel(engine, module, name: str, label: str) -> None:
+    """The kernel of the vLLM op `module` (`act_quant` or `norm_quant`) replaces, for `engine` (an
+    `FP8VLLMGeneration`): its `settings.<name>_kernel` "vllm" gives vLLM its kernel back; otherwise
+    `module.install_for_model` decides (requiring speed under "auto"), into `engine.report.checked_<name>`, and the
+    start-up log says which and why."""
+    settings = engine.settings
+    if settings.rollout_precision != "fp8":
+        return
+    kernel = getattr(settings, f"{name}_kernel")
+    if kernel == "vllm":
+        if module.installed() is not None:
+            module.uninstall()
+            logger.info("%s: vLLM's kernel again (FP8Tuning(vllm_%s_kernel='vllm'))", label, name)
+        return
+    if torch.cuda.is_available():
+        choice = module.install_for_model(
+            unwrap_model(engine.model), engine.accelerator.device, require_faster=kernel == "auto", owner=engine
+        )
+        setattr(engine.report, f"checked_{name}", choice)
+        logger.info("%s: %s", label, choice.reason)
+
+
 @dataclass
 class RolloutReport:
     """What an `FP8VLLMGeneration` settled and did, in one place for the trainer's logs and the benchmarks: the FP8
-    linear kernel (`kernel`), the attention kernel of an FP8 KV cache (`kv_attention`), the SiLU-and-mul quantization (`act_quant_choice`) and DeepGEMM's parallel compilation
+    linear kernel (`kernel`), the attention kernel of an FP8 KV cache (`kv_attention`), the SiLU-and-mul quantization
+    (`act_quant_choice`), the RMSNorm quantization (`norm_quant_choice`) and DeepGEMM's parallel compilation
     (`deepgemm_precompile`) a colocated engine's start-up chose, how long the engine took to start and what its KV
     cache holds, what the engine did in each rollout (`rollout_stats`), the last weight sync's seconds (None once
     logged) and the bytes of FP8 weight copies let go for the last rollout (sleep mode)."""
@@ -95,6 +118,7 @@ class RolloutReport:
     kernel: RolloutKernel | None = None
     kv_attention: KVAttention | None = None
     checked_act_quant: act_quant.SiluQuantChoice | None = None  # as the engine's start-up decided (`act_quant_choice`)
+    checked_norm_quant: norm_quant.NormQuantChoice | None = None  # likewise (`norm_quant_choice`)
     deepgemm_precompile: PrecompileResult | None = None
     engine_start_seconds: float | None = None
     kv_cache_tokens: int | None = None
@@ -107,6 +131,11 @@ class RolloutReport:
         """The start-up's SiLU-and-mul decision as it holds now: installed only while trl-fp8's kernel is still in
         force (another engine of the process may have given vLLM its kernel back since)."""
         return act_quant.in_force(self.checked_act_quant)
+
+    @property
+    def norm_quant_choice(self) -> norm_quant.NormQuantChoice | None:
+        """The start-up's RMSNorm + FP8 quantization decision as it holds now (as `act_quant_choice`)."""
+        return norm_quant.in_force(self.checked_norm_quant)
 
 
 class FP8VLLMGeneration(VLLMGeneration):
@@ -188,6 +217,7 @@ class FP8VLLMGeneration(VLLMGeneration):
             os.environ[name] = value
         apply_engine_env(settings.rollout_precision, self.report.kernel)
         self._choose_act_quant_kernel()
+        self._choose_norm_quant_kernel()
         start = time.perf_counter()
         self._precompile_deepgemm()
         shut_down_earlier_engines()
@@ -230,22 +260,12 @@ class FP8VLLMGeneration(VLLMGeneration):
         """The kernel of vLLM's fused SiLU-and-mul + FP8 quantization for this engine (`act_quant`): a choice other
         engines of the process made holds here only at the same settings (and this engine then keeps it in force
         too), else it is re-checked or undone."""
-        settings = self.settings
-        if settings.rollout_precision != "fp8":
-            return
-        if settings.act_quant_kernel == "vllm":
-            if act_quant.installed() is not None:
-                act_quant.uninstall()
-                logger.info(
-                    "vLLM SiLU-and-mul + FP8 quantization: vLLM's kernel again (FP8Tuning(vllm_act_quant_kernel='vllm'))"
-                )
-            return
-        if torch.cuda.is_available():
-            self.report.checked_act_quant = act_quant.install_for_model(
-                unwrap_model(self.model), self.accelerator.device, require_faster=settings.act_quant_kernel == "auto",
-                owner=self,
-            )  # fmt: skip
-            logger.info("vLLM SiLU-and-mul + FP8 quantization: %s", self.report.checked_act_quant.reason)
+        _choose_op_kernel(self, act_quant, "act_quant", "vLLM SiLU-and-mul + FP8 quantization")
+
+    def _choose_norm_quant_kernel(self) -> None:
+        """The kernel of vLLM's fused RMSNorm (+ residual add) + FP8 quantization for this engine (`norm_quant`), chosen
+        as `_choose_act_quant_kernel` chooses its own."""
+        _choose_op_kernel(self, norm_quant, "norm_quant", "vLLM RMSNorm + FP8 quantization")
 
     def _precompile_deepgemm(self) -> None:
         """Compile the engine's DeepGEMM kernels in parallel processes (local main process; the others wait and
