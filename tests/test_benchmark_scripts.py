@@ -752,7 +752,32 @@ def test_decode_attention_benchmark_runs_its_reference_and_floors_on_cpu(tmp_pat
         expected = 3 * row["context"] * 2 * 64 * 2 * kv + 3 * 8 * 64 * (q + 2)
         assert row["bytes"] == expected and row["floor_us"] == pytest.approx(expected / 4.8e12 * 1e6)
         assert row["skipped"].startswith("no CUDA device") and "us" not in row
-    assert "skipped: no CUDA device" in out and "floor, FP8 cache" in out
+    assert "skipped: no CUDA device" in out and "floor, FP8 cache" in out and "FAILED" not in out
+
+
+def test_decode_attention_table_says_failed_only_where_a_check_failed(capsys):
+    from benchmarks import bench_decode_attention as bench
+
+    shapes = {"seqs": 128, "contexts": [1024], "q_heads": 32, "kv_heads": 8, "head_dim": 128, "block_size": 16,
+              "layers": 20, "kv_layout": "packed"}  # fmt: skip
+    row = {"kernel": "xqa_fp8", "context": 1024, "us": 75.0, "fraction": 0.75, "max_err": 0.01, "max_ref": 0.3,
+           "check": "ok"}  # fmt: skip
+    result = {
+        "shapes": shapes,
+        "device": "NVIDIA H200",
+        "hbm_bytes_per_s": 4.8e12,
+        "hbm_source": "data sheet",
+        "timing": {"repeats": 20},
+        "results": [row],
+        "reference": [],
+        "kernels": {"xqa_fp8": {"label": "XQA"}},
+    }
+    bench.print_table(result, ["xqa_fp8"])
+    assert "FAILED" not in capsys.readouterr().out
+    row["check"] = "FAILED"
+    bench.print_table(result, ["xqa_fp8"])
+    table = capsys.readouterr().out
+    assert "the output's check failed" in table and "(75% of floor) FAILED" in table
 
 
 def test_decode_attention_reference_reads_each_sequences_tokens_through_its_shuffled_pages():
