@@ -94,8 +94,10 @@ def test_the_tuning_option_reaches_the_rollout_settings_and_its_misuses_are_refu
     with pytest.raises(ValueError, match="vllm_fp8_kv_attention='fa3'\\) is unknown"):
         FP8Tuning(vllm_fp8_kv_attention="fa3")
     no_kv = FP8GRPOConfig(output_dir="unused", use_cpu=True, bf16=False, use_vllm=True, fp8_kv_cache=False)
-    with pytest.raises(ValueError, match="fp8_kv_cache is off"):
+    with pytest.raises(ValueError, match="but fp8_kv_cache=False"):
         FP8Tuning(vllm_fp8_kv_attention="xqa").check(no_kv)
+    planned = FP8GRPOConfig(output_dir="unused", use_cpu=True, bf16=False, use_vllm=True)  # the plan decides
+    FP8Tuning(vllm_fp8_kv_attention="xqa").check(planned)
     server = FP8GRPOConfig(output_dir="unused", use_cpu=True, bf16=False, use_vllm=True, fp8_kv_cache=True,
                            vllm_mode="server")  # fmt: skip
     with pytest.raises(ValueError, match="--attention-backend CUSTOM"):
