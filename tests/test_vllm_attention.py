@@ -163,3 +163,25 @@ def test_the_plugin_does_nothing_without_vllm(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "vllm", None)  # import fails
     plugin.register()
+
+
+def test_the_xqa_check_leaves_the_environment_as_it_found_it(monkeypatch, tmp_path):
+    """The check builds XQA with ninja on the PATH and vLLM's XQA setting; the engine gets them only with XQA chosen."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr("trl_fp8.rollout.vllm._compat.live_scale_backend_missing", lambda: None)
+    monkeypatch.setattr("trl_fp8.rollout.vllm._compat.flashinfer_xqa_decode", lambda: object())
+    monkeypatch.setattr("trl_fp8.rollout.vllm.kernels._find_nvcc", lambda: "/usr/local/cuda/bin/nvcc")
+    monkeypatch.setattr(attention, "ninja_dir", lambda: str(tmp_path))
+    monkeypatch.delenv("VLLM_HAS_FLASHINFER_CUBIN", raising=False)
+    path = os.environ.get("PATH")
+    seen = {}
+
+    def build_fails(*args, **kwargs):
+        seen.update(cubin=os.environ.get("VLLM_HAS_FLASHINFER_CUBIN"), path=os.environ["PATH"])
+        raise RuntimeError("nvcc failed\nmore")
+
+    monkeypatch.setattr(attention, "decode_follows_live_scales", build_fails)
+    assert attention.xqa_unavailable_reason() == "XQA did not build or run here (RuntimeError: nvcc failed)"
+    assert seen == {"cubin": "1", "path": f"{tmp_path}{os.pathsep}{path}"}
+    assert "VLLM_HAS_FLASHINFER_CUBIN" not in os.environ and os.environ.get("PATH") == path

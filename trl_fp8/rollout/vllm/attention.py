@@ -123,12 +123,19 @@ def xqa_unavailable_reason(
         return "FlashInfer builds XQA with nvcc, which is not here (set CUDA_HOME)"
     if ninja_dir() is None:
         return "FlashInfer builds XQA with ninja, which is not here (pip install ninja)"
-    os.environ.update(xqa_env())
+    env = xqa_env()
+    before = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)  # the build's ninja; kept only where the engine runs XQA (`KVAttention.env`)
     try:
-        stale = decode_follows_live_scales(device, head_dim=head_dim, q_heads=q_heads, kv_heads=kv_heads)
+        return decode_follows_live_scales(device, head_dim=head_dim, q_heads=q_heads, kv_heads=kv_heads)
     except Exception as exc:  # a build or launch failure of a third-party kernel: keep FlashAttention-3
         return f"XQA did not build or run here ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
-    return stale
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _reference_decode(q, k, v, seq_lens, sm_scale):
