@@ -158,3 +158,31 @@ class FakeMoEEngine:
                 w1_scale=layer.w13_weight_scale_inv.detach().clone(),
                 w2_scale=layer.w2_weight_scale_inv.detach().clone(),
             )
+
+
+def op_with_schema(namespace: str, name: str, schema: str, cpu_kernel):
+    """Yield `torch.ops.<namespace>.<name>` defined with `schema` (vLLM's, for one of the ops trl-fp8 replaces) and
+    `cpu_kernel` as its CPU kernel, as vLLM's CUDA kernel is the real op's; destroyed after (a fixture's body)."""
+    library = torch.library.Library(namespace, "DEF")  # noqa: TOR901
+    library.define(f"{name}{schema}")  # the name `install` registers its kernel under
+    library.impl(name, cpu_kernel, "CPU")
+    yield getattr(getattr(torch.ops, namespace), name).default
+    library._destroy()
+
+
+def count_kernel_calls(monkeypatch, module) -> list:
+    """trl-fp8's kernel of `module` (`rollout.vllm.act_quant` or `norm_quant`), as its `install` registers it from now
+    on, counting its calls in the returned list."""
+    calls, kernel = [], module._kernel
+
+    def counted(numerics):
+        ours = kernel(numerics)
+
+        def counting(*args):
+            calls.append(1)
+            ours(*args)
+
+        return counting
+
+    monkeypatch.setattr(module, "_kernel", counted)
+    return calls

@@ -21,6 +21,8 @@ from trl_fp8.kernels.vllm_silu_mul_quant import (
 )
 from trl_fp8.rollout.vllm import act_quant
 
+from fake_vllm import count_kernel_calls, op_with_schema
+
 pytestmark = pytest.mark.usefixtures("exact_interpreter_casts")  # conftest: exact fp32 -> e4m3 casts
 
 
@@ -186,11 +188,7 @@ def op_with_vllms_schema():
     kernel, as vLLM's CUDA kernel is the real op's."""
     from trl_fp8.rollout.vllm._compat import SILU_MUL_QUANT_SCHEMA
 
-    library = torch.library.Library("trl_fp8_test_vllm", "DEF")  # noqa: TOR901
-    library.define(f"{act_quant.OP_NAME}{SILU_MUL_QUANT_SCHEMA}")  # the name `install` registers its kernel under
-    library.impl(act_quant.OP_NAME, _reference_op, "CPU")
-    yield getattr(torch.ops.trl_fp8_test_vllm, act_quant.OP_NAME).default
-    library._destroy()
+    yield from op_with_schema("trl_fp8_test_vllm", act_quant.OP_NAME, SILU_MUL_QUANT_SCHEMA, _reference_op)
 
 
 def _install_over(monkeypatch, op, timings=(2.0, 1.0), **kwargs) -> act_quant.SiluQuantChoice:
@@ -334,23 +332,6 @@ def test_an_engine_asking_for_vllms_kernel_gets_it(monkeypatch, op_with_vllms_sc
         act_quant.uninstall()
 
 
-def _count_our_kernel_calls(monkeypatch) -> list:
-    """trl-fp8's kernel, as `install` registers it from now on, counting its calls in the returned list."""
-    calls, kernel = [], act_quant._kernel
-
-    def counted(numerics):
-        ours = kernel(numerics)
-
-        def counting(*args):
-            calls.append(1)
-            ours(*args)
-
-        return counting
-
-    monkeypatch.setattr(act_quant, "_kernel", counted)
-    return calls
-
-
 def _our_kernel_runs(op, calls: list) -> bool:
     """Whether `op` runs trl-fp8's kernel (counted in `calls`) rather than the reference (vLLM's stand-in), which
     give the same bits."""
@@ -370,7 +351,7 @@ def test_the_kernel_stays_while_any_engine_using_it_lives(monkeypatch, op_with_v
         pass
 
     timed = _patch_vllm_op(monkeypatch, op_with_vllms_schema)
-    calls = _count_our_kernel_calls(monkeypatch)
+    calls = count_kernel_calls(monkeypatch, act_quant)
     try:
         first, second = Engine(), Engine()
         choice = act_quant.install(256, "cpu", decode_tokens=4, scale_transposed=False, owner=first)

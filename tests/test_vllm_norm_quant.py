@@ -28,6 +28,8 @@ from trl_fp8.kernels.vllm_rms_norm_quant import (
 from trl_fp8.rollout.vllm import norm_quant
 from trl_fp8.rollout.vllm.norm_quant import ProbeCase, run_op
 
+from fake_vllm import count_kernel_calls, op_with_schema
+
 pytestmark = pytest.mark.usefixtures("exact_interpreter_casts")  # conftest: exact fp32 -> e4m3 / bf16 casts
 
 
@@ -240,11 +242,7 @@ def op_with_vllms_schema():
     as vLLM's CUDA kernel is the real op's."""
     from trl_fp8.rollout.vllm._compat import NORM_QUANT_SCHEMA
 
-    library = torch.library.Library("trl_fp8_test_vllm_norm", "DEF")  # noqa: TOR901
-    library.define(f"{norm_quant.OP_NAME}{NORM_QUANT_SCHEMA}")  # the name `install` registers its kernel under
-    library.impl(norm_quant.OP_NAME, _reference_op, "CPU")
-    yield getattr(torch.ops.trl_fp8_test_vllm_norm, norm_quant.OP_NAME).default
-    library._destroy()
+    yield from op_with_schema("trl_fp8_test_vllm_norm", norm_quant.OP_NAME, NORM_QUANT_SCHEMA, _reference_op)
 
 
 def _patch_vllm_op(monkeypatch, op, timings=None, call=True) -> list:
@@ -267,22 +265,6 @@ def _patch_vllm_op(monkeypatch, op, timings=None, call=True) -> list:
 
 def _install(**kwargs):
     return norm_quant.install(256, "cpu", decode_tokens=4, **kwargs)
-
-
-def _count_our_kernel_calls(monkeypatch) -> list:
-    calls, kernel = [], norm_quant._kernel
-
-    def counted(numerics):
-        ours = kernel(numerics)
-
-        def counting(*args):
-            calls.append(1)
-            ours(*args)
-
-        return counting
-
-    monkeypatch.setattr(norm_quant, "_kernel", counted)
-    return calls
 
 
 def _our_kernel_runs(op, calls: list) -> bool:
@@ -353,7 +335,7 @@ def test_installed_kernel_runs_the_op_with_the_reference_bits_until_uninstall(mo
     """Installed through the op (its schema has no defaults: the dispatcher hands the kernel all nine arguments),
     the op runs trl-fp8's kernel with the reference bits, residual included; `uninstall` gives the reference back."""
     timed = _patch_vllm_op(monkeypatch, op_with_vllms_schema)
-    calls = _count_our_kernel_calls(monkeypatch)
+    calls = count_kernel_calls(monkeypatch, norm_quant)
     try:
         choice = _install(scale_transposed=False)
         assert choice.installed and norm_quant.installed() is choice and len(timed) == 2, choice.reason
@@ -399,7 +381,7 @@ def test_the_kernel_stays_while_any_engine_using_it_lives(monkeypatch, op_with_v
         pass
 
     timed = _patch_vllm_op(monkeypatch, op_with_vllms_schema)
-    calls = _count_our_kernel_calls(monkeypatch)
+    calls = count_kernel_calls(monkeypatch, norm_quant)
     try:
         first, second = Engine(), Engine()
         choice = _install(owner=first)

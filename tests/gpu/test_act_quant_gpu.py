@@ -3,53 +3,27 @@ re-registered by `trl_fp8.rollout.vllm.act_quant.install` (SM90, vLLM installed)
 
 import pytest
 import torch
+from vllm_op_checks import assert_op_has_schema, cuda_kernel_names, vllm_op_or_skip
 
 pytestmark = pytest.mark.gpu
-
-
-def _vllm_op():
-    from trl_fp8.rollout.vllm.act_quant import vllm_kernel_op
-
-    op = vllm_kernel_op()
-    if op is None:
-        pytest.skip("vLLM's silu_and_mul_per_block_quant is not here")
-    return op
-
-
-def _kernel_names(fn) -> set[str]:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return {event.name for event in prof.events() if event.device_type.name == "CUDA"}
 
 
 def test_vllms_op_has_the_schema_the_cpu_tests_call_it_with():
     """The CPU tests call trl-fp8's kernel through an op defined with `SILU_MUL_QUANT_SCHEMA`, as the dispatcher
     calls vLLM's: the loaded op's arguments (names, types, defaults) must be that schema's."""
+    from trl_fp8.rollout.vllm import act_quant
     from trl_fp8.rollout.vllm._compat import SILU_MUL_QUANT_SCHEMA
 
-    library = torch.library.Library("trl_fp8_gpu_test_schema", "DEF")  # noqa: TOR901
-    try:
-        library.define(f"silu_and_mul_per_block_quant{SILU_MUL_QUANT_SCHEMA}")
-        expected = torch.ops.trl_fp8_gpu_test_schema.silu_and_mul_per_block_quant.default
-
-        def arguments(op):
-            return [(arg.name, str(arg.type), arg.default_value, bool(arg.alias_info and arg.alias_info.is_write))
-                    for arg in op._schema.arguments]  # fmt: skip
-
-        assert arguments(_vllm_op()) == arguments(expected)
-    finally:
-        library._destroy()
+    assert_op_has_schema(vllm_op_or_skip(act_quant), "silu_and_mul_per_block_quant", SILU_MUL_QUANT_SCHEMA)
 
 
 def test_trl_fp8_kernel_writes_vllms_bits_at_engine_shapes():
     """The probe cases and the engine's decode, prefill and expert shapes: one of the two numerics gives vLLM's
     bytes everywhere (which one says how vLLM's kernel was compiled)."""
+    from trl_fp8.rollout.vllm import act_quant
     from trl_fp8.rollout.vllm.act_quant import first_difference, probe_inputs
 
-    vllm_op = _vllm_op()
+    vllm_op = vllm_op_or_skip(act_quant)
     g = torch.Generator(device="cuda").manual_seed(0)
     cases = probe_inputs(12288, "cuda") + probe_inputs(768, "cuda")
     for m, n in [(256, 12288), (4096, 12288), (2048, 768), (3, 6144)]:
@@ -65,7 +39,7 @@ def test_install_runs_the_op_on_trl_fp8s_kernel_with_the_same_bits_and_uninstall
 
     from trl_fp8.rollout.vllm import act_quant
 
-    _vllm_op()
+    vllm_op_or_skip(act_quant)
     act_quant.uninstall()  # from vLLM's kernel, whatever an earlier engine test in this process installed
     x = (torch.randn(256, 2 * 6144, device="cuda") * 3).bfloat16()
 
@@ -76,7 +50,7 @@ def test_install_runs_the_op_on_trl_fp8s_kernel_with_the_same_bits_and_uninstall
         return vllm_ops.silu_and_mul_per_block_quant(x, group_size=128, quant_dtype=torch.float8_e4m3fn)
 
     before, before_moe = call(), call_as_fused_moe()
-    assert "_silu_mul_quant_kernel" not in " ".join(_kernel_names(call))
+    assert "_silu_mul_quant_kernel" not in " ".join(cuda_kernel_names(call))
     try:
         choice = act_quant.install(6144, torch.device("cuda"))
         print(f"\n{choice.reason}")
@@ -91,9 +65,9 @@ def test_install_runs_the_op_on_trl_fp8s_kernel_with_the_same_bits_and_uninstall
         after_moe = call_as_fused_moe()
         assert torch.equal(after_moe[0].view(torch.uint8), before_moe[0].view(torch.uint8))
         assert torch.equal(after_moe[1], before_moe[1]) and after_moe[1].stride() == before_moe[1].stride()
-        assert any("_silu_mul_quant_kernel" in name for name in _kernel_names(call_as_fused_moe))
-        assert any("_silu_mul_quant_kernel" in name for name in _kernel_names(call))
+        assert any("_silu_mul_quant_kernel" in name for name in cuda_kernel_names(call_as_fused_moe))
+        assert any("_silu_mul_quant_kernel" in name for name in cuda_kernel_names(call))
     finally:
         act_quant.uninstall()
     assert act_quant.installed() is None
-    assert not any("_silu_mul_quant_kernel" in name for name in _kernel_names(call))
+    assert not any("_silu_mul_quant_kernel" in name for name in cuda_kernel_names(call))

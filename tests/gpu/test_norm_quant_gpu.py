@@ -3,55 +3,29 @@ re-registered by `trl_fp8.rollout.vllm.norm_quant.install` (SM90, vLLM installed
 
 import pytest
 import torch
+from vllm_op_checks import assert_op_has_schema, cuda_kernel_names, vllm_op_or_skip
 
 pytestmark = pytest.mark.gpu
-
-
-def _vllm_op():
-    from trl_fp8.rollout.vllm.norm_quant import vllm_kernel_op
-
-    op = vllm_kernel_op()
-    if op is None:
-        pytest.skip("vLLM's rms_norm_per_block_quant is not here")
-    return op
-
-
-def _kernel_names(fn) -> set[str]:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return {event.name for event in prof.events() if event.device_type.name == "CUDA"}
 
 
 def test_vllms_op_has_the_schema_the_cpu_tests_call_it_with():
     """The CPU tests call trl-fp8's kernel through an op defined with `NORM_QUANT_SCHEMA`, as the dispatcher calls
     vLLM's, and `install` refuses an op of other arguments: the loaded op's arguments (names, types, defaults,
     mutability) must be that schema's."""
+    from trl_fp8.rollout.vllm import norm_quant
     from trl_fp8.rollout.vllm._compat import NORM_QUANT_SCHEMA
 
-    library = torch.library.Library("trl_fp8_gpu_test_norm_schema", "DEF")  # noqa: TOR901
-    try:
-        library.define(f"rms_norm_per_block_quant{NORM_QUANT_SCHEMA}")
-        expected = torch.ops.trl_fp8_gpu_test_norm_schema.rms_norm_per_block_quant.default
-
-        def arguments(op):
-            return [(arg.name, str(arg.type), arg.default_value, bool(arg.alias_info and arg.alias_info.is_write))
-                    for arg in op._schema.arguments]  # fmt: skip
-
-        assert arguments(_vllm_op()) == arguments(expected)
-    finally:
-        library._destroy()
+    assert_op_has_schema(vllm_op_or_skip(norm_quant), "rms_norm_per_block_quant", NORM_QUANT_SCHEMA)
 
 
 def test_trl_fp8_kernel_writes_vllms_bits_at_engine_shapes():
     """The probe cases at the hidden sizes of the 1.7B, 8B and 32B models and an MLA model's latent widths, and
     decode and prefill shapes with the residual add: one of the two numerics gives vLLM's bytes (FP8 values, scales,
     residual) everywhere (which one says how vLLM's kernel was compiled)."""
+    from trl_fp8.rollout.vllm import norm_quant
     from trl_fp8.rollout.vllm.norm_quant import ProbeCase, first_difference, probe_inputs
 
-    vllm_op = _vllm_op()
+    vllm_op = vllm_op_or_skip(norm_quant)
     g = torch.Generator(device="cuda").manual_seed(0)
     cases = probe_inputs((4096, 2048, 5120), "cuda") + probe_inputs((7168, 1536, 512), "cuda", epsilon=1e-5)
     for m, n in [(256, 4096), (4096, 4096), (512, 5120), (3, 2048), (8192, 1024)]:
@@ -69,7 +43,7 @@ def test_install_runs_the_op_on_trl_fp8s_kernel_with_the_same_bits_and_uninstall
 
     from trl_fp8.rollout.vllm import norm_quant
 
-    _vllm_op()
+    vllm_op_or_skip(norm_quant)
     norm_quant.uninstall()  # from vLLM's kernel, whatever an earlier engine test in this process installed
     x = (torch.randn(256, 4096, device="cuda") * 3).bfloat16()
     residual = (torch.randn(256, 4096, device="cuda") * 5).bfloat16()
@@ -88,7 +62,7 @@ def test_install_runs_the_op_on_trl_fp8s_kernel_with_the_same_bits_and_uninstall
 
     variants = [(True, True), (False, True), (True, False), (False, False)]
     before = {v: call(*v) for v in variants}
-    assert "_rms_norm_quant_kernel" not in " ".join(_kernel_names(call))
+    assert "_rms_norm_quant_kernel" not in " ".join(cuda_kernel_names(call))
     try:
         choice = norm_quant.install(4096, torch.device("cuda"))
         print(f"\n{choice.reason}")
@@ -99,9 +73,9 @@ def test_install_runs_the_op_on_trl_fp8s_kernel_with_the_same_bits_and_uninstall
         assert norm_quant.install(4096, torch.device("cuda")) is choice  # idempotent
         for variant in variants:
             assert same(call(*variant), before[variant]), variant
-        assert any("_rms_norm_quant_kernel" in name for name in _kernel_names(call))
-        assert any("_rms_norm_quant_kernel" in name for name in _kernel_names(lambda: call(False, False)))
+        assert any("_rms_norm_quant_kernel" in name for name in cuda_kernel_names(call))
+        assert any("_rms_norm_quant_kernel" in name for name in cuda_kernel_names(lambda: call(False, False)))
     finally:
         norm_quant.uninstall()
     assert norm_quant.installed() is None
-    assert not any("_rms_norm_quant_kernel" in name for name in _kernel_names(call))
+    assert not any("_rms_norm_quant_kernel" in name for name in cuda_kernel_names(call))

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from vllm_op_checks import cuda_kernel_names
 
 from conftest import WORKERS, clean_subprocess_env, run_child
 
@@ -195,13 +196,11 @@ def test_colocate_fp8_rollouts_use_the_trainers_fp8_weights_and_kv_scales(tmp_pa
 
 def _engine_kernel_names(llm) -> set[str]:
     """The CUDA kernels a short generation of `llm` runs (its CUDA graphs' kernels included)."""
-    from torch.profiler import ProfilerActivity, profile
     from vllm import SamplingParams
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        llm.generate([{"prompt_token_ids": [3, 4, 5, 6]}] * 4, SamplingParams(max_tokens=8), use_tqdm=False)
-        torch.cuda.synchronize()
-    return {event.name for event in prof.events() if event.device_type.name == "CUDA"}
+    return cuda_kernel_names(
+        lambda: llm.generate([{"prompt_token_ids": [3, 4, 5, 6]}] * 4, SamplingParams(max_tokens=8), use_tqdm=False)
+    )
 
 
 def assert_engine_uses_trainer_kv_scales(trainer, vlayer, layer_index=1):
