@@ -171,7 +171,7 @@ def test_the_xqa_check_leaves_the_environment_as_it_found_it(monkeypatch, tmp_pa
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr("trl_fp8.rollout.vllm._compat.live_scale_backend_missing", lambda: None)
     monkeypatch.setattr("trl_fp8.rollout.vllm._compat.flashinfer_xqa_decode", lambda: object())
-    monkeypatch.setattr("trl_fp8.rollout.vllm.kernels._find_nvcc", lambda: "/usr/local/cuda/bin/nvcc")
+    monkeypatch.setattr(attention, "_find_nvcc", lambda: "/usr/local/cuda/bin/nvcc")
     monkeypatch.setattr(attention, "ninja_dir", lambda: str(tmp_path))
     monkeypatch.delenv("VLLM_HAS_FLASHINFER_CUBIN", raising=False)
     path = os.environ.get("PATH")

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from trl_fp8.config import VLLM_FP8_KV_ATTENTIONS as FP8_KV_ATTENTIONS
+from trl_fp8.rollout.vllm.kernels import FP8_KV_ATTENTION_BACKEND, _find_nvcc
 
 __all__ = [
     "FP8_KV_ATTENTIONS",
@@ -43,8 +44,9 @@ __all__ = [
     "xqa_unavailable_reason",
 ]
 
-# vLLM's `attention_backend` name for each kernel ("CUSTOM": the backend `plugin.register` installs).
-VLLM_ATTENTION_BACKEND = {"xqa": "CUSTOM", "flash_attn": "FLASH_ATTN"}
+# vLLM's `attention_backend` name for each kernel ("CUSTOM": the backend `plugin.register` installs): the backends
+# that take the FP8 KV cache's scales of every sync, colocated or in a server.
+VLLM_ATTENTION_BACKEND = {"xqa": "CUSTOM", "flash_attn": FP8_KV_ATTENTION_BACKEND}
 PAGE_SIZE = 16  # vLLM's default KV-cache block size; XQA takes 16, 32, 64 or 128
 
 
@@ -117,8 +119,6 @@ def xqa_unavailable_reason(
         return missing
     if flashinfer_xqa_decode() is None:
         return "this FlashInfer has no XQA decode (flashinfer.decode.xqa_batch_decode_with_kv_cache)"
-    from trl_fp8.rollout.vllm.kernels import _find_nvcc
-
     if _find_nvcc() is None:
         return "FlashInfer builds XQA with nvcc, which is not here (set CUDA_HOME)"
     if ninja_dir() is None:

@@ -31,7 +31,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "FP8_KV_ATTENTION_BACKEND",
-    "FP8_KV_SERVER_BACKENDS",
     "VLLM_FP8_BACKENDS",
     "RolloutKernel",
     "check_fp8_kv_attention",
@@ -61,10 +60,9 @@ def moe_kernel_env() -> dict[str, str]:
     return {"VLLM_MOE_USE_DEEP_GEMM": os.environ.get("VLLM_MOE_USE_DEEP_GEMM", "0")}
 
 
-# vLLM's attention backends that take new FP8 KV-cache scales at every sync: FlashAttention-3 (vLLM's own, the
-# fallback) and trl-fp8's XQA backend (`rollout.vllm.attention`), registered as CUSTOM.
+# vLLM's FlashAttention-3 backend, which takes new FP8 KV-cache scales at every sync: the fallback of
+# `rollout.vllm.attention` (which names every backend that takes them).
 FP8_KV_ATTENTION_BACKEND = "FLASH_ATTN"
-FP8_KV_SERVER_BACKENDS = ("CUSTOM", FP8_KV_ATTENTION_BACKEND)
 
 
 @dataclass(frozen=True)

@@ -18,9 +18,9 @@ from trl_fp8.checkpoint.save import (
 )
 from trl_fp8.config import BLOCK
 from trl_fp8.rollout.vllm._compat import ONLINE_FP8_NAMES, online_fp8_quantization
+from trl_fp8.rollout.vllm.attention import VLLM_ATTENTION_BACKEND
 from trl_fp8.rollout.vllm.kernels import (
     FP8_KV_ATTENTION_BACKEND,
-    FP8_KV_SERVER_BACKENDS,
     VLLM_LINEAR_BACKEND,
     server_command,
     server_kernel,
@@ -212,7 +212,11 @@ def check_server_config(
             "fp8_kv_cache=True, or restart the server without --kv_cache_dtype."
         )
     attention = (server_config.get("attention_config") or {}).get("backend")  # None: vLLM's pick, FA3 on Hopper
-    if fp8_kv_cache and attention is not None and str(attention).rsplit(".", 1)[-1] not in FP8_KV_SERVER_BACKENDS:
+    if (
+        fp8_kv_cache
+        and attention is not None
+        and str(attention).rsplit(".", 1)[-1] not in VLLM_ATTENTION_BACKEND.values()
+    ):
         raise ValueError(
             f"fp8_kv_cache=True but the server's attention backend is {attention!r}, which does not take the q/k/v "
             "scales pushed at every step. Restart it with `--attention-backend CUSTOM` (trl-fp8's XQA backend, the "
