@@ -2,7 +2,7 @@
 kernel's time per call and its share of the KV-read floor (the bytes of K and V it must read, over HBM bandwidth).
 
     python -m benchmarks.bench_decode_attention                      # GPU host with vLLM (and FlashInfer for XQA)
-    python -m benchmarks.bench_decode_attention --kernels xqa_fp8 xqa_fp8_tensor_scales --context 4096
+    python -m benchmarks.bench_decode_attention --kernels xqa_fp8 xqa_fp8_tensor_scales xqa_fp8_live_scales
     python -m benchmarks.bench_decode_attention --quick --out /tmp/d.json   # CPU: reference and floors only
 
 Kernels (`--kernels`, default all; one that cannot import or build is reported as skipped, with the reason):
@@ -28,6 +28,11 @@ Kernels (`--kernels`, default all; one that cannot import or build is reported a
 - `xqa_fp8_tensor_scales`: the same with `bmm1_scale` and `bmm2_scale` as 0-dim float32 CUDA tensors computed inside
   the graph (`k_scale_tensor * sm_scale`, `v_scale_tensor`), as a backend reading live scales would: the cost of
   tensor scales in a captured graph (FlashInfer then derives XQA's own scales with a few more tensor ops).
+- `xqa_fp8_live_scales`: the same kernel as trl-fp8's backend runs it (`rollout/vllm/xqa_backend.py`): XQA's own
+  `q_scale` and `kv_scale` as 0-dim float32 CUDA tensors precomputed from each layer's scale tensors outside the graph
+  (`xqa_scales.LiveXQAScales`, refreshed at the eager call, a no-op while capturing), handed through the backend's
+  wrapper (`_compat.route_xqa_scales`) straight to `flashinfer.xqa.xqa`: no scale arithmetic inside the graph (a call
+  that would leave that path fails the kernel).
 
 The cache is laid out as vLLM 0.26 and 0.31 lay it out on Hopper (`--kv_layout packed`: one tensor per layer,
 `[num_blocks, block_size, kv_heads, 2 * head_dim]`, K and V side by side in the last dimension, the kernels given
@@ -95,6 +100,9 @@ KERNELS = {
     "triton_fp8": Kernel("vLLM's Triton unified attention, FP8 cache, FP8 query", 1, 1),
     "xqa_fp8": Kernel("FlashInfer's XQA, FP8 cache, BF16 query, float scales", 1, 2),
     "xqa_fp8_tensor_scales": Kernel("FlashInfer's XQA, FP8 cache, BF16 query, tensor scales", 1, 2),
+    "xqa_fp8_live_scales": Kernel(
+        "FlashInfer's XQA, FP8 cache, BF16 query, precomputed tensor scales (trl-fp8's)", 1, 2
+    ),
 }
 
 
@@ -376,8 +384,9 @@ def _ninja_on_path() -> str | None:
     return shutil.which("ninja")
 
 
-def xqa_calls(batch: DecodeBatch, tensor_scales: bool, args, scales_t: dict, state: dict) -> tuple[list, list, str]:
-    """One XQA decode call per layer, as `FlashInferImpl.forward` makes it in its `decode_with_xqa` branch."""
+def xqa_calls(batch: DecodeBatch, scales: str, args, scales_t: dict, state: dict) -> tuple[list, list, str]:
+    """One XQA decode call per layer, as `FlashInferImpl.forward` makes it in its `decode_with_xqa` branch (`scales`:
+    "floats", "tensors"), or as trl-fp8's backend makes it ("precomputed")."""
     try:
         import flashinfer.decode as fi_decode
     except Exception as exc:  # noqa: BLE001
@@ -396,12 +405,14 @@ def xqa_calls(batch: DecodeBatch, tensor_scales: bool, args, scales_t: dict, sta
     sm_scale = shape.head_dim**-0.5
     outs = [torch.empty(shape.seqs, shape.q_heads, shape.head_dim, dtype=torch.bfloat16, device=device)
             for _ in batch.fp8]  # fmt: skip
+    if scales == "precomputed":
+        return _live_scale_xqa_calls(batch, scales_t, workspace, outs)
 
     def call(layer: int):
         _, k, v = batch.fp8[layer]
 
         def run():
-            if tensor_scales:  # computed inside the graph: a later scale would reach every replay
+            if scales == "tensors":  # computed inside the graph: a later scale would reach every replay
                 bmm1, bmm2 = scales_t["k"] * sm_scale, scales_t["v"]
             else:  # vLLM's get_xqa_bmm1_scale (BF16 query: no q_scale) and bmm2_scale, host floats
                 bmm1, bmm2 = sm_scale * args.k_scale, args.v_scale
@@ -414,8 +425,48 @@ def xqa_calls(batch: DecodeBatch, tensor_scales: bool, args, scales_t: dict, sta
         return run
 
     backend = "backend='xqa', " if extra else ""
-    scales_as = "0-dim CUDA tensors" if tensor_scales else "floats"
+    scales_as = "0-dim CUDA tensors" if scales == "tensors" else "floats"
     api = f"{entry}({backend}kv_layout='NHD', bmm1_scale and bmm2_scale as {scales_as})"
+    return [call(i) for i in range(len(batch.fp8))], outs, api
+
+
+def _live_scale_xqa_calls(batch: DecodeBatch, scales_t: dict, workspace, outs) -> tuple[list, list, str]:
+    """trl-fp8's backend's XQA decode: each layer's scale tensors (its own, as vLLM's layers hold theirs), XQA's
+    q_scale precomputed from them at the eager call, the marker through the backend's wrapper to
+    `flashinfer.xqa.xqa`."""
+    try:
+        from trl_fp8.rollout.vllm._compat import flashinfer_xqa_kernel_missing, route_xqa_scales
+        from trl_fp8.rollout.vllm.xqa_scales import LiveXQAScales
+    except Exception as exc:  # noqa: BLE001
+        raise Skipped(f"trl_fp8's XQA scales: {_reason(exc)}") from exc
+    if missing := flashinfer_xqa_kernel_missing():
+        raise Skipped(missing)
+
+    def not_direct(*_, **__):
+        raise RuntimeError("the call left the direct path for FlashInfer's wrapper")
+
+    decode = route_xqa_scales(not_direct)
+    shape = batch.shape
+
+    def call(index: int):
+        _, k, v = batch.fp8[index]
+        layer = torch.nn.Module()
+        layer._k_scale, layer._v_scale = scales_t["k"].clone(), scales_t["v"].clone()
+        live = LiveXQAScales(shape.head_dim**-0.5, shape.head_dim)
+
+        def run():
+            live.refresh(layer)  # as the backend's forward: at the eager call; a no-op while capturing
+            decode(
+                query=batch.q, kv_cache=(k, v), workspace_buffer=workspace, block_tables=batch.block_table,
+                seq_lens=batch.seq_lens, max_seq_len=batch.context, bmm1_scale=live.scales,
+                bmm2_scale=layer._v_scale, window_left=-1, out=outs[index], sinks=None, kv_layout="NHD",
+                q_len_per_req=1,
+            )  # fmt: skip
+
+        return run
+
+    api = ("trl_fp8.rollout.vllm._compat.route_xqa_scales -> flashinfer.xqa.xqa(kv_layout='NHD', q_scale and "
+           "kv_scale as 0-dim CUDA tensors precomputed outside the graph)")  # fmt: skip
     return [call(i) for i in range(len(batch.fp8))], outs, api
 
 
@@ -424,7 +475,8 @@ def build_calls(name: str, batch: DecodeBatch, args, scales_t: dict, state: dict
         return fa3_calls(batch, name == "fa3_fp8", args, scales_t)
     if name == "triton_fp8":
         return triton_calls(batch, args, scales_t)
-    return xqa_calls(batch, name == "xqa_fp8_tensor_scales", args, scales_t, state)
+    scales = {"xqa_fp8": "floats", "xqa_fp8_tensor_scales": "tensors", "xqa_fp8_live_scales": "precomputed"}[name]
+    return xqa_calls(batch, scales, args, scales_t, state)
 
 
 def graph_time_us(calls: list, warmup: int, repeats: int) -> tuple[list[float], object]:

@@ -742,8 +742,14 @@ def test_decode_attention_benchmark_runs_its_reference_and_floors_on_cpu(tmp_pat
     assert result["hbm_bytes_per_s"] == 4.8e12 and result["err_bound_of_max_ref"] == 2**-3
     assert [r["context"] for r in result["reference"]] == [40, 64]
     assert all(r["self_check_max_diff"] < 1e-5 * r["max_ref"] for r in result["reference"])
-    per_element = {"fa3_bf16": (2, 2), "fa3_fp8": (1, 1), "triton_fp8": (1, 1), "xqa_fp8": (1, 2),
-                   "xqa_fp8_tensor_scales": (1, 2)}  # (K/V bytes, query bytes)  # fmt: skip
+    per_element = {
+        "fa3_bf16": (2, 2),
+        "fa3_fp8": (1, 1),
+        "triton_fp8": (1, 1),
+        "xqa_fp8": (1, 2),
+        "xqa_fp8_tensor_scales": (1, 2),
+        "xqa_fp8_live_scales": (1, 2),
+    }  # (K/V bytes, query bytes), fmt: skip
     assert set(result["kernels"]) == set(per_element)
     assert [(r["kernel"], r["context"]) for r in result["results"]] == [(k, n) for n in (40, 64) for k in per_element]
     for row in result["results"]:

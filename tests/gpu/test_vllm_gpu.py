@@ -216,6 +216,10 @@ def assert_engine_uses_trainer_kv_scales(trainer, vlayer, layer_index=1):
     if choice.kernel == "xqa":  # trl-fp8's backend: XQA decode reading the scale tensors at every replay
         assert type(attn.impl).__name__ == "LiveScaleFlashInferImpl", type(attn.impl)
         assert attn.impl.bmm2_scale is attn._v_scale  # the tensor every sync rewrites, not a float from the capture
+        # XQA's q_scale, precomputed from the layer's scales after the reload (or at the last eager forward)
+        xqa_scales = attn.impl.live_xqa_scales.scales
+        q_scale = attn.impl.scale * attn.impl.head_size**0.5 * attn._k_scale.item() / attn._v_scale.item()
+        assert xqa_scales.kv_scale is attn._v_scale and xqa_scales.q_scale.item() == pytest.approx(q_scale, rel=1e-6)
     else:  # FlashAttention-3's FP8 attention (queries quantized with our q scale), which reads the scales every call
         assert type(attn.impl).__name__ == "FlashAttentionImpl" and attn.impl.vllm_flash_attn_version == 3
         assert attn.query_quant is not None  # queries quantized to FP8 with the q scale the trainer measured

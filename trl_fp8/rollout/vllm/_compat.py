@@ -6,6 +6,7 @@ public path does.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from pathlib import Path
 
@@ -191,17 +192,179 @@ def flashinfer_xqa_decode() -> Callable | None:
     return xqa_batch_decode_with_kv_cache
 
 
+# The keywords of `flashinfer.xqa.xqa` the direct call passes (FlashInfer 0.6.14 and 0.7 both take them).
+XQA_KERNEL_ARGS = ("sinks", "q_scale", "kv_scale", "sliding_win_size", "kv_layout", "sm_count", "enable_pdl",
+                   "rcp_out_scale", "q_seq_len")  # fmt: skip
+# FlashInfer's wrappers reserve the workspace's first 8 MiB for XQA's semaphores, the rest is its scratch.
+XQA_SEMAPHORE_BYTES = 8 * 1024 * 1024
+
+
+def flashinfer_xqa_kernel_missing() -> str | None:
+    """What the direct XQA call (`xqa_decode_with_scales`) needs from this FlashInfer and does not find, or None."""
+    import inspect
+
+    try:
+        from flashinfer.utils import device_support_pdl, get_device_sm_count  # noqa: F401
+        from flashinfer.xqa import xqa
+    except ImportError as exc:
+        return f"this FlashInfer has no flashinfer.xqa.xqa to call with precomputed scales ({exc})"
+    missing = set(XQA_KERNEL_ARGS) - set(inspect.signature(xqa).parameters)
+    return f"this FlashInfer's flashinfer.xqa.xqa takes no {sorted(missing)}" if missing else None
+
+
+def xqa_decode_with_scales(
+    query: torch.Tensor,
+    kv_cache,
+    workspace_buffer: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    q_scale: torch.Tensor | float,
+    kv_scale: torch.Tensor | float,
+    window_left: int = -1,
+    out: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    kv_layout: str = "NHD",
+    enable_pdl: bool | None = None,
+) -> torch.Tensor:
+    """One query token per sequence through `flashinfer.xqa.xqa`, given XQA's own `q_scale` and `kv_scale`: what
+    `flashinfer.decode.xqa_batch_decode_with_kv_cache` does for `q_len_per_req=1`, no mask, no `kv_cache_sf` and
+    `o_scale=1` (FlashInfer 0.6.14 and 0.7), less its scale arithmetic, which on tensors would run as kernels inside
+    every captured decode. Returns `out`."""
+    from flashinfer.utils import device_support_pdl, get_device_sm_count
+    from flashinfer.xqa import xqa
+
+    if isinstance(kv_cache, tuple):
+        k_cache, v_cache = kv_cache
+    elif kv_cache.shape[1] == 1:
+        k_cache, v_cache = kv_cache, kv_cache
+    else:
+        k_cache, v_cache = kv_cache.unbind(dim=1)  # [num_pages, 2, ...]
+    if kv_layout == "NHD":  # [num_pages, page_size, kv_heads, head_dim]
+        page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    else:  # HND: [num_pages, kv_heads, page_size, head_dim]
+        num_kv_heads, page_size = k_cache.shape[1], k_cache.shape[2]
+    workspace = workspace_buffer.view(torch.uint8)
+    if out is None:
+        out = torch.empty_like(query)
+    xqa(
+        query.unsqueeze(1), k_cache, v_cache, block_tables, seq_lens.unsqueeze(1), out.unsqueeze(1),
+        workspace[XQA_SEMAPHORE_BYTES:], workspace[:XQA_SEMAPHORE_BYTES], num_kv_heads, page_size,
+        sinks=sinks.reshape(num_kv_heads, -1) if sinks is not None else None, q_scale=q_scale, kv_scale=kv_scale,
+        sliding_win_size=window_left + 1 if window_left >= 0 else 0, kv_layout=kv_layout,
+        sm_count=get_device_sm_count(query.device),
+        enable_pdl=device_support_pdl(query.device) if enable_pdl is None else enable_pdl, rcp_out_scale=1.0,
+        q_seq_len=1,
+    )  # fmt: skip
+    return out
+
+
+# The name vLLM's FlashInfer backend calls XQA decode by, in `vllm.v1.attention.backends.flashinfer`, with the
+# defaults of the FlashInfer function behind it: 0.31 (`xqa_batch_decode_with_kv_cache`), then 0.26
+# (`trtllm_batch_decode_with_kv_cache`, given `backend="xqa"`).
+XQA_DECODE_NAMES = (
+    ("flashinfer_xqa_batch_decode_with_kv_cache", {"kv_layout": "NHD", "backend": "xqa"}),
+    ("trtllm_batch_decode_with_kv_cache", {"kv_layout": "HND", "backend": "auto"}),
+)
+# Both functions' leading arguments, in their order (vLLM passes them by keyword).
+_DECODE_POSITIONAL = ("query", "kv_cache", "workspace_buffer", "block_tables", "seq_lens", "max_seq_len",
+                      "bmm1_scale", "bmm2_scale", "window_left", "out")  # fmt: skip
+# The arguments `xqa_decode_with_scales` takes (or, `max_seq_len`, that FlashInfer's XQA wrapper ignores) ...
+_DIRECT_ARGS = frozenset(_DECODE_POSITIONAL + ("sinks", "kv_layout", "enable_pdl", "backend"))
+# ... and the values it assumes for the others: a call giving any other value, or any other argument, goes to
+# FlashInfer's wrapper (speculative decode, masks, NVFP4, FP8 output, LSE).
+_DIRECT_DEFAULTS = {
+    "q_len_per_req": 1, "o_scale": 1.0, "mask": None, "kv_cache_sf": None, "q_cu_seq_lens": None, "out_dtype": None,
+    "o_sf_scale": None, "o_sf_vec_size": None, "max_q_len": None, "cum_seq_lens_q": None,
+    "skip_softmax_threshold_scale_factor": None, "uses_shared_paged_kv_idx": True, "lse": None, "return_lse": False,
+}  # fmt: skip
+
+
+def _takes_direct_path(kwargs: dict, scales, defaults: dict) -> bool:
+    if kwargs.get("bmm2_scale") is not scales.kv_scale:  # vLLM folded something else into it (an output scale)
+        return False
+    if kwargs.get("backend", defaults["backend"]) != "xqa":
+        return False
+    out = kwargs.get("out")
+    if out is not None and not isinstance(out, torch.Tensor):  # an FP4 output
+        return False
+    for name, value in kwargs.items():
+        if name in _DIRECT_ARGS:
+            continue
+        if name not in _DIRECT_DEFAULTS:
+            return False
+        default = _DIRECT_DEFAULTS[name]
+        if default is None:
+            if value is not None:
+                return False
+        elif isinstance(value, torch.Tensor) or value != default:
+            return False
+    return True
+
+
+def route_xqa_scales(original: Callable, *, kv_layout: str = "NHD", backend: str = "xqa") -> Callable:
+    """`original` (FlashInfer's XQA decode as vLLM calls it), taking an `xqa_scales.XQAScales` as `bmm1_scale`: a
+    plain single-token decode goes straight to `flashinfer.xqa.xqa` with its precomputed tensors; any other call
+    (floats from another backend, speculative decode, a mask) goes to `original` with the fused values.
+    `kv_layout` and `backend`: `original`'s defaults."""
+    from trl_fp8.rollout.vllm.xqa_scales import XQAScales
+
+    defaults = {"kv_layout": kv_layout, "backend": backend}
+
+    @functools.wraps(original)
+    def decode(*args, **kwargs):
+        if len(args) <= len(_DECODE_POSITIONAL):
+            kwargs.update(zip(_DECODE_POSITIONAL, args, strict=False))
+            args = ()
+        scales = kwargs.get("bmm1_scale")
+        if not isinstance(scales, XQAScales):
+            return original(*args, **kwargs)
+        if _takes_direct_path(kwargs, scales, defaults):
+            return xqa_decode_with_scales(
+                kwargs["query"], kwargs["kv_cache"], kwargs["workspace_buffer"], kwargs["block_tables"],
+                kwargs["seq_lens"], q_scale=scales.q_scale, kv_scale=scales.kv_scale,
+                window_left=kwargs.get("window_left", -1), out=kwargs.get("out"), sinks=kwargs.get("sinks"),
+                kv_layout=kwargs.get("kv_layout", defaults["kv_layout"]), enable_pdl=kwargs.get("enable_pdl"),
+            )  # fmt: skip
+        kwargs["bmm1_scale"] = scales.bmm1_scale()
+        return original(*args, **kwargs)
+
+    decode.trl_fp8_routes_xqa_scales = original
+    return decode
+
+
+def route_xqa_scales_in_vllm() -> str:
+    """Wrap, once per process, the function vLLM's FlashInfer backend calls for XQA decode (a module-level name of
+    `vllm.v1.attention.backends.flashinfer`, see `XQA_DECODE_NAMES`) with `route_xqa_scales`, so the precomputed
+    scales `xqa_backend` hands its forward reach XQA as they are. Other backends' calls pass through unchanged.
+    Returns the name wrapped. No public API lets a backend pass XQA its own scales without copying vLLM's forward."""
+    from vllm.v1.attention.backends import flashinfer as flashinfer_backend
+
+    for name, defaults in XQA_DECODE_NAMES:
+        current = getattr(flashinfer_backend, name, None)
+        if current is None:
+            continue
+        if not hasattr(current, "trl_fp8_routes_xqa_scales"):
+            setattr(flashinfer_backend, name, route_xqa_scales(current, **defaults))
+        return name
+    raise RuntimeError(f"vLLM's FlashInfer backend calls XQA by none of {[n for n, _ in XQA_DECODE_NAMES]}")
+
+
 def live_scale_backend_missing() -> str | None:
     """What `xqa_backend` needs from this vLLM and does not find, or None: the FlashInfer backend's classes, the
-    XQA scale hook of its implementation (`get_xqa_bmm1_scale`, its cached `bmm2_scale`) and the registry's CUSTOM
-    backend. No public API lets a backend pass XQA its scales another way."""
+    XQA scale hook of its implementation (`get_xqa_bmm1_scale`, its cached `bmm2_scale`), the name its forward
+    calls XQA decode by and the registry's CUSTOM backend. No public API lets a backend pass XQA its scales another
+    way."""
     try:
+        from vllm.v1.attention.backends import flashinfer as flashinfer_backend
         from vllm.v1.attention.backends.flashinfer import FlashInferImpl, FlashInferMetadataBuilder  # noqa: F401
         from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend  # noqa: F401
     except ImportError as exc:
         return f"this vLLM has no FlashInfer attention backend to build on ({exc})"
     if not hasattr(FlashInferImpl, "get_xqa_bmm1_scale") or "CUSTOM" not in AttentionBackendEnum.__members__:
         return "this vLLM's FlashInfer backend has no XQA scale hook or no CUSTOM backend (tested: vLLM 0.26, 0.31)"
+    if not any(hasattr(flashinfer_backend, name) for name, _ in XQA_DECODE_NAMES):
+        return f"this vLLM's FlashInfer backend calls XQA by none of {[n for n, _ in XQA_DECODE_NAMES]}"
     return None
 
 

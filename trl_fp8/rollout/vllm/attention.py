@@ -12,8 +12,9 @@ them. Two kernels can take them:
   the Python floats, which a CUDA graph keeps from its capture: the scales pushed later never reach decode.
   trl-fp8's backend (`xqa_backend.LiveScaleFlashInferBackend`, vLLM's `CUSTOM` backend, registered in every vLLM
   process by the package's `vllm.general_plugins` entry point) is vLLM's FlashInfer backend with those scales read
-  from the tensors. Prefill keeps FlashInfer's own FP8 kernel, which runs outside the CUDA graphs and reads the
-  floats vLLM refreshes at every sync.
+  from tensors: the layer's `_v_scale` and a `q_scale` precomputed from the layer's scales outside the graphs
+  (`xqa_scales`). Prefill keeps FlashInfer's own FP8 kernel, which runs outside the CUDA graphs and reads the floats
+  vLLM refreshes at every sync.
 
 On Hopper FlashInfer builds XQA from its own sources with nvcc and `ninja` (seconds, cached on disk), so nothing is
 downloaded; vLLM only runs it when told its kernels are there (`VLLM_HAS_FLASHINFER_CUBIN`), which the backend says
@@ -106,7 +107,11 @@ def xqa_unavailable_reason(
 ) -> str | None:
     """Why trl-fp8's XQA backend cannot run decode on the FP8 KV cache of a model with these heads here, or None.
     Checks the GPU, the packages and the shape, then builds XQA and runs `decode_follows_live_scales`."""
-    from trl_fp8.rollout.vllm._compat import flashinfer_xqa_decode, live_scale_backend_missing
+    from trl_fp8.rollout.vllm._compat import (
+        flashinfer_xqa_decode,
+        flashinfer_xqa_kernel_missing,
+        live_scale_backend_missing,
+    )
 
     if not torch.cuda.is_available():
         return "no CUDA GPU"
@@ -119,6 +124,8 @@ def xqa_unavailable_reason(
         return missing
     if flashinfer_xqa_decode() is None:
         return "this FlashInfer has no XQA decode (flashinfer.decode.xqa_batch_decode_with_kv_cache)"
+    if missing := flashinfer_xqa_kernel_missing():
+        return missing
     if _find_nvcc() is None:
         return "FlashInfer builds XQA with nvcc, which is not here (set CUDA_HOME)"
     if ninja_dir() is None:
@@ -157,16 +164,29 @@ def decode_follows_live_scales(
     q_heads: int = 32,
     kv_heads: int = 8,
     float_scales: bool = False,
+    refresh: bool = True,
 ) -> str | None:
-    """Capture XQA's decode over an FP8 paged cache in a CUDA graph with its scales computed from device tensors as
-    `LiveScaleFlashInferImpl` passes them, change the tensors, replay, and compare each replay with a float32
-    attention over the cache dequantized at the new scales. Returns why it failed, or None.
+    """Capture XQA's decode over an FP8 paged cache in a CUDA graph, its scales handed over as
+    `LiveScaleFlashInferImpl` hands them (`xqa_scales.LiveXQAScales` refreshed at each eager call, the marker it
+    gives vLLM's forward, FlashInfer's XQA decode wrapped by `_compat.route_xqa_scales`, which then calls XQA
+    directly), change the layer's scale tensors, refresh (as a reload and an eager forward do), replay, and compare
+    each replay with a float32 attention over the cache dequantized at the new scales. Returns why it failed, or
+    None.
 
-    `float_scales=True` passes the scales as Python floats, as vLLM's own FlashInfer backend does: the check then
-    fails (the graph keeps the captured scales), which is what it exists to catch."""
-    from trl_fp8.rollout.vllm._compat import flashinfer_xqa_decode
+    `float_scales=True` passes the scales as Python floats, as vLLM's own FlashInfer backend does; `refresh=False`
+    changes the tensors but leaves the precomputed `q_scale` as computed before the capture. The check then fails
+    either way (the graph keeps what it captured), which is what it exists to catch."""
+    from trl_fp8.rollout.vllm._compat import flashinfer_xqa_decode, route_xqa_scales
+    from trl_fp8.rollout.vllm.xqa_scales import LiveXQAScales
 
-    decode = flashinfer_xqa_decode()
+    wrapper = flashinfer_xqa_decode()
+    wrapper_calls = []
+
+    def flashinfer_wrapper(*args, **kwargs):  # where any call the direct path does not take goes
+        wrapper_calls.append(kwargs.get("bmm1_scale"))
+        return wrapper(*args, **kwargs)
+
+    decode = route_xqa_scales(flashinfer_wrapper)
     device = torch.device("cuda", torch.cuda.current_device() if device is None else torch.device(device).index or 0)
     gen = torch.Generator(device=device).manual_seed(0)
     seqs, pages_per_seq = 4, 5
@@ -179,20 +199,23 @@ def decode_follows_live_scales(
     out = torch.empty_like(q)
     workspace = torch.zeros(128 * 1024 * 1024, dtype=torch.uint8, device=device)
     sm_scale = head_dim**-0.5
-    k_scale = torch.tensor(0.004, device=device)
-    v_scale = torch.tensor(0.006, device=device)
+    layer = torch.nn.Module()  # the attention layer's scales, as vLLM holds them (float32, 0-dim)
+    layer._k_scale = torch.tensor(0.004, device=device)
+    layer._v_scale = torch.tensor(0.006, device=device)
+    live = LiveXQAScales(sm_scale, head_dim)
 
-    captured_floats = (sm_scale * k_scale.item(), v_scale.item())  # what vLLM's backend would hand XQA
+    captured_floats = (sm_scale * layer._k_scale.item(), layer._v_scale.item())  # what vLLM's backend would pass
 
     def run():
         if float_scales:
             bmm1, bmm2 = captured_floats
-        else:
-            bmm1, bmm2 = k_scale * sm_scale, v_scale  # as the backend computes them, inside the graph
+        else:  # as LiveScaleFlashInferImpl.forward and get_xqa_bmm1_scale do
+            live.refresh(layer)  # a no-op while capturing
+            bmm1, bmm2 = live.scales, layer._v_scale
         decode(
             query=q, kv_cache=(k_cache, v_cache), workspace_buffer=workspace, block_tables=pages.int(),
             seq_lens=seq_lens, max_seq_len=pages_per_seq * PAGE_SIZE, bmm1_scale=bmm1, bmm2_scale=bmm2,
-            out=out, kv_layout="NHD",
+            window_left=-1, out=out, sinks=None, kv_layout="NHD", q_len_per_req=1, mask=None,
         )  # fmt: skip
 
     run()  # builds XQA (cached on disk) and warms it up outside the capture
@@ -200,17 +223,23 @@ def decode_follows_live_scales(
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         run()
+    if not float_scales and wrapper_calls:
+        return "XQA's decode with precomputed scales went through FlashInfer's wrapper, not the direct call"
     # each sequence's keys and values in order, [seqs, pages * 16, kv_heads, d] (gathered as bytes)
     k_seq, v_seq = (c.view(torch.uint8)[pages].flatten(1, 2).view(torch.float8_e4m3fn) for c in (k_cache, v_cache))
-    for ks, vs in ((0.004, 0.006), (0.002, 0.012), (0.008, 0.003)):
-        k_scale.fill_(ks)
-        v_scale.fill_(vs)
+    for i, (ks, vs) in enumerate(((0.004, 0.006), (0.002, 0.012), (0.008, 0.003))):
+        layer._k_scale.fill_(ks)
+        layer._v_scale.fill_(vs)
+        if refresh and not float_scales and i % 2:
+            live.refresh()  # as after a reload: the layer, kept weakly
+        elif refresh and not float_scales:
+            live.refresh(layer)  # as an eager forward
         graph.replay()
         torch.cuda.synchronize(device)
         want = _reference_decode(q, k_seq.float() * ks, v_seq.float() * vs, seq_lens, sm_scale)
         err = (out.float() - want).abs().max().item()
         # XQA reads the BF16 query, accumulates in float32 and rounds P to FP8 for P @ V: errors of a few FP8 steps
-        # (2^-4 relative) of the output's magnitude; a stale scale is off by the ratio of the scales (2x here).
+        # (2^-4 relative) of the output's magnitude; a stale scale is off by the ratio of the scales (2-4x here).
         bound = 2**-3 * want.abs().max().item()
         if not err <= bound:
             return (
