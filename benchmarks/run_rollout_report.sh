@@ -14,6 +14,10 @@
 #                                                   # 256x2048, each profiled at 256x512 ($DECODE_ENGINES)
 #   bash benchmarks/run_rollout_report.sh decodeattn # bench_decode_attention: decode attention on the FP8 KV cache,
 #                                                   # each kernel against its KV-read floor (128 x 256/1,024/2,048)
+#   bash benchmarks/run_rollout_report.sh moeexperts # bench_moe_decode: one Qwen3-30B-A3B MoE layer's experts at decode
+#                                                   # (16-512 tokens), BF16 vs block FP8 on vLLM's Triton fused MoE
+#                                                   # (± trl-fp8's SiLU-and-mul kernel) and DeepGEMM, each against the
+#                                                   # routed experts' weight-read floor, with its parts ($MOE_EXPERTS_ARGS)
 #   bash benchmarks/run_rollout_report.sh colocate  # bench_grpo at TRL's colocate defaults (8B, 0.3, sleep mode, 8-bit
 #                                                   # AdamW, 128 x 2048): $COLOCATE_RUNS, one call each, one file,
 #                                                   # $COLOCATE_STEPS steps (default 3: two timed)
@@ -179,6 +183,12 @@ concurrency)  # matched concurrency: the same share, and every engine capped at 
   ;;
 decodeattn)  # every decode-attention kernel the engine could run, inside CUDA graphs, against its KV-read floor
   timed decode_attention python -m benchmarks.bench_decode_attention --out "$work/decode_attention_$device.json"
+  ;;
+moeexperts)  # one MoE layer's experts at decode token counts as vLLM runs them, BF16 vs block FP8, inside CUDA graphs,
+  # against the floor of the routed experts' weights, and the FP8 path's parts (quantizers, alignment, GEMMs)
+  # MOE_EXPERTS_ARGS="--skip_slow": without DeepGEMM (its nvcc JIT compiles on a cold $DG_JIT_CACHE_DIR)
+  # shellcheck disable=SC2086
+  timed moe_experts python -m benchmarks.bench_moe_decode ${MOE_EXPERTS_ARGS:-} --out "$work/moe_decode_$device.json"
   ;;
 colocate)  # TRL's colocate defaults on one GPU; each run in a child of its own, rows appended to one file. By default
   # TRL BF16 with and without Liger's kernels against FP8GRPOTrainer left to its defaults (Liger, the FP8 KV cache and

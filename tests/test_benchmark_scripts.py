@@ -828,6 +828,152 @@ def test_decode_attention_reference_reads_each_sequences_tokens_through_its_shuf
     assert [bench.triton_seq_threshold_3d(kv) for kv in (8, 4, 1, 3)] == [16, 32, 128, 40]  # 128 // 3 = 42 -> 40
 
 
+def test_moe_decode_benchmark_runs_its_reference_and_floors_on_cpu(tmp_path):
+    """bench_moe_decode on CPU (no CUDA, no vLLM): every variant skipped with the reason, the float32 reference
+    checked against a token-by-token loop, and each row's floor the bytes of the experts its routing hits over the
+    H200's HBM bandwidth (the one assumed without a known GPU)."""
+    out = _run("benchmarks.bench_moe_decode", "--quick", "--tokens", 3, 8, "--out", tmp_path / "moe.json")
+    result = json.loads((tmp_path / "moe.json").read_text())
+    assert result["device"] == "cpu" and result["date"] and result["command"].startswith("python -m benchmarks.")
+    assert result["versions"]["torch"] and {"vllm", "triton", "deep_gemm (bundled)"} <= set(result["versions"])
+    assert result["shapes"] == {"hidden": 256, "intermediate": 128, "experts": 16, "top_k": 4, "tokens": [3, 8],
+                                "layers": 2, "block": 128, "weight_std": 0.02}  # fmt: skip
+    assert result["hbm_bytes_per_s"] == 4.8e12 and result["err_bound_of_max_ref"] == {"bf16": 2**-5, "fp8": 2**-3}
+    variants = {"bf16": "bf16", "fp8_block_triton": "fp8", "fp8_block_triton_trl_act_quant": "fp8",
+                "fp8_block_deepgemm": "fp8"}  # fmt: skip
+    assert list(result["variants"]) == list(variants) and "parts" not in result
+    # one expert: w13 [256 x 256] and w2 [256 x 128], 98,304 weights: 2 bytes each in BF16; 1 in FP8, plus a float32
+    # scale per 128x128 block (2 x 2 of w13, 2 x 1 of w2)
+    per_expert = {"bf16": 196_608, "fp8": 98_304 + 6 * 4}
+    assert all(v["expert_bytes"]["total"] == per_expert[v["dtype"]] for v in result["variants"].values())
+    routing = {r["tokens"]: r for r in result["routing"]}
+    assert set(routing) == {3, 8}
+    for n, r in routing.items():
+        assert 4 <= r["experts_hit"] <= min(16, 4 * n) and 1 <= r["max_expert_load"] <= n
+        for dtype in ("bf16", "fp8"):
+            assert r[f"floor_us_{dtype}"] == pytest.approx(r["experts_hit"] * per_expert[dtype] / 4.8e12 * 1e6)
+    assert [(r["variant"], r["tokens"]) for r in result["results"]] == [(v, n) for n in (3, 8) for v in variants]
+    for row in result["results"]:
+        dtype = variants[row["variant"]]
+        assert row["experts_hit"] == routing[row["tokens"]]["experts_hit"]
+        assert row["bytes"] == row["experts_hit"] * per_expert[dtype]
+        assert row["floor_us"] == pytest.approx(row["bytes"] / 4.8e12 * 1e6)
+        assert row["err_bound"] == pytest.approx(result["err_bound_of_max_ref"][dtype] * row["max_ref"])
+        assert row["skipped"].startswith("no CUDA device") and "us" not in row
+    for r in result["reference"]:
+        assert r["self_check_max_diff"] < 1e-5 * r["max_ref_bf16"]
+        # FP8's roundings show, and stay within a few percent of the output
+        assert 0 < r["fp8_vs_bf16_max_diff"] < 0.2 * r["max_ref_bf16"]
+    assert "skipped: no CUDA device" in out and "floor, FP8 weights + scales" in out and "FAILED" not in out
+    assert "python -m benchmarks.bench_moe_decode" in report_phase("moeexperts")  # the GPU host's phase
+
+
+def test_moe_decode_floor_counts_the_routed_experts_and_the_reference_quantizes_as_vllm():
+    """The floor at Qwen3-30B-A3B's shape (9.4 MB an expert in BF16, 4.7 MB in FP8 with its scales: 252 us and 126 us
+    at 4.8 TB/s once all 128 experts are hit), the routing, and the FP8 roundings of the reference: 128x128 weight
+    blocks and 1x128 activation groups scaled by amax / 448 (vLLM's `per_token_group_quant_fp8`)."""
+    import torch
+
+    from benchmarks import bench_moe_decode as bench
+
+    full = bench.Shape(hidden=2048, intermediate=768, experts=128, top_k=8)
+    assert bench.expert_bytes(full, "bf16") == {"w13": 6_291_456, "w2": 3_145_728, "scales": 0, "total": 9_437_184}
+    assert bench.expert_bytes(full, "fp8") == {"w13": 3_145_728 + 12 * 16 * 4, "w2": 1_572_864 + 16 * 6 * 4,
+                                               "scales": 1152, "total": 4_719_744}  # fmt: skip
+    assert bench.floor_us(128 * 9_437_184, 4.8e12) == pytest.approx(251.66, abs=0.01)
+    assert bench.floor_us(128 * 4_719_744, 4.8e12) == pytest.approx(125.86, abs=0.01)
+    assert bench.experts_hit(torch.tensor([[0, 5], [5, 7]], dtype=torch.int32)) == 3
+
+    gen = torch.Generator().manual_seed(0)
+    weights, ids = bench.route(64, full, gen, "cpu")
+    assert ids.dtype == torch.int32 and weights.dtype == torch.float32 and ids.shape == weights.shape == (64, 8)
+    assert torch.allclose(weights.sum(-1), torch.ones(64)) and all(len(set(row.tolist())) == 8 for row in ids)
+    assert bench.experts_hit(ids) > 100  # 64 tokens x 8 of 128 experts: nearly every expert
+
+    w = torch.randn(2, 256, 384, generator=gen) * 0.02
+    q, scale = bench.quantize_blocks(w)
+    assert q.dtype == bench.FP8 and scale.shape == (2, 2, 3)
+    blocks = w.reshape(2, 2, 128, 3, 128)
+    torch.testing.assert_close(scale, blocks.abs().amax(dim=(2, 4)) / 448)
+    back = bench.dequantize_blocks(q, scale)
+    assert (back - w).abs().max() <= 2**-4 * w.abs().max()  # half an e4m3 ulp of the block's largest value at most
+    assert torch.equal(back.reshape(2, 2, 128, 3, 128).abs().amax(dim=(2, 4)), blocks.abs().amax(dim=(2, 4)))
+
+    x = torch.randn(3, 256, generator=gen)
+    x[1, :128] = 0.0  # a zero group: scale 1e-10 / 448, zero values
+    q, scale = bench.quantize_groups(x)
+    assert scale.shape == (3, 2) and scale[1, 0] == pytest.approx(1e-10 / 448) and not q[1, :128].float().any()
+    assert torch.equal(q.float().unflatten(-1, (2, 128)).abs().amax(-1)[scale > 1e-9], torch.full((5,), 448.0))
+
+    # one token routed with weight 1 to one expert of a one-expert layer: the dense gated MLP
+    tiny = bench.Shape(hidden=128, intermediate=128, experts=1, top_k=1)
+    layer = bench.make_layer(tiny, gen, "cpu")
+    xb = torch.randn(2, 128, generator=gen).to(torch.bfloat16)
+    one, zero = torch.ones(2, 1), torch.zeros(2, 1, dtype=torch.int32)
+    h = xb.float() @ layer.w13[0].float().T
+    dense = (torch.nn.functional.silu(h[:, :128]) * h[:, 128:]) @ layer.w2[0].float().T
+    torch.testing.assert_close(bench.reference_moe(xb, one, zero, layer, "bf16"), dense)
+
+
+def test_moe_decode_bounds_hold_for_kernels_that_round_where_vllms_do():
+    """The checks' bounds against the float32 references: an emulation of vLLM's kernels (GEMM1's output, the
+    SiLU-and-mul product (BF16 only), each expert's weighted output and the sum rounded to BF16) stays well inside
+    them; a routing shifted by one expert does not."""
+    import torch
+
+    from benchmarks import bench_moe_decode as bench
+
+    shape = bench.Shape(hidden=512, intermediate=256, experts=16, top_k=4)
+    gen = torch.Generator().manual_seed(1)
+    layer = bench.make_layer(shape, gen, "cpu")
+    weights, ids = bench.route(32, shape, gen, "cpu")
+    x = torch.randn(32, shape.hidden, generator=gen).to(torch.bfloat16)
+    bf = lambda t: t.to(torch.bfloat16).float()  # noqa: E731
+    for dtype in ("bf16", "fp8"):
+        ref = bench.reference_moe(x, weights, ids, layer, dtype)
+        xf = bench.quant_dequant_groups(x.float()) if dtype == "fp8" else x.float()
+        out = torch.zeros_like(ref)
+        for j in range(shape.top_k):
+            for e in ids[:, j].unique().tolist():
+                tok = (ids[:, j] == e).nonzero().flatten()
+                w13, w2 = layer.expert(e, dtype)
+                h = bf(xf[tok] @ w13.T)
+                a = torch.nn.functional.silu(h[:, : shape.intermediate]) * h[:, shape.intermediate :]
+                a = bench.quant_dequant_groups(a) if dtype == "fp8" else bf(a)
+                out[tok] += bf((a @ w2.T) * weights[tok, j, None])
+        err = (bf(out) - ref).abs().max() / ref.abs().max()
+        assert err < bench.ERR_BOUND[dtype] / 4, (dtype, err)
+        wrong = bench.reference_moe(x, weights, (ids + 1) % shape.experts, layer, dtype)
+        assert (wrong - ref).abs().max() > bench.ERR_BOUND[dtype] * ref.abs().max()
+
+
+def test_moe_decode_table_says_failed_only_where_a_check_failed(capsys):
+    from benchmarks import bench_moe_decode as bench
+
+    row = {"variant": "fp8_block_triton", "tokens": 64, "us": 150.0, "fraction": 0.8, "max_err": 0.01,
+           "max_ref": 0.5, "check": "ok", "time_over_bf16": 0.6}  # fmt: skip
+    result = {
+        "shapes": {"hidden": 2048, "intermediate": 768, "experts": 128, "top_k": 8, "tokens": [64], "layers": 12},
+        "device": "NVIDIA H200",
+        "hbm_bytes_per_s": 4.8e12,
+        "hbm_source": "data sheet",
+        "timing": {"repeats": 20},
+        "routing": [{"tokens": 64, "experts_hit": 128, "floor_us_bf16": 251.7, "floor_us_fp8": 125.9}],
+        "results": [row],
+        "reference": [],
+        "variants": {"fp8_block_triton": {"label": "Triton"}},
+        "parts": [{"variant": "fp8_block_triton", "tokens": 64, "part": "gemm1", "us": 90.0, "fraction": 0.9}],
+    }
+    bench.print_table(result, ["fp8_block_triton"])
+    table = capsys.readouterr().out
+    assert "FAILED" not in table and "150.0 us (80% of floor)" in table and "0.60x" in table
+    assert "fp8_block_triton: gemm1" in table and "90.0 us (90%)" in table
+    row["check"] = "FAILED"
+    bench.print_table(result, ["fp8_block_triton"])
+    table = capsys.readouterr().out
+    assert "an output's check failed" in table and "(80% of floor) FAILED" in table
+
+
 def test_moe_rollout_shape_builds_its_engine_config_without_weights():
     """bench_rollout's MoE shapes: the trainer-side model lives on the meta device (no 61 GB copy), converts to FP8
     with its routers named unconverted, and the decode floor reads every expert while a token runs its top-k."""
