@@ -75,6 +75,7 @@ skipped. Writes `benchmarks/results/moe_decode_<device>.json` (with `--quick`, o
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import statistics
 import sys
@@ -284,6 +285,7 @@ def vllm_api() -> SimpleNamespace:
     try:
         import vllm.model_executor.layers.fused_moe.modular_kernel as mk
         from vllm import _custom_ops as ops
+        from vllm.model_executor.layers.fused_moe import override_config
         from vllm.model_executor.layers.fused_moe.activation import MoEActivation
         from vllm.model_executor.layers.fused_moe.config import (
             FusedMoEConfig,
@@ -312,7 +314,7 @@ def vllm_api() -> SimpleNamespace:
         bf16_oracle=bf16_oracle, per_token_group_quant_fp8=per_token_group_quant_fp8,
         kFp8Dynamic128Sym=kFp8Dynamic128Sym, kFp8Static128BlockSym=kFp8Static128BlockSym, tl=tl,
         init_workspace_manager=init_workspace_manager,
-        is_workspace_manager_initialized=is_workspace_manager_initialized,
+        is_workspace_manager_initialized=is_workspace_manager_initialized, override_config=override_config,
     )  # fmt: skip
 
 
@@ -472,16 +474,24 @@ def triton_configs(api, shape: Shape, tokens: list[int]) -> dict:
     return found
 
 
-def part_calls(api, kernels: Kernels, dtype: str, x, topk_weights, topk_ids, hit: int) -> dict:
+def shipped_config(api, shape: Shape, dtype: str, tokens: int) -> dict:
+    """The Triton configuration `TritonExperts.apply` takes at this token count (`try_get_optimal_moe_config`)."""
+    i, h = shape.intermediate, shape.hidden
+    fp8 = dtype == "fp8"
+    return api.fused_moe.try_get_optimal_moe_config((shape.experts, 2 * i, h), (shape.experts, h, i), shape.top_k,
+                                                    "fp8_w8a8" if fp8 else None, tokens,
+                                                    block_shape=[BLOCK, BLOCK] if fp8 else None)  # fmt: skip
+
+
+def part_calls(api, kernels: Kernels, dtype: str, x, topk_weights, topk_ids, hit: int, config=None) -> dict:
     """`{part: (calls, floor bytes or None)}`: the pieces of `TritonExperts.apply`, one call per layer each, with the
-    configuration, routing alignment and buffers `apply` gives them."""
+    configuration (`config`, default vLLM's), routing alignment and buffers `apply` gives them."""
     shape, fm = kernels.shape, api.fused_moe
     t, k, i, h = x.shape[0], shape.top_k, shape.intermediate, shape.hidden
     fp8 = dtype == "fp8"
     block = [BLOCK, BLOCK] if fp8 else None
     layers = kernels.layers
-    config = fm.try_get_optimal_moe_config((shape.experts, 2 * i, h), (shape.experts, h, i), k,
-                                           "fp8_w8a8" if fp8 else None, t, block_shape=block)  # fmt: skip
+    config = config or shipped_config(api, shape, dtype, t)
     align = lambda: fm._prepare_expert_assignment(topk_ids, config, t, k, shape.experts, None, block_shape=block)
     sorted_ids, expert_ids, padded = align()
     cache1 = torch.randn(t, k, 2 * i, device=x.device).to(torch.bfloat16)  # GEMM1's output, of GEMM1's size
@@ -643,6 +653,112 @@ def time_parts(kernels: Kernels, dtype: str, batch: dict, args, only: tuple[str,
     return rows
 
 
+# --- tuning the Triton configuration at decode token counts (`--tune`) -----------------------------------------------
+
+TUNE_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
+
+
+def tune_candidates(shape: Shape, tokens: int, dtype: str) -> list[dict]:
+    """Configurations of vLLM's fused-MoE Triton kernel worth timing at a decode token count: tiles of 16-32 rows
+    (64 once the experts average 16 routed rows), 32-128 columns (a 128x128 weight block holds whole tiles: vLLM's
+    own tuner's rule for block-FP8), K steps of 64 or 128, 4 warps (8 on the widest tiles), 3-5 stages in flight.
+    GROUP_SIZE_M stays 1: at decode each row tile is another expert's, so grouping tiles shares no weights."""
+    rows_per_expert = tokens * shape.top_k / shape.experts
+    found = []
+    for bm in (16, 32, 64):
+        if bm == 64 and rows_per_expert < 16:
+            continue
+        for bn, bks, warps in ((128, (64, 128), (4, 8)), (64, (64, 128), (4,)), (32, (128,), (4,))):
+            for bk in bks:
+                for w in warps:
+                    for stages in (3, 4, 5):
+                        found.append(dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=1,
+                                          num_warps=w, num_stages=stages))  # fmt: skip
+    return found
+
+
+def _config_key(config: dict) -> tuple:
+    return tuple(config.get(key) for key in TUNE_KEYS)
+
+
+def tune_triton(kernels: Kernels, dtype: str, batch: dict, ref: torch.Tensor, max_ref: float, args) -> dict:
+    """Time the two fused-MoE GEMMs (the same configuration serves both, as in `TritonExperts.apply`) under each
+    candidate configuration, vLLM's own first; then the whole layer (`FusedMoEKernel.apply`, its quantizers and
+    alignment included) under the fastest, checked against the float32 reference as the variants are. The fastest is
+    kept only if it beats vLLM's by `--tune_margin`."""
+    api, shape = kernels.api, kernels.shape
+    tokens = batch["x"].shape[0]
+    shipped = {key: value for key, value in shipped_config(api, shape, dtype, tokens).items() if key in TUNE_KEYS}
+    candidates = [shipped] + [
+        c for c in tune_candidates(shape, tokens, dtype) if _config_key(c) != _config_key(shipped)
+    ]
+    timed = []
+    for config in candidates:
+        row = {"config": config}
+        try:
+            parts = part_calls(api, kernels, dtype, batch["x"], batch["topk_weights"], batch["topk_ids"], batch["hit"],
+                               config=config)  # fmt: skip
+            row["gemm_us"] = {name: statistics.median(graph_time_us(parts[name][0], args.warmup, args.tune_repeats))
+                              for name in ("gemm1", "gemm2")}  # fmt: skip
+            row["us"] = sum(row["gemm_us"].values())
+        except Exception as exc:  # noqa: BLE001 - a configuration Triton cannot build here (shared memory)
+            row["error"] = _reason(exc)
+        timed.append(row)
+    ok = [row for row in timed if "us" in row]
+    if not ok:
+        raise RuntimeError(f"no configuration ran: {timed[0].get('error')}")
+    base = timed[0] if "us" in timed[0] else None
+    best = min(ok, key=lambda row: row["us"])
+    keep = base is None or best["us"] < (1 - args.tune_margin) * base["us"]
+    chosen = best if keep else base
+    name = "bf16" if dtype == "bf16" else "fp8_block_triton"
+    calls, outs = kernels.calls(name, batch["x"], batch["topk_weights"], batch["topk_ids"])
+    layer = {}
+    for label, config in (("shipped", shipped), ("chosen", chosen["config"])):
+        with api.override_config({**config}):
+            calls[0]()
+            torch.cuda.synchronize()
+            times = graph_time_us(calls, args.warmup, args.repeats, after_capture=lambda: outs[0].zero_())
+        err = max_error(outs[0], ref)
+        layer[label] = {
+            **spread(times),
+            "max_err": err,
+            "check": "ok" if err <= ERR_BOUND[dtype] * max_ref else "FAILED",
+        }
+    return {
+        "dtype": dtype, "tokens": tokens, "candidates": len(candidates), "failed": len(timed) - len(ok),
+        "shipped": shipped, "shipped_gemm_us": base["us"] if base else None,
+        "best": best["config"], "best_gemm_us": best["us"], "kept": keep, "chosen": chosen["config"],
+        "layer_us_shipped": layer["shipped"]["us"], "layer_us_chosen": layer["chosen"]["us"],
+        "layer": layer, "timed": timed,
+    }  # fmt: skip
+
+
+def write_tuned_configs(api, shape: Shape, tuning: list[dict], folder: str) -> str | None:
+    """vLLM's configuration file for the block-FP8 experts of this shape on this GPU (`get_config_file_name`),
+    written to `folder` for `VLLM_TUNED_CONFIG_FOLDER`: vLLM's own entries, with the kept ones of the tuning in
+    place of theirs at the tuned token counts (vLLM takes the entry of the nearest count)."""
+    kept = {row["tokens"]: row["chosen"] for row in tuning if row["dtype"] == "fp8" and row["kept"]}
+    if not kept:
+        return None
+    fm = api.fused_moe
+    name = fm.get_config_file_name(shape.experts, shape.intermediate, "fp8_w8a8", [BLOCK, BLOCK])
+    shipped_path = os.path.join(os.path.dirname(fm.__file__), "configs", name)
+    entries = {}
+    if os.path.exists(shipped_path):
+        with open(shipped_path) as f:
+            entries = {int(k): v for k, v in json.load(f).items() if k != "triton_version"}
+    entries.update(kept)
+    import triton
+
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, name)
+    with open(path, "w") as f:
+        json.dump({"triton_version": triton.__version__, **{str(k): entries[k] for k in sorted(entries)}}, f, indent=4)
+        f.write("\n")
+    return path
+
+
 def engine_would_run_deepgemm(tokens: int, shape: Shape) -> str:
     """What vLLM's `TritonOrDeepGemmExperts` (the engine's `moe_backend="deep_gemm"`) runs at this token count."""
     try:
@@ -748,6 +864,26 @@ def print_table(result: dict, variants: list[str]) -> None:
         print(f"vLLM's own choice of experts for this layer here: {result['vllm_choice']}")
 
 
+def print_tuning(tuning: list[dict]) -> None:
+    """Per token count: vLLM's configuration and the fastest, their two GEMMs' time, the whole layer under each."""
+    print("\nTriton configuration, tuned (M, N, K tile, warps, stages): the two GEMMs' us, then the whole layer's")
+    for r in tuning:
+        if "error" in r:
+            print(f"{r['dtype']} {r['tokens']:>5} tokens: error: {r['error']}")
+            continue
+
+        def cfg(c):
+            return f"{c['BLOCK_SIZE_M']}x{c['BLOCK_SIZE_N']}x{c['BLOCK_SIZE_K']} w{c['num_warps']} s{c['num_stages']}"
+
+        layer = r["layer"]
+        print(
+            f"{r['dtype']} {r['tokens']:>5} tokens: vLLM's {cfg(r['shipped'])} {_us(r['shipped_gemm_us'] or 0)}; "
+            f"fastest of {r['candidates']} {cfg(r['best'])} {_us(r['best_gemm_us'])} "
+            f"({'kept' if r['kept'] else 'not kept'}); layer {_us(r['layer_us_shipped'])} -> "
+            f"{_us(r['layer_us_chosen'])} (check {layer['shipped']['check']}/{layer['chosen']['check']})"
+        )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = arg_parser(__doc__, out="benchmarks/results/moe_decode_<device>.json; with --quick, only with --out",
                         quick="smoke sizes (hidden 256, 128 per expert, 16 experts, top-4, 4 and 8 tokens, 2 layers): "
@@ -764,8 +900,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--skip_slow", action="store_true", help="leave out fp8_block_deepgemm (nvcc JIT compiles)")
     parser.add_argument("--skip_parts", action="store_true", help="no per-part timings")
     parser.add_argument("--hbm_tb_s", type=float, help="HBM bandwidth for the floor (default: the data sheet's)")
+    parser.add_argument("--tune", nargs="*", choices=("fp8", "bf16"),
+                        help="also sweep the Triton fused-MoE configuration at each token count (`--tune`: the FP8 "
+                        "experts'; `--tune fp8 bf16`: both) and time the layer under the fastest")  # fmt: skip
+    parser.add_argument("--tune_out", help="write the FP8 experts' tuned configuration file here, in vLLM's format "
+                        "(for VLLM_TUNED_CONFIG_FOLDER)")  # fmt: skip
+    parser.add_argument(
+        "--tune_margin",
+        type=float,
+        default=0.03,
+        help="keep a tuned configuration only if its GEMMs beat vLLM's by this fraction (0.03)",
+    )
+    parser.add_argument("--tune_repeats", type=int, default=10, help="timed replays per candidate (10)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.tune is not None and not args.tune:
+        args.tune = ["fp8"]
     for key, value in resolve(args).items():
         setattr(args, key, value)
     shape = Shape(args.hidden, args.intermediate, args.experts, args.top_k)
@@ -842,6 +992,8 @@ def main(argv: list[str] | None = None) -> None:
                 info[name]["skipped"] = str(exc)
         if not args.skip_parts and kernels is not None:
             result["parts"] = []
+        if args.tune and kernels is not None:
+            result["tuning"] = []
     for tokens in args.tokens:
         print(f"# {tokens} tokens", file=sys.stderr, flush=True)
         topk_weights, topk_ids = route(tokens, shape, gen, device)
@@ -896,6 +1048,13 @@ def main(argv: list[str] | None = None) -> None:
                     result["parts"].append({"variant": variant, "tokens": tokens, **p})
             for p in state.pop("trl_act_quant_part", []):
                 result["parts"].append({"variant": TRL_ACT_QUANT, "tokens": tokens, **p})
+        for dtype in args.tune if "tuning" in result else ():
+            print(f"# {tokens} tokens: tuning the {dtype} Triton configuration", file=sys.stderr, flush=True)
+            try:
+                result["tuning"].append(tune_triton(kernels, dtype, batch, refs[dtype], max_ref[dtype], args))
+            except Exception as exc:  # noqa: BLE001 - recorded, the rest stands
+                traceback.print_exc()
+                result["tuning"].append({"dtype": dtype, "tokens": tokens, "error": _reason(exc)})
         state.pop("fp8_block_triton_out", None)
         del batch, refs
         if cuda:
@@ -903,6 +1062,15 @@ def main(argv: list[str] | None = None) -> None:
         if out is not None:  # after every token count: a crash keeps what ran
             write_json(out, result)
     print_table(result, variants)
+    if result.get("tuning"):
+        print_tuning(result["tuning"])
+        if args.tune_out:
+            path = write_tuned_configs(kernels.api, shape, [r for r in result["tuning"] if "error" not in r],
+                                       args.tune_out)  # fmt: skip
+            result["tuned_config_file"] = path
+            print(f"wrote {path}" if path else "no tuned configuration beat vLLM's: no file written")
+            if out is not None:
+                write_json(out, result)
     if out is not None:
         print(f"wrote {out}")
     failed = [r for r in result["results"] if r.get("check") == "FAILED"]

@@ -1333,3 +1333,38 @@ def test_bench_grpo_reads_the_fp8_generations_own_engine_statistics(monkeypatch)
     assert attached == []
     trl_stats = engine_stats(SimpleNamespace(llm="TRL's engine"))
     assert isinstance(trl_stats, RolloutStats) and trl_stats is not own and attached == ["TRL's engine"]
+
+
+def test_moe_decode_tuning_times_configurations_vllms_kernel_accepts_and_writes_vllms_file_format(tmp_path):
+    """`--tune`'s candidates obey the block-FP8 rule of vLLM's own tuner (a 128x128 weight block holds whole N and K
+    tiles), add 64-row tiles only once the experts average 16 rows, and the written file keeps vLLM's entries except
+    at the tuned token counts, in vLLM's format (string keys, `triton_version`)."""
+    from types import SimpleNamespace
+
+    from benchmarks import bench_moe_decode as bench
+
+    shape = bench.Shape(2048, 768, 128, 8)
+    small, large = bench.tune_candidates(shape, 64, "fp8"), bench.tune_candidates(shape, 512, "fp8")
+    for config in small + large:
+        assert set(config) == set(bench.TUNE_KEYS)
+        assert 128 % config["BLOCK_SIZE_N"] == 0 and 128 % config["BLOCK_SIZE_K"] == 0
+    assert {c["BLOCK_SIZE_M"] for c in small} == {16, 32} and {c["BLOCK_SIZE_M"] for c in large} == {16, 32, 64}
+    assert len({bench._config_key(c) for c in large}) == len(large)
+
+    name = "E=128,N=768,device_name=TEST,dtype=fp8_w8a8,block_shape=[128,128].json"
+    (tmp_path / "configs").mkdir()
+    shipped = {"16": {"BLOCK_SIZE_M": 16, "tag": "vllm16"}, "64": {"BLOCK_SIZE_M": 16, "tag": "vllm64"},
+               "4096": {"BLOCK_SIZE_M": 64, "tag": "vllm4096"}, "triton_version": "x"}  # fmt: skip
+    (tmp_path / "configs" / name).write_text(json.dumps(shipped))
+    fused_moe = SimpleNamespace(__file__=str(tmp_path / "fused_moe.py"), get_config_file_name=lambda *a: name)
+    api = SimpleNamespace(fused_moe=fused_moe)
+    tuned = {"BLOCK_SIZE_M": 32, "tag": "tuned64"}
+    tuning = [{"dtype": "fp8", "tokens": 64, "kept": True, "chosen": tuned},
+              {"dtype": "fp8", "tokens": 16, "kept": False, "chosen": shipped["16"]},
+              {"dtype": "bf16", "tokens": 4096, "kept": True, "chosen": {"tag": "bf16"}}]  # fmt: skip
+    path = bench.write_tuned_configs(api, shape, tuning, str(tmp_path / "out"))
+    written = json.loads(Path(path).read_text())
+    assert Path(path).name == name and "triton_version" in written
+    assert {k: v["tag"] for k, v in written.items() if k != "triton_version"} == {
+        "16": "vllm16", "64": "tuned64", "4096": "vllm4096"}  # fmt: skip
+    assert bench.write_tuned_configs(api, shape, tuning[1:2], str(tmp_path / "none")) is None

@@ -30,6 +30,7 @@ from trl_fp8.rollout.vllm.kernels import (
     forget_cached_deepgemm_decisions,
     rollout_kernel,
 )
+from trl_fp8.rollout.vllm.tuned_moe import tuned_moe_config_env
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +135,8 @@ def engine_env(rollout_precision: str, kernel: RolloutKernel | None = None) -> d
     """
     if check_rollout_precision(rollout_precision) != "fp8":
         return {}
-    return dict((kernel or rollout_kernel("auto")).env)
+    # the experts' Triton tiles trl-fp8 tuned for decode, where it ships them (`rollout.vllm.tuned_moe`)
+    return {**(kernel or rollout_kernel("auto")).env, **tuned_moe_config_env()}
 
 
 def apply_engine_env(rollout_precision: str, kernel: RolloutKernel | None = None) -> None:

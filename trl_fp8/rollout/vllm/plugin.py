@@ -3,7 +3,9 @@ processes (engine core, workers, a `trl vllm-serve` server) before it builds a m
 
 It registers trl-fp8's attention backend as vLLM's `CUSTOM` one (`rollout.vllm.attention`), which an engine runs only
 when asked (`attention_backend="CUSTOM"`, `--attention-backend CUSTOM`); other engines are untouched. Nothing is
-imported from vLLM's attention backends until then.
+imported from vLLM's attention backends until then. It also points `VLLM_TUNED_CONFIG_FOLDER` at the Triton tiles
+trl-fp8 tuned for block-FP8 experts at decode (`rollout.vllm.tuned_moe`), unless the user named a folder: vLLM reads a
+file there only for the expert shape, GPU and dtype it names, and its own files for every other layer.
 """
 
 from __future__ import annotations
@@ -14,10 +16,18 @@ logger = logging.getLogger(__name__)
 
 
 def register() -> None:
-    """Register `LiveScaleFlashInferBackend` as vLLM's CUSTOM attention backend, unless another package already
-    holds that name (then say so: an engine asking for CUSTOM gets that package's backend)."""
-    from trl_fp8.rollout.vllm._compat import LIVE_SCALE_BACKEND, register_custom_attention
+    """Point vLLM at trl-fp8's tuned MoE tiles (unless the user named a folder), and register
+    `LiveScaleFlashInferBackend` as vLLM's CUSTOM attention backend, unless another package already holds that name
+    (then say so: an engine asking for CUSTOM gets that package's backend)."""
+    import os
 
+    from trl_fp8.rollout.vllm._compat import LIVE_SCALE_BACKEND, register_custom_attention
+    from trl_fp8.rollout.vllm.tuned_moe import tuned_moe_config_env
+
+    tuned = tuned_moe_config_env()
+    if tuned:
+        os.environ.update(tuned)
+        logger.debug("VLLM_TUNED_CONFIG_FOLDER=%s (trl-fp8's tuned MoE tiles)", tuned["VLLM_TUNED_CONFIG_FOLDER"])
     try:
         other = register_custom_attention(LIVE_SCALE_BACKEND)
     except ImportError as exc:  # a vLLM without the attention registry: the engine keeps its own backends
