@@ -283,6 +283,24 @@ def test_no_refresh_while_a_cuda_graph_is_captured(monkeypatch):
     assert live.refresh() is True and live.scales.q_scale.item() == 2.0
 
 
+def test_a_reload_outside_inference_mode_refreshes_scales_first_made_in_a_forward():
+    """vLLM's forwards (where the scales are first made) run in inference mode, its layerwise reload (which then
+    refreshes them) outside it: the refresh must still update the tensor captured graphs read, in place."""
+    from trl_fp8.rollout.vllm.xqa_scales import LiveXQAScales
+
+    with torch.inference_mode():  # the engine's forwards: the layer's scales and q_scale are inference tensors
+        layer = _scale_layer(0.004, 0.004)
+        live = LiveXQAScales(1.0, 1)
+        live.refresh(layer)
+    storage = live.scales.q_scale.data_ptr()
+    with torch.inference_mode():  # the reload writes the layer's new scales (vLLM's own code)
+        layer._k_scale.fill_(0.012)
+    assert live.refresh() is True  # outside inference mode, as `process_weights_after_loading` runs it
+    assert live.scales.q_scale.data_ptr() == storage and live.scales.q_scale.item() == pytest.approx(3.0, rel=1e-6)
+    with torch.inference_mode():  # and the next eager forward
+        assert live.refresh(layer) is True
+
+
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 def test_the_direct_call_hands_xqa_what_flashinfers_wrapper_would_and_the_precomputed_tensors(fake_xqa, layout):
     """`xqa_decode_with_scales` reproduces `xqa_batch_decode_with_kv_cache` for one query token per sequence

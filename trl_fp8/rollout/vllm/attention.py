@@ -218,11 +218,13 @@ def decode_follows_live_scales(
             window_left=-1, out=out, sinks=None, kv_layout="NHD", q_len_per_req=1, mask=None,
         )  # fmt: skip
 
-    run()  # builds XQA (cached on disk) and warms it up outside the capture
-    torch.cuda.synchronize(device)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
+    # vLLM runs its forwards (the first makes q_scale) and captures in inference mode, its reload outside it
+    with torch.inference_mode():
+        run()  # builds XQA (cached on disk) and warms it up outside the capture
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
     if not float_scales and wrapper_calls:
         return "XQA's decode with precomputed scales went through FlashInfer's wrapper, not the direct call"
     # each sequence's keys and values in order, [seqs, pages * 16, kv_heads, d] (gathered as bytes)
@@ -233,7 +235,8 @@ def decode_follows_live_scales(
         if refresh and not float_scales and i % 2:
             live.refresh()  # as after a reload: the layer, kept weakly
         elif refresh and not float_scales:
-            live.refresh(layer)  # as an eager forward
+            with torch.inference_mode():
+                live.refresh(layer)  # as an eager forward
         graph.replay()
         torch.cuda.synchronize(device)
         want = _reference_decode(q, k_seq.float() * ks, v_seq.float() * vs, seq_lens, sm_scale)

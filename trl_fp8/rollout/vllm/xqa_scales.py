@@ -64,9 +64,12 @@ class LiveXQAScales:
         k_scale, v_scale = layer._k_scale, layer._v_scale
         old = self.scales
         q_scale = old.q_scale if old is not None else None
-        if q_scale is None or q_scale.device != k_scale.device or q_scale.shape != k_scale.shape:
-            q_scale = torch.empty(k_scale.shape, dtype=torch.float32, device=k_scale.device)
-        torch.div(k_scale, v_scale, out=q_scale).mul_(self.factor)
+        # vLLM's forwards run in inference mode and its reload outside it: the tensor is written in inference mode
+        # in both, which may update an inference tensor in place (outside it, PyTorch refuses)
+        with torch.inference_mode():
+            if q_scale is None or q_scale.device != k_scale.device or q_scale.shape != k_scale.shape:
+                q_scale = torch.empty(k_scale.shape, dtype=torch.float32, device=k_scale.device)
+            torch.div(k_scale, v_scale, out=q_scale).mul_(self.factor)
         if old is None or old.q_scale is not q_scale or old.kv_scale is not v_scale or old.k_scale is not k_scale:
             self.scales = XQAScales(q_scale, v_scale, k_scale, self.sm_scale)
         return True
