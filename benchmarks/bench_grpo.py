@@ -40,7 +40,8 @@ micro-batches), with the size of the FP8 weight cache at the end.
 
 Each step is split into rollout (vLLM generate), weight sync, and training (everything else: scoring log-probs,
 rewards, forward/backward, optimizer). Medians are reported over the steps after the first `--warmup` and before
-`--profile_step` (profile the last step). All runs use token-level IS correction so they do the same work.
+the first profiled one (`--profile_step`: a step's training phase; `--profile_rollout_step`: a step's rollout). All
+runs use token-level IS correction so they do the same work.
 Writes `benchmarks/results/grpo_speed_<device>.json`.
 """
 
@@ -425,6 +426,24 @@ def run_one(args) -> None:
     generation.llm.generate = accounted
     generation.generate = timed(generation.generate, "rollout")
     generation.sync_weights = timed(generation.sync_weights, "sync")
+    rollout_profile = {}
+    if args.profile_rollout_step is not None:  # the engine's kernels during that step's rollout, in-process
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        timed_generate = generation.generate
+
+        def profiled_rollout(*a, **k):
+            if trainer.state.global_step != args.profile_rollout_step or rollout_profile:
+                return timed_generate(*a, **k)
+            torch.cuda.synchronize()
+            with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                out = timed_generate(*a, **k)
+                torch.cuda.synchronize()
+            rollout_profile["prof"] = prof  # its events are read after training
+            return out
+
+        generation.generate = profiled_rollout
     profile, state = {}, {}
     if args.profile_step is not None:
         from torch.profiler import ProfilerActivity
@@ -480,7 +499,7 @@ def run_one(args) -> None:
                   # what _generate_and_score_completions spends beyond the rollout and the sync inside it
                   "scoring_s": [t - r - w for t, r, w in zip(per_step("score"), rollout_s, sync_s, strict=True)],
                   "optimizer_s": per_step("optimizer")}  # fmt: skip
-    keep = median_steps(args.steps, args.warmup, args.profile_step)
+    keep = median_steps(args.steps, args.warmup, first_profiled_step(args))
     plan = getattr(trainer, "plan", None)  # FP8 trainers' start-up decisions (TRL's own trainers have none)
     row = {
         "name": args.run,
@@ -534,6 +553,8 @@ def run_one(args) -> None:
         profile["by_rank"] = ranks_profiles(profile, world)
     if profile:
         row["training_profile"] = profile
+    if "prof" in rollout_profile:
+        row["rollout_profile"] = {"step": args.profile_rollout_step, **kernel_breakdown(rollout_profile.pop("prof"))}
     row["processes"] = world
     row["completions_per_step"] = args.generation_batch * world
     row["completions_per_s"] = row["completions_per_step"] / row["step_time"]["step_s"]
@@ -666,6 +687,12 @@ def engine_stats(generation):
     return (report.rollout_stats if report is not None else None) or RolloutStats.attach(generation.llm)
 
 
+def first_profiled_step(args) -> int | None:
+    """The first step a profiler records (`--profile_step`, `--profile_rollout_step`); the medians stop before it."""
+    steps = [s for s in (args.profile_step, getattr(args, "profile_rollout_step", None)) if s is not None]
+    return min(steps) if steps else None
+
+
 def median_steps(steps: int, warmup: int, profile_step: int | None) -> list[int]:
     """The steps whose medians are reported: after the warm-up, before the profiled step. The profiler slows the
     step it records, and reading its events (tens of seconds) and freeing them disturb the steps that follow."""
@@ -716,7 +743,8 @@ def measurement(args) -> dict:
     return {"steps": args.steps, "warmup": args.warmup, "profile_step": args.profile_step,
             "profile_micro_batches": getattr(args, "profile_micro_batches", None),
             "profile_scoring": getattr(args, "profile_scoring", False),
-            "median_steps": median_steps(args.steps, args.warmup, args.profile_step),
+            "profile_rollout_step": getattr(args, "profile_rollout_step", None),
+            "median_steps": median_steps(args.steps, args.warmup, first_profiled_step(args)),
             "deep_gemm_warmup": os.environ.get("VLLM_DEEP_GEMM_WARMUP", "full"),
             "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
             "sync_each_batch": getattr(args, "sync_each_batch", False),
@@ -778,6 +806,12 @@ def print_summary(result: dict) -> None:
             if timeline := r["training_profile"].get("timeline"):
                 print(f"{r['name']} training-phase timeline (ms): " + ", ".join(f"{k[:-3]} {v:.0f}"
                                                                                 for k, v in timeline.items()))  # fmt: skip
+        if "rollout_profile" in r:
+            cats = r["rollout_profile"]["kernel_ms_by_category"]
+            print(f"{r['name']} rollout kernels (ms): " + ", ".join(f"{k} {v:.0f}" for k, v in cats.items()))
+            if timeline := r["rollout_profile"].get("timeline"):
+                print(f"{r['name']} rollout timeline (ms): " + ", ".join(f"{k[:-3]} {v:.0f}"
+                                                                       for k, v in timeline.items()))  # fmt: skip
     for r in result["results"]:
         m = r.get("mismatch") or {}
         if "fp8/mismatch/kl_k3" in m:
@@ -838,6 +872,13 @@ def main():
         help="profile this optimizer step's training phase (rollout and sync left out): GPU kernel time by category",
     )
     parser.add_argument(
+        "--profile_rollout_step",
+        type=int,
+        default=None,
+        help="profile this optimizer step's rollout (the colocated engine's kernels, in-process): GPU kernel time by "
+        "category and the time the GPU waited; a step other than --profile_step's",
+    )
+    parser.add_argument(
         "--profile_micro_batches",
         type=int,
         default=None,
@@ -857,6 +898,10 @@ def main():
     )
     parser.add_argument("--median_steps", type=int, nargs="+", default=None, help="with --resummarize")
     args = parser.parse_args()
+    if args.profile_rollout_step is not None and args.profile_rollout_step == args.profile_step:
+        parser.error("--profile_rollout_step and --profile_step must be different steps (one profiler at a time)")
+    if args.profile_rollout_step is not None and not 0 <= args.profile_rollout_step < args.steps:
+        parser.error(f"--profile_rollout_step {args.profile_rollout_step} is not one of the {args.steps} steps")
     if args.num_processes % args.vllm_tensor_parallel_size:
         parser.error(
             "--vllm_tensor_parallel_size must divide --num_processes (TRL groups consecutive ranks into engines)"

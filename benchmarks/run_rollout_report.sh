@@ -33,6 +33,7 @@
 #   bash benchmarks/run_rollout_report.sh train     # bench_host + bench_train_step: the training phase without vLLM
 #   bash benchmarks/run_rollout_report.sh grpo      # bench_grpo ($GRPO_RUNS), TRL BF16 vs unified FP8, profiled
 #   bash benchmarks/run_rollout_report.sh moestep   # bench_grpo on the reduced Qwen3-30B-A3B: $MOE_RUNS one after the other
+#   bash benchmarks/run_rollout_report.sh moeprofile # the same, the BF16 twin and FP8's defaults, step 2's rollout profiled
 #   bash benchmarks/run_rollout_report.sh four      # bench_grpo: the four runs of `long` at 64 x 1024 on the 8B shape
 #   bash benchmarks/run_rollout_report.sh long      # bench_grpo's long regime ($LONG_RUNS): 128 x 4096 tokens, 1.7B
 #   bash benchmarks/run_rollout_report.sh kvprofile # the long regime's rollout (1.7B, 128 x 4096), kernel time profiled
@@ -265,6 +266,14 @@ moestep)  # the reduced Qwen3-30B-A3B GRPO step (12 of 48 layers, 64 x 1024, 8-b
     --runs ${MOE_RUNS:-trl_bf16 bf16_defaults fp8_defaults} --warmup 1 --steps 4 --workdir "$work/moe" \
     --out "$work/grpo_moe_30b_a3b_12l_$device.json"
   ;;
+moeprofile)  # where the reduced Qwen3-30B-A3B step's rollout goes: $MOE_RUNS (default the BF16 twin, then FP8's
+  # defaults) one after the other, step 2's rollout under the profiler (the engine's kernel time by category and the
+  # time the GPU waited), the medians from step 1
+  # shellcheck disable=SC2086
+  MASTER_PORT=29650 timed grpo_moe_profile python -m benchmarks.bench_grpo --shape 30b-a3b-12l --optim adamw_bnb_8bit \
+    --runs ${MOE_RUNS:-bf16_defaults fp8_defaults} --warmup 1 --steps 3 --profile_rollout_step 2 --workdir "$work/moe" \
+    --out "$work/grpo_moe_30b_a3b_12l_rollout_profile_$device.json"
+  ;;
 four)  # report v2's first regime: the four runs of `long` (with FP8 rollouts and the FP8 KV cache) at the grpo phase's
   # 8B shape and 64 x 1024 tokens, with today's defaults. DeepGEMM's warm-up is skipped as in `long`: the first FP8
   # run's untimed step 0 compiles its kernels; medians of steps 1-3.
@@ -448,7 +457,7 @@ multi)  # a 4B shape with stock fused AdamW: one step fits one GPU beside its en
   ;;
 *)
   echo "usage: $0 PHASE... (kernels rollout capacity concurrency colocate bestfit pack suite checks linear gemm quant" \
-    "train grpo four long kvprofile fp8kv" \
+    "train grpo moestep moeprofile four long kvprofile fp8kv moedecode decode decodeattn moeexperts" \
     "chain chainbase chainkv multi scaling contention)" >&2
   exit 2
   ;;

@@ -395,6 +395,14 @@ def test_grpo_medians_leave_out_the_profiled_step_and_after(tmp_path):
         median_steps(6, 3, 3)
     with pytest.raises(ValueError, match="not one of the 6 steps"):
         median_steps(6, 1, 6)
+    from types import SimpleNamespace
+
+    from benchmarks.bench_grpo import first_profiled_step
+
+    # a profiled rollout ends the medians too, whichever of the two profiled steps comes first
+    assert first_profiled_step(SimpleNamespace(profile_step=5, profile_rollout_step=3)) == 3
+    assert first_profiled_step(SimpleNamespace(profile_step=None, profile_rollout_step=None)) is None
+    assert first_profiled_step(SimpleNamespace(profile_step=2)) == 2
     per_step = {"step_s": [30.0, 10.0, 12.0, 11.0, 60.0], "rollout_s": [5.0, 4.0, 4.0, 4.0, 4.0],
                 "weight_sync_s": [1.0, 0.5, 0.5, 0.5, 0.5]}  # fmt: skip
     medians = step_medians(per_step, [1, 2, 3])
