@@ -1,0 +1,217 @@
+"""Gates of exact on-policy training: the kernels vLLM runs for a block-FP8 model give each row the same bits
+whatever else is in the launch (M, the batch's other sequences, decode or prefill). If one of these fails, the
+trainer's log-probabilities cannot equal the engine's by calling the same kernels, whatever the trainer does; each
+test says which kernel and by how much. Every comparison is `torch.equal` (SM90, vLLM installed).
+
+- DeepGEMM's `fp8_gemm_nt` (vLLM's block-FP8 linear on Hopper): rows at M = 1, 7, 64, 300, 4096, and q/k/v (gate/up)
+  multiplied as one merged weight or one by one;
+- vLLM's RMSNorm kernels (with the residual add, without, and its batch-invariant Triton one) on 8 vs 300 rows;
+- vLLM's 1x128 FP8 activation quantizer on 8 vs 300 rows, in both scale layouts;
+- FlashAttention-3 (vLLM's build, BF16 paged cache, one split as vLLM's batch-invariant mode runs it): the decode of
+  position p (q_len 1, batched with other sequences) against row p of the prefill of the whole sequence;
+- vLLM's log-probability kernel (its V2 sampler's `compute_token_logprobs`) on 8 vs 300 rows.
+"""
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+FP8 = torch.float8_e4m3fn
+BLOCK = 128
+HIDDEN = 4096  # Qwen3-8B's
+Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+
+
+def _first_difference(a: torch.Tensor, b: torch.Tensor) -> str:
+    """Where two tensors of one shape first differ and by how much (for the failure message)."""
+    a, b = _bits(a), _bits(b)
+    diff = a.float() != b.float()
+    if not diff.any():
+        return "equal"
+    where = tuple(int(i) for i in diff.nonzero()[0])
+    gap = (a.float() - b.float()).abs().max().item()
+    return f"{int(diff.sum())} of {diff.numel()} elements differ, first at {where}, largest gap {gap:.3g}"
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype == FP8 else t
+
+
+def _assert_equal(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    assert a.shape == b.shape, f"{what}: shapes {tuple(a.shape)} and {tuple(b.shape)}"
+    assert torch.equal(_bits(a), _bits(b)), f"{what}: {_first_difference(a, b)}"
+
+
+def _block_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """128x128-block FP8 of `w [N, K]` with float32 scales `amax / 448` `[N/128, K/128]`, as trl-fp8 pushes them."""
+    n, k = w.shape
+    blocks = w.float().view(n // BLOCK, BLOCK, k // BLOCK, BLOCK)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / torch.finfo(FP8).max
+    return (blocks / scale[:, None, :, None]).to(FP8).view(n, k), scale
+
+
+@pytest.fixture(scope="module")
+def deepgemm():
+    """vLLM's DeepGEMM linear as its block-FP8 kernel runs it: the 1x128 input quantizer with column-major scales,
+    E8M0 off (trl-fp8's engines), the weights through vLLM's own DeepGEMM preparation."""
+    pytest.importorskip("vllm")
+    from vllm.model_executor.layers.quantization.utils.fp8_utils import (
+        deepgemm_post_process_fp8_weight_block,
+        per_token_group_quant_fp8,
+    )
+    from vllm.utils.deep_gemm import fp8_gemm_nt, get_col_major_tma_aligned_tensor
+    from vllm.utils.import_utils import has_deep_gemm
+
+    if not has_deep_gemm() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("DeepGEMM's SM90 kernels are not here")
+
+    def prepare(w: torch.Tensor):
+        q, s = _block_quantize(w)
+        return deepgemm_post_process_fp8_weight_block(q.contiguous(), s.contiguous(), (BLOCK, BLOCK), use_e8m0=False)
+
+    def linear(x: torch.Tensor, weight) -> torch.Tensor:
+        a_q, a_s = per_token_group_quant_fp8(x, BLOCK, column_major_scales=True, use_ue8m0=False)
+        w_q, w_s = weight
+        out = torch.empty(x.shape[0], w_q.shape[0], dtype=torch.bfloat16, device=x.device)
+        fp8_gemm_nt((a_q, get_col_major_tma_aligned_tensor(a_s)), (w_q, w_s), out, is_deep_gemm_e8m0_used=False)
+        return out
+
+    return prepare, linear
+
+
+def test_deepgemm_gives_each_row_the_same_bits_at_every_m(deepgemm):
+    """The q/k/v GEMM of Qwen3-8B (N 6,144, K 4,096) and its down projection (N 4,096, K 12,288) on the first M of
+    the same 4,096 rows: every row as in the 4,096-row launch (DeepGEMM picks its tiles by M)."""
+    prepare, linear = deepgemm
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for n, k in ((6144, HIDDEN), (HIDDEN, 12288)):
+        weight = prepare(torch.randn(n, k, device="cuda", generator=g).mul(0.02).bfloat16())
+        x = torch.randn(4096, k, device="cuda", generator=g).bfloat16()
+        full = linear(x, weight)
+        for m in (1, 7, 64, 300):
+            _assert_equal(linear(x[:m].contiguous(), weight), full[:m], f"DeepGEMM N={n} K={k}, M={m} vs M=4096")
+
+
+def test_deepgemm_merged_qkv_and_gate_up_give_the_bits_of_each_part(deepgemm):
+    """vLLM multiplies q/k/v (gate/up) as one merged weight; a trainer that keeps them apart must get each part's
+    columns with the same bits, at decode and prefill sizes."""
+    prepare, linear = deepgemm
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for widths in ((HIDDEN, 1024, 1024), (12288, 12288)):
+        parts = [torch.randn(n, HIDDEN, device="cuda", generator=g).mul(0.02).bfloat16() for n in widths]
+        merged = prepare(torch.cat(parts))
+        for m in (64, 300):
+            x = torch.randn(m, HIDDEN, device="cuda", generator=g).bfloat16()
+            whole, start = linear(x, merged), 0
+            for i, part in enumerate(parts):
+                n = part.shape[0]
+                _assert_equal(linear(x, prepare(part)), whole[:, start : start + n],
+                              f"DeepGEMM, part {i} of {widths} alone vs merged, M={m}")  # fmt: skip
+                start += n
+
+
+def _rows(m: int, n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(m, n, device="cuda", generator=g).mul(4).bfloat16()
+
+
+def test_vllms_rms_norms_give_each_row_the_same_bits_on_8_and_300_rows():
+    """The fused add + RMSNorm (every norm after the first in vLLM's decoder), the plain RMSNorm, and the
+    batch-invariant mode's Triton RMSNorm: the first 8 rows alone as in a launch of 300 (vLLM's kernels have switched
+    block sizes at 256 rows)."""
+    pytest.importorskip("vllm")
+    import vllm._custom_ops  # noqa: F401 - registers torch.ops._C
+
+    try:  # vLLM 0.31's module; 0.26 kept it among the layers
+        from vllm.model_executor.determinism.batch_invariant import rms_norm_batch_invariant
+    except ImportError:
+        from vllm.model_executor.layers.batch_invariant import rms_norm_batch_invariant
+
+    x, r = _rows(300, HIDDEN, 2), _rows(300, HIDDEN, 3)
+    w = (1 + 0.1 * _rows(1, HIDDEN, 4).float()).bfloat16().view(-1)
+    eps = 1e-6
+
+    def fused(m):
+        out, residual = x[:m].clone(), r[:m].clone()
+        torch.ops._C.fused_add_rms_norm(out, residual, w, eps)
+        return out, residual
+
+    (out8, res8), (out300, res300) = fused(8), fused(300)
+    _assert_equal(out8, out300[:8], "fused_add_rms_norm output, 8 vs 300 rows")
+    _assert_equal(res8, res300[:8], "fused_add_rms_norm residual, 8 vs 300 rows")
+
+    def plain(m):
+        out = torch.empty_like(x[:m])
+        torch.ops._C.rms_norm(out, x[:m].contiguous(), w, eps)
+        return out
+
+    _assert_equal(plain(8), plain(300)[:8], "rms_norm, 8 vs 300 rows")
+    _assert_equal(rms_norm_batch_invariant(x[:8].contiguous(), w, eps), rms_norm_batch_invariant(x, w, eps)[:8],
+                  "rms_norm_batch_invariant, 8 vs 300 rows")  # fmt: skip
+
+
+@pytest.mark.parametrize("column_major", [True, False])
+def test_vllms_activation_quantizer_gives_each_row_the_same_bits_on_8_and_300_rows(column_major):
+    pytest.importorskip("vllm")
+    from vllm.model_executor.layers.quantization.utils.fp8_utils import per_token_group_quant_fp8
+
+    x = _rows(300, HIDDEN, 5)
+    q8, s8 = per_token_group_quant_fp8(x[:8].contiguous(), BLOCK, column_major_scales=column_major, use_ue8m0=False)
+    q300, s300 = per_token_group_quant_fp8(x, BLOCK, column_major_scales=column_major, use_ue8m0=False)
+    _assert_equal(q8, q300[:8], "per_token_group_quant_fp8 values, 8 vs 300 rows")
+    _assert_equal(s8.contiguous(), s300[:8].contiguous(), "per_token_group_quant_fp8 scales, 8 vs 300 rows")
+
+
+def test_vllms_log_probability_kernel_gives_each_row_the_same_bits_on_8_and_300_rows():
+    """The V2 sampler's log-probabilities of the sampled tokens (Qwen3's vocabulary, BF16 logits, as the engine holds
+    them), the first 8 rows alone as in a launch of 300."""
+    pytest.importorskip("vllm")
+    try:
+        from vllm.v1.worker.gpu.sample.logprob import compute_token_logprobs
+    except ImportError as exc:
+        pytest.skip(f"this vLLM has no V2 sampler's compute_token_logprobs: {exc}")
+    logits = _rows(300, 151936, 6)
+    g = torch.Generator(device="cuda").manual_seed(7)
+    tokens = torch.randint(0, 151936, (300, 1), device="cuda", generator=g)
+    _assert_equal(compute_token_logprobs(logits[:8].contiguous(), tokens[:8].contiguous()),
+                  compute_token_logprobs(logits, tokens)[:8], "compute_token_logprobs, 8 vs 300 rows")  # fmt: skip
+
+
+def test_flashattention3_decode_of_a_position_equals_that_row_of_the_prefill():
+    """vLLM's FA3 over a BF16 paged cache (pages of 16 from a shuffled pool), one split, as vLLM's batch-invariant
+    mode runs it: the prefill of a 300-token sequence (q_len 300) against the decode of position p (q_len 1, over
+    positions 0..p, batched with three other sequences of other lengths), for p at page and tile edges."""
+    pytest.importorskip("vllm")
+    try:
+        from vllm.vllm_flash_attn import flash_attn_varlen_func
+        from vllm.vllm_flash_attn.flash_attn_interface import fa_version_unsupported_reason, is_fa_version_supported
+    except ImportError as exc:
+        pytest.skip(f"vllm.vllm_flash_attn: {exc}")
+    if not is_fa_version_supported(3):
+        pytest.skip(f"FlashAttention 3 unsupported here: {fa_version_unsupported_reason(3)}")
+    g = torch.Generator(device="cuda").manual_seed(8)
+    length, page, pages_per_seq, seqs = 300, 16, 32, 4
+    pool = torch.randperm(seqs * pages_per_seq, device="cuda", generator=g).int()
+    block_table = pool.view(seqs, pages_per_seq)
+    shape = (seqs * pages_per_seq, page, KV_HEADS, HEAD_DIM)
+    k_cache = torch.randn(shape, device="cuda", generator=g).bfloat16()
+    v_cache = torch.randn(shape, device="cuda", generator=g).bfloat16()
+    q = torch.randn(length, Q_HEADS, HEAD_DIM, device="cuda", generator=g).bfloat16()
+    others = torch.randn(seqs - 1, Q_HEADS, HEAD_DIM, device="cuda", generator=g).bfloat16()
+
+    def attend(query, cu_seqlens_q, max_seqlen_q, seq_lens, table):
+        return flash_attn_varlen_func(
+            q=query, k=k_cache, v=v_cache, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, seqused_k=seq_lens,
+            max_seqlen_k=pages_per_seq * page, softmax_scale=HEAD_DIM**-0.5, causal=True, window_size=[-1, -1],
+            block_table=table, softcap=0, fa_version=3, num_splits=1,
+        )  # fmt: skip
+
+    prefill = attend(q, torch.tensor([0, length], dtype=torch.int32, device="cuda"), length,
+                     torch.tensor([length], dtype=torch.int32, device="cuda"), block_table[:1])  # fmt: skip
+    other_lens = [511, 17, 128]
+    for p in (0, 1, 15, 16, 127, 128, 129, 255, 299):
+        query = torch.cat([q[p : p + 1], others])
+        seq_lens = torch.tensor([p + 1, *other_lens], dtype=torch.int32, device="cuda")
+        decode = attend(query, torch.arange(seqs + 1, dtype=torch.int32, device="cuda"), 1, seq_lens, block_table)
+        _assert_equal(decode[0], prefill[p], f"FA3 decode of position {p} vs row {p} of the prefill")
