@@ -69,7 +69,7 @@ from importlib.metadata import PackageNotFoundError, version
 import torch
 
 from benchmarks.bench_rollout import hardware
-from benchmarks.common import arg_parser, device_name, metadata, results_path, write_json
+from benchmarks.common import arg_parser, device_name, graph_time_us, metadata, results_path, write_json
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -477,35 +477,6 @@ def build_calls(name: str, batch: DecodeBatch, args, scales_t: dict, state: dict
         return triton_calls(batch, args, scales_t)
     scales = {"xqa_fp8": "floats", "xqa_fp8_tensor_scales": "tensors", "xqa_fp8_live_scales": "precomputed"}[name]
     return xqa_calls(batch, scales, args, scales_t, state)
-
-
-def graph_time_us(calls: list, warmup: int, repeats: int) -> tuple[list[float], object]:
-    """Microseconds per call of each of `repeats` replays of one CUDA graph holding `calls` (warmed up first)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in calls:  # anything compiled or allocated lazily, before the capture
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in calls:
-            fn()
-    for _ in range(warmup):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    sleep = getattr(torch.cuda, "_sleep", None)
-    times = []
-    for _ in range(repeats):
-        if sleep is not None:  # the GPU busy while the host launches the graph: no launch latency in the timing
-            sleep(200_000)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(calls))
-    return times, graph
 
 
 def max_error(out: torch.Tensor, ref: torch.Tensor) -> float:

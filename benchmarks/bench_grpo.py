@@ -800,18 +800,13 @@ def print_summary(result: dict) -> None:
             t = r["step_time"]
             print(f"{r['name']} training phase: scoring {t['scoring_s']:.2f} s, micro-batches {t['micro_batches_s']:.2f} s, "
                   f"optimizer {t['optimizer_s']:.2f} s")  # fmt: skip
-        if "training_profile" in r:
-            cats = r["training_profile"]["kernel_ms_by_category"]
-            print(f"{r['name']} training-phase kernels (ms): " + ", ".join(f"{k} {v:.0f}" for k, v in cats.items()))
-            if timeline := r["training_profile"].get("timeline"):
-                print(f"{r['name']} training-phase timeline (ms): " + ", ".join(f"{k[:-3]} {v:.0f}"
-                                                                                for k, v in timeline.items()))  # fmt: skip
-        if "rollout_profile" in r:
-            cats = r["rollout_profile"]["kernel_ms_by_category"]
-            print(f"{r['name']} rollout kernels (ms): " + ", ".join(f"{k} {v:.0f}" for k, v in cats.items()))
-            if timeline := r["rollout_profile"].get("timeline"):
-                print(f"{r['name']} rollout timeline (ms): " + ", ".join(f"{k[:-3]} {v:.0f}"
-                                                                       for k, v in timeline.items()))  # fmt: skip
+        for key, phase in (("training_profile", "training-phase"), ("rollout_profile", "rollout")):
+            if key in r:
+                cats = r[key]["kernel_ms_by_category"]
+                print(f"{r['name']} {phase} kernels (ms): " + ", ".join(f"{k} {v:.0f}" for k, v in cats.items()))
+                if timeline := r[key].get("timeline"):
+                    print(f"{r['name']} {phase} timeline (ms): "
+                          + ", ".join(f"{k[:-3]} {v:.0f}" for k, v in timeline.items()))  # fmt: skip
     for r in result["results"]:
         m = r.get("mismatch") or {}
         if "fp8/mismatch/kl_k3" in m:

@@ -87,7 +87,7 @@ import torch
 
 from benchmarks.bench_decode_attention import Skipped, _reason
 from benchmarks.bench_rollout import SHAPES, hardware
-from benchmarks.common import arg_parser, device_name, metadata, results_path, write_json
+from benchmarks.common import arg_parser, device_name, graph_time_us, metadata, results_path, write_json
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -537,39 +537,6 @@ def part_calls(api, kernels: Kernels, dtype: str, x, topk_weights, topk_ids, hit
     return {name: parts[name] for name in PART_ORDER[dtype]}
 
 
-def graph_time_us(calls: list, warmup: int, repeats: int, after_capture=None) -> list[float]:
-    """Microseconds per call of each of `repeats` replays of one CUDA graph holding `calls` (warmed up first);
-    `after_capture` runs once the graph is captured, before its first replay."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in calls:  # anything compiled or allocated lazily (the workspace), before the capture
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in calls:
-            fn()
-    if after_capture is not None:
-        after_capture()
-    for _ in range(warmup):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    sleep = getattr(torch.cuda, "_sleep", None)
-    times = []
-    for _ in range(repeats):
-        if sleep is not None:  # the GPU busy while the host launches the graph: no launch latency in the timing
-            sleep(200_000)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(calls))
-    del graph
-    return times
-
-
 def max_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return (out.float() - ref).abs().max().item()
 
@@ -594,7 +561,7 @@ def run_variant(name: str, kernels: Kernels, batch: dict, ref: torch.Tensor, max
     bound = ERR_BOUND[VARIANTS[name].dtype]
     eager = outs[0].clone()
     err_eager = max_error(eager, ref)
-    times = graph_time_us(calls, args.warmup, args.repeats, after_capture=lambda: outs[0].zero_())
+    times = graph_time_us(calls, args.warmup, args.repeats, after_capture=lambda: outs[0].zero_())[0]
     err_graph = max_error(outs[0], ref)
     err = max(err_eager, err_graph)
     row = {**spread(times), "max_err": err, "max_err_eager": err_eager, "max_err_graph": err_graph,
@@ -642,7 +609,7 @@ def time_parts(kernels: Kernels, dtype: str, batch: dict, args, only: tuple[str,
             continue
         row = {"part": name, "label": PARTS[name]}
         try:
-            row.update(spread(graph_time_us(calls, args.warmup, args.repeats)))
+            row.update(spread(graph_time_us(calls, args.warmup, args.repeats)[0]))
             if nbytes is not None:
                 floor = floor_us(nbytes, args.hbm)
                 row.update(bytes=nbytes, floor_us=floor, fraction=floor / row["us"])
@@ -698,7 +665,7 @@ def tune_triton(kernels: Kernels, dtype: str, batch: dict, ref: torch.Tensor, ma
         try:
             parts = part_calls(api, kernels, dtype, batch["x"], batch["topk_weights"], batch["topk_ids"], batch["hit"],
                                config=config)  # fmt: skip
-            row["gemm_us"] = {name: statistics.median(graph_time_us(parts[name][0], args.warmup, args.tune_repeats))
+            row["gemm_us"] = {name: statistics.median(graph_time_us(parts[name][0], args.warmup, args.tune_repeats)[0])
                               for name in ("gemm1", "gemm2")}  # fmt: skip
             row["us"] = sum(row["gemm_us"].values())
         except Exception as exc:  # noqa: BLE001 - a configuration Triton cannot build here (shared memory)
@@ -718,7 +685,7 @@ def tune_triton(kernels: Kernels, dtype: str, batch: dict, ref: torch.Tensor, ma
         with api.override_config({**config}):
             calls[0]()
             torch.cuda.synchronize()
-            times = graph_time_us(calls, args.warmup, args.repeats, after_capture=lambda: outs[0].zero_())
+            times = graph_time_us(calls, args.warmup, args.repeats, after_capture=lambda: outs[0].zero_())[0]
         err = max_error(outs[0], ref)
         layer[label] = {
             **spread(times),

@@ -289,6 +289,41 @@ def kernel_category(name: str) -> str:
     return next((c for c, pattern in KERNEL_CATEGORIES if re.search(pattern, name.lower())), "other")
 
 
+def graph_time_us(calls: list, warmup: int, repeats: int, after_capture=None) -> tuple[list[float], object]:
+    """Microseconds per call of each of `repeats` replays of one CUDA graph holding `calls` (run once before the
+    capture, then warmed up), and the graph (its tensors hold the last replay's outputs). `after_capture` runs once
+    the graph is captured, before its first replay."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in calls:  # anything compiled or allocated lazily (a workspace), before the capture
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in calls:
+            fn()
+    if after_capture is not None:
+        after_capture()
+    for _ in range(warmup):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    sleep = getattr(torch.cuda, "_sleep", None)
+    times = []
+    for _ in range(repeats):
+        if sleep is not None:  # the GPU busy while the host launches the graph: no launch latency in the timing
+            sleep(200_000)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(calls))
+    return times, graph
+
+
 def kernel_breakdown(prof, top: int = 25, rest: str = "rest") -> dict:
     """GPU kernel milliseconds of a profiled phase (a training step, a rollout) by category, the heaviest kernels,
     and how the phase's time splits between kernels and waiting (`kernel_timeline`); where the phase marked the ends
