@@ -9,11 +9,19 @@ test says which kernel and by how much. Every comparison is `torch.equal` (SM90,
 - vLLM's 1x128 FP8 activation quantizer on 8 vs 300 rows, in both scale layouts;
 - FlashAttention-3 (vLLM's build, BF16 paged cache, one split as vLLM's batch-invariant mode runs it): the decode of
   position p (q_len 1, batched with other sequences) against row p of the prefill of the whole sequence;
-- vLLM's log-probability kernel (its V2 sampler's `compute_token_logprobs`) on 8 vs 300 rows.
+- vLLM's log-probability kernel (its V2 sampler's `compute_token_logprobs`) on 8 vs 300 rows;
+- a whole engine in vLLM's batch-invariant mode: the log-probabilities of the tokens it sampled equal its prompt
+  log-probabilities of the same sequences (a tiny Qwen3's block-FP8 checkpoint on DeepGEMM).
 """
+
+import json
+import subprocess
+import sys
 
 import pytest
 import torch
+
+from conftest import WORKERS, clean_subprocess_env, run_child
 
 pytestmark = pytest.mark.gpu
 
@@ -215,3 +223,30 @@ def test_flashattention3_decode_of_a_position_equals_that_row_of_the_prefill():
         seq_lens = torch.tensor([p + 1, *other_lens], dtype=torch.int32, device="cuda")
         decode = attend(query, torch.arange(seqs + 1, dtype=torch.int32, device="cuda"), 1, seq_lens, block_table)
         _assert_equal(decode[0], prefill[p], f"FA3 decode of position {p} vs row {p} of the prefill")
+
+
+def test_vllm_in_batch_invariant_mode_scores_the_tokens_it_sampled_with_their_decode_log_probabilities(tmp_path):
+    """In vLLM's batch-invariant mode, with the settings exactness needs (DeepGEMM with E8M0 off, no compilation,
+    decode-only CUDA graphs, FlashAttention), 16 sequences sampled at temperature 1 (their decode log-probabilities)
+    and then scored as prompts (their prefill log-probabilities): every one of the 1,024 tokens the same float. If
+    vLLM disagrees with itself here, no trainer can agree with it."""
+    pytest.importorskip("vllm")
+    from trl_fp8.demo.tiny_model import tiny_char_tokenizer, tiny_qwen3
+    from trl_fp8.rollout.vllm.kernels import default_jit_cache_dir
+
+    tokenizer = tiny_char_tokenizer()
+    model = tiny_qwen3(vocab_size=128, eos_token_id=tokenizer.eos_token_id, pad_token_id=0)
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    subprocess.run([sys.executable, "-m", "trl_fp8", "quantize", str(tmp_path / "model"), str(tmp_path / "fp8")],
+                   check=True)  # fmt: skip
+    env = {**clean_subprocess_env(), "VLLM_BATCH_INVARIANT": "1", "VLLM_USE_DEEP_GEMM": "1",
+           "VLLM_USE_DEEP_GEMM_E8M0": "0", "VLLM_DEEP_GEMM_WARMUP": "skip",
+           "DG_JIT_CACHE_DIR": str(default_jit_cache_dir()), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # fmt: skip
+    proc = run_child([sys.executable, str(WORKERS / "vllm_self_logprobs.py"), str(tmp_path / "fp8")], timeout=900,
+                     env=env)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("self-logprobs:"))
+    found = json.loads(line.split(":", 1)[1])
+    print(f"\nvLLM decode vs prompt log-probabilities, batch-invariant mode: {found}")
+    assert found["tokens"] == 16 * 64 and found["differ"] == 0, found
