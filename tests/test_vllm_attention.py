@@ -139,6 +139,9 @@ def vllm_registry(monkeypatch):
     for name in ("vllm", "vllm.v1", "vllm.v1.attention", "vllm.v1.attention.backends"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     monkeypatch.setitem(sys.modules, registry.__name__, registry)
+    monkeypatch.delenv(
+        "VLLM_TUNED_CONFIG_FOLDER", raising=False
+    )  # the plugin names trl-fp8's MoE tiles: restored after
     return AttentionBackendEnum
 
 
@@ -162,6 +165,7 @@ def test_the_plugin_does_nothing_without_vllm(monkeypatch):
     from trl_fp8.rollout.vllm import plugin
 
     monkeypatch.setitem(sys.modules, "vllm", None)  # import fails
+    monkeypatch.delenv("VLLM_TUNED_CONFIG_FOLDER", raising=False)
     plugin.register()
 
 
