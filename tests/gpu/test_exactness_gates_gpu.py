@@ -61,8 +61,9 @@ def _block_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def deepgemm():
-    """vLLM's DeepGEMM linear as its block-FP8 kernel runs it: the 1x128 input quantizer with column-major scales,
-    E8M0 off (trl-fp8's engines), the weights through vLLM's own DeepGEMM preparation."""
+    """vLLM's DeepGEMM linear as its block-FP8 kernel runs it, in two steps so that the GEMM's gate does not depend on
+    the quantizer's (which has its own): vLLM's 1x128 input quantizer, E8M0 off (trl-fp8's engines), and the GEMM,
+    its weights through vLLM's own DeepGEMM preparation and the activation scales in DeepGEMM's TMA-aligned layout."""
     pytest.importorskip("vllm")
     from vllm.model_executor.layers.quantization.utils.fp8_utils import (
         deepgemm_post_process_fp8_weight_block,
@@ -78,43 +79,46 @@ def deepgemm():
         q, s = _block_quantize(w)
         return deepgemm_post_process_fp8_weight_block(q.contiguous(), s.contiguous(), (BLOCK, BLOCK), use_e8m0=False)
 
-    def linear(x: torch.Tensor, weight) -> torch.Tensor:
-        a_q, a_s = per_token_group_quant_fp8(x, BLOCK, column_major_scales=True, use_ue8m0=False)
+    def quantize(x: torch.Tensor):
+        return per_token_group_quant_fp8(x, BLOCK, column_major_scales=False, use_ue8m0=False)
+
+    def gemm(a_q: torch.Tensor, a_s: torch.Tensor, weight) -> torch.Tensor:
         w_q, w_s = weight
-        out = torch.empty(x.shape[0], w_q.shape[0], dtype=torch.bfloat16, device=x.device)
-        fp8_gemm_nt((a_q, get_col_major_tma_aligned_tensor(a_s)), (w_q, w_s), out, is_deep_gemm_e8m0_used=False)
+        out = torch.empty(a_q.shape[0], w_q.shape[0], dtype=torch.bfloat16, device=a_q.device)
+        a_s = get_col_major_tma_aligned_tensor(a_s.contiguous())  # the layout DeepGEMM reads, as vLLM hands it
+        fp8_gemm_nt((a_q.contiguous(), a_s), (w_q, w_s), out, is_deep_gemm_e8m0_used=False)
         return out
 
-    return prepare, linear
+    return prepare, quantize, gemm
 
 
 def test_deepgemm_gives_each_row_the_same_bits_at_every_m(deepgemm):
     """The q/k/v GEMM of Qwen3-8B (N 6,144, K 4,096) and its down projection (N 4,096, K 12,288) on the first M of
     the same 4,096 rows: every row as in the 4,096-row launch (DeepGEMM picks its tiles by M)."""
-    prepare, linear = deepgemm
+    prepare, quantize, gemm = deepgemm
     g = torch.Generator(device="cuda").manual_seed(0)
     for n, k in ((6144, HIDDEN), (HIDDEN, 12288)):
         weight = prepare(torch.randn(n, k, device="cuda", generator=g).mul(0.02).bfloat16())
-        x = torch.randn(4096, k, device="cuda", generator=g).bfloat16()
-        full = linear(x, weight)
+        a_q, a_s = quantize(torch.randn(4096, k, device="cuda", generator=g).bfloat16())  # the same FP8 rows for all M
+        full = gemm(a_q, a_s, weight)
         for m in (1, 7, 64, 300):
-            _assert_equal(linear(x[:m].contiguous(), weight), full[:m], f"DeepGEMM N={n} K={k}, M={m} vs M=4096")
+            _assert_equal(gemm(a_q[:m], a_s[:m], weight), full[:m], f"DeepGEMM N={n} K={k}, M={m} vs M=4096")
 
 
 def test_deepgemm_merged_qkv_and_gate_up_give_the_bits_of_each_part(deepgemm):
     """vLLM multiplies q/k/v (gate/up) as one merged weight; a trainer that keeps them apart must get each part's
     columns with the same bits, at decode and prefill sizes."""
-    prepare, linear = deepgemm
+    prepare, quantize, gemm = deepgemm
     g = torch.Generator(device="cuda").manual_seed(1)
     for widths in ((HIDDEN, 1024, 1024), (12288, 12288)):
         parts = [torch.randn(n, HIDDEN, device="cuda", generator=g).mul(0.02).bfloat16() for n in widths]
         merged = prepare(torch.cat(parts))
         for m in (64, 300):
-            x = torch.randn(m, HIDDEN, device="cuda", generator=g).bfloat16()
-            whole, start = linear(x, merged), 0
+            a_q, a_s = quantize(torch.randn(m, HIDDEN, device="cuda", generator=g).bfloat16())
+            whole, start = gemm(a_q, a_s, merged), 0
             for i, part in enumerate(parts):
                 n = part.shape[0]
-                _assert_equal(linear(x, prepare(part)), whole[:, start : start + n],
+                _assert_equal(gemm(a_q, a_s, prepare(part)), whole[:, start : start + n],
                               f"DeepGEMM, part {i} of {widths} alone vs merged, M={m}")  # fmt: skip
                 start += n
 
