@@ -68,8 +68,19 @@ from importlib.metadata import PackageNotFoundError, version
 
 import torch
 
-from benchmarks.bench_rollout import hardware
-from benchmarks.common import arg_parser, device_name, graph_time_us, metadata, results_path, write_json
+from benchmarks.bench_rollout import hbm_bandwidth
+from benchmarks.common import (
+    arg_parser,
+    device_name,
+    exit_if_checks_failed,
+    floor_cell,
+    format_us,
+    graph_time_us,
+    metadata,
+    resolve_defaults,
+    results_path,
+    write_json,
+)
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -518,16 +529,6 @@ def package_versions() -> dict:
     return found
 
 
-def resolve(args) -> dict:
-    """Shapes and timing settings: the options given, else the full-size (or `--quick`) defaults."""
-    defaults = QUICK if args.quick else FULL
-    return {key: getattr(args, key) if getattr(args, key) is not None else value for key, value in defaults.items()}
-
-
-def _us(x: float) -> str:
-    return f"{x:,.1f} us" if x >= 10 else f"{x:.3g} us"
-
-
 def print_table(result: dict, kernels: list[str]) -> None:
     """Rows: kernels; columns: contexts; cells: microseconds per call and the share of the floor."""
     contexts = result["shapes"]["contexts"]
@@ -544,19 +545,12 @@ def print_table(result: dict, kernels: list[str]) -> None:
     header = "".join(f"{f'{n:,} tokens' if i == 0 else f'{n:,}':>{width}}" for i, n in enumerate(contexts))
     print(f"{'kernel':<{name_width}}{header}")
     for name in kernels:
-        cells = []
-        for n in contexts:
-            r = rows.get((name, n), {})
-            if "us" in r:
-                flag = "" if r["check"] == "ok" else " FAILED"
-                cells.append(f"{_us(r['us'])} ({r['fraction']:.0%} of floor){flag}")
-            else:
-                cells.append("skipped" if "skipped" in r else "error" if "error" in r else "-")
+        cells = [floor_cell(rows.get((name, n), {})) for n in contexts]
         print(f"{name:<{name_width}}" + "".join(f" {c:>{width - 1}}" for c in cells))
     for kv_bytes, q_bytes, label in ((1, 1, "FP8 cache, FP8 q"), (1, 2, "FP8 cache, BF16 q"), (2, 2, "BF16 cache")):
         floors = [floor_us(decode_bytes(shape, n, kv_bytes, q_bytes)["total"], result["hbm_bytes_per_s"])
                   for n in contexts]  # fmt: skip
-        print(f"{'floor, ' + label:<{name_width}}" + "".join(f"{_us(f):>{width}}" for f in floors))
+        print(f"{'floor, ' + label:<{name_width}}" + "".join(f"{format_us(f):>{width}}" for f in floors))
     print()
     checks = ", ".join(f"{r['self_check_max_diff']:.2g} ({r['max_ref']:.3g}) at {r['context']:,}"
                        for r in result["reference"])  # fmt: skip
@@ -604,7 +598,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hbm_tb_s", type=float, help="HBM bandwidth for the floor (default: the data sheet's)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    settings = resolve(args)
+    settings = resolve_defaults(args, FULL, QUICK)
     for key, value in settings.items():
         setattr(args, key, value)
     cuda = torch.cuda.is_available()
@@ -612,10 +606,7 @@ def main(argv: list[str] | None = None) -> None:
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = False  # the reference in float32
     label = device_name()
-    hw = hardware(label)
-    hbm, hbm_source = (hw["hbm"], f"{label}'s data sheet") if hw else (4.8e12, "assumed: an H200's data sheet")
-    if args.hbm_tb_s:
-        hbm, hbm_source = args.hbm_tb_s * 1e12, "--hbm_tb_s"
+    hbm, hbm_source = hbm_bandwidth(label, args.hbm_tb_s)
     shape = Shape(args.seqs, args.q_heads, args.kv_heads, args.head_dim, args.block_size)
     if shape.q_heads % shape.kv_heads:
         parser.error("--q_heads must be a multiple of --kv_heads")
@@ -702,12 +693,7 @@ def main(argv: list[str] | None = None) -> None:
     print_table(result, kernels)
     if out is not None:
         print(f"wrote {out}")
-    failed = [r for r in result["results"] if r.get("check") == "FAILED"]
-    if failed:
-        raise SystemExit("CHECK FAILED (max err above the bound of "
-                         f"{ERR_BOUND:g} x max|ref|): " + "; ".join(
-                             f"{r['kernel']} at {r['context']} tokens: {r['max_err']:.3g} > {r['err_bound']:.3g}"
-                             for r in failed))  # fmt: skip
+    exit_if_checks_failed(result["results"], f"{ERR_BOUND:g} x max|ref|", "kernel", "context")
 
 
 if __name__ == "__main__":

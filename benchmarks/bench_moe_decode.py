@@ -86,8 +86,19 @@ from types import SimpleNamespace
 import torch
 
 from benchmarks.bench_decode_attention import Skipped, _reason
-from benchmarks.bench_rollout import SHAPES, hardware
-from benchmarks.common import arg_parser, device_name, graph_time_us, metadata, results_path, write_json
+from benchmarks.bench_rollout import SHAPES, hbm_bandwidth
+from benchmarks.common import (
+    arg_parser,
+    device_name,
+    exit_if_checks_failed,
+    floor_cell,
+    format_us,
+    graph_time_us,
+    metadata,
+    resolve_defaults,
+    results_path,
+    write_json,
+)
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -740,16 +751,6 @@ def engine_would_run_deepgemm(tokens: int, shape: Shape) -> str:
 # --- the table and main ---------------------------------------------------------------------------------------------
 
 
-def resolve(args) -> dict:
-    """Shapes and timing settings: the options given, else the full-size (or `--quick`) defaults."""
-    defaults = QUICK if args.quick else FULL
-    return {key: getattr(args, key) if getattr(args, key) is not None else value for key, value in defaults.items()}
-
-
-def _us(x: float) -> str:
-    return f"{x:,.1f} us" if x >= 10 else f"{x:.3g} us"
-
-
 def print_table(result: dict, variants: list[str]) -> None:
     """Rows: variants; columns: token counts; cells: microseconds per layer call and the share of the floor; then the
     floors, FP8 / BF16 time ratios and the parts."""
@@ -770,19 +771,12 @@ def print_table(result: dict, variants: list[str]) -> None:
         print(f"{label:<{name_width}}" + "".join(f" {c:>{width - 1}}" for c in cells))
 
     for name in variants:
-        cells = []
-        for n in tokens:
-            r = rows.get((name, n), {})
-            if "us" in r:
-                flag = "" if r["check"] == "ok" else " FAILED"
-                cells.append(f"{_us(r['us'])} ({r['fraction']:.0%} of floor){flag}")
-            else:
-                cells.append("skipped" if "skipped" in r else "error" if "error" in r else "-")
+        cells = [floor_cell(rows.get((name, n), {})) for n in tokens]
         line(name, cells)
     routing = {r["tokens"]: r for r in result["routing"]}
     line("experts hit", [str(routing[n]["experts_hit"]) if n in routing else "-" for n in tokens])
     for dtype, label in (("bf16", "floor, BF16 weights"), ("fp8", "floor, FP8 weights + scales")):
-        line(label, [_us(routing[n][f"floor_us_{dtype}"]) if n in routing else "-" for n in tokens])
+        line(label, [format_us(routing[n][f"floor_us_{dtype}"]) if n in routing else "-" for n in tokens])
     fp8_variants = [v for v in variants if VARIANTS[v].dtype == "fp8"]
     if any("time_over_bf16" in r for r in result["results"]):
         print("time / bf16's time (below 1: faster than BF16; the floors' ratio is about 0.5)")
@@ -804,12 +798,12 @@ def print_table(result: dict, variants: list[str]) -> None:
                     if "us" in p:
                         total[j] += p["us"]
                         share = f" ({p['fraction']:.0%})" if "fraction" in p else ""
-                        cells.append(f"{_us(p['us'])}{share}")
+                        cells.append(f"{format_us(p['us'])}{share}")
                     else:
                         cells.append("error" if "error" in p else "-")
                 line(f"{'trl' if v == TRL_ACT_QUANT else v}: {part}", cells)
             if variant != TRL_ACT_QUANT:
-                line(f"{variant}: sum of parts", [_us(x) if x else "-" for x in total])
+                line(f"{variant}: sum of parts", [format_us(x) if x else "-" for x in total])
     print()
     checks = ", ".join(f"{r['self_check_max_diff']:.2g} ({r['max_ref_bf16']:.3g}) at {r['tokens']}"
                        for r in result["reference"])  # fmt: skip
@@ -844,10 +838,10 @@ def print_tuning(tuning: list[dict]) -> None:
 
         layer = r["layer"]
         print(
-            f"{r['dtype']} {r['tokens']:>5} tokens: vLLM's {cfg(r['shipped'])} {_us(r['shipped_gemm_us'] or 0)}; "
-            f"fastest of {r['candidates']} {cfg(r['best'])} {_us(r['best_gemm_us'])} "
-            f"({'kept' if r['kept'] else 'not kept'}); layer {_us(r['layer_us_shipped'])} -> "
-            f"{_us(r['layer_us_chosen'])} (check {layer['shipped']['check']}/{layer['chosen']['check']})"
+            f"{r['dtype']} {r['tokens']:>5} tokens: vLLM's {cfg(r['shipped'])} {format_us(r['shipped_gemm_us'] or 0)}; "
+            f"fastest of {r['candidates']} {cfg(r['best'])} {format_us(r['best_gemm_us'])} "
+            f"({'kept' if r['kept'] else 'not kept'}); layer {format_us(r['layer_us_shipped'])} -> "
+            f"{format_us(r['layer_us_chosen'])} (check {layer['shipped']['check']}/{layer['chosen']['check']})"
         )
 
 
@@ -883,7 +877,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.tune is not None and not args.tune:
         args.tune = ["fp8"]
-    for key, value in resolve(args).items():
+    for key, value in resolve_defaults(args, FULL, QUICK).items():
         setattr(args, key, value)
     shape = Shape(args.hidden, args.intermediate, args.experts, args.top_k)
     if shape.hidden % BLOCK or shape.intermediate % BLOCK:
@@ -896,10 +890,7 @@ def main(argv: list[str] | None = None) -> None:
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = False  # the references in float32
     label = device_name()
-    hw = hardware(label)
-    hbm, hbm_source = (hw["hbm"], f"{label}'s data sheet") if hw else (4.8e12, "assumed: an H200's data sheet")
-    if args.hbm_tb_s:
-        hbm, hbm_source = args.hbm_tb_s * 1e12, "--hbm_tb_s"
+    hbm, hbm_source = hbm_bandwidth(label, args.hbm_tb_s)
     args.hbm = hbm
     variants = [name for name in VARIANTS if name in args.variants]  # fp8_block_triton before the trl variant
     info = {name: {"label": VARIANTS[name].label, "dtype": VARIANTS[name].dtype,
@@ -1040,12 +1031,7 @@ def main(argv: list[str] | None = None) -> None:
                 write_json(out, result)
     if out is not None:
         print(f"wrote {out}")
-    failed = [r for r in result["results"] if r.get("check") == "FAILED"]
-    if failed:
-        raise SystemExit("CHECK FAILED (max err above the bound of max|ref| x "
-                         f"{ERR_BOUND}): " + "; ".join(
-                             f"{r['variant']} at {r['tokens']} tokens: {r['max_err']:.3g} > {r['err_bound']:.3g}"
-                             for r in failed))  # fmt: skip
+    exit_if_checks_failed(result["results"], f"max|ref| x {ERR_BOUND}", "variant", "tokens")
 
 
 if __name__ == "__main__":

@@ -147,6 +147,15 @@ def hardware(device: str) -> dict | None:
     return next((v for k, v in HARDWARE.items() if k in device), None)
 
 
+def hbm_bandwidth(device: str, tb_s: float | None = None) -> tuple[float, str]:
+    """Bytes per second a floor divides by, and where it comes from: `tb_s` (`--hbm_tb_s`) if given, else the
+    device's data sheet, else an H200's, said so."""
+    if tb_s:
+        return tb_s * 1e12, "--hbm_tb_s"
+    hw = hardware(device)
+    return (hw["hbm"], f"{device}'s data sheet") if hw else (4.8e12, "assumed: an H200's data sheet")
+
+
 def model_bytes(shape: dict, fp8_linear: bool, fp8_kv: bool) -> dict:
     """Bytes a decode step reads once (linear weights, lm_head) and per cached token (KV), and FLOPs per token, of a
     `SHAPES` entry (Qwen3, head_dim 128, untied lm_head)."""

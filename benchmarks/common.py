@@ -289,6 +289,38 @@ def kernel_category(name: str) -> str:
     return next((c for c, pattern in KERNEL_CATEGORIES if re.search(pattern, name.lower())), "other")
 
 
+def resolve_defaults(args, full: dict, quick: dict) -> dict:
+    """A kernel benchmark's shapes and timing settings: the options given, else its full-size (or `--quick`)
+    defaults."""
+    defaults = quick if args.quick else full
+    return {key: getattr(args, key) if getattr(args, key) is not None else value for key, value in defaults.items()}
+
+
+def format_us(x: float) -> str:
+    return f"{x:,.1f} us" if x >= 10 else f"{x:.3g} us"
+
+
+def floor_cell(row: dict) -> str:
+    """A kernel benchmark's table cell: microseconds and the share of the floor (FAILED where the output's check
+    failed), or why there is no time."""
+    if "us" in row:
+        flag = "" if row["check"] == "ok" else " FAILED"
+        return f"{format_us(row['us'])} ({row['fraction']:.0%} of floor){flag}"
+    return "skipped" if "skipped" in row else "error" if "error" in row else "-"
+
+
+def exit_if_checks_failed(results: list[dict], bound: str, name_key: str, tokens_key: str) -> None:
+    """Exit 1 naming every row whose output check failed (`bound`: how the bound reads, e.g. "2^-3 x max|ref|")."""
+    failed = [r for r in results if r.get("check") == "FAILED"]
+    if failed:
+        raise SystemExit(
+            f"CHECK FAILED (max err above the bound of {bound}): "
+            + "; ".join(
+                f"{r[name_key]} at {r[tokens_key]} tokens: {r['max_err']:.3g} > {r['err_bound']:.3g}" for r in failed
+            )
+        )
+
+
 def graph_time_us(calls: list, warmup: int, repeats: int, after_capture=None) -> tuple[list[float], object]:
     """Microseconds per call of each of `repeats` replays of one CUDA graph holding `calls` (run once before the
     capture, then warmed up), and the graph (its tensors hold the last replay's outputs). `after_capture` runs once
