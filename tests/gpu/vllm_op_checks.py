@@ -1,5 +1,6 @@
 """What the GPU tests of trl-fp8's kernels for vLLM ops share (test_act_quant_gpu.py, test_norm_quant_gpu.py,
-test_vllm_gpu.py): vLLM's op or a skip, the CUDA kernels a call runs, and the op's arguments against our schema."""
+test_vllm_gpu.py): vLLM's op or a skip, the bit check against it, the CUDA kernels a call runs, and the op's arguments
+against our schema."""
 
 import pytest
 import torch
@@ -11,6 +12,15 @@ def vllm_op_or_skip(module):
     if op is None:
         pytest.skip(f"vLLM's {module.OP_NAME} is not here")
     return op
+
+
+def assert_some_numerics_gives_vllms_bits(first_difference, vllm_op, cases) -> None:
+    """trl-fp8's kernel, built with IEEE or with fast division and square root, gives vLLM's bytes on every case
+    under one of the two (`first_difference(numerics, vllm_op, cases)` is None): which one says how vLLM's kernel
+    was compiled."""
+    differences = {numerics: first_difference(numerics, vllm_op, cases) for numerics in ("ieee", "fast")}
+    print(f"\nagainst vLLM's kernel: {differences}")
+    assert None in differences.values(), differences
 
 
 def cuda_kernel_names(fn) -> set[str]:
