@@ -11,6 +11,7 @@ file there only for the expert shape, GPU and dtype it names, and its own files 
 from __future__ import annotations
 
 import logging
+import os
 
 logger = logging.getLogger(__name__)
 
@@ -19,8 +20,6 @@ def register() -> None:
     """Point vLLM at trl-fp8's tuned MoE tiles (unless the user named a folder), and register
     `LiveScaleFlashInferBackend` as vLLM's CUSTOM attention backend, unless another package already holds that name
     (then say so: an engine asking for CUSTOM gets that package's backend)."""
-    import os
-
     from trl_fp8.rollout.vllm._compat import LIVE_SCALE_BACKEND, register_custom_attention
     from trl_fp8.rollout.vllm.tuned_moe import tuned_moe_config_env
 
