@@ -69,6 +69,7 @@ from benchmarks.common import (
     untraced_span,
     write_json,
 )
+from benchmarks.host_sampling import GcPauses, StackSampler
 
 RUNS = {  # run: (trainer, fp8_recipe, rollout_precision, fp8 KV cache, training GEMM backend, FP8 weight cache)
     "trl_bf16": ("trl", None, "bf16", False, None, None),
@@ -437,10 +438,16 @@ def run_one(args) -> None:
             if trainer.state.global_step != args.profile_rollout_step or rollout_profile:
                 return timed_generate(*a, **k)
             torch.cuda.synchronize()
-            with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            with (
+                torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof,
+                StackSampler() as stacks,
+                GcPauses() as pauses,
+            ):
                 out = timed_generate(*a, **k)
                 torch.cuda.synchronize()
             rollout_profile["prof"] = prof  # its events are read after training
+            # where the host thread was meanwhile (the engine steps on it), and the collector's pauses on it
+            rollout_profile["host"] = {"stacks": stacks.summary(), "gc": pauses.record()}
             return out
 
         generation.generate = profiled_rollout
@@ -554,12 +561,39 @@ def run_one(args) -> None:
     if profile:
         row["training_profile"] = profile
     if "prof" in rollout_profile:
-        row["rollout_profile"] = {"step": args.profile_rollout_step, **kernel_breakdown(rollout_profile.pop("prof"))}
+        row["rollout_profile"] = {
+            "step": args.profile_rollout_step,
+            **kernel_breakdown(rollout_profile.pop("prof")),
+            "host": rollout_profile["host"],
+        }
     row["processes"] = world
     row["completions_per_step"] = args.generation_batch * world
     row["completions_per_s"] = row["completions_per_step"] / row["step_time"]["step_s"]
     if trainer.accelerator.is_main_process:
         print(json.dumps(row), flush=True)
+
+
+def print_host_account(name: str, phase: str, profile: dict, frames: int = 8) -> None:
+    """A profiled phase's idle gaps by length, vLLM's host steps and where the host thread was (the heaviest
+    frames on its stack) and the collector's pauses, where the profile has them."""
+    if gaps := profile.get("idle_gaps"):
+        print(f"{name} {phase} idle gaps: " + ", ".join(
+            f"{label} {b['count']} ({b['ms']:.0f} ms)" for label, b in gaps["buckets"].items() if b["count"]))  # fmt: skip
+    if scopes := profile.get("host_scopes"):
+        print(f"{name} {phase} host steps (ms): " + ", ".join(f"{s['scope']} {s['ms']:.0f}" for s in scopes[:10]))
+    host = profile.get("host") or {}
+    if stacks := host.get("stacks"):
+        print(f"{name} {phase} host thread ({stacks['samples']} samples), most often on its stack: " + ", ".join(
+            f"{f['frame']} {f['share']:.0%}" for f in stacks["inclusive"][:frames]))  # fmt: skip
+        print(f"{name} {phase} host thread, at the top of its stack: " + ", ".join(
+            f"{f['frame']} {f['share']:.0%}" for f in stacks["leaf"][:frames]))  # fmt: skip
+        if others := stacks.get("other_threads"):
+            print(f"{name} {phase} other threads: " + ", ".join(
+                f"{o['thread']} in {o['frame']} {o['ms']:.0f} ms" for o in others[:frames]))  # fmt: skip
+    if gc_pauses := host.get("gc"):
+        print(
+            f"{name} {phase} garbage collector: {gc_pauses['collections']} collections, {gc_pauses['seconds']:.2f} s"
+        )
 
 
 def ranks_phases(row: dict, world: int) -> list[dict]:
@@ -807,6 +841,7 @@ def print_summary(result: dict) -> None:
                 if timeline := r[key].get("timeline"):
                     print(f"{r['name']} {phase} timeline (ms): "
                           + ", ".join(f"{k[:-3]} {v:.0f}" for k, v in timeline.items()))  # fmt: skip
+                print_host_account(r["name"], phase, r[key])
     for r in result["results"]:
         m = r.get("mismatch") or {}
         if "fp8/mismatch/kl_k3" in m:
@@ -919,6 +954,8 @@ def main():
         from trl_fp8.rollout.vllm.engine import EXPANDABLE_SEGMENTS
 
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", EXPANDABLE_SEGMENTS)
+    if args.profile_rollout_step is not None:  # vLLM's engine and model-runner steps named in the rollout's profile
+        os.environ.setdefault("VLLM_CUSTOM_SCOPES_FOR_PROFILING", "1")
     device = torch.cuda.get_device_name()
     gpus = f"_{args.num_processes}x{args.launch_config}" if args.num_processes > 1 else ""
     out = results_path(args.out, "grpo_speed", device + gpus)

@@ -25,6 +25,7 @@ import time
 import numpy as np
 
 from benchmarks.common import arg_parser, metadata, results_path, write_json
+from benchmarks.host_sampling import GcPauses
 from trl_fp8.rollout.vllm.sampling import TOKEN_IDS_ONLY
 
 SETTINGS = {
@@ -42,32 +43,6 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or "cpu"
-
-
-class GcPauses:
-    """The garbage collector's collections and the time they took, while active: those that fell outside the timed
-    `process_outputs` calls (`outside_seconds`) are caused by the objects the rollout keeps alive all the same, and
-    in an engine they fall on the same thread."""
-
-    def __init__(self):
-        self.count, self.seconds, self.outside_seconds, self.timing, self._start = 0, 0.0, 0.0, False, 0.0
-
-    def __call__(self, phase, info):
-        if phase == "start":
-            self._start = time.perf_counter()
-            return
-        self.count += 1
-        pause = time.perf_counter() - self._start
-        self.seconds += pause
-        if not self.timing:
-            self.outside_seconds += pause
-
-    def __enter__(self):
-        gc.callbacks.append(self)
-        return self
-
-    def __exit__(self, *exc):
-        gc.callbacks.remove(self)
 
 
 def rollout(tokenizer, seqs: int, new_tokens: int, prompt_len: int, sampling: dict, seed: int = 0) -> dict:

@@ -395,9 +395,56 @@ def kernel_breakdown(prof, top: int = 25, rest: str = "rest") -> dict:
                 if part := [k for k in intervals if lo <= k[1] < hi]:
                     parts[name] = kernel_timeline(part, untraced=untraced)
             out["timeline_parts"] = parts
+        out["idle_gaps"] = idle_gaps([(a, b) for _, a, b in intervals] + untraced)  # (left out: not idle)
+    if scopes := host_scopes(events):
+        out["host_scopes"] = scopes
     if (lag := profile_launch_lag(prof)) is not None:
         out["launch_lag"] = lag
     return out
+
+
+# The edges (ms) of `idle_gaps`' buckets: a gap of a few microseconds is a kernel launch's own; tens of microseconds
+# to a few milliseconds between every decode step is the host preparing the next one; longer ones are stalls.
+IDLE_GAP_EDGES_MS = (0.01, 0.1, 1.0, 10.0)
+
+
+def idle_gaps(spans: list[tuple[float, float]], longest: int = 5) -> dict:
+    """The times no kernel runs between a phase's first and last kernel, from its kernels' `(start us, end us)`:
+    how many gaps and how many ms fall in each bucket of `IDLE_GAP_EDGES_MS`, and the longest ones (ms, and where
+    they start, ms after the first kernel). Many short gaps say the host keeps the GPU waiting at every step, a few
+    long ones that something stalled it."""
+    gaps, end, first = [], float("-inf"), None
+    for a, b in sorted(spans):
+        first = a if first is None else first
+        if a > end > float("-inf"):
+            gaps.append((a - end, end - first))
+        end = max(end, b)
+    edges = (0.0, *IDLE_GAP_EDGES_MS, float("inf"))
+    buckets = {}
+    for lo, hi in zip(edges[:-1], edges[1:], strict=True):
+        inside = [g for g, _ in gaps if lo <= g / 1e3 < hi]
+        label = f"{lo:g}-{hi:g} ms" if hi != float("inf") else f"over {lo:g} ms"
+        buckets[label] = {"count": len(inside), "ms": sum(inside) / 1e3}
+    top = sorted(gaps, reverse=True)[:longest]
+    return {"buckets": buckets, "longest": [{"ms": g / 1e3, "at_ms": at / 1e3} for g, at in top]}
+
+
+def host_scopes(events, top: int = 20) -> list[dict]:
+    """The host-side annotations of a profile (`record_function` scopes: vLLM's engine and model-runner steps when
+    `VLLM_CUSTOM_SCOPES_FOR_PROFILING=1`), each with its calls and total CPU ms, heaviest first; the bench's own
+    markers left out."""
+    import torch
+
+    totals: dict[str, list] = {}
+    for e in events:
+        on_host = e.device_type == torch.autograd.DeviceType.CPU
+        if not (on_host and getattr(e, "is_user_annotation", False)) or e.name.startswith("bench/"):
+            continue
+        entry = totals.setdefault(e.name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += (e.time_range.end - e.time_range.start) / 1e3
+    heaviest = sorted(totals.items(), key=lambda kv: -kv[1][1])[:top]
+    return [{"scope": name[:120], "calls": calls, "ms": ms} for name, (calls, ms) in heaviest]
 
 
 # Markers around what a profiled phase leaves out (bench_grpo: the rollout and the sync inside a training step):

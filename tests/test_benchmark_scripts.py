@@ -1140,8 +1140,11 @@ def test_profile_timeline_splits_a_phase_into_compute_exposed_communication_and_
 
     cpu = torch.autograd.DeviceType.CPU
     events = [event(*k) for k in kernels] + [
-        event(UNTRACED_BEGIN, 300.5, 300.6, cpu),
-        event(UNTRACED_END, 1299, 1300, cpu),
+        event(UNTRACED_BEGIN, 300.5, 300.6, cpu, annotation=True),
+        event(UNTRACED_END, 1299, 1300, cpu, annotation=True),
+        event("llm_engine step: get_output", 0, 120, cpu, annotation=True),  # vLLM's host steps, twice
+        event("llm_engine step: get_output", 140, 160, cpu, annotation=True),
+        event("aten::mm", 10, 20, cpu),  # an operator, not a scope
         # c10d's GPU-side annotation around its gather: it spans the NCCL kernel and is not a kernel of its own
         event("nccl:_all_gather_base", 20, 60, annotation=True),
         event("nccl:_all_gather_base", 100, 150, annotation=True),  # (one over the idle gap would hide it)
@@ -1154,12 +1157,78 @@ def test_profile_timeline_splits_a_phase_into_compute_exposed_communication_and_
     nccl = breakdown["nccl_kernels"]  # the gather (40 us, from 20) and the reduction (50 us, from 230)
     assert nccl["count"] == 2 and nccl["p10_ms"] == pytest.approx(0.04) and nccl["p90_ms"] == pytest.approx(0.05)
     assert [k["at_ms"] for k in nccl["longest"]] == pytest.approx([0.23, 0.02])
+    # the idle gaps (100-150 and 280-300 us; the part left out is not one) and the host's named steps
+    gaps = breakdown["idle_gaps"]
+    assert gaps["buckets"]["0.01-0.1 ms"] == {"count": 2, "ms": pytest.approx(0.07)}
+    assert sum(b["count"] for b in gaps["buckets"].values()) == 2
+    assert [(g["ms"], g["at_ms"]) for g in gaps["longest"]] == pytest.approx([(0.05, 0.1), (0.02, 0.28)])
+    assert breakdown["host_scopes"] == [
+        {"scope": "llm_engine step: get_output", "calls": 2, "ms": pytest.approx(0.14)}
+    ]
 
     # A part's end marked at 140 us (bench_grpo: the scoring's): each part gets the timeline of its own kernels.
     events.append(event(SEGMENT_END + "scoring", 140, 140.1, cpu))
     parts = kernel_breakdown(prof, rest="micro_batches")["timeline_parts"]
     assert parts["scoring"] == pytest.approx(kernel_timeline(kernels[:2]))
     assert parts["micro_batches"] == pytest.approx(kernel_timeline(kernels[2:], untraced=[(300.5, 1300)]))
+
+
+def test_idle_gaps_sort_many_short_waits_from_a_few_stalls():
+    """Per-step waits of 0.5 ms between 1 ms kernels, and one 30 ms stall: each in its bucket, the stall longest."""
+    from benchmarks.common import idle_gaps
+
+    spans, t = [], 0.0
+    for step in range(10):
+        spans.append((t, t + 1000))
+        t += 1000 + (30_000 if step == 4 else 500)  # us
+    gaps = idle_gaps(spans, longest=2)
+    assert gaps["buckets"]["0.1-1 ms"] == {"count": 8, "ms": pytest.approx(4.0)}
+    assert gaps["buckets"]["over 10 ms"] == {"count": 1, "ms": pytest.approx(30.0)}
+    assert gaps["longest"][0] == {"ms": pytest.approx(30.0), "at_ms": pytest.approx(5.0 + 4 * 0.5)}
+    assert idle_gaps([(0, 10), (5, 20)])["longest"] == []  # overlapping kernels: no gap
+
+
+def test_stack_sampler_charges_the_wall_time_to_where_the_thread_was():
+    """A thread that computes in Python for a while, then waits as long: each part gets about half the sampled time,
+    though a waiting thread is sampled far more often than one holding the interpreter."""
+    import time as clock
+
+    from benchmarks.host_sampling import GcPauses, StackSampler
+
+    def computing(seconds):
+        end, x = clock.perf_counter() + seconds, 0
+        while clock.perf_counter() < end:
+            x += 1
+        return x
+
+    def waiting(seconds):
+        clock.sleep(seconds)
+
+    import threading
+
+    stop = threading.Event()
+    poller = threading.Thread(target=stop.wait, name="poller")
+    poller.start()
+    with StackSampler(interval_s=0.001) as sampler, GcPauses() as pauses:
+        computing(0.4)
+        waiting(0.4)
+        import gc
+
+        gc.collect()
+    summary = sampler.summary()
+    shares = {row["frame"].rsplit(":", 1)[1]: row["share"] for row in summary["inclusive"]}
+    assert summary["samples"] >= 20
+    assert 0.3 < shares["computing"] < 0.7 and 0.3 < shares["waiting"] < 0.7
+    assert summary["leaf"][0]["frame"].endswith(
+        ("test_benchmark_scripts.py:computing", "test_benchmark_scripts.py:waiting")
+    )
+    assert sum(row["ms"] for row in summary["leaf"]) == pytest.approx(1e3 * sampler.seconds, rel=0.1)
+    assert pauses.record()["collections"] >= 1 and pauses.record()["by_generation"][2] >= 1
+    stop.set()
+    poller.join()
+    poller_rows = [row for row in summary["other_threads"] if row["thread"] == "poller"]
+    assert poller_rows and poller_rows[0]["frame"].endswith("threading.py:wait")
+    assert poller_rows[0]["ms"] == pytest.approx(1e3 * sampler.seconds, rel=0.2)
 
 
 def test_launch_lag_says_whether_the_gpu_waits_on_the_host():
