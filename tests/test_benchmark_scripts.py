@@ -1214,7 +1214,7 @@ def test_stack_sampler_charges_the_wall_time_to_where_the_thread_was():
         waiting(0.4)
         import gc
 
-        gc.collect()
+        gc.collect(0)  # (a young collection: a full one in a large test process holds the interpreter for long)
     summary = sampler.summary()
     shares = {row["frame"].rsplit(":", 1)[1]: row["share"] for row in summary["inclusive"]}
     assert summary["samples"] >= 20
@@ -1223,7 +1223,7 @@ def test_stack_sampler_charges_the_wall_time_to_where_the_thread_was():
         ("test_benchmark_scripts.py:computing", "test_benchmark_scripts.py:waiting")
     )
     assert sum(row["ms"] for row in summary["leaf"]) == pytest.approx(1e3 * sampler.seconds, rel=0.1)
-    assert pauses.record()["collections"] >= 1 and pauses.record()["by_generation"][2] >= 1
+    assert pauses.record()["collections"] >= 1 and pauses.record()["by_generation"][0] >= 1
     stop.set()
     poller.join()
     poller_rows = [row for row in summary["other_threads"] if row["thread"] == "poller"]
