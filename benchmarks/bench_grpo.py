@@ -434,17 +434,31 @@ def run_one(args) -> None:
 
         timed_generate = generation.generate
 
+        window = rollout_profile_window(args.completion_len, args.profile_engine_steps)
+
         def profiled_rollout(*a, **k):
             if trainer.state.global_step != args.profile_rollout_step or rollout_profile:
                 return timed_generate(*a, **k)
             torch.cuda.synchronize()
+            engine, engine_step = generation.llm.llm_engine, generation.llm.llm_engine.step
             with (
-                torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof,
+                torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], schedule=window) as prof,
                 StackSampler() as stacks,
                 GcPauses() as pauses,
             ):
-                out = timed_generate(*a, **k)
-                torch.cuda.synchronize()
+                if window is not None:  # the profiler's steps are the engine's: it records the window's alone
+
+                    def stepped(*sa, **sk):
+                        out = engine_step(*sa, **sk)
+                        prof.step()
+                        return out
+
+                    engine.step = stepped
+                try:
+                    out = timed_generate(*a, **k)
+                    torch.cuda.synchronize()
+                finally:
+                    engine.__dict__.pop("step", None)
             rollout_profile["prof"] = prof  # its events are read after training
             # where the host thread was meanwhile (the engine steps on it), and the collector's pauses on it
             rollout_profile["host"] = {"stacks": stacks.summary(), "gc": pauses.record()}
@@ -563,6 +577,7 @@ def run_one(args) -> None:
     if "prof" in rollout_profile:
         row["rollout_profile"] = {
             "step": args.profile_rollout_step,
+            "engine_steps": profile_window_steps(args.completion_len, args.profile_engine_steps),
             **kernel_breakdown(rollout_profile.pop("prof")),
             "host": rollout_profile["host"],
         }
@@ -571,6 +586,26 @@ def run_one(args) -> None:
     row["completions_per_s"] = row["completions_per_step"] / row["step_time"]["step_s"]
     if trainer.accelerator.is_main_process:
         print(json.dumps(row), flush=True)
+
+
+def profile_window_steps(completion_len: int, engine_steps: int | None) -> list[int] | None:
+    """The engine steps `[first, end)` a rollout profile of `engine_steps` records: those around the middle of the
+    rollout's decode steps (a context of average length), or None for the whole rollout."""
+    if engine_steps is None:
+        return None
+    first = max(completion_len // 2 - engine_steps // 2, 0)
+    return [first, first + engine_steps]
+
+
+def rollout_profile_window(completion_len: int, engine_steps: int | None):
+    """The torch profiler schedule that records `profile_window_steps`' engine steps (the profiler steps once per engine
+    step), or None for the whole rollout. A long rollout's every kernel is a million events at 8B: too many to read."""
+    steps = profile_window_steps(completion_len, engine_steps)
+    if steps is None:
+        return None
+    from torch.profiler import schedule
+
+    return schedule(wait=max(steps[0] - 1, 0), warmup=min(steps[0], 1), active=engine_steps, repeat=1)
 
 
 def print_host_account(name: str, phase: str, profile: dict, frames: int = 8) -> None:
@@ -778,6 +813,7 @@ def measurement(args) -> dict:
             "profile_micro_batches": getattr(args, "profile_micro_batches", None),
             "profile_scoring": getattr(args, "profile_scoring", False),
             "profile_rollout_step": getattr(args, "profile_rollout_step", None),
+            "profile_engine_steps": getattr(args, "profile_engine_steps", None),
             "median_steps": median_steps(args.steps, args.warmup, first_profiled_step(args)),
             "deep_gemm_warmup": os.environ.get("VLLM_DEEP_GEMM_WARMUP", "full"),
             "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
@@ -837,6 +873,8 @@ def print_summary(result: dict) -> None:
         for key, phase in (("training_profile", "training-phase"), ("rollout_profile", "rollout")):
             if key in r:
                 cats = r[key]["kernel_ms_by_category"]
+                if window := r[key].get("engine_steps"):
+                    phase = f"{phase} (engine steps {window[0]}-{window[1] - 1})"
                 print(f"{r['name']} {phase} kernels (ms): " + ", ".join(f"{k} {v:.0f}" for k, v in cats.items()))
                 if timeline := r[key].get("timeline"):
                     print(f"{r['name']} {phase} timeline (ms): "
@@ -909,6 +947,13 @@ def main():
         "category and the time the GPU waited; a step other than --profile_step's",
     )
     parser.add_argument(
+        "--profile_engine_steps",
+        type=int,
+        default=None,
+        help="with --profile_rollout_step: record the kernels of only this many engine steps, around the middle of "
+        "the rollout (default: the whole rollout; the host thread's stack is sampled over all of it)",
+    )
+    parser.add_argument(
         "--profile_micro_batches",
         type=int,
         default=None,
@@ -928,6 +973,8 @@ def main():
     )
     parser.add_argument("--median_steps", type=int, nargs="+", default=None, help="with --resummarize")
     args = parser.parse_args()
+    if args.profile_engine_steps is not None and (args.profile_rollout_step is None or args.profile_engine_steps < 1):
+        parser.error("--profile_engine_steps needs --profile_rollout_step and a positive count")
     if args.profile_rollout_step is not None and args.profile_rollout_step == args.profile_step:
         parser.error("--profile_rollout_step and --profile_step must be different steps (one profiler at a time)")
     if args.profile_rollout_step is not None and not 0 <= args.profile_rollout_step < args.steps:

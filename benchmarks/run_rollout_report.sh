@@ -195,14 +195,20 @@ colocate)  # TRL's colocate defaults on one GPU; each run in a child of its own,
   # TRL BF16 with and without Liger's kernels against FP8GRPOTrainer left to its defaults (Liger, the FP8 KV cache and
   # the weight cache as it chooses them), its BF16 twin (the same trainer with fp8_recipe=None: FP8's own share) and the
   # defaults with Liger's kernels inside compiled decoder layers.
-  # COLOCATE_PROFILE_ROLLOUT=N: step N's rollout profiled (GPU kernels, idle gaps, the host thread), the medians before
-  # it (COLOCATE_STEPS=3 COLOCATE_PROFILE_ROLLOUT=2: step 1 timed, step 2 profiled).
+  # COLOCATE_PROFILE_ROLLOUT=N: step N's rollout profiled (the kernels of $COLOCATE_PROFILE_ENGINE_STEPS engine steps,
+  # default 256, around its middle; the host thread over all of it), the medians before it (COLOCATE_STEPS=3
+  # COLOCATE_PROFILE_ROLLOUT=2: step 1 timed, step 2 profiled).
   # COLOCATE_GPUS="0 1 2 3": the runs dealt over these GPUs, the GPUs at once (the same host load on every flow; one
   # file by benchmarks.merge_results).
   runs=${COLOCATE_RUNS:-trl_bf16 trl_bf16_liger bf16_defaults fp8_defaults unified_fp8kv_compiled_liger}
+  profile_args=()
+  if [ -n "${COLOCATE_PROFILE_ROLLOUT:-}" ]; then
+    profile_args=(--profile_rollout_step "$COLOCATE_PROFILE_ROLLOUT"
+      --profile_engine_steps "${COLOCATE_PROFILE_ENGINE_STEPS:-256}")
+  fi
   colocate=(python -m benchmarks.bench_grpo --shape 8b --optim adamw_bnb_8bit --sleep_mode
     --vllm_memory "${COLOCATE_SHARE:-0.3}" --completion_len 2048 --generation_batch 128 --steps "${COLOCATE_STEPS:-3}"
-    --warmup 1 ${COLOCATE_PROFILE_ROLLOUT:+--profile_rollout_step "$COLOCATE_PROFILE_ROLLOUT"})
+    --warmup 1 "${profile_args[@]}")
   if [ -n "${COLOCATE_GPUS:-}" ]; then
     in_lanes colocate "$COLOCATE_GPUS" "$runs" "$work/colocate_gpu" "${colocate[@]}" --runs
     python -m benchmarks.merge_results "${lane_files[@]}" --same settings --out "$work/grpo_colocate_8b_$device.json"

@@ -1231,6 +1231,30 @@ def test_stack_sampler_charges_the_wall_time_to_where_the_thread_was():
     assert poller_rows[0]["ms"] == pytest.approx(1e3 * sampler.seconds, rel=0.2)
 
 
+@pytest.mark.filterwarnings("ignore:Profiler won't be using warmup")  # (a window from the first step has none)
+def test_a_rollout_profile_window_records_only_its_engine_steps_around_the_middle():
+    """`--profile_engine_steps K`: the profiler steps once per engine step and records K of them around the middle of
+    the rollout's decode steps (an 8B rollout's every kernel would be a million events)."""
+    import torch
+
+    from benchmarks.bench_grpo import profile_window_steps, rollout_profile_window
+
+    assert profile_window_steps(2048, 200) == [924, 1124]
+    assert profile_window_steps(20, 40) == [0, 40] and profile_window_steps(2048, None) is None
+    assert rollout_profile_window(2048, None) is None
+    for completion_len, steps in ((20, 4), (4, 8)):
+        recorded = []
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                    schedule=rollout_profile_window(completion_len, steps)) as prof:  # fmt: skip
+            for i in range(24):
+                with torch.profiler.record_function(f"engine step {i}"):
+                    torch.ones(2).add_(1)
+                prof.step()
+        recorded = sorted(int(e.name.rsplit(" ", 1)[1]) for e in prof.events() if e.name.startswith("engine step"))
+        first, end = profile_window_steps(completion_len, steps)
+        assert recorded == list(range(first, end)), (completion_len, steps, recorded)
+
+
 def test_launch_lag_says_whether_the_gpu_waits_on_the_host():
     """Each kernel's start on the GPU against its launch on the host (paired by correlation id): a queue of work gives
     long lags, a GPU waiting on the host starts kernels within microseconds of their launch."""
