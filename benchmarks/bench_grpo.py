@@ -48,6 +48,7 @@ Writes `benchmarks/results/grpo_speed_<device>.json`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -445,6 +446,7 @@ def run_one(args) -> None:
                 torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], schedule=window) as prof,
                 StackSampler() as stacks,
                 GcPauses() as pauses,
+                named_model_runner_calls(generation.llm),
             ):
                 if window is not None:  # the profiler's steps are the engine's: it records the window's alone
 
@@ -586,6 +588,39 @@ def run_one(args) -> None:
     row["completions_per_s"] = row["completions_per_step"] / row["step_time"]["step_s"]
     if trainer.accelerator.is_main_process:
         print(json.dumps(row), flush=True)
+
+
+@contextlib.contextmanager
+def named_model_runner_calls(llm, names=("execute_model", "sample_tokens")):
+    """Each call of the in-process engine's model runner `names` inside a profiler scope `model_runner: <name>` while
+    active, so the profile's host steps show the runner's own host time (vLLM names its scheduler's and engine's
+    steps, not those of its V2 model runner). Nothing where the engine has no in-process runner."""
+    import torch
+
+    from trl_fp8.rollout.vllm._compat import engine_worker
+
+    try:
+        runner = engine_worker(llm).model_runner
+    except AttributeError:
+        yield
+        return
+    wrapped = []
+    for name in names:
+        call = getattr(runner, name, None)
+        if call is None:
+            continue
+
+        def scoped(*a, _call=call, _scope=f"model_runner: {name}", **k):
+            with torch.profiler.record_function(_scope):
+                return _call(*a, **k)
+
+        setattr(runner, name, scoped)
+        wrapped.append(name)
+    try:
+        yield
+    finally:
+        for name in wrapped:
+            runner.__dict__.pop(name, None)
 
 
 def profile_window_steps(completion_len: int, engine_steps: int | None) -> list[int] | None:

@@ -1231,6 +1231,36 @@ def test_stack_sampler_charges_the_wall_time_to_where_the_thread_was():
     assert poller_rows[0]["ms"] == pytest.approx(1e3 * sampler.seconds, rel=0.2)
 
 
+def test_the_model_runners_calls_get_named_host_scopes_while_profiled():
+    """vLLM's V2 model runner names no profiler scopes of its own: while a rollout is profiled, its `execute_model` and
+    `sample_tokens` run inside `model_runner: ...` scopes (counted by `host_scopes`), and are themselves again after."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from benchmarks.bench_grpo import named_model_runner_calls
+    from benchmarks.common import host_scopes
+
+    class Runner:
+        def execute_model(self, x):
+            return x + 1
+
+        def sample_tokens(self, x):
+            return x * 2
+
+    runner = Runner()
+    llm = SimpleNamespace(llm_engine=SimpleNamespace(model_executor=SimpleNamespace(
+        driver_worker=SimpleNamespace(worker=SimpleNamespace(model_runner=runner)))))  # fmt: skip
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with named_model_runner_calls(llm):
+            assert [runner.sample_tokens(runner.execute_model(i)) for i in range(3)] == [2, 4, 6]
+    scopes = {s["scope"]: s["calls"] for s in host_scopes(prof.events())}
+    assert scopes == {"model_runner: execute_model": 3, "model_runner: sample_tokens": 3}
+    assert "execute_model" not in vars(runner) and runner.execute_model(1) == 2
+    with named_model_runner_calls(SimpleNamespace()):  # no in-process engine: nothing to name
+        pass
+
+
 @pytest.mark.filterwarnings("ignore:Profiler won't be using warmup")  # (a window from the first step has none)
 def test_a_rollout_profile_window_records_only_its_engine_steps_around_the_middle():
     """`--profile_engine_steps K`: the profiler steps once per engine step and records K of them around the middle of
