@@ -24,7 +24,8 @@
 #                                                   # (COLOCATE_GPUS="0 1 2 3": dealt over those GPUs, at once)
 #   bash benchmarks/run_rollout_report.sh bestfit   # the same, each of $BESTFIT_RUNS at growing $BESTFIT_SHARES until
 #                                                   # one fails (out of memory): the largest share each flow runs at
-#   bash benchmarks/run_rollout_report.sh pack      # DeepGEMM's JIT cache into $WORK/dg_cache.tgz.part*
+#   bash benchmarks/run_rollout_report.sh pack      # the JIT caches (DeepGEMM, FlashInfer, vLLM, Triton, Inductor) into
+#                                                   # $WORK/jit_<cache>.tgz.part*, 15 MB parts, one series each
 #   bash benchmarks/run_rollout_report.sh suite     # the GPU test suite, one command ($SUITE_LANES processes a GPU)
 #   bash benchmarks/run_rollout_report.sh checks    # GPU test suite, identity per kernel, the 16k-token point
 #   bash benchmarks/run_rollout_report.sh linear    # bench_linear (host vs kernel profile), bench_gemm (cuBLAS vs DeepGEMM)
@@ -61,9 +62,10 @@
 # then add "$kit"/bnb to the wheel loop of .gpu/setup.sh and stage .gpu/bnb in a call of its own (41 MB).
 #
 # DeepGEMM's compiled kernels go to $DG_JIT_CACHE_DIR (default /var/tmp/dg_cache). The first DeepGEMM engine on a
-# fresh host pays the cold compile (recorded in its row as jit_cache.state "cold"). `pack` writes the cache to
-# $WORK/dg_cache.tgz.part*; a later host unpacks parts found in $DG_CACHE_PARTS before its first phase, so its
-# 8B engines start warm. `rollout` appends to its results file: engines run in separate calls share one table.
+# fresh host pays the cold compile (recorded in its row as jit_cache.state "cold"), the first FP8-KV engine FlashInfer's
+# builds (its FP8 prefill, about 110 s, and XQA), every engine vLLM's compilation. `pack` writes each of these caches
+# to $WORK/jit_<cache>.tgz.part* (sizes in status.txt); a later host unpacks the series found in $JIT_CACHE_PARTS (or
+# DeepGEMM's alone, dg_cache.tgz.part*, in $DG_CACHE_PARTS) before its first phase, so its engines start warm. `rollout` appends to its results file: engines run in separate calls share one table.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 work=${WORK:-/var/tmp/trl_fp8_rollout_report}
@@ -74,6 +76,22 @@ if ls "${DG_CACHE_PARTS:-/nonexistent}"/dg_cache.tgz.part* >/dev/null 2>&1 && [ 
   mkdir -p "$(dirname "$DG_JIT_CACHE_DIR")"
   cat "$DG_CACHE_PARTS"/dg_cache.tgz.part* | tar -C "$(dirname "$DG_JIT_CACHE_DIR")" -xzf -
   echo "dg_cache unpacked: $(find "$DG_JIT_CACHE_DIR" -type f | wc -l) files" | tee -a "$work/status.txt"
+fi
+jit_cache_dirs() {  # name path: the JIT caches `pack` carries to later hosts
+  echo "dg $DG_JIT_CACHE_DIR"
+  echo "flashinfer $HOME/.cache/flashinfer"
+  echo "vllm ${VLLM_CACHE_ROOT:-$HOME/.cache/vllm}"
+  echo "triton ${TRITON_CACHE_DIR:-$HOME/.triton}"
+  echo "inductor ${TORCHINDUCTOR_CACHE_DIR:-/tmp/torchinductor_$(id -un)}"
+}
+if [ -n "${JIT_CACHE_PARTS:-}" ]; then
+  while read -r name path; do
+    if ls "$JIT_CACHE_PARTS"/jit_"$name".tgz.part* >/dev/null 2>&1 && [ ! -d "$path" ]; then
+      mkdir -p "$(dirname "$path")"
+      cat "$JIT_CACHE_PARTS"/jit_"$name".tgz.part* | tar -C "$(dirname "$path")" -xzf -
+      echo "jit cache $name unpacked into $path: $(find "$path" -type f | wc -l) files" | tee -a "$work/status.txt"
+    fi
+  done < <(jit_cache_dirs)
 fi
 device=$(python -c "import torch; print(torch.cuda.get_device_name().replace(' ', '_'))")
 
@@ -232,10 +250,14 @@ bestfit)  # per run, shares in increasing order until one fails: a careful user'
   done
   python -m benchmarks.collect_bestfit "$work" --out "$work/grpo_bestfit_8b_$device.json"  # failures included
   ;;
-pack)
-  tar -C "$(dirname "$DG_JIT_CACHE_DIR")" -czf - "$(basename "$DG_JIT_CACHE_DIR")" | split -b 15M - "$work/dg_cache.tgz.part"
-  echo "dg_cache files=$(find "$DG_JIT_CACHE_DIR" -type f | wc -l) bytes=$(du -sb "$DG_JIT_CACHE_DIR" | cut -f1)" \
-    "packed=$(cat "$work"/dg_cache.tgz.part* | wc -c)" | tee -a "$work/status.txt"
+pack)  # each cache that exists, as its own series of parts (carry those worth their transfer calls)
+  while read -r name path; do
+    [ -d "$path" ] || continue
+    tar -C "$(dirname "$path")" -czf - "$(basename "$path")" | split -b 15M - "$work/jit_$name.tgz.part"
+    echo "jit cache $name ($path): files=$(find "$path" -type f | wc -l) bytes=$(du -sb "$path" | cut -f1)" \
+      "packed=$(cat "$work"/jit_"$name".tgz.part* | wc -c) parts=$(ls "$work"/jit_"$name".tgz.part* | wc -l)" \
+      | tee -a "$work/status.txt"
+  done < <(jit_cache_dirs)
   ;;
 suite)
   gpu_suite
