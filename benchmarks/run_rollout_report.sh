@@ -65,18 +65,14 @@
 # fresh host pays the cold compile (recorded in its row as jit_cache.state "cold"), the first FP8-KV engine FlashInfer's
 # builds (its FP8 prefill, about 110 s, and XQA), every engine vLLM's compilation. `pack` writes each of these caches
 # to $WORK/jit_<cache>.tgz.part* (sizes in status.txt); a later host unpacks the series found in $JIT_CACHE_PARTS (or
-# DeepGEMM's alone, dg_cache.tgz.part*, in $DG_CACHE_PARTS) before its first phase, so its engines start warm. `rollout` appends to its results file: engines run in separate calls share one table.
+# DeepGEMM's alone, dg_cache.tgz.part* as `pack` once wrote it, in $DG_CACHE_PARTS) before its first phase, so its
+# engines start warm. `rollout` appends to its results file: engines run in separate calls share one table.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 work=${WORK:-/var/tmp/trl_fp8_rollout_report}
 mkdir -p "$work"
 export DG_JIT_CACHE_DIR=${DG_JIT_CACHE_DIR:-/var/tmp/dg_cache} PYTHONUNBUFFERED=1
 export VLLM_LOGGING_STREAM=ext://sys.stderr  # vLLM's log beside our progress lines, live in the phase's logs
-if ls "${DG_CACHE_PARTS:-/nonexistent}"/dg_cache.tgz.part* >/dev/null 2>&1 && [ ! -d "$DG_JIT_CACHE_DIR" ]; then
-  mkdir -p "$(dirname "$DG_JIT_CACHE_DIR")"
-  cat "$DG_CACHE_PARTS"/dg_cache.tgz.part* | tar -C "$(dirname "$DG_JIT_CACHE_DIR")" -xzf -
-  echo "dg_cache unpacked: $(find "$DG_JIT_CACHE_DIR" -type f | wc -l) files" | tee -a "$work/status.txt"
-fi
 jit_cache_dirs() {  # name path: the JIT caches `pack` carries to later hosts
   echo "dg $DG_JIT_CACHE_DIR"
   echo "flashinfer $HOME/.cache/flashinfer"
@@ -84,13 +80,18 @@ jit_cache_dirs() {  # name path: the JIT caches `pack` carries to later hosts
   echo "triton ${TRITON_CACHE_DIR:-$HOME/.triton}"
   echo "inductor ${TORCHINDUCTOR_CACHE_DIR:-/tmp/torchinductor_$(id -un)}"
 }
+unpack_jit_cache() {  # name path part...: one cache's parts into its folder, unless none came or the folder is there
+  local name=$1 path=$2
+  shift 2
+  [ -e "$1" ] && [ ! -d "$path" ] || return 0
+  mkdir -p "$(dirname "$path")"
+  cat "$@" | tar -C "$(dirname "$path")" -xzf -
+  echo "jit cache $name unpacked into $path: $(find "$path" -type f | wc -l) files" | tee -a "$work/status.txt"
+}
+unpack_jit_cache dg "$DG_JIT_CACHE_DIR" "${DG_CACHE_PARTS:-/nonexistent}"/dg_cache.tgz.part*
 if [ -n "${JIT_CACHE_PARTS:-}" ]; then
   while read -r name path; do
-    if ls "$JIT_CACHE_PARTS"/jit_"$name".tgz.part* >/dev/null 2>&1 && [ ! -d "$path" ]; then
-      mkdir -p "$(dirname "$path")"
-      cat "$JIT_CACHE_PARTS"/jit_"$name".tgz.part* | tar -C "$(dirname "$path")" -xzf -
-      echo "jit cache $name unpacked into $path: $(find "$path" -type f | wc -l) files" | tee -a "$work/status.txt"
-    fi
+    unpack_jit_cache "$name" "$path" "$JIT_CACHE_PARTS"/jit_"$name".tgz.part*
   done < <(jit_cache_dirs)
 fi
 device=$(python -c "import torch; print(torch.cuda.get_device_name().replace(' ', '_'))")
