@@ -139,9 +139,8 @@ def vllm_registry(monkeypatch):
     for name in ("vllm", "vllm.v1", "vllm.v1.attention", "vllm.v1.attention.backends"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     monkeypatch.setitem(sys.modules, registry.__name__, registry)
-    monkeypatch.delenv(
-        "VLLM_TUNED_CONFIG_FOLDER", raising=False
-    )  # the plugin names trl-fp8's MoE tiles: restored after
+    # the plugin names trl-fp8's MoE tiles in this variable: restored after
+    monkeypatch.delenv("VLLM_TUNED_CONFIG_FOLDER", raising=False)
     return AttentionBackendEnum
 
 
