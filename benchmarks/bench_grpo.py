@@ -583,11 +583,77 @@ def run_one(args) -> None:
             **kernel_breakdown(rollout_profile.pop("prof")),
             "host": rollout_profile["host"],
         }
+    if args.engine_probe:
+        row["engine_probe"] = engine_probe(generation, args.generation_batch, args.prompt_len, args.completion_len)
     row["processes"] = world
     row["completions_per_step"] = args.generation_batch * world
     row["completions_per_s"] = row["completions_per_step"] / row["step_time"]["step_s"]
     if trainer.accelerator.is_main_process:
         print(json.dumps(row), flush=True)
+
+
+def probe_sampling(generation) -> dict[str, dict]:
+    """`SamplingParams` fields of each `--engine_probe` rollout: the trainer's as TRL builds them for a colocated
+    rollout (its log-probs, `generation_kwargs` with trl-fp8's token-ids-only fields), the same without log-probs,
+    and `bench_rollout`'s (no log-probs, a seed per request), which measured the same engine alone faster."""
+    trainer = {"n": 1, "repetition_penalty": generation.repetition_penalty, "temperature": generation.temperature,
+               "top_p": generation.top_p, "top_k": generation.top_k,
+               "min_p": 0.0 if generation.min_p is None else generation.min_p, "logprobs": generation.logprobs,
+               **generation.generation_kwargs}  # fmt: skip
+    return {"trainer": trainer, "trainer_no_logprobs": {**trainer, "logprobs": None},
+            "bench_rollout": {"temperature": 1.0, "detokenize": False, "seed": 0}}  # fmt: skip
+
+
+def engine_probe(generation, seqs: int, prompt_len: int, new_tokens: int) -> dict:
+    """The trainer's own engine, after training, on `seqs` random prompts of `prompt_len` tokens, `new_tokens` each
+    (ignore_eos), once per `probe_sampling` entry, then the trainer's again with `DeviceMemorySampler`'s thread
+    running as it does during the timed steps: milliseconds per decode step (prefill included) of each. Set beside
+    the timed rollouts and `bench_rollout`'s engine alone, it says whether a slower decode step in the trainer comes
+    from the sampling fields, the engine's settings (prefix caching: on in TRL's engines, off in bench_rollout's)
+    or the process around the engine. The trainer's and bench_rollout's sampling then run once more each with the
+    host thread's stack sampled (`StackSampler`, untimed): where their host time differs."""
+    import random
+
+    import torch
+    from vllm import SamplingParams
+
+    llm = generation.llm
+    vocab = llm.llm_engine.model_config.get_vocab_size()
+    rng = random.Random(0)
+    prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(prompt_len)]} for _ in range(seqs)]
+
+    def ms_per_step(fields: dict) -> float:
+        params = SamplingParams(**fields, max_tokens=new_tokens, ignore_eos=True)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+        return 1e3 * (time.perf_counter() - start) / new_tokens
+
+    variants = probe_sampling(generation)
+    probe = {name: ms_per_step(fields) for name, fields in variants.items()}
+    sampler = DeviceMemorySampler()
+    sampler.start()
+    try:
+        probe["trainer_with_memory_sampler"] = ms_per_step(variants["trainer"])
+    finally:
+        sampler.stop()
+    stacks = {}
+    for name in ("trainer", "bench_rollout"):
+        with StackSampler() as stack_sampler:
+            ms_per_step(variants[name])
+        stacks[name] = stack_sampler.summary(top=15)
+    from trl_fp8.rollout.vllm._compat import engine_cache_config
+
+    return {
+        "ms_per_decode_step": probe,
+        "seqs": seqs,
+        "prompt_len": prompt_len,
+        "new_tokens": new_tokens,
+        "prefix_caching": bool(engine_cache_config(llm).enable_prefix_caching),
+        "sampling": variants,
+        "host_stacks": stacks,
+    }
 
 
 @contextlib.contextmanager
@@ -923,6 +989,15 @@ def print_summary(result: dict) -> None:
                   f"{m.get('fp8/mismatch/is_ratio_clipped_frac', float('nan')):.3%} of tokens")  # fmt: skip
         elif "sampling/sampling_logp_difference/mean" in m:
             print(f"{r['name']} trainer vs rollout: mean |dlogp| {m['sampling/sampling_logp_difference/mean']:.4f}")
+    for r in result["results"]:
+        if probe := r.get("engine_probe"):
+            timed = 1e3 * r["step_time"]["rollout_s"] / probe["new_tokens"]
+            print(f"{r['name']} engine probe, ms per decode step ({probe['seqs']} x {probe['new_tokens']}, prefix "
+                  f"caching {'on' if probe['prefix_caching'] else 'off'}): timed rollouts {timed:.2f}, "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in probe["ms_per_decode_step"].items()))  # fmt: skip
+            for name, stacks in probe.get("host_stacks", {}).items():
+                print(f"{r['name']} engine probe, {name} sampling, host thread at the top of its stack: "
+                      + ", ".join(f"{f['frame']} {f['share']:.0%}" for f in stacks["leaf"][:8]))  # fmt: skip
 
 
 def launcher(num_processes: int, config: str, port: int, cpu_affinity: bool = False) -> list[str] | None:
@@ -987,6 +1062,12 @@ def main():
         default=None,
         help="with --profile_rollout_step: record the kernels of only this many engine steps, around the middle of "
         "the rollout (default: the whole rollout; the host thread's stack is sampled over all of it)",
+    )
+    parser.add_argument(
+        "--engine_probe",
+        action="store_true",
+        help="after the timed steps, time the trainer's engine on a rollout of the same size with the trainer's "
+        "sampling fields, without log-probs and with bench_rollout's: ms per decode step of each (engine_probe)",
     )
     parser.add_argument(
         "--profile_micro_batches",

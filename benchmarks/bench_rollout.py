@@ -49,6 +49,7 @@ import time
 from pathlib import Path
 
 from benchmarks.common import arg_parser, kernel_breakdown, metadata, previous_rows, results_path, run_all, write_json
+from trl_fp8.rollout.vllm.sampling import TOKEN_IDS_ONLY
 
 SHAPES = {  # Qwen3 configs: hidden, intermediate, layers, heads, kv heads, vocab
     "8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
@@ -100,6 +101,10 @@ ENGINES = {  # engine: (trainer in FP8, rollout precision, FP8 KV cache, vLLM bl
     # (MOE_ENGINE_LLM_KWARGS); "fp8_deepgemm" is vLLM's own choice, Triton's fused MoE on Hopper at TP 1.
     "fp8_deepgemm_moe_deepgemm": (True, "fp8", False, "deepgemm"),
     "fp8_deepgemm_moe_flashinfer_cutlass": (True, "fp8", False, "deepgemm"),
+    # With vLLM's prefix caching, as TRL's colocated engines keep it (vLLM's default; the other engines here turn it
+    # off): its per-step bookkeeping in the scheduler, beside the same engine without it.
+    "bf16_prefix_caching": (False, "bf16", False, None),
+    "fp8_deepgemm_prefix_caching": (True, "fp8", False, "deepgemm"),
 }
 # For block-FP8 weights vLLM turns its CUDA activation quantizer on (`+quant_fp8`) and then fuses it into the op
 # before it: `rms_norm_per_block_quant` and `silu_and_mul_per_block_quant`. On one H200 at 256 sequences these ran at
@@ -123,7 +128,17 @@ ENGINE_LLM_KWARGS = {
     # KV pages of 64 tokens instead of vLLM's 16 for FlashAttention: 4x longer contiguous reads per page of the
     # cache that decode attention streams (35% of its floor at 256 sequences, the profiled row above).
     "fp8_deepgemm_kv_block64": {"block_size": 64},
+    "bf16_prefix_caching": {"enable_prefix_caching": True},
+    "fp8_deepgemm_prefix_caching": {"enable_prefix_caching": True},
 }
+# `--sampling`: "bench" samples as this benchmark always has (a seed per request, no log-probs); "trainer" as
+# FP8GRPOTrainer's colocated rollouts at GRPOConfig's defaults (TRL's fields, the sampled tokens' log-probs for
+# importance sampling, trl-fp8's token-ids-only fields), both `ignore_eos` at each point's length.
+SAMPLING = {
+    "bench": {"temperature": 1.0, "detokenize": False, "seed": 0},
+    "trainer": {"n": 1, "repetition_penalty": 1.0, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
+                "logprobs": 0, **TOKEN_IDS_ONLY},
+}  # fmt: skip
 # vLLM's `moe_backend` for the experts (its names); DeepGEMM's grouped GEMM also needs VLLM_MOE_USE_DEEP_GEMM=1, which
 # the trainer leaves at 0 (trl_fp8.rollout.vllm.kernels.moe_kernel_env) and which also runs vLLM's grouped warm-up.
 MOE_ENGINE_LLM_KWARGS = {
@@ -243,10 +258,10 @@ def build_trainer_model(shape: str):
     return shape_model(shape, "meta" if shape in MOE_SHAPES else "cuda", 40960).eval()
 
 
-def timed_generate(llm, prompts, max_tokens):
+def timed_generate(llm, prompts, max_tokens, sampling: str = "bench"):
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False, seed=0)
+    params = SamplingParams(**SAMPLING[sampling], max_tokens=max_tokens, ignore_eos=True)
     start = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     seconds = time.perf_counter() - start
@@ -282,7 +297,13 @@ def run_engine(args):
     model = build_trainer_model(args.shape)
     if train_fp8:
         convert_to_fp8(model)
-    row = {"engine": args.engine, "rollout_precision": precision, "fp8_kv_cache": fp8_kv, "backend": backend}
+    row = {
+        "engine": args.engine,
+        "rollout_precision": precision,
+        "fp8_kv_cache": fp8_kv,
+        "backend": backend,
+        "sampling": args.sampling,
+    }
 
     scales = None
     pushed = args.shape not in MOE_SHAPES  # MoE shapes keep vLLM's dummy weights (see SHAPES)
@@ -383,7 +404,7 @@ def run_engine(args):
     for seqs, new in points:
         if stats:
             stats.read()
-        point = {"seqs": seqs, "new_tokens": new, **timed_generate(llm, prompts(seqs), new)}
+        point = {"seqs": seqs, "new_tokens": new, **timed_generate(llm, prompts(seqs), new, args.sampling)}
         if stats:  # how many decoded at once, and how often the KV cache ran out (preempted, recomputed)
             took = stats.read()
             point.update(running_peak=int(took["running_peak"]), preemptions=int(took["preemptions"]))
@@ -396,7 +417,7 @@ def run_engine(args):
 
         seqs, new = parse_point(args.profile_point)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            timed = timed_generate(llm, prompts(seqs), new)
+            timed = timed_generate(llm, prompts(seqs), new, args.sampling)
         row["profile"] = {"seqs": seqs, "new_tokens": new, "profiled_seconds": timed["seconds"],
                           **kernel_breakdown(prof)}  # fmt: skip
         if hw:  # the attention kernels' own floor: every decode step reads each sequence's cache once
@@ -444,6 +465,12 @@ def main():
     parser.add_argument("--points", nargs="+", default=DEFAULT_POINTS, help="SxN: S sequences, N new tokens each")
     parser.add_argument("--prompt_len", type=int, default=256)
     parser.add_argument(
+        "--sampling",
+        choices=list(SAMPLING),
+        default="bench",
+        help="the SamplingParams fields of every rollout (SAMPLING): this benchmark's, or the trainer's",
+    )
+    parser.add_argument(
         "--profile_point",
         default=None,
         help="SxN: one more rollout under the torch profiler, its kernel time by category",
@@ -480,11 +507,12 @@ def main():
         "prompt_len": args.prompt_len,
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "max_num_seqs": args.max_num_seqs,
+        **({"sampling": args.sampling} if args.sampling != "bench" else {}),  # files before --sampling: "bench"
         "hardware_peaks": hardware(device),
         "results": [],
     }
     if args.append:
-        same = ("shape", "prompt_len", "gpu_memory_utilization", "max_num_seqs")
+        same = ("shape", "prompt_len", "gpu_memory_utilization", "max_num_seqs", "sampling")
         result["results"] = previous_rows(out, result, same, "engine", args.engines)
     failed = run_all(__spec__.name, "--engine", args.engines, sys.argv[1:], result, out, "engine", list(ENGINES))
     if failed:  # kept as rows: at a small memory share an engine that cannot start is a result (its log says why)

@@ -1499,3 +1499,60 @@ def test_moe_decode_tuning_times_configurations_vllms_kernel_accepts_and_writes_
     assert {k: v["tag"] for k, v in written.items() if k != "triton_version"} == {
         "16": "vllm16", "64": "tuned64", "4096": "vllm4096"}  # fmt: skip
     assert bench.write_tuned_configs(api, shape, tuning[1:2], str(tmp_path / "none")) is None
+
+
+def test_engine_probe_times_the_trainers_engine_with_each_sampling_and_the_memory_sampler_running(monkeypatch):
+    """`--engine_probe`: one rollout per sampling set on the trainer's own engine, the first with the fields TRL's
+    colocated rollouts use (its log-probs and `generation_kwargs` included), every one `ignore_eos` at the
+    requested length, the last with the memory sampler's thread alive, each charged its own time per decode step."""
+    import types
+    from types import SimpleNamespace
+
+    import torch
+
+    import benchmarks.bench_grpo as bench_grpo
+
+    vllm = types.ModuleType("vllm")
+    vllm.SamplingParams = lambda **fields: fields
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    sampling_thread = []
+
+    class Sampler:
+        def start(self):
+            sampling_thread.append("running")
+
+        def stop(self):
+            sampling_thread.append("stopped")
+
+    monkeypatch.setattr(bench_grpo, "DeviceMemorySampler", Sampler)
+    calls = []
+
+    def generate(prompts, params, use_tqdm):
+        calls.append((prompts, params, list(sampling_thread)))
+        time.sleep(0.01 * len(calls))  # each later rollout slower: each must get its own time
+
+    llm = SimpleNamespace(generate=generate, llm_engine=SimpleNamespace(
+        model_config=SimpleNamespace(get_vocab_size=lambda: 1000),
+        vllm_config=SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=True))))  # fmt: skip
+    generation = SimpleNamespace(llm=llm, repetition_penalty=1.0, temperature=0.7, top_p=0.9, top_k=0, min_p=None,
+                                 logprobs=0, generation_kwargs={"detokenize": False, "flat_logprobs": True})  # fmt: skip
+    probe = bench_grpo.engine_probe(generation, seqs=4, prompt_len=3, new_tokens=5)
+
+    assert [c[1]["logprobs"] for c in calls[:2]] == [0, None] and "seed" in calls[2][1]
+    trainer_fields = {"n": 1, "repetition_penalty": 1.0, "temperature": 0.7, "top_p": 0.9, "top_k": 0, "min_p": 0.0,
+                      "logprobs": 0, "detokenize": False, "flat_logprobs": True, "max_tokens": 5, "ignore_eos": True}  # fmt: skip
+    assert calls[0][1] == calls[3][1] == trainer_fields
+    assert all(c[1]["max_tokens"] == 5 and c[1]["ignore_eos"] for c in calls)
+    assert [c[2] for c in calls[:4]] == [[], [], [], ["running"]] and sampling_thread == ["running", "stopped"]
+    assert [c[1] for c in calls[4:]] == [calls[0][1], calls[2][1]]  # then the host stacks: the trainer's, the bench's
+    assert set(probe["host_stacks"]) == {"trainer", "bench_rollout"}
+    assert probe["host_stacks"]["bench_rollout"]["samples"] > 0  # (a 60 ms rollout sampled every 2 ms)
+    prompts = calls[0][0]
+    assert len(prompts) == 4 and all(len(p["prompt_token_ids"]) == 3 for p in prompts)
+    assert all(c[0] == prompts for c in calls)  # the same prompts every time
+    times = probe["ms_per_decode_step"]
+    assert list(times) == ["trainer", "trainer_no_logprobs", "bench_rollout", "trainer_with_memory_sampler"]
+    values = list(times.values())
+    assert values == sorted(values) and len(set(values)) == 4
+    assert times["trainer"] >= 10 / 5 and probe["prefix_caching"] is True
