@@ -410,6 +410,12 @@ def run_engine(args):
             point.update(running_peak=int(took["running_peak"]), preemptions=int(took["preemptions"]))
         if hw:
             point.update(point_floor(measured, row, point))
+        if args.host_stacks:  # once more, untimed: where the host thread spends the rollout's steps
+            from benchmarks.host_sampling import StackSampler
+
+            with StackSampler() as sampler:
+                timed_generate(llm, prompts(seqs), new, args.sampling)
+            point["host_stacks"] = sampler.summary(top=15)
         row["points"].append(point)
         print(f"# {args.engine} {seqs}x{new}: {point['tokens_per_s']:.0f} tok/s", file=sys.stderr, flush=True)
     if args.profile_point:  # where a decode step's time goes: attention against the GEMMs and the rest
@@ -474,6 +480,11 @@ def main():
         "--profile_point",
         default=None,
         help="SxN: one more rollout under the torch profiler, its kernel time by category",
+    )
+    parser.add_argument(
+        "--host_stacks",
+        action="store_true",
+        help="each point once more with the host thread's stack sampled (host_sampling.StackSampler)",
     )
     parser.add_argument("--gpu_memory_utilization", type=float, default=0.6)
     parser.add_argument(

@@ -192,8 +192,8 @@ hostprobe)  # why the trainer's engine decodes the reduced Qwen3-30B-A3B's 64 x 
   # engine after training, with the trainer's sampling, without log-probs, with bench_rollout's, and with the memory
   # sampler's thread running)
   timed hostprobe_alone python -m benchmarks.bench_rollout --shape 30b-a3b-12l --engines fp8_deepgemm_prefix_caching \
-    --points 64x1024 --prompt_len 128 --gpu_memory_utilization 0.3 --sampling trainer --workdir "$work/alone" \
-    --out "$work/rollout_alone_30b_a3b_12l_trainer_sampling_$device.json"
+    --points 64x1024 --prompt_len 128 --gpu_memory_utilization 0.3 --sampling trainer --host_stacks \
+    --workdir "$work/alone" --out "$work/rollout_alone_30b_a3b_12l_trainer_sampling_$device.json"
   # shellcheck disable=SC2086
   MASTER_PORT=29650 timed hostprobe_grpo python -m benchmarks.bench_grpo --shape 30b-a3b-12l --optim adamw_bnb_8bit \
     --runs ${MOE_RUNS:-fp8_defaults bf16_defaults} --warmup 1 --steps 3 --engine_probe --workdir "$work/moe" \
