@@ -618,6 +618,9 @@ def engine_probe(generation, seqs: int, prompt_len: int, new_tokens: int) -> dic
     from vllm import SamplingParams
 
     llm = generation.llm
+    if getattr(generation, "enable_sleep_mode", False):  # TRL put the engine to sleep after the last rollout, its
+        generation.sync_weights()  # weights let go (level 2): wake it as a rollout does, weights pushed again
+        llm.wake_up(tags=["kv_cache"])
     vocab = llm.llm_engine.model_config.get_vocab_size()
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(prompt_len)]} for _ in range(seqs)]

@@ -235,11 +235,15 @@ colocate)  # TRL's colocate defaults on one GPU; each run in a child of its own,
   # COLOCATE_PROFILE_ROLLOUT=2: step 1 timed, step 2 profiled).
   # COLOCATE_GPUS="0 1 2 3": the runs dealt over these GPUs, the GPUs at once (the same host load on every flow; one
   # file by benchmarks.merge_results).
+  # COLOCATE_ENGINE_PROBE=1: after the timed steps, each run's engine probed (bench_grpo --engine_probe, six rollouts)
   runs=${COLOCATE_RUNS:-trl_bf16 trl_bf16_liger bf16_defaults fp8_defaults unified_fp8kv_compiled_liger}
   profile_args=()
   if [ -n "${COLOCATE_PROFILE_ROLLOUT:-}" ]; then
     profile_args=(--profile_rollout_step "$COLOCATE_PROFILE_ROLLOUT"
       --profile_engine_steps "${COLOCATE_PROFILE_ENGINE_STEPS:-256}")
+  fi
+  if [ -n "${COLOCATE_ENGINE_PROBE:-}" ]; then
+    profile_args+=(--engine_probe)
   fi
   colocate=(python -m benchmarks.bench_grpo --shape 8b --optim adamw_bnb_8bit --sleep_mode
     --vllm_memory "${COLOCATE_SHARE:-0.3}" --completion_len 2048 --generation_batch 128 --steps "${COLOCATE_STEPS:-3}"

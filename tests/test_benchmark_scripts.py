@@ -1556,3 +1556,34 @@ def test_engine_probe_times_the_trainers_engine_with_each_sampling_and_the_memor
     values = list(times.values())
     assert values == sorted(values) and len(set(values)) == 4
     assert times["trainer"] >= 10 / 5 and probe["prefix_caching"] is True
+
+
+def test_engine_probe_wakes_a_sleeping_engine_with_its_weights_pushed_again(monkeypatch):
+    """Under sleep mode TRL puts the engine to sleep after every rollout, its weights let go: the probe pushes them
+    again and wakes the KV cache, as a rollout does, before it generates."""
+    import types
+    from types import SimpleNamespace
+
+    import torch
+
+    import benchmarks.bench_grpo as bench_grpo
+
+    vllm = types.ModuleType("vllm")
+    vllm.SamplingParams = lambda **fields: fields
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(
+        bench_grpo, "DeviceMemorySampler", lambda: SimpleNamespace(start=lambda: None, stop=lambda: None)
+    )
+    events = []
+    llm = SimpleNamespace(
+        generate=lambda prompts, params, use_tqdm: events.append("generate"),
+        wake_up=lambda tags: events.append(f"wake {tags}"),
+        llm_engine=SimpleNamespace(model_config=SimpleNamespace(get_vocab_size=lambda: 100),
+                                   vllm_config=SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=True))),
+    )  # fmt: skip
+    generation = SimpleNamespace(llm=llm, repetition_penalty=1.0, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0,
+                                 logprobs=0, generation_kwargs={}, enable_sleep_mode=True,
+                                 sync_weights=lambda: events.append("sync"))  # fmt: skip
+    bench_grpo.engine_probe(generation, seqs=2, prompt_len=2, new_tokens=2)
+    assert events[:3] == ["sync", "wake ['kv_cache']", "generate"] and events.count("generate") == 6
