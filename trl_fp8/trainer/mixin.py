@@ -6,6 +6,8 @@ weights), and overrides a few of TRL's hooks, never its long methods:
 
 - `_generate_single_turn`: measures the FP8 KV-cache scales once before the very first rollout, and generates
   eagerly when decoder layers are compiled (the graphs stay for training);
+- `_get_per_token_logps_and_entropies`: scoring without gradients takes `logprob_batch_size` sequences at a time,
+  and every forward numbers each sequence's tokens from its first (`positions`), as the rollout engine did;
 - `_generate_and_score_completions`: keeps transformers' partial gradient checkpointing (`every_n_layers`) across
   TRL's no-grad scoring, logs the FP8 layer count, the weight-sync time and what the engine did;
 - `save_model` / `_save_checkpoint`: final saves are block-FP8 checkpoints, swapped into the output folder
@@ -54,6 +56,7 @@ from trl_fp8.trainer.callbacks import InvalidateSyncedReference, PrefetchFSDP2Un
 from trl_fp8.trainer.layer_checkpointing import RENAMED_CHECKPOINTING_CALLS, keep_layer_options
 from trl_fp8.trainer.liger import liger_patches_kept_on_the_model
 from trl_fp8.trainer.model_card import fp8_model_card_section
+from trl_fp8.trainer.positions import positions_from_mask, takes_sequence_positions
 from trl_fp8.trainer.regional_compile import compile_decoder_layers, eager_generation
 from trl_fp8.trainer.start_up import (
     check_datasets,
@@ -161,6 +164,8 @@ class FP8TrainerMixin:
             unwrap_model(self.ref_model).requires_grad_(False)
             if args.sync_ref_model:  # TRL blends the policy into the reference through `.data`: requantize after
                 self.add_callback(InvalidateSyncedReference(self.ref_model))
+        # Scoring and training forwards number each sequence's tokens from its first, as the rollouts did
+        self._sequence_positions = takes_sequence_positions(unwrap_model(self.model))
         # After TRL's own wrapping (PEFT, Liger, gradient checkpointing): the graphs are traced at the first forward.
         self.compiled_decoder_layers = compile_decoder_layers(self.model) if self.tuning.compile_decoder_layers else 0
         if args.use_vllm:
@@ -185,9 +190,11 @@ class FP8TrainerMixin:
         # the training forward keeps TRL's micro-batch.
         if self.args.logprob_batch_size is not None and not torch.is_grad_enabled():
             batch_size = self.args.logprob_batch_size
-        return super()._get_per_token_logps_and_entropies(
-            model, input_ids, attention_mask, logits_to_keep, batch_size, *args, **kwargs
-        )
+        # TRL gives no position ids: each left-padded prompt's tokens would sit where the rollout did not put them
+        with positions_from_mask(model, getattr(self, "_sequence_positions", True)):
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, *args, **kwargs
+            )
 
     def _check_start_up(self, args, trainer_kwargs: dict) -> None:
         """Refuse, before the model loads, what this trainer's own options cannot do (a trainer adds its checks)."""
