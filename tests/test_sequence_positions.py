@@ -45,6 +45,14 @@ def test_text_decoders_take_them_and_multimodal_models_number_their_own():
     model.config.vision_config = {"depth": 1}  # as a vision-language model's config holds its tower's
     assert not takes_sequence_positions(model)
 
+    class NoPositions(torch.nn.Module):  # a forward that would refuse them
+        config = Qwen3Config()
+
+        def forward(self, input_ids, attention_mask=None):
+            return input_ids
+
+    assert not takes_sequence_positions(NoPositions())
+
 
 def test_a_padded_rows_log_probs_are_those_of_the_row_alone():
     """In BF16, a left-padded row scored with its own positions gives its log-probs alone to within BF16's rounding;

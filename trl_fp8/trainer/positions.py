@@ -13,6 +13,7 @@ position ids.
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import torch
 from torch import nn
@@ -27,12 +28,14 @@ def sequence_positions(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def takes_sequence_positions(model: nn.Module) -> bool:
-    """Whether the model's forward takes 1-D position ids per row: a text decoder. Multimodal models (a vision or
-    audio tower) number their tokens themselves (Qwen2-VL's 3-D rotary positions), from the same attention mask."""
+    """Whether the model's forward takes 1-D position ids per row: a text decoder whose forward has `position_ids`.
+    Multimodal models (a vision or audio tower) number their tokens themselves (Qwen2-VL's 3-D rotary positions),
+    from the same attention mask."""
     config = getattr(model, "config", None)
-    return config is not None and not any(
-        getattr(config, name, None) is not None for name in ("vision_config", "audio_config")
-    )
+    if config is None or any(getattr(config, name, None) is not None for name in ("vision_config", "audio_config")):
+        return False
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PEFT model passes them on
+    return "position_ids" in inspect.signature(base.forward).parameters
 
 
 @contextlib.contextmanager
