@@ -5,9 +5,10 @@ batch's first column: a prompt padded by p tokens has its tokens at positions p,
 vLLM (and transformers' own `generate`) put its first token at 0. Rotary embeddings depend on relative positions
 only in exact arithmetic; in BF16 the cosines and sines of the shifted angles round differently, and the trainer's
 log-probs of a padded sequence move away from the rollout's by far more than the padding itself costs (on a small
-random Qwen3 in a CPU test, tests/test_sequence_positions.py: 0.05 against at most 0.0002 in mean |dlogp|). `sequence_positions` numbers each row from its first
-unmasked token; `positions_from_mask` gives them to every forward of a model that is given an attention mask and no
-position ids.
+random Qwen3, tests/test_sequence_positions.py: 0.05 against at most 0.0002 in mean |dlogp|).
+
+`sequence_positions` numbers each row from its first unmasked token; `positions_from_mask` gives them to every
+forward of a model that is given an attention mask and no position ids.
 """
 
 from __future__ import annotations
