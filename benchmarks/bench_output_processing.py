@@ -6,11 +6,13 @@ A colocated engine runs in the trainer's process (TRL sets `VLLM_ENABLE_V1_MULTI
 step, vLLM's `OutputProcessor` turns every sequence's new token (and, with the defaults, its log-prob token) into
 text and stores its log-prob, on the same thread that schedules the next step. This drives that processor alone,
 with each sequence's sampled token and log-prob fed in as the engine core would hand them over, so it needs vLLM
-importable but no GPU: the time is CPU time, on whatever CPU runs it. TRL's `extract_logprobs` of the finished
-outputs, which runs after the rollout, is timed too and counted in. The tokenizer is `bench_grpo`'s word-level one
-over Qwen3's 151,936 ids. A rollout's host time is the processor's calls plus the garbage collector's pauses between
-them (vLLM's defaults keep a dict and a `Logprob` object per generated token until the rollout ends, which the
-collector walks again and again). The run checks that every setting returns the same token ids and log-probs.
+importable but no GPU: the time is CPU time, on whatever CPU runs it. The reading of the finished outputs' log-probs,
+which runs after the rollout, is timed too and counted in: the trainer's (`sampling.flat_logprobs_read_directly`:
+vLLM's flat arrays read directly where the log-probs are flat, TRL's `extract_logprobs` otherwise), with TRL's own
+beside it (`trl_extract_seconds`). The tokenizer is `bench_grpo`'s word-level one over Qwen3's 151,936 ids. A
+rollout's host time is the processor's calls plus the garbage collector's pauses between them (vLLM's defaults keep
+a dict and a `Logprob` object per generated token until the rollout ends, which the collector walks again and again).
+The run checks that every setting returns the same token ids and log-probs.
 
     python -m benchmarks.bench_output_processing                       # 128 x 2048 and 256 x 2048
     python -m benchmarks.bench_output_processing --points 64x1024
@@ -26,7 +28,7 @@ import numpy as np
 
 from benchmarks.common import arg_parser, metadata, results_path, write_json
 from benchmarks.host_sampling import GcPauses
-from trl_fp8.rollout.vllm.sampling import TOKEN_IDS_ONLY
+from trl_fp8.rollout.vllm.sampling import TOKEN_IDS_ONLY, flat_logprobs_read_directly
 
 SETTINGS = {
     "vllm_defaults": {},
@@ -47,6 +49,7 @@ def cpu_name() -> str:
 
 def rollout(tokenizer, seqs: int, new_tokens: int, prompt_len: int, sampling: dict, seed: int = 0) -> dict:
     """Feed vLLM's `OutputProcessor` one decode step at a time, as its engine core would; time each step's call."""
+    import trl.generation.vllm_generation as trl_generation
     from trl.generation.vllm_generation import extract_logprobs
     from vllm.sampling_params import RequestOutputKind, SamplingParams
     from vllm.v1.engine import EngineCoreOutput, EngineCoreRequest, FinishReason
@@ -94,13 +97,19 @@ def rollout(tokenizer, seqs: int, new_tokens: int, prompt_len: int, sampling: di
     completions = [list(o.outputs[0].token_ids) for o in outputs]
     start = time.perf_counter()
     logprobs, _ = extract_logprobs(outputs)  # TRL's reading of them, after the rollout
+    trl_extract_seconds = time.perf_counter() - start
+    start = time.perf_counter()
+    with flat_logprobs_read_directly():  # the trainer's: from vLLM's flat arrays where they are flat, else TRL's
+        trainers_logprobs, _ = trl_generation.extract_logprobs(outputs)
     extract_seconds = time.perf_counter() - start
+    assert trainers_logprobs == logprobs  # (NaN-free: the log-probs fed in are finite)
     steps_ms = np.array(steps) * 1e3
     return {
-        # host time the rollout costs: between decode steps, and TRL's reading of the outputs after the last
+        # host time the rollout costs: between decode steps, and the trainer's reading of the outputs after the last
         "seconds": float(steps_ms.sum() / 1e3 + pauses.outside_seconds + extract_seconds),
         "process_outputs_seconds": float(steps_ms.sum() / 1e3),
-        "trl_extract_seconds": extract_seconds,
+        "trl_extract_seconds": trl_extract_seconds,
+        "trainer_extract_seconds": extract_seconds,
         "ms_per_step": float(steps_ms.mean()),
         "median_step_ms": float(np.median(steps_ms)),
         "worst_step_ms": float(steps_ms.max()),

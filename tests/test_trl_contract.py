@@ -43,6 +43,7 @@ HOOKS = [
     (VLLMGeneration, "_init_vllm", ["self"]),
     (VLLMGeneration, "sync_weights", ["self"]),
     (VLLMGeneration, "_iter_named_params", ["self"]),
+    (VLLMGeneration, "generate", ["self", "prompts", "images", "num_generations"]),
 ]
 
 
@@ -140,6 +141,11 @@ def test_the_helpers_we_import_exist():
     assert all(callable(f) for f in (accuracy_reward, get_soft_overlong_punishment, reasoning_accuracy_reward))
     # transformers re-registers this hook each time checkpointing is enabled; layer_checkpointing removes the old one
     assert "make_inputs_require_grads" in inspect.getsource(transformers.modeling_utils)
+    # the colocated generate reads the rollout's log-probs through this module name, which the flat reader replaces
+    import trl.generation.vllm_generation as trl_generation
+
+    assert callable(trl_generation.extract_logprobs)
+    assert "extract_logprobs(all_outputs)" in inspect.getsource(VLLMGeneration.generate)
 
 
 def test_what_the_start_up_checks_and_the_example_script_rely_on_exists():

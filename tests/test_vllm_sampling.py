@@ -70,3 +70,75 @@ def test_trls_colocated_generate_passes_them_to_sampling_params(tmp_path, fake_v
 def test_refused_without_vllm():
     with pytest.raises(ValueError, match="vllm_token_ids_only=False sets up vLLM rollouts, but use_vllm=False"):
         FP8GRPOConfig(output_dir="unused", use_cpu=True, use_vllm=False, vllm_token_ids_only=False)
+
+
+class FlatLogprobs:
+    """vLLM's `FlatLogprobs` as far as TRL and trl-fp8 read it: the flat arrays, and a dict of `Logprob`-like objects
+    per position when iterated (what TRL's `extract_logprobs` reads)."""
+
+    def __init__(self, positions):  # positions: per token, [(token_id, logprob, rank), ...]
+        self.start_indices, self.end_indices, self.token_ids, self.logprobs, self.ranks = [], [], [], [], []
+        for entries in positions:
+            self.start_indices.append(len(self.token_ids))
+            for token_id, logprob, rank in entries:
+                self.token_ids.append(token_id)
+                self.logprobs.append(logprob)
+                self.ranks.append(rank)
+            self.end_indices.append(len(self.token_ids))
+
+    def __iter__(self):
+        for start, end in zip(self.start_indices, self.end_indices, strict=True):
+            yield {self.token_ids[i]: types.SimpleNamespace(logprob=self.logprobs[i], rank=self.ranks[i])
+                   for i in range(start, end)}  # fmt: skip
+
+
+def outputs_with(*completions):
+    return [types.SimpleNamespace(outputs=[types.SimpleNamespace(logprobs=c)]) for c in completions]
+
+
+def test_flat_log_probs_read_from_the_arrays_are_trls_lists():
+    """One log-prob a token (TRL's `logprobs=0`): the lists TRL's reader gives, NaN as None, read from the arrays."""
+    from trl.generation.vllm_generation import extract_logprobs
+
+    from trl_fp8.rollout.vllm.sampling import flat_logprob_lists
+
+    outputs = outputs_with(FlatLogprobs([[(5, -0.25, 3)], [(9, float("nan"), 1)], [(2, -1.5, 20)]]),
+                           FlatLogprobs([[(7, -0.0, 1)]]), FlatLogprobs([]))  # fmt: skip
+    ours = flat_logprob_lists(outputs)
+    assert ours == extract_logprobs(outputs)
+    assert ours == ([[[-0.25], [None], [-1.5]], [[-0.0]], []], [[[5], [9], [2]], [[7]], []])
+
+
+def test_what_the_arrays_cannot_say_alone_is_left_to_trls_reader():
+    """Several log-probs a token (TRL sorts them by rank, and a sampled token among the top ones is one dict entry),
+    or log-probs kept as dicts: declined (None). An output without log-probs: `(None, None)`, as TRL's."""
+    from trl_fp8.rollout.vllm.sampling import flat_logprob_lists
+
+    top_two = FlatLogprobs([[(5, -0.25, 2), (4, -0.1, 1)]])
+    assert flat_logprob_lists(outputs_with(top_two)) is None
+    assert flat_logprob_lists(outputs_with([{5: types.SimpleNamespace(logprob=-0.5, rank=1)}])) is None
+    assert flat_logprob_lists(outputs_with(FlatLogprobs([[(5, -0.25, 1)]]), None)) == (None, None)
+
+
+def test_the_trainers_colocated_generate_reads_flat_log_probs_from_the_arrays(tmp_path, fake_vllm, monkeypatch):
+    """The trainer's rollouts go through TRL's colocated generate with the flat reader in place of TRL's (which would
+    fail on these outputs: they cannot be iterated), and TRL's reader is back after."""
+    import trl.generation.vllm_generation as trl_vllm
+
+    class NotIterable(FlatLogprobs):
+        def __iter__(self):
+            raise AssertionError("TRL's reader ran")
+
+    def generate(self, prompts, sampling_params, use_tqdm=False):
+        flat = NotIterable([[(5, -0.5, 1)], [(6, -0.75, 1)]])
+        return [types.SimpleNamespace(prompt_token_ids=p["prompt_token_ids"],
+                                      outputs=[types.SimpleNamespace(token_ids=[5, 6], logprobs=flat)])
+                for p in prompts]  # fmt: skip
+
+    monkeypatch.setattr(trl_vllm, "SamplingParams", RecordedSamplingParams, raising=False)
+    monkeypatch.setattr(FakeLLM, "generate", generate, raising=False)
+    trls = trl_vllm.extract_logprobs
+    trainer = tiny_trainer(tmp_path)
+    _, completion_ids, logprobs, token_ids = trainer.vllm_generation.generate([[1, 2, 3]], None, 1)
+    assert completion_ids == [[5, 6]] and logprobs == [[[-0.5], [-0.75]]] and token_ids == [[[5], [6]]]
+    assert trl_vllm.extract_logprobs is trls

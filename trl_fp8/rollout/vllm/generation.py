@@ -11,7 +11,8 @@
 - colocate sync: vLLM's layerwise `reload_weights` (the only refresh path that works on a running FP8 engine in
   vLLM 0.26; `model.load_weights`, which TRL calls, fails there). Server mode keeps TRL's own path (its client
   streams the same tensors through vLLM's NCCL weight-transfer engine, which also reloads layerwise);
-- colocated rollouts ask vLLM for token ids and log-probs only, through TRL's `generation_kwargs` (`sampling.py`).
+- colocated rollouts ask vLLM for token ids and log-probs only, through TRL's `generation_kwargs`, and read the
+  log-probs back from vLLM's flat arrays instead of a dict per token (`sampling.py`).
 
 Rollout precisions: "fp8" (our quantizer makes weights and scales: the unified flow), "bf16", and "fp8_online"
 (BF16 weights pushed, vLLM quantizes them itself: the BF16-train / FP8-rollout baseline).
@@ -60,7 +61,7 @@ from trl_fp8.rollout.vllm.kernels import (
     server_kernel,
 )
 from trl_fp8.rollout.vllm.partitions import check_tensor_parallel, tensor_parallel_env, tensor_parallel_overrides
-from trl_fp8.rollout.vllm.sampling import with_token_ids_only
+from trl_fp8.rollout.vllm.sampling import flat_logprobs_read_directly, with_token_ids_only
 from trl_fp8.rollout.vllm.server import check_server_config
 
 logger = logging.getLogger(__name__)
@@ -159,6 +160,11 @@ class FP8VLLMGeneration(VLLMGeneration):
             # TRL merges these into each colocated rollout's SamplingParams (a server answers in OpenAI's format).
             self.generation_kwargs, why = with_token_ids_only(self.generation_kwargs)
             logger.info("vLLM rollout outputs: %s", why)
+
+    def generate(self, *args, **kwargs):
+        # TRL reads vLLM's flat log-probs back through a dict and an object per token; read the arrays instead
+        with flat_logprobs_read_directly():
+            return super().generate(*args, **kwargs)
 
     @property
     def fp8_modules(self) -> set[str]:
