@@ -8,7 +8,7 @@ several times the host time of token ids alone, with garbage-collection pauses t
 `GRPOConfig.generation_kwargs` into the `SamplingParams` of every colocated rollout, so the trainer sets them there.
 
 After the rollout TRL's `extract_logprobs` reads vLLM's flat log-probs back one position at a time, through the very
-dict and `Logprob` object per token that `flat_logprobs` spared (about 1 s for 128 x 2,048 tokens on a CPU core).
+dict and `Logprob` object per token that `flat_logprobs` spared (1.4-1.9 s for 128 x 2,048 tokens on a CPU core).
 `flat_logprob_lists` reads the same lists straight from the flat arrays where each token has one log-prob (TRL's
 `logprobs=0`: the sampled token's), and `flat_logprobs_read_directly` puts it in place of TRL's reader for a rollout,
 with the garbage collector paused meanwhile.
