@@ -58,7 +58,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from benchmarks.bench_rollout import SHAPES, floor_tokens_per_s, hardware, model_bytes, shape_model
+from benchmarks.bench_rollout import SAMPLING, SHAPES, floor_tokens_per_s, hardware, model_bytes, shape_model
 from benchmarks.common import (
     arg_parser,
     kernel_breakdown,
@@ -601,7 +601,7 @@ def probe_sampling(generation) -> dict[str, dict]:
                "min_p": 0.0 if generation.min_p is None else generation.min_p, "logprobs": generation.logprobs,
                **generation.generation_kwargs}  # fmt: skip
     return {"trainer": trainer, "trainer_no_logprobs": {**trainer, "logprobs": None},
-            "bench_rollout": {"temperature": 1.0, "detokenize": False, "seed": 0}}  # fmt: skip
+            "bench_rollout": dict(SAMPLING["bench"])}  # fmt: skip
 
 
 def engine_probe(generation, seqs: int, prompt_len: int, new_tokens: int) -> dict:

@@ -50,7 +50,6 @@ def cpu_name() -> str:
 def rollout(tokenizer, seqs: int, new_tokens: int, prompt_len: int, sampling: dict, seed: int = 0) -> dict:
     """Feed vLLM's `OutputProcessor` one decode step at a time, as its engine core would; time each step's call."""
     import trl.generation.vllm_generation as trl_generation
-    from trl.generation.vllm_generation import extract_logprobs
     from vllm.sampling_params import RequestOutputKind, SamplingParams
     from vllm.v1.engine import EngineCoreOutput, EngineCoreRequest, FinishReason
     from vllm.v1.engine.output_processor import OutputProcessor
@@ -96,7 +95,7 @@ def rollout(tokenizer, seqs: int, new_tokens: int, prompt_len: int, sampling: di
     outputs = sorted(finished, key=lambda o: int(o.request_id))
     completions = [list(o.outputs[0].token_ids) for o in outputs]
     start = time.perf_counter()
-    logprobs, _ = extract_logprobs(outputs)  # TRL's reading of them, after the rollout
+    logprobs, _ = trl_generation.extract_logprobs(outputs)  # TRL's reading of them, after the rollout
     trl_extract_seconds = time.perf_counter() - start
     start = time.perf_counter()
     with flat_logprobs_read_directly():  # the trainer's: from vLLM's flat arrays where they are flat, else TRL's

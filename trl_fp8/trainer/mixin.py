@@ -191,7 +191,7 @@ class FP8TrainerMixin:
         if self.args.logprob_batch_size is not None and not torch.is_grad_enabled():
             batch_size = self.args.logprob_batch_size
         # TRL gives no position ids: each left-padded prompt's tokens would sit where the rollout did not put them
-        with positions_from_mask(model, getattr(self, "_sequence_positions", True)):
+        with positions_from_mask(model, self._sequence_positions):
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size, *args, **kwargs
             )
