@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import statistics
@@ -58,7 +59,15 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from benchmarks.bench_rollout import SAMPLING, SHAPES, floor_tokens_per_s, hardware, model_bytes, shape_model
+from benchmarks.bench_rollout import (
+    SAMPLING,
+    SHAPES,
+    floor_tokens_per_s,
+    hardware,
+    host_line,
+    model_bytes,
+    shape_model,
+)
 from benchmarks.common import (
     arg_parser,
     kernel_breakdown,
@@ -71,6 +80,7 @@ from benchmarks.common import (
     write_json,
 )
 from benchmarks.host_sampling import GcPauses, StackSampler
+from benchmarks.host_timers import HostTimers
 
 RUNS = {  # run: (trainer, fp8_recipe, rollout_precision, fp8 KV cache, training GEMM backend, FP8 weight cache)
     "trl_bf16": ("trl", None, "bf16", False, None, None),
@@ -604,14 +614,33 @@ def probe_sampling(generation) -> dict[str, dict]:
             "bench_rollout": dict(SAMPLING["bench"])}  # fmt: skip
 
 
+def process_facts() -> dict:
+    """What about this process could slow a host thread that bench_rollout's does not have: tracing or profiling
+    hooks, the collector's load, other threads, the CPU cores it may run on, PyTorch's global modes and threads."""
+    import threading
+
+    import torch
+
+    return {
+        "trace_hook": repr(sys.gettrace()), "profile_hook": repr(sys.getprofile()),
+        "gc_objects": len(gc.get_objects()), "gc_frozen": gc.get_freeze_count(), "gc_thresholds": gc.get_threshold(),
+        "gc_counts": gc.get_count(), "threads": sorted(t.name for t in threading.enumerate()),
+        "cpu_affinity": len(os.sched_getaffinity(0)), "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(), "grad_enabled": torch.is_grad_enabled(),
+        "inference_mode": torch.is_inference_mode_enabled(), "anomaly_mode": torch.is_anomaly_enabled(),
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "env": {k: v for k, v in os.environ.items() if k.startswith(("VLLM_", "TORCH", "PYTORCH", "CUDA_", "OMP_"))},
+    }  # fmt: skip
+
+
 def engine_probe(generation, seqs: int, prompt_len: int, new_tokens: int) -> dict:
     """The trainer's own engine, after training, on `seqs` random prompts of `prompt_len` tokens, `new_tokens` each
     (ignore_eos), once per `probe_sampling` entry, then the trainer's again with `DeviceMemorySampler`'s thread
     running as it does during the timed steps: milliseconds per decode step (prefill included) of each. Set beside
     the timed rollouts and `bench_rollout`'s engine alone, it says whether a slower decode step in the trainer comes
     from the sampling fields, the engine's settings (prefix caching: on in TRL's engines, off in bench_rollout's)
-    or the process around the engine. The trainer's and bench_rollout's sampling then run once more each with the
-    host thread's stack sampled (`StackSampler`, untimed): where their host time differs."""
+    or the process around the engine; each rollout's host time by call (`HostTimers`) says which of the engine's
+    steps take it. The prefix cache is emptied before each, so that every one prefills its prompts."""
     import random
 
     import torch
@@ -625,37 +654,45 @@ def engine_probe(generation, seqs: int, prompt_len: int, new_tokens: int) -> dic
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(prompt_len)]} for _ in range(seqs)]
 
-    def ms_per_step(fields: dict) -> float:
-        params = SamplingParams(**fields, max_tokens=new_tokens, ignore_eos=True)
+    hosts = {}
+
+    def ms_per_step(fields: dict, name: str) -> float:
+        params = SamplingParams(**{**fields, "max_tokens": new_tokens, "ignore_eos": True})  # the fields may hold one
+        llm.reset_prefix_cache()  # every variant prefills its prompts: none finds them cached by the one before
         torch.cuda.synchronize()
-        start = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
-        torch.cuda.synchronize()
-        return 1e3 * (time.perf_counter() - start) / new_tokens
+        with HostTimers(llm) as timers:
+            start = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            torch.cuda.synchronize()
+            seconds = time.perf_counter() - start
+        hosts[name] = timers.summary()
+        return 1e3 * seconds / new_tokens
 
     variants = probe_sampling(generation)
-    probe = {name: ms_per_step(fields) for name, fields in variants.items()}
+    probe = {name: ms_per_step(fields, name) for name, fields in variants.items()}
     sampler = DeviceMemorySampler()
     sampler.start()
     try:
-        probe["trainer_with_memory_sampler"] = ms_per_step(variants["trainer"])
+        probe["trainer_with_memory_sampler"] = ms_per_step(variants["trainer"], "trainer_with_memory_sampler")
     finally:
         sampler.stop()
-    stacks = {}
-    for name in ("trainer", "bench_rollout"):
-        with StackSampler() as stack_sampler:
-            ms_per_step(variants[name])
-        stacks[name] = stack_sampler.summary(top=15)
+    gc.collect()
+    gc.disable()  # the collector's share: a trainer's process holds far more Python objects than bench_rollout's
+    try:
+        probe["trainer_gc_off"] = ms_per_step(variants["trainer"], "trainer_gc_off")
+    finally:
+        gc.enable()
     from trl_fp8.rollout.vllm._compat import engine_cache_config
 
     return {
         "ms_per_decode_step": probe,
+        "process": process_facts(),
         "seqs": seqs,
         "prompt_len": prompt_len,
         "new_tokens": new_tokens,
         "prefix_caching": bool(engine_cache_config(llm).enable_prefix_caching),
         "sampling": variants,
-        "host_stacks": stacks,
+        "host": hosts,
     }
 
 
@@ -998,9 +1035,13 @@ def print_summary(result: dict) -> None:
             print(f"{r['name']} engine probe, ms per decode step ({probe['seqs']} x {probe['new_tokens']}, prefix "
                   f"caching {'on' if probe['prefix_caching'] else 'off'}): timed rollouts {timed:.2f}, "
                   + ", ".join(f"{k} {v:.2f}" for k, v in probe["ms_per_decode_step"].items()))  # fmt: skip
-            for name, stacks in probe.get("host_stacks", {}).items():
-                print(f"{r['name']} engine probe, {name} sampling, host thread at the top of its stack: "
-                      + ", ".join(f"{f['frame']} {f['share']:.0%}" for f in stacks["leaf"][:8]))  # fmt: skip
+            if facts := probe.get("process"):
+                print(f"{r['name']} engine probe, process: {facts['gc_objects']:,} objects ({facts['gc_frozen']:,} "
+                      f"frozen), threads {facts['threads']}, {facts['cpu_affinity']} of {facts['cpu_count']} cores, "
+                      f"trace {facts['trace_hook']}, profile {facts['profile_hook']}")  # fmt: skip
+            for name, host in probe.get("host", {}).items():
+                seconds = probe["ms_per_decode_step"][name] * probe["new_tokens"] / 1e3
+                print(f"{r['name']} engine probe, {name}: {host_line(host, seconds)}")
 
 
 def launcher(num_processes: int, config: str, port: int, cpu_affinity: bool = False) -> list[str] | None:

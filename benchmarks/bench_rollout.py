@@ -105,6 +105,9 @@ ENGINES = {  # engine: (trainer in FP8, rollout precision, FP8 KV cache, vLLM bl
     # off): its per-step bookkeeping in the scheduler, beside the same engine without it.
     "bf16_prefix_caching": (False, "bf16", False, None),
     "fp8_deepgemm_prefix_caching": (True, "fp8", False, "deepgemm"),
+    # Built with every argument TRL's colocated engines get that the others lack: its executor for torchrun-style
+    # launchers (`external_launcher`: this process is rank 0 of 1) and prefix caching on.
+    "fp8_deepgemm_trl_engine": (True, "fp8", False, "deepgemm"),
 }
 # For block-FP8 weights vLLM turns its CUDA activation quantizer on (`+quant_fp8`) and then fuses it into the op
 # before it: `rms_norm_per_block_quant` and `silu_and_mul_per_block_quant`. On one H200 at 256 sequences these ran at
@@ -130,6 +133,7 @@ ENGINE_LLM_KWARGS = {
     "fp8_deepgemm_kv_block64": {"block_size": 64},
     "bf16_prefix_caching": {"enable_prefix_caching": True},
     "fp8_deepgemm_prefix_caching": {"enable_prefix_caching": True},
+    "fp8_deepgemm_trl_engine": {"enable_prefix_caching": True, "distributed_executor_backend": "external_launcher"},
 }
 # `--sampling`: "bench" samples as this benchmark always has (a seed per request, no log-probs); "trainer" as
 # FP8GRPOTrainer's colocated rollouts at GRPOConfig's defaults (TRL's fields, the sampled tokens' log-probs for
@@ -145,7 +149,12 @@ MOE_ENGINE_LLM_KWARGS = {
     "fp8_deepgemm_moe_deepgemm": {"moe_backend": "deep_gemm"},
     "fp8_deepgemm_moe_flashinfer_cutlass": {"moe_backend": "flashinfer_cutlass"},
 }
-ENGINE_ENV = {"fp8_deepgemm_moe_deepgemm": {"VLLM_MOE_USE_DEEP_GEMM": "1"}}
+ENGINE_ENV = {
+    "fp8_deepgemm_moe_deepgemm": {"VLLM_MOE_USE_DEEP_GEMM": "1"},
+    # what TRL sets before building its engine (torch.distributed's env:// rendezvous of one rank)
+    "fp8_deepgemm_trl_engine": {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                                "MASTER_PORT": "29657"},
+}  # fmt: skip
 # Engines whose `silu_and_mul_per_block_quant` runs on trl-fp8's kernel (`trl_fp8.rollout.vllm.act_quant`); the
 # others keep vLLM's, so each pair differs in that kernel alone.
 TRL_ACT_QUANT = {"fp8_deepgemm_trl_act_quant", "fp8_deepgemm_kv_trl_act_quant"}
@@ -259,14 +268,19 @@ def build_trainer_model(shape: str):
 
 
 def timed_generate(llm, prompts, max_tokens, sampling: str = "bench"):
+    """One rollout: its tokens and time, and its engine steps' host time by call (`host_timers.HostTimers`, a clock
+    around each call: about a microsecond a call)."""
     from vllm import SamplingParams
 
+    from benchmarks.host_timers import HostTimers
+
     params = SamplingParams(**SAMPLING[sampling], max_tokens=max_tokens, ignore_eos=True)
-    start = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    seconds = time.perf_counter() - start
+    with HostTimers(llm) as timers:
+        start = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        seconds = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"output_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
+    return {"output_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "host": timers.summary()}
 
 
 def parse_point(point: str) -> tuple[int, int]:
@@ -410,6 +424,8 @@ def run_engine(args):
             point.update(running_peak=int(took["running_peak"]), preemptions=int(took["preemptions"]))
         if hw:
             point.update(point_floor(measured, row, point))
+        for other in args.compare_sampling or ():  # the same point with other sampling fields, this engine
+            point.setdefault("sampling_compared", {})[other] = timed_generate(llm, prompts(seqs), new, other)
         if args.host_stacks:  # once more, untimed: where the host thread spends the rollout's steps
             from benchmarks.host_sampling import StackSampler
 
@@ -432,6 +448,13 @@ def run_engine(args):
     print(json.dumps(row), flush=True)
 
 
+def host_line(host: dict, seconds: float) -> str:
+    """A rollout's milliseconds per engine step: in all, then each timed host call (`HostTimers.summary`)."""
+    per_step = host["ms_per_step"]
+    wall = 1e3 * seconds / host["steps"]
+    return f"{wall:.2f} ms a step; " + ", ".join(f"{name} {ms:.2f}" for name, ms in per_step.items())
+
+
 def summary(rows: list[dict]) -> str:
     """One line per engine and point: tok/s, ratio to BF16 at the same point, share of the floor."""
     base = {(p["seqs"], p["new_tokens"]): p for r in rows if r["engine"] == "bf16" for p in r["points"]}
@@ -450,6 +473,13 @@ def summary(rows: list[dict]) -> str:
                 f"{p.get('running_peak', '-'):>8}{p.get('preemptions', '-'):>8}{p['tokens_per_s']:>9.0f}{ratio:>9}"
                 f"{floor:>9}"
             )
+    for r in rows:  # each rollout's host time per engine step, by call (benchmarks.host_timers)
+        for p in r["points"]:
+            runs = {r.get("sampling", "bench"): p, **p.get("sampling_compared", {})}
+            for sampling, run in runs.items():
+                if "host" in run:
+                    lines.append(f"{r['engine']} {p['seqs']}x{p['new_tokens']} {sampling} sampling: "
+                                 + host_line(run["host"], run["seconds"]))  # fmt: skip
     for r in rows:  # --profile_point: kernel time by category, attention against its floor
         if "profile" in r:
             prof = r["profile"]
@@ -475,6 +505,13 @@ def main():
         choices=list(SAMPLING),
         default="bench",
         help="the SamplingParams fields of every rollout (SAMPLING): this benchmark's, or the trainer's",
+    )
+    parser.add_argument(
+        "--compare_sampling",
+        nargs="+",
+        choices=list(SAMPLING),
+        default=None,
+        help="each point once more with each of these sampling fields, on the same engine (sampling_compared)",
     )
     parser.add_argument(
         "--profile_point",

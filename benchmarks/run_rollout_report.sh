@@ -35,9 +35,9 @@
 #   bash benchmarks/run_rollout_report.sh grpo      # bench_grpo ($GRPO_RUNS), TRL BF16 vs unified FP8, profiled
 #   bash benchmarks/run_rollout_report.sh moestep   # bench_grpo on the reduced Qwen3-30B-A3B: $MOE_RUNS one after the other
 #   bash benchmarks/run_rollout_report.sh moeprofile # the same, the BF16 twin and FP8's defaults, step 2's rollout profiled
-#   bash benchmarks/run_rollout_report.sh hostprobe # the same engine alone (trainer's sampling, prefix caching on) and
-#                                                   # in the trainer (bench_grpo --engine_probe): where the decode step's
-#                                                   # extra host time comes from
+#   bash benchmarks/run_rollout_report.sh hostprobe # the engine in the trainer (bench_grpo --engine_probe) and alone
+#                                                   # (trainer's sampling, prefix caching on, TRL's executor): where the
+#                                                   # decode step's extra host time comes from
 #   bash benchmarks/run_rollout_report.sh four      # bench_grpo: the four runs of `long` at 64 x 1024 on the 8B shape
 #   bash benchmarks/run_rollout_report.sh long      # bench_grpo's long regime ($LONG_RUNS): 128 x 4096 tokens, 1.7B
 #   bash benchmarks/run_rollout_report.sh kvprofile # the long regime's rollout (1.7B, 128 x 4096), kernel time profiled
@@ -184,20 +184,22 @@ decode)  # the default engines and one-setting variants (bench_rollout.ENGINE_LL
   CAPACITY_POINTS=${CAPACITY_POINTS:-256x2048} CAPACITY_PROFILE=${CAPACITY_PROFILE:-256x512} \
     CAPACITY_ENGINES=${DECODE_ENGINES:-bf16 fp8_deepgemm fp8_deepgemm_kv fp8_deepgemm_kv_inductor_quant \
     fp8_deepgemm_kv_triton_attn fp8_deepgemm_kv_block64 fp8_deepgemm_inductor_quant fp8_deepgemm_kv_flashinfer \
-    bf16_prefix_caching fp8_deepgemm_prefix_caching} bash benchmarks/run_rollout_report.sh capacity
+    bf16_prefix_caching fp8_deepgemm_prefix_caching fp8_deepgemm_trl_engine} bash benchmarks/run_rollout_report.sh capacity
   ;;
 hostprobe)  # why the trainer's engine decodes the reduced Qwen3-30B-A3B's 64 x 1,024 slower than the same engine alone
-  # (bench_rollout, prefix caching off, no log-probs): that engine alone with prefix caching on and the trainer's
-  # sampling fields, then $MOE_RUNS (default the FP8 defaults and their BF16 twin) with --engine_probe (the trainer's
-  # engine after training, with the trainer's sampling, without log-probs, with bench_rollout's, and with the memory
-  # sampler's thread running)
-  timed hostprobe_alone python -m benchmarks.bench_rollout --shape 30b-a3b-12l --engines fp8_deepgemm_prefix_caching \
-    --points 64x1024 --prompt_len 128 --gpu_memory_utilization 0.3 --sampling trainer --host_stacks \
-    --workdir "$work/alone" --out "$work/rollout_alone_30b_a3b_12l_trainer_sampling_$device.json"
+  # (bench_rollout, prefix caching off, no log-probs): $MOE_RUNS (default the FP8 defaults) with --engine_probe (the
+  # trainer's engine after training, with the trainer's sampling, without log-probs, with bench_rollout's, with the
+  # memory sampler's thread running, with the garbage collector off), then that engine alone with prefix caching off,
+  # on, and built with TRL's executor (external_launcher), each with the trainer's sampling and bench_rollout's; every
+  # rollout's host time per engine step by call (benchmarks/host_timers.py)
   # shellcheck disable=SC2086
   MASTER_PORT=29650 timed hostprobe_grpo python -m benchmarks.bench_grpo --shape 30b-a3b-12l --optim adamw_bnb_8bit \
-    --runs ${MOE_RUNS:-fp8_defaults bf16_defaults} --warmup 1 --steps 3 --engine_probe --workdir "$work/moe" \
+    --runs ${MOE_RUNS:-fp8_defaults} --warmup 1 --steps 2 --engine_probe --workdir "$work/moe" \
     --out "$work/grpo_moe_30b_a3b_12l_engine_probe_$device.json"
+  timed hostprobe_alone python -m benchmarks.bench_rollout --shape 30b-a3b-12l \
+    --engines fp8_deepgemm fp8_deepgemm_prefix_caching fp8_deepgemm_trl_engine --points 64x1024 --prompt_len 128 \
+    --gpu_memory_utilization 0.3 --sampling trainer --compare_sampling bench --workdir "$work/alone" \
+    --out "$work/rollout_alone_30b_a3b_12l_trainer_sampling_$device.json"
   ;;
 moedecode)  # the Qwen3-30B-A3B shape's experts on each of vLLM's block-FP8 MoE backends (Triton, vLLM's choice, also with
   # trl-fp8's SiLU-and-mul quantization kernel between its two GEMMs, as the trainer's engines run it; DeepGEMM's

@@ -176,13 +176,13 @@ def test_the_moedecode_phase_runs_every_moe_backend_variant_at_a_moe_shape():
     import re
     import sys
 
-    from benchmarks.bench_rollout import ENGINE_ENV, ENGINES, MOE_ENGINE_LLM_KWARGS, MOE_SHAPES
+    from benchmarks.bench_rollout import ENGINE_ENV, ENGINE_LLM_KWARGS, ENGINES, MOE_ENGINE_LLM_KWARGS, MOE_SHAPES
 
     phase = report_phase("moedecode").replace("\\\n", " ")
     engines = re.search(r"MOE_ENGINES:-([^}]*)}", phase).group(1).replace("\\", " ").split()
     assert set(engines) <= set(ENGINES) and set(MOE_ENGINE_LLM_KWARGS) <= set(engines), engines
     assert re.search(r"CAPACITY_SHAPE=(\S+)", phase).group(1) in MOE_SHAPES
-    assert set(ENGINE_ENV) <= set(MOE_ENGINE_LLM_KWARGS)
+    assert set(ENGINE_ENV) <= set(MOE_ENGINE_LLM_KWARGS) | set(ENGINE_LLM_KWARGS)  # an environment: a variant's
     import subprocess
 
     proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_rollout", "--engine", "fp8_deepgemm_moe_deepgemm",
@@ -1231,6 +1231,51 @@ def test_stack_sampler_charges_the_wall_time_to_where_the_thread_was():
     assert poller_rows[0]["ms"] == pytest.approx(1e3 * sampler.seconds, rel=0.2)
 
 
+def test_host_timers_time_each_engine_call_and_leave_the_engine_as_it_was():
+    """`HostTimers` charges each of an engine step's calls its own time (a fake engine whose scheduler sleeps 2 ms
+    and whose output processor 1 ms a step), the step's rest is the time outside them, and every call is the
+    engine's own again afterwards; calls this vLLM lacks are named, not invented."""
+    import time as clock
+    from types import SimpleNamespace
+
+    from benchmarks.host_timers import HostTimers
+
+    class Scheduler:
+        def schedule(self):
+            clock.sleep(0.002)
+
+        def update_from_output(self):
+            pass
+
+    scheduler = Scheduler()
+    core = SimpleNamespace(scheduler=scheduler, model_executor=None)
+    core.step_fn = lambda: (core.scheduler.schedule(), core.scheduler.update_from_output())
+    processor = SimpleNamespace(process_outputs=lambda: clock.sleep(0.001))
+    engine = SimpleNamespace(engine_core=SimpleNamespace(engine_core=core), output_processor=processor)
+
+    def step():
+        core.step_fn()
+        engine.output_processor.process_outputs()
+        clock.sleep(0.001)  # the loop's own time
+
+    engine.step = step
+    llm = SimpleNamespace(llm_engine=engine)
+    with HostTimers(llm) as timers:
+        for _ in range(20):
+            llm.llm_engine.step()
+    summary = timers.summary()
+    ms = summary["ms_per_step"]
+    assert summary["steps"] == 20 and summary["calls"]["scheduler.schedule"] == 20
+    assert 2.0 <= ms["scheduler.schedule"] < 4.0 and 1.0 <= ms["output_processor.process_outputs"] < 3.0
+    assert 1.0 <= ms["rest of the step"] < 3.0
+    assert ms["llm_engine.step"] == pytest.approx(ms["engine_core.step"] + ms["output_processor.process_outputs"]
+                                                  + ms["rest of the step"], rel=0.05)  # fmt: skip
+    assert "executor.execute_model" in summary["missing"] and "stats.record" in summary["missing"]
+    assert "step" not in engine.__dict__ or engine.step is step  # restored
+    assert "schedule" not in scheduler.__dict__ and core.step_fn.__name__ == "<lambda>"
+    assert "process_outputs" in processor.__dict__ and processor.process_outputs.__name__ == "<lambda>"
+
+
 def test_the_model_runners_calls_get_named_host_scopes_while_profiled():
     """vLLM's V2 model runner names no profiler scopes of its own: while a rollout is profiled, its `execute_model` and
     `sample_tokens` run inside `model_runner: ...` scopes (counted by `host_scopes`), and are themselves again after."""
@@ -1503,8 +1548,11 @@ def test_moe_decode_tuning_times_configurations_vllms_kernel_accepts_and_writes_
 
 def test_engine_probe_times_the_trainers_engine_with_each_sampling_and_the_memory_sampler_running(monkeypatch):
     """`--engine_probe`: one rollout per sampling set on the trainer's own engine, the first with the fields TRL's
-    colocated rollouts use (its log-probs and `generation_kwargs` included), every one `ignore_eos` at the
-    requested length, the last with the memory sampler's thread alive, each charged its own time per decode step."""
+    colocated rollouts use (its log-probs and `generation_kwargs` included, `ignore_eos` among them as bench_grpo
+    sets it), every one `ignore_eos` at the requested length after the prefix cache is emptied, then the trainer's
+    with the memory sampler's thread alive and with the garbage collector off, each charged its own time per decode
+    step and its host calls' time."""
+    import gc
     import types
     from types import SimpleNamespace
 
@@ -1513,7 +1561,7 @@ def test_engine_probe_times_the_trainers_engine_with_each_sampling_and_the_memor
     import benchmarks.bench_grpo as bench_grpo
 
     vllm = types.ModuleType("vllm")
-    vllm.SamplingParams = lambda **fields: fields
+    vllm.SamplingParams = lambda **fields: fields  # a field given twice fails as vLLM's does
     monkeypatch.setitem(sys.modules, "vllm", vllm)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     sampling_thread = []
@@ -1526,36 +1574,43 @@ def test_engine_probe_times_the_trainers_engine_with_each_sampling_and_the_memor
             sampling_thread.append("stopped")
 
     monkeypatch.setattr(bench_grpo, "DeviceMemorySampler", Sampler)
-    calls = []
+    calls, resets = [], []
 
     def generate(prompts, params, use_tqdm):
-        calls.append((prompts, params, list(sampling_thread)))
+        calls.append((prompts, params, list(sampling_thread), gc.isenabled(), len(resets)))
         time.sleep(0.01 * len(calls))  # each later rollout slower: each must get its own time
 
-    llm = SimpleNamespace(generate=generate, llm_engine=SimpleNamespace(
-        model_config=SimpleNamespace(get_vocab_size=lambda: 1000),
+    def step():
+        pass
+
+    llm = SimpleNamespace(generate=generate, reset_prefix_cache=lambda: resets.append(1), llm_engine=SimpleNamespace(
+        step=step, model_config=SimpleNamespace(get_vocab_size=lambda: 1000),
         vllm_config=SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=True))))  # fmt: skip
     generation = SimpleNamespace(llm=llm, repetition_penalty=1.0, temperature=0.7, top_p=0.9, top_k=0, min_p=None,
-                                 logprobs=0, generation_kwargs={"detokenize": False, "flat_logprobs": True})  # fmt: skip
+                                 logprobs=0, generation_kwargs={"detokenize": False, "flat_logprobs": True,
+                                                                "ignore_eos": True})  # fmt: skip
     probe = bench_grpo.engine_probe(generation, seqs=4, prompt_len=3, new_tokens=5)
 
     assert [c[1]["logprobs"] for c in calls[:2]] == [0, None] and "seed" in calls[2][1]
     trainer_fields = {"n": 1, "repetition_penalty": 1.0, "temperature": 0.7, "top_p": 0.9, "top_k": 0, "min_p": 0.0,
                       "logprobs": 0, "detokenize": False, "flat_logprobs": True, "max_tokens": 5, "ignore_eos": True}  # fmt: skip
-    assert calls[0][1] == calls[3][1] == trainer_fields
+    assert calls[0][1] == calls[3][1] == calls[4][1] == trainer_fields
     assert all(c[1]["max_tokens"] == 5 and c[1]["ignore_eos"] for c in calls)
-    assert [c[2] for c in calls[:4]] == [[], [], [], ["running"]] and sampling_thread == ["running", "stopped"]
-    assert [c[1] for c in calls[4:]] == [calls[0][1], calls[2][1]]  # then the host stacks: the trainer's, the bench's
-    assert set(probe["host_stacks"]) == {"trainer", "bench_rollout"}
-    assert probe["host_stacks"]["bench_rollout"]["samples"] > 0  # (a 60 ms rollout sampled every 2 ms)
+    assert [c[2] for c in calls] == [[], [], [], ["running"], ["running", "stopped"]]
+    assert [c[3] for c in calls] == [True] * 4 + [False] and gc.isenabled()
+    assert [c[4] for c in calls] == [1, 2, 3, 4, 5]  # the prefix cache emptied before each
     prompts = calls[0][0]
     assert len(prompts) == 4 and all(len(p["prompt_token_ids"]) == 3 for p in prompts)
     assert all(c[0] == prompts for c in calls)  # the same prompts every time
     times = probe["ms_per_decode_step"]
-    assert list(times) == ["trainer", "trainer_no_logprobs", "bench_rollout", "trainer_with_memory_sampler"]
+    assert list(times) == ["trainer", "trainer_no_logprobs", "bench_rollout", "trainer_with_memory_sampler",
+                           "trainer_gc_off"]  # fmt: skip
     values = list(times.values())
-    assert values == sorted(values) and len(set(values)) == 4
+    assert values == sorted(values) and len(set(values)) == 5
     assert times["trainer"] >= 10 / 5 and probe["prefix_caching"] is True
+    assert set(probe["host"]) == set(times) and "scheduler.schedule" in probe["host"]["trainer"]["missing"]
+    assert "step" in llm.llm_engine.__dict__ and llm.llm_engine.step is step  # the engine's own call again
+    assert probe["process"]["threads"] and probe["process"]["gc_objects"] > 0
 
 
 def test_engine_probe_wakes_a_sleeping_engine_with_its_weights_pushed_again(monkeypatch):
@@ -1578,7 +1633,7 @@ def test_engine_probe_wakes_a_sleeping_engine_with_its_weights_pushed_again(monk
     events = []
     llm = SimpleNamespace(
         generate=lambda prompts, params, use_tqdm: events.append("generate"),
-        wake_up=lambda tags: events.append(f"wake {tags}"),
+        wake_up=lambda tags: events.append(f"wake {tags}"), reset_prefix_cache=lambda: None,
         llm_engine=SimpleNamespace(model_config=SimpleNamespace(get_vocab_size=lambda: 100),
                                    vllm_config=SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=True))),
     )  # fmt: skip
@@ -1586,4 +1641,4 @@ def test_engine_probe_wakes_a_sleeping_engine_with_its_weights_pushed_again(monk
                                  logprobs=0, generation_kwargs={}, enable_sleep_mode=True,
                                  sync_weights=lambda: events.append("sync"))  # fmt: skip
     bench_grpo.engine_probe(generation, seqs=2, prompt_len=2, new_tokens=2)
-    assert events[:3] == ["sync", "wake ['kv_cache']", "generate"] and events.count("generate") == 6
+    assert events[:3] == ["sync", "wake ['kv_cache']", "generate"] and events.count("generate") == 5

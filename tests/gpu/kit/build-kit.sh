@@ -13,7 +13,7 @@ stack=${1:?usage: build-kit.sh STACK [DEST], STACK one of: $stacks}
 dest=${2:-.gpu-$stack}
 list=$here/wheels-$stack.txt
 [ -f "$list" ] || { echo "build-kit.sh: no $list" >&2; exit 2; }
-part_mib=${PART_MIB:-44}   # the project's tree (~16 MiB) + one part must stay under the 64 MiB a transfer carries
+part_mib=${PART_MIB:-36}   # the project's tree (~20 MiB) + one part must stay under the 64 MiB a transfer carries
 plat=(--python-version 3.12 --implementation cp --only-binary=:all: --platform any --platform manylinux2014_x86_64)
 for n in 39 35 34 31 28 27 26 24 18 17 12 5; do plat+=(--platform "manylinux_2_${n}_x86_64"); done
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
