@@ -373,7 +373,7 @@ def run_one(args) -> None:
     # them TRL's own engine cannot start here either (no NVLink multicast; expandable segments in sleep mode).
     host = {name: value for name, (value, _) in tensor_parallel_overrides(args.vllm_tensor_parallel_size).items()}
     llm_class = trl_vllm.LLM
-    trl_vllm.LLM = lambda *a, **kw: llm_class(*a, **{"disable_log_stats": False, **host, **kw})
+    trl_vllm.LLM = benchmark_llm(llm_class, host, json.loads(args.engine_kwargs) if args.engine_kwargs else {})
     start = time.perf_counter()
     trainer = trainer_cls(
         str(model_dir(args)), length_reward, config,
@@ -548,6 +548,7 @@ def run_one(args) -> None:
         # FSDP2 with gradient accumulation: whether every micro-batch reduce-scattered, and why (the trainer's choice)
         "fsdp2_gradient_sync": choice_record(plan and plan.fsdp2_gradient_sync, "sync_each_batch"),
         "fp8_options": RUN_OPTIONS.get(args.run, {}),
+        **({"engine_kwargs": json.loads(args.engine_kwargs)} if args.engine_kwargs else {}),
         "tuning": RUN_TUNING.get(args.run, {}),  # the run's FP8Tuning, its fields other than the defaults
         # Liger's kernels as the trainer settled them (FP8GRPOTrainer.plan.liger_kernels; TRL's runs: their option)
         "liger_kernels": choice_record(plan.liger_kernels, "on")
@@ -612,6 +613,13 @@ def probe_sampling(generation) -> dict[str, dict]:
                **generation.generation_kwargs}  # fmt: skip
     return {"trainer": trainer, "trainer_no_logprobs": {**trainer, "logprobs": None},
             "bench_rollout": dict(SAMPLING["bench"])}  # fmt: skip
+
+
+def benchmark_llm(llm_class, host: dict, extra: dict):
+    """`LLM` as every run's engine is built: vLLM's statistics collected (TRL's own engine is built without), this
+    host's tensor-parallel settings, then the trainer's arguments, then `extra` (`--engine_kwargs`) over all of them:
+    one engine setting's cost inside the trainer, measured."""
+    return lambda *a, **kw: llm_class(*a, **{"disable_log_stats": False, **host, **kw, **extra})
 
 
 def process_facts() -> dict:
@@ -1106,6 +1114,11 @@ def main():
         default=None,
         help="with --profile_rollout_step: record the kernels of only this many engine steps, around the middle of "
         "the rollout (default: the whole rollout; the host thread's stack is sampled over all of it)",
+    )
+    parser.add_argument(
+        "--engine_kwargs",
+        default=None,
+        help="JSON of vLLM LLM(...) arguments over the trainer's own, e.g. '{\"enable_prefix_caching\": false}'",
     )
     parser.add_argument(
         "--engine_probe",

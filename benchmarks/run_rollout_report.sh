@@ -190,8 +190,9 @@ hostprobe)  # why the trainer's engine decodes the reduced Qwen3-30B-A3B's 64 x 
   # (bench_rollout, prefix caching off, no log-probs): $MOE_RUNS (default the FP8 defaults) with --engine_probe (the
   # trainer's engine after training, with the trainer's sampling, without log-probs, with bench_rollout's, with the
   # memory sampler's thread running, with the garbage collector off), then that engine alone with prefix caching off,
-  # on, and built with TRL's executor (external_launcher), each with the trainer's sampling and bench_rollout's; every
-  # rollout's host time per engine step by call (benchmarks/host_timers.py)
+  # on, and built with TRL's executor (external_launcher), each with the trainer's sampling and bench_rollout's, then
+  # the trainer's step again with its engine's prefix caching off; every rollout's host time per engine step by call
+  # (benchmarks/host_timers.py)
   # shellcheck disable=SC2086
   MASTER_PORT=29650 timed hostprobe_grpo python -m benchmarks.bench_grpo --shape 30b-a3b-12l --optim adamw_bnb_8bit \
     --runs ${MOE_RUNS:-fp8_defaults} --warmup 1 --steps 2 --engine_probe --workdir "$work/moe" \
@@ -200,6 +201,12 @@ hostprobe)  # why the trainer's engine decodes the reduced Qwen3-30B-A3B's 64 x 
     --engines fp8_deepgemm fp8_deepgemm_prefix_caching fp8_deepgemm_trl_engine --points 64x1024 --prompt_len 128 \
     --gpu_memory_utilization 0.3 --sampling trainer --compare_sampling bench --workdir "$work/alone" \
     --out "$work/rollout_alone_30b_a3b_12l_trainer_sampling_$device.json"
+  # the trainer's step with its engine's prefix caching off: what that setting costs inside the trainer
+  # shellcheck disable=SC2086
+  MASTER_PORT=29650 timed hostprobe_grpo_no_prefix_caching python -m benchmarks.bench_grpo --shape 30b-a3b-12l \
+    --optim adamw_bnb_8bit --runs ${MOE_RUNS:-fp8_defaults} --warmup 1 --steps 2 --engine_probe \
+    --engine_kwargs '{"enable_prefix_caching": false}' --workdir "$work/moe" \
+    --out "$work/grpo_moe_30b_a3b_12l_no_prefix_caching_$device.json"
   ;;
 moedecode)  # the Qwen3-30B-A3B shape's experts on each of vLLM's block-FP8 MoE backends (Triton, vLLM's choice, also with
   # trl-fp8's SiLU-and-mul quantization kernel between its two GEMMs, as the trainer's engines run it; DeepGEMM's

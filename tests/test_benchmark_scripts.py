@@ -1613,6 +1613,22 @@ def test_engine_probe_times_the_trainers_engine_with_each_sampling_and_the_memor
     assert probe["process"]["threads"] and probe["process"]["gc_objects"] > 0
 
 
+def test_engine_kwargs_go_over_the_trainers_own_engine_arguments():
+    """`bench_grpo --engine_kwargs`: an engine setting measured inside the trainer wins over what the trainer (and
+    trl-fp8) pass, which win over the benchmark's defaults (statistics on, this host's tensor-parallel settings)."""
+    from benchmarks.bench_grpo import benchmark_llm
+
+    built = []
+    llm = benchmark_llm(lambda *a, **kw: built.append((a, kw)), {"disable_custom_all_reduce": True},
+                        {"enable_prefix_caching": False})  # fmt: skip
+    llm("model", enable_prefix_caching=True, disable_log_stats=True, seed=3)
+    assert built == [(("model",), {"disable_log_stats": True, "disable_custom_all_reduce": True,
+                                   "enable_prefix_caching": False, "seed": 3})]  # fmt: skip
+    built.clear()
+    benchmark_llm(lambda *a, **kw: built.append(kw), {}, {})(model="m")
+    assert built == [{"disable_log_stats": False, "model": "m"}]
+
+
 def test_engine_probe_wakes_a_sleeping_engine_with_its_weights_pushed_again(monkeypatch):
     """Under sleep mode TRL puts the engine to sleep after every rollout, its weights let go: the probe pushes them
     again and wakes the KV cache, as a rollout does, before it generates."""
