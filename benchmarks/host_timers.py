@@ -47,6 +47,17 @@ class HostTimers:
         except ImportError:
             AsyncOutput = None
         yield "gpu_wait (AsyncOutput.get_output)", AsyncOutput, "get_output"
+        # Inside the model runner's two calls (vLLM's V2 runner; NESTED: not added to the step's rest)
+        runner = getattr(getattr(getattr(executor, "driver_worker", None), "worker", None), "model_runner", None)
+        for attr in ("add_requests", "update_requests", "prepare_inputs", "prepare_attn", "sample"):
+            yield f"{NESTED}runner.{attr}", runner, attr
+        yield f"{NESTED}runner.sampler.apply_staged_writes", getattr(runner, "sampler", None), "apply_staged_writes"
+        yield (
+            f"{NESTED}runner.cudagraph_manager.run_fullgraph",
+            getattr(runner, "cudagraph_manager", None),
+            "run_fullgraph",
+        )
+        yield f"{NESTED}runner.model.compute_logits", getattr(runner, "model", None), "compute_logits"
         import torch
 
         yield OVERLAPPING, torch.cuda.Event, "synchronize"  # every wait on an event, the one above included
@@ -70,19 +81,27 @@ class HostTimers:
             if call is None:
                 self.missing.append(name)
                 continue
-            self.seconds[name], self.calls[name] = 0.0, 0
             if isinstance(owner, type):  # a class: every instance (AsyncOutput is made anew at every step)
-                self._restore.append((owner, attr, owner.__dict__[attr]))
+                previous = owner.__dict__.get(attr, _ABSENT)
                 setattr(owner, attr, self._wrap(name, call))
             else:
-                self._restore.append((owner, attr, owner.__dict__.get(attr, _ABSENT)))
-                owner.__dict__[attr] = self._wrap(name, call)
+                instance_dict = getattr(owner, "__dict__", None)
+                if instance_dict is None:  # (slots: nothing to put the timed call in)
+                    self.missing.append(name)
+                    continue
+                previous = instance_dict.get(attr, _ABSENT)
+                instance_dict[attr] = self._wrap(name, call)
+            self._restore.append((owner, attr, previous))
+            self.seconds[name], self.calls[name] = 0.0, 0
         return self
 
     def __exit__(self, *exc) -> None:
         for owner, attr, previous in reversed(self._restore):
             if isinstance(owner, type):
-                setattr(owner, attr, previous)
+                if previous is _ABSENT:  # inherited: the subclass's own attribute goes
+                    delattr(owner, attr)
+                else:
+                    setattr(owner, attr, previous)
             elif previous is _ABSENT:
                 owner.__dict__.pop(attr, None)
             else:
@@ -94,7 +113,8 @@ class HostTimers:
         the loop's rest (`llm_engine.step` less the calls inside it) and the GPU wait's share of the step."""
         steps = steps or self.calls.get("llm_engine.step") or 1
         per_step = {name: 1e3 * s / steps for name, s in self.seconds.items()}
-        inner = [n for n in per_step if n not in ("llm_engine.step", "engine_core.step", OVERLAPPING)]
+        inner = [n for n in per_step if n not in ("llm_engine.step", "engine_core.step", OVERLAPPING)
+                 and not n.startswith(NESTED)]  # fmt: skip
         if "llm_engine.step" in per_step:
             per_step["rest of the step"] = per_step["llm_engine.step"] - sum(per_step[n] for n in inner)
         total = per_step.get("llm_engine.step")
@@ -110,3 +130,4 @@ class HostTimers:
 
 _ABSENT = object()
 OVERLAPPING = "cuda event waits (anywhere, overlapping the above)"
+NESTED = "  in executor: "  # calls inside `execute_model` and `sample_tokens`, timed apart

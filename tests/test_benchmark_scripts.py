@@ -1247,9 +1247,16 @@ def test_host_timers_time_each_engine_call_and_leave_the_engine_as_it_was():
         def update_from_output(self):
             pass
 
+    import torch
+
     scheduler = Scheduler()
-    core = SimpleNamespace(scheduler=scheduler, model_executor=None)
-    core.step_fn = lambda: (core.scheduler.schedule(), core.scheduler.update_from_output())
+    runner = SimpleNamespace(prepare_inputs=lambda: clock.sleep(0.001))
+    executor = SimpleNamespace(driver_worker=SimpleNamespace(worker=SimpleNamespace(model_runner=runner)))
+    executor.execute_model = lambda: executor.driver_worker.worker.model_runner.prepare_inputs()
+    core = SimpleNamespace(scheduler=scheduler, model_executor=executor)
+    core.step_fn = lambda: (core.scheduler.schedule(), core.model_executor.execute_model(),
+                            core.scheduler.update_from_output())  # fmt: skip
+    event_wait = torch.cuda.Event.synchronize
     processor = SimpleNamespace(process_outputs=lambda: clock.sleep(0.001))
     engine = SimpleNamespace(engine_core=SimpleNamespace(engine_core=core), output_processor=processor)
 
@@ -1270,7 +1277,10 @@ def test_host_timers_time_each_engine_call_and_leave_the_engine_as_it_was():
     assert 1.0 <= ms["rest of the step"] < 3.0
     assert ms["llm_engine.step"] == pytest.approx(ms["engine_core.step"] + ms["output_processor.process_outputs"]
                                                   + ms["rest of the step"], rel=0.05)  # fmt: skip
-    assert "executor.execute_model" in summary["missing"] and "stats.record" in summary["missing"]
+    nested = next(name for name in ms if name.endswith("runner.prepare_inputs"))  # inside execute_model, not beside
+    assert 1.0 <= ms[nested] <= ms["executor.execute_model"]
+    assert "executor.sample_tokens" in summary["missing"] and "stats.record" in summary["missing"]
+    assert torch.cuda.Event.synchronize is event_wait and "prepare_inputs" in runner.__dict__  # restored
     assert "step" not in engine.__dict__ or engine.step is step  # restored
     assert "schedule" not in scheduler.__dict__ and core.step_fn.__name__ == "<lambda>"
     assert "process_outputs" in processor.__dict__ and processor.process_outputs.__name__ == "<lambda>"
