@@ -644,7 +644,8 @@ def process_facts() -> dict:
 def engine_probe(generation, seqs: int, prompt_len: int, new_tokens: int) -> dict:
     """The trainer's own engine, after training, on `seqs` random prompts of `prompt_len` tokens, `new_tokens` each
     (ignore_eos), once per `probe_sampling` entry, then the trainer's again with `DeviceMemorySampler`'s thread
-    running as it does during the timed steps: milliseconds per decode step (prefill included) of each. Set beside
+    running as it does during the timed steps and with the garbage collector off: milliseconds per decode step
+    (prefill included) of each. Set beside
     the timed rollouts and `bench_rollout`'s engine alone, it says whether a slower decode step in the trainer comes
     from the sampling fields, the engine's settings (prefix caching: on in TRL's engines, off in bench_rollout's)
     or the process around the engine; each rollout's host time by call (`HostTimers`) says which of the engine's

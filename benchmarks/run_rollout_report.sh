@@ -204,7 +204,7 @@ hostprobe)  # why the trainer's engine decodes the reduced Qwen3-30B-A3B's 64 x 
   # the trainer's step with its engine's prefix caching off: what that setting costs inside the trainer
   # shellcheck disable=SC2086
   MASTER_PORT=29650 timed hostprobe_grpo_no_prefix_caching python -m benchmarks.bench_grpo --shape 30b-a3b-12l \
-    --optim adamw_bnb_8bit --runs ${MOE_RUNS:-fp8_defaults} --warmup 1 --steps 2 --engine_probe \
+    --optim adamw_bnb_8bit --runs ${MOE_RUNS:-fp8_defaults} --warmup 1 --steps 2 \
     --engine_kwargs '{"enable_prefix_caching": false}' --workdir "$work/moe" \
     --out "$work/grpo_moe_30b_a3b_12l_no_prefix_caching_$device.json"
   ;;
