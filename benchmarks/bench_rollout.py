@@ -449,10 +449,19 @@ def run_engine(args):
 
 
 def host_line(host: dict, seconds: float) -> str:
-    """A rollout's milliseconds per engine step: in all, then each timed host call (`HostTimers.summary`)."""
-    per_step = host["ms_per_step"]
+    """A rollout's milliseconds per engine step: in all, then each timed host call (`HostTimers.summary`): the step's,
+    the model runner's inside the executor's, and every wait on a CUDA event."""
     wall = 1e3 * seconds / host["steps"]
-    return f"{wall:.2f} ms a step; " + ", ".join(f"{name} {ms:.2f}" for name, ms in per_step.items())
+
+    def listed(ms_per_step: dict) -> str:
+        return ", ".join(f"{name} {ms:.2f}" for name, ms in ms_per_step.items())
+
+    line = f"{wall:.2f} ms a step; " + listed(host["ms_per_step"])
+    if inside := host.get("in_executor_ms_per_step"):
+        line += "; inside the executor: " + listed(inside)
+    if anywhere := host.get("anywhere_ms_per_step"):
+        line += "; " + listed(anywhere)
+    return line
 
 
 def summary(rows: list[dict]) -> str:

@@ -18,49 +18,66 @@ __all__ = ["HostTimers"]
 
 class HostTimers:
     """Seconds and calls of each of an engine's per-step host calls while active: `with HostTimers(llm) as timers:`,
-    then `timers.summary(steps)`: milliseconds per engine step of each, the rest of the step (the loop's own Python)
+    then `timers.summary()`: milliseconds per engine step of each, the rest of the step (the loop's own Python)
     and the GPU wait's share. A call vLLM does not have on this version is left out, said so in `missing`."""
 
     def __init__(self, llm):
         self.llm = llm
         self.seconds: dict[str, float] = {}
         self.calls: dict[str, int] = {}
+        self.parts: dict[str, str] = {}  # name -> its part (`_targets`)
         self.missing: list[str] = []
         self._restore: list = []
 
     def _targets(self):
-        """(name, owner, attribute): instance attributes first, then vLLM classes whose every instance is timed."""
+        """(part, name, owner, attribute): `part` says how a call adds up: "step" (the whole step, and the engine
+        core's share of it), "in_step" (the calls one after the other in a step: the step's rest is what they leave),
+        "in_executor" (the model runner's own calls inside `execute_model` and `sample_tokens`) or "anywhere" (every
+        wait on a CUDA event, the GPU wait included). Instance attributes, or vLLM classes whose every instance is
+        timed."""
         engine = self.llm.llm_engine
         core = getattr(getattr(engine, "engine_core", None), "engine_core", None)  # InprocClient -> EngineCore
         scheduler = getattr(core, "scheduler", None)
         executor = getattr(core, "model_executor", None)
-        yield "llm_engine.step", engine, "step"
-        yield "engine_core.step", core, "step_fn"
-        yield "scheduler.schedule", scheduler, "schedule"
-        yield "executor.execute_model", executor, "execute_model"
-        yield "executor.sample_tokens", executor, "sample_tokens"
-        yield "scheduler.update_from_output", scheduler, "update_from_output"
-        yield "output_processor.process_outputs", getattr(engine, "output_processor", None), "process_outputs"
-        yield "stats.record", getattr(engine, "logger_manager", None), "record"
+        yield "step", "llm_engine.step", engine, "step"
+        yield "step", "engine_core.step", core, "step_fn"
+        yield "in_step", "scheduler.schedule", scheduler, "schedule"
+        yield "in_step", "executor.execute_model", executor, "execute_model"
+        yield "in_step", "executor.sample_tokens", executor, "sample_tokens"
+        yield "in_step", "scheduler.update_from_output", scheduler, "update_from_output"
+        yield (
+            "in_step",
+            "output_processor.process_outputs",
+            getattr(engine, "output_processor", None),
+            "process_outputs",
+        )
+        yield "in_step", "stats.record", getattr(engine, "logger_manager", None), "record"
         try:
             from vllm.v1.worker.gpu.async_utils import AsyncOutput
         except ImportError:
             AsyncOutput = None
-        yield "gpu_wait (AsyncOutput.get_output)", AsyncOutput, "get_output"
-        # Inside the model runner's two calls (vLLM's V2 runner; NESTED: not added to the step's rest)
+        yield "in_step", GPU_WAIT, AsyncOutput, "get_output"
         runner = getattr(getattr(getattr(executor, "driver_worker", None), "worker", None), "model_runner", None)
-        for attr in ("add_requests", "update_requests", "prepare_inputs", "prepare_attn", "sample"):
-            yield f"{NESTED}runner.{attr}", runner, attr
-        yield f"{NESTED}runner.sampler.apply_staged_writes", getattr(runner, "sampler", None), "apply_staged_writes"
+        for attr in (
+            "add_requests",
+            "update_requests",
+            "prepare_inputs",
+            "prepare_attn",
+            "sample",
+        ):  # vLLM's V2 runner
+            yield "in_executor", f"runner.{attr}", runner, attr
         yield (
-            f"{NESTED}runner.cudagraph_manager.run_fullgraph",
-            getattr(runner, "cudagraph_manager", None),
-            "run_fullgraph",
+            "in_executor",
+            "runner.sampler.apply_staged_writes",
+            getattr(runner, "sampler", None),
+            "apply_staged_writes",
         )
-        yield f"{NESTED}runner.model.compute_logits", getattr(runner, "model", None), "compute_logits"
+        cudagraphs = getattr(runner, "cudagraph_manager", None)
+        yield "in_executor", "runner.cudagraph_manager.run_fullgraph", cudagraphs, "run_fullgraph"
+        yield "in_executor", "runner.model.compute_logits", getattr(runner, "model", None), "compute_logits"
         import torch
 
-        yield OVERLAPPING, torch.cuda.Event, "synchronize"  # every wait on an event, the one above included
+        yield "anywhere", "cuda event waits", torch.cuda.Event, "synchronize"
 
     def _wrap(self, name, call):
         clock, seconds, calls = time.perf_counter, self.seconds, self.calls
@@ -76,7 +93,7 @@ class HostTimers:
         return timed
 
     def __enter__(self) -> HostTimers:
-        for name, owner, attr in self._targets():
+        for part, name, owner, attr in self._targets():
             call = getattr(owner, attr, None) if owner is not None else None
             if call is None:
                 self.missing.append(name)
@@ -92,7 +109,7 @@ class HostTimers:
                 previous = instance_dict.get(attr, _ABSENT)
                 instance_dict[attr] = self._wrap(name, call)
             self._restore.append((owner, attr, previous))
-            self.seconds[name], self.calls[name] = 0.0, 0
+            self.seconds[name], self.calls[name], self.parts[name] = 0.0, 0, part
         return self
 
     def __exit__(self, *exc) -> None:
@@ -108,19 +125,24 @@ class HostTimers:
                 owner.__dict__[attr] = previous
         self._restore.clear()
 
-    def summary(self, steps: int | None = None) -> dict:
-        """Milliseconds per step of each timed call (`steps`: decode steps to divide by; default the engine's steps),
-        the loop's rest (`llm_engine.step` less the calls inside it) and the GPU wait's share of the step."""
-        steps = steps or self.calls.get("llm_engine.step") or 1
+    def summary(self) -> dict:
+        """Milliseconds per engine step of the step and of each call in it one after the other, the step's rest
+        (`llm_engine.step` less those calls: the loop's own Python), the model runner's calls inside the executor's,
+        every CUDA event wait, and the GPU wait's share of the step."""
+        steps = self.calls.get("llm_engine.step") or 1
         per_step = {name: 1e3 * s / steps for name, s in self.seconds.items()}
-        inner = [n for n in per_step if n not in ("llm_engine.step", "engine_core.step", OVERLAPPING)
-                 and not n.startswith(NESTED)]  # fmt: skip
-        if "llm_engine.step" in per_step:
-            per_step["rest of the step"] = per_step["llm_engine.step"] - sum(per_step[n] for n in inner)
-        total = per_step.get("llm_engine.step")
-        wait = per_step.get("gpu_wait (AsyncOutput.get_output)")
+
+        def of(part):
+            return {name: ms for name, ms in per_step.items() if self.parts[name] == part}
+
+        in_step = of("step") | of("in_step")
+        if "llm_engine.step" in in_step:
+            in_step["rest of the step"] = in_step["llm_engine.step"] - sum(of("in_step").values())
+        total, wait = in_step.get("llm_engine.step"), in_step.get(GPU_WAIT)
         return {
-            "ms_per_step": per_step,
+            "ms_per_step": in_step,
+            "in_executor_ms_per_step": of("in_executor"),
+            "anywhere_ms_per_step": of("anywhere"),
             "calls": dict(self.calls),
             "steps": steps,
             "gpu_wait_share": wait / total if total and wait is not None else None,
@@ -129,5 +151,4 @@ class HostTimers:
 
 
 _ABSENT = object()
-OVERLAPPING = "cuda event waits (anywhere, overlapping the above)"
-NESTED = "  in executor: "  # calls inside `execute_model` and `sample_tokens`, timed apart
+GPU_WAIT = "gpu_wait (AsyncOutput.get_output)"
