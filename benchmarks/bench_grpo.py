@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import json
 import os
@@ -534,6 +535,8 @@ def run_one(args) -> None:
                   "optimizer_s": per_step("optimizer")}  # fmt: skip
     keep = median_steps(args.steps, args.warmup, first_profiled_step(args))
     plan = getattr(trainer, "plan", None)  # FP8 trainers' start-up decisions (TRL's own trainers have none)
+    from benchmarks.vllm_engine import engine_kernels
+
     row = {
         "name": args.run,
         "trainer": trainer_kind,
@@ -570,6 +573,10 @@ def run_one(args) -> None:
         "startup_s": startup_s,
         "time_to_first_step_s": startup_s + per_step_s["step_s"][0],
         "kv_cache_tokens": engine_kv_cache_tokens(generation.llm),
+        # what vLLM runs, read from the engine (linear kernel, experts, attention implementation, cache dtype), and the
+        # trainer's choice of decode kernel for an FP8 KV cache with its reason
+        "engine_kernels": engine_kernels(generation.llm),
+        "kv_attention": dataclasses.asdict(report.kv_attention) if report and report.kv_attention else None,
         "deepgemm_precompile": vars(report.deepgemm_precompile) if report and report.deepgemm_precompile else None,
         "act_quant": vars(report.act_quant_choice) if report and report.act_quant_choice else None,
         "norm_quant": vars(report.norm_quant_choice) if report and report.norm_quant_choice else None,
@@ -1031,6 +1038,8 @@ def print_summary(result: dict) -> None:
                           + ", ".join(f"{k[:-3]} {v:.0f}" for k, v in timeline.items()))  # fmt: skip
                 print_host_account(r["name"], phase, r[key])
     for r in result["results"]:
+        if kernels := r.get("engine_kernels"):  # read from the engine: what ran, not what was asked for
+            print(f"{r['name']} engine: " + ", ".join(f"{k} {v}" for k, v in kernels.items()))
         m = r.get("mismatch") or {}
         if "fp8/mismatch/kl_k3" in m:
             print(f"{r['name']} trainer vs rollout: k3 KL {m['fp8/mismatch/kl_k3']:.2e}, mean |dlogp| "
