@@ -34,6 +34,7 @@
 #   bash benchmarks/run_rollout_report.sh train     # bench_host + bench_train_step: the training phase without vLLM
 #   bash benchmarks/run_rollout_report.sh grpo      # bench_grpo ($GRPO_RUNS), TRL BF16 vs unified FP8, profiled
 #   bash benchmarks/run_rollout_report.sh moestep   # bench_grpo on the reduced Qwen3-30B-A3B: $MOE_RUNS one after the other
+#                                                   # ($MOE_STEPS steps, default 4: three timed)
 #   bash benchmarks/run_rollout_report.sh moeprofile # the same, the BF16 twin and FP8's defaults, step 2's rollout profiled
 #   bash benchmarks/run_rollout_report.sh hostprobe # the engine in the trainer (bench_grpo --engine_probe) and alone
 #                                                   # (trainer's sampling, prefix caching on, TRL's executor): where the
@@ -98,6 +99,10 @@ if [ -n "${JIT_CACHE_PARTS:-}" ]; then
   done < <(jit_cache_dirs)
 fi
 device=$(python -c "import torch; print(torch.cuda.get_device_name().replace(' ', '_'))")
+
+# ENGINE_KWARGS='{"enable_prefix_caching": false}': vLLM arguments over the trainer's own in `moestep` and `colocate`
+engine_kwargs=()
+if [ -n "${ENGINE_KWARGS:-}" ]; then engine_kwargs=(--engine_kwargs "$ENGINE_KWARGS"); fi
 
 timed() {  # name command...: run, log, record exit code and seconds
   local name=$1 start=$SECONDS
@@ -187,26 +192,35 @@ decode)  # the default engines and one-setting variants (bench_rollout.ENGINE_LL
     bf16_prefix_caching fp8_deepgemm_prefix_caching fp8_deepgemm_trl_engine} bash benchmarks/run_rollout_report.sh capacity
   ;;
 hostprobe)  # why the trainer's engine decodes the reduced Qwen3-30B-A3B's 64 x 1,024 slower than the same engine alone
-  # (bench_rollout, prefix caching off, no log-probs): $MOE_RUNS (default the FP8 defaults) with --engine_probe (the
-  # trainer's engine after training, with the trainer's sampling, without log-probs, with bench_rollout's, with the
-  # memory sampler's thread running, with the garbage collector off), then that engine alone with prefix caching off,
-  # on, and built with TRL's executor (external_launcher), each with the trainer's sampling and bench_rollout's, then
-  # the trainer's step again with its engine's prefix caching off; every rollout's host time per engine step by call
+  # (bench_rollout, prefix caching off, no log-probs), in up to three parts ($HOSTPROBE_PARTS, default all three):
+  # `grpo`: $MOE_RUNS (default the FP8 defaults) with --engine_probe (the trainer's engine after training, with the
+  # trainer's sampling, without log-probs, with bench_rollout's, with the memory sampler's thread running, with the
+  # garbage collector off); `alone`: that engine alone ($HOSTPROBE_ENGINES, default with prefix caching off, on, and
+  # built with TRL's executor, external_launcher), each with the trainer's sampling and bench_rollout's; `grpo_no_pc`:
+  # the trainer's step again with its engine's prefix caching off. Every rollout's host time per engine step by call
   # (benchmarks/host_timers.py)
-  # shellcheck disable=SC2086
-  MASTER_PORT=29650 timed hostprobe_grpo python -m benchmarks.bench_grpo --shape 30b-a3b-12l --optim adamw_bnb_8bit \
-    --runs ${MOE_RUNS:-fp8_defaults} --warmup 1 --steps 2 --engine_probe --workdir "$work/moe" \
-    --out "$work/grpo_moe_30b_a3b_12l_engine_probe_$device.json"
-  timed hostprobe_alone python -m benchmarks.bench_rollout --shape 30b-a3b-12l \
-    --engines fp8_deepgemm fp8_deepgemm_prefix_caching fp8_deepgemm_trl_engine --points 64x1024 --prompt_len 128 \
-    --gpu_memory_utilization 0.3 --sampling trainer --compare_sampling bench --workdir "$work/alone" \
-    --out "$work/rollout_alone_30b_a3b_12l_trainer_sampling_$device.json"
-  # the trainer's step with its engine's prefix caching off: what that setting costs inside the trainer
-  # shellcheck disable=SC2086
-  MASTER_PORT=29650 timed hostprobe_grpo_no_prefix_caching python -m benchmarks.bench_grpo --shape 30b-a3b-12l \
-    --optim adamw_bnb_8bit --runs ${MOE_RUNS:-fp8_defaults} --warmup 1 --steps 2 \
-    --engine_kwargs '{"enable_prefix_caching": false}' --workdir "$work/moe" \
-    --out "$work/grpo_moe_30b_a3b_12l_no_prefix_caching_$device.json"
+  for part in ${HOSTPROBE_PARTS:-grpo alone grpo_no_pc}; do
+    case $part in
+    grpo)
+      # shellcheck disable=SC2086
+      MASTER_PORT=29650 timed hostprobe_grpo python -m benchmarks.bench_grpo --shape 30b-a3b-12l --optim adamw_bnb_8bit \
+        --runs ${MOE_RUNS:-fp8_defaults} --warmup 1 --steps 2 --engine_probe --workdir "$work/moe" \
+        --out "$work/grpo_moe_30b_a3b_12l_engine_probe_$device.json" ;;
+    alone)
+      # shellcheck disable=SC2086
+      timed hostprobe_alone python -m benchmarks.bench_rollout --shape 30b-a3b-12l \
+        --engines ${HOSTPROBE_ENGINES:-fp8_deepgemm fp8_deepgemm_prefix_caching fp8_deepgemm_trl_engine} \
+        --points 64x1024 --prompt_len 128 --gpu_memory_utilization 0.3 --sampling trainer --compare_sampling bench \
+        --workdir "$work/alone" --out "$work/rollout_alone_30b_a3b_12l_trainer_sampling_$device.json" ;;
+    grpo_no_pc)  # what the engine's prefix caching costs inside the trainer
+      # shellcheck disable=SC2086
+      MASTER_PORT=29650 timed hostprobe_grpo_no_prefix_caching python -m benchmarks.bench_grpo --shape 30b-a3b-12l \
+        --optim adamw_bnb_8bit --runs ${MOE_RUNS:-fp8_defaults} --warmup 1 --steps 2 \
+        --engine_kwargs '{"enable_prefix_caching": false}' --workdir "$work/moe" \
+        --out "$work/grpo_moe_30b_a3b_12l_no_prefix_caching_$device.json" ;;
+    *) echo "hostprobe: no part $part (grpo, alone, grpo_no_pc)" >&2; exit 2 ;;
+    esac
+  done
   ;;
 moedecode)  # the Qwen3-30B-A3B shape's experts on each of vLLM's block-FP8 MoE backends (Triton, vLLM's choice, also with
   # trl-fp8's SiLU-and-mul quantization kernel between its two GEMMs, as the trainer's engines run it; DeepGEMM's
@@ -256,7 +270,7 @@ colocate)  # TRL's colocate defaults on one GPU; each run in a child of its own,
   fi
   colocate=(python -m benchmarks.bench_grpo --shape 8b --optim adamw_bnb_8bit --sleep_mode
     --vllm_memory "${COLOCATE_SHARE:-0.3}" --completion_len 2048 --generation_batch 128 --steps "${COLOCATE_STEPS:-3}"
-    --warmup 1 "${profile_args[@]}")
+    --warmup 1 "${profile_args[@]}" "${engine_kwargs[@]}")
   if [ -n "${COLOCATE_GPUS:-}" ]; then
     in_lanes colocate "$COLOCATE_GPUS" "$runs" "$work/colocate_gpu" "${colocate[@]}" --runs
     python -m benchmarks.merge_results "${lane_files[@]}" --same settings --out "$work/grpo_colocate_8b_$device.json"
@@ -323,8 +337,8 @@ moestep)  # the reduced Qwen3-30B-A3B GRPO step (12 of 48 layers, 64 x 1024, 8-b
   # after the other in one call (default TRL BF16, the BF16 twin, FP8's defaults), medians of steps 1-3
   # shellcheck disable=SC2086
   MASTER_PORT=29650 timed grpo_moe python -m benchmarks.bench_grpo --shape 30b-a3b-12l --optim adamw_bnb_8bit \
-    --runs ${MOE_RUNS:-trl_bf16 bf16_defaults fp8_defaults} --warmup 1 --steps 4 --workdir "$work/moe" \
-    --out "$work/grpo_moe_30b_a3b_12l_$device.json"
+    --runs ${MOE_RUNS:-trl_bf16 bf16_defaults fp8_defaults} --warmup 1 --steps "${MOE_STEPS:-4}" --workdir "$work/moe" \
+    "${engine_kwargs[@]}" --out "$work/grpo_moe_30b_a3b_12l_$device.json"
   ;;
 moeprofile)  # where the reduced Qwen3-30B-A3B step's rollout goes: $MOE_RUNS (default the BF16 twin, then FP8's
   # defaults) one after the other, step 2's rollout under the profiler (the engine's kernel time by category and the
