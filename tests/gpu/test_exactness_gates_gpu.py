@@ -211,12 +211,13 @@ def test_flashattention3_decode_of_a_position_equals_that_row_of_the_prefill():
 
 
 def test_vllm_in_batch_invariant_mode_scores_the_tokens_it_sampled_with_their_decode_log_probabilities(tmp_path):
-    """In vLLM's batch-invariant mode, with the settings exactness needs (DeepGEMM with E8M0 off, no compilation,
-    decode-only CUDA graphs, FlashAttention), 16 sequences sampled at temperature 1 (their decode log-probabilities)
-    and then scored as prompts (their prefill log-probabilities): every one of the 1,024 tokens the same float. If
-    vLLM disagrees with itself here, no trainer can agree with it."""
+    """An engine in exact mode (`rollout.vllm.exact`: vLLM's batch-invariant mode, DeepGEMM with E8M0 off, no
+    compilation, decode-only CUDA graphs, FlashAttention, no prefix cache): 16 sequences sampled at temperature 1
+    (their decode log-probabilities), then scored as prompts (their prefill log-probabilities): every one of the
+    1,024 tokens the same float. If vLLM disagrees with itself here, no trainer can agree with it."""
     pytest.importorskip("vllm")
     from trl_fp8.demo.tiny_model import tiny_char_tokenizer, tiny_qwen3
+    from trl_fp8.rollout.vllm.exact import exact_engine
     from trl_fp8.rollout.vllm.kernels import default_jit_cache_dir
 
     tokenizer = tiny_char_tokenizer()
@@ -225,8 +226,7 @@ def test_vllm_in_batch_invariant_mode_scores_the_tokens_it_sampled_with_their_de
     tokenizer.save_pretrained(tmp_path / "model")
     subprocess.run([sys.executable, "-m", "trl_fp8", "quantize", str(tmp_path / "model"), str(tmp_path / "fp8")],
                    check=True)  # fmt: skip
-    env = {**clean_subprocess_env(), "VLLM_BATCH_INVARIANT": "1", "VLLM_USE_DEEP_GEMM": "1",
-           "VLLM_USE_DEEP_GEMM_E8M0": "0", "VLLM_DEEP_GEMM_WARMUP": "skip",
+    env = {**clean_subprocess_env(), **exact_engine().env, "VLLM_DEEP_GEMM_WARMUP": "skip",
            "DG_JIT_CACHE_DIR": str(default_jit_cache_dir()), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # fmt: skip
     proc = run_child([sys.executable, str(WORKERS / "vllm_self_logprobs.py"), str(tmp_path / "fp8")], timeout=900,
                      env=env)  # fmt: skip

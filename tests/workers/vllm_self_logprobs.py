@@ -2,7 +2,7 @@
 sequences (the exactness gates, `tests/gpu/test_exactness_gates_gpu.py`): vLLM must agree with itself before a trainer
 can agree with it. Prints one JSON line.
 
-    python vllm_self_logprobs.py MODEL_DIR   # run with VLLM_BATCH_INVARIANT=1 (and DeepGEMM, E8M0 off) for the gate
+    python vllm_self_logprobs.py MODEL_DIR   # run with `rollout.vllm.exact.exact_engine().env` for the gate
 """
 
 import json
@@ -11,13 +11,12 @@ import sys
 
 from vllm import LLM, SamplingParams
 
+from trl_fp8.rollout.vllm.exact import exact_engine
+
 RESULT = "self-logprobs:"  # the line the test reads, among vLLM's own output
 model = sys.argv[1]
-# vLLM's batch-invariant recipe for exactness: no compilation (its fusions decide bits a trainer cannot reproduce),
-# CUDA graphs for decode only, FlashAttention, no prefix cache (the scoring pass recomputes every position).
-llm = LLM(model=model, gpu_memory_utilization=0.2, max_model_len=256, attention_backend="FLASH_ATTN",
-          linear_backend="deep_gemm", compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"},
-          enable_prefix_caching=False, seed=0)  # fmt: skip
+# exact mode's engine settings (its environment came with the process: vLLM reads it at import)
+llm = LLM(model=model, gpu_memory_utilization=0.2, max_model_len=256, seed=0, **exact_engine().llm_kwargs)
 rng = random.Random(0)
 vocab = llm.llm_engine.model_config.get_vocab_size()
 prompts = [[rng.randrange(4, vocab) for _ in range(rng.randrange(5, 60))] for _ in range(16)]

@@ -1,0 +1,95 @@
+"""Exact mode's trainer ops on vLLM's own kernels (`rollout.vllm.exact.exact_kernels`): each forward gives the bits
+the kernel gives when vLLM calls it, the same bits for a row whatever else is in the launch (8 rows or 300), and
+values within bfloat16 rounding of the op's math; each backward matches the one computed from the reference kernel.
+"""
+
+import pytest
+import torch
+
+from trl_fp8.ops import exact
+
+pytestmark = pytest.mark.gpu
+HIDDEN, HEAD = 4096, 128
+BF16_ULP = 2.0**-7  # bfloat16's relative spacing: the bound on one rounding of the output
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pytest.importorskip("vllm")
+    from trl_fp8.rollout.vllm.exact import exact_kernels
+
+    return exact_kernels()
+
+
+def _rows(n, width=HIDDEN, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(n, width, device="cuda", generator=g).to(torch.bfloat16)
+
+
+def _within_rounding(ours, reference):
+    scale = reference.float().abs().max().item()
+    torch.testing.assert_close(ours.float(), reference.float(), rtol=2 * BF16_ULP, atol=2 * BF16_ULP * scale)
+
+
+def test_rms_norm_on_vllms_kernel_is_row_invariant_and_its_gradient_is_the_references(kernels):
+    w = (1 + 0.1 * _rows(1, seed=1)[0]).requires_grad_()
+    x = _rows(300).requires_grad_()
+    y = exact.rms_norm(x, w, 1e-6, kernel=kernels.rms_norm)
+    assert torch.equal(y, kernels.rms_norm(x.detach(), w.detach(), 1e-6))
+    assert torch.equal(exact.rms_norm(x[:8], w, 1e-6, kernel=kernels.rms_norm), y[:8])
+    _within_rounding(y, exact.reference_rms_norm(x.detach(), w.detach(), 1e-6))
+    y.float().sum().backward()
+    xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    exact.rms_norm(xr, wr, 1e-6).float().sum().backward()
+    torch.testing.assert_close(x.grad, xr.grad)
+    torch.testing.assert_close(w.grad, wr.grad)
+
+
+def test_add_rms_norm_on_vllms_kernel_is_row_invariant_and_leaves_its_inputs(kernels):
+    w = 1 + 0.1 * _rows(1, seed=1)[0]
+    x, r = _rows(300, seed=2), _rows(300, seed=3)
+    x0, r0 = x.clone(), r.clone()
+    normed, total = exact.add_rms_norm(x, r, w, 1e-6, kernel=kernels.rms_norm)
+    assert torch.equal(x, x0) and torch.equal(r, r0)
+    assert torch.equal(total, x0 + r0)
+    few_normed, few_total = exact.add_rms_norm(x[:8], r[:8], w, 1e-6, kernel=kernels.rms_norm)
+    assert torch.equal(few_normed, normed[:8]) and torch.equal(few_total, total[:8])
+    _within_rounding(normed, exact.reference_add_rms_norm(x0, w, 1e-6, residual=r0)[0])
+
+
+def test_token_logprobs_on_vllms_kernel_is_row_invariant_and_exact_to_float32(kernels):
+    logits = _rows(300, width=151_936, seed=4).requires_grad_()
+    ids = torch.randint(0, 151_936, (300,), device="cuda")
+    out = exact.token_logprobs(logits, ids, kernel=kernels.token_logprobs)
+    assert torch.equal(exact.token_logprobs(logits[:8], ids[:8], kernel=kernels.token_logprobs), out[:8])
+    reference = logits.detach().float().log_softmax(-1).gather(-1, ids[:, None])[:, 0]
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-4)  # float32 sums over 151,936 terms
+    out.sum().backward()
+    lr = logits.detach().clone().requires_grad_()
+    exact.token_logprobs(lr, ids).sum().backward()
+    torch.testing.assert_close(logits.grad, lr.grad)
+
+
+def test_silu_and_mul_on_vllms_kernel_is_row_invariant(kernels):
+    gate_up = _rows(300, width=2 * 12288, seed=5)
+    out = exact.silu_and_mul(gate_up, kernel=kernels.silu_and_mul)
+    assert torch.equal(exact.silu_and_mul(gate_up[:8], kernel=kernels.silu_and_mul), out[:8])
+    _within_rounding(out, exact.reference_silu_and_mul(gate_up))
+
+
+def test_rotary_on_vllms_kernel_matches_the_reference_and_leaves_its_inputs(kernels):
+    positions = torch.arange(300, device="cuda")
+    inv_freq = 1.0 / (1_000_000 ** (torch.arange(0, HEAD, 2, device="cuda").float() / HEAD))
+    angles = torch.outer(torch.arange(4096, device="cuda").float(), inv_freq)
+    cache = torch.cat([angles.cos(), angles.sin()], dim=-1).to(torch.bfloat16)  # as vLLM holds it
+    q, k = _rows(300, width=32 * HEAD, seed=6), _rows(300, width=8 * HEAD, seed=7)
+    q0, k0 = q.clone(), k.clone()
+    rq, rk = exact.rotary(positions, q, k, HEAD, cache, kernel=kernels.rotary)
+    assert torch.equal(q, q0) and torch.equal(k, k0)
+    few_q, few_k = exact.rotary(positions[:8], q[:8], k[:8], HEAD, cache, kernel=kernels.rotary)
+    assert torch.equal(few_q, rq[:8]) and torch.equal(few_k, rk[:8])
+    ref_q, ref_k = exact.rotary(positions, q, k, HEAD, cache)
+    _within_rounding(rq, ref_q)
+    _within_rounding(rk, ref_k)

@@ -1,0 +1,49 @@
+"""Exact mode's engine settings (`rollout.vllm.exact`): what they ask of vLLM, and the clear error where the installed
+vLLM has no batch-invariant mode. Whether an engine so set agrees with itself bit for bit is a GPU gate
+(`tests/gpu/test_exactness_gates_gpu.py`)."""
+
+import pytest
+
+from trl_fp8.rollout.vllm import exact
+
+
+def test_the_engine_runs_vllms_batch_invariant_kernels_on_deepgemm_without_e8m0_or_compilation():
+    engine = exact.ExactEngine()
+    assert engine.env["VLLM_BATCH_INVARIANT"] == "1"
+    assert engine.env["VLLM_USE_DEEP_GEMM"] == "1" and engine.env["VLLM_USE_DEEP_GEMM_E8M0"] == "0"
+    assert engine.env["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+    assert engine.llm_kwargs["linear_backend"] == "deep_gemm"
+    assert engine.llm_kwargs["attention_backend"] == "FLASH_ATTN"
+    assert engine.llm_kwargs["compilation_config"] == {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
+    assert engine.llm_kwargs["enable_prefix_caching"] is False
+    assert "process-wide" in engine.describe()
+
+
+def test_each_engine_gets_its_own_copy_of_the_settings():
+    first, second = exact.ExactEngine(), exact.ExactEngine()
+    first.llm_kwargs["compilation_config"]["mode"] = 3
+    first.env["VLLM_BATCH_INVARIANT"] = "0"
+    assert second.llm_kwargs["compilation_config"]["mode"] == 0 and second.env["VLLM_BATCH_INVARIANT"] == "1"
+    assert exact.EXACT_LLM_KWARGS["compilation_config"]["mode"] == 0
+
+
+@pytest.mark.parametrize("release", sorted(exact.BATCH_INVARIANT_FILES))
+def test_the_batch_invariant_mode_is_found_where_each_tested_vllm_keeps_it(tmp_path, monkeypatch, release):
+    module = tmp_path / "vllm" / exact.BATCH_INVARIANT_FILES[release]
+    module.parent.mkdir(parents=True)
+    module.write_text("")
+    monkeypatch.setattr(exact, "_vllm_package_dirs", lambda: [tmp_path / "vllm"])
+    assert exact.batch_invariant_missing() is None
+    assert exact.exact_engine().env == exact.EXACT_ENGINE_ENV
+
+
+def test_a_vllm_without_the_mode_or_no_vllm_stops_exact_mode_with_the_fix(tmp_path, monkeypatch):
+    (tmp_path / "vllm").mkdir()
+    monkeypatch.setattr(exact, "_vllm_package_dirs", lambda: [tmp_path / "vllm"])
+    assert "no batch-invariant mode" in exact.batch_invariant_missing()
+    with pytest.raises(RuntimeError, match=r"Exact mode cannot run: .*no batch-invariant mode.*pip install"):
+        exact.exact_engine()
+    monkeypatch.setattr(exact, "_vllm_package_dirs", lambda: [])
+    assert "not installed" in exact.batch_invariant_missing()
+    with pytest.raises(RuntimeError, match="vLLM is not installed"):
+        exact.exact_engine()
