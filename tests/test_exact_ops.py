@@ -147,3 +147,55 @@ def test_rotary_rotates_with_the_kernel_and_the_engines_table_and_back_in_the_ba
     ((hf_rotate(qd) * gq.double()).sum() + (hf_rotate(kd) * gk.double()).sum()).backward()
     _close(q.grad, qd.grad)
     _close(k.grad, kd.grad)
+
+
+def test_attention_returns_the_kernels_values_and_each_sequences_causal_gradient():
+    lengths, heads_q, heads_kv, dim = [5, 1, 9], 4, 2, 16
+    cu = torch.tensor([0, 5, 6, 15], dtype=torch.int32)
+    q = torch.randn(15, heads_q, dim, requires_grad=True)
+    k = torch.randn(15, heads_kv, dim, requires_grad=True)
+    v = torch.randn(15, heads_kv, dim, requires_grad=True)
+    scale = dim**-0.5
+    out = exact.attention(q, k, v, cu, max(lengths), scale, kernel=_shifted(exact.reference_attention))
+    assert torch.equal(out, exact.reference_attention(q.detach(), k.detach(), v.detach(), cu, 9, scale) + 0.5)
+    g = torch.randn_like(out)
+    out.backward(g)
+
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    pieces = []
+    for a, b in ((0, 5), (5, 6), (6, 15)):  # each sequence alone, every query head reading its group's key head
+        s = torch.einsum("qhd,khd->hqk", qd[a:b], kd[a:b].repeat_interleave(2, dim=1)) * scale
+        s = s.masked_fill(torch.ones(b - a, b - a, dtype=torch.bool).triu(1), float("-inf"))
+        pieces.append(torch.einsum("hqk,khd->qhd", s.softmax(-1), vd[a:b].repeat_interleave(2, dim=1)))
+    torch.cat(pieces).backward(g.double())
+    for ours, reference in ((q.grad, qd.grad), (k.grad, kd.grad), (v.grad, vd.grad)):
+        _close(ours, reference)
+
+
+def test_fp8_linear_forward_and_gradients_are_fp8_linears_own():
+    from torch import nn
+
+    from trl_fp8 import FP8LinearConfig
+    from trl_fp8.nn.linear import FP8Linear
+
+    layer = FP8Linear.convert_(nn.Linear(256, 384, bias=False), FP8LinearConfig(backend="emulated"))
+    x = torch.randn(2, 7, 256, requires_grad=True)
+    ours = exact.fp8_linear(x, layer)
+    g = torch.randn_like(ours)
+    ours.backward(g)
+    grads = x.grad.clone(), layer.weight.grad.clone()
+    x.grad, layer.weight.grad = None, None
+    theirs = layer(x)
+    theirs.backward(g)
+    assert torch.equal(ours, theirs)
+    assert torch.equal(grads[0], x.grad) and torch.equal(grads[1], layer.weight.grad)
+
+    seen = []
+
+    def kernel(x2d, q, s, dtype):
+        seen.append((tuple(x2d.shape), q.dtype, tuple(s.shape), dtype))
+        return exact.reference_fp8_linear(x2d, q, s, dtype) + 1
+
+    shifted = exact.fp8_linear(x.detach(), layer, kernel=kernel)
+    assert seen == [((14, 256), torch.float8_e4m3fn, (3, 2), torch.float32)]
+    assert torch.equal(shifted, theirs.detach() + 1)

@@ -1,6 +1,8 @@
 """Exact mode's trainer ops on vLLM's own kernels (`rollout.vllm.exact.exact_kernels`): each forward gives the bits
 the kernel gives when vLLM calls it, the same bits for a row whatever else is in the launch (8 rows or 300), and
 values within bfloat16 rounding of the op's math; each backward matches the one computed from the reference kernel.
+And exact mode's whole forward of a small FP8 Qwen3 on those kernels: a sequence's log-probabilities the same bits
+alone and packed with others, and within rounding of the reference kernels'.
 """
 
 import pytest
@@ -51,10 +53,10 @@ def test_add_rms_norm_on_vllms_kernel_is_row_invariant_and_leaves_its_inputs(ker
     w = 1 + 0.1 * _rows(1, seed=1)[0]
     x, r = _rows(300, seed=2), _rows(300, seed=3)
     x0, r0 = x.clone(), r.clone()
-    normed, total = exact.add_rms_norm(x, r, w, 1e-6, kernel=kernels.rms_norm)
+    normed, total = exact.add_rms_norm(x, r, w, 1e-6, kernel=kernels.add_rms_norm)
     assert torch.equal(x, x0) and torch.equal(r, r0)
     assert torch.equal(total, x0 + r0)
-    few_normed, few_total = exact.add_rms_norm(x[:8], r[:8], w, 1e-6, kernel=kernels.rms_norm)
+    few_normed, few_total = exact.add_rms_norm(x[:8], r[:8], w, 1e-6, kernel=kernels.add_rms_norm)
     assert torch.equal(few_normed, normed[:8]) and torch.equal(few_total, total[:8])
     _within_rounding(normed, exact.reference_add_rms_norm(x0, w, 1e-6, residual=r0)[0])
 
@@ -93,3 +95,56 @@ def test_rotary_on_vllms_kernel_matches_the_reference_and_leaves_its_inputs(kern
     ref_q, ref_k = exact.rotary(positions, q, k, HEAD, cache)
     _within_rounding(rq, ref_q)
     _within_rounding(rk, ref_k)
+
+
+def test_attention_on_vllms_kernel_gives_a_sequence_the_same_bits_alone_and_packed(kernels):
+    lengths = [300, 17, 129]
+    cu = torch.tensor([0, 300, 317, 446], dtype=torch.int32, device="cuda")
+    q, k, v = (_rows(446, width=h * HEAD, seed=8 + i).view(446, h, HEAD) for i, h in enumerate((32, 8, 8)))
+    packed = exact.attention(q, k, v, cu, max(lengths), HEAD**-0.5, kernel=kernels.attention)
+    one = torch.tensor([0, 17], dtype=torch.int32, device="cuda")
+    alone = exact.attention(q[300:317], k[300:317], v[300:317], one, 17, HEAD**-0.5, kernel=kernels.attention)
+    assert torch.equal(alone, packed[300:317])
+    _within_rounding(packed, exact.reference_attention(q, k, v, cu, 300, HEAD**-0.5))
+
+
+def test_fp8_linear_on_vllms_kernels_is_row_invariant_and_close_to_fp8_linears_own(kernels):
+    from torch import nn
+
+    from trl_fp8 import FP8LinearConfig
+    from trl_fp8.nn.linear import FP8Linear
+
+    layer = FP8Linear.convert_(nn.Linear(HIDDEN, 6144, bias=False, device="cuda", dtype=torch.bfloat16),
+                               FP8LinearConfig())  # fmt: skip
+    x = _rows(300, seed=11)
+    out = exact.fp8_linear(x, layer, kernel=kernels.fp8_linear)
+    assert torch.equal(exact.fp8_linear(x[:7], layer, kernel=kernels.fp8_linear), out[:7])
+    _within_rounding(out, layer(x).detach())
+
+
+def test_the_lm_head_on_vllms_kernel_is_row_invariant(kernels):
+    weight = _rows(151_936 // 8, seed=12)
+    x = _rows(300, seed=13)
+    out = exact.linear(x, weight, kernel=kernels.linear)
+    assert torch.equal(exact.linear(x[:8], weight, kernel=kernels.linear), out[:8])
+    _within_rounding(out, exact.reference_linear(x, weight))
+
+
+def test_the_exact_forward_on_vllms_kernels_gives_a_sequence_the_same_log_probabilities_alone_and_packed(kernels):
+    from trl_fp8 import convert_to_fp8
+    from trl_fp8.demo.tiny_model import tiny_qwen3
+    from trl_fp8.nn.exact_forward import exact_token_logprobs
+
+    model = tiny_qwen3(num_hidden_layers=2, dtype=torch.bfloat16).cuda()
+    convert_to_fp8(model)
+    g = torch.Generator(device="cuda").manual_seed(14)
+    ids = torch.randint(4, 256, (4, 96), device="cuda", generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :40] = 0  # a shorter prompt, left-padded
+    mask[2, 90:] = 0  # a completion that ended early
+    with torch.no_grad():
+        packed = exact_token_logprobs(model, ids, mask, 32, kernels=kernels)
+        alone = exact_token_logprobs(model, ids[1:2], mask[1:2], 32, kernels=kernels)
+        reference = exact_token_logprobs(model, ids, mask, 32)
+    assert torch.equal(alone[0], packed[1])
+    torch.testing.assert_close(packed, reference, rtol=0, atol=0.05)  # bfloat16 and FP8 roundings over 2 layers

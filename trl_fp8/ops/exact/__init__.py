@@ -7,13 +7,25 @@ One op per file, each with `reference_<op>`: the op's math in PyTorch, the stand
 vLLM's and the reference the tests hold each backward to.
 """
 
+from trl_fp8.ops.exact.attention import attention, reference_attention
+from trl_fp8.ops.exact.fp8_linear import fp8_linear, reference_fp8_linear
+from trl_fp8.ops.exact.kernels import REFERENCE_KERNELS, ExactKernels
+from trl_fp8.ops.exact.linear import linear, reference_linear
 from trl_fp8.ops.exact.rms_norm import add_rms_norm, reference_add_rms_norm, reference_rms_norm, rms_norm
 from trl_fp8.ops.exact.rotary import reference_rotary, rotary
 from trl_fp8.ops.exact.silu_and_mul import reference_silu_and_mul, silu_and_mul
 from trl_fp8.ops.exact.token_logprobs import reference_token_logprobs, token_logprobs
 
 __all__ = [
+    "REFERENCE_KERNELS",
+    "ExactKernels",
     "add_rms_norm",
+    "attention",
+    "fp8_linear",
+    "linear",
+    "reference_attention",
+    "reference_fp8_linear",
+    "reference_linear",
     "reference_add_rms_norm",
     "reference_rms_norm",
     "reference_rotary",

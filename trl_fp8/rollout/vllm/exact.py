@@ -20,19 +20,18 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from trl_fp8.ops.exact import ExactKernels
 from trl_fp8.rollout.vllm.kernels import NO_E8M0
 
 __all__ = [
     "EXACT_ENGINE_ENV",
     "EXACT_LLM_KWARGS",
     "ExactEngine",
-    "ExactKernels",
     "batch_invariant_missing",
     "exact_engine",
     "exact_kernels",
@@ -103,16 +102,6 @@ def exact_engine() -> ExactEngine:
     return ExactEngine()
 
 
-@dataclass(frozen=True)
-class ExactKernels:
-    """vLLM's own kernels at the op sites of a dense decoder, called as `trl_fp8.ops.exact`'s ops call theirs."""
-
-    rms_norm: Callable  # (x, weight, eps) and (x, weight, eps, residual=r) -> (normed, x + r), in place
-    token_logprobs: Callable  # (logits [N, V], token_ids [N, 1]) -> [N, 1] float32
-    silu_and_mul: Callable  # (gate_up [..., 2 * I]) -> [..., I]
-    rotary: Callable  # (positions, q, k, head_size, cos_sin_cache, is_neox), in place
-
-
 def _batch_invariant_module():
     import importlib
 
@@ -131,15 +120,69 @@ def _silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _fp8_linear(x: torch.Tensor, weight_q: torch.Tensor, weight_scale_inv: torch.Tensor, out_dtype) -> torch.Tensor:
+    """vLLM's block-FP8 linear on DeepGEMM (`DeepGemmFp8BlockScaledMMKernel.apply_weights`): its 1x128 quantizer
+    (`QuantFP8`, column-major scales, E8M0 off), the weight scales in DeepGEMM's layout, `fp8_gemm_nt`."""
+    import vllm.envs as envs
+    from vllm.model_executor.layers.quantization.utils.fp8_utils import (
+        deepgemm_post_process_fp8_weight_block,
+        per_token_group_quant_fp8,
+    )
+    from vllm.utils.deep_gemm import fp8_gemm_nt
+
+    q, scale = per_token_group_quant_fp8(
+        x, 128, dtype=torch.float8_e4m3fn, column_major_scales=True,
+        tma_aligned_scales=envs.VLLM_USE_DEEP_GEMM_TMA_ALIGNED_SCALES, use_ue8m0=False,
+    )  # fmt: skip
+    weight_q, weight_scale = deepgemm_post_process_fp8_weight_block(
+        weight_q.contiguous(), weight_scale_inv.float().contiguous(), (128, 128), use_e8m0=False
+    )
+    out = torch.empty(x.shape[0], weight_q.shape[0], dtype=out_dtype, device=x.device)
+    fp8_gemm_nt((q, scale), (weight_q, weight_scale), out, is_deep_gemm_e8m0_used=False)
+    return out
+
+
+PAGE = 16  # vLLM's KV-cache page for FlashAttention
+
+
+def _attention(q, k, v, cu_seqlens, max_seqlen, softmax_scale):
+    """vLLM's FlashAttention-3 as its batch-invariant mode runs it (one split, causal) over a paged copy of the
+    packed keys and values (pages of 16, as the engine's cache): the prefill of each sequence, whose rows equal
+    the engine's decode of them (`tests/gpu/test_exactness_gates_gpu.py`)."""
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    pages = (lengths + PAGE - 1) // PAGE
+    first_page = torch.cumsum(pages, 0) - pages
+    seq = torch.repeat_interleave(torch.arange(len(lengths), device=q.device), lengths)
+    position = torch.arange(q.shape[0], device=q.device) - cu_seqlens[:-1].long()[seq]
+    slot = (first_page[seq] + position // PAGE) * PAGE + position % PAGE
+    shape = (int(pages.sum()) * PAGE, *k.shape[1:])
+    k_cache, v_cache = k.new_zeros(shape), v.new_zeros(shape)
+    k_cache[slot], v_cache[slot] = k, v
+    width = int(pages.max())
+    block_table = (first_page[:, None] + torch.arange(width, device=q.device)).clamp(max=int(pages.sum()) - 1)
+    return flash_attn_varlen_func(
+        q=q, k=k_cache.view(-1, PAGE, *k.shape[1:]), v=v_cache.view(-1, PAGE, *v.shape[1:]), cu_seqlens_q=cu_seqlens,
+        max_seqlen_q=max_seqlen, seqused_k=lengths.int(), max_seqlen_k=width * PAGE, softmax_scale=softmax_scale,
+        causal=True, window_size=[-1, -1], block_table=block_table.int(), softcap=0, fa_version=3, num_splits=1,
+    )  # fmt: skip
+
+
 def exact_kernels() -> ExactKernels:
     """The kernels an engine in exact mode runs, from the installed vLLM (imported here: call it once the engine's
     environment is set, `ExactEngine.env`)."""
     from vllm import _custom_ops
     from vllm.v1.worker.gpu.sample.logprob import compute_token_logprobs
 
+    batch_invariant = _batch_invariant_module()
     return ExactKernels(
-        rms_norm=_batch_invariant_module().rms_norm_batch_invariant,
-        token_logprobs=compute_token_logprobs,
-        silu_and_mul=_silu_and_mul,
+        rms_norm=batch_invariant.rms_norm_batch_invariant,
+        add_rms_norm=batch_invariant.rms_norm_batch_invariant,
         rotary=_custom_ops.rotary_embedding,
+        attention=_attention,
+        fp8_linear=_fp8_linear,
+        linear=batch_invariant.linear_batch_invariant,
+        silu_and_mul=_silu_and_mul,
+        token_logprobs=compute_token_logprobs,
     )

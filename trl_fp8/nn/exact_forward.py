@@ -1,0 +1,134 @@
+"""Exact mode's forward of a dense decoder (Qwen3, Llama, Qwen2): each completion token's log-probability computed
+op by op as the rollout engine computes it, on the engine's kernels (`trl_fp8.ops.exact`), so the trainer's values
+equal the engine's bit for bit.
+
+Where it departs from Hugging Face's forward, and why:
+
+- the sequences are packed without their padding and numbered from their first token, as vLLM sees them;
+- every norm after the first takes the residual add with it (vLLM's fused add + RMSNorm: one launch, its bits);
+- rotary angles come from one table (vLLM's `cos_sin_cache`, handed in), not recomputed per forward;
+- gate and up are multiplied apart (row for row the same bits as vLLM's merged GEMM) and joined for SiLU-and-mul;
+- only the completion tokens' logits are computed, on the lm_head's kernel, and the temperature is applied as
+  vLLM's sampler does (in the logits' dtype, skipped at 1).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from trl_fp8.nn.linear import FP8Linear
+from trl_fp8.ops import exact
+from trl_fp8.ops.exact import REFERENCE_KERNELS, ExactKernels
+
+__all__ = ["exact_token_logprobs", "rope_table"]
+
+
+def rope_table(model: nn.Module, positions: int) -> torch.Tensor:
+    """`[positions, head_dim]`: cosines then sines of the model's rotary angles, in the model's dtype (the layout of
+    vLLM's `cos_sin_cache`, which exact mode reads from the engine; this one stands in where there is none)."""
+    rotary = _decoder(model).rotary_emb
+    angles = torch.outer(torch.arange(positions, device=rotary.inv_freq.device).float(), rotary.inv_freq.float())
+    scale = getattr(rotary, "attention_scaling", 1.0)
+    dtype = next(model.parameters()).dtype
+    return torch.cat([angles.cos() * scale, angles.sin() * scale], dim=-1).to(dtype)
+
+
+def _decoder(model: nn.Module) -> nn.Module:
+    decoder = getattr(model, getattr(model, "base_model_prefix", "model"), None)
+    if decoder is None or not hasattr(decoder, "layers") or not hasattr(decoder, "rotary_emb"):
+        raise ValueError(
+            f"Exact mode handles dense decoders laid out as Qwen3 and Llama are (model.layers, model.rotary_emb); "
+            f"{type(model).__name__} is not."
+        )
+    return decoder
+
+
+def _linear(x: torch.Tensor, layer: nn.Module, kernels: ExactKernels) -> torch.Tensor:
+    if isinstance(layer, FP8Linear):
+        return exact.fp8_linear(x, layer, kernels.fp8_linear)
+    if type(layer) is not nn.Linear:
+        raise ValueError(f"Exact mode multiplies FP8Linear and nn.Linear layers; {type(layer).__name__} is neither.")
+    out = exact.linear(x, layer.weight, kernels.linear)
+    return out if layer.bias is None else out + layer.bias
+
+
+def _pack(input_ids: torch.Tensor, attention_mask: torch.Tensor):
+    """The real tokens of each row, rows one after the other; each numbered from 0; `cu_seqlens`."""
+    mask = attention_mask.bool()
+    lengths = mask.sum(1)
+    cu_seqlens = torch.zeros(len(lengths) + 1, dtype=torch.int32, device=input_ids.device)
+    cu_seqlens[1:] = lengths.cumsum(0)
+    positions = torch.cat([torch.arange(int(n), device=input_ids.device) for n in lengths.tolist()])
+    return input_ids[mask], positions, cu_seqlens, int(lengths.max())
+
+
+def _layer(layer, h, residual, positions, cu_seqlens, max_seqlen, cos_sin_cache, kernels):
+    """One decoder layer on packed rows: `(h, residual)` in, `(h, residual)` out, as vLLM's layer hands them on."""
+    attn, mlp = layer.self_attn, layer.mlp
+    norm = layer.input_layernorm
+    if residual is None:
+        x, residual = exact.rms_norm(h, norm.weight, norm.variance_epsilon, kernels.rms_norm), h
+    else:
+        x, residual = exact.add_rms_norm(h, residual, norm.weight, norm.variance_epsilon, kernels.add_rms_norm)
+    tokens, head = x.shape[0], attn.head_dim
+    q, k, v = (_linear(x, proj, kernels) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
+    if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head
+        q = exact.rms_norm(q.reshape(-1, head), attn.q_norm.weight, attn.q_norm.variance_epsilon, kernels.rms_norm)
+        k = exact.rms_norm(k.reshape(-1, head), attn.k_norm.weight, attn.k_norm.variance_epsilon, kernels.rms_norm)
+    q, k = exact.rotary(positions, q.reshape(tokens, -1), k.reshape(tokens, -1), head, cos_sin_cache, kernels.rotary)
+    out = exact.attention(
+        q.reshape(tokens, -1, head), k.reshape(tokens, -1, head), v.reshape(tokens, -1, head),
+        cu_seqlens, max_seqlen, attn.scaling, kernels.attention,
+    )  # fmt: skip
+    h = _linear(out.reshape(tokens, -1), attn.o_proj, kernels)
+    norm = layer.post_attention_layernorm
+    x, residual = exact.add_rms_norm(h, residual, norm.weight, norm.variance_epsilon, kernels.add_rms_norm)
+    gate_up = torch.cat([_linear(x, mlp.gate_proj, kernels), _linear(x, mlp.up_proj, kernels)], dim=-1)
+    return _linear(exact.silu_and_mul(gate_up, kernels.silu_and_mul), mlp.down_proj, kernels), residual
+
+
+def exact_token_logprobs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    logits_to_keep: int,
+    *,
+    temperature: float = 1.0,
+    cos_sin_cache: torch.Tensor | None = None,
+    kernels: ExactKernels = REFERENCE_KERNELS,
+) -> torch.Tensor:
+    """Float32 log-probabilities `[B, logits_to_keep]` of the last `logits_to_keep` tokens of each row of
+    `input_ids [B, L]` (TRL's prompt + completion, left-padded prompts; 0 where `attention_mask` is 0), as the
+    engine computed them when it sampled them. `cos_sin_cache`: the engine's rotary table (default
+    `rope_table(model, L)`); `kernels`: the engine's (`rollout.vllm.exact.exact_kernels()`; default the references).
+    Differentiable in every parameter the forward reads."""
+    decoder = _decoder(model)
+    tokens, positions, cu_seqlens, max_seqlen = _pack(input_ids, attention_mask)
+    if cos_sin_cache is None:
+        cos_sin_cache = rope_table(model, input_ids.shape[1])
+    h, residual = decoder.embed_tokens(tokens), None
+    from trl_fp8.trainer.layer_checkpointing import is_checkpointing  # (trainer/ imports nn/: imported here)
+
+    checkpointed = is_checkpointing(model) and torch.is_grad_enabled()
+    for layer in decoder.layers:
+        args = (layer, h, residual, positions, cu_seqlens, max_seqlen, cos_sin_cache, kernels)
+        if checkpointed:  # the recompute reruns the same kernels: the same values
+            h, residual = torch.utils.checkpoint.checkpoint(_layer, *args, use_reentrant=False)
+        else:
+            h, residual = _layer(*args)
+
+    # the completion tokens that are there (mask 1), each predicted from the row before it in the pack
+    mask = attention_mask.bool()
+    columns = torch.arange(input_ids.shape[1] - logits_to_keep, input_ids.shape[1], device=input_ids.device)
+    present = mask[:, columns]
+    before = mask.long().cumsum(1)[:, columns] - 1  # the token's own index within its row's real tokens
+    rows = (cu_seqlens[:-1, None].long() + before - 1)[present]
+    norm = decoder.norm
+    h, _ = exact.add_rms_norm(h[rows], residual[rows], norm.weight, norm.variance_epsilon, kernels.add_rms_norm)
+    logits = _linear(h, model.get_output_embeddings(), kernels)
+    if temperature != 1.0:  # vLLM's sampler: float32 division, rounded to the logits' dtype
+        logits = (logits.float() / temperature).to(logits.dtype)
+    out = torch.zeros(present.shape, dtype=torch.float32, device=input_ids.device)
+    out[present] = exact.token_logprobs(logits, input_ids[:, columns][present], kernels.token_logprobs)
+    return out
