@@ -4,11 +4,13 @@ same gradients. In float32 the two differ only in the order of float32 sums (bou
 about 100x float32's rounding over a few layers of 256-wide sums); with FP8 layers a last-bit difference upstream
 can move one activation element across an FP8 rounding boundary, so that comparison takes FP8's bound instead."""
 
+import copy
+
 import torch
 
 from trl_fp8 import convert_to_fp8
 from trl_fp8.demo.tiny_model import tiny_qwen3
-from trl_fp8.nn.exact_forward import exact_token_logprobs
+from trl_fp8.nn.exact_forward import exact_token_logprobs, rope_table
 
 PROMPT, COMPLETION = 6, 5
 
@@ -34,7 +36,7 @@ def _hf_logprobs(model, ids, mask):
 def test_the_exact_forward_computes_hugging_faces_log_probabilities_and_gradients():
     model = tiny_qwen3(num_hidden_layers=2)
     ids, mask = _batch()
-    ours = exact_token_logprobs(model, ids, mask, COMPLETION)
+    ours, _ = exact_token_logprobs(model, ids, mask, COMPLETION)
     theirs = _hf_logprobs(model, ids, mask)
     assert ours.shape == (3, COMPLETION) and ours.dtype == torch.float32
     assert torch.equal(ours == 0, mask[:, -COMPLETION:] == 0)
@@ -54,13 +56,13 @@ def test_the_exact_forward_computes_hugging_faces_log_probabilities_and_gradient
 def test_the_exact_forward_with_gradient_checkpointing_gives_the_same_values_and_gradients():
     model = tiny_qwen3(num_hidden_layers=2)
     ids, mask = _batch()
-    plain = exact_token_logprobs(model, ids, mask, COMPLETION)
+    plain, _ = exact_token_logprobs(model, ids, mask, COMPLETION)
     plain.sum().backward()
     grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
     enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
     enable()  # (transformers 5.24 renamed it)
-    checkpointed = exact_token_logprobs(model, ids, mask, COMPLETION)
+    checkpointed, _ = exact_token_logprobs(model, ids, mask, COMPLETION)
     checkpointed.sum().backward()
     assert torch.equal(plain, checkpointed)
     for before, p in zip(grads, model.parameters(), strict=True):
@@ -72,12 +74,25 @@ def test_the_exact_forward_of_an_fp8_model_and_its_temperature_follow_hugging_fa
     convert_to_fp8(model)
     ids, mask = _batch()
     with torch.no_grad():
-        ours = exact_token_logprobs(model, ids, mask, COMPLETION, temperature=0.7)
+        ours, entropies = exact_token_logprobs(model, ids, mask, COMPLETION, temperature=0.7, with_entropy=True)
         positions = (mask.cumsum(1) - 1).clamp(min=0)
         logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits / 0.7
         theirs = logits[:, -COMPLETION - 1 : -1].float().log_softmax(-1).gather(-1, ids[:, -COMPLETION:, None])
         theirs = theirs[..., 0] * mask[:, -COMPLETION:]
-    # FP8's bound: an activation element moved across an e4m3 rounding boundary changes by up to 2^-3 of itself
-    # (e4m3 keeps 3 mantissa bits); spread over a 256-wide row it moves a logit by a few hundredths at most
+        # FP8's bound: an activation element moved across an e4m3 rounding boundary changes by up to 2^-3 of itself
+        # (e4m3 keeps 3 mantissa bits); spread over a 256-wide row it moves a logit by a few hundredths at most
+        full = logits[:, -COMPLETION - 1 : -1].float().log_softmax(-1)
+        theirs_entropy = -(full.exp() * full).sum(-1) * mask[:, -COMPLETION:]
+    torch.testing.assert_close(entropies, theirs_entropy, rtol=0, atol=0.05)
     torch.testing.assert_close(ours, theirs, rtol=0, atol=0.05)
     assert (ours - theirs).abs().median() < 1e-4  # most tokens: no boundary crossed, float32 agreement
+
+
+def test_the_exact_forward_runs_in_the_engines_dtype():
+    model = tiny_qwen3(num_hidden_layers=2)  # float32 masters
+    ids, mask = _batch()
+    table = rope_table(model, ids.shape[1]).to(torch.bfloat16)  # the engine's, handed to both
+    ours, _ = exact_token_logprobs(model, ids, mask, COMPLETION, dtype=torch.bfloat16, cos_sin_cache=table)
+    cast = copy.deepcopy(model).to(torch.bfloat16)  # what the engine holds: the masters cast to bfloat16
+    theirs, _ = exact_token_logprobs(cast, ids, mask, COMPLETION, cos_sin_cache=table)
+    assert torch.equal(ours, theirs)

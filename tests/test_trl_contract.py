@@ -53,6 +53,14 @@ def test_every_hook_we_override_exists_with_its_parameters(cls, name, leading):
     assert params(getattr(cls, name))[: len(leading)] == leading
 
 
+def test_exact_mode_reads_trls_scoring_arguments_and_trainer_attributes_by_their_names():
+    """`trainer.exact` takes `compute_entropy` and `compute_aux_loss` by name and refuses every later input (images,
+    token types); it reads the trainer's `temperature` and `vllm_generation`, which TRL's `__init__` sets."""
+    assert params(GRPOTrainer._get_per_token_logps_and_entropies)[6:8] == ["compute_entropy", "compute_aux_loss"]
+    source = inspect.getsource(GRPOTrainer.__init__)
+    assert "self.temperature = " in source and "self.vllm_generation = " in source
+
+
 def test_our_overrides_are_the_hooks_trl_calls():
     """Each method the FP8 classes define over TRL's is one of the hooks above or our own (never a typo that TRL
     would not call)."""

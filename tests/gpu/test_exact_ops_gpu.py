@@ -143,8 +143,8 @@ def test_the_exact_forward_on_vllms_kernels_gives_a_sequence_the_same_log_probab
     mask[1, :40] = 0  # a shorter prompt, left-padded
     mask[2, 90:] = 0  # a completion that ended early
     with torch.no_grad():
-        packed = exact_token_logprobs(model, ids, mask, 32, kernels=kernels)
-        alone = exact_token_logprobs(model, ids[1:2], mask[1:2], 32, kernels=kernels)
-        reference = exact_token_logprobs(model, ids, mask, 32)
+        packed, _ = exact_token_logprobs(model, ids, mask, 32, kernels=kernels)
+        alone, _ = exact_token_logprobs(model, ids[1:2], mask[1:2], 32, kernels=kernels)
+        reference, _ = exact_token_logprobs(model, ids, mask, 32)
     assert torch.equal(alone[0], packed[1])
     torch.testing.assert_close(packed, reference, rtol=0, atol=0.05)  # bfloat16 and FP8 roundings over 2 layers

@@ -39,6 +39,8 @@ class RolloutSettings:
         deepgemm_workers: processes compiling DeepGEMM's kernels before a colocated engine starts
             (`rollout.vllm.deepgemm_warmup.precompile_deepgemm`; None: one per CPU core, 0: none).
         token_ids_only: a colocated engine returns token ids and log-probs only, no text (`rollout.vllm.sampling`).
+        exact: a colocated engine in exact mode (`rollout.vllm.exact`), whose kernels the trainer's forward calls;
+            trl-fp8's own engine kernels then stay out (vLLM's are the ones the trainer calls).
     """
 
     rollout_precision: str = "fp8"
@@ -53,6 +55,7 @@ class RolloutSettings:
     jit_cache_dir: str | None = None
     deepgemm_workers: int | None = None
     token_ids_only: bool = True
+    exact: bool = False
 
     @classmethod
     def from_args(cls, args, tuning=None) -> RolloutSettings:
@@ -71,4 +74,5 @@ class RolloutSettings:
             jit_cache_dir=args.vllm_jit_cache_dir,
             deepgemm_workers=tuning.vllm_deepgemm_workers,
             token_ids_only=args.vllm_token_ids_only,
+            exact=getattr(args, "exact_on_policy", False),
         )

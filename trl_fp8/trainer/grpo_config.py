@@ -44,6 +44,12 @@ class FP8GRPOConfig(FP8TrainingArguments, GRPOConfig):
             since the weights are then the same in both forwards. `None`: on there. The metrics are then summed over
             the rollout batch's micro-batches and logged once, after its last: the values TRL's scoring pass logs (a
             micro-batch trained on again, `num_iterations > 1`, is not scored again).
+        exact_on_policy (bool): Make the trainer's log-probabilities of the rollout tokens equal vLLM's bit for bit
+            (KL = 0, an importance ratio of exactly 1): the colocated engine runs in vLLM's batch-invariant mode
+            (DeepGEMM, FlashAttention with one split, no compilation, no prefix cache) and the trainer's forward calls
+            the engine's own kernels op by op (`trl_fp8.nn.exact_forward`), with its usual backward. Needs a dense
+            Qwen3, Llama or Qwen2 model, `vllm_mode="colocate"` on one GPU, a BF16 KV cache and plain sampling (no
+            top-p, top-k, min-p or penalties). Experimental: its GPU test of exactness is new.
     """
 
     log_rollout_mismatch: bool = field(default=True, metadata=field_help(__doc__, "log_rollout_mismatch"))
@@ -52,6 +58,7 @@ class FP8GRPOConfig(FP8TrainingArguments, GRPOConfig):
     score_in_training_forward: bool | None = field(
         default=None, metadata=field_help(__doc__, "score_in_training_forward")
     )
+    exact_on_policy: bool = field(default=False, metadata=field_help(__doc__, "exact_on_policy"))
 
     def __post_init__(self):
         if isinstance(self.tis, str) and self.tis.lower() in ("none", "null", ""):
@@ -62,6 +69,7 @@ class FP8GRPOConfig(FP8TrainingArguments, GRPOConfig):
             raise ValueError(
                 f"tis_cap must be > 1 (a cap at or below 1 down-weights every token), got {self.tis_cap}."
             )
+        self._check_exact_on_policy()
         self._check_fp8_fields()
         self._refuse_tis_conflicts()
         # Map onto TRL's own fields before its __post_init__ validates them (TRL's trainer reads them from there);
@@ -73,6 +81,10 @@ class FP8GRPOConfig(FP8TrainingArguments, GRPOConfig):
         elif self.tis == "off":
             self.vllm_importance_sampling_correction = False
         self._finish_post_init()
+        if self.exact_on_policy and self.world_size > 1:
+            raise ValueError(
+                f"exact_on_policy=True runs on one process for now ({self.world_size} here): launch on one GPU."
+            )
         if self.score_in_training_forward and not self.rollouts_train_within_one_step():
             raise ValueError(
                 "score_in_training_forward=True takes the trainer's log-probs of a rollout from the training forward, "
@@ -81,6 +93,33 @@ class FP8GRPOConfig(FP8TrainingArguments, GRPOConfig):
                 f"of steps_per_generation x num_iterations = {self.steps_per_generation} x {self.num_iterations}. "
                 "Align them, or set score_in_training_forward=False (the scoring pass)."
             )
+
+    def _check_exact_on_policy(self) -> None:
+        """Refuse, naming the fix, what exact mode cannot make exact; settle the FP8 KV cache to BF16."""
+        if not self.exact_on_policy:
+            return
+        needs = []
+        if not self.use_vllm or self.vllm_mode != "colocate":
+            needs.append("use_vllm=True with vllm_mode='colocate' (the trainer calls the engine's kernels in-process)")
+        if self.fp8_kv_cache:
+            needs.append("fp8_kv_cache=False (with an FP8 KV cache the trainer's attention is not the engine's yet)")
+        if self.rollout_precision not in (None, "fp8", "bf16"):
+            needs.append(
+                f"rollout_precision 'fp8' or 'bf16', not {self.rollout_precision!r} (vLLM's own quantization)"
+            )
+        if self.vllm_fp8_backend not in ("auto", "deepgemm"):
+            needs.append(f"vllm_fp8_backend 'auto' or 'deepgemm', not {self.vllm_fp8_backend!r} (DeepGEMM is the "
+                         "block-FP8 kernel whose rows do not depend on the batch)")  # fmt: skip
+        if getattr(self, "vllm_tensor_parallel_size", 1) != 1:
+            needs.append("vllm_tensor_parallel_size=1")
+        plain = {"top_p": (1.0,), "top_k": (None, 0, -1), "min_p": (None, 0.0), "repetition_penalty": (1.0,)}
+        for name, neutral in plain.items():
+            if getattr(self, name, neutral[0]) not in neutral:
+                needs.append(f"{name}={neutral[0]!r}, not {getattr(self, name)!r} (the engine's log-probabilities "
+                             "would be of the filtered distribution)")  # fmt: skip
+        if needs:
+            raise ValueError("exact_on_policy=True needs " + "; ".join(needs) + ".")
+        self.fp8_kv_cache = False  # None would let the planner choose an FP8 cache
 
     def tis_asks_for_token(self) -> bool:
         """Whether `tis` asks for token-level TIS: `"token"`, or `"auto"` with TRL's own importance-sampling fields

@@ -7,7 +7,8 @@ weights), and overrides a few of TRL's hooks, never its long methods:
 - `_generate_single_turn`: measures the FP8 KV-cache scales once before the very first rollout, and generates
   eagerly when decoder layers are compiled (the graphs stay for training);
 - `_get_per_token_logps_and_entropies`: scoring without gradients takes `logprob_batch_size` sequences at a time,
-  and every forward numbers each sequence's tokens from its first (`positions`), as the rollout engine did;
+  and every forward numbers each sequence's tokens from its first (`positions`), as the rollout engine did; in exact
+  mode (`exact_on_policy`) the log-probs come from the exact forward on the engine's kernels (`trainer.exact`);
 - `_generate_and_score_completions`: keeps transformers' partial gradient checkpointing (`every_n_layers`) across
   TRL's no-grad scoring, logs the FP8 layer count, the weight-sync time and what the engine did;
 - `save_model` / `_save_checkpoint`: final saves are block-FP8 checkpoints, swapped into the output folder
@@ -53,6 +54,7 @@ from trl_fp8.rollout.kv_scales import AttentionScaleObserver, observe_prompts
 from trl_fp8.rollout.stats import capacity_line
 from trl_fp8.stack import warn_outside_tested_stack
 from trl_fp8.trainer.callbacks import InvalidateSyncedReference, PrefetchFSDP2Units
+from trl_fp8.trainer.exact import exact_logps_and_entropies
 from trl_fp8.trainer.layer_checkpointing import RENAMED_CHECKPOINTING_CALLS, keep_layer_options
 from trl_fp8.trainer.liger import liger_patches_kept_on_the_model
 from trl_fp8.trainer.model_card import fp8_model_card_section
@@ -190,6 +192,10 @@ class FP8TrainerMixin:
         # the training forward keeps TRL's micro-batch.
         if self.args.logprob_batch_size is not None and not torch.is_grad_enabled():
             batch_size = self.args.logprob_batch_size
+        if getattr(self.args, "exact_on_policy", False):  # the engine's kernels, op by op (`trainer.exact`)
+            return exact_logps_and_entropies(
+                self, model, input_ids, attention_mask, logits_to_keep, batch_size, *args, **kwargs
+            )
         # TRL gives no position ids: each left-padded prompt's tokens would sit where the rollout did not put them
         with positions_from_mask(model, self._sequence_positions):
             return super()._get_per_token_logps_and_entropies(

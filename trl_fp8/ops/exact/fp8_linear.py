@@ -64,4 +64,4 @@ def fp8_linear(x: torch.Tensor, layer, kernel: FP8LinearKernel | None = None) ->
                                         power_of_two_scales=fp8_weight.power_of_two_scales)  # fmt: skip
 
     out = _FP8Linear.apply(x, layer.weight, fp8_weight, kernel)
-    return out if layer.bias is None else out + layer.bias
+    return out if layer.bias is None else out + layer.bias.to(out.dtype)

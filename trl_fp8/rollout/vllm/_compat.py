@@ -28,6 +28,16 @@ def engine_model(llm) -> nn.Module:
     return engine_worker(llm).model_runner.model
 
 
+def engine_rotary_table(llm) -> torch.Tensor:
+    """A copy of the engine's rotary table (`cos_sin_cache [max_position, rotary_dim]`: cosines then sines, in the
+    model's dtype; one per model, shared by its attention layers), read once: a sleeping engine's buffers are gone."""
+    for module in engine_model(llm).modules():
+        table = getattr(module, "cos_sin_cache", None)
+        if isinstance(table, torch.Tensor):
+            return table.detach().clone()
+    raise RuntimeError("The vLLM engine's model has no rotary table (`cos_sin_cache`): exact mode needs RoPE.")
+
+
 def engine_stat_logger_manager(llm):
     """The engine's stat-logger manager (None if it has none): rollout statistics replace its loggers."""
     return getattr(getattr(llm, "llm_engine", None), "logger_manager", None)

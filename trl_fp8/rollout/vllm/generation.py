@@ -37,11 +37,12 @@ from trl_fp8.checkpoint.experts import fp8_experts_layers
 from trl_fp8.checkpoint.save import fp8_module_names
 from trl_fp8.config import check_rollout_precision, check_vllm_version
 from trl_fp8.nn.adapters import unwrap_model
+from trl_fp8.nn.exact_forward import check_exact_model
 from trl_fp8.nn.linear import release_fp8_weight_caches
 from trl_fp8.rollout.settings import RolloutSettings
 from trl_fp8.rollout.stats import RolloutStats, engine_kv_cache_tokens
 from trl_fp8.rollout.vllm import act_quant, norm_quant
-from trl_fp8.rollout.vllm._compat import register_custom_attention, shutdown_engine
+from trl_fp8.rollout.vllm._compat import engine_rotary_table, register_custom_attention, shutdown_engine
 from trl_fp8.rollout.vllm.attention import KVAttention, attention_heads, choose_kv_attention
 from trl_fp8.rollout.vllm.deepgemm_warmup import PrecompileResult, precompile_engine_kernels
 from trl_fp8.rollout.vllm.engine import (
@@ -52,6 +53,7 @@ from trl_fp8.rollout.vllm.engine import (
     rollout_weight_tensors,
     write_engine_config,
 )
+from trl_fp8.rollout.vllm.exact import exact_engine
 from trl_fp8.rollout.vllm.experts import NO_FP8_EXPERTS, EngineExperts, quiet_skipped_layers
 from trl_fp8.rollout.vllm.kernels import (
     RolloutKernel,
@@ -93,7 +95,7 @@ def _choose_op_kernel(engine, module, name: str, label: str) -> None:
     settings = engine.settings
     if settings.rollout_precision != "fp8":
         return
-    kernel = getattr(settings, f"{name}_kernel")
+    kernel = "vllm" if settings.exact else getattr(settings, f"{name}_kernel")  # exact: the trainer calls vLLM's
     if kernel == "vllm":
         if module.installed() is not None:
             module.uninstall()
@@ -153,6 +155,7 @@ class FP8VLLMGeneration(VLLMGeneration):
         self._fp8_modules = None if settings.fp8_modules is None else set(settings.fp8_modules)
         self.report = RolloutReport()  # what the engine's start-up settled and what the rollouts and syncs did
         self.engine_dir: Path | None = None
+        self.exact_rotary_table: torch.Tensor | None = None  # exact mode: the engine's rotary table, for the trainer
         # colocate: writes FP8 experts in place (None until the first sync decides; False: the reload for all)
         self.engine_experts: EngineExperts | None | bool = None
         super().__init__(*args, **kwargs)
@@ -208,6 +211,11 @@ class FP8VLLMGeneration(VLLMGeneration):
                 device=self.accelerator.device,
             )
             kernel = self.report.kernel
+            if settings.exact and kernel.backend != "deepgemm":
+                raise RuntimeError(
+                    f"exact_on_policy=True runs the engine's block-FP8 linears on DeepGEMM, which cannot run here "
+                    f"({kernel.reason}). Run on a Hopper GPU with nvcc, or set exact_on_policy=False."
+                )
             log = logger.warning if settings.fp8_backend == "auto" and kernel.backend != "deepgemm" else logger.info
             log("vLLM block-FP8 kernel for rollouts: %s (%s)", kernel.backend, kernel.reason)
         overrides = engine_overrides(
@@ -222,6 +230,13 @@ class FP8VLLMGeneration(VLLMGeneration):
             logger.info("vLLM tensor parallel: %s=%s (%s)", name, value, why)
             os.environ[name] = value
         apply_engine_env(settings.rollout_precision, self.report.kernel)
+        if settings.exact:
+            check_exact_model(unwrap_model(self.model))
+            exact = exact_engine()
+            overrides.update(exact.llm_kwargs)
+            os.environ.update(exact.env)
+            if self.accelerator.is_main_process:  # a start-up line, as the trainer's own choices are said
+                print(f"[trl-fp8] vLLM engine in {exact.describe()}.", flush=True)
         self._choose_act_quant_kernel()
         self._choose_norm_quant_kernel()
         start = time.perf_counter()
@@ -235,6 +250,8 @@ class FP8VLLMGeneration(VLLMGeneration):
         # DeepGEMM's kernels are compiled above or in vLLM's warm-up when the JIT cache is cold.
         self.report.engine_start_seconds = time.perf_counter() - start
         _STARTED_ENGINES.add(self.llm)
+        if settings.exact:  # read now: a sleeping engine's buffers are gone
+            self.exact_rotary_table = engine_rotary_table(self.llm)
         self.report.rollout_stats = RolloutStats.attach(self.llm)
         self.report.kv_cache_tokens = engine_kv_cache_tokens(self.llm)
         logger.info(

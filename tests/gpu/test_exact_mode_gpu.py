@@ -1,0 +1,40 @@
+"""Exact mode (`FP8GRPOConfig(exact_on_policy=True)`) on one SM90 GPU: the trainer's log-probability of every rollout
+token equals the colocated engine's bit for bit, through GRPO steps and their weight syncs (max |dlogp| = 0, k3 KL
+= 0, an importance ratio of exactly 1, nothing clipped). A child process of its own: vLLM's batch-invariant mode is
+process-wide."""
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import clean_subprocess_env, run_child
+
+pytestmark = pytest.mark.gpu
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_exact_mode_gives_the_trainer_the_engines_log_probabilities_bit_for_bit(tmp_path):
+    pytest.importorskip("vllm")
+    cmd = [
+        sys.executable, str(ROOT / "examples" / "grpo_fp8.py"), "--output_dir", str(tmp_path), "--max_steps", "3",
+        "--logging_steps", "1", "--use_vllm", "--vllm_mode", "colocate", "--vllm_gpu_memory_utilization", "0.25",
+        "--exact_on_policy", "true", "--tis", "token", "--save_fp8_checkpoint", "false",
+    ]  # fmt: skip
+    proc = run_child(cmd, timeout=900, env=clean_subprocess_env())
+    tail = proc.stdout[-4000:]
+    assert proc.returncode == 0, tail
+    assert "vLLM engine in exact mode: vLLM's batch-invariant kernels" in proc.stdout, tail  # the start-up line
+    # The Trainer prints each logging step's metrics as a dict
+    logs = [ast.literal_eval(line[line.index("{") :]) for line in proc.stdout.splitlines()
+            if line.lstrip().startswith("{") and "fp8/mismatch/abs_logp_diff_max" in line]  # fmt: skip
+    print("exact mode, per step: " + "; ".join(
+        f"max|dlogp| {log['fp8/mismatch/abs_logp_diff_max']}, k3 KL {log['fp8/mismatch/kl_k3']}, "
+        f"clipped {log['fp8/mismatch/is_ratio_clipped_frac']}" for log in logs))  # fmt: skip
+    assert len(logs) == 3, tail
+    for log in logs:  # every step after a weight sync too
+        assert log["fp8/mismatch/abs_logp_diff_max"] == 0.0, log
+        assert log["fp8/mismatch/kl_k3"] == 0.0, log
+        assert log["fp8/mismatch/is_ratio_min"] == 1.0 and log["fp8/mismatch/is_ratio_max"] == 1.0, log
+        assert log["fp8/mismatch/is_ratio_clipped_frac"] == 0.0, log

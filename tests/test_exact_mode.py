@@ -1,0 +1,98 @@
+"""`FP8GRPOConfig(exact_on_policy=True)` on CPU (`fake_vllm` stands in for vLLM): what it refuses, naming the fix;
+the engine it asks vLLM for (batch-invariant mode, no compilation, no prefix cache, vLLM's own kernels only); and
+the trainer's scoring taken from the exact forward. Whether the log-probabilities then equal the engine's bit for bit
+is the GPU test's (`tests/gpu/test_exact_mode_gpu.py`)."""
+
+import os
+
+import pytest
+import torch
+
+from trl_fp8 import FP8GRPOConfig
+from trl_fp8.nn.exact_forward import exact_token_logprobs, rope_table
+from trl_fp8.ops.exact import REFERENCE_KERNELS
+from trl_fp8.rollout.vllm import exact
+
+from fake_vllm import tiny_trainer
+
+
+def _config(tmp_path, **kwargs):
+    return FP8GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", use_vllm=True,
+                         exact_on_policy=True, **kwargs)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "fields, named",
+    [
+        ({"vllm_mode": "server"}, "vllm_mode='colocate'"),
+        ({"vllm_mode": "colocate", "fp8_kv_cache": True}, "fp8_kv_cache=False"),
+        ({"vllm_mode": "colocate", "rollout_precision": "fp8_online"}, "rollout_precision 'fp8' or 'bf16'"),
+        ({"vllm_mode": "colocate", "vllm_fp8_backend": "cutlass"}, "vllm_fp8_backend 'auto' or 'deepgemm'"),
+        ({"vllm_mode": "colocate", "top_p": 0.9}, "top_p=1.0"),
+        ({"vllm_mode": "colocate", "top_k": 20}, "top_k=None"),
+        ({"vllm_mode": "colocate", "repetition_penalty": 1.1}, "repetition_penalty=1.0"),
+    ],
+)
+def test_exact_mode_refuses_what_it_cannot_make_exact_naming_the_fix(fake_vllm, tmp_path, fields, named):
+    with pytest.raises(ValueError, match="exact_on_policy=True needs") as error:
+        _config(tmp_path, **fields)
+    assert named in str(error.value)
+
+
+def test_exact_mode_keeps_the_kv_cache_in_bf16_where_the_planner_would_choose(fake_vllm, tmp_path):
+    assert _config(tmp_path, vllm_mode="colocate").fp8_kv_cache is False
+    assert FP8GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none").exact_on_policy is False
+
+
+def _exact_trainer(tmp_path, monkeypatch, **kwargs):
+    import trl_fp8.rollout.vllm.generation as generation
+
+    monkeypatch.setattr(exact, "batch_invariant_missing", lambda: None)  # the installed vLLM has the mode
+    monkeypatch.setattr(generation, "engine_rotary_table", lambda llm: None)  # FakeLLM has no model
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "0")  # (monkeypatch restores the process's environment after)
+    trainer = tiny_trainer(tmp_path, exact_on_policy=True, rollout_precision="bf16", **kwargs)
+    trainer.vllm_generation.exact_rotary_table = rope_table(trainer.model, 64)
+    trainer.vllm_generation.exact_kernels = REFERENCE_KERNELS  # vLLM's own are the GPU test's
+    return trainer
+
+
+def test_the_exact_engine_runs_vllms_batch_invariant_kernels_and_nothing_of_trl_fp8s(
+    fake_vllm, tmp_path, monkeypatch, capsys
+):
+    _exact_trainer(tmp_path, monkeypatch)
+    assert "[trl-fp8] vLLM engine in exact mode: vLLM's batch-invariant kernels" in capsys.readouterr().out
+    (llm,) = fake_vllm.instances
+    for name, value in exact.EXACT_LLM_KWARGS.items():
+        assert llm.kwargs[name] == value, name
+    assert os.environ["VLLM_BATCH_INVARIANT"] == "1" and os.environ["VLLM_USE_DEEP_GEMM_E8M0"] == "0"
+    from trl_fp8.rollout.vllm import act_quant, norm_quant
+
+    assert act_quant.installed() is None and norm_quant.installed() is None
+
+
+def test_fp8_rollouts_in_exact_mode_need_deepgemm_and_say_so(fake_vllm, tmp_path, monkeypatch):
+    monkeypatch.setattr(exact, "batch_invariant_missing", lambda: None)
+    with pytest.raises(RuntimeError, match="exact_on_policy=True runs the engine's block-FP8 linears on DeepGEMM"):
+        tiny_trainer(tmp_path, exact_on_policy=True)  # CPU: no DeepGEMM
+
+
+def test_the_trainer_scores_with_the_exact_forward_and_refuses_inputs_it_cannot_score(
+    fake_vllm, tmp_path, monkeypatch
+):
+    trainer = _exact_trainer(tmp_path, monkeypatch)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(4, 128, (5, 12), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    mask[3, 10:] = 0
+    logps, entropies, aux = trainer._get_per_token_logps_and_entropies(
+        trainer.model, ids, mask, 6, batch_size=2, compute_entropy=True
+    )
+    table = trainer.vllm_generation.exact_rotary_table
+    chunks = [exact_token_logprobs(trainer.model, ids[i : i + 2], mask[i : i + 2], 6, cos_sin_cache=table,
+                                   dtype=table.dtype, with_entropy=True) for i in (0, 2, 4)]  # fmt: skip
+    assert aux is None
+    assert torch.equal(logps, torch.cat([c[0] for c in chunks]))  # two sequences a forward, as batch_size says
+    assert torch.equal(entropies, torch.cat([c[1] for c in chunks]))
+    with pytest.raises(ValueError, match="text-only dense models; this batch has pixel_values"):
+        trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, 6, pixel_values=torch.zeros(1))
