@@ -85,9 +85,11 @@ TUNING_FIELDS = {
 }
 
 
-def test_the_public_config_adds_at_most_twenty_fields_and_the_tuning_holds_the_rest():
+def test_the_public_config_adds_at_most_twenty_one_fields_and_the_tuning_holds_the_rest():
     added = own_fields(FP8GRPOConfig, GRPOConfig)
-    assert len(added) <= 20, sorted(added)
+    # 20 since the tuning took the kernel selectors; `exact_on_policy` (21st) changes what a run computes, so it is
+    # the config's. A field that changes no result belongs in `FP8Tuning`.
+    assert len(added) <= 21, sorted(added)
     assert not set(TUNING_FIELDS) & set(added) and not set(TUNING_FIELDS.values()) & set(added)
     assert {f.name for f in fields(FP8Tuning)} == set(TUNING_FIELDS.values())
     assert not set(TUNING_FIELDS) & {f.name for f in fields(FP8RLOOConfig)}

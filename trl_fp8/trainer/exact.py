@@ -21,7 +21,7 @@ def exact_logps_and_entropies(
             f"exact_on_policy=True scores text-only dense models; this batch has {', '.join(given) or 'an aux loss'}."
         )
     generation = trainer.vllm_generation
-    if getattr(generation, "exact_kernels", None) is None:
+    if generation.exact_kernels is None:
         from trl_fp8.rollout.vllm.exact import exact_kernels
 
         generation.exact_kernels = exact_kernels()  # vLLM's, imported once the engine exists

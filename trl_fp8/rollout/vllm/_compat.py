@@ -29,12 +29,14 @@ def engine_model(llm) -> nn.Module:
 
 
 def engine_rotary_table(llm) -> torch.Tensor:
-    """A copy of the engine's rotary table (`cos_sin_cache [max_position, rotary_dim]`: cosines then sines, in the
-    model's dtype; one per model, shared by its attention layers), read once: a sleeping engine's buffers are gone."""
+    """A copy of the engine's rotary table (`cos_sin_cache [max_position, rotary_dim]`: cosines then sines; one per
+    model, shared by its attention layers) in the dtype its forward casts it to (the activations', the model's
+    dtype), read once: a sleeping engine's buffers are gone."""
+    dtype = llm.llm_engine.model_config.dtype
     for module in engine_model(llm).modules():
         table = getattr(module, "cos_sin_cache", None)
         if isinstance(table, torch.Tensor):
-            return table.detach().clone()
+            return table.detach().to(dtype=dtype, copy=True)
     raise RuntimeError("The vLLM engine's model has no rotary table (`cos_sin_cache`): exact mode needs RoPE.")
 
 

@@ -103,12 +103,10 @@ def exact_engine() -> ExactEngine:
 
 
 def _batch_invariant_module():
-    import importlib
-
     for relative in BATCH_INVARIANT_FILES.values():
         name = "vllm." + relative.removesuffix(".py").replace("/", ".")
         try:
-            return importlib.import_module(name)
+            return importlib.import_module(name)  # (`importlib.util` above binds `importlib`)
         except ModuleNotFoundError:
             continue
     raise RuntimeError(f"Exact mode cannot run: {batch_invariant_missing()}")
@@ -137,6 +135,7 @@ def _fp8_linear(x: torch.Tensor, weight_q: torch.Tensor, weight_scale_inv: torch
     weight_q, weight_scale = deepgemm_post_process_fp8_weight_block(
         weight_q.contiguous(), weight_scale_inv.float().contiguous(), (128, 128), use_e8m0=False
     )
+    # (the scales' layout is redone at each call: a small tensor, kept simple until exact mode's cost is measured)
     out = torch.empty(x.shape[0], weight_q.shape[0], dtype=out_dtype, device=x.device)
     fp8_gemm_nt((q, scale), (weight_q, weight_scale), out, is_deep_gemm_e8m0_used=False)
     return out

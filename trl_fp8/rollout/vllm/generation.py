@@ -156,6 +156,7 @@ class FP8VLLMGeneration(VLLMGeneration):
         self.report = RolloutReport()  # what the engine's start-up settled and what the rollouts and syncs did
         self.engine_dir: Path | None = None
         self.exact_rotary_table: torch.Tensor | None = None  # exact mode: the engine's rotary table, for the trainer
+        self.exact_kernels = None  # exact mode: vLLM's kernels for the trainer's ops (`trainer.exact`), at first use
         # colocate: writes FP8 experts in place (None until the first sync decides; False: the reload for all)
         self.engine_experts: EngineExperts | None | bool = None
         super().__init__(*args, **kwargs)
