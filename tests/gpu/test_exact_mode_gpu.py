@@ -26,9 +26,9 @@ def test_exact_mode_gives_the_trainer_the_engines_log_probabilities_bit_for_bit(
     tail = proc.stdout[-4000:]
     assert proc.returncode == 0, tail
     assert "vLLM engine in exact mode: vLLM's batch-invariant kernels" in proc.stdout, tail  # the start-up line
-    # The Trainer prints each logging step's metrics as a dict
-    logs = [ast.literal_eval(line[line.index("{") :]) for line in proc.stdout.splitlines()
-            if line.lstrip().startswith("{") and "fp8/mismatch/abs_logp_diff_max" in line]  # fmt: skip
+    # The Trainer prints each logging step's metrics as a dict of formatted numbers ('0.003038')
+    logs = [{k: float(v) for k, v in ast.literal_eval(line[line.index("{") :]).items() if k.startswith("fp8/mismatch")}
+            for line in proc.stdout.splitlines() if "fp8/mismatch/abs_logp_diff_max" in line]  # fmt: skip
     print("exact mode, per step: " + "; ".join(
         f"max|dlogp| {log['fp8/mismatch/abs_logp_diff_max']}, k3 KL {log['fp8/mismatch/kl_k3']}, "
         f"clipped {log['fp8/mismatch/is_ratio_clipped_frac']}" for log in logs))  # fmt: skip
