@@ -49,10 +49,11 @@ def _exact_trainer(tmp_path, monkeypatch, **kwargs):
 
     monkeypatch.setattr(exact, "batch_invariant_missing", lambda: None)  # the installed vLLM has the mode
     monkeypatch.setattr(generation, "engine_rotary_table", lambda llm: None)  # FakeLLM has no model
+    monkeypatch.setattr(generation, "exact_kernels", lambda: REFERENCE_KERNELS)  # vLLM's own are the GPU test's
     monkeypatch.setenv("VLLM_BATCH_INVARIANT", "0")  # (monkeypatch restores the process's environment after)
     trainer = tiny_trainer(tmp_path, exact_on_policy=True, rollout_precision="bf16", **kwargs)
+    assert trainer.vllm_generation.exact_kernels is REFERENCE_KERNELS  # taken when the engine started
     trainer.vllm_generation.exact_rotary_table = rope_table(trainer.model, 64)
-    trainer.vllm_generation.exact_kernels = REFERENCE_KERNELS  # vLLM's own are the GPU test's
     return trainer
 
 

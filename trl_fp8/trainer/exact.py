@@ -20,11 +20,7 @@ def exact_logps_and_entropies(
         raise ValueError(
             f"exact_on_policy=True scores text-only dense models; this batch has {', '.join(given) or 'an aux loss'}."
         )
-    generation = trainer.vllm_generation
-    if generation.exact_kernels is None:
-        from trl_fp8.rollout.vllm.exact import exact_kernels
-
-        generation.exact_kernels = exact_kernels()  # vLLM's, imported once the engine exists
+    generation = trainer.vllm_generation  # its engine's kernels and rotary table, taken when the engine started
     table = generation.exact_rotary_table
     policy = trainer.accelerator.unwrap_model(model)
     batch_size = batch_size or input_ids.size(0)

@@ -39,6 +39,7 @@ from trl_fp8.config import check_rollout_precision, check_vllm_version
 from trl_fp8.nn.adapters import unwrap_model
 from trl_fp8.nn.exact_forward import check_exact_model
 from trl_fp8.nn.linear import release_fp8_weight_caches
+from trl_fp8.ops.exact import ExactKernels
 from trl_fp8.rollout.settings import RolloutSettings
 from trl_fp8.rollout.stats import RolloutStats, engine_kv_cache_tokens
 from trl_fp8.rollout.vllm import act_quant, norm_quant
@@ -53,7 +54,7 @@ from trl_fp8.rollout.vllm.engine import (
     rollout_weight_tensors,
     write_engine_config,
 )
-from trl_fp8.rollout.vllm.exact import exact_engine
+from trl_fp8.rollout.vllm.exact import exact_engine, exact_kernels
 from trl_fp8.rollout.vllm.experts import NO_FP8_EXPERTS, EngineExperts, quiet_skipped_layers
 from trl_fp8.rollout.vllm.kernels import (
     RolloutKernel,
@@ -156,7 +157,7 @@ class FP8VLLMGeneration(VLLMGeneration):
         self.report = RolloutReport()  # what the engine's start-up settled and what the rollouts and syncs did
         self.engine_dir: Path | None = None
         self.exact_rotary_table: torch.Tensor | None = None  # exact mode: the engine's rotary table, for the trainer
-        self.exact_kernels = None  # exact mode: vLLM's kernels for the trainer's ops (`trainer.exact`), at first use
+        self.exact_kernels: ExactKernels | None = None  # exact mode: vLLM's kernels for the trainer's ops
         # colocate: writes FP8 experts in place (None until the first sync decides; False: the reload for all)
         self.engine_experts: EngineExperts | None | bool = None
         super().__init__(*args, **kwargs)
@@ -236,8 +237,7 @@ class FP8VLLMGeneration(VLLMGeneration):
             exact = exact_engine()
             overrides.update(exact.llm_kwargs)
             os.environ.update(exact.env)
-            if self.accelerator.is_main_process:  # a start-up line, as the trainer's own choices are said
-                print(f"[trl-fp8] vLLM engine in {exact.describe()}.", flush=True)
+            self.accelerator.print(f"[trl-fp8] vLLM engine in {exact.describe()}.", flush=True)  # a start-up line
         self._choose_act_quant_kernel()
         self._choose_norm_quant_kernel()
         start = time.perf_counter()
@@ -253,6 +253,7 @@ class FP8VLLMGeneration(VLLMGeneration):
         _STARTED_ENGINES.add(self.llm)
         if settings.exact:  # read now: a sleeping engine's buffers are gone
             self.exact_rotary_table = engine_rotary_table(self.llm)
+            self.exact_kernels = exact_kernels()  # vLLM's, imported now that the engine's environment is set
         self.report.rollout_stats = RolloutStats.attach(self.llm)
         self.report.kv_cache_tokens = engine_kv_cache_tokens(self.llm)
         logger.info(
