@@ -32,18 +32,18 @@ def test_the_batch_invariant_mode_is_found_where_each_tested_vllm_keeps_it(tmp_p
     module = tmp_path / "vllm" / exact.BATCH_INVARIANT_FILES[release]
     module.parent.mkdir(parents=True)
     module.write_text("")
-    monkeypatch.setattr(exact, "_vllm_package_dirs", lambda: [tmp_path / "vllm"])
+    monkeypatch.setattr(exact, "vllm_package_dirs", lambda: [tmp_path / "vllm"])
     assert exact.batch_invariant_missing() is None
     assert exact.exact_engine().env == exact.EXACT_ENGINE_ENV
 
 
 def test_a_vllm_without_the_mode_or_no_vllm_stops_exact_mode_with_the_fix(tmp_path, monkeypatch):
     (tmp_path / "vllm").mkdir()
-    monkeypatch.setattr(exact, "_vllm_package_dirs", lambda: [tmp_path / "vllm"])
+    monkeypatch.setattr(exact, "vllm_package_dirs", lambda: [tmp_path / "vllm"])
     assert "no batch-invariant mode" in exact.batch_invariant_missing()
     with pytest.raises(RuntimeError, match=r"Exact mode cannot run: .*no batch-invariant mode.*pip install"):
         exact.exact_engine()
-    monkeypatch.setattr(exact, "_vllm_package_dirs", lambda: [])
+    monkeypatch.setattr(exact, "vllm_package_dirs", lambda: [])
     assert "not installed" in exact.batch_invariant_missing()
     with pytest.raises(RuntimeError, match="vLLM is not installed"):
         exact.exact_engine()

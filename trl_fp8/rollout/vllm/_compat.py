@@ -103,14 +103,19 @@ def online_fp8_quantization() -> str:
 ONLINE_FP8_NAMES = ("fp8", "fp8_per_tensor")
 
 
-def bundled_deepgemm_dir() -> Path | None:
-    """The DeepGEMM bundled in vLLM (`vllm/third_party/deep_gemm`), found without importing vLLM (whose settings must
-    be assigned before it loads), or None."""
+def vllm_package_dirs() -> list[Path]:
+    """The installed vLLM's package folders, found without importing it (its settings are read at import), or []."""
     import importlib.util
 
     spec = importlib.util.find_spec("vllm")
-    for root in (spec.submodule_search_locations or []) if spec is not None else []:
-        if (folder := Path(root) / "third_party" / "deep_gemm").is_dir():
+    return [Path(root) for root in (spec.submodule_search_locations or [])] if spec is not None else []
+
+
+def bundled_deepgemm_dir() -> Path | None:
+    """The DeepGEMM bundled in vLLM (`vllm/third_party/deep_gemm`), found without importing vLLM (whose settings must
+    be assigned before it loads), or None."""
+    for root in vllm_package_dirs():
+        if (folder := root / "third_party" / "deep_gemm").is_dir():
             return folder
     return None
 

@@ -19,13 +19,13 @@ engine, which in colocate is the trainer's.
 from __future__ import annotations
 
 import copy
-import importlib.util
+import importlib
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from trl_fp8.ops.exact import ExactKernels
+from trl_fp8.rollout.vllm._compat import vllm_package_dirs
 from trl_fp8.rollout.vllm.kernels import NO_E8M0
 
 __all__ = [
@@ -74,15 +74,9 @@ class ExactEngine:
         )
 
 
-def _vllm_package_dirs() -> list[Path]:
-    """The installed vLLM's package folders, found without importing it (its settings are read at import)."""
-    spec = importlib.util.find_spec("vllm")
-    return [Path(root) for root in (spec.submodule_search_locations or [])] if spec is not None else []
-
-
 def batch_invariant_missing() -> str | None:
     """Why the installed vLLM cannot run in batch-invariant mode, or None when it can."""
-    roots = _vllm_package_dirs()
+    roots = vllm_package_dirs()
     if not roots:
         return "vLLM is not installed (pip install 'trl-fp8[vllm]')"
     if any((root / relative).is_file() for root in roots for relative in BATCH_INVARIANT_FILES.values()):
@@ -106,7 +100,7 @@ def _batch_invariant_module():
     for relative in BATCH_INVARIANT_FILES.values():
         name = "vllm." + relative.removesuffix(".py").replace("/", ".")
         try:
-            return importlib.import_module(name)  # (`importlib.util` above binds `importlib`)
+            return importlib.import_module(name)
         except ModuleNotFoundError:
             continue
     raise RuntimeError(f"Exact mode cannot run: {batch_invariant_missing()}")
