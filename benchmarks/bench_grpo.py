@@ -33,7 +33,10 @@ Runs (one child process each, vLLM colocated, same model, prompts, batch and 1k-
   per pass (`FP8Tuning(fuse_sibling_gemms=True)`); `trl_bf16_token_ids` is TRL BF16 with the `SamplingParams` fields that
   `vllm_token_ids_only` adds, passed through TRL's `generation_kwargs`; `fp8_defaults_compiled` and its twin
   `bf16_defaults_compiled` compile every decoder layer (`FP8Tuning(compile_decoder_layers=True)`, so the planner
-  leaves Liger's kernels off), `fp8_defaults_deepgemm` runs FProp and DGrad on DeepGEMM (`fp8_backend="deepgemm"`).
+  leaves Liger's kernels off), `fp8_defaults_deepgemm` runs FProp and DGrad on DeepGEMM (`fp8_backend="deepgemm"`);
+- `fp8_exact`: the defaults in exact on-policy mode (`exact_on_policy=True`: vLLM in batch-invariant mode, a BF16 KV
+  cache, every log-prob scored with the engine's kernels); its row keeps each step's largest |dlogp| and k3 KL
+  (`mismatch_by_step`), which exact mode makes 0, and its cost shows against `fp8_defaults`.
 
 Peak allocated memory is recorded per phase (rollout: sync + generate; training: the rest, split into scoring and
 micro-batches), with the size of the FP8 weight cache at the end.
@@ -123,6 +126,7 @@ RUNS = {  # run: (trainer, fp8_recipe, rollout_precision, fp8 KV cache, training
     "fp8_defaults_compiled": ("trl_fp8", "blockwise", "fp8", None, "auto", None),
     "bf16_defaults_compiled": ("trl_fp8", "none", "bf16", False, "auto", None),
     "fp8_defaults_deepgemm": ("trl_fp8", "blockwise", "fp8", None, "deepgemm", None),
+    "fp8_exact": ("trl_fp8", "blockwise", "fp8", False, "auto", None),  # exact mode needs a BF16 KV cache
     # FSDP2's all-gathers and the host: gathered two layers ahead, old log-probs scored 16 sequences a forward, and
     # both with q/k/v and gate/up as one GEMM each (fewer launches per layer where the host bounds the step)
     "unified_fp8kv_liger_prefetch2": ("trl_fp8", "blockwise", "fp8", True, "auto", None),
@@ -161,6 +165,7 @@ RUN_OPTIONS = {  # further (FP8)GRPOConfig fields of a run
     "fp8_defaults_compiled": {"use_liger_kernel": None},
     "bf16_defaults_compiled": {"use_liger_kernel": None},
     "fp8_defaults_deepgemm": {"use_liger_kernel": None},
+    "fp8_exact": {"use_liger_kernel": None, "exact_on_policy": True},
     "unified_fp8kv_liger_prefetch2": LIGER,
     "unified_fp8kv_liger_logprob16": {"logprob_batch_size": 16, **LIGER},
     "unified_fp8kv_liger_fsdp2": {"logprob_batch_size": 16, **LIGER},
@@ -582,6 +587,7 @@ def run_one(args) -> None:
         "norm_quant": vars(report.norm_quant_choice) if report and report.norm_quant_choice else None,
         "rollout_stats": rollout_stats,  # per rollout: most sequences at once, preemptions, peak KV-cache use
         "mismatch": mismatch_medians(trainer.state.log_history, keep),  # trainer vs rollout, TIS clipping
+        "mismatch_by_step": mismatch_by_step(trainer.state.log_history),  # every step's, warm-up included
         **engine_experts_state(generation),
     }
     settings = {k: getattr(args, k) for k in REGIME} | {"vllm_tensor_parallel_size": args.vllm_tensor_parallel_size}
@@ -959,6 +965,16 @@ def mismatch_medians(log_history: list[dict], keep: list[int]) -> dict[str, floa
     return {key: statistics.median(v) for key, v in sorted(values.items())}
 
 
+def mismatch_by_step(log_history: list[dict]) -> list[dict[str, float]]:
+    """`FP8GRPOTrainer`'s `fp8/mismatch/*` of every logged step, the warm-up's too: where exactness is the claim, the
+    largest |dlogp| of every step is the figure, not a median."""
+    return [
+        {"step": entry["step"]} | {k: float(v) for k, v in sorted(entry.items()) if k.startswith("fp8/mismatch/")}
+        for entry in log_history
+        if any(k.startswith("fp8/mismatch/") for k in entry)
+    ]
+
+
 # What a run measures, shared by the rows of one results file (`--append` refuses a file of another regime) ...
 REGIME = ("shape", "optim", "generation_batch", "micro_batch", "num_generations", "prompt_len", "completion_len",
           "vllm_memory", "sleep_mode", "num_processes", "launch_config")  # fmt: skip
@@ -1047,6 +1063,9 @@ def print_summary(result: dict) -> None:
                   f"{m.get('fp8/mismatch/is_ratio_clipped_frac', float('nan')):.3%} of tokens")  # fmt: skip
         elif "sampling/sampling_logp_difference/mean" in m:
             print(f"{r['name']} trainer vs rollout: mean |dlogp| {m['sampling/sampling_logp_difference/mean']:.4f}")
+        if r.get("fp8_options", {}).get("exact_on_policy"):  # exactness: every step's largest difference
+            worst = [s.get("fp8/mismatch/abs_logp_diff_max") for s in r.get("mismatch_by_step", [])]
+            print(f"{r['name']} largest |dlogp| of each step (every completion token): {worst}")
     for r in result["results"]:
         if probe := r.get("engine_probe"):
             timed = 1e3 * r["step_time"]["rollout_s"] / probe["new_tokens"]

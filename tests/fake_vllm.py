@@ -162,10 +162,12 @@ class FakeMoEEngine:
 
 def op_with_schema(namespace: str, name: str, schema: str, cpu_kernel):
     """Yield `torch.ops.<namespace>.<name>` defined with `schema` (vLLM's, for one of the ops trl-fp8 replaces) and
-    `cpu_kernel` as its CPU kernel, as vLLM's CUDA kernel is the real op's; destroyed after (a fixture's body)."""
+    `cpu_kernel` as its kernel, as vLLM's CUDA kernel is the real op's; destroyed after (a fixture's body). The kernel
+    sits under CompositeExplicitAutograd, not the CPU key that `install` takes: torch 2.11 refuses a Python kernel
+    over another Python kernel of the same key, and vLLM's own kernels are C++ ones, which it lets be overridden."""
     library = torch.library.Library(namespace, "DEF")  # noqa: TOR901
     library.define(f"{name}{schema}")  # the name `install` registers its kernel under
-    library.impl(name, cpu_kernel, "CPU")
+    library.impl(name, cpu_kernel, "CompositeExplicitAutograd")
     yield getattr(getattr(torch.ops, namespace), name).default
     library._destroy()
 

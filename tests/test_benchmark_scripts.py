@@ -1668,3 +1668,26 @@ def test_engine_probe_wakes_a_sleeping_engine_with_its_weights_pushed_again(monk
                                  sync_weights=lambda: events.append("sync"))  # fmt: skip
     bench_grpo.engine_probe(generation, seqs=2, prompt_len=2, new_tokens=2)
     assert events[:3] == ["sync", "wake ['kv_cache']", "generate"] and events.count("generate") == 5
+
+
+def test_the_exact_run_keeps_every_steps_largest_difference_and_asks_for_what_exact_mode_needs(tmp_path, fake_vllm):
+    """`fp8_exact`'s claim is a maximum over every step, so its row keeps each step's mismatch, warm-up included; its
+    settings pass exact mode's own checks (a BF16 KV cache, the colocated engine)."""
+    from benchmarks.bench_grpo import RUN_OPTIONS, RUNS, mismatch_by_step
+    from trl_fp8 import FP8GRPOConfig
+
+    history = [
+        {"step": 1, "loss": 0.1, "fp8/mismatch/abs_logp_diff_max": 0.0, "fp8/mismatch/kl_k3": 0.0},
+        {"step": 1, "train_runtime": 3.0},  # the Trainer's closing entry: no mismatch, left out
+        {"step": 2, "fp8/mismatch/abs_logp_diff_max": 0.25, "fp8/mismatch/kl_k3": 1e-3},
+    ]
+    assert mismatch_by_step(history) == [
+        {"step": 1, "fp8/mismatch/abs_logp_diff_max": 0.0, "fp8/mismatch/kl_k3": 0.0},
+        {"step": 2, "fp8/mismatch/abs_logp_diff_max": 0.25, "fp8/mismatch/kl_k3": 1e-3},
+    ]
+    _, recipe, precision, fp8_kv, backend, _ = RUNS["fp8_exact"]
+    config = FP8GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, use_vllm=True, vllm_mode="colocate",
+                           fp8_recipe=recipe,
+                           rollout_precision=precision, fp8_kv_cache=fp8_kv, fp8_backend=backend,
+                           **RUN_OPTIONS["fp8_exact"])  # fmt: skip
+    assert config.exact_on_policy and config.fp8_kv_cache is False

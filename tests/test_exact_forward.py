@@ -96,3 +96,36 @@ def test_the_exact_forward_runs_in_the_engines_dtype():
     cast = copy.deepcopy(model).to(torch.bfloat16)  # what the engine holds: the masters cast to bfloat16
     theirs, _ = exact_token_logprobs(cast, ids, mask, COMPLETION, cos_sin_cache=table)
     assert torch.equal(ours, theirs)
+
+
+def test_with_an_fp8_kv_cache_the_forward_quantizes_on_the_given_scales_and_observes_what_the_model_would():
+    """`kv_scales` reach each layer's attention (a scale far off moves the log-probabilities; one per layer is
+    required); `observe` sees each layer's query, keys and values as the model's own attention receives them, so the
+    FP8 KV cache's observer measures the same amax from either forward (float32: within float32's rounding of the
+    norms and RoPE, 1e-5 relative). Compared without padding: Hugging Face's forward computes (and its observer
+    measures) the padding positions too, the exact forward only the tokens."""
+    import pytest
+
+    from trl_fp8.rollout.kv_scales import AttentionScaleObserver
+
+    model = tiny_qwen3(num_hidden_layers=2)
+    ids, mask = _batch()
+    observer = AttentionScaleObserver(model)
+    with torch.no_grad():
+        _hf_logprobs(model, ids, torch.ones_like(mask))
+        theirs = observer.scales()
+        exact_token_logprobs(model, ids, torch.ones_like(mask), COMPLETION, observe=observer.record)
+        ours = observer.scales()
+        assert ours.keys() == theirs.keys() and len(ours) == 3 * 2
+        for name in ours:
+            torch.testing.assert_close(ours[name], theirs[name], rtol=1e-5, atol=0, msg=name)
+        plain, _ = exact_token_logprobs(model, ids, mask, COMPLETION)
+        layers = [(ours[f"model.layers.{i}.self_attn.{x}_scale"] for x in "qkv") for i in range(2)]
+        fitted, _ = exact_token_logprobs(model, ids, mask, COMPLETION, kv_scales=[tuple(s) for s in layers])
+        coarse = [(torch.tensor(0.5),) * 3] * 2  # steps of 0.5 x 2^-3: most keys round to zero
+        off, _ = exact_token_logprobs(model, ids, mask, COMPLETION, kv_scales=coarse)
+    real = mask[:, -COMPLETION:].bool()
+    fitted_error = (fitted - plain)[real].abs().max()
+    assert 0 < fitted_error < (off - plain)[real].abs().max()
+    with pytest.raises(ValueError, match="1 layers' scales for a model of 2 layers"):
+        exact_token_logprobs(model, ids, mask, COMPLETION, kv_scales=coarse[:1])

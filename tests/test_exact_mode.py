@@ -25,7 +25,6 @@ def _config(tmp_path, **kwargs):
     "fields, named",
     [
         ({"vllm_mode": "server"}, "vllm_mode='colocate'"),
-        ({"vllm_mode": "colocate", "fp8_kv_cache": True}, "fp8_kv_cache=False"),
         ({"vllm_mode": "colocate", "rollout_precision": "fp8_online"}, "rollout_precision 'fp8' or 'bf16'"),
         ({"vllm_mode": "colocate", "vllm_fp8_backend": "cutlass"}, "vllm_fp8_backend 'auto' or 'deepgemm'"),
         ({"vllm_mode": "colocate", "top_p": 0.9}, "top_p=1.0"),
@@ -41,6 +40,7 @@ def test_exact_mode_refuses_what_it_cannot_make_exact_naming_the_fix(fake_vllm, 
 
 def test_exact_mode_keeps_the_kv_cache_in_bf16_where_the_planner_would_choose(fake_vllm, tmp_path):
     assert _config(tmp_path, vllm_mode="colocate").fp8_kv_cache is False
+    assert _config(tmp_path, vllm_mode="colocate", fp8_kv_cache=True).fp8_kv_cache is True  # asked for: kept
     assert FP8GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none").exact_on_policy is False
 
 
@@ -49,7 +49,7 @@ def _exact_trainer(tmp_path, monkeypatch, **kwargs):
 
     monkeypatch.setattr(exact, "batch_invariant_missing", lambda: None)  # the installed vLLM has the mode
     monkeypatch.setattr(generation, "engine_rotary_table", lambda llm: None)  # FakeLLM has no model
-    monkeypatch.setattr(generation, "exact_kernels", lambda: REFERENCE_KERNELS)  # vLLM's own are the GPU test's
+    monkeypatch.setattr(generation, "exact_kernels", lambda query_quant=None: REFERENCE_KERNELS)  # vLLM's: GPU test
     monkeypatch.setenv("VLLM_BATCH_INVARIANT", "0")  # (monkeypatch restores the process's environment after)
     trainer = tiny_trainer(tmp_path, exact_on_policy=True, rollout_precision="bf16", **kwargs)
     assert trainer.vllm_generation.exact_kernels is REFERENCE_KERNELS  # taken when the engine started
@@ -97,3 +97,55 @@ def test_the_trainer_scores_with_the_exact_forward_and_refuses_inputs_it_cannot_
     assert torch.equal(entropies, torch.cat([c[1] for c in chunks]))
     with pytest.raises(ValueError, match="text-only dense models; this batch has pixel_values"):
         trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, 6, pixel_values=torch.zeros(1))
+
+
+def test_with_an_fp8_kv_cache_the_trainer_scores_on_the_engines_scales_of_each_sync_and_feeds_the_observer(
+    fake_vllm, tmp_path, monkeypatch
+):
+    """Exact mode with `fp8_kv_cache=True`: the engine decodes on FlashAttention-3 (the trainer's kernel, not XQA);
+    the scales the engine holds are taken at start-up and after every sync, the trainer's scoring quantizes with
+    them, and what it quantizes feeds the KV-scale observer as the model's own attention would."""
+    import trl_fp8.nn.exact_forward as exact_forward
+    import trl_fp8.rollout.vllm.generation as generation
+
+    layers = 4  # tiny_trainer's model (tiny_qwen3)
+    taken = []
+
+    def engine_scales(llm):  # FakeLLM has no attention layers: distinct scales per call, as after each sync
+        taken.append(len(taken))
+        return [tuple(torch.tensor(0.01 * (len(taken) + i + j)) for j in range(3)) for i in range(layers)]
+
+    monkeypatch.setattr(generation, "engine_attention_scales", engine_scales)
+    monkeypatch.setattr(generation, "engine_query_quant", lambda llm: None)
+    seen = []
+    real = exact_forward.exact_token_logprobs
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs["kv_scales"], kwargs["observe"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr("trl_fp8.trainer.exact.exact_token_logprobs", spy)
+    trainer = _exact_trainer(tmp_path, monkeypatch, fp8_kv_cache=True)
+    generation_ = trainer.vllm_generation
+    assert (
+        generation_.report.kv_attention.kernel == "flash_attn"
+        and "exact mode" in generation_.report.kv_attention.reason
+    )
+    assert len(taken) == 1 and generation_.exact_kv_scales[1][2].item() == pytest.approx(0.04)  # at start-up
+    generation_.sync_weights()
+    assert len(taken) == 2 and generation_.exact_kv_scales[1][2].item() == pytest.approx(0.05)  # after the sync
+    observer = trainer.plan.rollout.kv_observer
+    observer.scales()  # (clear what start-up observed)
+    ids = torch.randint(4, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    trainer._get_per_token_logps_and_entropies(trainer.model, ids, torch.ones_like(ids), 6)
+    kv_scales, observe = seen[-1]
+    assert kv_scales is generation_.exact_kv_scales and observe is not None
+    fed = observer.scales()
+    assert len(fed) == 3 * layers and all(v > 0 for v in fed.values())  # q, k and v of every layer
+
+
+def test_exact_mode_refuses_xqa_for_its_fp8_kv_cache(fake_vllm, tmp_path, monkeypatch):
+    from trl_fp8 import FP8Tuning
+
+    with pytest.raises(ValueError, match="drop FP8Tuning\\(vllm_fp8_kv_attention='xqa'\\)"):
+        _exact_trainer(tmp_path, monkeypatch, fp8_kv_cache=True, tuning=FP8Tuning(vllm_fp8_kv_attention="xqa"))

@@ -172,6 +172,41 @@ def test_attention_returns_the_kernels_values_and_each_sequences_causal_gradient
         _close(ours, reference)
 
 
+def test_attention_over_an_fp8_cache_hands_the_kernel_the_scales_and_passes_the_gradient_straight_through():
+    """With the layer's (q, k, v) scales the kernel gets them; the reference attends over what an FP8 cache and an
+    FP8 query hold (`x / scale` rounded to e4m3, times `scale`), which moves its output by FP8's rounding and no
+    more; the gradient is the BF16 attention's, the rounding passed straight through."""
+    from trl_fp8.ops.exact.attention import fp8_round_trip
+
+    lengths, heads_q, heads_kv, dim = [5, 1, 9], 4, 2, 16
+    cu = torch.tensor([0, 5, 6, 15], dtype=torch.int32)
+    q, k, v = (torch.randn(15, h, dim, requires_grad=True) for h in (heads_q, heads_kv, heads_kv))
+    scale = dim**-0.5
+    scales = tuple(x.detach().abs().amax() / 448 for x in (q, k, v))  # as the observer measures them
+    given = []
+
+    def kernel(*args, scales=None):
+        given.append(scales)
+        return exact.reference_attention(*args, scales=scales)
+
+    out = exact.attention(q, k, v, cu, max(lengths), scale, kernel=kernel, scales=scales)
+    assert given == [scales]
+    rounded = [fp8_round_trip(x.detach(), s) for x, s in zip((q, k, v), scales, strict=True)]
+    assert torch.equal(out, exact.reference_attention(*rounded, cu, 9, scale))
+    exact_out = exact.reference_attention(q.detach(), k.detach(), v.detach(), cu, 9, scale)
+    # e4m3 keeps 3 mantissa bits: each operand within 2^-4 of itself, so the output within a few times that (the
+    # scores' error is that of a dot product of two such operands, the output's that of a convex mix of V's rows)
+    assert 0 < (out - exact_out).abs().max() < 4 * 2**-4 * exact_out.abs().max()
+    g = torch.randn_like(out)
+    out.backward(g)
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    exact.attention(q, k, v, cu, max(lengths), scale).backward(g)  # the BF16 cache's gradient
+    for ours, bf16 in zip(grads, (q.grad, k.grad, v.grad), strict=True):
+        assert torch.equal(ours, bf16)
+
+
 def test_fp8_linear_forward_and_gradients_are_fp8_linears_own():
     from torch import nn
 

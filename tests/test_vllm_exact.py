@@ -47,3 +47,33 @@ def test_a_vllm_without_the_mode_or_no_vllm_stops_exact_mode_with_the_fix(tmp_pa
     assert "not installed" in exact.batch_invariant_missing()
     with pytest.raises(RuntimeError, match="vLLM is not installed"):
         exact.exact_engine()
+
+
+def test_the_engines_attention_scales_are_copied_in_layer_order_with_its_query_quantizer(monkeypatch):
+    """`_compat.engine_attention_scales`: each attention layer's (q, k, v) scales, by the layer number in its name
+    (not the order the modules were registered in), copied (a sleeping engine's tensors go away, and a later sync
+    writes the engine's in place); `engine_query_quant`: the first layer's quantizer of FP8 queries."""
+    import torch
+    from torch import nn
+
+    from trl_fp8.rollout.vllm import _compat
+
+    model = nn.Module()
+    model.model = nn.Module()
+    model.model.layers = nn.ModuleDict()
+    for i in (10, 2, 1):  # registered out of order; 10 after 2 by number, not by text
+        block = nn.Module()
+        block.self_attn = nn.Module()
+        attn = block.self_attn.attn = nn.Module()
+        attn.kv_cache_dtype = "fp8"
+        attn._q_scale, attn._k_scale, attn._v_scale = (torch.tensor(float(i + j / 10)) for j in range(3))
+        attn.query_quant = f"quantizer {i}"
+        model.model.layers[str(i)] = block
+    monkeypatch.setattr(_compat, "engine_model", lambda llm: model)
+    scales = _compat.engine_attention_scales(None)
+    assert [[s.item() for s in layer] for layer in scales] == [
+        pytest.approx([i, i + 0.1, i + 0.2]) for i in (1, 2, 10)
+    ]
+    model.model.layers["1"].self_attn.attn._k_scale.fill_(7.0)  # the engine's, written in place by a sync
+    assert scales[0][1].item() == pytest.approx(1.1)  # the copy keeps the rollout's scale
+    assert _compat.engine_query_quant(None) == "quantizer 1"

@@ -108,6 +108,32 @@ def test_attention_on_vllms_kernel_gives_a_sequence_the_same_bits_alone_and_pack
     _within_rounding(packed, exact.reference_attention(q, k, v, cu, 300, HEAD**-0.5))
 
 
+def test_attention_over_an_fp8_cache_on_vllms_kernels_gives_a_sequence_the_same_bits_alone_and_packed(kernels):
+    """The FP8 KV cache's path: keys and values written by vLLM's cache kernel, the query quantized by a static
+    per-tensor `QuantFP8` (the engine's `Attention.query_quant`), FA3 descaling all three. Within FP8's rounding of
+    the reference over the same quantized values (FA3 also rounds the probabilities to FP8 for P @ V: a few e4m3
+    steps, 2^-4 relative each, of the output's scale)."""
+    from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
+    from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
+
+    from trl_fp8.rollout.vllm.exact import exact_kernels
+
+    attention = exact_kernels(QuantFP8(static=True, group_shape=GroupShape.PER_TENSOR)).attention
+    lengths = [300, 17, 129]
+    cu = torch.tensor([0, 300, 317, 446], dtype=torch.int32, device="cuda")
+    q, k, v = (_rows(446, width=h * HEAD, seed=8 + i).view(446, h, HEAD) for i, h in enumerate((32, 8, 8)))
+    scales = tuple(x.float().abs().amax() / 448 for x in (q, k, v))
+    packed = exact.attention(q, k, v, cu, max(lengths), HEAD**-0.5, kernel=attention, scales=scales)
+    one = torch.tensor([0, 17], dtype=torch.int32, device="cuda")
+    alone = exact.attention(q[300:317], k[300:317], v[300:317], one, 17, HEAD**-0.5, kernel=attention, scales=scales)
+    assert torch.equal(alone, packed[300:317])
+    reference = exact.reference_attention(q, k, v, cu, 300, HEAD**-0.5, scales=scales)
+    bf16 = exact.reference_attention(q, k, v, cu, 300, HEAD**-0.5)
+    scale = reference.float().abs().max().item()
+    torch.testing.assert_close(packed.float(), reference.float(), rtol=2**-3, atol=2**-3 * scale)
+    assert not torch.equal(packed, bf16)  # the FP8 path ran, not the BF16 one
+
+
 def test_fp8_linear_on_vllms_kernels_is_row_invariant_and_close_to_fp8_linears_own(kernels):
     from torch import nn
 

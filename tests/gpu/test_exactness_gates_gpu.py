@@ -171,10 +171,13 @@ def test_vllms_log_probability_kernel_gives_each_row_the_same_bits_on_8_and_300_
                   compute_token_logprobs(logits, tokens)[:8], "compute_token_logprobs, 8 vs 300 rows")  # fmt: skip
 
 
-def test_flashattention3_decode_of_a_position_equals_that_row_of_the_prefill():
-    """vLLM's FA3 over a BF16 paged cache (pages of 16 from a shuffled pool), one split, as vLLM's batch-invariant
-    mode runs it: the prefill of a 300-token sequence (q_len 300) against the decode of position p (q_len 1, over
-    positions 0..p, batched with three other sequences of other lengths), for p at page and tile edges."""
+@pytest.mark.parametrize("cache", ["bf16", "fp8"])
+def test_flashattention3_decode_of_a_position_equals_that_row_of_the_prefill(cache):
+    """vLLM's FA3 over a paged cache (pages of 16 from a shuffled pool), one split, as vLLM's batch-invariant mode
+    runs it: the prefill of a 300-token sequence (q_len 300) against the decode of position p (q_len 1, over
+    positions 0..p, batched with three other sequences of other lengths), for p at page and tile edges. `fp8`: the
+    cache and the query in float8_e4m3fn with per-sequence, per-KV-head descales, as `FlashAttentionImpl` hands an
+    FP8 KV cache and its quantized query to the kernel."""
     pytest.importorskip("vllm")
     try:
         from vllm.vllm_flash_attn import flash_attn_varlen_func
@@ -188,26 +191,35 @@ def test_flashattention3_decode_of_a_position_equals_that_row_of_the_prefill():
     pool = torch.randperm(seqs * pages_per_seq, device="cuda", generator=g).int()
     block_table = pool.view(seqs, pages_per_seq)
     shape = (seqs * pages_per_seq, page, KV_HEADS, HEAD_DIM)
-    k_cache = torch.randn(shape, device="cuda", generator=g).bfloat16()
-    v_cache = torch.randn(shape, device="cuda", generator=g).bfloat16()
-    q = torch.randn(length, Q_HEADS, HEAD_DIM, device="cuda", generator=g).bfloat16()
-    others = torch.randn(seqs - 1, Q_HEADS, HEAD_DIM, device="cuda", generator=g).bfloat16()
+    # FP8: values of e4m3's range (x32, well inside 448), descaled back to order 1 (scores of order 1, as a layer's)
+    dtype, spread = (torch.bfloat16, 1) if cache == "bf16" else (torch.float8_e4m3fn, 32)
+    k_cache = torch.randn(shape, device="cuda", generator=g).mul(spread).to(dtype)
+    v_cache = torch.randn(shape, device="cuda", generator=g).mul(spread).to(dtype)
+    q = torch.randn(length, Q_HEADS, HEAD_DIM, device="cuda", generator=g).mul(spread).to(dtype)
+    others = torch.randn(seqs - 1, Q_HEADS, HEAD_DIM, device="cuda", generator=g).mul(spread).to(dtype)
+    scales = {"q": 1 / 32, "k": 1 / 32, "v": 1 / 32}
 
     def attend(query, cu_seqlens_q, max_seqlen_q, seq_lens, table):
+        descales = {}
+        if cache == "fp8":  # the layer's per-tensor scales expanded to (sequences, KV heads), as vLLM does
+            shape = (len(seq_lens), KV_HEADS)
+            descales = {f"{x}_descale": torch.full(shape, s, device="cuda") for x, s in scales.items()}
         return flash_attn_varlen_func(
             q=query, k=k_cache, v=v_cache, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, seqused_k=seq_lens,
             max_seqlen_k=pages_per_seq * page, softmax_scale=HEAD_DIM**-0.5, causal=True, window_size=[-1, -1],
             block_table=table, softcap=0, fa_version=3, num_splits=1,
+            out=torch.empty(query.shape, dtype=torch.bfloat16, device="cuda"), **descales,
         )  # fmt: skip
 
     prefill = attend(q, torch.tensor([0, length], dtype=torch.int32, device="cuda"), length,
                      torch.tensor([length], dtype=torch.int32, device="cuda"), block_table[:1])  # fmt: skip
     other_lens = [511, 17, 128]
     for p in (0, 1, 15, 16, 127, 128, 129, 255, 299):
-        query = torch.cat([q[p : p + 1], others])
+        as_bytes = (q[p : p + 1].view(torch.uint8), others.view(torch.uint8))  # (joined as bytes: FP8 too)
+        query = torch.cat(as_bytes).view(dtype)
         seq_lens = torch.tensor([p + 1, *other_lens], dtype=torch.int32, device="cuda")
         decode = attend(query, torch.arange(seqs + 1, dtype=torch.int32, device="cuda"), 1, seq_lens, block_table)
-        _assert_equal(decode[0], prefill[p], f"FA3 decode of position {p} vs row {p} of the prefill")
+        _assert_equal(decode[0], prefill[p], f"FA3 ({cache} cache) decode of position {p} vs row {p} of the prefill")
 
 
 def test_vllm_in_batch_invariant_mode_scores_the_tokens_it_sampled_with_their_decode_log_probabilities(tmp_path):

@@ -9,10 +9,15 @@ Where it departs from Hugging Face's forward, and why:
 - rotary angles come from one table (vLLM's `cos_sin_cache`, handed in), not recomputed per forward;
 - gate and up are multiplied apart (row for row the same bits as vLLM's merged GEMM) and joined for SiLU-and-mul;
 - only the completion tokens' logits are computed, on the lm_head's kernel, and the temperature is applied as
-  vLLM's sampler does (in the logits' dtype, skipped at 1).
+  vLLM's sampler does (in the logits' dtype, skipped at 1);
+- with an FP8 KV cache, each layer's attention quantizes its query, keys and values with the scales the engine
+  holds (`kv_scales`), and hands what it quantizes to `observe` (the FP8 KV cache's scale observer, which the
+  model's own attention would otherwise feed).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -88,7 +93,7 @@ def _pack(input_ids: torch.Tensor, attention_mask: torch.Tensor):
     return input_ids[mask], positions, cu_seqlens, int(lengths.max())
 
 
-def _layer(layer, h, residual, positions, cu_seqlens, max_seqlen, cos_sin_cache, kernels):
+def _layer(layer, h, residual, positions, cu_seqlens, max_seqlen, cos_sin_cache, kernels, scales=None, observe=None):
     """One decoder layer on packed rows: `(h, residual)` in, `(h, residual)` out, as vLLM's layer hands them on."""
     attn, mlp = layer.self_attn, layer.mlp
     norm = layer.input_layernorm
@@ -102,9 +107,11 @@ def _layer(layer, h, residual, positions, cu_seqlens, max_seqlen, cos_sin_cache,
         q = exact.rms_norm(q.reshape(-1, head), _w(attn.q_norm, h), attn.q_norm.variance_epsilon, kernels.rms_norm)
         k = exact.rms_norm(k.reshape(-1, head), _w(attn.k_norm, h), attn.k_norm.variance_epsilon, kernels.rms_norm)
     q, k = exact.rotary(positions, q.reshape(tokens, -1), k.reshape(tokens, -1), head, cos_sin_cache, kernels.rotary)
+    if observe is not None:  # what the attention receives: q and k after their norms and RoPE, v as projected
+        observe(attn, q, k, v)
     out = exact.attention(
         q.reshape(tokens, -1, head), k.reshape(tokens, -1, head), v.reshape(tokens, -1, head),
-        cu_seqlens, max_seqlen, attn.scaling, kernels.attention,
+        cu_seqlens, max_seqlen, attn.scaling, kernels.attention, scales,
     )  # fmt: skip
     h = _linear(out.reshape(tokens, -1), attn.o_proj, kernels)
     norm = layer.post_attention_layernorm
@@ -134,6 +141,8 @@ def exact_token_logprobs(
     cos_sin_cache: torch.Tensor | None = None,
     kernels: ExactKernels = REFERENCE_KERNELS,
     with_entropy: bool = False,
+    kv_scales: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
+    observe: Callable | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Float32 log-probabilities `[B, logits_to_keep]` of the last `logits_to_keep` tokens of each row of
     `input_ids [B, L]` (TRL's prompt + completion, left-padded prompts; 0 where `attention_mask` is 0), as the
@@ -141,8 +150,15 @@ def exact_token_logprobs(
 
     `dtype`: the engine's (the forward runs in it; default the embeddings'); `cos_sin_cache`: the engine's rotary
     table (default `rope_table(model, L)`); `kernels`: the engine's (`rollout.vllm.exact.exact_kernels()`; default
-    the references). Differentiable in every parameter the forward reads."""
+    the references); `kv_scales`: with an FP8 KV cache, each layer's (q_scale, k_scale, v_scale) as the engine
+    holds them (`rollout.vllm._compat.engine_attention_scales`); `observe(attention_module, q, k, v)`: called with
+    each layer's attention inputs. Differentiable in every parameter the forward reads."""
     decoder = _decoder(model)
+    if kv_scales is not None and len(kv_scales) != len(decoder.layers):
+        raise ValueError(
+            f"kv_scales has {len(kv_scales)} layers' scales for a model of {len(decoder.layers)} layers: the engine "
+            "serves another model than the trainer's."
+        )
     tokens, positions, cu_seqlens, max_seqlen = _pack(input_ids, attention_mask)
     h, residual = decoder.embed_tokens(tokens), None
     h = h.to(dtype or h.dtype)
@@ -151,8 +167,9 @@ def exact_token_logprobs(
     from trl_fp8.trainer.layer_checkpointing import is_checkpointing  # (trainer/ imports nn/: imported here)
 
     checkpointed = is_checkpointing(model) and torch.is_grad_enabled()
-    for layer in decoder.layers:
-        args = (layer, h, residual, positions, cu_seqlens, max_seqlen, cos_sin_cache, kernels)
+    for i, layer in enumerate(decoder.layers):
+        scales = None if kv_scales is None else tuple(s.to(h.device) for s in kv_scales[i])
+        args = (layer, h, residual, positions, cu_seqlens, max_seqlen, cos_sin_cache, kernels, scales, observe)
         if checkpointed:  # the recompute reruns the same kernels: the same values
             h, residual = torch.utils.checkpoint.checkpoint(_layer, *args, use_reentrant=False)
         else:

@@ -256,7 +256,7 @@ class FP8Linear(FP8WeightCacheMixin, nn.Linear):
             # Inside a compiled graph the weight is quantized in the graph (the cache's pointer and version checks
             # would break it), and the ops are the backend's traceable form (`ops.library.traceable`), chosen once
             # while tracing (`select_backend_name`).
-            ops = traceable(select_backend_name(cfg, w.device))
+            ops = traceable(select_backend_name(cfg.backend, w.device))
             return FP8Weight(w, ops, cfg.power_of_two_scales)
         if not is_own_parameter(self, "weight", w):
             # A weight computed at each call (PEFT's `target_parameters` parametrizes it as a new `W + BA` tensor per

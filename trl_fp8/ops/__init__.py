@@ -59,11 +59,13 @@ def _warn_emulated_gpu(device: torch.device) -> None:
 
 
 @torch.compiler.assume_constant_result
-def select_backend_name(config: FP8LinearConfig, device: torch.device) -> str:
-    """`backend_name(select_ops(config, device))`, for FP8 layers inside `torch.compile`: Dynamo calls it while tracing
-    and keeps its answer, instead of tracing into the backend checks (traced, `deepgemm`'s lookup of vLLM's DeepGEMM
-    broke the graph at every FP8 layer, and the compiled model ran slower than eager)."""
-    return backend_name(select_ops(config, device))
+def select_backend_name(backend: str, device: torch.device) -> str:
+    """`backend_name(select_ops(config, device))` for a config of this `backend` (`FP8LinearConfig.backend`, all that
+    `select_ops` reads), for FP8 layers inside `torch.compile`: Dynamo calls it while tracing and keeps its answer,
+    instead of tracing into the backend checks (traced, `deepgemm`'s lookup of vLLM's DeepGEMM broke the graph at every
+    FP8 layer, and the compiled model ran slower than eager). It takes the string, not the config: torch 2.11's Dynamo
+    cannot hand a frozen dataclass to a function whose result it keeps."""
+    return backend_name(select_ops(FP8LinearConfig(backend=backend), device))
 
 
 @functools.cache

@@ -1,6 +1,7 @@
 """Exact mode's scoring: TRL's per-token log-probabilities (and entropies) computed by the exact forward on the
 colocated engine's own kernels and rotary table (`FP8GRPOConfig.exact_on_policy`), in place of the model's forward
-in `_get_per_token_logps_and_entropies`."""
+in `_get_per_token_logps_and_entropies`; with an FP8 KV cache, on the scales the engine held for the rollout, and
+feeding the scale observer as the model's own attention would."""
 
 from __future__ import annotations
 
@@ -22,6 +23,12 @@ def exact_logps_and_entropies(
         )
     generation = trainer.vllm_generation  # its engine's kernels and rotary table, taken when the engine started
     table = generation.exact_rotary_table
+    observer = trainer.plan.rollout.kv_observer  # an FP8 KV cache's: fed what the attention quantizes
+
+    def observe(module, q, k, v):
+        if observer.enabled:  # (as the observed attention of `rollout.kv_scales` checks it)
+            observer.record(module, q, k, v)
+
     policy = trainer.accelerator.unwrap_model(model)
     batch_size = batch_size or input_ids.size(0)
     logps, entropies = [], []
@@ -30,7 +37,8 @@ def exact_logps_and_entropies(
         lp, ent = exact_token_logprobs(
             policy, input_ids[part], attention_mask[part], logits_to_keep, temperature=trainer.temperature,
             dtype=table.dtype, cos_sin_cache=table.to(input_ids.device), kernels=generation.exact_kernels,
-            with_entropy=compute_entropy,
+            with_entropy=compute_entropy, kv_scales=generation.exact_kv_scales,
+            observe=observe if observer is not None else None,
         )  # fmt: skip
         logps.append(lp)
         entropies.append(ent)

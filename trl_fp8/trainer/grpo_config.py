@@ -48,8 +48,10 @@ class FP8GRPOConfig(FP8TrainingArguments, GRPOConfig):
             (KL = 0, an importance ratio of exactly 1): the colocated engine runs in vLLM's batch-invariant mode
             (DeepGEMM, FlashAttention with one split, no compilation, no prefix cache) and the trainer's forward calls
             the engine's own kernels op by op (`trl_fp8.nn.exact_forward`), with its usual backward. Needs a dense
-            Qwen3, Llama or Qwen2 model, `vllm_mode="colocate"` on one GPU, a BF16 KV cache and plain sampling (no
-            top-p, top-k, min-p or penalties). Experimental: its GPU test of exactness is new.
+            Qwen3, Llama or Qwen2 model, `vllm_mode="colocate"` on one GPU and plain sampling (no top-p, top-k, min-p
+            or penalties). The KV cache is BF16 unless `fp8_kv_cache=True` asks for FP8 (then the trainer quantizes
+            its queries, keys and values as the engine does, with the engine's scales; its exactness is not yet
+            measured on a GPU). Experimental.
     """
 
     log_rollout_mismatch: bool = field(default=True, metadata=field_help(__doc__, "log_rollout_mismatch"))
@@ -101,8 +103,6 @@ class FP8GRPOConfig(FP8TrainingArguments, GRPOConfig):
         needs = []
         if not self.use_vllm or self.vllm_mode != "colocate":
             needs.append("use_vllm=True with vllm_mode='colocate' (the trainer calls the engine's kernels in-process)")
-        if self.fp8_kv_cache:
-            needs.append("fp8_kv_cache=False (with an FP8 KV cache the trainer's attention is not the engine's yet)")
         if self.rollout_precision not in (None, "fp8", "bf16"):
             needs.append(
                 f"rollout_precision 'fp8' or 'bf16', not {self.rollout_precision!r} (vLLM's own quantization)"
@@ -119,7 +119,8 @@ class FP8GRPOConfig(FP8TrainingArguments, GRPOConfig):
                              "would be of the filtered distribution)")  # fmt: skip
         if needs:
             raise ValueError("exact_on_policy=True needs " + "; ".join(needs) + ".")
-        self.fp8_kv_cache = False  # None would let the planner choose an FP8 cache
+        if self.fp8_kv_cache is None:  # a BF16 cache unless asked (None would let the planner choose FP8)
+            self.fp8_kv_cache = False
 
     def tis_asks_for_token(self) -> bool:
         """Whether `tis` asks for token-level TIS: `"token"`, or `"auto"` with TRL's own importance-sampling fields

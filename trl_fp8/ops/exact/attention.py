@@ -5,6 +5,11 @@ mode); with one split each row walks the keys in a fixed order, so the prefill o
 the bits its decode gave (`tests/gpu/test_exactness_gates_gpu.py`). The trainer calls that kernel on its packed
 sequences. FlashAttention-3 as vLLM builds it has no backward: the gradient recomputes the attention with PyTorch's
 `scaled_dot_product_attention` (one more forward per layer) and differentiates that.
+
+With an FP8 KV cache (`scales`: the layer's query, key and value scales as the engine holds them) the engine stores
+`k / k_scale` and `v / v_scale` in float8_e4m3fn, feeds FlashAttention-3 the query as `q / q_scale` in FP8 too, and
+descales inside the kernel; the trainer quantizes with the engine's kernels and calls the same one. The gradient is
+still the BF16 attention's (the rounding to FP8 passes the gradient straight through, as in the linear layers).
 """
 
 from __future__ import annotations
@@ -14,8 +19,10 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-# kernel(q [T, Hq, D], k [T, Hk, D], v [T, Hk, D], cu_seqlens [B + 1] int32, max_seqlen, softmax_scale) -> [T, Hq, D]
+# kernel(q [T, Hq, D], k [T, Hk, D], v [T, Hk, D], cu_seqlens [B + 1] int32, max_seqlen, softmax_scale,
+#        scales=None | (q_scale, k_scale, v_scale)) -> [T, Hq, D]
 AttentionKernel = Callable[..., torch.Tensor]
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 
 
 def _per_sequence(cu_seqlens: torch.Tensor):
@@ -31,20 +38,31 @@ def _sdpa(q, k, v, softmax_scale):
     return out.transpose(0, 1)
 
 
-def reference_attention(q, k, v, cu_seqlens, max_seqlen, softmax_scale):
-    """Each sequence of the pack attended alone, in float32, rounded once."""
+def fp8_round_trip(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`x` as an FP8 cache holds it, read back in float32: `x / scale` saturated to e4m3's range and rounded to
+    float8_e4m3fn, times `scale`."""
+    return (x.float() / scale.float()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * scale.float()
+
+
+def reference_attention(q, k, v, cu_seqlens, max_seqlen, softmax_scale, scales=None):
+    """Each sequence of the pack attended alone, in float32, rounded once; with `scales` (q, k, v), over the
+    values an FP8 cache and an FP8 query hold."""
     out = torch.empty_like(q)
+    if scales is not None:
+        q, k, v = (fp8_round_trip(x, scale) for x, scale in zip((q, k, v), scales, strict=True))
     for part in _per_sequence(cu_seqlens):
-        out[part] = _sdpa(q[part].float(), k[part].float(), v[part].float(), softmax_scale).to(q.dtype)
+        out[part] = _sdpa(q[part].float(), k[part].float(), v[part].float(), softmax_scale).to(out.dtype)
     return out
 
 
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, max_seqlen, softmax_scale, kernel):
+    def forward(ctx, q, k, v, cu_seqlens, max_seqlen, softmax_scale, kernel, scales):
         ctx.save_for_backward(q, k, v, cu_seqlens)
         ctx.softmax_scale = softmax_scale
-        return kernel(q, k, v, cu_seqlens, max_seqlen, softmax_scale)
+        if scales is None:  # (kernels written for a BF16 cache alone take no `scales`)
+            return kernel(q, k, v, cu_seqlens, max_seqlen, softmax_scale)
+        return kernel(q, k, v, cu_seqlens, max_seqlen, softmax_scale, scales=scales)
 
     @staticmethod
     def backward(ctx, grad):
@@ -57,7 +75,7 @@ class _Attention(torch.autograd.Function):
                 parts = torch.autograd.grad(out, inputs, grad[part])
             for whole, piece in zip(grads, parts, strict=True):
                 whole[part] = piece
-        return *grads, None, None, None, None
+        return *grads, None, None, None, None, None
 
 
 def attention(
@@ -68,7 +86,9 @@ def attention(
     max_seqlen: int,
     softmax_scale: float,
     kernel: AttentionKernel = reference_attention,
+    scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal attention of the sequences packed in `q [T, Hq, D]`, `k`, `v [T, Hk, D]` (sequence i at rows
-    `cu_seqlens[i]:cu_seqlens[i + 1]`) as `kernel` computes it; gradients to q, k and v."""
-    return _Attention.apply(q, k, v, cu_seqlens, max_seqlen, softmax_scale, kernel)
+    `cu_seqlens[i]:cu_seqlens[i + 1]`) as `kernel` computes it, over an FP8 KV cache where `scales` gives the
+    layer's (q_scale, k_scale, v_scale); gradients to q, k and v."""
+    return _Attention.apply(q, k, v, cu_seqlens, max_seqlen, softmax_scale, kernel, scales)

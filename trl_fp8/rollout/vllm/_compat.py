@@ -40,6 +40,39 @@ def engine_rotary_table(llm) -> torch.Tensor:
     raise RuntimeError("The vLLM engine's model has no rotary table (`cos_sin_cache`): exact mode needs RoPE.")
 
 
+def _engine_attention_layers(llm) -> list[nn.Module]:
+    """vLLM's attention layers of the engine's model (those holding the FP8 KV cache's `_k_scale`), in layer order
+    (the first number in each one's name: `model.layers.{i}.self_attn.attn`)."""
+    layers = []
+    for name, module in engine_model(llm).named_modules():
+        if isinstance(getattr(module, "_k_scale", None), torch.Tensor) and hasattr(module, "kv_cache_dtype"):
+            index = next((int(part) for part in name.split(".") if part.isdigit()), None)
+            if index is None:
+                raise RuntimeError(f"The vLLM engine's attention layer {name!r} has no layer number in its name.")
+            layers.append((index, module))
+    return [module for _, module in sorted(layers, key=lambda pair: pair[0])]
+
+
+def engine_attention_scales(llm) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Copies of each attention layer's `(_q_scale, _k_scale, _v_scale)` (float32) in layer order, as the engine's
+    FP8 KV cache uses them now (after a sync: the scales the next rollout runs with), copied because a sleeping
+    engine's tensors are gone. No public API reads them; exact mode's trainer quantizes with them."""
+    return [
+        tuple(getattr(layer, name).detach().float().clone() for name in ("_q_scale", "_k_scale", "_v_scale"))
+        for layer in _engine_attention_layers(llm)
+    ]
+
+
+def engine_query_quant(llm) -> Callable | None:
+    """The engine's quantizer of the attention query (`Attention.query_quant`: vLLM's static per-tensor `QuantFP8`,
+    its kernel chosen when the engine built it), which an FP8 KV cache on FlashAttention feeds FP8 queries; None
+    where the engine attends with a BF16 query. Exact mode's trainer calls it to get the engine's bits."""
+    layers = _engine_attention_layers(llm)
+    if not layers:
+        raise RuntimeError("The vLLM engine's model has no attention layers with KV-cache scales.")
+    return getattr(layers[0], "query_quant", None)
+
+
 def engine_stat_logger_manager(llm):
     """The engine's stat-logger manager (None if it has none): rollout statistics replace its loggers."""
     return getattr(getattr(llm, "llm_engine", None), "logger_manager", None)

@@ -193,8 +193,13 @@ def decode_follows_live_scales(
     seq_lens = torch.tensor([80, 33, 1, 57], dtype=torch.int32, device=device)
     pages = torch.randperm(seqs * pages_per_seq, generator=gen, device=device).view(seqs, pages_per_seq)
     shape = (seqs * pages_per_seq, PAGE_SIZE, kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=gen, device=device).mul(100).to(torch.float8_e4m3fn)
-    v_cache = torch.randn(shape, generator=gen, device=device).mul(100).to(torch.float8_e4m3fn)
+    # Clamped to FP8's range before the cast: torch 2.11's CUDA cast turns an overflow into NaN (2.13's saturates),
+    # and one NaN in the cache would fail the check on every replay.
+    fp8_max = torch.finfo(torch.float8_e4m3fn).max
+    k_cache, v_cache = (
+        torch.randn(shape, generator=gen, device=device).mul(100).clamp(-fp8_max, fp8_max).to(torch.float8_e4m3fn)
+        for _ in range(2)
+    )
     q = torch.randn(seqs, q_heads, head_dim, generator=gen, device=device).to(torch.bfloat16)
     out = torch.empty_like(q)
     workspace = torch.zeros(128 * 1024 * 1024, dtype=torch.uint8, device=device)

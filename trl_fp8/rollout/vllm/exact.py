@@ -19,7 +19,9 @@ engine, which in colocate is the trainer's.
 from __future__ import annotations
 
 import copy
+import functools
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -138,10 +140,16 @@ def _fp8_linear(x: torch.Tensor, weight_q: torch.Tensor, weight_scale_inv: torch
 PAGE = 16  # vLLM's KV-cache page for FlashAttention
 
 
-def _attention(q, k, v, cu_seqlens, max_seqlen, softmax_scale):
+def _attention(q, k, v, cu_seqlens, max_seqlen, softmax_scale, scales=None, *, query_quant=None):
     """vLLM's FlashAttention-3 as its batch-invariant mode runs it (one split, causal) over a paged copy of the
     packed keys and values (pages of 16, as the engine's cache): the prefill of each sequence, whose rows equal
-    the engine's decode of them (`tests/gpu/test_exactness_gates_gpu.py`)."""
+    the engine's decode of them (`tests/gpu/test_exactness_gates_gpu.py`).
+
+    With an FP8 KV cache (`scales`: the layer's q, k and v scales as the engine holds them), the copy is written by
+    the engine's cache kernel (`reshape_and_cache_flash`, "fp8": `x / scale` rounded to float8_e4m3fn), the query
+    quantized by the engine's own `query_quant` (None: the engine attends with a BF16 query), and FlashAttention
+    descales each operand as `FlashAttentionImpl.forward` asks it to."""
+    from vllm import _custom_ops
     from vllm.vllm_flash_attn import flash_attn_varlen_func
 
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
@@ -151,20 +159,38 @@ def _attention(q, k, v, cu_seqlens, max_seqlen, softmax_scale):
     position = torch.arange(q.shape[0], device=q.device) - cu_seqlens[:-1].long()[seq]
     slot = (first_page[seq] + position // PAGE) * PAGE + position % PAGE
     shape = (int(pages.sum()) * PAGE, *k.shape[1:])
-    k_cache, v_cache = k.new_zeros(shape), v.new_zeros(shape)
-    k_cache[slot], v_cache[slot] = k, v
+    descales = {}
+    if scales is None:
+        k_cache, v_cache = k.new_zeros(shape), v.new_zeros(shape)
+        k_cache[slot], v_cache[slot] = k, v
+    else:
+        q_scale, k_scale, v_scale = scales
+        paged = (-1, PAGE, *k.shape[1:])
+        k_cache, v_cache = (torch.zeros(shape, dtype=torch.uint8, device=k.device).view(paged) for _ in range(2))
+        _custom_ops.reshape_and_cache_flash(k, v, k_cache, v_cache, slot, "fp8", k_scale, v_scale)
+        k_cache, v_cache = (c.view(torch.float8_e4m3fn) for c in (k_cache, v_cache))
+        descale_shape = (len(lengths), k.shape[1])  # (sequences, KV heads), as the engine expands them
+        descales = {"k_descale": k_scale.expand(descale_shape), "v_descale": v_scale.expand(descale_shape)}
+        if query_quant is not None:
+            q8, _ = query_quant(q.reshape(q.shape[0], -1), q_scale)  # as the engine's Attention.forward calls it
+            q = q8.view(q.shape)
+            descales["q_descale"] = q_scale.expand(descale_shape)
     width = int(pages.max())
     block_table = (first_page[:, None] + torch.arange(width, device=q.device)).clamp(max=int(pages.sum()) - 1)
-    return flash_attn_varlen_func(
+    out = torch.empty(q.shape, dtype=v.dtype, device=q.device)  # BF16 out of FP8 operands too
+    flash_attn_varlen_func(
         q=q, k=k_cache.view(-1, PAGE, *k.shape[1:]), v=v_cache.view(-1, PAGE, *v.shape[1:]), cu_seqlens_q=cu_seqlens,
         max_seqlen_q=max_seqlen, seqused_k=lengths.int(), max_seqlen_k=width * PAGE, softmax_scale=softmax_scale,
         causal=True, window_size=[-1, -1], block_table=block_table.int(), softcap=0, fa_version=3, num_splits=1,
+        out=out, **descales,
     )  # fmt: skip
+    return out
 
 
-def exact_kernels() -> ExactKernels:
+def exact_kernels(query_quant: Callable | None = None) -> ExactKernels:
     """The kernels an engine in exact mode runs, from the installed vLLM (imported here: call it once the engine's
-    environment is set, `ExactEngine.env`)."""
+    environment is set, `ExactEngine.env`). `query_quant`: the engine's quantizer of FP8 queries
+    (`_compat.engine_query_quant`), for an FP8 KV cache."""
     from vllm import _custom_ops
     from vllm.v1.worker.gpu.sample.logprob import compute_token_logprobs
 
@@ -173,7 +199,7 @@ def exact_kernels() -> ExactKernels:
         rms_norm=batch_invariant.rms_norm_batch_invariant,
         add_rms_norm=batch_invariant.rms_norm_batch_invariant,
         rotary=_custom_ops.rotary_embedding,
-        attention=_attention,
+        attention=functools.partial(_attention, query_quant=query_quant),
         fp8_linear=_fp8_linear,
         linear=batch_invariant.linear_batch_invariant,
         silu_and_mul=_silu_and_mul,

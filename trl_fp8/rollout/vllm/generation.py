@@ -43,7 +43,13 @@ from trl_fp8.ops.exact import ExactKernels
 from trl_fp8.rollout.settings import RolloutSettings
 from trl_fp8.rollout.stats import RolloutStats, engine_kv_cache_tokens
 from trl_fp8.rollout.vllm import act_quant, norm_quant
-from trl_fp8.rollout.vllm._compat import engine_rotary_table, register_custom_attention, shutdown_engine
+from trl_fp8.rollout.vllm._compat import (
+    engine_attention_scales,
+    engine_query_quant,
+    engine_rotary_table,
+    register_custom_attention,
+    shutdown_engine,
+)
 from trl_fp8.rollout.vllm.attention import KVAttention, attention_heads, choose_kv_attention
 from trl_fp8.rollout.vllm.deepgemm_warmup import PrecompileResult, precompile_engine_kernels
 from trl_fp8.rollout.vllm.engine import (
@@ -158,6 +164,8 @@ class FP8VLLMGeneration(VLLMGeneration):
         self.engine_dir: Path | None = None
         self.exact_rotary_table: torch.Tensor | None = None  # exact mode: the engine's rotary table, for the trainer
         self.exact_kernels: ExactKernels | None = None  # exact mode: vLLM's kernels for the trainer's ops
+        # exact mode with an FP8 KV cache: each layer's (q, k, v) scales as the engine holds them since the last sync
+        self.exact_kv_scales: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
         # colocate: writes FP8 experts in place (None until the first sync decides; False: the reload for all)
         self.engine_experts: EngineExperts | None | bool = None
         super().__init__(*args, **kwargs)
@@ -253,7 +261,10 @@ class FP8VLLMGeneration(VLLMGeneration):
         _STARTED_ENGINES.add(self.llm)
         if settings.exact:  # read now: a sleeping engine's buffers are gone
             self.exact_rotary_table = engine_rotary_table(self.llm)
-            self.exact_kernels = exact_kernels()  # vLLM's, imported now that the engine's environment is set
+            fp8_kv = settings.kv_observer is not None
+            # vLLM's kernels, imported now that the engine's environment is set
+            self.exact_kernels = exact_kernels(engine_query_quant(self.llm) if fp8_kv else None)
+            self._take_exact_kv_scales()
         self.report.rollout_stats = RolloutStats.attach(self.llm)
         self.report.kv_cache_tokens = engine_kv_cache_tokens(self.llm)
         logger.info(
@@ -266,6 +277,15 @@ class FP8VLLMGeneration(VLLMGeneration):
         """The decode kernel of the FP8 KV cache (`rollout.vllm.attention`): XQA where it builds and follows the
         scales of every sync on this GPU, else FlashAttention-3; the engine's process gets XQA's settings, and
         trl-fp8's backend is registered here too, as the package's vLLM plugin does where trl-fp8 is installed."""
+        if self.settings.exact:  # the trainer attends with the engine's kernel, which is FlashAttention-3's
+            if self.settings.kv_attention == "xqa":
+                raise ValueError(
+                    "exact_on_policy=True decodes the FP8 KV cache with FlashAttention-3, the kernel the trainer "
+                    "calls too; drop FP8Tuning(vllm_fp8_kv_attention='xqa')."
+                )
+            self.report.kv_attention = KVAttention("flash_attn", "FlashAttention-3, as exact mode needs it")
+            logger.info("vLLM attention on the FP8 KV cache: %s", self.report.kv_attention.reason)
+            return
         self.report.kv_attention = choose_kv_attention(
             self.settings.kv_attention, self.accelerator.device, **attention_heads(unwrap_model(self.model).config)
         )
@@ -369,6 +389,12 @@ class FP8VLLMGeneration(VLLMGeneration):
             elif why != NO_FP8_EXPERTS:
                 logger.warning("FP8 experts sync: one tensor per expert through vLLM's reload (slower): %s", why)
 
+    def _take_exact_kv_scales(self) -> None:
+        """Exact mode with an FP8 KV cache: copy the scales the engine's next rollouts quantize with, for the trainer
+        to score those rollouts with (read while the engine is awake)."""
+        if self.settings.exact and self.settings.kv_observer is not None:
+            self.exact_kv_scales = engine_attention_scales(self.llm)
+
     def sync_weights(self):
         start = time.perf_counter()
         if self.mode == "colocate":
@@ -377,6 +403,7 @@ class FP8VLLMGeneration(VLLMGeneration):
                 self.llm.wake_up(tags=["weights"])
                 self._llm_weights_sleeping = False
             self._push_colocated()
+            self._take_exact_kv_scales()
             if self.enable_sleep_mode:  # the KV cache wakes next: give it the trainer's FP8 copies while it generates
                 self.report.released_cache_bytes = release_fp8_weight_caches(self.model)
                 torch.cuda.empty_cache()
