@@ -1687,7 +1687,6 @@ def test_the_exact_run_keeps_every_steps_largest_difference_and_asks_for_what_ex
     ]
     _, recipe, precision, fp8_kv, backend, _ = RUNS["fp8_exact"]
     config = FP8GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, use_vllm=True, vllm_mode="colocate",
-                           fp8_recipe=recipe,
-                           rollout_precision=precision, fp8_kv_cache=fp8_kv, fp8_backend=backend,
+                           fp8_recipe=recipe, rollout_precision=precision, fp8_kv_cache=fp8_kv, fp8_backend=backend,
                            **RUN_OPTIONS["fp8_exact"])  # fmt: skip
     assert config.exact_on_policy and config.fp8_kv_cache is False

@@ -19,10 +19,11 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from trl_fp8.quantization import FP8_DTYPE, FP8_MAX
+
 # kernel(q [T, Hq, D], k [T, Hk, D], v [T, Hk, D], cu_seqlens [B + 1] int32, max_seqlen, softmax_scale,
 #        scales=None | (q_scale, k_scale, v_scale)) -> [T, Hq, D]
 AttentionKernel = Callable[..., torch.Tensor]
-FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 
 
 def _per_sequence(cu_seqlens: torch.Tensor):
@@ -41,7 +42,7 @@ def _sdpa(q, k, v, softmax_scale):
 def fp8_round_trip(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """`x` as an FP8 cache holds it, read back in float32: `x / scale` saturated to e4m3's range and rounded to
     float8_e4m3fn, times `scale`."""
-    return (x.float() / scale.float()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * scale.float()
+    return (x.float() / scale.float()).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float() * scale.float()
 
 
 def reference_attention(q, k, v, cu_seqlens, max_seqlen, softmax_scale, scales=None):
@@ -60,8 +61,6 @@ class _Attention(torch.autograd.Function):
     def forward(ctx, q, k, v, cu_seqlens, max_seqlen, softmax_scale, kernel, scales):
         ctx.save_for_backward(q, k, v, cu_seqlens)
         ctx.softmax_scale = softmax_scale
-        if scales is None:  # (kernels written for a BF16 cache alone take no `scales`)
-            return kernel(q, k, v, cu_seqlens, max_seqlen, softmax_scale)
         return kernel(q, k, v, cu_seqlens, max_seqlen, softmax_scale, scales=scales)
 
     @staticmethod

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from trl_fp8.config import VLLM_FP8_KV_ATTENTIONS as FP8_KV_ATTENTIONS
+from trl_fp8.quantization import FP8_DTYPE, FP8_MAX
 from trl_fp8.rollout.vllm.kernels import FP8_KV_ATTENTION_BACKEND, _find_nvcc
 
 __all__ = [
@@ -195,9 +196,8 @@ def decode_follows_live_scales(
     shape = (seqs * pages_per_seq, PAGE_SIZE, kv_heads, head_dim)
     # Clamped to FP8's range before the cast: torch 2.11's CUDA cast turns an overflow into NaN (2.13's saturates),
     # and one NaN in the cache would fail the check on every replay.
-    fp8_max = torch.finfo(torch.float8_e4m3fn).max
     k_cache, v_cache = (
-        torch.randn(shape, generator=gen, device=device).mul(100).clamp(-fp8_max, fp8_max).to(torch.float8_e4m3fn)
+        torch.randn(shape, generator=gen, device=device).mul(100).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
         for _ in range(2)
     )
     q = torch.randn(seqs, q_heads, head_dim, generator=gen, device=device).to(torch.bfloat16)
