@@ -3,6 +3,7 @@ the engine it asks vLLM for (batch-invariant mode, no compilation, no prefix cac
 the trainer's scoring taken from the exact forward. Whether the log-probabilities then equal the engine's bit for bit
 is the GPU test's (`tests/gpu/test_exact_mode_gpu.py`)."""
 
+import logging
 import os
 
 import pytest
@@ -100,7 +101,7 @@ def test_the_trainer_scores_with_the_exact_forward_and_refuses_inputs_it_cannot_
 
 
 def test_with_an_fp8_kv_cache_the_trainer_scores_on_the_engines_scales_of_each_sync_and_feeds_the_observer(
-    fake_vllm, tmp_path, monkeypatch
+    fake_vllm, tmp_path, monkeypatch, caplog
 ):
     """Exact mode with `fp8_kv_cache=True`: the engine decodes on FlashAttention-3 (the trainer's kernel, not XQA);
     the scales the engine holds are taken at start-up and after every sync, the trainer's scoring quantizes with
@@ -125,7 +126,9 @@ def test_with_an_fp8_kv_cache_the_trainer_scores_on_the_engines_scales_of_each_s
         return real(*args, **kwargs)
 
     monkeypatch.setattr("trl_fp8.trainer.exact.exact_token_logprobs", spy)
-    trainer = _exact_trainer(tmp_path, monkeypatch, fp8_kv_cache=True)
+    with caplog.at_level(logging.WARNING, logger="trl_fp8.rollout.vllm.generation"):
+        trainer = _exact_trainer(tmp_path, monkeypatch, fp8_kv_cache=True)
+    assert generation.FP8_KV_EXACT_CAVEAT in caplog.text  # the user hears where exactness ends
     generation_ = trainer.vllm_generation
     assert (
         generation_.report.kv_attention.kernel == "flash_attn"

@@ -113,12 +113,15 @@ def test_attention_over_an_fp8_cache_on_vllms_kernels_gives_a_sequence_the_same_
     per-tensor `QuantFP8` (the engine's `Attention.query_quant`), FA3 descaling all three. Within FP8's rounding of
     the reference over the same quantized values (FA3 also rounds the probabilities to FP8 for P @ V: a few e4m3
     steps, 2^-4 relative each, of the output's scale)."""
+    from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
     from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
 
     from trl_fp8.rollout.vllm.exact import exact_kernels
 
-    attention = exact_kernels(QuantFP8(static=True, group_shape=GroupShape.PER_TENSOR)).attention
+    with set_current_vllm_config(VllmConfig()):  # a CustomOp reads the engine's config when it is built
+        query_quant = QuantFP8(static=True, group_shape=GroupShape.PER_TENSOR)
+    attention = exact_kernels(query_quant).attention
     lengths = [300, 17, 129]
     cu = torch.tensor([0, 300, 317, 446], dtype=torch.int32, device="cuda")
     q, k, v = (_rows(446, width=h * HEAD, seed=8 + i).view(446, h, HEAD) for i, h in enumerate((32, 8, 8)))

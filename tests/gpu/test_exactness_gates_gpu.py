@@ -177,7 +177,9 @@ def test_flashattention3_decode_of_a_position_equals_that_row_of_the_prefill(cac
     runs it: the prefill of a 300-token sequence (q_len 300) against the decode of position p (q_len 1, over
     positions 0..p, batched with three other sequences of other lengths), for p at page and tile edges. `fp8`: the
     cache and the query in float8_e4m3fn with per-sequence, per-KV-head descales, as `FlashAttentionImpl` hands an
-    FP8 KV cache and its quantized query to the kernel."""
+    FP8 KV cache and its quantized query to the kernel. A failure lists every position whose decode differs, whether
+    the same decode launched beside a prefill (vLLM's mixed steps, max_seqlen_q 2) gives the prefill's bits there,
+    and whether the decode alone gives the batched decode's; the decode alone must."""
     pytest.importorskip("vllm")
     try:
         from vllm.vllm_flash_attn import flash_attn_varlen_func
@@ -214,12 +216,34 @@ def test_flashattention3_decode_of_a_position_equals_that_row_of_the_prefill(cac
     prefill = attend(q, torch.tensor([0, length], dtype=torch.int32, device="cuda"), length,
                      torch.tensor([length], dtype=torch.int32, device="cuda"), block_table[:1])  # fmt: skip
     other_lens = [511, 17, 128]
-    for p in (0, 1, 15, 16, 127, 128, 129, 255, 299):
+    positions = (0, 1, 15, 16, 17, 31, 32, 63, 64, 65, 127, 128, 129, 159, 160, 161, 223, 224, 255, 299)
+    differ, mixed_differ, alone_differ = {}, {}, {}
+    for p in positions:
         as_bytes = (q[p : p + 1].view(torch.uint8), others.view(torch.uint8))  # (joined as bytes: FP8 too)
         query = torch.cat(as_bytes).view(dtype)
         seq_lens = torch.tensor([p + 1, *other_lens], dtype=torch.int32, device="cuda")
         decode = attend(query, torch.arange(seqs + 1, dtype=torch.int32, device="cuda"), 1, seq_lens, block_table)
-        _assert_equal(decode[0], prefill[p], f"FA3 ({cache} cache) decode of position {p} vs row {p} of the prefill")
+        if not torch.equal(_bits(decode[0]), _bits(prefill[p])):
+            differ[p] = _first_difference(decode[0], prefill[p])
+        # The same decode in a step that also prefills (vLLM's mixed batches: one launch, max_seqlen_q > 1), here a
+        # chunk of two rows of another sequence: says which launch shape gives the prefill's bits.
+        chunk = torch.cat([query.view(torch.uint8), others[:2].view(torch.uint8)]).view(dtype)
+        cu_mixed = torch.tensor([0, 1, 2, 3, 4, 6], dtype=torch.int32, device="cuda")
+        lens_mixed = torch.cat([seq_lens, torch.tensor([64], dtype=torch.int32, device="cuda")])
+        table_mixed = torch.cat([block_table, block_table[1:2]])
+        mixed = attend(chunk, cu_mixed, 2, lens_mixed, table_mixed)
+        if not torch.equal(_bits(mixed[0]), _bits(prefill[p])):
+            mixed_differ[p] = _first_difference(mixed[0], prefill[p])
+        alone = attend(query[:1], torch.tensor([0, 1], dtype=torch.int32, device="cuda"), 1, seq_lens[:1],
+                       block_table[:1])  # fmt: skip
+        if not torch.equal(_bits(alone[0]), _bits(decode[0])):  # the decode without the batch's other sequences
+            alone_differ[p] = _first_difference(alone[0], decode[0])
+    assert not differ, (
+        f"FA3 ({cache} cache) decode vs the prefill's row differs at positions {sorted(differ)} of {positions} "
+        f"(first: {next(iter(differ.values()))}); the same decode in a launch that also prefills (max_seqlen_q 2) "
+        f"differs at {sorted(mixed_differ)}; the decode alone differs from the batched one at {sorted(alone_differ)}"
+    )
+    assert not alone_differ, f"FA3 ({cache} cache) decode alone vs batched: {alone_differ}"
 
 
 def test_vllm_in_batch_invariant_mode_scores_the_tokens_it_sampled_with_their_decode_log_probabilities(tmp_path):

@@ -26,11 +26,13 @@ pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _wait_healthy(proc, url, timeout=420):
+def _wait_healthy(proc, url, log: Path, timeout=420):
     start = time.time()
     while time.time() - start < timeout:
         if proc.poll() is not None:
-            raise RuntimeError(f"vllm-serve exited with {proc.returncode}")
+            raise RuntimeError(
+                f"vllm-serve exited with {proc.returncode}; the end of its log:\n{log.read_text()[-6000:]}"
+            )
         try:
             if urllib.request.urlopen(url, timeout=2).status == 200:
                 return time.time() - start
@@ -76,9 +78,8 @@ def serve_fp8(root: Path, gpus: str, *, port: int, tensor_parallel: int = 1, mem
            "PYTHONPATH": pythonpath}  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
-        print(
-            f"vllm-serve (TP={tensor_parallel}) up in {_wait_healthy(proc, f'http://localhost:{port}/health'):.0f} s"
-        )
+        up_s = _wait_healthy(proc, f"http://localhost:{port}/health", root / "server.log")
+        print(f"vllm-serve (TP={tensor_parallel}) up in {up_s:.0f} s")
         yield before
     finally:
         proc.terminate()

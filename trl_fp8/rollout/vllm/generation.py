@@ -148,6 +148,16 @@ class RolloutReport:
         return norm_quant.in_force(self.checked_norm_quant)
 
 
+# FlashAttention-3's decode over an FP8 cache does not give every position the bits of its prefill (the trainer's
+# call): tests/gpu/test_exactness_gates_gpu.py, on vLLM 0.26, one H200.
+FP8_KV_EXACT_CAVEAT = (
+    "exact_on_policy=True with fp8_kv_cache=True is exact on short sequences only: FlashAttention-3's decode over an "
+    "FP8 cache gives the bits of its prefill at positions 0-16 but not at 127 (measured on vLLM 0.26), so longer "
+    "completions keep a small mismatch, which fp8/mismatch/* reports (and TIS, if on, corrects). fp8_kv_cache=False "
+    "keeps the whole rollout exact."
+)
+
+
 class FP8VLLMGeneration(VLLMGeneration):
     """TRL's vLLM generation whose rollouts run on the trainer's own FP8 weights (see the module docstring).
 
@@ -285,6 +295,7 @@ class FP8VLLMGeneration(VLLMGeneration):
                 )
             self.report.kv_attention = KVAttention("flash_attn", "FlashAttention-3, as exact mode needs it")
             logger.info("vLLM attention on the FP8 KV cache: %s", self.report.kv_attention.reason)
+            logger.warning(FP8_KV_EXACT_CAVEAT)
             return
         self.report.kv_attention = choose_kv_attention(
             self.settings.kv_attention, self.accelerator.device, **attention_heads(unwrap_model(self.model).config)
