@@ -218,26 +218,28 @@ def test_flashattention3_decode_of_a_position_equals_that_row_of_the_prefill(cac
     other_lens = [511, 17, 128]
     positions = (0, 1, 15, 16, 17, 31, 32, 63, 64, 65, 127, 128, 129, 159, 160, 161, 223, 224, 255, 299)
     differ, mixed_differ, alone_differ = {}, {}, {}
+
+    def record(found: dict, p: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        difference = _first_difference(a, b)
+        if difference != "equal":
+            found[p] = difference
+
+    # The same decode in a step that also prefills (vLLM's mixed batches: one launch, max_seqlen_q > 1), here beside
+    # a chunk of two rows of another sequence: says which launch shape gives the prefill's bits.
+    cu_mixed = torch.tensor([0, 1, 2, 3, 4, 6], dtype=torch.int32, device="cuda")
+    table_mixed = torch.cat([block_table, block_table[1:2]])
+    one = torch.tensor([0, 1], dtype=torch.int32, device="cuda")
     for p in positions:
         as_bytes = (q[p : p + 1].view(torch.uint8), others.view(torch.uint8))  # (joined as bytes: FP8 too)
         query = torch.cat(as_bytes).view(dtype)
         seq_lens = torch.tensor([p + 1, *other_lens], dtype=torch.int32, device="cuda")
         decode = attend(query, torch.arange(seqs + 1, dtype=torch.int32, device="cuda"), 1, seq_lens, block_table)
-        if not torch.equal(_bits(decode[0]), _bits(prefill[p])):
-            differ[p] = _first_difference(decode[0], prefill[p])
-        # The same decode in a step that also prefills (vLLM's mixed batches: one launch, max_seqlen_q > 1), here a
-        # chunk of two rows of another sequence: says which launch shape gives the prefill's bits.
+        record(differ, p, decode[0], prefill[p])
         chunk = torch.cat([query.view(torch.uint8), others[:2].view(torch.uint8)]).view(dtype)
-        cu_mixed = torch.tensor([0, 1, 2, 3, 4, 6], dtype=torch.int32, device="cuda")
         lens_mixed = torch.cat([seq_lens, torch.tensor([64], dtype=torch.int32, device="cuda")])
-        table_mixed = torch.cat([block_table, block_table[1:2]])
-        mixed = attend(chunk, cu_mixed, 2, lens_mixed, table_mixed)
-        if not torch.equal(_bits(mixed[0]), _bits(prefill[p])):
-            mixed_differ[p] = _first_difference(mixed[0], prefill[p])
-        alone = attend(query[:1], torch.tensor([0, 1], dtype=torch.int32, device="cuda"), 1, seq_lens[:1],
-                       block_table[:1])  # fmt: skip
-        if not torch.equal(_bits(alone[0]), _bits(decode[0])):  # the decode without the batch's other sequences
-            alone_differ[p] = _first_difference(alone[0], decode[0])
+        record(mixed_differ, p, attend(chunk, cu_mixed, 2, lens_mixed, table_mixed)[0], prefill[p])
+        # the decode without the batch's other sequences
+        record(alone_differ, p, attend(query[:1], one, 1, seq_lens[:1], block_table[:1])[0], decode[0])
     assert not differ, (
         f"FA3 ({cache} cache) decode vs the prefill's row differs at positions {sorted(differ)} of {positions} "
         f"(first: {next(iter(differ.values()))}); the same decode in a launch that also prefills (max_seqlen_q 2) "
