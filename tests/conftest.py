@@ -168,6 +168,16 @@ def run_child(cmd: list[str], *, timeout: float, env: dict[str, str], cwd=None) 
         return subprocess.CompletedProcess(cmd, proc.returncode, log.read(), "")
 
 
+def artifacts_dir() -> Path | None:
+    """Where a GPU test keeps what it leaves for the record (server logs, a run's log history): `TRL_FP8_ARTIFACTS`,
+    made if missing (a folder named by hand may not exist yet), or None when unset."""
+    out = os.environ.get("TRL_FP8_ARTIFACTS")
+    if not out:
+        return None
+    Path(out).mkdir(parents=True, exist_ok=True)
+    return Path(out)
+
+
 def session_gpus() -> list[str]:
     """The GPUs this test session may use, as CUDA_VISIBLE_DEVICES names them (empty without GPUs)."""
     return [g for g in os.environ.get("TRL_FP8_TEST_GPUS", "").split(",") if g]

@@ -517,18 +517,46 @@ def test_every_setting_builds_its_config_with_a_rollout_kernel_named(monkeypatch
 
     import trl_fp8.config
     from benchmarks.convergence.pretrain import load_task
-    from benchmarks.convergence.run_grpo import SETTINGS, grpo_config
+    from benchmarks.convergence.run_grpo import EXACT, STUDY, grpo_config
 
     monkeypatch.setattr(trl_fp8.config, "check_vllm_version", lambda: "0.26.0")  # no vLLM on the CPU host
     args = argparse.Namespace(workdir=str(tmp_path), seed=0, steps=4, lr=1e-5, batch_size=64, micro_batch=8,
                               num_generations=8, gradient_checkpointing=True, no_vllm=False, vllm_memory=0.05,
-                              vllm_fp8_backend="cutlass")  # fmt: skip
-    configs = {s: grpo_config(args, s, load_task("chain"), cuda=False) for s in SETTINGS}
+                              vllm_fp8_backend="cutlass", completion_len=None, ignore_eos=False)  # fmt: skip
+    configs = {s: grpo_config(args, s, load_task("chain"), cuda=False) for s in STUDY}
     assert {s: c.vllm_fp8_backend for s, c in configs.items()} == {
         "bf16": "auto", "bf16_fp8rollout": "auto", "bf16_fp8rollout_tis": "auto", "fp8": "cutlass",
         "fp8_tis": "cutlass", "fp8_tis_fp8kv": "cutlass"}  # fmt: skip
     assert [s for s, c in configs.items() if c.fp8_kv_cache] == ["fp8_tis_fp8kv"]
     assert {c.gradient_accumulation_steps for c in configs.values()} == {8}
+    assert not any(c.exact_on_policy or c.generation_kwargs for c in configs.values())
+    # the exact settings: exact mode, long completions that ignore the end of sequence; a kernel exact mode cannot
+    # run is refused by the config, naming the fix
+    with pytest.raises(ValueError, match="vllm_fp8_backend 'auto' or 'deepgemm'"):
+        grpo_config(args, "fp8_exact", load_task("chain"), cuda=False)
+    args.vllm_fp8_backend, args.completion_len, args.ignore_eos = "auto", 512, True
+    exact = {s: grpo_config(args, s, load_task("chain"), cuda=False) for s in EXACT}
+    assert all(c.exact_on_policy and c.max_completion_length == 512 for c in exact.values())
+    assert all(c.generation_kwargs["ignore_eos"] is True for c in exact.values())
+    assert [s for s, c in exact.items() if c.fp8_kv_cache] == ["fp8_exact_fp8kv"]
+
+
+def test_run_grpo_context_copy_links_the_weights_and_raises_the_positions(tmp_path):
+    """`--context`: the trained weights, linked, under a config allowing the longer sequences; the folder as it was
+    when it already allows them."""
+    from benchmarks.convergence.run_grpo import with_context
+
+    model = tmp_path / "arith"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"max_position_embeddings": 128, "hidden_size": 768}))
+    (model / "model.safetensors").write_bytes(b"weights")
+    assert with_context(str(model), None, tmp_path) == str(model)
+    assert with_context(str(model), 128, tmp_path) == str(model)
+    longer = Path(with_context(str(model), 640, tmp_path / "work"))
+    assert json.loads((longer / "config.json").read_text()) == {"max_position_embeddings": 640, "hidden_size": 768}
+    assert (longer / "model.safetensors").is_symlink() and (longer / "model.safetensors").read_bytes() == b"weights"
+    assert json.loads((model / "config.json").read_text())["max_position_embeddings"] == 128  # the original kept
+    assert with_context(str(model), 640, tmp_path / "work") == str(longer)  # again: the same folder
 
 
 def test_parallel_seeds_spread_over_gpus_one_seed_per_gpu():

@@ -14,6 +14,11 @@ Settings (all through `FP8GRPOTrainer`, vLLM colocated, so every run logs the sa
 | `fp8` | blockwise FP8 | the trainer's own FP8 weights | none |
 | `fp8_tis` | blockwise FP8 | the trainer's own FP8 weights | token TIS (cap 2) |
 | `fp8_tis_fp8kv` | blockwise FP8 | the same, with an FP8 KV cache | token TIS (cap 2) |
+| `fp8_exact` | blockwise FP8, on the engine's kernels | the same, vLLM batch-invariant (`exact_on_policy`) | token TIS |
+| `fp8_exact_fp8kv` | the same | the same, with an FP8 KV cache | token TIS |
+
+`all` is the study's first six; the exact settings check exactness on a trained model (`--setting fp8_exact
+fp8_exact_fp8kv --steps 3 --completion_len 512 --ignore_eos --context 640`: every completion 512 tokens).
 
 Per step: reward and mismatch (mean |delta logp|, KL k3); every `--eval_every` steps: held-out greedy accuracy.
 Writes `benchmarks/results/convergence[_<task>]/grpo_<setting>_<device>.json` after every logged step and evaluation
@@ -53,8 +58,13 @@ SETTINGS = {  # setting: (fp8_recipe, rollout_precision, tis, fp8_kv_cache)
     "fp8_tis": ("blockwise", "fp8", "token", False),
     "fp8_tis_fp8kv": ("blockwise", "fp8", "token", True),  # the FP8 KV cache's cost, next to fp8_tis
 }
-METRICS = ("reward", "fp8/mismatch/abs_logp_diff_mean", "fp8/mismatch/kl_k3", "fp8/mismatch/is_ratio_clipped_frac",
-           "fp8/weight_sync_ms", "step_time")  # fmt: skip
+STUDY = list(SETTINGS)  # `--setting all`: the accuracy study's six
+# Exact on-policy mode (`exact_on_policy=True`): vLLM batch-invariant, the trainer on the engine's kernels; TIS stays
+# on so its clipped fraction shows exactness (nothing to clip). Run by name only, e.g. with --ignore_eos --context.
+EXACT = {"fp8_exact": ("blockwise", "fp8", "token", False), "fp8_exact_fp8kv": ("blockwise", "fp8", "token", True)}
+SETTINGS |= EXACT
+METRICS = ("reward", "fp8/mismatch/abs_logp_diff_mean", "fp8/mismatch/abs_logp_diff_max", "fp8/mismatch/kl_k3",
+           "fp8/mismatch/is_ratio_clipped_frac", "fp8/weight_sync_ms", "step_time", "completions/mean_length")  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -144,7 +154,7 @@ def grpo_config(args, setting: str, task, cuda: bool):
         output_dir=str(Path(args.workdir) / f"{setting}_seed{args.seed}"), max_steps=args.steps, learning_rate=args.lr,
         lr_scheduler_type="constant", per_device_train_batch_size=micro_batch, num_generations=args.num_generations,
         gradient_accumulation_steps=args.batch_size // micro_batch,
-        max_completion_length=task.max_completion_length(), temperature=1.0, beta=0.0, logging_steps=1,
+        max_completion_length=args.completion_len or task.max_completion_length(), temperature=1.0, beta=0.0, logging_steps=1,
         save_strategy="no", report_to="none", seed=args.seed, bf16=cuda, use_cpu=not cuda,
         gradient_checkpointing=args.gradient_checkpointing, disable_tqdm=True,
         model_init_kwargs={"dtype": "bfloat16" if cuda else "float32"}, fp8_recipe=recipe,
@@ -156,7 +166,26 @@ def grpo_config(args, setting: str, task, cuda: bool):
         fp8_kv_cache=fp8_kv and not args.no_vllm,
         vllm_fp8_backend=args.vllm_fp8_backend if precision == "fp8" and not args.no_vllm else "auto",
         use_liger_kernel=False,  # the settings compared are precisions, on the same layer kernels as earlier studies
+        exact_on_policy=setting in EXACT,
+        generation_kwargs={"ignore_eos": True} if args.ignore_eos else None,
     )  # fmt: skip
+
+
+def with_context(model: str, positions: int | None, workdir: Path) -> str:
+    """The model folder, or a copy of it whose config allows `positions` tokens (the weights linked, not copied): a
+    RoPE model has no learned positions, so the same trained weights run longer sequences, beyond what they learned."""
+    if positions is None:
+        return model
+    config = json.loads((Path(model) / "config.json").read_text())
+    if positions <= config.get("max_position_embeddings", 0):
+        return model
+    out = workdir / f"{Path(model).name}_context{positions}"
+    out.mkdir(parents=True, exist_ok=True)
+    for f in Path(model).iterdir():
+        if f.name != "config.json" and not (out / f.name).exists():
+            (out / f.name).symlink_to(f.resolve())
+    (out / "config.json").write_text(json.dumps(config | {"max_position_embeddings": positions}, indent=2))
+    return str(out)
 
 
 def run(args, setting: str) -> Path:
@@ -168,6 +197,7 @@ def run(args, setting: str) -> Path:
     launched = time.time()
     recipe, precision, tis, fp8_kv = SETTINGS[setting]
     task = load_task(args.task)
+    args.model = with_context(args.model, args.context, Path(args.workdir))
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     held_out = task.problems(args.eval_problems, seed=20_000)
     cuda = torch.cuda.is_available()
@@ -250,12 +280,19 @@ def main():
     parser.add_argument("--model", required=True, help="the pre-trained model folder (pretrain.py --out)")
     parser.add_argument("--task", choices=list(TASKS), default="addition", help="the task the model was trained on")
     parser.add_argument("--setting", choices=[*SETTINGS, "all"], nargs="+", default=["all"],
-                        help="one setting, several (run as `all` runs them), or all six")  # fmt: skip
+                        help="one setting, several (run as `all` runs them), or the study's six")  # fmt: skip
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch_size", type=int, default=128, help="completions per optimizer step")
     parser.add_argument("--micro_batch", type=int, default=None, help="completions per forward/backward (long tasks)")
     parser.add_argument("--gradient_checkpointing", action="store_true", help="recompute activations (long tasks)")
     parser.add_argument("--num_generations", type=int, default=8)
+    parser.add_argument("--completion_len", type=int, default=None, help="max_completion_length (the task's own)")
+    parser.add_argument("--ignore_eos", action="store_true",
+                        help="every completion runs --completion_len tokens (vLLM's ignore_eos): exactness over long "
+                        "completions on a model trained on short ones")  # fmt: skip
+    parser.add_argument("--context", type=int, default=None,
+                        help="run the model with this many positions (its config's max_position_embeddings raised, "
+                        "weights as trained) so --completion_len fits")  # fmt: skip
     parser.add_argument("--lr", type=float, default=2e-5)
     parser.add_argument("--eval_every", type=int, default=10)
     parser.add_argument("--eval_problems", type=int, default=2048)
@@ -324,8 +361,8 @@ def main():
 
 
 def chosen_settings(names: list[str]) -> list[str]:
-    """`--setting`'s values -> the settings to run, in the order named, each once (`all`: the six)."""
-    return list(SETTINGS) if "all" in names else list(dict.fromkeys(names))
+    """`--setting`'s values -> the settings to run, in the order named, each once (`all`: the study's six)."""
+    return STUDY if "all" in names else list(dict.fromkeys(names))
 
 
 def strip_option(argv: list[str], option: str) -> list[str]:
@@ -375,7 +412,7 @@ def run_parallel(
     sync_dir = workdir / "parallel_sync"
     shutil.rmtree(sync_dir, ignore_errors=True)
     sync_dir.mkdir(parents=True)
-    runs = [(setting, seed) for seed in seeds for setting in settings or SETTINGS]
+    runs = [(setting, seed) for seed in seeds for setting in settings or STUDY]
     gpu = gpu_of_seed(seeds, gpus)
     procs = {}
     for setting, seed in runs:

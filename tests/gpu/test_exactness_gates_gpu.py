@@ -11,9 +11,15 @@ test says which kernel and by how much. Every comparison is `torch.equal` (SM90,
   position p (q_len 1, batched with other sequences) against row p of the prefill of the whole sequence;
 - vLLM's log-probability kernel (its V2 sampler's `compute_token_logprobs`) on 8 vs 300 rows;
 - a whole engine in vLLM's batch-invariant mode: the log-probabilities of the tokens it sampled equal its prompt
-  log-probabilities of the same sequences (a tiny Qwen3's block-FP8 checkpoint on DeepGEMM).
+  log-probabilities of the same sequences (block-FP8 Qwen3 checkpoints on DeepGEMM: a tiny one's 64-token
+  completions, and 512-token completions at the 76M accuracy model's shape).
+
+Two are known to fail on vLLM 0.26 (one H200, 2026-12-03) and are marked so there (strict: a fix shows as a
+failure to unmark): FlashAttention-3's decode over an FP8 cache against its prefill past position 127, and the
+engine's decode against its own prefill over 512-token completions at the 76M shape.
 """
 
+import importlib.metadata
 import json
 import subprocess
 import sys
@@ -28,7 +34,17 @@ pytestmark = pytest.mark.gpu
 FP8 = torch.float8_e4m3fn
 BLOCK = 128
 HIDDEN = 4096  # Qwen3-8B's
-Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+HEAD_DIM = 128
+
+
+def _vllm_version() -> str:
+    try:
+        return importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+
+
+ON_VLLM_026 = _vllm_version().startswith("0.26.")
 
 
 def _first_difference(a: torch.Tensor, b: torch.Tensor) -> str:
@@ -171,11 +187,23 @@ def test_vllms_log_probability_kernel_gives_each_row_the_same_bits_on_8_and_300_
                   compute_token_logprobs(logits, tokens)[:8], "compute_token_logprobs, 8 vs 300 rows")  # fmt: skip
 
 
-@pytest.mark.parametrize("cache", ["bf16", "fp8"])
-def test_flashattention3_decode_of_a_position_equals_that_row_of_the_prefill(cache):
+FP8_DECODE_PAST_127 = (
+    "vLLM 0.26's FlashAttention-3 over an FP8 cache: the decode of positions 127 and beyond differs from the prefill's "
+    "row (2,342 of 4,096 outputs at 127, up to 0.0086), alone, batched or beside a prefill alike (one H200, 2026-12-03)"
+)
+
+
+@pytest.mark.parametrize(
+    "cache, heads",
+    [("bf16", (32, 8)), ("bf16", (6, 2)),
+     pytest.param("fp8", (32, 8), marks=pytest.mark.xfail(ON_VLLM_026, reason=FP8_DECODE_PAST_127, strict=True))],
+    ids=["bf16-qwen3_8b_heads", "bf16-76m_heads", "fp8-qwen3_8b_heads"],
+)  # fmt: skip
+def test_flashattention3_decode_of_a_position_equals_that_row_of_the_prefill(cache, heads):
     """vLLM's FA3 over a paged cache (pages of 16 from a shuffled pool), one split, as vLLM's batch-invariant mode
     runs it: the prefill of a 300-token sequence (q_len 300) against the decode of position p (q_len 1, over
-    positions 0..p, batched with three other sequences of other lengths), for p at page and tile edges. `fp8`: the
+    positions 0..p, batched with three other sequences of other lengths), for p at page and tile edges; with
+    Qwen3-8B's query and KV heads (32, 8) and the 76M accuracy model's (6, 2: three query heads a KV head). `fp8`: the
     cache and the query in float8_e4m3fn with per-sequence, per-KV-head descales, as `FlashAttentionImpl` hands an
     FP8 KV cache and its quantized query to the kernel. A failure lists every position whose decode differs, whether
     the same decode launched beside a prefill (vLLM's mixed steps, max_seqlen_q 2) gives the prefill's bits there,
@@ -192,19 +220,20 @@ def test_flashattention3_decode_of_a_position_equals_that_row_of_the_prefill(cac
     length, page, pages_per_seq, seqs = 300, 16, 32, 4
     pool = torch.randperm(seqs * pages_per_seq, device="cuda", generator=g).int()
     block_table = pool.view(seqs, pages_per_seq)
-    shape = (seqs * pages_per_seq, page, KV_HEADS, HEAD_DIM)
+    q_heads, kv_heads = heads
+    shape = (seqs * pages_per_seq, page, kv_heads, HEAD_DIM)
     # FP8: values of e4m3's range (x32, well inside 448), descaled back to order 1 (scores of order 1, as a layer's)
     dtype, spread = (torch.bfloat16, 1) if cache == "bf16" else (torch.float8_e4m3fn, 32)
     k_cache = torch.randn(shape, device="cuda", generator=g).mul(spread).to(dtype)
     v_cache = torch.randn(shape, device="cuda", generator=g).mul(spread).to(dtype)
-    q = torch.randn(length, Q_HEADS, HEAD_DIM, device="cuda", generator=g).mul(spread).to(dtype)
-    others = torch.randn(seqs - 1, Q_HEADS, HEAD_DIM, device="cuda", generator=g).mul(spread).to(dtype)
+    q = torch.randn(length, q_heads, HEAD_DIM, device="cuda", generator=g).mul(spread).to(dtype)
+    others = torch.randn(seqs - 1, q_heads, HEAD_DIM, device="cuda", generator=g).mul(spread).to(dtype)
     scales = {"q": 1 / 32, "k": 1 / 32, "v": 1 / 32}
 
     def attend(query, cu_seqlens_q, max_seqlen_q, seq_lens, table):
         descales = {}
         if cache == "fp8":  # the layer's per-tensor scales expanded to (sequences, KV heads), as vLLM does
-            shape = (len(seq_lens), KV_HEADS)
+            shape = (len(seq_lens), kv_heads)
             descales = {f"{x}_descale": torch.full(shape, s, device="cuda") for x, s in scales.items()}
         return flash_attn_varlen_func(
             q=query, k=k_cache, v=v_cache, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, seqused_k=seq_lens,
@@ -248,28 +277,70 @@ def test_flashattention3_decode_of_a_position_equals_that_row_of_the_prefill(cac
     assert not alone_differ, f"FA3 ({cache} cache) decode alone vs batched: {alone_differ}"
 
 
+LONG_DECODE_DIFFERS = (
+    "vLLM 0.26 in batch-invariant mode, 512-token completions at the 76M shape: its decode log-probabilities differ "
+    "from its own prompt log-probabilities of the same tokens (128 sequences: 38,173 of 65,536 tokens, up to 0.108, "
+    "the first at completion token 1; 4 sequences: 813 of 2,048), while the trainer's exact forward equals the "
+    "prompt log-probabilities bit for bit (one H200, 2026-12-03)"
+)
+# the 76M accuracy model's shape (hidden 768, 12 layers, 6 query and 2 KV heads), where exact mode was seen to part
+SHAPE_76M = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=6,
+                 num_key_value_heads=2, max_position_embeddings=1024)  # fmt: skip
+
+
+def _self_logprobs(root, sequences: int, tokens: int, trainer: bool = False, **shape) -> dict:
+    """`workers/vllm_self_logprobs.py` on a random Qwen3 of `shape` (vocabulary 128) quantized to block FP8, in a
+    process of its own with exact mode's engine environment: its JSON result. `trainer`: the model is saved in BF16
+    (the weights the trainer quantizes), and the trainer's exact forward is compared too."""
+    from trl_fp8.demo.tiny_model import tiny_char_tokenizer, tiny_qwen3
+    from trl_fp8.rollout.vllm.exact import exact_engine
+    from trl_fp8.rollout.vllm.kernels import default_jit_cache_dir
+
+    tokenizer = tiny_char_tokenizer()
+    model = tiny_qwen3(vocab_size=128, eos_token_id=tokenizer.eos_token_id, pad_token_id=0,
+                       dtype=torch.bfloat16 if trainer else torch.float32, **shape)  # fmt: skip
+    model.save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    subprocess.run([sys.executable, "-m", "trl_fp8", "quantize", str(root / "model"), str(root / "fp8")], check=True)
+    env = {**clean_subprocess_env(), **exact_engine().env, "VLLM_DEEP_GEMM_WARMUP": "skip",
+           "DG_JIT_CACHE_DIR": str(default_jit_cache_dir()), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # fmt: skip
+    cmd = [sys.executable, str(WORKERS / "vllm_self_logprobs.py"), str(root / "fp8"), "--sequences", str(sequences),
+           "--tokens", str(tokens), *(["--trainer", str(root / "model")] if trainer else [])]  # fmt: skip
+    proc = run_child(cmd, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("self-logprobs:"))
+    found = json.loads(line.split(":", 1)[1])
+    print(f"\nvLLM decode vs prompt log-probabilities, batch-invariant mode, {sequences} x {tokens}: {found}")
+    return found
+
+
 def test_vllm_in_batch_invariant_mode_scores_the_tokens_it_sampled_with_their_decode_log_probabilities(tmp_path):
     """An engine in exact mode (`rollout.vllm.exact`: vLLM's batch-invariant mode, DeepGEMM with E8M0 off, no
     compilation, decode-only CUDA graphs, FlashAttention, no prefix cache): 16 sequences sampled at temperature 1
     (their decode log-probabilities), then scored as prompts (their prefill log-probabilities): every one of the
     1,024 tokens the same float. If vLLM disagrees with itself here, no trainer can agree with it."""
     pytest.importorskip("vllm")
-    from trl_fp8.demo.tiny_model import tiny_char_tokenizer, tiny_qwen3
-    from trl_fp8.rollout.vllm.exact import exact_engine
-    from trl_fp8.rollout.vllm.kernels import default_jit_cache_dir
-
-    tokenizer = tiny_char_tokenizer()
-    model = tiny_qwen3(vocab_size=128, eos_token_id=tokenizer.eos_token_id, pad_token_id=0)
-    model.save_pretrained(tmp_path / "model")
-    tokenizer.save_pretrained(tmp_path / "model")
-    subprocess.run([sys.executable, "-m", "trl_fp8", "quantize", str(tmp_path / "model"), str(tmp_path / "fp8")],
-                   check=True)  # fmt: skip
-    env = {**clean_subprocess_env(), **exact_engine().env, "VLLM_DEEP_GEMM_WARMUP": "skip",
-           "DG_JIT_CACHE_DIR": str(default_jit_cache_dir()), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # fmt: skip
-    proc = run_child([sys.executable, str(WORKERS / "vllm_self_logprobs.py"), str(tmp_path / "fp8")], timeout=900,
-                     env=env)  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    line = next(line for line in proc.stdout.splitlines() if line.startswith("self-logprobs:"))
-    found = json.loads(line.split(":", 1)[1])
-    print(f"\nvLLM decode vs prompt log-probabilities, batch-invariant mode: {found}")
+    found = _self_logprobs(tmp_path, 16, 64)
     assert found["tokens"] == 16 * 64 and found["differ"] == 0, found
+
+
+@pytest.fixture(scope="module")
+def long_completions(tmp_path_factory):
+    """4 sequences of 512 sampled tokens at the 76M shape: the engine's decode and prompt log-probabilities, and the
+    trainer's exact forward of the same sequences (alone, and packed with autograd on as training runs it)."""
+    pytest.importorskip("vllm")
+    return _self_logprobs(tmp_path_factory.mktemp("long"), 4, 512, trainer=True, **SHAPE_76M)
+
+
+@pytest.mark.xfail(ON_VLLM_026, reason=LONG_DECODE_DIFFERS, strict=True)
+def test_vllm_in_batch_invariant_mode_agrees_with_itself_over_512_token_completions(long_completions):
+    found = long_completions["decode_vs_prefill"]
+    assert found["tokens"] == 4 * 512 and found["differ"] == 0, found
+
+
+def test_the_trainers_exact_forward_equals_the_engines_prefill_over_512_token_sequences(long_completions):
+    """The trainer's half: whatever the engine's decode does, exact mode's forward on the engine's kernels gives each
+    token the engine's prompt log-probability, alone and packed with other sequences under autograd."""
+    assert long_completions["trainer_vs_prefill"]["differ"] == 0, long_completions["trainer_vs_prefill"]
+    packed = long_completions["trainer_packed_grad_vs_alone"]
+    assert packed["tokens"] == 4 * 512 and packed["differ"] == 0, packed

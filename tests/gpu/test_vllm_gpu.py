@@ -4,7 +4,6 @@ Run on the GPU host (vLLM from ../shared/gpu): `python -m pytest -m gpu tests/gp
 """
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -12,7 +11,7 @@ import pytest
 import torch
 from vllm_op_checks import cuda_kernel_names
 
-from conftest import WORKERS, clean_subprocess_env, run_child
+from conftest import WORKERS, artifacts_dir, clean_subprocess_env, run_child
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,11 +42,6 @@ def save_warm_model(model_dir: Path) -> float:
     model.cpu().save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     return before
-
-
-def _artifacts() -> Path | None:
-    out = os.environ.get("TRL_FP8_ARTIFACTS")
-    return Path(out) if out else None
 
 
 KERNEL_CLASS_PREFIX = {"deepgemm": "DeepGemm", "cutlass": "Cutlass", "triton": "Triton"}
@@ -174,8 +168,8 @@ def test_colocate_fp8_rollouts_use_the_trainers_fp8_weights_and_kv_scales(tmp_pa
         f"mean|dlogp| first {mismatch[0]:.4f} median {sorted(mismatch)[len(mismatch) // 2]:.4f} max {max(mismatch):.4f}; "
         f"KL k3 median {sorted(kl)[len(kl) // 2]:.2e}; weight sync median {sorted(sync_ms)[len(sync_ms) // 2]:.1f} ms"
     )
-    if _artifacts():
-        (_artifacts() / "colocate_log_history.json").write_text(json.dumps(trainer.state.log_history, indent=1))
+    if artifacts := artifacts_dir():
+        (artifacts / "colocate_log_history.json").write_text(json.dumps(trainer.state.log_history, indent=1))
     assert len(sync_ms) == len(logs)  # one sync per optimizer step, each logged
     assert all(0 <= m < 0.5 for m in mismatch)
     assert sum(rewards[-5:]) > sum(rewards[:5])

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import WORKERS, clean_subprocess_env, free_port, launch_failure, run_child, session_gpus
+from conftest import WORKERS, artifacts_dir, clean_subprocess_env, free_port, launch_failure, run_child, session_gpus
 from workers.vllm_weight_digest import tensor_digest
 
 pytestmark = pytest.mark.gpu
@@ -88,8 +88,7 @@ def serve_fp8(root: Path, gpus: str, *, port: int, tensor_parallel: int = 1, mem
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
-        artifacts = os.environ.get("TRL_FP8_ARTIFACTS")
-        if artifacts:
+        if artifacts := artifacts_dir():
             Path(artifacts, f"server_tp{tensor_parallel}.log").write_text((root / "server.log").read_text()[-20000:])
 
 
@@ -191,8 +190,7 @@ def test_server_mode_grpo_with_fp8_weight_push(fp8_server, tmp_path):
     from trl_fp8.demo.toy_task import DEMO_GRPO_SETTINGS, say_letter_dataset, say_letter_reward
 
     info = VLLMClient(base_url=f"http://localhost:{fp8_server.port}").get_server_info()
-    artifacts = os.environ.get("TRL_FP8_ARTIFACTS")
-    if artifacts:
+    if artifacts := artifacts_dir():
         Path(artifacts, "server_info.json").write_text(json.dumps(info, indent=1, default=str))
     args = _config(tmp_path, fp8_server.port, max_steps=20, **DEMO_GRPO_SETTINGS)
     trainer = FP8GRPOTrainer(

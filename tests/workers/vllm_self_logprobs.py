@@ -1,37 +1,193 @@
 """A vLLM engine's own log-probabilities of the tokens it sampled, against its prompt log-probabilities of the same
 sequences (the exactness gates, `tests/gpu/test_exactness_gates_gpu.py`): vLLM must agree with itself before a trainer
-can agree with it. Prints one JSON line.
+can agree with it. With `--trainer BF16_DIR` (the BF16 model MODEL_DIR was quantized from), also the trainer's exact
+forward on the engine's kernels (`nn.exact_forward`, each sequence alone) against both. Prints one JSON line: per
+comparison the tokens, how many differ, the largest difference, and where the first difference of each sequence lies
+(its index in the completion and its position in the sequence).
 
-    python vllm_self_logprobs.py MODEL_DIR   # run with `rollout.vllm.exact.exact_engine().env` for the gate
+    python vllm_self_logprobs.py MODEL_DIR [--sequences 16] [--tokens 64] [--trainer BF16_DIR [--layers]]
+                                 [--no_cudagraphs [--decode_layers]]
+    # run with `rollout.vllm.exact.exact_engine().env` in the environment
 """
 
+import argparse
 import json
 import random
-import sys
+import statistics
 
 from vllm import LLM, SamplingParams
 
 from trl_fp8.rollout.vllm.exact import exact_engine
 
 RESULT = "self-logprobs:"  # the line the test reads, among vLLM's own output
-model = sys.argv[1]
+parser = argparse.ArgumentParser()
+parser.add_argument("model")
+parser.add_argument("--sequences", type=int, default=16)
+parser.add_argument("--tokens", type=int, default=64)
+parser.add_argument("--trainer", default=None)
+parser.add_argument("--no_cudagraphs", action="store_true", help="decode without CUDA graphs (cudagraph_mode NONE)")
+parser.add_argument("--decode_layers", action="store_true",
+                    help="with --no_cudagraphs: each layer's attention and layer output, decode vs prefill, on the "
+                    "first sequence the engine scores differently from its decode")  # fmt: skip
+parser.add_argument("--layers", action="store_true",
+                    help="with --trainer: each decoder layer's output, engine (prefill) vs trainer, on the first "
+                    "sequence they score differently")  # fmt: skip
+args = parser.parse_args()
+if args.decode_layers and not args.no_cudagraphs:
+    parser.error("--decode_layers needs --no_cudagraphs (a replayed CUDA graph runs no forward hook)")
+if args.layers and not args.trainer:
+    parser.error("--layers compares the trainer's layers: give --trainer BF16_DIR")
 # exact mode's engine settings (its environment came with the process: vLLM reads it at import)
-llm = LLM(model=model, gpu_memory_utilization=0.2, max_model_len=256, seed=0, **exact_engine().llm_kwargs)
+engine_kwargs = exact_engine().llm_kwargs
+if args.no_cudagraphs:  # (forward hooks see decode steps only outside CUDA graphs)
+    engine_kwargs["compilation_config"] = {**engine_kwargs["compilation_config"], "cudagraph_mode": "NONE"}
+llm = LLM(model=args.model, gpu_memory_utilization=0.2, max_model_len=64 + args.tokens, seed=0, **engine_kwargs)
 rng = random.Random(0)
 vocab = llm.llm_engine.model_config.get_vocab_size()
-prompts = [[rng.randrange(4, vocab) for _ in range(rng.randrange(5, 60))] for _ in range(16)]
+prompts = [[rng.randrange(4, vocab) for _ in range(rng.randrange(5, 60))] for _ in range(args.sequences)]
 sampled = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                       SamplingParams(temperature=1.0, max_tokens=64, logprobs=0, seed=1, ignore_eos=True))  # fmt: skip
+                       SamplingParams(temperature=1.0, max_tokens=args.tokens, logprobs=0, seed=1, ignore_eos=True))  # fmt: skip
 sequences = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, sampled, strict=True)]
 scored = llm.generate([{"prompt_token_ids": s} for s in sequences], SamplingParams(max_tokens=1, prompt_logprobs=0))
-tokens = differ = 0
-largest = 0.0
-for prompt, out, score, seq in zip(prompts, sampled, scored, sequences, strict=True):
-    for k, token in enumerate(out.outputs[0].token_ids):
-        decode = out.outputs[0].logprobs[k][token].logprob
-        prefill = score.prompt_logprobs[len(prompt) + k][seq[len(prompt) + k]].logprob
-        tokens += 1
-        if decode != prefill:
-            differ += 1
-            largest = max(largest, abs(decode - prefill))
-print(RESULT, json.dumps({"tokens": tokens, "differ": differ, "largest_abs_diff": largest}), flush=True)
+decode = [[o.outputs[0].logprobs[k][t].logprob for k, t in enumerate(o.outputs[0].token_ids)] for o in sampled]
+prefill = [[s.prompt_logprobs[len(p) + k][seq[len(p) + k]].logprob for k in range(len(seq) - len(p))]
+           for p, s, seq in zip(prompts, scored, sequences, strict=True)]  # fmt: skip
+runs = {"decode_vs_prefill": (decode, prefill)}
+
+if args.trainer:  # the trainer's side, as exact mode computes it: FP8 linears from the BF16 model, engine's kernels
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from trl_fp8 import convert_to_fp8
+    from trl_fp8.nn.exact_forward import exact_token_logprobs
+    from trl_fp8.rollout.vllm._compat import engine_rotary_table
+    from trl_fp8.rollout.vllm.exact import exact_kernels
+
+    model = AutoModelForCausalLM.from_pretrained(args.trainer, dtype=torch.bfloat16).cuda()
+    convert_to_fp8(model)
+    kernels, table = exact_kernels(), engine_rotary_table(llm).cuda()
+    trainer = []
+    with torch.no_grad():
+        for p, seq in zip(prompts, sequences, strict=True):
+            ids = torch.tensor([seq], device="cuda")
+            lp, _ = exact_token_logprobs(model, ids, torch.ones_like(ids), len(seq) - len(p), dtype=torch.bfloat16,
+                                         cos_sin_cache=table, kernels=kernels)  # fmt: skip
+            trainer.append(lp[0].tolist())
+    runs |= {"trainer_vs_decode": (trainer, decode), "trainer_vs_prefill": (trainer, prefill)}
+    # as training runs it: up to 8 sequences packed in one forward, with autograd on (right-padded to one length)
+    some = list(range(min(8, len(sequences))))
+    width = max(len(sequences[i]) for i in some)
+    ids = torch.zeros(len(some), width, dtype=torch.long, device="cuda")
+    mask = torch.zeros_like(ids)
+    for row, i in enumerate(some):
+        ids[row, : len(sequences[i])] = torch.tensor(sequences[i])
+        mask[row, : len(sequences[i])] = 1
+    # (every token but the first: column j holds token j + 1's log-probability)
+    lp, _ = exact_token_logprobs(model, ids, mask, width - 1, dtype=torch.bfloat16, cos_sin_cache=table,
+                                 kernels=kernels)  # fmt: skip
+    packed = [lp[row, len(prompts[i]) - 1 : len(sequences[i]) - 1].tolist() for row, i in enumerate(some)]
+    runs["trainer_packed_grad_vs_alone"] = (packed, trainer[: len(some)])
+
+
+def compare(a, b) -> dict:
+    """Tokens, how many differ and by how much at most, and where each differing sequence first differs."""
+    tokens = differ = 0
+    largest, first = 0.0, []
+    for p, x, y in zip(prompts, a, b, strict=False):  # (a comparison of the first sequences only: the shorter)
+        diffs = [k for k, (u, v) in enumerate(zip(x, y, strict=True)) if u != v]
+        tokens += len(x)
+        differ += len(diffs)
+        largest = max([largest, *(abs(x[k] - y[k]) for k in diffs)])
+        if diffs:
+            first.append((diffs[0], len(p) + diffs[0]))
+    where = {}
+    if first:
+        where = {"first_index_min": min(f[0] for f in first), "first_index_median": statistics.median(f[0] for f in first),
+                 "first_position_min": min(f[1] for f in first)}  # fmt: skip
+    return {
+        "tokens": tokens,
+        "differ": differ,
+        "largest_abs_diff": largest,
+        "sequences_differing": len(first),
+        **where,
+    }
+
+
+found = {name: compare(a, b) for name, (a, b) in runs.items()}
+
+if args.decode_layers:  # where the engine's decode leaves its prefill: each layer's attention
+    # output and layer output, step by step, against the prefill of the same tokens
+    import torch
+
+    from trl_fp8.rollout.vllm._compat import engine_model
+
+    decode_lp, prefill_lp = runs["decode_vs_prefill"]
+    index = next((i for i, (x, y) in enumerate(zip(decode_lp, prefill_lp, strict=True)) if x != y), 0)
+    modules = {}
+    for n, layer in enumerate(engine_model(llm).model.layers):
+        modules[(n, "attention")], modules[(n, "layer")] = layer.self_attn.attn, layer
+    calls = {key: [] for key in modules}
+
+    def keep(key):
+        def hook(module, inputs, out):
+            calls[key].append((out[0] if isinstance(out, tuple) else out).detach().clone())
+
+        return hook
+
+    hooks = [module.register_forward_hook(keep(key)) for key, module in modules.items()]
+    generated = llm.generate([{"prompt_token_ids": prompts[index]}],
+                             SamplingParams(temperature=1.0, max_tokens=args.tokens, seed=1, ignore_eos=True))  # fmt: skip
+    # the prompt's prefill, then one row a decode step (the row of the step's one sequence comes first)
+    decoded = {key: torch.cat([c[0], *(step[:1] for step in c[1:])]) for key, c in calls.items()}
+    for c in calls.values():
+        c.clear()
+    seq = prompts[index] + list(generated[0].outputs[0].token_ids)
+    llm.generate([{"prompt_token_ids": seq}], SamplingParams(max_tokens=1))
+    for hook in hooks:
+        hook.remove()
+    first = {}
+    for key, rows in decoded.items():
+        prefilled = calls[key][0][: rows.shape[0]]
+        differ = (rows != prefilled).reshape(rows.shape[0], -1).any(-1).nonzero().flatten().tolist()
+        first[f"{key[0]}.{key[1]}"] = {"first_position": differ[0] if differ else None, "positions": len(differ),
+                                       "max_abs": (rows.float() - prefilled.float()).abs().max().item()}  # fmt: skip
+    found["decode_layers"] = {"sequence": index, "prompt": len(prompts[index]), "rows": len(seq) - 1, **first}
+
+if args.layers:  # where the trainer and the engine's prefill part: each layer's (hidden, residual)
+    import trl_fp8.nn.exact_forward as exact_forward
+    from trl_fp8.rollout.vllm._compat import engine_model
+
+    trainer_logps, prefill_logps = runs["trainer_vs_prefill"]
+    index = next((i for i, (x, y) in enumerate(zip(trainer_logps, prefill_logps, strict=True)) if x != y), 0)
+    seq = sequences[index]
+    engine_layers, trainer_layers = [], []
+    hooks = [layer.register_forward_hook(lambda m, i, out: engine_layers.append([t.detach().clone() for t in out]))
+             for layer in engine_model(llm).model.layers]  # fmt: skip
+    llm.generate([{"prompt_token_ids": seq}], SamplingParams(max_tokens=1))  # one forward: the prefill
+    for hook in hooks:
+        hook.remove()
+    layer_fn = exact_forward._layer
+
+    def recorded(*a, **k):
+        out = layer_fn(*a, **k)
+        trainer_layers.append([t.detach().clone() for t in out])
+        return out
+
+    exact_forward._layer = recorded
+    with torch.no_grad():
+        ids = torch.tensor([seq], device="cuda")
+        exact_token_logprobs(model, ids, torch.ones_like(ids), 1, dtype=torch.bfloat16, cos_sin_cache=table,
+                             kernels=kernels)  # fmt: skip
+    exact_forward._layer = layer_fn
+    per_layer = []
+    for n, (ours, theirs) in enumerate(zip(trainer_layers, engine_layers, strict=False)):
+        entry = {"layer": n}
+        for name, a, b in zip(("hidden", "residual"), ours, theirs, strict=True):
+            b = b[: a.shape[0]]
+            rows = (a != b).any(-1).nonzero().flatten().tolist()
+            entry[name] = {"rows_differing": len(rows), "first_row": rows[0] if rows else None,
+                           "max_abs": (a.float() - b.float()).abs().max().item()}  # fmt: skip
+        per_layer.append(entry)
+    found["layers"] = {"sequence": index, "length": len(seq), "engine_layer_calls": len(engine_layers),
+                       "per_layer": per_layer}  # fmt: skip
+print(RESULT, json.dumps(found if len(found) > 1 else found["decode_vs_prefill"]), flush=True)

@@ -153,8 +153,8 @@ class RolloutReport:
 FP8_KV_EXACT_CAVEAT = (
     "exact_on_policy=True with fp8_kv_cache=True is exact on short sequences only: FlashAttention-3's decode over an "
     "FP8 cache gives the bits of its prefill at positions 0-16 but not at 127 (measured on vLLM 0.26), so longer "
-    "completions keep a small mismatch, which fp8/mismatch/* reports (and TIS, if on, corrects). fp8_kv_cache=False "
-    "keeps the whole rollout exact."
+    "completions keep a mismatch, which fp8/mismatch/* reports and TIS corrects (keep it on). fp8_kv_cache=False "
+    "comes closer (docs/rollouts.md)."
 )
 
 
