@@ -206,8 +206,8 @@ def test_flashattention3_decode_of_a_position_equals_that_row_of_the_prefill(cac
     Qwen3-8B's query and KV heads (32, 8) and the 76M accuracy model's (6, 2: three query heads a KV head). `fp8`: the
     cache and the query in float8_e4m3fn with per-sequence, per-KV-head descales, as `FlashAttentionImpl` hands an
     FP8 KV cache and its quantized query to the kernel. A failure lists every position whose decode differs, whether
-    the same decode launched beside a prefill (vLLM's mixed steps, max_seqlen_q 2) gives the prefill's bits there,
-    and whether the decode alone gives the batched decode's; the decode alone must."""
+    the same decode launched beside a prefill (vLLM's mixed steps, max_seqlen_q 2) gives the prefill's bits there or
+    the decode's, and whether the decode alone gives the batched decode's; the decode alone must."""
     pytest.importorskip("vllm")
     try:
         from vllm.vllm_flash_attn import flash_attn_varlen_func
@@ -246,7 +246,7 @@ def test_flashattention3_decode_of_a_position_equals_that_row_of_the_prefill(cac
                      torch.tensor([length], dtype=torch.int32, device="cuda"), block_table[:1])  # fmt: skip
     other_lens = [511, 17, 128]
     positions = (0, 1, 15, 16, 17, 31, 32, 63, 64, 65, 127, 128, 129, 159, 160, 161, 223, 224, 255, 299)
-    differ, mixed_differ, alone_differ = {}, {}, {}
+    differ, mixed_differ, mixed_vs_decode, alone_differ = {}, {}, {}, {}
 
     def record(found: dict, p: int, a: torch.Tensor, b: torch.Tensor) -> None:
         difference = _first_difference(a, b)
@@ -266,13 +266,16 @@ def test_flashattention3_decode_of_a_position_equals_that_row_of_the_prefill(cac
         record(differ, p, decode[0], prefill[p])
         chunk = torch.cat([query.view(torch.uint8), others[:2].view(torch.uint8)]).view(dtype)
         lens_mixed = torch.cat([seq_lens, torch.tensor([64], dtype=torch.int32, device="cuda")])
-        record(mixed_differ, p, attend(chunk, cu_mixed, 2, lens_mixed, table_mixed)[0], prefill[p])
+        mixed = attend(chunk, cu_mixed, 2, lens_mixed, table_mixed)[0]
+        record(mixed_differ, p, mixed, prefill[p])
+        record(mixed_vs_decode, p, mixed, decode[0])  # (may the engine's mixed steps stand for its decodes?)
         # the decode without the batch's other sequences
         record(alone_differ, p, attend(query[:1], one, 1, seq_lens[:1], block_table[:1])[0], decode[0])
     assert not differ, (
         f"FA3 ({cache} cache) decode vs the prefill's row differs at positions {sorted(differ)} of {positions} "
         f"(first: {next(iter(differ.values()))}); the same decode in a launch that also prefills (max_seqlen_q 2) "
-        f"differs at {sorted(mixed_differ)}; the decode alone differs from the batched one at {sorted(alone_differ)}"
+        f"differs at {sorted(mixed_differ)} and from the decode at {sorted(mixed_vs_decode)}; the decode alone differs "
+        f"from the batched one at {sorted(alone_differ)}"
     )
     assert not alone_differ, f"FA3 ({cache} cache) decode alone vs batched: {alone_differ}"
 
