@@ -19,13 +19,14 @@ failure to unmark): FlashAttention-3's decode over an FP8 cache against its pref
 engine's decode against its own prefill over 512-token completions at the 76M shape.
 """
 
-import importlib.metadata
 import json
 import subprocess
 import sys
 
 import pytest
 import torch
+
+from trl_fp8.stack import installed_versions, release
 
 from conftest import WORKERS, clean_subprocess_env, run_child
 
@@ -37,14 +38,7 @@ HIDDEN = 4096  # Qwen3-8B's
 HEAD_DIM = 128
 
 
-def _vllm_version() -> str:
-    try:
-        return importlib.metadata.version("vllm")
-    except importlib.metadata.PackageNotFoundError:
-        return ""
-
-
-ON_VLLM_026 = _vllm_version().startswith("0.26.")
+ON_VLLM_026 = release(installed_versions(("vllm",)).get("vllm", "")) == "0.26"
 
 
 def _first_difference(a: torch.Tensor, b: torch.Tensor) -> str:

@@ -11,6 +11,7 @@ comparison the tokens, how many differ, the largest difference, and where the fi
 """
 
 import argparse
+import contextlib
 import json
 import random
 import statistics
@@ -113,6 +114,40 @@ def compare(a, b) -> dict:
     }
 
 
+def first_differing(a, b) -> int:
+    """The index of the first sequence `a` and `b` score differently (0 if none)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), 0)
+
+
+def row_differences(ours, theirs) -> dict:
+    """How many rows of two per-token tensors differ, the first of them, and the largest difference."""
+    theirs = theirs[: ours.shape[0]]
+    rows = (ours != theirs).reshape(ours.shape[0], -1).any(-1).nonzero().flatten().tolist()
+    return {"rows_differing": len(rows), "first_row": rows[0] if rows else None,
+            "max_abs": (ours.float() - theirs.float()).abs().max().item()}  # fmt: skip
+
+
+@contextlib.contextmanager
+def outputs_of(modules: dict):
+    """key -> the outputs (tuples kept whole) of `modules[key]` at each forward while the block runs."""
+    calls = {key: [] for key in modules}
+
+    def keep(key):
+        def hook(module, inputs, out):
+            calls[key].append(
+                tuple(t.detach().clone() for t in out) if isinstance(out, tuple) else out.detach().clone()
+            )
+
+        return hook
+
+    hooks = [module.register_forward_hook(keep(key)) for key, module in modules.items()]
+    try:
+        yield calls
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
 found = {name: compare(a, b) for name, (a, b) in runs.items()}
 
 if args.decode_layers:  # where the engine's decode leaves its prefill: each layer's attention
@@ -121,52 +156,35 @@ if args.decode_layers:  # where the engine's decode leaves its prefill: each lay
 
     from trl_fp8.rollout.vllm._compat import engine_model
 
-    decode_lp, prefill_lp = runs["decode_vs_prefill"]
-    index = next((i for i, (x, y) in enumerate(zip(decode_lp, prefill_lp, strict=True)) if x != y), 0)
+    index = first_differing(*runs["decode_vs_prefill"])
     modules = {}
     for n, layer in enumerate(engine_model(llm).model.layers):
-        modules[(n, "attention")], modules[(n, "layer")] = layer.self_attn.attn, layer
-    calls = {key: [] for key in modules}
+        modules[f"{n}.attention"], modules[f"{n}.layer"] = layer.self_attn.attn, layer
 
-    def keep(key):
-        def hook(module, inputs, out):
-            calls[key].append((out[0] if isinstance(out, tuple) else out).detach().clone())
+    def hidden(out):  # an attention's output, or a layer's hidden states (not its residual)
+        return out[0] if isinstance(out, tuple) else out
 
-        return hook
-
-    hooks = [module.register_forward_hook(keep(key)) for key, module in modules.items()]
-    generated = llm.generate([{"prompt_token_ids": prompts[index]}],
-                             SamplingParams(temperature=1.0, max_tokens=args.tokens, seed=1, ignore_eos=True))  # fmt: skip
+    with outputs_of(modules) as calls:
+        generated = llm.generate([{"prompt_token_ids": prompts[index]}],
+                                 SamplingParams(temperature=1.0, max_tokens=args.tokens, seed=1, ignore_eos=True))  # fmt: skip
     # the prompt's prefill, then one row a decode step (the row of the step's one sequence comes first)
-    decoded = {key: torch.cat([c[0], *(step[:1] for step in c[1:])]) for key, c in calls.items()}
-    for c in calls.values():
-        c.clear()
+    decoded = {key: torch.cat([hidden(c[0]), *(hidden(step)[:1] for step in c[1:])])
+               for key, c in calls.items()}  # fmt: skip
     seq = prompts[index] + list(generated[0].outputs[0].token_ids)
-    llm.generate([{"prompt_token_ids": seq}], SamplingParams(max_tokens=1))
-    for hook in hooks:
-        hook.remove()
-    first = {}
-    for key, rows in decoded.items():
-        prefilled = calls[key][0][: rows.shape[0]]
-        differ = (rows != prefilled).reshape(rows.shape[0], -1).any(-1).nonzero().flatten().tolist()
-        first[f"{key[0]}.{key[1]}"] = {"first_position": differ[0] if differ else None, "positions": len(differ),
-                                       "max_abs": (rows.float() - prefilled.float()).abs().max().item()}  # fmt: skip
-    found["decode_layers"] = {"sequence": index, "prompt": len(prompts[index]), "rows": len(seq) - 1, **first}
+    with outputs_of(modules) as calls:
+        llm.generate([{"prompt_token_ids": seq}], SamplingParams(max_tokens=1))
+    per_module = {key: row_differences(rows, hidden(calls[key][0])) for key, rows in decoded.items()}
+    found["decode_layers"] = {"sequence": index, "prompt": len(prompts[index]), "rows": len(seq) - 1, **per_module}
 
 if args.layers:  # where the trainer and the engine's prefill part: each layer's (hidden, residual)
     import trl_fp8.nn.exact_forward as exact_forward
     from trl_fp8.rollout.vllm._compat import engine_model
 
-    trainer_logps, prefill_logps = runs["trainer_vs_prefill"]
-    index = next((i for i, (x, y) in enumerate(zip(trainer_logps, prefill_logps, strict=True)) if x != y), 0)
+    index = first_differing(*runs["trainer_vs_prefill"])
     seq = sequences[index]
-    engine_layers, trainer_layers = [], []
-    hooks = [layer.register_forward_hook(lambda m, i, out: engine_layers.append([t.detach().clone() for t in out]))
-             for layer in engine_model(llm).model.layers]  # fmt: skip
-    llm.generate([{"prompt_token_ids": seq}], SamplingParams(max_tokens=1))  # one forward: the prefill
-    for hook in hooks:
-        hook.remove()
-    layer_fn = exact_forward._layer
+    with outputs_of(dict(enumerate(engine_model(llm).model.layers))) as engine_calls:
+        llm.generate([{"prompt_token_ids": seq}], SamplingParams(max_tokens=1))  # one forward: the prefill
+    layer_fn, trainer_layers = exact_forward._layer, []
 
     def recorded(*a, **k):
         out = layer_fn(*a, **k)
@@ -180,14 +198,9 @@ if args.layers:  # where the trainer and the engine's prefill part: each layer's
                              kernels=kernels)  # fmt: skip
     exact_forward._layer = layer_fn
     per_layer = []
-    for n, (ours, theirs) in enumerate(zip(trainer_layers, engine_layers, strict=False)):
-        entry = {"layer": n}
-        for name, a, b in zip(("hidden", "residual"), ours, theirs, strict=True):
-            b = b[: a.shape[0]]
-            rows = (a != b).any(-1).nonzero().flatten().tolist()
-            entry[name] = {"rows_differing": len(rows), "first_row": rows[0] if rows else None,
-                           "max_abs": (a.float() - b.float()).abs().max().item()}  # fmt: skip
-        per_layer.append(entry)
-    found["layers"] = {"sequence": index, "length": len(seq), "engine_layer_calls": len(engine_layers),
-                       "per_layer": per_layer}  # fmt: skip
+    for n, (ours, theirs) in enumerate(zip(trainer_layers, engine_calls.values(), strict=False)):
+        pairs = zip(("hidden", "residual"), ours, theirs[0], strict=True)  # (the prefill: each layer's one call)
+        per_layer.append({"layer": n, **{name: row_differences(a, b) for name, a, b in pairs}})
+    found["layers"] = {"sequence": index, "length": len(seq),
+                       "engine_layer_calls": sum(len(c) for c in engine_calls.values()), "per_layer": per_layer}  # fmt: skip
 print(RESULT, json.dumps(found if len(found) > 1 else found["decode_vs_prefill"]), flush=True)
