@@ -39,6 +39,22 @@ def test_exact_mode_refuses_what_it_cannot_make_exact_naming_the_fix(fake_vllm, 
     assert named in str(error.value)
 
 
+def test_exact_mode_refuses_a_vllm_release_that_is_not_exact_naming_the_release_that_is(
+    fake_vllm, tmp_path, monkeypatch
+):
+    """vLLM 0.26's batch-invariant mode is not exact (its fused add + RMSNorm follows the launch's row count): the
+    config stops there, before a model is loaded, and names vLLM 0.31."""
+    from trl_fp8.rollout.vllm import exact
+
+    monkeypatch.setattr(exact, "installed_versions", lambda packages: {"vllm": "0.26.0"})
+    with pytest.raises(
+        ValueError, match=r"exact_on_policy=True needs vLLM 0.31 .*vLLM 0\.26\.0 is not exact: .*RMSNorm"
+    ):
+        _config(tmp_path, vllm_mode="colocate")
+    monkeypatch.setattr(exact, "installed_versions", lambda packages: {"vllm": "0.31.0"})
+    assert _config(tmp_path, vllm_mode="colocate").exact_on_policy is True
+
+
 def test_exact_mode_keeps_the_kv_cache_in_bf16_where_the_planner_would_choose(fake_vllm, tmp_path):
     assert _config(tmp_path, vllm_mode="colocate").fp8_kv_cache is False
     assert _config(tmp_path, vllm_mode="colocate", fp8_kv_cache=True).fp8_kv_cache is True  # asked for: kept

@@ -49,6 +49,23 @@ def test_a_vllm_without_the_mode_or_no_vllm_stops_exact_mode_with_the_fix(tmp_pa
         exact.exact_engine()
 
 
+def test_exact_mode_refuses_vllm_026_whose_decode_and_prefill_round_differently(tmp_path, monkeypatch):
+    """A vLLM with the mode but not exact in it (`NOT_EXACT`: 0.26) stops exact mode with the reason and the fix;
+    the tested 0.31, another release, or no vLLM at all is not refused on that ground."""
+    assert "0.26.0 is not exact" in exact.release_not_exact("0.26.0") and "0.31" in exact.release_not_exact("0.26.1")
+    assert exact.release_not_exact("0.31.0") is None and exact.release_not_exact("0.32.0") is None
+    monkeypatch.setattr(exact, "installed_versions", lambda packages: {})
+    assert exact.release_not_exact() is None
+    module = tmp_path / "vllm" / exact.BATCH_INVARIANT_FILES["0.26"]
+    module.parent.mkdir(parents=True)
+    module.write_text("")
+    monkeypatch.setattr(exact, "vllm_package_dirs", lambda: [tmp_path / "vllm"])
+    monkeypatch.setattr(exact, "installed_versions", lambda packages: {"vllm": "0.26.0"})
+    with pytest.raises(RuntimeError, match=r"Exact mode cannot run: vLLM 0\.26\.0 is not exact.*Install vLLM 0\.31"):
+        exact.exact_engine()
+    assert exact.ExactEngine().env == exact.EXACT_ENGINE_ENV  # (the settings alone: what the GPU gates measure)
+
+
 def test_the_engines_attention_scales_are_copied_in_layer_order_with_its_query_quantizer(monkeypatch):
     """`_compat.engine_attention_scales`: each attention layer's (q, k, v) scales, by the layer number in its name
     (not the order the modules were registered in), copied (a sleeping engine's tensors go away, and a later sync

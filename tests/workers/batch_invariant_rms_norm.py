@@ -1,7 +1,9 @@
 """vLLM's RMSNorm as its batch-invariant mode runs it (`rms_norm_batch_invariant`: its Triton kernel without the
-residual add, the CUDA fused add + RMSNorm with it), on the first 8 rows alone and within 300 (the exactness gates,
-`tests/gpu/test_exactness_gates_gpu.py`). A process of its own: vLLM's CUDA kernels read `VLLM_BATCH_INVARIANT` once
-per process, and outside the mode they pick their block size by row count. Prints one JSON line.
+residual add, the CUDA fused add + RMSNorm with it), on 4,096 rows in one launch against the same rows in launches of
+8 (a decode step's rows against a prefill's), at the hidden sizes of the 76M accuracy model (768) and Qwen3-8B (4096):
+the exactness gates, `tests/gpu/test_exactness_gates_gpu.py`. A process of its own: vLLM's CUDA kernels read
+`VLLM_BATCH_INVARIANT` once per process, and outside the mode they pick their block size by row count. Prints one
+JSON line.
 
     VLLM_BATCH_INVARIANT=1 python batch_invariant_rms_norm.py
 """
@@ -16,37 +18,40 @@ except ImportError:
     from vllm.model_executor.layers.batch_invariant import rms_norm_batch_invariant
 
 RESULT = "rms-norm-rows:"  # the line the test reads
-HIDDEN = 4096  # Qwen3-8B's
+ROWS, CHUNK = 4096, 8  # (a rounding flip is rare per element: thousands of rows make a reordered sum show)
+EPS = 1e-6
 
 
-def rows(m: int, seed: int) -> torch.Tensor:
+def rows(m: int, hidden: int, seed: int) -> torch.Tensor:
     g = torch.Generator(device="cuda").manual_seed(seed)
-    return torch.randn(m, HIDDEN, device="cuda", generator=g).mul(4).bfloat16()
+    return torch.randn(m, hidden, device="cuda", generator=g).mul(4).bfloat16()
 
 
 def difference(a: torch.Tensor, b: torch.Tensor) -> str:
     if torch.equal(a, b):
         return "equal"
-    diff = a.float() != b.float()
-    where = tuple(int(i) for i in diff.nonzero()[0])
+    differ = (a != b).any(-1)
     gap = (a.float() - b.float()).abs().max().item()
-    return f"{int(diff.sum())} of {diff.numel()} elements differ, first at {where}, largest gap {gap:.3g}"
+    return f"{int(differ.sum())} of {a.shape[0]} rows differ, the first row {int(differ.nonzero()[0])}, largest gap {gap:.3g}"
 
 
-x, r = rows(300, 2), rows(300, 3)
-w = (1 + 0.1 * rows(1, 4).float()).bfloat16().view(-1)
-eps = 1e-6
+def norm(x: torch.Tensor, w: torch.Tensor, r: torch.Tensor | None):
+    """One launch over all of `x`'s rows: (output, residual) with the residual add, (output, None) without."""
+    if r is None:
+        return rms_norm_batch_invariant(x.contiguous(), w, EPS), None
+    return rms_norm_batch_invariant(x.clone(), w, EPS, residual=r.clone())  # (in place: copies)
 
 
-def with_residual(m: int):
-    return rms_norm_batch_invariant(x[:m].clone(), w, eps, residual=r[:m].clone())  # (in place: copies)
-
-
-(out8, res8), (out300, res300) = with_residual(8), with_residual(300)
-found = {
-    "without residual": difference(rms_norm_batch_invariant(x[:8].contiguous(), w, eps),
-                                   rms_norm_batch_invariant(x, w, eps)[:8]),
-    "with residual, output": difference(out8, out300[:8]),
-    "with residual, residual": difference(res8, res300[:8]),
-}  # fmt: skip
+found = {}
+for hidden in (768, 4096):
+    x, r = rows(ROWS, hidden, 2), rows(ROWS, hidden, 3)
+    w = (1 + 0.1 * rows(1, hidden, 4).float()).bfloat16().view(-1)
+    for residual in (None, r):
+        whole = norm(x, w, residual)
+        pieces = [norm(x[i : i + CHUNK], w, None if residual is None else residual[i : i + CHUNK])
+                  for i in range(0, ROWS, CHUNK)]  # fmt: skip
+        what = f"hidden {hidden}, " + ("without residual" if residual is None else "with residual")
+        found[what + ", output"] = difference(torch.cat([p[0] for p in pieces]), whole[0])
+        if residual is not None:
+            found[what + ", residual"] = difference(torch.cat([p[1] for p in pieces]), whole[1])
 print(RESULT + json.dumps(found), flush=True)

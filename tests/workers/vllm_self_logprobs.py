@@ -7,7 +7,7 @@ comparison the tokens, how many differ, the largest difference, and where the fi
 
     python vllm_self_logprobs.py MODEL_DIR [--sequences 16] [--tokens 64] [--trainer BF16_DIR [--layers]]
                                  [--no_cudagraphs [--decode_layers]]
-    # run with `rollout.vllm.exact.exact_engine().env` in the environment
+    # run with `rollout.vllm.exact.ExactEngine().env` in the environment
 """
 
 import argparse
@@ -18,7 +18,7 @@ import statistics
 
 from vllm import LLM, SamplingParams
 
-from trl_fp8.rollout.vllm.exact import exact_engine
+from trl_fp8.rollout.vllm.exact import ExactEngine
 
 RESULT = "self-logprobs:"  # the line the test reads, among vLLM's own output
 parser = argparse.ArgumentParser()
@@ -39,7 +39,7 @@ if args.decode_layers and not args.no_cudagraphs:
 if args.layers and not args.trainer:
     parser.error("--layers compares the trainer's layers: give --trainer BF16_DIR")
 # exact mode's engine settings (its environment came with the process: vLLM reads it at import)
-engine_kwargs = exact_engine().llm_kwargs
+engine_kwargs = ExactEngine().llm_kwargs
 if args.no_cudagraphs:  # (forward hooks see decode steps only outside CUDA graphs)
     engine_kwargs["compilation_config"] = {**engine_kwargs["compilation_config"], "cudagraph_mode": "NONE"}
 llm = LLM(model=args.model, gpu_memory_utilization=0.2, max_model_len=64 + args.tokens, seed=0, **engine_kwargs)
@@ -135,7 +135,9 @@ def outputs_of(modules: dict):
     def keep(key):
         def hook(module, inputs, out):
             calls[key].append(
-                tuple(t.detach().clone() for t in out) if isinstance(out, tuple) else out.detach().clone()
+                tuple(None if t is None else t.detach().clone() for t in out)  # (a linear's bias: None)
+                if isinstance(out, tuple)
+                else out.detach().clone()
             )
 
         return hook
@@ -150,31 +152,98 @@ def outputs_of(modules: dict):
 
 found = {name: compare(a, b) for name, (a, b) in runs.items()}
 
-if args.decode_layers:  # where the engine's decode leaves its prefill: each layer's attention
-    # output and layer output, step by step, against the prefill of the same tokens
+if args.decode_layers:  # where the engine's decode leaves its prefill: each op's output, row by row, as the batch
+    # of sampled sequences is decoded again, against the prefill of the same tokens (every op site of each layer)
     import torch
 
     from trl_fp8.rollout.vllm._compat import engine_model
 
-    index = first_differing(*runs["decode_vs_prefill"])
+    net = engine_model(llm).model
+    sites = ("input_layernorm", "self_attn.qkv_proj", "self_attn.q_norm", "self_attn.k_norm", "self_attn.rotary_emb",
+             "self_attn.attn", "self_attn.o_proj", "post_attention_layernorm", "mlp.gate_up_proj", "mlp.act_fn",
+             "mlp.down_proj", "")  # fmt: skip
     modules = {}
-    for n, layer in enumerate(engine_model(llm).model.layers):
-        modules[f"{n}.attention"], modules[f"{n}.layer"] = layer.self_attn.attn, layer
+    for n, layer in enumerate(net.layers):
+        for site in sites:
+            module = layer.get_submodule(site) if site else layer
+            modules[f"{n}.{site or 'layer'}"] = module
+    modules["norm"] = net.norm
 
-    def hidden(out):  # an attention's output, or a layer's hidden states (not its residual)
+    def hidden(out):  # a module's first output (a layer's hidden states, a linear's product, a rotary's query)
         return out[0] if isinstance(out, tuple) else out
 
-    with outputs_of(modules) as calls:
-        generated = llm.generate([{"prompt_token_ids": prompts[index]}],
-                                 SamplingParams(temperature=1.0, max_tokens=args.tokens, seed=1, ignore_eos=True))  # fmt: skip
-    # the prompt's prefill, then one row a decode step (the row of the step's one sequence comes first)
-    decoded = {key: torch.cat([hidden(c[0]), *(hidden(step)[:1] for step in c[1:])])
-               for key, c in calls.items()}  # fmt: skip
-    seq = prompts[index] + list(generated[0].outputs[0].token_ids)
-    with outputs_of(modules) as calls:
-        llm.generate([{"prompt_token_ids": seq}], SamplingParams(max_tokens=1))
-    per_module = {key: row_differences(rows, hidden(calls[key][0])) for key, rows in decoded.items()}
-    found["decode_layers"] = {"sequence": index, "prompt": len(prompts[index]), "rows": len(seq) - 1, **per_module}
+    def positions_of(calls):  # each forward's positions, kept by a pre-hook on the first layer (the model's own
+        # call bypasses hooks: vLLM's compile decorator replaces it)
+        def keep(module, args, kwargs):
+            calls.append((kwargs["positions"] if "positions" in kwargs else args[0]).detach().clone())
+
+        return net.layers[0].register_forward_pre_hook(keep, with_kwargs=True)
+
+    decode_positions, prefill_positions = [], []
+    hook = positions_of(decode_positions)
+    with outputs_of(modules) as decode_calls:
+        again = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                             SamplingParams(temperature=1.0, max_tokens=args.tokens, seed=1, ignore_eos=True))  # fmt: skip
+    hook.remove()
+    same_tokens = all(
+        list(o.outputs[0].token_ids) == s[len(p) :] for o, s, p in zip(again, sequences, prompts, strict=True)
+    )
+    hook = positions_of(prefill_positions)
+    with outputs_of(modules) as prefill_calls:
+        llm.generate([{"prompt_token_ids": s} for s in sequences], SamplingParams(max_tokens=1))
+    hook.remove()
+
+    def split_prefill(rows, positions):
+        """A prefill's rows (all forwards', in order) split where positions restart: one piece per sequence."""
+        starts = (positions == 0).nonzero().flatten().tolist() + [positions.shape[0]]
+        return [rows[a:b] for a, b in zip(starts[:-1], starts[1:], strict=True)]
+
+    def in_order(pieces, lengths, what):  # the engine orders a step's sequences its own way: match them by length
+        if sorted(len(p) for p in pieces) != sorted(lengths) or len(set(lengths)) != len(lengths):
+            raise SystemExit(f"{what}: rows per sequence {[len(p) for p in pieces]}, expected {lengths}")
+        by_length = {len(p): p for p in pieces}
+        return [by_length[n] for n in lengths]
+
+    # each decode step's row of sequence i: the one at its position (the prompts' lengths differ)
+    rows_at = [[int((pos == len(p) + t - 1).nonzero()[0]) for p in prompts] for t, pos in enumerate(decode_positions)
+               if t > 0]  # fmt: skip
+    decoded, prefilled = {}, {}
+    for key in modules:
+        # the decode run: its first forward prefills the prompts, each later one decodes a row per sequence
+        prompt_rows = hidden(decode_calls[key][0])[: decode_positions[0].shape[0]]
+        pieces = in_order(split_prefill(prompt_rows, decode_positions[0]), [len(p) for p in prompts],
+                          f"{key}: the decode run's first forward")  # fmt: skip
+        steps = [hidden(out) for out in decode_calls[key][1:]]
+        decoded[key] = [torch.cat([piece, *(step[rows[i] : rows[i] + 1] for step, rows in zip(steps, rows_at, strict=True))])
+                        for i, piece in enumerate(pieces)]  # fmt: skip
+        # (the prefill's forwards are a module's last calls: a module ran once more than the first layer in one run)
+        last = prefill_calls[key][-len(prefill_positions) :]
+        rows = torch.cat([hidden(out)[: pos.shape[0]] for out, pos in zip(last, prefill_positions, strict=True)])
+        prefilled[key] = in_order(split_prefill(rows, torch.cat(prefill_positions)), [len(s) for s in sequences],
+                                  f"{key}: the prefill")  # fmt: skip
+
+    per_module, first = {}, None
+    for key in modules:
+        diffs = []
+        for i, (ours, theirs) in enumerate(zip(decoded[key], prefilled[key], strict=True)):
+            rows = min(len(ours), len(theirs))  # (the decode has no row for the last token)
+            d = row_differences(ours[:rows], theirs[:rows])
+            diffs.append({"sequence": i, "rows": rows, **d, "first_position": d["first_row"]})
+        differing = [d for d in diffs if d["rows_differing"]]
+        per_module[key] = {
+            "rows": sum(d["rows"] for d in diffs),
+            "rows_differing": sum(d["rows_differing"] for d in diffs),
+            "first_position": min((d["first_position"] for d in differing), default=None),
+            "max_abs": max((d["max_abs"] for d in diffs), default=0.0),
+        }
+    # the op that parts first: the earliest position any op differs at, and the first op (in forward order) there
+    earliest = min((m["first_position"] for m in per_module.values() if m["first_position"] is not None), default=None)
+    if earliest is not None:
+        first = next(k for k, m in per_module.items() if m["first_position"] == earliest)
+    found["decode_layers"] = {"calls": {k: [len(decode_calls[k]), len(prefill_calls[k])] for k in list(modules)[:3]},
+                              "same_tokens_sampled": same_tokens, "decode_forwards": len(decode_positions),
+                              "prefill_forwards": len(prefill_positions), "earliest_position": earliest,
+                              "first_op": first, "per_module": per_module}  # fmt: skip
 
 if args.layers:  # where the trainer and the engine's prefill part: each layer's (hidden, residual)
     import trl_fp8.nn.exact_forward as exact_forward

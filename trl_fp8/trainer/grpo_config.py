@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, fields
 from trl import GRPOConfig
 
 from trl_fp8.field_docs import field_help
+from trl_fp8.rollout.vllm.exact import release_not_exact
 from trl_fp8.trainer.config import FP8TrainingArguments
 
 TIS_MODES = ("auto", "token", "off")
@@ -50,9 +51,10 @@ class FP8GRPOConfig(FP8TrainingArguments, GRPOConfig):
             the engine's own kernels op by op (`trl_fp8.nn.exact_forward`), with its usual backward. Needs a dense
             Qwen3, Llama or Qwen2 model, `vllm_mode="colocate"` on one GPU and plain sampling (no top-p, top-k, min-p
             or penalties). The KV cache is BF16 unless `fp8_kv_cache=True` asks for FP8 (then the trainer quantizes
-            its queries, keys and values as the engine does, with the engine's scales). Experimental: exact on
-            short completions; over long ones (512 tokens) a small mismatch remains, larger with the FP8 cache
-            (docs/rollouts.md), so keep TIS on.
+            its queries, keys and values as the engine does, with the engine's scales). Needs vLLM 0.31 (0.26's
+            batch-invariant mode is not exact). Exact with the BF16 cache, 512-token completions included; with the
+            FP8 cache only on short sequences (FlashAttention-3's FP8 decode parts from its prefill from position
+            127), so keep TIS on there (docs/rollouts.md).
     """
 
     log_rollout_mismatch: bool = field(default=True, metadata=field_help(__doc__, "log_rollout_mismatch"))
@@ -118,6 +120,8 @@ class FP8GRPOConfig(FP8TrainingArguments, GRPOConfig):
             if getattr(self, name, neutral[0]) not in neutral:
                 needs.append(f"{name}={neutral[0]!r}, not {getattr(self, name)!r} (the engine's log-probabilities "
                              "would be of the filtered distribution)")  # fmt: skip
+        if (not_exact := release_not_exact()) is not None:
+            needs.append(f"vLLM 0.31 (pip install 'trl-fp8[vllm]'): {not_exact}")
         if needs:
             raise ValueError("exact_on_policy=True needs " + "; ".join(needs) + ".")
         if self.fp8_kv_cache is None:  # a BF16 cache unless asked (None would let the planner choose FP8)

@@ -12,6 +12,9 @@ lm_head, fixed RMSNorm kernels, FlashAttention with one split. The rest are engi
 - FlashAttention, and no prefix cache (a cached prefix was computed in another launch shape);
 - vLLM's V2 model runner, whose sampler computes the log-probabilities the trainer must match.
 
+vLLM 0.31 is exact so (`tests/gpu/test_exactness_gates_gpu.py`); vLLM 0.26 is not, and exact mode refuses it
+(`NOT_EXACT`).
+
 The mode is process-wide: vLLM overrides aten's softmax, log-softmax, mean and bmm in the process that builds the
 engine, which in colocate is the trainer's.
 """
@@ -29,6 +32,7 @@ import torch
 from trl_fp8.ops.exact import ExactKernels
 from trl_fp8.rollout.vllm._compat import vllm_package_dirs
 from trl_fp8.rollout.vllm.kernels import NO_E8M0
+from trl_fp8.stack import installed_versions, release
 
 __all__ = [
     "EXACT_ENGINE_ENV",
@@ -37,6 +41,7 @@ __all__ = [
     "batch_invariant_missing",
     "exact_engine",
     "exact_kernels",
+    "release_not_exact",
 ]
 
 EXACT_ENGINE_ENV = {
@@ -51,6 +56,16 @@ EXACT_LLM_KWARGS = {
     # mode 0: no Inductor (its fused kernels are not the ones a trainer calls); CUDA graphs for decode steps only
     "compilation_config": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"},
     "enable_prefix_caching": False,
+}
+# vLLM releases whose batch-invariant mode is not invariant where exact mode needs it, and why (measured on one H200,
+# 2026-12-03: their decode gives other bits than their prefill of the same tokens).
+NOT_EXACT = {
+    "0.26": (
+        "its batch-invariant mode keeps the residual add + RMSNorm on a CUDA kernel whose block width follows the "
+        "launch's row count (1,024 threads under 256 rows, 256 from there), so a decode step and a prefill round the "
+        "same row differently and 512-token completions part by up to 0.1 in log-probability (fixed in vLLM 0.31 by "
+        "its pull request 48391)"
+    ),
 }
 # Where each tested vLLM keeps its batch-invariant mode (it moved between the two).
 BATCH_INVARIANT_FILES = {
@@ -85,14 +100,22 @@ def batch_invariant_missing() -> str | None:
         return None
     return (
         f"the installed vLLM ({roots[0]}) has no batch-invariant mode (looked for "
-        f"{', '.join(BATCH_INVARIANT_FILES.values())}); exact mode is tested on vLLM 0.26 and 0.31"
+        f"{', '.join(BATCH_INVARIANT_FILES.values())}); exact mode runs on vLLM 0.31"
     )
+
+
+def release_not_exact(vllm_version: str | None = None) -> str | None:
+    """Why the installed vLLM (or `vllm_version`) cannot be exact in its batch-invariant mode, or None."""
+    if vllm_version is None:
+        vllm_version = installed_versions(("vllm",)).get("vllm")
+    reason = NOT_EXACT.get(release(vllm_version)) if vllm_version else None
+    return f"vLLM {vllm_version} is not exact: {reason}" if reason else None
 
 
 def exact_engine() -> ExactEngine:
     """The exact-mode engine settings for the installed vLLM; raises, naming the fix, where it has no batch-invariant
-    mode."""
-    missing = batch_invariant_missing()
+    mode or one that is not exact (`NOT_EXACT`)."""
+    missing = batch_invariant_missing() or release_not_exact()
     if missing is not None:
         raise RuntimeError(f"Exact mode cannot run: {missing}. Install vLLM 0.31 (pip install 'trl-fp8[vllm]').")
     return ExactEngine()
