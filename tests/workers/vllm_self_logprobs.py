@@ -168,6 +168,11 @@ if args.decode_layers:  # where the engine's decode leaves its prefill: each op'
             module = layer.get_submodule(site) if site else layer
             modules[f"{n}.{site or 'layer'}"] = module
     modules["norm"] = net.norm
+    # a module every layer shares (vLLM caches one rotary embedding for all) runs once a layer: its calls cannot be
+    # told apart by forward, so it is left out and named
+    seen = [id(m) for m in modules.values()]
+    shared = sorted({key.split(".", 1)[1] for key, m in modules.items() if seen.count(id(m)) > 1})
+    modules = {key: m for key, m in modules.items() if seen.count(id(m)) == 1}
 
     def hidden(out):  # a module's first output (a layer's hidden states, a linear's product, a rotary's query)
         return out[0] if isinstance(out, tuple) else out
@@ -216,9 +221,8 @@ if args.decode_layers:  # where the engine's decode leaves its prefill: each op'
         steps = [hidden(out) for out in decode_calls[key][1:]]
         decoded[key] = [torch.cat([piece, *(step[rows[i] : rows[i] + 1] for step, rows in zip(steps, rows_at, strict=True))])
                         for i, piece in enumerate(pieces)]  # fmt: skip
-        # (the prefill's forwards are a module's last calls: a module ran once more than the first layer in one run)
-        last = prefill_calls[key][-len(prefill_positions) :]
-        rows = torch.cat([hidden(out)[: pos.shape[0]] for out, pos in zip(last, prefill_positions, strict=True)])
+        outs = prefill_calls[key]
+        rows = torch.cat([hidden(out)[: pos.shape[0]] for out, pos in zip(outs, prefill_positions, strict=True)])
         prefilled[key] = in_order(split_prefill(rows, torch.cat(prefill_positions)), [len(s) for s in sequences],
                                   f"{key}: the prefill")  # fmt: skip
 
@@ -240,10 +244,9 @@ if args.decode_layers:  # where the engine's decode leaves its prefill: each op'
     earliest = min((m["first_position"] for m in per_module.values() if m["first_position"] is not None), default=None)
     if earliest is not None:
         first = next(k for k, m in per_module.items() if m["first_position"] == earliest)
-    found["decode_layers"] = {"calls": {k: [len(decode_calls[k]), len(prefill_calls[k])] for k in list(modules)[:3]},
-                              "same_tokens_sampled": same_tokens, "decode_forwards": len(decode_positions),
-                              "prefill_forwards": len(prefill_positions), "earliest_position": earliest,
-                              "first_op": first, "per_module": per_module}  # fmt: skip
+    found["decode_layers"] = {"shared_modules_left_out": shared, "same_tokens_sampled": same_tokens,
+                              "decode_forwards": len(decode_positions), "prefill_forwards": len(prefill_positions),
+                              "earliest_position": earliest, "first_op": first, "per_module": per_module}  # fmt: skip
 
 if args.layers:  # where the trainer and the engine's prefill part: each layer's (hidden, residual)
     import trl_fp8.nn.exact_forward as exact_forward
