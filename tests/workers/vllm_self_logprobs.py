@@ -28,8 +28,8 @@ parser.add_argument("--tokens", type=int, default=64)
 parser.add_argument("--trainer", default=None)
 parser.add_argument("--no_cudagraphs", action="store_true", help="decode without CUDA graphs (cudagraph_mode NONE)")
 parser.add_argument("--decode_layers", action="store_true",
-                    help="with --no_cudagraphs: each layer's attention and layer output, decode vs prefill, on the "
-                    "first sequence the engine scores differently from its decode")  # fmt: skip
+                    help="with --no_cudagraphs: every op's output in every layer, row by row, as the engine decodes "
+                    "the sequences again, against its prefill of them; names the first op that parts")  # fmt: skip
 parser.add_argument("--layers", action="store_true",
                     help="with --trainer: each decoder layer's output, engine (prefill) vs trainer, on the first "
                     "sequence they score differently")  # fmt: skip
@@ -210,40 +210,32 @@ if args.decode_layers:  # where the engine's decode leaves its prefill: each op'
         return [by_length[n] for n in lengths]
 
     # each decode step's row of sequence i: the one at its position (the prompts' lengths differ)
-    rows_at = [[int((pos == len(p) + t - 1).nonzero()[0]) for p in prompts] for t, pos in enumerate(decode_positions)
-               if t > 0]  # fmt: skip
-    decoded, prefilled = {}, {}
+    step_rows = [[int((pos == len(p) + t - 1).nonzero()[0]) for p in prompts]
+                 for t, pos in enumerate(decode_positions) if t > 0]  # fmt: skip
+    per_module = {}
     for key in modules:
         # the decode run: its first forward prefills the prompts, each later one decodes a row per sequence
         prompt_rows = hidden(decode_calls[key][0])[: decode_positions[0].shape[0]]
         pieces = in_order(split_prefill(prompt_rows, decode_positions[0]), [len(p) for p in prompts],
                           f"{key}: the decode run's first forward")  # fmt: skip
         steps = [hidden(out) for out in decode_calls[key][1:]]
-        decoded[key] = [torch.cat([piece, *(step[rows[i] : rows[i] + 1] for step, rows in zip(steps, rows_at, strict=True))])
-                        for i, piece in enumerate(pieces)]  # fmt: skip
+        decoded = [torch.cat([piece, *(step[at[i] : at[i] + 1] for step, at in zip(steps, step_rows, strict=True))])
+                   for i, piece in enumerate(pieces)]  # fmt: skip
         outs = prefill_calls[key]
         rows = torch.cat([hidden(out)[: pos.shape[0]] for out, pos in zip(outs, prefill_positions, strict=True)])
-        prefilled[key] = in_order(split_prefill(rows, torch.cat(prefill_positions)), [len(s) for s in sequences],
-                                  f"{key}: the prefill")  # fmt: skip
-
-    per_module, first = {}, None
-    for key in modules:
-        diffs = []
-        for i, (ours, theirs) in enumerate(zip(decoded[key], prefilled[key], strict=True)):
-            rows = min(len(ours), len(theirs))  # (the decode has no row for the last token)
-            d = row_differences(ours[:rows], theirs[:rows])
-            diffs.append({"sequence": i, "rows": rows, **d, "first_position": d["first_row"]})
-        differing = [d for d in diffs if d["rows_differing"]]
+        prefilled = in_order(split_prefill(rows, torch.cat(prefill_positions)), [len(s) for s in sequences],
+                             f"{key}: the prefill")  # fmt: skip
+        # (the decode has no row for a sequence's last token: row_differences compares the decode's rows)
+        diffs = [row_differences(ours, theirs) for ours, theirs in zip(decoded, prefilled, strict=True)]
         per_module[key] = {
-            "rows": sum(d["rows"] for d in diffs),
+            "rows": sum(len(ours) for ours in decoded),
             "rows_differing": sum(d["rows_differing"] for d in diffs),
-            "first_position": min((d["first_position"] for d in differing), default=None),
-            "max_abs": max((d["max_abs"] for d in diffs), default=0.0),
+            "first_position": min((d["first_row"] for d in diffs if d["first_row"] is not None), default=None),
+            "max_abs": max(d["max_abs"] for d in diffs),
         }
     # the op that parts first: the earliest position any op differs at, and the first op (in forward order) there
     earliest = min((m["first_position"] for m in per_module.values() if m["first_position"] is not None), default=None)
-    if earliest is not None:
-        first = next(k for k, m in per_module.items() if m["first_position"] == earliest)
+    first = None if earliest is None else next(k for k, m in per_module.items() if m["first_position"] == earliest)
     found["decode_layers"] = {"shared_modules_left_out": shared, "same_tokens_sampled": same_tokens,
                               "decode_forwards": len(decode_positions), "prefill_forwards": len(prefill_positions),
                               "earliest_position": earliest, "first_op": first, "per_module": per_module}  # fmt: skip
