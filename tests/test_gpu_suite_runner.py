@@ -140,16 +140,19 @@ def test_lanes_per_gpu_share_a_gpu_but_never_with_a_wider_job(tmp_path, monkeypa
 JUNIT_STAND_IN = """
 import os, sys
 from _pytest.junitxml import mangle_test_address  # the classname and name pytest's JUnit file gives a node id
-outcomes = {outcomes!r}  # test function -> pass, vllm (failed on vLLM's start-up memory check), fail, skip:<reason>
+outcomes = {outcomes!r}  # test function -> pass, vllm / vllm_kv (failed on vLLM's start-up memory check: memory freed,
+# memory taken by the other lane), fail, skip:<reason>
 xml = next(a.split("=", 1)[1] for a in sys.argv if a.startswith("--junitxml="))
 if os.path.basename(xml).startswith("alone"):  # run again alone: nothing shares the GPU now
-    outcomes = {{name: outcome for name, outcome in outcomes.items() if outcome != "vllm"}}
+    outcomes = {{name: outcome for name, outcome in outcomes.items() if not outcome.startswith("vllm")}}
 args = sys.argv[1:]
 keyword = args[args.index("-k") + 1] if "-k" in args else ""  # as pytest's -k, for a plain word
 maxfail = 1 if "-x" in args else int(args[args.index("--maxfail") + 1]) if "--maxfail" in args else 0
 reports = {{
     "vllm": '<failure message="AssertionError: Error in memory profiling. Initial free memory 128.7 GiB, current '
     'free memory 138.3 GiB.">trace</failure>',
+    "vllm_kv": '<failure message="AssertionError: in main">[rank0]: ValueError: No available memory for the cache '
+    'blocks. Try increasing `gpu_memory_utilization`</failure>',
     "fail": '<failure message="assert 1 == 2">trace</failure>',
 }}
 cases, failures, skipped = [], 0, 0
@@ -188,12 +191,16 @@ def _main(tmp_path, monkeypatch, capsys, argv: list[str], needs: dict[str, int] 
     return code, capsys.readouterr().out
 
 
+@pytest.mark.parametrize("memory_check", ["vllm", "vllm_kv"])
 @pytest.mark.parametrize("real_failure", [False, True])
-def test_lanes_run_again_alone_only_what_failed_on_vllms_memory_check(tmp_path, monkeypatch, real_failure):
-    """Two lanes on one GPU: a test that failed on vLLM's start-up memory check (the other lane freed memory) runs
-    again alone and counts once, by that run; any other failure stays a failure."""
+def test_lanes_run_again_alone_only_what_failed_on_vllms_memory_check(
+    tmp_path, monkeypatch, real_failure, memory_check
+):
+    """Two lanes on one GPU: a test that failed on vLLM's start-up memory check (the other lane freed memory, or took
+    what this engine's KV cache was to have) runs again alone and counts once, by that run; any other failure stays a
+    failure."""
     sleep = "fail" if real_failure else "pass"
-    _use_junit_stand_in(tmp_path, monkeypatch, {"test_engine": "vllm", "test_sleep": sleep})
+    _use_junit_stand_in(tmp_path, monkeypatch, {"test_engine": memory_check, "test_sleep": sleep})
     tests = ["tests/gpu/test_d.py::test_engine", "tests/gpu/test_d.py::test_sleep", "tests/gpu/test_c.py::test_small"]
     jobs = run_suite.plan_jobs(dict.fromkeys(tests, 1), 1, DURATIONS, lanes_per_gpu=2)
     run = run_suite.run_planned(jobs, ["0"], tmp_path, [], DURATIONS, 2, poll_s=0.05)

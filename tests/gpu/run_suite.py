@@ -7,14 +7,15 @@ Tests that need several GPUs (`@pytest.mark.gpus(n)`) run first, each in a pytes
 (two two-GPU tests side by side on four GPUs). Then the one-GPU tests, split into one pytest process per GPU by
 their recorded durations (`tests/gpu/durations.json`; every run writes fresh ones to its log folder). On one GPU
 that is a single pytest process, and tests needing more GPUs report themselves skipped. `--lanes-per-gpu 2` runs two
-one-GPU processes on each GPU at once (their vLLM engines take 0.25 of a GPU each); a multi-GPU test still has its
-GPUs to itself. Sharing a GPU upsets one check of vLLM's: an engine starting while the other process frees memory
-stops ("Error in memory profiling"); the tests that failed so, and only those, run again at the end, one process per
-GPU, and the summary counts their second run and says how many there were. A lane whose every failure was that check
-but which stopped early (`-x`, `--maxfail`) has the tests it never reached run alone with them. Each process writes
-its log and JUnit file to the log folder, and what its tests keep (`TRL_FP8_ARTIFACTS`: vLLM server logs, a run's log
-history) to `<process>_artifacts/` there, unless that variable names a folder already; the last line sums them up,
-as pytest's own summary does.
+one-GPU processes on each GPU at once (their vLLM engines take 0.25 of a GPU each); a multi-GPU test still has its GPUs
+to itself. Sharing a GPU upsets one check of vLLM's: an engine starting while the other process frees memory stops
+("Error in memory profiling"), and one starting while the other takes memory finds none left for its KV cache ("No
+available memory for the cache blocks"); the tests that failed so, and only those, run again at the end, one process per
+GPU, and the summary counts their second run and says how many there were. A lane whose every failure was that check but
+which stopped early (`-x`, `--maxfail`) has the tests it never reached run alone with them. Each process writes its log
+and JUnit file to the log folder, and what its tests keep (`TRL_FP8_ARTIFACTS`: vLLM server logs, a run's log history)
+to `<process>_artifacts/` there, unless that variable names a folder already; the last line sums them up, as pytest's
+own summary does.
 
 Paths and pytest options select the tests as they would for pytest (collection uses them too). The suite passes only
 if every process ended well and every test it planned has a result in a JUnit file: a process is forgiven its
@@ -246,19 +247,21 @@ def skip_reasons(paths: list[Path]) -> Counter[str]:
     return Counter(skip.get("message", "") for path in paths for skip in junit_root(path).iter("skipped"))
 
 
-# vLLM sizes its engine by watching the GPU's free memory while the engine starts, and stops when that grows (another
-# process freed some): two lanes on one GPU do that to each other, whatever the test checks.
-SHARED_GPU_FAILURE = "Error in memory profiling"
+# vLLM sizes its engine by watching the GPU's free memory while the engine starts: it stops when that grows (another
+# process freed some), and finds no room for its KV cache when another process took memory meanwhile (it counts that
+# as its own): two lanes on one GPU do that to each other, whatever the test checks.
+SHARED_GPU_FAILURES = ("Error in memory profiling", "No available memory for the cache blocks")
 
 
 def shared_gpu_failures(path: Path, tests: list[str]) -> dict[str, list[str]]:
-    """The tests of pytest's JUnit file `path` that failed on vLLM's start-up memory check (`SHARED_GPU_FAILURE`):
+    """The tests of pytest's JUnit file `path` that failed on vLLM's start-up memory check (`SHARED_GPU_FAILURES`):
     node id -> the count each report of it took (`failed`, `errors`; a test failing and then erroring in teardown has
     both)."""
     out: dict[str, list[str]] = {}
     for test, case in junit_cases(path, tests).items():
         reports = [(tag, el) for tag in ("failure", "error") for el in case.findall(tag)]
-        if any(SHARED_GPU_FAILURE in (el.get("message", "") + (el.text or "")) for _, el in reports):
+        texts = [el.get("message", "") + (el.text or "") for _, el in reports]
+        if any(message in text for text in texts for message in SHARED_GPU_FAILURES):
             out[test] = ["failed" if tag == "failure" else "errors" for tag, _ in reports]
     return out
 
