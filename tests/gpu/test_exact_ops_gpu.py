@@ -108,6 +108,33 @@ def test_attention_on_vllms_kernel_gives_a_sequence_the_same_bits_alone_and_pack
     _within_rounding(packed, exact.reference_attention(q, k, v, cu, 300, HEAD**-0.5))
 
 
+def test_attention_gradient_over_the_pack_is_the_float64_gradient_within_bfloat16_rounding():
+    """The backward's recomputation: PyTorch's variable-length FlashAttention over the whole pack, query heads
+    sharing their group's key head, against each sequence's gradient in float64 (SDPA, the path other devices take).
+    A wrong causal mask, head grouping or sequence boundary moves a gradient by its own size, not by rounding."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from trl_fp8.ops.exact.attention import _varlen_flash, attention_gradients
+
+    if _varlen_flash() is None:
+        pytest.skip("this torch's varlen_attn takes no grouped-query heads (torch 2.13's does)")
+    lengths = [300, 17, 1, 190]
+    total = sum(lengths)
+    cu = torch.tensor([0, 300, 317, 318, 508], dtype=torch.int32, device="cuda")
+    q, k, v = (_rows(total, width=h * HEAD, seed=20 + i).view(total, h, HEAD) for i, h in enumerate((32, 8, 8)))
+    grad = _rows(total, width=32 * HEAD, seed=23).view(total, 32, HEAD)
+    flash = attention_gradients(q, k, v, grad, cu, max(lengths), HEAD**-0.5)
+    # on the CPU: a process that started an engine in exact mode has vLLM's Triton bmm in place of CUDA's
+    on_cpu = (t.double().cpu() for t in (q, k, v, grad))
+    reference = attention_gradients(*on_cpu, cu.cpu(), max(lengths), HEAD**-0.5)
+    for ours, exact_grad in zip(flash, reference, strict=True):
+        assert ours.dtype == torch.bfloat16 and ours.shape == exact_grad.shape
+        # FlashAttention's backward rounds the probabilities and their gradient to bfloat16 before its matmuls (fp32
+        # accumulation): a few roundings of the output's scale
+        scale = exact_grad.abs().max().item()
+        torch.testing.assert_close(ours.double().cpu(), exact_grad, rtol=4 * BF16_ULP, atol=4 * BF16_ULP * scale)
+
+
 def test_attention_over_an_fp8_cache_on_vllms_kernels_gives_a_sequence_the_same_bits_alone_and_packed(kernels):
     """The FP8 KV cache's path: keys and values written by vLLM's cache kernel, the query quantized by a static
     per-tensor `QuantFP8` (the engine's `Attention.query_quant`), FA3 descaling all three. Within FP8's rounding of

@@ -4,7 +4,11 @@ The engine decodes each token with FlashAttention-3 over its paged KV cache, one
 mode); with one split each row walks the keys in a fixed order, so the prefill of a whole sequence gives every row
 the bits its decode gave (`tests/gpu/test_exactness_gates_gpu.py`). The trainer calls that kernel on its packed
 sequences. FlashAttention-3 as vLLM builds it has no backward: the gradient recomputes the attention with PyTorch's
-`scaled_dot_product_attention` (one more forward per layer) and differentiates that.
+own and differentiates that (one more forward per layer). On the GPU that is PyTorch's variable-length FlashAttention
+(`torch.nn.attention.varlen.varlen_attn`), every sequence of the pack and every query head of a group in one call;
+elsewhere, `scaled_dot_product_attention` a sequence at a time. Not SDPA on the GPU: in exact mode vLLM's
+batch-invariant mode puts its Triton kernels in place of `aten::bmm` and softmax for the whole process, and at 8B the
+profile showed SDPA's grouped-query backward on them (six bmm launches per sequence and layer, 2.2 s a GRPO step).
 
 With an FP8 KV cache (`scales`: the layer's query, key and value scales as the engine holds them) the engine stores
 `k / k_scale` and `v / v_scale` in float8_e4m3fn, feeds FlashAttention-3 the query as `q / q_scale` in FP8 too, and
@@ -14,6 +18,7 @@ still the BF16 attention's (the rounding to FP8 passes the gradient straight thr
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -56,24 +61,50 @@ def reference_attention(q, k, v, cu_seqlens, max_seqlen, softmax_scale, scales=N
     return out
 
 
+def _varlen_flash():
+    """PyTorch's variable-length FlashAttention where it takes grouped-query heads (torch 2.13; vLLM 0.31, which exact
+    mode needs, pins it), else None."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn if "enable_gqa" in inspect.signature(varlen_attn).parameters else None
+
+
+def attention_gradients(q, k, v, grad, cu_seqlens, max_seqlen, softmax_scale):
+    """The gradients to `q`, `k` and `v` of causal attention over the packed sequences, for the output's gradient
+    `grad`: one variable-length FlashAttention call for the pack on a CUDA device (bf16/fp16), else PyTorch's SDPA
+    a sequence at a time."""
+    varlen_attn = _varlen_flash()
+    with torch.enable_grad():
+        if varlen_attn is not None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+            inputs = [t.detach().contiguous().requires_grad_() for t in (q, k, v)]  # FlashAttention's layout
+            cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+            out = varlen_attn(*inputs, cu, cu, max_seqlen, max_seqlen, scale=softmax_scale, window_size=(-1, 0),
+                              enable_gqa=True)  # fmt: skip
+            return torch.autograd.grad(out, inputs, grad.contiguous())
+        inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+        grads = [torch.zeros_like(t) for t in (q, k, v)]
+        for part in _per_sequence(cu_seqlens):
+            pieces = [t[part] for t in inputs]
+            parts = torch.autograd.grad(_sdpa(*pieces, softmax_scale), pieces, grad[part])
+            for whole, piece in zip(grads, parts, strict=True):
+                whole[part] = piece
+        return grads
+
+
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens, max_seqlen, softmax_scale, kernel, scales):
         ctx.save_for_backward(q, k, v, cu_seqlens)
         ctx.softmax_scale = softmax_scale
+        ctx.max_seqlen = max_seqlen
         return kernel(q, k, v, cu_seqlens, max_seqlen, softmax_scale, scales=scales)
 
     @staticmethod
     def backward(ctx, grad):
         q, k, v, cu_seqlens = ctx.saved_tensors
-        grads = [torch.zeros_like(t) for t in (q, k, v)]
-        for part in _per_sequence(cu_seqlens):
-            with torch.enable_grad():
-                inputs = [t[part].detach().requires_grad_() for t in (q, k, v)]
-                out = _sdpa(*inputs, ctx.softmax_scale)
-                parts = torch.autograd.grad(out, inputs, grad[part])
-            for whole, piece in zip(grads, parts, strict=True):
-                whole[part] = piece
+        grads = attention_gradients(q, k, v, grad, cu_seqlens, ctx.max_seqlen, ctx.softmax_scale)
         return *grads, None, None, None, None, None
 
 
