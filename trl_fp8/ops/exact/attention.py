@@ -18,6 +18,7 @@ still the BF16 attention's (the rounding to FP8 passes the gradient straight thr
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 
@@ -61,6 +62,7 @@ def reference_attention(q, k, v, cu_seqlens, max_seqlen, softmax_scale, scales=N
     return out
 
 
+@functools.cache  # asked at every layer's backward: import and read the signature once
 def _varlen_flash():
     """PyTorch's variable-length FlashAttention where it takes grouped-query heads (torch 2.13; vLLM 0.31, which exact
     mode needs, pins it), else None."""
