@@ -12,7 +12,7 @@ import pytest
 
 spec = importlib.util.spec_from_file_location("run_suite", Path(__file__).parent / "gpu" / "run_suite.py")
 run_suite = sys.modules["run_suite"] = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(run_suite)
+spec.loader.exec_module(run_suite)  # it puts tests/gpu on the path, for shared_gpu_kv_cache
 
 NEEDS = {
     "tests/gpu/test_a.py::test_server_tp2": 4,
@@ -135,6 +135,64 @@ def test_lanes_per_gpu_share_a_gpu_but_never_with_a_wider_job(tmp_path, monkeypa
         spans = [(s, e) for g, s, e in runs.values() if g == [gpu]]
         at_once = max(sum(s <= t < e for s, e in spans) for t, _ in spans)
         assert at_once == 2, gpu  # two lanes shared the GPU, never three
+
+
+PLUGIN_STAND_IN = """
+import importlib.metadata, json, os, sys
+name = sys.argv[-1]
+plugins = {ep.name: ep for ep in importlib.metadata.entry_points(group="vllm.general_plugins")}
+found = plugins["shared_gpu_kv_cache"].load().__name__ if "shared_gpu_kv_cache" in plugins else None
+open(RECORD, "a").write(json.dumps([name, os.environ.get("TRL_FP8_TEST_KV_CACHE_BYTES"), found]) + "\\n")
+"""
+
+
+@pytest.mark.parametrize("lanes_per_gpu", [1, 2])
+def test_processes_sharing_a_gpu_find_the_fixed_kv_cache_plugin_and_the_others_do_not(
+    tmp_path, monkeypatch, lanes_per_gpu
+):
+    """vLLM finds its plugins through installed metadata, in every process it starts: a process that shares its GPU
+    (a one-GPU lane with `--lanes-per-gpu 2`) finds `shared_gpu_kv_cache` as a `vllm.general_plugins` entry point in a
+    fresh interpreter, with the size it sets; a process with its GPUs to itself (one lane per GPU, or a two-GPU job)
+    finds neither, and keeps vLLM's own sizing."""
+    record = tmp_path / "record.jsonl"
+    monkeypatch.setattr(
+        run_suite, "PYTEST", [sys.executable, "-c", PLUGIN_STAND_IN.replace("RECORD", repr(str(record)))]
+    )
+    monkeypatch.delenv(run_suite.KV_CACHE_BYTES_ENV, raising=False)
+    jobs = [
+        run_suite.Job("w2", ["w2"], 2, 0.0),
+        run_suite.Job("l0", ["l0"], 1, 0.0),
+        run_suite.Job("l1", ["l1"], 1, 0.0),
+    ]
+    codes = run_suite.run_jobs(jobs, ["0", "1"], tmp_path, [], poll_s=0.05, lanes_per_gpu=lanes_per_gpu)
+    assert codes == [0, 0, 0]
+    seen = {name: (size, found) for name, size, found in map(json.loads, record.open())}
+    shared = (str(run_suite.SHARED_GPU_KV_CACHE_BYTES), "fix_kv_cache_size")
+    assert seen == {"w2": (None, None), **dict.fromkeys(["l0", "l1"], shared if lanes_per_gpu > 1 else (None, None))}
+
+
+def test_the_fixed_kv_cache_plugin_sizes_only_engines_that_set_no_size_and_wraps_once(monkeypatch):
+    """`shared_gpu_kv_cache` on a stand-in for vLLM's `EngineArgs`: an engine with no `kv_cache_memory_bytes` gets
+    the runner's size in the configuration it builds, one with its own keeps it, and a second patch adds no second
+    layer. Without the runner's variable it does nothing (and imports no vLLM)."""
+    import shared_gpu_kv_cache as plugin
+
+    class EngineArgs:
+        def __init__(self, kv_cache_memory_bytes=None):
+            self.kv_cache_memory_bytes = kv_cache_memory_bytes
+
+        def create_engine_config(self, usage_context=None):
+            return {"kv_cache_memory_bytes": self.kv_cache_memory_bytes, "usage_context": usage_context}
+
+    plugin.patch_engine_args(EngineArgs, 8 << 30)
+    patched = EngineArgs.create_engine_config
+    plugin.patch_engine_args(EngineArgs, 4 << 30)
+    assert EngineArgs.create_engine_config is patched
+    assert EngineArgs().create_engine_config("llm") == {"kv_cache_memory_bytes": 8 << 30, "usage_context": "llm"}
+    assert EngineArgs(1 << 30).create_engine_config()["kv_cache_memory_bytes"] == 1 << 30
+    monkeypatch.delenv(plugin.KV_CACHE_BYTES_ENV, raising=False)
+    monkeypatch.setitem(sys.modules, "vllm", None)  # an import of vLLM would raise
+    plugin.fix_kv_cache_size()
 
 
 JUNIT_STAND_IN = """

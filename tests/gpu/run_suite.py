@@ -3,15 +3,17 @@
     python tests/gpu/run_suite.py [--gpus 0,1,2,3] [--logs DIR] [--lanes-per-gpu N] [--allow-all-skipped]
                                   [paths or pytest options ...]
 
-Tests that need several GPUs (`@pytest.mark.gpus(n)`) run first, each in a pytest process of its own on n GPUs
-(two two-GPU tests side by side on four GPUs). Then the one-GPU tests, split into one pytest process per GPU by
-their recorded durations (`tests/gpu/durations.json`; every run writes fresh ones to its log folder). On one GPU
-that is a single pytest process, and tests needing more GPUs report themselves skipped. `--lanes-per-gpu 2` runs two
-one-GPU processes on each GPU at once (their vLLM engines take 0.25 of a GPU each); a multi-GPU test still has its GPUs
+Tests that need several GPUs (`@pytest.mark.gpus(n)`) run first, each in a pytest process of its own on n GPUs (two
+two-GPU tests side by side on four GPUs). Then the one-GPU tests, split into one pytest process per GPU by their
+recorded durations (`tests/gpu/durations.json`; every run writes fresh ones to its log folder). On one GPU that is a
+single pytest process, and tests needing more GPUs report themselves skipped. `--lanes-per-gpu 2` runs two one-GPU
+processes on each GPU at once (the tests ask their engines for 0.25 of a GPU each); a multi-GPU test still has its GPUs
 to itself. Sharing a GPU upsets one check of vLLM's: an engine starting while the other process frees memory stops
 ("Error in memory profiling"), and one starting while the other takes memory finds none left for its KV cache ("No
-available memory for the cache blocks"); the tests that failed so, and only those, run again at the end, one process per
-GPU, and the summary counts their second run and says how many there were. A lane whose every failure was that check but
+available memory for the cache blocks"). So processes that share a GPU give each engine a KV cache of a fixed size (8
+GiB; a vLLM plugin, `shared_gpu_kv_cache.py`), which vLLM does not measure; one process per GPU keeps vLLM's own sizing.
+Should the check fail all the same, the tests that failed so, and only those, run again at the end, one process per GPU,
+and the summary counts their second run and says how many there were. A lane whose every failure was that check but
 which stopped early (`-x`, `--maxfail`) has the tests it never reached run alone with them. Each process writes its log
 and JUnit file to the log folder, and what its tests keep (`TRL_FP8_ARTIFACTS`: vLLM server logs, a run's log history)
 to `<process>_artifacts/` there, unless that variable names a folder already; the last line sums them up, as pytest's
@@ -31,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -43,6 +46,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 from visible_gpus import visible_gpus  # noqa: E402 (the GPUs as tests/conftest.py reads them)
+
+sys.path.insert(0, str(Path(__file__).parent))
+from shared_gpu_kv_cache import KV_CACHE_BYTES_ENV  # noqa: E402
 
 DURATIONS = Path(__file__).with_name("durations.json")
 POLL_S = 2.0  # how often the runner looks for processes that ended
@@ -142,6 +148,24 @@ class GpuSlots:
             self.free[g] += 1 if len(gpus) == 1 else self.per_gpu
 
 
+# Two lanes on one GPU: each engine's KV cache a fixed size (shared_gpu_kv_cache.py), so that vLLM does not size it by
+# watching the GPU's free memory while the other lane's engines start and stop. Ample for the suite's small models, and
+# well inside the 0.25 of an H200 (35 GiB) that vLLM still checks is free when an engine starts.
+SHARED_GPU_KV_CACHE_BYTES = 8 << 30
+
+
+def shared_gpu_plugin(folder: Path) -> Path:
+    """`folder`, made an import path that holds `shared_gpu_kv_cache` and its `vllm.general_plugins` entry point
+    (vLLM finds plugins only through installed metadata, in each of its processes, servers' too)."""
+    info = folder / "trl_fp8_gpu_suite_shared_gpu-0.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    shutil.copy(Path(__file__).with_name("shared_gpu_kv_cache.py"), folder)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: trl-fp8-gpu-suite-shared-gpu\nVersion: 0\n")
+    (info / "entry_points.txt").write_text("[vllm.general_plugins]\nshared_gpu_kv_cache = "
+                                           "shared_gpu_kv_cache:fix_kv_cache_size\n")  # fmt: skip
+    return folder
+
+
 def run_jobs(
     jobs: list[Job],
     gpus: list[str],
@@ -171,7 +195,11 @@ def run_jobs(
             # The machine's cores shared between the processes running at once: left alone, each takes them all for
             # its CPU work (a demo's warm start, compiles), and the GPUs' processes contend for them.
             env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // processes)))
-            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "tests"), env.get("PYTHONPATH")]))
+            paths = [str(ROOT / "tests")]
+            if slots.per_gpu > 1 and job.gpus == 1:  # it shares its GPU: a fixed KV cache, no start-up measurement
+                paths.append(str(shared_gpu_plugin(logs / "shared_gpu_plugin")))
+                env[KV_CACHE_BYTES_ENV] = str(SHARED_GPU_KV_CACHE_BYTES)
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [*paths, env.get("PYTHONPATH")]))
             (logs / f"{job.name}.xml").unlink(missing_ok=True)  # a previous run's would speak for this process
             log = open(logs / f"{job.name}.log", "w")  # noqa: SIM115 (closed when the process ends)
             basetemp = Path(tempfile.gettempdir()) / f"trl_fp8_gpu_suite_{job.name}"  # none shared: pytest wipes it
