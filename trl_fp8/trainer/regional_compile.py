@@ -11,6 +11,14 @@ compiles about as fast as one layer. This is accelerate's in-place regional comp
 (`accelerate.utils.compile_regions_deepspeed`) restricted to the repeated blocks: the embedding and `lm_head` stay
 eager.
 
+Under activation checkpointing a compiled layer is traced inside the checkpoint's higher-order op, which refuses any
+write to state from outside the layer (the recompute in the backward would replay it): transformers from 5.25 routes
+each attention forward through the `kernels` package's hub-kernel wrapper, which sets a context variable and resets it
+on the way out. Dynamo would drop the whole layer to eager for that, silently. The write leaves nothing behind once the
+forward returns, so `compile_decoder_layers` tells Dynamo not to replay forward side effects in the recompute
+(`skip_fwd_side_effects_in_bwd_under_checkpoint`, a process-wide setting; torchtitan sets it for its compiled blocks
+too).
+
 Generation runs the layers eagerly (`eager_generation`): `model.generate` calls them with a new query and KV-cache
 length at every token, which would recompile them until Dynamo's `recompile_limit`, after which every call, the
 training forwards included, runs eagerly.
@@ -42,6 +50,8 @@ def compile_decoder_layers(model: nn.Module, **compile_kwargs) -> int:
             "compiled decoder layer they would run unfused. Convert without them, or leave the layers uncompiled."
         )
     compiled = 0
+    if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):  # see the module's docstring
+        torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
 
     def visit(module: nn.Module) -> None:
         nonlocal compiled
