@@ -180,6 +180,7 @@ def run_jobs(
     returns the exit codes."""
     slots = GpuSlots(list(gpus), lanes_per_gpu)
     processes = max(len(gpus), 1) * slots.per_gpu  # the most that run at once
+    plugin = shared_gpu_plugin(logs / "shared_gpu_plugin") if slots.per_gpu > 1 else None  # written once a run
     running: dict[int, tuple[subprocess.Popen, object, float]] = {}
     codes: dict[int, int] = {}
     queue = list(range(len(jobs)))
@@ -197,7 +198,7 @@ def run_jobs(
             env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // processes)))
             paths = [str(ROOT / "tests")]
             if slots.per_gpu > 1 and job.gpus == 1:  # it shares its GPU: a fixed KV cache, no start-up measurement
-                paths.append(str(shared_gpu_plugin(logs / "shared_gpu_plugin")))
+                paths.append(str(plugin))
                 env[KV_CACHE_BYTES_ENV] = str(SHARED_GPU_KV_CACHE_BYTES)
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [*paths, env.get("PYTHONPATH")]))
             (logs / f"{job.name}.xml").unlink(missing_ok=True)  # a previous run's would speak for this process
