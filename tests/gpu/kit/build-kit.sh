@@ -5,7 +5,7 @@
 # `wheels-STACK.txt` beside this script lists the wheels (python 3.12, x86-64). They are installed here into one
 # site folder, slimmed of what Hopper never loads, packed into one zstd stream and split into parts `DEST/pNN`, each
 # small enough to travel with the project on its own. On the host, `bash DEST/setup.sh stage` after each part, then
-# `source DEST/setup.sh` (see docs/contributing/test-record.md).
+# `source DEST/setup.sh`, or `start` and `wait` for a long run (see docs/contributing/test-record.md).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 stacks=$(cd "$here" && ls wheels-*.txt | sed 's/wheels-//; s/.txt//' | tr '\n' ' ')
@@ -45,3 +45,5 @@ folders=$(ls -d "$dest"/p[0-9][0-9] | wc -l)
 echo "kit: $folders folders ($n parts) in $dest ($(du -sh "$dest" | cut -f1)); on the GPU host, one transfer each:"
 echo "  carry [\"$dest/pNN\", \"$dest/setup.sh\"], command: bash $dest/setup.sh stage"
 echo "  then: source $dest/setup.sh && <command>"
+echo "  or, for a run longer than one command may last: bash $dest/setup.sh start '<command>' with the last part,"
+echo "  then bash $dest/setup.sh wait until it ends (the same calls, back to back)"

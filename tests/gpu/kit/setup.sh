@@ -3,16 +3,95 @@
 #                               host lives) and says how many of the @PARTS@ are there;
 #   source DEST/setup.sh        unpacks the staged stack once into /tmp/site-@STACK@ and exports PYTHONPATH (the
 #                               project root first: the host has no package index, so the project is not installed)
-#                               with the settings the GPU suite runs under.
+#                               with the settings the GPU suite runs under;
+#   bash DEST/setup.sh start 'COMMAND'
+#                               runs COMMAND in the background, on the stack, in a copy of the project taken now
+#                               (/var/tmp/run-@STACK@/tree), and returns at once: for hosts that take commands of
+#                               limited length. COMMAND writes what it keeps under $RUN_OUT; the stack's versions and
+#                               the GPUs are written there first;
+#   bash DEST/setup.sh wait [SECONDS]
+#                               waits up to SECONDS (570) for that run to end, copies $RUN_OUT and the run's output
+#                               into $OUT (when set), prints the output's last lines, and exits with COMMAND's status
+#                               once it ended, 0 while it goes on, 3 when nothing was started on this host (a new
+#                               host: what was staged and run on the old one is gone).
 kit=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-stage=/var/tmp/stage-@STACK@
-site=/tmp/site-@STACK@
+stage=${KIT_VAR_DIR:-/var/tmp}/stage-@STACK@
+site=${KIT_TMP_DIR:-/tmp}/site-@STACK@
+run=${KIT_VAR_DIR:-/var/tmp}/run-@STACK@
+# Whether the started run's process lives: the one `start` launched, or the job it became should setsid have forked.
+run_alive() { for f in "$run/pid" "$run/job.pid"; do [ -f "$f" ] && kill -0 "$(cat "$f")" 2>/dev/null && return 0; done
+  return 1; }
 mkdir -p "$stage"
 for d in "$kit"/p[0-9][0-9]; do [ -d "$d" ] && cp -n "$d"/* "$stage/" 2>/dev/null; done
 have=$(ls "$stage"/part* 2>/dev/null | wc -l)
 if [ "${1:-}" = "stage" ]; then
   echo "stack @STACK@: $have of @PARTS@ parts staged"
   return 0 2>/dev/null || exit 0
+fi
+if [ "${1:-}" = "start" ]; then
+  if [ -z "${2:-}" ] || [ "$have" -ne @PARTS@ ]; then
+    echo "setup.sh: start needs a command, and the @PARTS@ parts staged ($have are); nothing started" >&2
+    return 1 2>/dev/null || exit 1
+  fi
+  if [ ! -f "$run/end" ] && run_alive; then
+    echo "setup.sh: a run is going on ($(cat "$run/command")); wait for it (bash $kit/setup.sh wait)" >&2
+    return 1 2>/dev/null || exit 1
+  fi
+  rm -rf "$run" && mkdir -p "$run/tree" "$run/out"
+  tar -c --exclude='./.gpu-*' --exclude=./.git . | tar -x -C "$run/tree"
+  mkdir -p "$run/tree/${kit##*/}" && cp "$kit/setup.sh" "$run/tree/${kit##*/}/"
+  printf '%s\n' "$2" > "$run/command"
+  cat > "$run/job.sh" <<'JOB'
+run=$1; kit_dir=$2
+echo $$ > "$run/job.pid"
+cd "$run/tree" || exit 1
+export RUN_OUT=$run/out HF_HUB_OFFLINE=1
+t0=$(date +%s)
+set --  # setup.sh reads its first argument
+if source "$kit_dir/setup.sh"; then
+  nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$RUN_OUT/gpu.txt" 2>&1
+  python3 - > "$RUN_OUT/versions.txt" 2>&1 <<'PY'
+import importlib.metadata as md
+for name in ("torch", "vllm", "trl", "torchao", "transformers"):
+    try:
+        print(name, md.version(name))
+    except md.PackageNotFoundError:
+        print(name, "missing")
+PY
+  bash "$run/command"
+  rc=$?
+else
+  rc=1
+fi
+echo "rc=$rc s=$(( $(date +%s) - t0 ))" > "$run/end"
+JOB
+  setsid nohup bash "$run/job.sh" "$run" "${kit##*/}" > "$run/out.log" 2>&1 < /dev/null &
+  echo $! > "$run/pid"
+  echo "setup.sh: started in $run/tree: $2"
+  return 0 2>/dev/null || exit 0
+fi
+if [ "${1:-}" = "wait" ]; then
+  if [ ! -f "$run/pid" ]; then
+    echo "setup.sh: nothing was started on this host: a new one, without what was staged and started before;" \
+      "stage the parts and start again" >&2
+    return 3 2>/dev/null || exit 3
+  fi
+  t0=$(date +%s)
+  while [ ! -f "$run/end" ] && [ $(( $(date +%s) - t0 )) -lt "${2:-570}" ] && run_alive; do sleep 5; done
+  if [ -n "${OUT:-}" ]; then cp -r "$run/out/." "$OUT/"; cp "$run/out.log" "$run/command" "$OUT/"; fi
+  tail -n "${TAIL_LINES:-15}" "$run/out.log"
+  if [ -f "$run/end" ]; then
+    echo "setup.sh: the run ended, $(cat "$run/end"): $(cat "$run/command")"
+    rc=$(sed 's/^rc=\([0-9]*\).*/\1/' "$run/end")
+  elif run_alive; then
+    echo "setup.sh: the run goes on, $(( $(date +%s) - $(stat -c %Y "$run/command") )) s since its start"
+    rc=0
+  else
+    echo "setup.sh: the run's process is gone and left no end mark (killed?): $(cat "$run/command")" >&2
+    rc=1
+  fi
+  [ -f "$run/end" ] && [ -n "${OUT:-}" ] && cp "$run/end" "$OUT/"
+  return "$rc" 2>/dev/null || exit "$rc"
 fi
 if [ ! -f "$site/.complete" ]; then
   if [ "$have" -ne @PARTS@ ] || ! ls "$stage"/zstandard-*.whl >/dev/null 2>&1; then
