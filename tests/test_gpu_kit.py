@@ -13,15 +13,20 @@ KIT = Path(__file__).parent / "gpu" / "kit"
 pytestmark = pytest.mark.skipif(os.name != "posix", reason="the kit runs under bash")
 
 
+def write_kit(root: Path, parts: int) -> None:
+    """The kit of stack `test` as `build-kit.sh` writes its `setup.sh`, expecting `parts` parts, with one present."""
+    kit = root / ".gpu-test"
+    (kit / "p00").mkdir(parents=True, exist_ok=True)
+    (kit / "p00" / "part00").write_bytes(b"x")
+    template = (KIT / "setup.sh").read_text()
+    (kit / "setup.sh").write_text(template.replace("@STACK@", "test").replace("@PARTS@", str(parts)))
+
+
 @pytest.fixture
 def project(tmp_path):
     """A project root holding a kit of stack `test` (one part) and the folders the kit keeps its state in."""
     root = tmp_path / "project"
-    kit = root / ".gpu-test"
-    (kit / "p00").mkdir(parents=True)
-    (kit / "p00" / "part00").write_bytes(b"x")
-    template = (KIT / "setup.sh").read_text()
-    (kit / "setup.sh").write_text(template.replace("@STACK@", "test").replace("@PARTS@", "1"))
+    write_kit(root, parts=1)
     (root / "pyproject.toml").write_text('[project]\nname = "p"\nversion = "1"\n')
     (root / "data.txt").write_text("from the tree")
     env = {**os.environ, "KIT_VAR_DIR": str(tmp_path / "var"), "KIT_TMP_DIR": str(tmp_path / "tmp"),
@@ -46,8 +51,7 @@ def test_wait_on_a_host_where_nothing_started_says_so(project):
 
 def test_start_needs_every_part_staged(project):
     root, env = project
-    setup = root / ".gpu-test" / "setup.sh"
-    setup.write_text((KIT / "setup.sh").read_text().replace("@STACK@", "test").replace("@PARTS@", "2"))
+    write_kit(root, parts=2)
     result = kit(root, env, "start", "true")
     assert result.returncode == 1 and "the 2 parts staged (1 are)" in result.stderr
     assert not (Path(env["KIT_VAR_DIR"]) / "run-test").exists()
@@ -69,7 +73,8 @@ def test_a_started_run_ends_with_its_status_and_brings_back_what_it_wrote(projec
     out = Path(env["OUT"])
     assert (out / "copied.txt").read_text() == "from the tree"
     assert (out / "out.log").read_text().strip().endswith("1")  # HF_HUB_OFFLINE=1, printed by the command
-    assert "torch" in (out / "versions.txt").read_text()
+    versions = (out / "versions.txt").read_text()  # `python3 -m trl_fp8 --version`
+    assert versions.startswith("trl-fp8 ") and "torch" in versions
 
 
 def test_wait_returns_while_the_run_goes_on(project):

@@ -50,14 +50,7 @@ t0=$(date +%s)
 set --  # setup.sh reads its first argument
 if source "$kit_dir/setup.sh"; then
   nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$RUN_OUT/gpu.txt" 2>&1
-  python3 - > "$RUN_OUT/versions.txt" 2>&1 <<'PY'
-import importlib.metadata as md
-for name in ("torch", "vllm", "trl", "torchao", "transformers"):
-    try:
-        print(name, md.version(name))
-    except md.PackageNotFoundError:
-        print(name, "missing")
-PY
+  python3 -m trl_fp8 --version > "$RUN_OUT/versions.txt" 2>&1  # the versions a bug report names
   bash "$run/command"
   rc=$?
 else
@@ -78,7 +71,8 @@ if [ "${1:-}" = "wait" ]; then
   fi
   t0=$(date +%s)
   while [ ! -f "$run/end" ] && [ $(( $(date +%s) - t0 )) -lt "${2:-570}" ] && run_alive; do sleep 5; done
-  if [ -n "${OUT:-}" ]; then cp -r "$run/out/." "$OUT/"; cp "$run/out.log" "$run/command" "$OUT/"; fi
+  if [ -n "${OUT:-}" ]; then cp -r "$run/out/." "$OUT/"; cp "$run/out.log" "$run/command" "$OUT/"
+    [ -f "$run/end" ] && cp "$run/end" "$OUT/"; fi
   tail -n "${TAIL_LINES:-15}" "$run/out.log"
   if [ -f "$run/end" ]; then
     echo "setup.sh: the run ended, $(cat "$run/end"): $(cat "$run/command")"
@@ -90,7 +84,6 @@ if [ "${1:-}" = "wait" ]; then
     echo "setup.sh: the run's process is gone and left no end mark (killed?): $(cat "$run/command")" >&2
     rc=1
   fi
-  [ -f "$run/end" ] && [ -n "${OUT:-}" ] && cp "$run/end" "$OUT/"
   return "$rc" 2>/dev/null || exit "$rc"
 fi
 if [ ! -f "$site/.complete" ]; then
