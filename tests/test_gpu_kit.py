@@ -3,6 +3,7 @@
 
 import os
 import subprocess
+import tarfile
 import time
 from pathlib import Path
 
@@ -71,9 +72,12 @@ def test_a_started_run_ends_with_its_status_and_brings_back_what_it_wrote(projec
     assert result.returncode == 4, result.stdout + result.stderr
     assert "the run ended, rc=4" in result.stdout
     out = Path(env["OUT"])
-    assert (out / "copied.txt").read_text() == "from the tree"
+    assert sorted(p.name for p in out.iterdir()) == ["command", "end", "out.log", "run-out.tar.gz"]
     assert (out / "out.log").read_text().strip().endswith("1")  # HF_HUB_OFFLINE=1, printed by the command
-    versions = (out / "versions.txt").read_text()  # `python3 -m trl_fp8 --version`
+    with tarfile.open(out / "run-out.tar.gz") as archive:  # $RUN_OUT, whatever the number of files
+        archive.extractall(out / "run", filter="data")
+    assert (out / "run" / "copied.txt").read_text() == "from the tree"
+    versions = (out / "run" / "versions.txt").read_text()  # `python3 -m trl_fp8 --version`
     assert versions.startswith("trl-fp8 ") and "torch" in versions
 
 

@@ -265,10 +265,10 @@ def test_lanes_run_again_alone_only_what_failed_on_vllms_memory_check(
     assert run.again == ["tests/gpu/test_d.py::test_engine"] and run.not_reached == run.not_run == []
     assert (tmp_path / "alone0.xml").exists()
     if real_failure:
-        assert run.total == {"passed": 2, "failed": 1, "errors": 0, "skipped": 0}
+        assert run.total == {"passed": 2, "failed": 1, "errors": 0, "skipped": 0, "xfailed": 0}
         assert [job for job, _ in run.failed] == [j for j in jobs if "tests/gpu/test_d.py::test_sleep" in j.tests]
     else:
-        assert run.total == {"passed": 3, "failed": 0, "errors": 0, "skipped": 0} and run.failed == []
+        assert run.total == {"passed": 3, "failed": 0, "errors": 0, "skipped": 0, "xfailed": 0} and run.failed == []
     # with one process per GPU nothing shared the GPU: the same failure is a failure, run once
     (one := tmp_path / "one").mkdir()
     run = run_suite.run_planned(run_suite.plan_jobs(dict.fromkeys(tests, 1), 1, DURATIONS), ["0"], one, [],
@@ -426,10 +426,13 @@ def test_junit_counts_and_durations_come_from_pytests_own_file(tmp_path):
         "@pytest.mark.parametrize('n', [1, 2])\n"
         "def test_p(n):\n    time.sleep(0.05)\n"
         "def test_fail():\n    assert False\n"
-        "def test_skip():\n    pytest.skip('no GPU')\n",
+        "def test_skip():\n    pytest.skip('no GPU')\n"
+        "@pytest.mark.xfail(reason='a kernel limit', strict=True)\n"
+        "def test_xfail():\n    assert False\n",
     )
-    assert run_suite.junit_counts(xml) == {"passed": 2, "failed": 1, "errors": 0, "skipped": 1}
-    assert run_suite.summary_line(run_suite.junit_counts(xml)) == "1 failed, 2 passed, 1 skipped"
+    assert run_suite.junit_counts(xml) == {"passed": 2, "failed": 1, "errors": 0, "skipped": 1, "xfailed": 1}
+    assert run_suite.summary_line(run_suite.junit_counts(xml)) == "1 failed, 2 passed, 1 skipped, 1 xfailed"
+    assert run_suite.skip_reasons([xml]) == {"no GPU": 1}  # an expected failure is no skip
     ids = ["tests/gpu/test_x.py::test_p[1]", "tests/gpu/test_x.py::test_p[2]", "tests/gpu/test_x.py::test_fail",
            "tests/gpu/test_x.py::test_skip"]  # fmt: skip
     durations = run_suite.junit_durations(xml, ids)
@@ -437,7 +440,7 @@ def test_junit_counts_and_durations_come_from_pytests_own_file(tmp_path):
     assert set(durations) == {"tests/gpu/test_x.py::test_p", "tests/gpu/test_x.py::test_fail"}
     assert durations["tests/gpu/test_x.py::test_p"] >= 0.1  # both parametrizations summed
     assert run_suite.junit_counts(tmp_path / "missing.xml") == dict.fromkeys(
-        ("passed", "failed", "errors", "skipped"), 0
+        ("passed", "failed", "errors", "skipped", "xfailed"), 0
     )
 
 

@@ -225,21 +225,32 @@ def run_jobs(
     return [codes[i] for i in range(len(jobs))]
 
 
+COUNTS = ("failed", "errors", "passed", "skipped", "xfailed")  # a summary's order, pytest's
+
+
 def junit_root(path: Path) -> ET.Element:
     """pytest's JUnit file `path`, parsed; an empty one if the process wrote none (it crashed, or never started)."""
     return ET.parse(path).getroot() if path.exists() else ET.Element("testsuites")
 
 
 def junit_counts(path: Path) -> dict[str, int]:
-    """passed/failed/errors/skipped from pytest's JUnit file (all zero if the process wrote none)."""
-    counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
+    """passed/failed/errors/skipped/xfailed from pytest's JUnit file (all zero if the process wrote none). JUnit counts
+    an expected failure (`xfail`) as skipped; it is counted apart here, as pytest's own summary does."""
+    counts = dict.fromkeys(COUNTS, 0)
     for suite in junit_root(path).iter("testsuite"):
         tests, failed, errors, skipped = (int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped"))
+        xfailed = sum(is_xfail(skip) for skip in suite.iter("skipped"))
         counts["failed"] += failed
         counts["errors"] += errors
-        counts["skipped"] += skipped
+        counts["skipped"] += skipped - xfailed
+        counts["xfailed"] += xfailed
         counts["passed"] += tests - failed - errors - skipped
     return counts
+
+
+def is_xfail(skipped: ET.Element) -> bool:
+    """Whether a JUnit `skipped` element is pytest's expected failure rather than a skip."""
+    return skipped.get("type") == "pytest.xfail"
 
 
 def junit_name(nodeid: str) -> tuple[str, str]:
@@ -273,7 +284,8 @@ def junit_durations(path: Path, tests: list[str]) -> dict[str, float]:
 
 def skip_reasons(paths: list[Path]) -> Counter[str]:
     """How many tests skipped for each reason, over pytest's JUnit files `paths`."""
-    return Counter(skip.get("message", "") for path in paths for skip in junit_root(path).iter("skipped"))
+    return Counter(skip.get("message", "") for path in paths for skip in junit_root(path).iter("skipped")
+                   if not is_xfail(skip))  # fmt: skip
 
 
 # vLLM sizes its engine by watching the GPU's free memory while the engine starts: it stops when that grows (another
@@ -304,7 +316,7 @@ def write_durations(jobs: list[Job], logs: Path) -> None:
 
 
 def summary_line(counts: dict[str, int]) -> str:
-    parts = [f"{counts[k]} {k}" for k in ("failed", "errors", "passed", "skipped") if counts[k]]
+    parts = [f"{counts[k]} {k}" for k in COUNTS if counts[k]]
     return ", ".join(parts) or "no tests ran"
 
 
@@ -390,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
 class SuiteRun:
     """What `run_planned` ran and what it found."""
 
-    total: dict[str, int]  # passed/failed/errors/skipped; a test run alone counts once, by that run
+    total: dict[str, int]  # passed/failed/errors/skipped/xfailed; a test run alone counts once, by that run
     failed: list[tuple[Job, int]]  # the processes that failed and were not forgiven, with their exit codes
     again: list[str]  # tests that failed on vLLM's start-up memory check and ran again alone
     not_reached: list[str]  # tests a lane stopped on that check never reached, run alone with them
@@ -459,7 +471,7 @@ def run_planned(
         codes += run_jobs(alone, gpus, logs, extra, poll_s=poll_s, on_done=lambda: write_durations(ran, logs))
         counts |= {job.name: junit_counts(logs / f"{job.name}.xml") for job in alone}
         cases |= {job.name: junit_cases(logs / f"{job.name}.xml", job.tests) for job in alone}
-    total = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
+    total = dict.fromkeys(COUNTS, 0)
     for job_counts in counts.values():
         for k, v in job_counts.items():
             total[k] += v

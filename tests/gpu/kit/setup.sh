@@ -10,8 +10,9 @@
 #                               limited length. COMMAND writes what it keeps under $RUN_OUT; the stack's versions and
 #                               the GPUs are written there first;
 #   bash DEST/setup.sh wait [SECONDS]
-#                               waits up to SECONDS (570) for that run to end, copies $RUN_OUT and the run's output
-#                               into $OUT (when set), prints the output's last lines, and exits with COMMAND's status
+#                               waits up to SECONDS (570) for that run to end, packs $RUN_OUT into
+#                               $OUT/run-out.tar.gz and copies the run's output beside it (when $OUT is set), prints
+#                               the output's last lines, and exits with COMMAND's status
 #                               once it ended, 0 while it goes on, 3 when nothing was started on this host (a new
 #                               host: what was staged and run on the old one is gone).
 kit=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -71,8 +72,9 @@ if [ "${1:-}" = "wait" ]; then
   fi
   t0=$(date +%s)
   while [ ! -f "$run/end" ] && [ $(( $(date +%s) - t0 )) -lt "${2:-570}" ] && run_alive; do sleep 5; done
-  if [ -n "${OUT:-}" ]; then cp -r "$run/out/." "$OUT/"; cp "$run/out.log" "$run/command" "$OUT/"
-    [ -f "$run/end" ] && cp "$run/end" "$OUT/"; fi
+  # $RUN_OUT comes back as one archive: the device tool returns a few files only and drops the rest.
+  if [ -n "${OUT:-}" ]; then tar -czf "$OUT/run-out.tar.gz" -C "$run/out" .
+    cp "$run/out.log" "$run/command" "$OUT/"; [ -f "$run/end" ] && cp "$run/end" "$OUT/"; fi
   tail -n "${TAIL_LINES:-15}" "$run/out.log"
   if [ -f "$run/end" ]; then
     echo "setup.sh: the run ended, $(cat "$run/end"): $(cat "$run/command")"
