@@ -19,7 +19,7 @@ __all__ = ["TESTED", "TESTED_ON", "installed_versions", "outside_tested_stack", 
 # vLLM 0.31 torch 2.13 (the GPU suite ran on each pair); torch 2.13 is also the CPU suite's. transformers is a range
 # (pyproject.toml): the GPU suite's and the newest 5.x on the CPU suite.
 TESTED = {"vllm": ("0.26", "0.31"), "torch": ("2.11", "2.13"), "trl": ("1.16",), "torchao": ("0.18",)}
-TESTED_ON = "2026-11-28, GPU suite on NVIDIA H100 and H200"
+TESTED_ON = "2026-12-04, the whole GPU suite on NVIDIA H200 with each vLLM"
 _warned: list[str] = []
 
 
